@@ -1,0 +1,100 @@
+"""The ``minicpmo-rt`` command. Each subcommand parses its flags and calls a package."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import MiniCPMORTError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="minicpmo-rt: a streaming runtime for MiniCPM-o 4.5.")
+
+
+def _fail(exc: Exception) -> None:
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(code=2)
+
+
+@app.command("make-tiny")
+def make_tiny_cmd(
+    out: Path = typer.Argument(..., help="Directory to create (must not exist or be empty)."),
+    seed: int = typer.Option(0, help="Seed of the random weights."),
+    force: bool = typer.Option(False, help="Replace an existing non-empty OUT."),
+) -> None:
+    """Write a tiny random-weight checkpoint in the real MiniCPM-o 4.5 layout."""
+    from .snapshot_tools import make_tiny
+
+    try:
+        path = make_tiny(out, seed=seed, force=force)
+    except MiniCPMORTError as exc:
+        _fail(exc)
+    typer.echo(f"wrote tiny checkpoint (RANDOM weights: text is gibberish, audio is noise) to {path}")
+
+
+@app.command("inspect")
+def inspect_cmd(
+    model: Optional[str] = typer.Option(None, "--model", help="Snapshot dir, HF cache repo dir or cached hub id."),
+    revision: Optional[str] = typer.Option(None, help="Immutable revision to record."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    config: Optional[Path] = typer.Option(None, "--config", help="config.json to build parts from (with --meta)."),
+    meta: bool = typer.Option(False, "--meta", help="Build the implemented parts on the meta device."),
+    check_manifest: Optional[Path] = typer.Option(None, "--check-manifest", help="Manifest JSON to compare with."),
+) -> None:
+    """Describe a snapshot, or check implemented parts against a key manifest."""
+    from .snapshot_tools import check_manifest as run_check, inspect_snapshot
+
+    try:
+        if check_manifest is not None or meta:
+            if check_manifest is None or config is None or not meta:
+                raise typer.BadParameter("the manifest check needs --config CONFIG.json --meta --check-manifest MANIFEST.json")
+            result = run_check(config, check_manifest)
+            total = result.total
+            if as_json:
+                typer.echo(json.dumps({
+                    "parts": {k: {"matched": r.matched, "missing": r.missing, "unexpected": r.unexpected,
+                                  "mismatched": [list(m) for m in r.mismatched]} for k, r in result.reports.items()},
+                    "skipped": result.skipped, "ok": result.ok}, indent=2))
+            else:
+                for name, rep in result.reports.items():
+                    typer.echo(f"{name:28s} {rep.summary()}")
+                    if not rep.ok:
+                        typer.echo(rep.details())
+                if result.skipped:
+                    typer.echo(f"skipped (not implemented yet): {', '.join(result.skipped)}")
+                typer.echo(f"missing {len(total.missing)}  unexpected {len(total.unexpected)}  "
+                           f"mismatched {len(total.mismatched)}")
+            if not result.ok:
+                raise typer.Exit(code=1)
+            return
+        if model is None:
+            raise typer.BadParameter("pass --model DIR, or --config/--meta/--check-manifest")
+        info = inspect_snapshot(model, revision)
+    except MiniCPMORTError as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    typer.echo(f"snapshot  {info['path']}")
+    typer.echo(f"model     {info['model_id']}  revision {info['revision']} ({info['revision_source']})")
+    typer.echo(f"version   {info['version']}  torch_dtype {info['torch_dtype']}")
+    for prefix, e in info["parts"].items():
+        typer.echo(f"  {prefix:26s} {e['keys']:5d} keys {e['parameters']:>15,d} params  {','.join(e['dtypes'])}")
+    typer.echo(f"  {'total':26s} {'':5s}      {info['total_parameters']:>15,d} params")
+    typer.echo(f"token2wav assets: {', '.join(info['token2wav_assets']) or 'none'}")
+
+
+def main() -> None:
+    try:
+        app()
+    except MiniCPMORTError as exc:  # errors raised outside a command's own handler
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Which model parts exist and how to build them: the one registry that ``inspect``,
+``make-tiny`` and the loaders share.
+
+A *weight part* owns the ``model.safetensors`` keys under one prefix (``llm.``,
+``vpm.``, ``tts.``...). An *asset part* owns one ``.pt`` file under
+``assets/token2wav/``. Each model package contributes its parts here; this module
+is a composition root (like ``cli``), so it may import every model package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .checkpoint.config import MiniCPMOConfig
+
+
+@dataclass(frozen=True)
+class WeightPart:
+    name: str
+    prefix: str
+    build: Callable[[MiniCPMOConfig], torch.nn.Module]  # keys of the result lack ``prefix``
+
+
+@dataclass(frozen=True)
+class AssetPart:
+    name: str
+    file: str  # file under assets/token2wav/ and key in token2wav_manifest["files"]
+    # asset dir -> module; None builds the full-size upstream layout (for manifest checks)
+    build: Callable[[Optional[Path]], torch.nn.Module]
+
+
+# Prefixes a real snapshot holds, in manifest order; parts not yet implemented are
+# reported as skipped by ``inspect --check-manifest``.
+ALL_PREFIXES = ("llm.", "vpm.", "resampler.", "apm.", "audio_projection_layer.", "tts.")
+
+
+def weight_parts() -> list[WeightPart]:
+    parts: list[WeightPart] = []
+    return parts
+
+
+def asset_parts() -> list[AssetPart]:
+    parts: list[AssetPart] = []
+    return parts
+
+
+def tiny_asset_writers() -> list[Callable[[Path, int], None]]:
+    """Functions (asset_dir, seed) that write tiny assets (configs, .pt, ONNX)."""
+    return []

@@ -1,0 +1,34 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "minicpmo45"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a = a.detach().double().cpu()
+    b = b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} (the project's shared reference data) is not beside this checkout")
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """One tiny checkpoint per test session (the same one the README demo writes)."""
+    from minicpmo_rt.snapshot_tools import make_tiny
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    return make_tiny(out, seed=0)
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
