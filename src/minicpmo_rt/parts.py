@@ -40,6 +40,8 @@ ALL_PREFIXES = ("llm.", "vpm.", "resampler.", "apm.", "audio_projection_layer.",
 
 def weight_parts() -> list[WeightPart]:
     parts: list[WeightPart] = []
+    from .thinker.llm import build_llm
+    parts.append(WeightPart("llm", "llm.", build_llm))
     return parts
 
 
