@@ -1,0 +1,143 @@
+"""Code2Wav fast-path knobs: connector ``extra`` + environment + device -> one choice.
+
+Precedence (seed 000, DESIGN.md "Profiles and knobs"):
+
+* TF32 for the CFM DiT GEMMs: ``MINICPMO_CODE2WAV_TF32=off`` wins; otherwise
+  ``token2wav_allow_tf32``; otherwise the legacy ``code2wav_allow_tf32``;
+  otherwise on. It only means something on CUDA.
+* Body: ``cfm_fused_body: false`` keeps the original body. ``true`` asks for the
+  fused body whatever the TF32 setting (and may use TF32 attention). Unset (auto)
+  picks the fused body on CUDA when TF32 is allowed, so switching TF32 off by
+  either switch also switches the default fusion off; other platforms keep the
+  original body.
+* Eligibility always applies: an unsupported DiT layout or a non-FP32 attention
+  cache keeps the original body, whatever was asked.
+* Attention inside the fused body: Triton tiled attention with TF32 dots on NVIDIA
+  SM80+; the fused body's SDPA fallback elsewhere (older CUDA, HIP, CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+import torch
+
+from ..errors import InputError
+
+__all__ = ["DeviceFacts", "Code2WavChoice", "resolve_code2wav", "device_facts", "TF32_ENV"]
+
+TF32_ENV = "MINICPMO_CODE2WAV_TF32"
+_OFF = {"off", "0", "false", "no"}
+_ON = {"on", "1", "true", "yes", ""}
+
+log = logging.getLogger(__name__)
+
+Body = Literal["original", "fused"]
+Attention = Literal["triton-tf32", "sdpa"]
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the choice depends on besides the user's switches."""
+
+    cuda: bool                      # the flow runs on a CUDA device
+    sm_major: int = 0               # compute capability major (0 off CUDA)
+    hip: bool = False               # ROCm build (Triton tiled attention not used there)
+    att_cache_dtype: torch.dtype = torch.float32
+    layout_supported: bool = True   # fused_dit.supports_fused_body(dit)
+
+
+@dataclass(frozen=True)
+class Code2WavChoice:
+    body: Body
+    attention: Attention | None     # None with the original body
+    tf32: bool                      # TF32 for the DiT GEMMs inside forward/capture
+    reason: str
+
+    def describe(self) -> str:
+        att = f", attention {self.attention}" if self.attention else ""
+        return f"Code2Wav CFM body {self.body}{att}, DiT GEMM TF32 {'on' if self.tf32 else 'off'} ({self.reason})"
+
+
+def _parse_bool(value: Any, key: str) -> bool | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("auto", "none", "unset"):
+            return None
+        if v in ("true", "1", "yes", "on"):
+            return True
+        if v in ("false", "0", "no", "off"):
+            return False
+    raise InputError(f"connector extra '{key}'={value!r} is not a boolean; use true, false or leave it unset")
+
+
+def _tf32_allowed(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[bool, str]:
+    raw = env.get(TF32_ENV)
+    if raw is not None:
+        v = raw.strip().lower()
+        if v in _OFF:
+            return False, f"{TF32_ENV}={raw}"
+        if v not in _ON:
+            raise InputError(f"environment {TF32_ENV}={raw!r} is not understood; set it to 'off' or unset it")
+    setting = _parse_bool(extra.get("token2wav_allow_tf32"), "token2wav_allow_tf32")
+    if setting is not None:
+        return setting, f"token2wav_allow_tf32={str(setting).lower()}"
+    legacy = extra.get("code2wav_allow_tf32")
+    if isinstance(legacy, str) and legacy.strip().lower() == "flow":
+        legacy = True   # the old flow-only mode is what TF32 means here anyway
+    legacy = _parse_bool(legacy, "code2wav_allow_tf32")
+    if legacy is not None:
+        return legacy, f"code2wav_allow_tf32={str(legacy).lower()}"
+    return True, "TF32 default on"
+
+
+def resolve_code2wav(extra: Mapping[str, Any] | None, facts: DeviceFacts,
+                     env: Mapping[str, str] | None = None) -> Code2WavChoice:
+    """Resolve the knobs; ``env`` defaults to ``os.environ``."""
+    extra = extra or {}
+    env = os.environ if env is None else env
+    allowed, tf32_why = _tf32_allowed(extra, env)
+    tf32 = allowed and facts.cuda
+    fused = _parse_bool(extra.get("cfm_fused_body"), "cfm_fused_body")
+    eligible = facts.layout_supported and facts.att_cache_dtype == torch.float32
+    why_not = ("unsupported DiT layout" if not facts.layout_supported
+               else f"attention cache {facts.att_cache_dtype} is not float32")
+
+    if fused is False:
+        body, why = "original", "cfm_fused_body=false"
+    elif fused is True:
+        body, why = ("fused", "cfm_fused_body=true") if eligible else ("original", f"cfm_fused_body=true but {why_not}")
+    elif not facts.cuda:
+        body, why = "original", "auto: not CUDA"
+    elif not allowed:
+        body, why = "original", "auto: TF32 disabled"
+    elif not eligible:
+        body, why = "original", f"auto: {why_not}"
+    else:
+        body, why = "fused", "auto: CUDA with TF32 allowed"
+
+    attention: Attention | None = None
+    if body == "fused":
+        attention = "triton-tf32" if (facts.cuda and not facts.hip and facts.sm_major >= 8) else "sdpa"
+    return Code2WavChoice(body=body, attention=attention, tf32=tf32, reason=f"{why}; {tf32_why}")
+
+
+def device_facts(device: torch.device | str, att_cache_dtype: torch.dtype = torch.float32,
+                 layout_supported: bool = True) -> DeviceFacts:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DeviceFacts(cuda=False, att_cache_dtype=att_cache_dtype, layout_supported=layout_supported)
+    major, _ = torch.cuda.get_device_capability(device)
+    return DeviceFacts(cuda=True, sm_major=major, hip=torch.version.hip is not None,
+                       att_cache_dtype=att_cache_dtype, layout_supported=layout_supported)
+
+
+def log_choice(choice: Code2WavChoice) -> None:
+    log.info(choice.describe())

@@ -1,0 +1,90 @@
+import itertools
+
+import pytest
+import torch
+
+from minicpmo_rt.code2wav.knobs import DeviceFacts, TF32_ENV, device_facts, resolve_code2wav
+from minicpmo_rt.errors import InputError
+
+FUSED = [None, True, False]            # cfm_fused_body: unset, true, false
+ALLOW = [None, True, False]            # token2wav_allow_tf32: unset, true, false
+ENV = [None, "off", "OFF", "on"]       # MINICPMO_CODE2WAV_TF32
+DEVICES = {
+    "cpu": DeviceFacts(cuda=False),
+    "sm70": DeviceFacts(cuda=True, sm_major=7),
+    "sm80": DeviceFacts(cuda=True, sm_major=8),
+    "sm90": DeviceFacts(cuda=True, sm_major=9),
+    "hip": DeviceFacts(cuda=True, sm_major=9, hip=True),
+}
+LAYOUT = [True, False]
+CACHE = [torch.float32, torch.bfloat16]
+
+
+def expected(fused, allow, env, dev: DeviceFacts, layout, cache):
+    """The seed's rules, stated case by case."""
+    tf32_allowed = not (env is not None and env.lower() == "off") and allow is not False
+    eligible = layout and cache == torch.float32
+    if fused is False:
+        body = "original"
+    elif fused is True:
+        body = "fused" if eligible else "original"
+    else:  # auto
+        body = "fused" if (dev.cuda and tf32_allowed and eligible) else "original"
+    if body == "original":
+        attention = None
+    elif dev.cuda and not dev.hip and dev.sm_major >= 8:
+        attention = "triton-tf32"
+    else:
+        attention = "sdpa"
+    return body, attention, tf32_allowed and dev.cuda
+
+
+@pytest.mark.parametrize("fused,allow,env,dev,layout,cache",
+                         list(itertools.product(FUSED, ALLOW, ENV, DEVICES, LAYOUT, CACHE)))
+def test_every_combination(fused, allow, env, dev, layout, cache):
+    extra = {}
+    if fused is not None:
+        extra["cfm_fused_body"] = fused
+    if allow is not None:
+        extra["token2wav_allow_tf32"] = allow
+    environ = {} if env is None else {TF32_ENV: env}
+    facts = DeviceFacts(**{**DEVICES[dev].__dict__, "layout_supported": layout, "att_cache_dtype": cache})
+    choice = resolve_code2wav(extra, facts, environ)
+    assert (choice.body, choice.attention, choice.tf32) == expected(fused, allow, env, DEVICES[dev], layout, cache)
+    text = choice.describe()
+    assert choice.body in text and ("on" if choice.tf32 else "off") in text and choice.reason
+
+
+def test_env_off_wins_over_explicit_allow():
+    c = resolve_code2wav({"token2wav_allow_tf32": True}, DEVICES["sm90"], {TF32_ENV: "off"})
+    assert not c.tf32 and c.body == "original" and TF32_ENV in c.reason
+
+
+def test_explicit_true_overrides_disabled_tf32_and_may_use_tf32_attention():
+    c = resolve_code2wav({"cfm_fused_body": True, "token2wav_allow_tf32": False}, DEVICES["sm90"], {})
+    assert (c.body, c.attention, c.tf32) == ("fused", "triton-tf32", False)
+
+
+def test_legacy_key_is_lowest_precedence():
+    assert not resolve_code2wav({"code2wav_allow_tf32": False}, DEVICES["sm90"], {}).tf32
+    assert resolve_code2wav({"code2wav_allow_tf32": "flow"}, DEVICES["sm90"], {}).tf32
+    assert resolve_code2wav({"code2wav_allow_tf32": False, "token2wav_allow_tf32": True}, DEVICES["sm90"], {}).tf32
+
+
+def test_string_values_from_yaml():
+    c = resolve_code2wav({"cfm_fused_body": "false", "token2wav_allow_tf32": "true"}, DEVICES["sm90"], {})
+    assert (c.body, c.tf32) == ("original", True)
+
+
+@pytest.mark.parametrize("extra,env", [({"cfm_fused_body": "maybe"}, {}), ({"token2wav_allow_tf32": 3}, {}),
+                                       ({}, {TF32_ENV: "sometimes"})])
+def test_bad_values_name_the_input(extra, env):
+    with pytest.raises(InputError) as exc:
+        resolve_code2wav(extra, DEVICES["sm90"], env)
+    key = next(iter(extra), TF32_ENV)
+    assert key in str(exc.value)
+
+
+def test_device_facts_cpu():
+    f = device_facts("cpu")
+    assert not f.cuda and f.att_cache_dtype == torch.float32
