@@ -1,0 +1,245 @@
+"""Talker slots: a fixed capacity, a static KV cache sized by a byte budget, batched decode.
+
+Model math lives in ``model.py``; this module only schedules it. The decode step runs
+every slot of the capacity each step (free and finished rows are masked), so its shapes
+never change and it can be captured once in a CUDA graph. The host never reads device
+state per step: it syncs once per emitted window, which is where it learns of EOS.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ..errors import InputError
+from .model import MiniCPMTTS
+from .sampler import SamplingParams, SlotState, sample_step
+
+SILENCE_CODE = 4218
+CONTEXT_CODES = 3
+
+
+@dataclass(frozen=True)
+class TalkerRequest:
+    request_id: str
+    text_ids: torch.Tensor  # [n] long: Thinker tokens after <|tts_bos|>, terminator excluded
+    hidden: torch.Tensor  # [n, llm_dim] Thinker final-norm hidden rows of those tokens
+    seed: int = 42
+    max_codes: int | None = None
+    text_finished: bool = True
+
+
+@dataclass(frozen=True)
+class CodecChunk:
+    """Talker -> Code2Wav: 3 left-context codes + a window of new codes (25 Hz)."""
+
+    request_id: str
+    seq: int
+    codes: tuple[int, ...]  # context + window
+    n_context: int
+    final: bool
+
+
+def kv_bytes_per_token(tts: MiniCPMTTS, dtype: torch.dtype) -> int:
+    c = tts.cfg
+    head_dim = c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class _Slot:
+    request: TalkerRequest
+    cond_len: int
+    emitted: int = 0  # codes already sent downstream
+    seq: int = 0
+    context: list[int] = field(default_factory=lambda: [SILENCE_CODE] * CONTEXT_CODES)
+    steps_run: int = 0  # host-side count of decode steps since admission (upper bound of codes)
+
+
+class TalkerEngine:
+    def __init__(self, tts: MiniCPMTTS, capacity: int, kv_budget_bytes: int,
+                 params: SamplingParams = SamplingParams(), window: int = 25, first_window: int | None = None):
+        if capacity < 1:
+            raise InputError(f"talker capacity must be >= 1, got {capacity}")
+        self.tts = tts.eval()
+        p = next(tts.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        c = tts.cfg
+        self.capacity, self.params, self.window = capacity, params, window
+        self.first_window = first_window or window
+        self.n_layers = c.num_hidden_layers
+        self.n_kv = c.num_key_value_heads
+        self.n_heads = c.num_attention_heads
+        self.head_dim = c.hidden_size // c.num_attention_heads
+        per_token = kv_bytes_per_token(tts, self.dtype)
+        self.max_len = min(c.max_position_embeddings, kv_budget_bytes // (per_token * capacity))
+        if self.max_len < 64:
+            raise InputError(f"talker KV budget {kv_budget_bytes} bytes gives {self.max_len} tokens per slot at "
+                             f"capacity {capacity} ({per_token} bytes/token); raise the budget or lower the capacity")
+        shape = (self.n_layers, capacity, self.n_kv, self.max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.state = SlotState(capacity, params.window, self.device)
+        self.pos = torch.zeros(capacity, dtype=torch.long, device=self.device)  # next write position
+        self.last_code = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        self.first_logits = torch.zeros(capacity, c.num_audio_tokens, device=self.device)
+        self.codes = torch.zeros(capacity, self.max_len, dtype=torch.long, device=self.device)
+        self.pending: deque[TalkerRequest] = deque()
+        self.slots: dict[int, _Slot] = {}
+        self._graph = None
+
+    # ---- admission -------------------------------------------------------------------------
+    def need_tokens(self, req: TalkerRequest) -> int:
+        return req.text_ids.shape[0] + 2 + self._limit(req)
+
+    def _limit(self, req: TalkerRequest) -> int:
+        return req.max_codes or self.params.max_codes
+
+    def submit(self, req: TalkerRequest) -> None:
+        if self.need_tokens(req) > self.max_len:
+            raise InputError(
+                f"talker request {req.request_id!r}: needs {self.need_tokens(req)} KV tokens "
+                f"({req.text_ids.shape[0]} text rows + 2 + max_codes {self._limit(req)}) but a slot holds "
+                f"{self.max_len}; it can never fit: lower max_codes or raise the KV budget")
+        self.pending.append(req)
+
+    def _admit(self) -> None:
+        free = [i for i in range(self.capacity) if i not in self.slots]
+        batch = []
+        while self.pending and free:
+            batch.append((free.pop(0), self.pending.popleft()))
+        if not batch:
+            return
+        # One batched projector pass for every new request's conditioning.
+        with torch.no_grad():
+            ids = torch.cat([r.text_ids for _, r in batch]).to(self.device)
+            hid = torch.cat([r.hidden for _, r in batch]).to(self.device, self.dtype)
+            proj = self.tts.projector_semantic(hid)
+            if self.tts.cfg.normalize_projected_hidden:
+                proj = F.normalize(proj, p=2, dim=-1)
+            rows = self.tts.emb_text(ids) + proj
+            start = 0
+            for slot, req in batch:
+                n = req.text_ids.shape[0]
+                tail = ([self.tts.cfg.text_eos_token_id] if req.text_finished else []) + \
+                       [self.tts.cfg.audio_bos_token_id]
+                cond = torch.cat([rows[start:start + n], self.tts.emb_text(torch.tensor(tail, device=self.device))])
+                start += n
+                hidden = self._prefill(slot, cond)
+                self.first_logits[slot] = self.tts.logits(hidden[-1])
+                self.pos[slot] = cond.shape[0]
+                self.state.admit(slot, req.seed, self._limit(req), self.params.min_codes)
+                self.slots[slot] = _Slot(req, cond.shape[0])
+
+    # ---- model math on the static cache ----------------------------------------------------
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, rows: slice, kv_len: int,
+                write_at: torch.Tensor) -> torch.Tensor:
+        """x [B,T,H] at positions [B,T] for cache rows ``rows``; writes K/V in place at ``write_at`` [B,T]."""
+        model = self.tts.model
+        B, T, _ = x.shape
+        cos, sin = model.rotary_emb(x, positions)
+        key_pos = torch.arange(kv_len, device=x.device)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B,T,kv_len]
+        for li, layer in enumerate(model.layers):
+            h = layer.input_layernorm(x)
+            att = layer.self_attn
+            q = att.q_proj(h).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+            k = att.k_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            v = att.v_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            kc, vc = self.k_cache[li, rows], self.v_cache[li, rows]  # views: writes land in the cache
+            idx = write_at[:, None, :, None].expand(B, self.n_kv, T, self.head_dim)
+            kc.scatter_(2, idx, k.to(kc.dtype))
+            vc.scatter_(2, idx, v.to(vc.dtype))
+            keys, vals = kc[:, :, :kv_len], vc[:, :, :kv_len]
+            if self.n_kv != self.n_heads:
+                rep = self.n_heads // self.n_kv
+                keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None])
+            x = x + att.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return model.norm(x)
+
+    @torch.no_grad()
+    def _prefill(self, slot: int, cond: torch.Tensor) -> torch.Tensor:
+        n = cond.shape[0]
+        pos = torch.arange(n, device=self.device)[None]
+        return self._layers(cond[None], pos, slice(slot, slot + 1), n, pos)[0]
+
+    @torch.no_grad()
+    def decode_step(self, kv_len: int | None = None) -> torch.Tensor:
+        """One code for every slot: sample from the pending logits, then feed the code.
+
+        The first step of a slot samples from its prefill logits (the audio-BOS row).
+        Returns the sampled codes [capacity] (device tensor; eos for idle rows).
+        """
+        kv_len = kv_len or self.max_len
+        logits = self.first_logits
+        codes = sample_step(logits, self.state, self.params, self.tts.eos_code)
+        step_idx = (self.state.step - 1).clamp_min(0)
+        self.codes.scatter_(1, step_idx[:, None], codes[:, None])
+        # Feed the new code to get the next logits (finished rows compute garbage that is never read).
+        x = self.tts.embed_codes(codes.clamp_max(self.tts.cfg.num_audio_tokens - 1))[:, None]
+        pos = self.pos.clamp_max(self.max_len - 1)
+        hidden = self._layers(x, pos[:, None], slice(0, self.capacity), kv_len, pos[:, None])
+        self.first_logits.copy_(self.tts.logits(hidden[:, -1]))
+        self.pos.add_((~self.state.finished).long())
+        return codes
+
+    # ---- host side -------------------------------------------------------------------------
+    def _boundary(self, s: _Slot) -> int:
+        return self.first_window if s.emitted == 0 else s.emitted + self.window
+
+    def step(self) -> list[CodecChunk]:
+        """Admit what fits, run one decode step, emit the windows that are due."""
+        self._admit()
+        if not self.slots:
+            return []
+        self.decode_step()
+        for s in self.slots.values():
+            s.steps_run += 1
+        due = [i for i, s in self.slots.items() if s.steps_run >= self._boundary(s)]
+        if not due:
+            return []
+        return self._emit(due)
+
+    def _emit(self, due: list[int], flush: bool = False) -> list[CodecChunk]:
+        # One host sync per emission: counters, flags and the code rows of the due slots.
+        steps = self.state.step.cpu()
+        finished = self.state.finished.cpu()
+        codes_host = self.codes.cpu()
+        out = []
+        eos = self.tts.eos_code
+        for i in list(self.slots) if flush else due:
+            s = self.slots[i]
+            n = int(steps[i])
+            got = codes_host[i, s.emitted:n].tolist()
+            done = bool(finished[i])
+            if done and got and got[-1] == eos:
+                got = got[:-1]
+            if not done:
+                got = got[: self._boundary(s) - s.emitted]
+            out.append(CodecChunk(s.request.request_id, s.seq, tuple(s.context + got), CONTEXT_CODES, done))
+            s.seq += 1
+            s.emitted += len(got)
+            if got:
+                s.context = (s.context + got)[-CONTEXT_CODES:]
+            if done:
+                del self.slots[i]
+        return out
+
+    def run(self, requests: list[TalkerRequest]) -> dict[str, list[CodecChunk]]:
+        """Run requests to completion; returns each request's chunks in order."""
+        for r in requests:
+            self.submit(r)
+        result: dict[str, list[CodecChunk]] = {r.request_id: [] for r in requests}
+        while self.pending or self.slots:
+            for ch in self.step():
+                result[ch.request_id].append(ch)
+            # Slots that finished between windows are found at their next boundary.
+        return result

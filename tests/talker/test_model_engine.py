@@ -1,0 +1,99 @@
+import pytest
+import torch
+
+from minicpmo_rt.checkpoint.config import MiniCPMOConfig
+from minicpmo_rt.checkpoint.tiny import randomize_, reference_config, tiny_config
+from minicpmo_rt.snapshot_tools import check_manifest
+from minicpmo_rt.talker.engine import SILENCE_CODE, TalkerEngine, TalkerRequest
+from minicpmo_rt.talker.model import MiniCPMTTS
+from minicpmo_rt.talker.sampler import SamplingParams
+from minicpmo_rt.errors import InputError
+from tests.conftest import rel_err
+
+
+@pytest.fixture(scope="module")
+def tts():
+    cfg = MiniCPMOConfig.from_dict(tiny_config())
+    torch.manual_seed(0)
+    m = MiniCPMTTS(cfg.tts)
+    randomize_(m, seed=3, prefix="tts.")
+    return m.eval()
+
+
+def _request(rid, n=5, seed=1, max_codes=60, llm_dim=128):
+    g = torch.Generator().manual_seed(hash(rid) % 1000)
+    return TalkerRequest(rid, torch.randint(0, 151000, (n,), generator=g), torch.randn(n, llm_dim, generator=g),
+                         seed=seed, max_codes=max_codes)
+
+
+def test_manifest_tts_prefix(shared_dir):
+    res = check_manifest(shared_dir / "config.json", shared_dir / "state_dict_manifest.json")
+    rep = res.reports["tts"]
+    assert rep.ok, rep.details()
+    assert rep.matched == 194
+
+
+def test_condition_layout(tts):
+    req = _request("a", n=4)
+    cond = tts.condition(req.text_ids, req.hidden)
+    assert cond.shape == (6, tts.cfg.hidden_size)
+    proj = torch.nn.functional.normalize(tts.projector_semantic(req.hidden), dim=-1)
+    assert rel_err(cond[:4], tts.emb_text(req.text_ids) + proj) < 1e-6
+    assert torch.equal(cond[4], tts.emb_text.weight[tts.cfg.text_eos_token_id])
+    assert torch.equal(cond[5], tts.emb_text.weight[tts.cfg.audio_bos_token_id])
+
+
+def test_static_cache_step_matches_transformers_forward(tts):
+    """Prefill + 20 teacher-forced decode steps on the engine's own static-cache math vs
+    transformers' LlamaModel over the whole sequence (fp32)."""
+    eng = TalkerEngine(tts, capacity=2, kv_budget_bytes=1 << 22)
+    req = _request("a", n=6)
+    cond = tts.condition(req.text_ids, req.hidden)
+    codes = torch.randint(0, 6561, (20,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        h = eng._prefill(1, cond)
+        logits = [tts.logits(h[-1])]
+        pos = cond.shape[0]
+        for c in codes:
+            x = tts.embed_codes(c.view(1))[None].expand(2, 1, -1).contiguous()
+            p = torch.tensor([[pos], [pos]])
+            hh = eng._layers(x, p, slice(0, 2), eng.max_len, p)
+            logits.append(tts.logits(hh[1, -1]))
+            pos += 1
+        full = torch.cat([cond, tts.embed_codes(codes)])[None]
+        ref_h, _ = tts.forward_reference(full, torch.arange(full.shape[1])[None])
+        ref = tts.logits(ref_h[0, cond.shape[0] - 1:])
+    err = rel_err(torch.stack(logits), ref)
+    assert err < 1e-5, err
+
+
+def test_engine_chunks_contract_and_reproducibility(tts):
+    params = SamplingParams(min_codes=5, max_codes=40)
+    eng = TalkerEngine(tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+    reqs = [_request("a", seed=7, max_codes=40), _request("b", seed=8, max_codes=33), _request("c", seed=9, max_codes=12)]
+    out = eng.run(reqs)
+    for rid, chunks in out.items():
+        assert chunks and chunks[-1].final and not any(c.final for c in chunks[:-1])
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        assert chunks[0].codes[:3] == (SILENCE_CODE,) * 3
+        new = [c.codes[3:] for c in chunks]
+        assert len(new[0]) <= 10 and all(len(w) <= 25 for w in new)
+        flat = [x for w in new for x in w]
+        assert all(0 <= x < 6561 for x in flat)
+        for prev, cur in zip(chunks, chunks[1:]):
+            allcodes = list(prev.codes[3:])
+            if allcodes:
+                assert cur.codes[:3] == tuple((list(prev.codes[:3]) + allcodes)[-3:])
+    assert sum(len(c.codes) - 3 for c in out["c"]) <= 12
+    # Same request alone in a fresh engine: same codes (counter-based RNG, batch-independent).
+    alone = TalkerEngine(tts, capacity=1, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+    got = alone.run([_request("b", seed=8, max_codes=33)])["b"]
+    assert [c.codes for c in got] == [c.codes for c in out["b"]]
+
+
+def test_request_that_can_never_fit_is_refused(tts):
+    eng = TalkerEngine(tts, capacity=2, kv_budget_bytes=1 << 20)
+    with pytest.raises(InputError, match="never fit"):
+        eng.submit(_request("x", max_codes=100000))
+    with pytest.raises(InputError, match="budget"):
+        TalkerEngine(tts, capacity=16, kv_budget_bytes=1000)
