@@ -88,6 +88,27 @@ def inspect_cmd(
     typer.echo(f"token2wav assets: {', '.join(info['token2wav_assets']) or 'none'}")
 
 
+@app.command("make-targets")
+def make_targets_cmd(
+    easycom_root: Path = typer.Option(..., "--easycom-root", help="EasyCom Main/ folder (holds Speech_Transcriptions/)."),
+    session: str = typer.Option(..., "--session", help="Session number (4) or name (Session_4)."),
+    output: Path = typer.Option(..., "--output", help="Output .npy (a <stem>.meta.json is written beside it)."),
+    pre_s: float = typer.Option(1.0, help="Seconds one speaker must hold the floor alone before a shift/hold silence."),
+    post_s: float = typer.Option(1.0, help="Seconds one speaker must hold the floor alone after it."),
+) -> None:
+    """5 Hz turn-taking targets (now, future bins, shift/hold) from Speech_Transcriptions."""
+    from .turn_head.labels import LabelConfig, make_targets
+
+    try:
+        cfg = LabelConfig(pre_rows=max(1, round(pre_s / 0.2)), post_rows=max(1, round(post_s / 0.2)))
+        path, meta = make_targets(easycom_root, session, output, cfg)
+    except MiniCPMORTError as exc:
+        _fail(exc)
+    s = meta["summary"]
+    typer.echo(f"wrote {s['rows']} rows ({s['valid_now']} valid, {s['valid']} with a valid 2 s future; "
+               f"{s['shifts']} shifts, {s['holds']} holds) to {path}")
+
+
 def main() -> None:
     try:
         app()

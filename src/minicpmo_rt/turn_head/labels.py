@@ -1,0 +1,431 @@
+"""5 Hz turn-taking targets from EasyCom ``Speech_Transcriptions`` (``minicpmo-rt make-targets``).
+
+Timeline. Time 0 is the start of the session's first one-minute file (``00-00-000``). A file
+named ``mm-ss-SSS.json`` starts at ``mm*60 + ss + SSS/1000`` seconds; its utterance frames are
+local to it, 20 fps and 1-based, so a frame number ``f`` is the session time
+``offset + (f - 1) / 20`` (both ``Start_Frame`` and ``End_Frame`` are converted this way, as
+ESPnet's EasyCom recipe does). A file covers ``[offset, offset + duration)``; the duration is
+read from the sibling media (the array WAV's sample count, else the mp4's frame count) and,
+without media, is the distance to the next file (if <= 61 s) or a nominal 60 s. Time not
+covered by any file (redacted minutes) is a *gap*; utterances are clipped to their file.
+
+Grid. Row ``i`` covers the half-open bin ``(0.2*i, 0.2*(i+1)]`` and its ``time`` is
+``0.2*(i+1)``: the same grid as a feature artifact's ``times`` (first row 0.2 s). The last row
+is the last complete bin before the end of the last file. Rows inside gaps are kept (so row
+index == artifact row index) and masked.
+
+Per-row rule (VAP's): a channel is *active* in a bin when utterances cover >= 0.5 of it.
+The wearer is participant 2; *partner* is the union of every other participant.
+
+Fields of the structured array (``TARGET_DTYPE``, one record per row, row order):
+
+==================  =====  ==================================================================
+name                dtype  meaning
+==================  =====  ==================================================================
+time                f8     row end time, s (0.2, 0.4, ...)
+valid_now           ?      the row's bin lies entirely inside a file (not in a gap)
+valid               ?      valid_now, and the 2 s future window ``(time, time+2]`` lies
+                           entirely inside files too (no gap, not past the session end)
+wearer              ?      wearer active in the row's bin
+partner             ?      any partner active (union of partners covers >= 0.5 of the bin)
+wearer_frac         f4     fraction of the bin covered by wearer speech
+partner_frac        f4     fraction of the bin covered by the union of partner speech
+wearer_f0..f3       ?      wearer active in future bins (0,0.2] (0.2,0.6] (0.6,1.2] (1.2,2.0]
+                           seconds after ``time`` (>= 0.5 coverage of each bin)
+partner_f0..f3      ?      the same for the partner union
+event               i1     -1 no event at this row; 0 hold; 1 shift (see below)
+event_prev          i2     participant who held the turn before the event's silence (-1)
+event_next          i2     participant who speaks after it (-1)
+last_speaker        i2     participant active alone in the most recent such row <= this row
+                           (reset to -1 in gaps; rows with overlap keep the previous value)
+n_active            i1     number of participants individually active in the bin
+==================  =====  ==================================================================
+
+Shift/hold events, on per-participant activity (each participant's own >= 0.5 rule). A row is
+*silent* when it is valid_now and neither channel is active; a row is *p alone* when p is the
+only active participant. A mutual silence is a maximal run of silent rows ``[s, e)`` with
+``e - s >= min_silence`` rows (default 1 row = 200 ms). It is an event when the ``pre`` rows
+before it (default 5 = 1 s, as VAP) are all valid and all ``A alone`` for one participant A, and
+the ``post`` rows after it (default 5 = 1 s) are all valid and all ``B alone``. The event is
+stored on the silence's first row ``s`` (the first row at which the silence is observable):
+``event = 1`` (shift) if B != A, else 0 (hold). Partner-to-partner changes are shifts.
+Utterance-level transcripts hide pauses inside an utterance, so holds are under-counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from ..errors import InputError
+
+WEARER_ID = 2
+STEP = 0.2
+FUTURE_EDGES = (0.0, 0.2, 0.6, 1.2, 2.0)
+
+TARGET_DTYPE = np.dtype(
+    [("time", "f8"), ("valid_now", "?"), ("valid", "?"), ("wearer", "?"), ("partner", "?"),
+     ("wearer_frac", "f4"), ("partner_frac", "f4")]
+    + [(f"wearer_f{k}", "?") for k in range(4)]
+    + [(f"partner_f{k}", "?") for k in range(4)]
+    + [("event", "i1"), ("event_prev", "i2"), ("event_next", "i2"), ("last_speaker", "i2"),
+       ("n_active", "i1")])
+COLUMNS: tuple[str, ...] = tuple(TARGET_DTYPE.names)
+
+_SEGMENT_RE = re.compile(r"^(\d{2})-(\d{2})-(\d{3})$")
+
+
+@dataclass(frozen=True)
+class LabelConfig:
+    wearer_id: int = WEARER_ID
+    fps: float = 20.0
+    active_ratio: float = 0.5
+    min_silence_rows: int = 1
+    pre_rows: int = 5
+    post_rows: int = 5
+    nominal_segment_s: float = 60.0
+    max_contiguous_s: float = 61.0
+
+
+@dataclass(frozen=True)
+class Utterance:
+    participant: int
+    start: float  # session seconds
+    end: float
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    offset: float
+    duration: float
+    duration_source: str
+
+    @property
+    def end(self) -> float:
+        return self.offset + self.duration
+
+
+@dataclass
+class SessionTranscript:
+    session: str
+    segments: list[Segment]
+    utterances: list[Utterance]
+    skipped: list[str] = field(default_factory=list)
+
+
+def segment_offset(name: str) -> float:
+    """``mm-ss-SSS`` -> seconds from the session start."""
+    m = _SEGMENT_RE.match(name)
+    if m is None:
+        raise InputError(f"{name!r}: EasyCom segment names are mm-ss-SSS (e.g. 01-00-288); rename or remove it")
+    return int(m.group(1)) * 60 + int(m.group(2)) + int(m.group(3)) / 1000.0
+
+
+def _participant(value: Any, where: str) -> int:
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise InputError(f"{where}: Participant_ID {value!r} is not an integer id; fix the transcript") from None
+
+
+def read_transcript_file(path: Path, offset: float, duration: float, cfg: LabelConfig,
+                         skipped: list[str]) -> list[Utterance]:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: cannot read transcript JSON ({exc}); restore the file") from exc
+    if not isinstance(entries, list):
+        raise InputError(f"{path}: expected a JSON list of utterances, got {type(entries).__name__}")
+    out = []
+    for k, e in enumerate(entries):
+        where = f"{path}[{k}]"
+        if not isinstance(e, dict) or not {"Participant_ID", "Start_Frame", "End_Frame"} <= e.keys():
+            raise InputError(f"{where}: an utterance needs Participant_ID, Start_Frame and End_Frame")
+        pid = _participant(e["Participant_ID"], where)
+        try:
+            s, f = int(e["Start_Frame"]), int(e["End_Frame"])
+        except (TypeError, ValueError):
+            raise InputError(f"{where}: Start_Frame/End_Frame must be integers") from None
+        if s < 1 or f < s:
+            skipped.append(f"{where}: frames {s}..{f} (1-based, start <= end expected)")
+            continue
+        a = offset + (s - 1) / cfg.fps
+        b = min(offset + (f - 1) / cfg.fps, offset + duration)
+        if b <= a:
+            skipped.append(f"{where}: empty after clipping to the file ({s}..{f})")
+            continue
+        out.append(Utterance(pid, a, b))
+    return out
+
+
+def _session_name(session: str | int) -> str:
+    s = str(session)
+    return f"Session_{s}" if s.isdigit() else s
+
+
+def _media_duration(root: Path, session: str, stem: str) -> tuple[float, str] | None:
+    wav = root / "Glasses_Microphone_Array_Audio" / session / f"{stem}.wav"
+    if wav.is_file():
+        import soundfile as sf
+
+        info = sf.info(str(wav))
+        return info.frames / info.samplerate, f"wav:{wav.name}"
+    mp4 = root / "Video_Compressed" / session / f"{stem}.mp4"
+    if mp4.is_file():
+        import av
+
+        with av.open(str(mp4)) as container:
+            stream = container.streams.video[0]
+            if stream.frames and stream.average_rate:
+                return stream.frames / float(stream.average_rate), f"mp4-frames:{mp4.name}"
+            if container.duration:
+                return container.duration / 1e6, f"mp4-duration:{mp4.name}"
+    return None
+
+
+def read_session(easycom_root: str | os.PathLike, session: str | int,
+                 cfg: LabelConfig = LabelConfig()) -> SessionTranscript:
+    """Read every transcript file of a session and place it on the session timeline."""
+    root = Path(easycom_root)
+    name = _session_name(session)
+    if not (root / "Speech_Transcriptions").is_dir() and (root / "Main" / "Speech_Transcriptions").is_dir():
+        root = root / "Main"
+    tdir = root / "Speech_Transcriptions" / name
+    if not tdir.is_dir():
+        raise InputError(f"{tdir}: no transcript directory; --easycom-root must hold "
+                         f"Speech_Transcriptions/{name}/ (the EasyCom Main/ folder)")
+    files = sorted(tdir.glob("*.json"), key=lambda p: segment_offset(p.stem))
+    if not files:
+        raise InputError(f"{tdir}: no mm-ss-SSS.json transcript files in it")
+    offsets = [segment_offset(p.stem) for p in files]
+    segments = []
+    for k, (p, off) in enumerate(zip(files, offsets)):
+        got = _media_duration(root, name, p.stem)
+        if got is not None:
+            dur, src = got
+        elif k + 1 < len(files) and offsets[k + 1] - off <= cfg.max_contiguous_s:
+            dur, src = offsets[k + 1] - off, "next-file-start"
+        else:
+            dur, src = cfg.nominal_segment_s, "nominal"
+        if k + 1 < len(files) and off + dur > offsets[k + 1]:
+            dur = offsets[k + 1] - off  # drifted files: the next file's start wins
+        segments.append(Segment(p.stem, off, dur, src))
+    skipped: list[str] = []
+    utts: list[Utterance] = []
+    for p, seg in zip(files, segments):
+        utts.extend(read_transcript_file(p, seg.offset, seg.duration, cfg, skipped))
+    return SessionTranscript(name, segments, utts, skipped)
+
+
+def _merge(intervals: Iterable[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    arr = np.asarray(merged, dtype=np.float64).reshape(-1, 2)
+    return arr[:, 0], arr[:, 1]
+
+
+class Coverage:
+    """Length of a union of intervals inside ``[0, t]``, for many ``t`` at once."""
+
+    def __init__(self, intervals: Iterable[tuple[float, float]]):
+        self.starts, self.ends = _merge(intervals)
+        lengths = self.ends - self.starts
+        self.before = np.concatenate([[0.0], np.cumsum(lengths)])[:-1]
+
+    def upto(self, t: np.ndarray) -> np.ndarray:
+        t = np.asarray(t, dtype=np.float64)
+        if self.starts.size == 0:
+            return np.zeros_like(t)
+        k = np.searchsorted(self.starts, t, side="right") - 1
+        kc = np.clip(k, 0, None)
+        inside = np.minimum(t - self.starts[kc], self.ends[kc] - self.starts[kc])
+        return np.where(k < 0, 0.0, self.before[kc] + np.maximum(inside, 0.0))
+
+    def fraction(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Covered fraction of each ``(a, b]``."""
+        return (self.upto(b) - self.upto(a)) / (np.asarray(b) - np.asarray(a))
+
+
+def build_targets(transcript: SessionTranscript, cfg: LabelConfig = LabelConfig()) -> np.ndarray:
+    """The structured target rows of one session (see the module docstring)."""
+    session_end = max(s.end for s in transcript.segments)
+    n = int(math.floor(session_end / STEP + 1e-6))
+    if n == 0:
+        raise InputError(f"{transcript.session}: the session is shorter than one 0.2 s row")
+    out = np.zeros(n, dtype=TARGET_DTYPE)
+    idx = np.arange(n)
+    t = np.round(STEP * (idx + 1), 9)
+    out["time"] = t
+    media = Coverage((s.offset, s.end) for s in transcript.segments)
+    tol = 1e-6
+    out["valid_now"] = media.fraction(t - STEP, t) >= 1 - tol
+    horizon = FUTURE_EDGES[-1]
+    out["valid"] = out["valid_now"] & (media.fraction(t, t + horizon) >= 1 - tol)
+
+    wearer = Coverage((u.start, u.end) for u in transcript.utterances if u.participant == cfg.wearer_id)
+    partner = Coverage((u.start, u.end) for u in transcript.utterances if u.participant != cfg.wearer_id)
+    thr = cfg.active_ratio - 1e-9
+    for name, cov in (("wearer", wearer), ("partner", partner)):
+        frac = cov.fraction(t - STEP, t)
+        out[f"{name}_frac"] = frac
+        out[name] = frac >= thr
+        for k in range(4):
+            out[f"{name}_f{k}"] = cov.fraction(t + FUTURE_EDGES[k], t + FUTURE_EDGES[k + 1]) >= thr
+
+    ids = sorted({u.participant for u in transcript.utterances})
+    act = np.zeros((len(ids), n), dtype=bool)
+    for j, pid in enumerate(ids):
+        cov = Coverage((u.start, u.end) for u in transcript.utterances if u.participant == pid)
+        act[j] = cov.fraction(t - STEP, t) >= thr
+    n_active = act.sum(0)
+    out["n_active"] = n_active
+    valid_now = out["valid_now"]
+    alone = np.full(n, -1, dtype=np.int64)  # participant id active alone, else -1
+    if ids:
+        single = valid_now & (n_active == 1)
+        alone[single] = np.asarray(ids)[act[:, single].argmax(0)]
+
+    last = np.full(n, -1, dtype=np.int16)
+    cur = -1
+    for i in range(n):
+        if not valid_now[i]:
+            cur = -1
+        elif alone[i] >= 0:
+            cur = int(alone[i])
+        last[i] = cur
+    out["last_speaker"] = last
+
+    out["event"] = -1
+    out["event_prev"] = -1
+    out["event_next"] = -1
+    silent = valid_now & ~out["wearer"] & ~out["partner"]
+    i = 0
+    while i < n:
+        if not silent[i]:
+            i += 1
+            continue
+        s = i
+        while i < n and silent[i]:
+            i += 1
+        e = i
+        if e - s < cfg.min_silence_rows or s - cfg.pre_rows < 0 or e + cfg.post_rows > n:
+            continue
+        pre, post = alone[s - cfg.pre_rows:s], alone[e:e + cfg.post_rows]
+        if pre[0] < 0 or post[0] < 0 or (pre != pre[0]).any() or (post != post[0]).any():
+            continue
+        out["event"][s] = int(pre[0] != post[0])
+        out["event_prev"][s] = pre[0]
+        out["event_next"][s] = post[0]
+    return out
+
+
+def summarize(arr: np.ndarray) -> dict[str, Any]:
+    ev = arr["event"]
+    return {"rows": int(arr.size), "valid_now": int(arr["valid_now"].sum()), "valid": int(arr["valid"].sum()),
+            "wearer_rate": float(arr["wearer"][arr["valid_now"]].mean()) if arr["valid_now"].any() else 0.0,
+            "partner_rate": float(arr["partner"][arr["valid_now"]].mean()) if arr["valid_now"].any() else 0.0,
+            "shifts": int((ev == 1).sum()), "holds": int((ev == 0).sum())}
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def save_targets(path: str | os.PathLike, arr: np.ndarray, meta: dict[str, Any] | None = None) -> Path:
+    """Write ``arr`` to ``path`` (.npy) atomically, and ``meta`` beside it as ``<stem>.meta.json``."""
+    path = Path(path)
+    if arr.dtype != TARGET_DTYPE:
+        raise InputError(f"{path}: refusing to save targets of dtype {arr.dtype}; build them with build_targets")
+    if not path.parent.is_dir():
+        raise InputError(f"{path}: output directory {path.parent} does not exist; create it first")
+    _atomic_write(path, lambda fh: np.save(fh, arr, allow_pickle=False))
+    if meta is not None:
+        side = path.with_name(path.stem + ".meta.json")
+        _atomic_write(side, lambda fh: fh.write(json.dumps(meta, indent=2).encode()))
+    return path
+
+
+def load_targets(path: str | os.PathLike) -> np.ndarray:
+    """Read a ``make-targets`` .npy; raise InputError if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: target file not found; write it with `minicpmo-rt make-targets`")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except Exception as exc:
+        raise InputError(f"{path}: cannot be read as a .npy ({exc}); rewrite it with make-targets") from exc
+    return coerce_targets(arr, str(path))
+
+
+def as_matrix(arr: np.ndarray) -> np.ndarray:
+    """float64 [T, len(COLUMNS)] in ``COLUMNS`` order (for storing the rows in a tensor)."""
+    return np.stack([arr[c].astype(np.float64) for c in COLUMNS], axis=1)
+
+
+def from_matrix(m: np.ndarray) -> np.ndarray:
+    m = np.asarray(m)
+    out = np.zeros(m.shape[0], dtype=TARGET_DTYPE)
+    for j, c in enumerate(COLUMNS):
+        out[c] = np.round(m[:, j]) if TARGET_DTYPE[c].kind in "bi" else m[:, j]
+    return out
+
+
+def coerce_targets(arr: Any, where: str) -> np.ndarray:
+    """Accept the structured array or its ``as_matrix`` form (a tensor or array [T, C])."""
+    if hasattr(arr, "detach"):
+        arr = arr.detach().cpu().numpy()
+    arr = np.asarray(arr)
+    if arr.dtype.names is not None:
+        missing = [c for c in COLUMNS if c not in arr.dtype.names]
+        if missing:
+            raise InputError(f"{where}: target rows lack fields {missing}; rebuild them with make-targets")
+        return arr.astype(TARGET_DTYPE)
+    if arr.ndim == 2 and arr.shape[1] == len(COLUMNS):
+        return from_matrix(arr)
+    raise InputError(f"{where}: targets of shape {arr.shape} / dtype {arr.dtype} are neither make-targets "
+                     f"records nor a [T, {len(COLUMNS)}] matrix in labels.COLUMNS order")
+
+
+def make_targets(easycom_root: str | os.PathLike, session: str | int, output: str | os.PathLike,
+                 cfg: LabelConfig = LabelConfig()) -> tuple[Path, dict[str, Any]]:
+    transcript = read_session(easycom_root, session, cfg)
+    arr = build_targets(transcript, cfg)
+    summary = summarize(arr)
+    meta = {"session": transcript.session, "easycom_root": str(Path(easycom_root).resolve()),
+            "columns": list(COLUMNS), "config": asdict(cfg), "step_s": STEP,
+            "future_edges_s": list(FUTURE_EDGES),
+            "segments": [asdict(s) for s in transcript.segments],
+            "utterances": len(transcript.utterances), "skipped_utterances": transcript.skipped,
+            "summary": summary}
+    path = save_targets(output, arr, meta)
+    return path, meta
+
+
+def row_index(times: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Artifact ``times`` -> target row indices (row i ends at 0.2*(i+1))."""
+    return np.rint(np.asarray(times, dtype=np.float64) / STEP).astype(np.int64) - 1
