@@ -42,6 +42,12 @@ def weight_parts() -> list[WeightPart]:
     parts: list[WeightPart] = []
     from .thinker.llm import build_llm
     parts.append(WeightPart("llm", "llm.", build_llm))
+    from .thinker.resampler import build_resampler
+    from .thinker.vision import build_vision
+    parts.append(WeightPart("vpm", "vpm.", build_vision))
+    parts.append(WeightPart("resampler", "resampler.", build_resampler))
+    from .talker.model import build_tts
+    parts.append(WeightPart("tts", "tts.", build_tts))
     return parts
 
 

@@ -45,3 +45,12 @@ def test_llm_untied_and_final_norm_hidden():
     assert rel_err(h, full.hidden_states[-1]) < 1e-6
     assert rel_err(model.lm_head(h), full.logits) < 1e-6
     assert cache.get_seq_length() == 5
+
+
+def test_check_manifest_reports_thinker_core_parts_clean(shared_dir):
+    from minicpmo_rt.snapshot_tools import check_manifest
+
+    result = check_manifest(shared_dir / "config.json", shared_dir / "state_dict_manifest.json")
+    for name, n_keys in (("llm", 399), ("vpm", 437), ("resampler", 13)):
+        rep = result.reports[name]
+        assert rep.ok and rep.matched == n_keys, rep.details()
