@@ -1,0 +1,124 @@
+"""Tiled FP32 attention with TF32 (or IEEE) tensor-core dots and online softmax.
+
+One program per (batch row, head, block of BLOCK_M queries) walks the keys in
+BLOCK_N tiles keeping a running max and denominator (flash-attention style), so
+the (nq, nk) score matrix never reaches device memory. Semantics follow
+``F.scaled_dot_product_attention`` with a boolean mask: True means "attend",
+scores are scaled by D^-0.5, and a query row whose keys are all masked returns 0.
+
+K and V may be strided views of a packed ``[k|v]`` cache (last dim 2*D), and
+``kv_rows`` lets query row b read K/V batch row ``kv_rows[b]`` (pooled caches).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import AVAILABLE
+
+if AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _attn_fwd(Q, K, V, O, M, KVR,
+                  sqb, sqh, sqm, sqd,
+                  skb, skh, skn, skd,
+                  svb, svh, svn, svd,
+                  sob, soh, som, sod,
+                  smb, smm, smn,
+                  nq, nk, scale,
+                  HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        mblk = tl.program_id(2)
+        kvb = b
+        if HAS_KVR:
+            kvb = tl.load(KVR + b)
+        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_D)
+        row_ok = offs_m < nq
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                    mask=row_ok[:, None], other=0.0)
+        # Running max starts finite so an all-masked tile gives exp(-inf) = 0, never NaN.
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        k_base = K + kvb.to(tl.int64) * skb + h * skh
+        v_base = V + kvb.to(tl.int64) * svb + h * svh
+        for start in range(0, nk, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < nk
+            kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :], other=0.0)
+            s = tl.dot(q, kt, input_precision=PRECISION) * scale
+            keep = row_ok[:, None] & col_ok[None, :]
+            if HAS_MASK:
+                mk = tl.load(M + b * smb + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=keep, other=0)
+                keep = keep & (mk != 0)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            m_i = m_new
+        denom = tl.where(l_i > 0, l_i, 1.0)
+        out = tl.where((l_i > 0)[:, None], acc / denom[:, None], 0.0)
+        tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out, mask=row_ok[:, None])
+
+
+def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                    kv_rows: torch.Tensor | None = None, precision: str = "tf32",
+                    out: torch.Tensor | None = None, block_m: int = 32, block_n: int = 64,
+                    num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """softmax(q k^T D^-0.5, mask) v for fp32 q (B,H,nq,D), k/v (Bk,H,nk,D); mask (B,nq,nk) bool.
+
+    ``out`` (B,H,nq,D) may be any strided view (e.g. (B,nq,H,D) transposed) so the
+    caller's projection GEMM reads it without a copy.
+    """
+    if not AVAILABLE:
+        raise RuntimeError("tiled_attention needs Triton; use the SDPA fallback")
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+        raise TypeError(f"tiled_attention is FP32 only, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if precision not in ("tf32", "ieee"):
+        raise ValueError(f"precision must be 'tf32' or 'ieee', got {precision!r}")
+    B, H, nq, D = q.shape
+    nk = k.shape[2]
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"head dim {D} must be a power of two >= 16 for tensor-core dots")
+    if out is None:
+        out = torch.empty_like(q)
+    if mask is not None:
+        if mask.shape != (B, nq, nk):
+            raise ValueError(f"mask shape {tuple(mask.shape)} != (B, nq, nk) = {(B, nq, nk)}")
+        m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        ms = m.stride()
+    else:
+        m, ms = q, (0, 0, 0)
+    kvr = kv_rows.to(torch.int32) if kv_rows is not None else q
+    grid = (B, H, triton.cdiv(nq, block_m))
+    _attn_fwd[grid](q, k, v, out, m, kvr,
+                    *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms,
+                    nq, nk, float(D) ** -0.5,
+                    HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                    HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None, PRECISION=precision,
+                    num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                   kv_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The same contract through ``F.scaled_dot_product_attention`` (CPU, pre-SM80 CUDA).
+
+    SDPA's math kernel returns NaN for a fully masked row, so such rows are zeroed
+    explicitly to keep the contract.
+    """
+    if kv_rows is not None:
+        k, v = k.index_select(0, kv_rows.long()), v.index_select(0, kv_rows.long())
+    if mask is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+    dead = ~mask.any(dim=-1)                       # (B, nq)
+    return o.masked_fill(dead[:, None, :, None], 0.0)

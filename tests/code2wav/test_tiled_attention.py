@@ -1,0 +1,94 @@
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernel import
+
+from minicpmo_rt.code2wav.kernels import AVAILABLE, usable_on  # noqa: E402
+from minicpmo_rt.code2wav.kernels.tiled_attention import sdpa_attention, tiled_attention  # noqa: E402
+
+from conftest import rel_err, requires_cuda  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="needs triton")
+
+
+def reference(q, k, v, mask, kv_rows=None):
+    """fp64 softmax attention; fully masked rows give 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    if kv_rows is not None:
+        k, v = k[kv_rows.long()], v[kv_rows.long()]
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return p @ v
+
+
+def ragged_mask(B, nq, nk, gen):
+    m = torch.rand(B, nq, nk, generator=gen) > 0.3
+    m[0, 1] = False                         # a fully masked row
+    m[-1, :, nk // 2:] = False              # a short (ragged) cache row
+    return m
+
+
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("use_mask", [False, True])
+@pytest.mark.parametrize("nq,nk", [(5, 13), (17, 40)])
+def test_matches_fp64_ieee(use_mask, nq, nk):
+    gen = torch.Generator().manual_seed(nq * 100 + nk)
+    B, H, D = 2, 2, 16
+    q, k, v = (torch.randn(B, H, n, D, generator=gen) for n in (nq, nk, nk))
+    mask = ragged_mask(B, nq, nk, gen) if use_mask else None
+    dev = device()
+    if not usable_on(q.to(dev)):
+        pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
+    out = torch.full_like(q, float("nan")).to(dev)   # poisoned: every element must be written
+    tiled_attention(q.to(dev), k.to(dev), v.to(dev), None if mask is None else mask.to(dev),
+                    precision="ieee", out=out, block_m=16, block_n=16)
+    ref = reference(q, k, v, mask)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-5
+    if mask is not None:
+        assert out[0, :, 1].abs().max() == 0            # fully masked row gives exactly 0
+        assert rel_err(sdpa_attention(q, k, v, mask), ref) < 1e-5
+
+
+def test_packed_cache_views_kv_rows_and_strided_out():
+    gen = torch.Generator().manual_seed(7)
+    B, H, nq, nk, D = 3, 2, 6, 20, 16
+    q = torch.randn(B, H, nq, D, generator=gen)
+    cache = torch.randn(4, H, nk, 2 * D, generator=gen)       # [k|v] packed, 4 pooled rows
+    k, v = cache[..., :D], cache[..., D:]
+    kv_rows = torch.tensor([3, 0, 2], dtype=torch.int32)
+    mask = ragged_mask(B, nq, nk, gen)
+    dev = device()
+    if not usable_on(q.to(dev)):
+        pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
+    out_bnhd = torch.full((B, nq, H, D), float("nan"), device=dev)
+    tiled_attention(q.to(dev), k.to(dev), v.to(dev), mask.to(dev), kv_rows=kv_rows.to(dev), precision="ieee",
+                    out=out_bnhd.transpose(1, 2), block_m=16, block_n=16)
+    ref = reference(q, k, v, mask, kv_rows)
+    assert rel_err(out_bnhd.transpose(1, 2), ref) < 1e-5
+    assert rel_err(sdpa_attention(q, k, v, mask, kv_rows), ref) < 1e-5
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision,tol", [("ieee", 1e-5), ("tf32", 2e-3)])
+def test_cuda_model_shape(precision, tol):
+    torch.manual_seed(0)
+    B, H, nq, nk, D = 4, 8, 50, 450, 64
+    q = torch.randn(B, H, nq, D, device="cuda")
+    cache = torch.randn(B, H, nk, 2 * D, device="cuda")
+    mask = torch.rand(B, nq, nk, device="cuda") > 0.1
+    mask[1, 3] = False
+    out = tiled_attention(q, cache[..., :D], cache[..., D:], mask, precision=precision)
+    ref = reference(q.cpu(), cache[..., :D].cpu(), cache[..., D:].cpu(), mask.cpu())
+    err = rel_err(out, ref)
+    print(f"tiled attention {precision}: rel err {err:.2e}")
+    assert err < tol
+    assert out[1, :, 3].abs().max() == 0
