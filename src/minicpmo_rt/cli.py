@@ -109,6 +109,33 @@ def make_targets_cmd(
                f"{s['shifts']} shifts, {s['holds']} holds) to {path}")
 
 
+@app.command("make-session")
+def make_session_cmd(
+    out: Path = typer.Argument(..., help="Root to write Video_Compressed/, Glasses_Microphone_Array_Audio/, Speech_Transcriptions/ under."),
+    seconds: float = typer.Option(..., "--seconds", help="Media seconds (whole 20 fps frames)."),
+    session: int = typer.Option(1, "--session", help="N of Session_N."),
+    width: int = typer.Option(320, help="Frame width (even)."),
+    height: int = typer.Option(180, help="Frame height (even)."),
+    segment_seconds: Optional[float] = typer.Option(None, "--segment-seconds", help="Segment length (default: a third of the session, >= 1 s)."),
+    gap_seconds: float = typer.Option(60.0, "--gap-seconds", help="Redacted gap after the first segment."),
+    seed: int = typer.Option(0, help="Seed of the synthetic content."),
+    no_wav: bool = typer.Option(False, "--no-wav", help="Write no WAVs (use with --mp4-audio)."),
+    mp4_audio: bool = typer.Option(False, "--mp4-audio", help="Also mux an AAC track into each mp4."),
+) -> None:
+    """Write a synthetic session in the EasyCom layout (segments, one gap, speech-like audio, transcripts)."""
+    from .features.easycom import build_timeline
+    from .features.synthetic import make_session
+
+    try:
+        vdir = make_session(out, seconds, session=session, width=width, height=height,
+                            segment_seconds=segment_seconds, gap_seconds=gap_seconds, seed=seed,
+                            wavs=not no_wav, mp4_audio=mp4_audio)
+        typer.echo(f"wrote {vdir}")
+        typer.echo(build_timeline(vdir).summary())
+    except MiniCPMORTError as exc:
+        _fail(exc)
+
+
 def main() -> None:
     try:
         app()
