@@ -191,6 +191,31 @@ class TalkerEngine:
         self.pos.add_((~self.state.finished).long())
         return codes
 
+    def capture_cuda_graph(self, kv_len: int | None = None) -> None:
+        """Capture ``decode_step`` once (CUDA only). Call while no slot is live: the warm-up
+        steps then change nothing but idle rows. Later ``step`` calls replay it."""
+        if self.device.type != "cuda":
+            raise InputError("CUDA-graph decode needs the talker on a CUDA device")
+        if self.slots:
+            raise InputError("capture the talker decode graph before admitting requests")
+        kv_len = kv_len or self.max_len
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.decode_step(kv_len)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.decode_step(kv_len)
+        self._graph = graph
+
+    def _run_step(self) -> None:
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self.decode_step()
+
     # ---- host side -------------------------------------------------------------------------
     def _boundary(self, s: _Slot) -> int:
         return self.first_window if s.emitted == 0 else s.emitted + self.window
@@ -200,7 +225,7 @@ class TalkerEngine:
         self._admit()
         if not self.slots:
             return []
-        self.decode_step()
+        self._run_step()
         for s in self.slots.values():
             s.steps_run += 1
         due = [i for i, s in self.slots.items() if s.steps_run >= self._boundary(s)]

@@ -96,6 +96,17 @@ class MiniCPMTTS(nn.Module):
         return out.last_hidden_state, out.past_key_values
 
 
+def rebuild_rotary_(module: nn.Module) -> nn.Module:
+    """Recompute every rotary ``inv_freq`` buffer (non-persistent: garbage after ``to_empty``)."""
+    for sub in module.modules():
+        if type(sub).__name__.endswith("RotaryEmbedding") and hasattr(sub, "config"):
+            fresh = type(sub)(sub.config)
+            for name in ("inv_freq", "original_inv_freq"):
+                if hasattr(sub, name):
+                    setattr(sub, name, getattr(fresh, name).to(getattr(sub, name).device))
+    return module
+
+
 def build_tts(config) -> MiniCPMTTS:
     return MiniCPMTTS(config.tts)
 
