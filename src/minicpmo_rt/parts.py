@@ -46,6 +46,9 @@ def weight_parts() -> list[WeightPart]:
     from .thinker.vision import build_vision
     parts.append(WeightPart("vpm", "vpm.", build_vision))
     parts.append(WeightPart("resampler", "resampler.", build_resampler))
+    from .thinker.audio import build_audio_encoder, build_audio_projection
+    parts.append(WeightPart("apm", "apm.", build_audio_encoder))
+    parts.append(WeightPart("audio_projection_layer", "audio_projection_layer.", build_audio_projection))
     from .talker.model import build_tts
     parts.append(WeightPart("tts", "tts.", build_tts))
     return parts

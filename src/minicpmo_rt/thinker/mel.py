@@ -1,0 +1,221 @@
+"""Whisper log-mel features and upstream's streaming mel buffer.
+
+``log_mel`` is the torch path of upstream's ``MiniCPMAAudioProcessor``: a centred
+(reflect-padded) STFT with a periodic Hann window (n_fft 400, hop 160), power
+spectrum, the last frame dropped, 80 Slaney mel filters (0-8 kHz), log10 of the
+clamped energies, then a floor -- fixed (-10) or dynamic (max - 8) -- and (x+4)/4.
+
+``StreamingMel`` mirrors upstream's ``StreamingMelProcessorExact`` as the duplex path
+configures it (first chunk 1035 ms -> 16480 samples, then 1000 ms, 20 ms = 2 CNN
+redundancy frames each side, 30 s trigger / 10 s stride sliding window): it keeps the
+whole audio buffer, recomputes the mel of the buffer on every call and emits only
+frames whose window lies inside the buffer ("stable" frames), or in last-chunk mode
+whatever the buffer has. The floor is chosen from the buffer length on each call
+(fixed under 5 s, dynamic from 5 s). All of its state is one ``MelState`` value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP = 160
+N_MELS = 80
+FIXED_FLOOR_DB = -10.0
+DYNAMIC_RANGE_DB = 8.0
+DYNAMIC_FROM_SECONDS = 5.0
+
+
+@lru_cache(maxsize=4)
+def mel_filters(n_mels: int = N_MELS, n_fft: int = N_FFT, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
+    """[n_mels, 1 + n_fft//2] float32 Slaney filters, exactly WhisperFeatureExtractor's."""
+    from transformers.audio_utils import mel_filter_bank
+
+    bank = mel_filter_bank(num_frequency_bins=1 + n_fft // 2, num_mel_filters=n_mels, min_frequency=0.0,
+                           max_frequency=8000.0, sampling_rate=sample_rate, norm="slaney", mel_scale="slaney")
+    return torch.from_numpy(bank).to(torch.float32).T.contiguous()
+
+
+def log_mel(waveform: np.ndarray | torch.Tensor, dynamic: bool, n_mels: int = N_MELS) -> torch.Tensor:
+    """Whisper log-mel of a mono 16 kHz waveform: [n_mels, len // 160] float32 (CPU).
+
+    ``dynamic`` selects the max-8 floor (upstream from 5 s of buffer on) instead of -10.
+    """
+    # A copy: buffers are read-only numpy arrays, which torch cannot wrap safely.
+    wave = torch.tensor(np.asarray(waveform, dtype=np.float32)) if not torch.is_tensor(waveform) \
+        else waveform.detach().to(torch.float32).cpu()
+    if wave.numel() < N_FFT:
+        raise ValueError(f"log_mel needs at least {N_FFT} samples, got {wave.numel()}")
+    window = torch.hann_window(N_FFT)
+    stft = torch.stft(wave, N_FFT, HOP, window=window, return_complex=True)
+    power = (stft[..., :-1].abs() ** 2).contiguous()
+    spec = torch.clamp(mel_filters(n_mels) @ power, min=1e-10).log10()
+    floor = spec.max() - DYNAMIC_RANGE_DB if dynamic else torch.tensor(FIXED_FLOOR_DB, dtype=spec.dtype)
+    return (torch.maximum(spec, floor) + 4.0) / 4.0
+
+
+def uses_dynamic_floor(buffer_len: int, sample_rate: int = SAMPLE_RATE) -> bool:
+    return buffer_len >= DYNAMIC_FROM_SECONDS * sample_rate
+
+
+@dataclass(frozen=True)
+class MelState:
+    """Everything the streaming mel processor remembers (upstream's snapshot fields).
+
+    ``buffer`` is read-only: processing replaces it rather than writing into it, so a
+    state value can be kept as a snapshot without copying.
+    """
+
+    buffer: np.ndarray
+    chunk_count: int = 0
+    last_emitted_T: int = 0  # global index of the next core frame to emit
+    total_samples_processed: int = 0
+    base_T: int = 0  # global frame index of the buffer's first frame
+    left_samples_dropped: int = 0
+    is_first: bool = True
+
+    def digest(self) -> tuple:
+        """Counters plus a SHA-1 of the buffer bytes (for fingerprints)."""
+        h = hashlib.sha1(np.ascontiguousarray(self.buffer).tobytes()).hexdigest()
+        return (self.chunk_count, self.last_emitted_T, self.total_samples_processed, self.base_T,
+                self.left_samples_dropped, self.is_first, int(self.buffer.shape[0]), h)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def empty_state() -> MelState:
+    return MelState(buffer=_frozen(np.zeros(0, dtype=np.float32)))
+
+
+@dataclass(frozen=True)
+class MelChunk:
+    """Frames emitted by one call, with their global frame range.
+
+    ``core_start..core_end`` is the new content; ``start..end`` adds the CNN redundancy
+    frames that were available. prefix/suffix_extra are what the audio encoder cuts.
+    """
+
+    features: torch.Tensor  # [n_mels, end - start]
+    start: int
+    end: int
+    core_start: int
+    core_end: int
+
+    @property
+    def prefix_extra(self) -> int:
+        return self.core_start - self.start
+
+    @property
+    def suffix_extra(self) -> int:
+        return max(0, self.end - self.core_end)
+
+    @property
+    def n_frames(self) -> int:
+        return int(self.features.shape[-1])
+
+
+class StreamingMel:
+    """Upstream's exact streaming mel processor (duplex configuration by default)."""
+
+    def __init__(self, chunk_ms: int = 1000, first_chunk_ms: int = 1035, cnn_redundancy_ms: int = 20,
+                 sample_rate: int = SAMPLE_RATE, sliding_window: bool = True, slide_trigger_seconds: float = 30.0,
+                 slide_stride_seconds: float = 10.0, n_mels: int = N_MELS):
+        self.sample_rate = sample_rate
+        self.n_mels = n_mels
+        self.chunk_samples = int(round(chunk_ms * sample_rate / 1000))
+        self.chunk_frames = self.chunk_samples // HOP
+        raw_first = int(round(first_chunk_ms * sample_rate / 1000))
+        self.first_chunk_samples = max(HOP, (raw_first // HOP) * HOP)  # 1035 ms -> 16480
+        self.redundancy_frames = max(0, int(cnn_redundancy_ms * sample_rate / 1000) // HOP)
+        self.sliding_window = sliding_window
+        self.trigger_samples = int(slide_trigger_seconds * sample_rate)
+        self.stride_samples = int(slide_stride_seconds * sample_rate)
+        self.state = empty_state()
+
+    # -- state ------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.state = empty_state()
+
+    def snapshot(self) -> MelState:
+        return self.state
+
+    def restore(self, state: MelState) -> None:
+        self.state = state
+
+    def chunk_size(self) -> int:
+        """Samples the next native chunk consumes (16480 first, then 16000)."""
+        return self.first_chunk_samples if self.state.is_first else self.chunk_samples
+
+    # -- processing ----------------------------------------------------------------------------
+    def _slide(self, st: MelState) -> MelState:
+        """At 30 s of buffer drop 10 s from the left (hop-aligned), keeping >= 1 s."""
+        n = int(st.buffer.shape[0])
+        if not self.sliding_window or n < self.trigger_samples:
+            return st
+        guard = min(self.sample_rate, n - self.stride_samples)
+        drop = min(self.stride_samples, max(0, n - guard))
+        drop = (drop // HOP) * HOP
+        if drop <= 0:
+            return st
+        return replace(st, buffer=_frozen(st.buffer[drop:]), left_samples_dropped=st.left_samples_dropped + drop,
+                       base_T=st.base_T + drop // HOP)
+
+    def stable_frames(self, buffer_len: int) -> int:
+        half = N_FFT // 2
+        if buffer_len < half:
+            return 0
+        return max(0, (buffer_len - half) // HOP + 1)
+
+    def process(self, audio: np.ndarray, last_chunk: bool = False) -> MelChunk:
+        """Append ``audio`` (float32 mono 16 kHz) and emit the next core chunk's frames.
+
+        Emits nothing (an empty chunk) until the core plus its right redundancy is
+        stable, unless ``last_chunk``: then whatever part of the core the buffer has is
+        emitted (frames near the end use the STFT's reflect padding, as upstream).
+        """
+        audio = np.asarray(audio, dtype=np.float32).reshape(-1)
+        st = self.state
+        buf = _frozen(np.concatenate([st.buffer, audio]) if st.buffer.size else audio.copy())
+        st = replace(st, buffer=buf, chunk_count=st.chunk_count + 1)
+        st = self._slide(st)
+        n = int(st.buffer.shape[0])
+        mel = log_mel(st.buffer, uses_dynamic_floor(n, self.sample_rate), self.n_mels)
+        t_full = int(mel.shape[-1])
+        stable_global = st.base_T + min(t_full, self.stable_frames(n))
+        core_start = st.last_emitted_T
+        core_end = core_start + self.chunk_frames
+        if stable_global >= core_end + self.redundancy_frames or last_chunk:
+            start_g = max(0, core_start - self.redundancy_frames)
+            end_g = core_end + self.redundancy_frames
+            lo = max(0, min(start_g - st.base_T, t_full))
+            hi = max(lo, min(end_g - st.base_T, t_full))
+            out = MelChunk(mel[:, lo:hi], st.base_T + lo, st.base_T + hi, core_start, core_end)
+            st = replace(st, last_emitted_T=core_end)
+        else:
+            out = MelChunk(mel[:, 0:0], core_start, core_start, core_start, core_start)
+        self.state = replace(st, total_samples_processed=st.total_samples_processed + int(audio.shape[0]),
+                             is_first=False)
+        return out
+
+    def flush(self) -> torch.Tensor:
+        """Every frame not yet emitted (end of stream), as upstream's ``flush``."""
+        st = self.state
+        n = int(st.buffer.shape[0])
+        if n == 0:
+            return torch.zeros(self.n_mels, 0)
+        mel = log_mel(st.buffer, uses_dynamic_floor(n, self.sample_rate), self.n_mels)
+        t_global = st.base_T + int(mel.shape[-1])
+        if st.last_emitted_T >= t_global:
+            return mel[:, 0:0]
+        tail = mel[:, max(0, st.last_emitted_T - st.base_T):]
+        self.state = replace(st, last_emitted_T=t_global)
+        return tail

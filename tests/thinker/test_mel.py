@@ -1,0 +1,139 @@
+"""Whisper log-mel and the streaming mel buffer (upstream's stable-frame semantics)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minicpmo_rt.thinker.mel import StreamingMel, log_mel, mel_filters
+
+from conftest import rel_err
+
+
+def _speechlike(seconds: float, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = int(seconds * 16000)
+    t = np.arange(n) / 16000
+    env = 0.5 + 0.5 * np.sin(2 * np.pi * 3 * t)
+    x = 0.2 * env * np.sin(2 * np.pi * (180 + 40 * np.sin(2 * np.pi * 0.5 * t)) * t) + 0.01 * rng.standard_normal(n)
+    return x.astype(np.float32)
+
+
+def _numpy_reference(x: np.ndarray, dynamic: bool) -> np.ndarray:
+    """Upstream's numpy path: transformers' numpy spectrogram, last frame dropped, floor, (x+4)/4."""
+    from transformers.audio_utils import spectrogram, window_function
+
+    spec = spectrogram(x, window_function(400, "hann"), frame_length=400, hop_length=160, power=2.0,
+                       mel_filters=mel_filters().T.double().numpy(), log_mel="log10", dtype=np.float64)[:, :-1]
+    spec = np.maximum(spec, spec.max() - 8.0 if dynamic else -10.0)
+    return (spec + 4.0) / 4.0
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_log_mel_matches_numpy_reference(dynamic):
+    x = _speechlike(2.3)
+    ours = log_mel(x, dynamic)
+    ref = _numpy_reference(x, dynamic)
+    assert ours.shape == (80, len(x) // 160) == ref.shape
+    assert rel_err(ours, torch.from_numpy(ref)) <= 1e-5
+
+
+def test_log_mel_dynamic_equals_whisper_feature_extractor():
+    from transformers import WhisperFeatureExtractor
+
+    x = _speechlike(6.0, seed=1)
+    ref = WhisperFeatureExtractor(feature_size=80)(x, sampling_rate=16000, return_tensors="pt",
+                                                   padding=False).input_features[0]
+    assert torch.equal(log_mel(x, True), ref)
+
+
+def _feed_native(mel: StreamingMel, audio: np.ndarray, n_chunks: int):
+    """Drive the processor as the duplex session does (chunk 0 left-padded to 16560, 80-sample carry)."""
+    pending = np.concatenate([np.zeros(560, np.float32), audio])
+    out = []
+    for _ in range(n_chunks):
+        need = mel.chunk_size()
+        out.append(mel.process(pending[:need]))
+        pending = pending[need:]
+    return out, pending
+
+
+def test_stream_emits_stable_frames_equal_to_whole_buffer_mel():
+    audio = _speechlike(4.0, seed=2)
+    mel = StreamingMel()
+    chunks, _ = _feed_native(mel, audio, 3)
+    assert [(c.start, c.end, c.prefix_extra, c.suffix_extra) for c in chunks] == \
+        [(0, 102, 0, 2), (98, 202, 2, 2), (198, 302, 2, 2)]
+    whole = log_mel(np.concatenate([np.zeros(560, np.float32), audio]), dynamic=False)  # < 5 s: fixed floor
+    for c in chunks:
+        assert rel_err(c.features, whole[:, c.start:c.end]) <= 1e-6
+    st = mel.state
+    assert (st.chunk_count, st.last_emitted_T, st.total_samples_processed) == (3, 300, 16480 + 2 * 16000)
+
+
+def test_first_chunk_is_16480_samples_and_unstable_tail_needs_last_chunk_mode():
+    mel = StreamingMel()
+    assert mel.chunk_size() == 16480
+    mel.process(np.zeros(16480, np.float32) + 0.01)
+    assert mel.chunk_size() == 16000
+    snap = mel.snapshot()
+    tail = _speechlike(0.2, seed=3)
+    tail = np.concatenate([np.zeros(80, np.float32), tail])
+    assert mel.process(tail).n_frames == 0  # not stable yet: upstream emits nothing
+    mel.restore(snap)
+    c = mel.process(tail, last_chunk=True)
+    assert (c.start, c.end, c.prefix_extra, c.suffix_extra) == (98, 123, 2, 0)
+
+
+def test_dynamic_floor_from_five_seconds():
+    audio = _speechlike(6.5, seed=4)
+    audio[64000:72000] = 0.0  # silence, so that the floor matters
+    mel = StreamingMel()
+    chunks, _ = _feed_native(mel, audio, 6)
+    padded = np.concatenate([np.zeros(560, np.float32), audio])
+    for k, c in enumerate(chunks):
+        buffer_len = 16480 + 16000 * k
+        buf = padded[:buffer_len]
+        expect = log_mel(buf, dynamic=buffer_len >= 80000)[:, c.start:c.end]
+        assert torch.equal(c.features, expect), k
+    # chunk 4 (96480 samples) is the first with the dynamic floor, and it differs from the fixed one
+    fixed = log_mel(padded[:16480 + 16000 * 4], dynamic=False)[:, chunks[4].start:chunks[4].end]
+    assert not torch.equal(chunks[4].features, fixed)
+
+
+def test_sliding_window_at_30_seconds_keeps_global_frames():
+    audio = _speechlike(31.0, seed=5)
+    mel = StreamingMel()
+    chunks, _ = _feed_native(mel, audio, 31)
+    st = mel.state
+    # chunk 29 brings the buffer to 480480 samples >= 30 s: 10 s (160000 samples) drop once
+    assert st.left_samples_dropped == 160000 and st.base_T == 1000
+    assert [c.start for c in chunks[28:]] == [2798, 2898, 2998]
+    assert all(c.n_frames == 104 for c in chunks[1:])
+    padded = np.concatenate([np.zeros(560, np.float32), audio])
+    buf = padded[160000:16480 + 16000 * 29]
+    assert torch.equal(chunks[29].features, log_mel(buf, True)[:, 2898 - 1000:3002 - 1000])
+
+
+def test_snapshot_restore_is_bit_exact():
+    audio = _speechlike(3.0, seed=6)
+    a, b = StreamingMel(), StreamingMel()
+    _feed_native(a, audio[:16000], 1)
+    _feed_native(b, audio[:16000], 1)
+    snap = b.snapshot()
+    digest = snap.digest()
+    b.process(np.ones(4000, np.float32), last_chunk=True)
+    assert b.state.digest() != digest
+    b.restore(snap)
+    assert b.state.digest() == digest
+    nxt = audio[15920:31920]
+    ca, cb = a.process(nxt), b.process(nxt)
+    assert torch.equal(ca.features, cb.features) and a.state.digest() == b.state.digest()
+    with pytest.raises(ValueError):
+        snap.buffer[0] = 1.0  # snapshots cannot be written through
+
+
+def test_too_short_buffer_is_an_error():
+    with pytest.raises(ValueError, match="at least 400 samples"):
+        StreamingMel().process(np.zeros(100, np.float32), last_chunk=True)
