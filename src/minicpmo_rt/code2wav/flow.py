@@ -1,0 +1,234 @@
+"""The flow (speech tokens -> 80-bin mel at 50 Hz): upstream ``CausalMaskedDiffWithXvec``.
+
+token embedding (6561 codes) -> UpsampleConformerEncoderV2 -> ``encoder_proj`` (-> mu, 80 ch)
+-> CausalConditionalCFM (DiT estimator) conditioned on the L2-normalised 192-d speaker
+embedding (``spk_embed_affine_layer`` 192 -> 80) and, for prompt frames, the prompt mel.
+
+API (stable; the Code2Wav pipeline builds on it):
+  * ``Flow.inference(token, prompt_token, prompt_feat, embedding, n_timesteps)``: whole utterance;
+  * ``Flow.setup_cache(prompt_tokens_plus_lookahead, prompt_mel, spk, n_timesteps) -> FlowCache``:
+    encode and solve the prompt once (shareable by every stream of a voice: nothing mutates it);
+  * ``Flow.inference_chunk(tokens, spk, cache, last_chunk, n_timesteps) -> (mel, FlowCache)``:
+    one streamed chunk (its last 3 tokens are lookahead unless ``last_chunk``), returning a new,
+    trimmed cache;
+  * ``load_flow(asset_dir, device)``: build from ``flow.yaml`` and load ``flow.pt`` strictly.
+Tensors are batch-first; mels are (b, 80, frames) like upstream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint.weights import load_strict
+from ..errors import CheckpointError, InputError
+from .cfm import CausalConditionalCFM
+from .encoder import EncoderCache, UpsampleConformerEncoderV2
+from .flow_config import FlowConfig, read_flow_yaml
+
+# Frames of history (beyond the prompt) kept in the streaming caches, as upstream Token2wav.
+HISTORY_FRAMES = 100
+
+
+@dataclass(frozen=True)
+class FlowCache:
+    """Streaming state of one flow stream (immutable: every call returns a new one).
+
+    conformer_cnn (b, d, 2+2*stride); conformer_att (enc layers, b, heads, 2*t, 2*d_k) packed as
+    in ``encoder``; estimator_cnn (steps, depth, 2b, 2*hidden, 2); estimator_att
+    (steps, depth, 2b, heads, L, 2*head_dim), newest frame first. ``prompt_frames`` is the
+    prompt's mel length, which trimming always keeps.
+    """
+
+    conformer_cnn: torch.Tensor
+    conformer_att: torch.Tensor
+    estimator_cnn: torch.Tensor
+    estimator_att: torch.Tensor
+    prompt_frames: int
+
+    @property
+    def n_timesteps(self) -> int:
+        return self.estimator_att.shape[0]
+
+    @property
+    def estimator_frames(self) -> int:
+        """Estimator cache length: also the noise offset of the next chunk."""
+        return self.estimator_att.shape[4]
+
+    @property
+    def encoder(self) -> EncoderCache:
+        return EncoderCache(self.conformer_cnn, self.conformer_att)
+
+    def clone(self) -> "FlowCache":
+        return FlowCache(self.conformer_cnn.clone(), self.conformer_att.clone(), self.estimator_cnn.clone(),
+                         self.estimator_att.clone(), self.prompt_frames)
+
+    def to(self, device: torch.device | str) -> "FlowCache":
+        return FlowCache(self.conformer_cnn.to(device), self.conformer_att.to(device),
+                         self.estimator_cnn.to(device), self.estimator_att.to(device), self.prompt_frames)
+
+
+def trim_estimator_att(att: torch.Tensor, prompt_frames: int, keep: int = HISTORY_FRAMES) -> torch.Tensor:
+    """Past ``prompt_frames + keep`` frames, keep the first ``prompt_frames`` and the last ``keep``
+    along the frame axis (upstream's rule, applied to its newest-first layout as it is)."""
+    if att.shape[4] <= prompt_frames + keep:
+        return att
+    return torch.cat([att[:, :, :, :, :prompt_frames], att[:, :, :, :, -keep:]], dim=4)
+
+
+def trim_conformer_att(att: torch.Tensor, prompt_frames: int, n_token_layers: int,
+                       keep: int = HISTORY_FRAMES) -> torch.Tensor:
+    """Trim the packed conformer cache to the prompt + ``keep`` mel frames (upstream 1.0.7).
+
+    The token-rate layers (stored twice along time) keep prompt//2 + keep//2 token frames,
+    the mel-rate layers prompt + keep frames; then the cache is repacked.
+    """
+    frames = att.shape[3]
+    if frames <= prompt_frames + keep:
+        return att
+    tok = att[:n_token_layers, :, :, :frames // 2]
+    tok = torch.cat([tok[:, :, :, :prompt_frames // 2], tok[:, :, :, tok.shape[3] - keep // 2:]], dim=3)
+    mel = att[n_token_layers:]
+    mel = torch.cat([mel[:, :, :, :prompt_frames], mel[:, :, :, frames - keep:]], dim=3)
+    return torch.cat([tok.repeat(1, 1, 1, 2, 1), mel], dim=0)
+
+
+class Flow(nn.Module):
+    """``CausalMaskedDiffWithXvec`` (see module docstring). Parameter names are upstream's."""
+
+    def __init__(self, cfg: FlowConfig, noise_seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.encoder = UpsampleConformerEncoderV2(cfg.encoder)
+        self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
+        self.decoder = CausalConditionalCFM(cfg.decoder, noise_seed=noise_seed)
+
+    @property
+    def pre_lookahead_len(self) -> int:
+        return self.encoder.pre_lookahead_len
+
+    @property
+    def up_rate(self) -> int:
+        return self.encoder.up_rate
+
+    # ------------------------------------------------------------------ helpers
+    def _check_tokens(self, token: torch.Tensor, name: str) -> None:
+        if token.dim() != 2 or token.dtype.is_floating_point:
+            raise InputError(f"{name}: expected integer codes of shape (batch, frames), got "
+                             f"{tuple(token.shape)} {token.dtype}")
+        if token.numel():
+            lo, hi = int(token.min()), int(token.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise InputError(f"{name}: codes must lie in 0..{self.cfg.vocab_size - 1}; found {lo}..{hi}")
+
+    def _speaker(self, spk: torch.Tensor) -> torch.Tensor:
+        if spk.dim() != 2 or spk.shape[1] != self.cfg.spk_embed_dim:
+            raise InputError(f"speaker embedding: expected (batch, {self.cfg.spk_embed_dim}), got {tuple(spk.shape)}")
+        return self.spk_embed_affine_layer(F.normalize(spk, dim=1))
+
+    # ------------------------------------------------------------------ whole utterance
+    @torch.inference_mode()
+    def inference(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
+                  embedding: torch.Tensor, n_timesteps: int = 10) -> torch.Tensor:
+        """Mel for ``token`` (1, T) spoken in the prompt's voice -> (1, 80, up_rate*T).
+
+        prompt_token (1, Tp); prompt_feat (1, up_rate*Tp, 80) the prompt mel; embedding (1, 192).
+        The prompt's frames condition the solve and are cut from the result.
+        """
+        if token.shape[0] != 1 or prompt_token.shape[0] != 1:
+            raise InputError(f"inference runs one utterance: batch {token.shape[0]} given")
+        if token.shape[1] == 0:
+            raise InputError("inference: empty token list")
+        self._check_tokens(token, "tokens")
+        self._check_tokens(prompt_token, "prompt tokens")
+        spk = self._speaker(embedding)
+        h = self.encoder(self.input_embedding(torch.cat([prompt_token, token], dim=1).long()))
+        h = self.encoder_proj(h)
+        n_prompt = prompt_feat.shape[1]
+        if n_prompt > h.shape[1]:
+            raise InputError(f"prompt mel has {n_prompt} frames, more than the {h.shape[1]} the tokens give")
+        cond = torch.zeros_like(h)
+        cond[:, :n_prompt] = prompt_feat
+        mel = self.decoder(h.transpose(1, 2).contiguous(), None, spk, cond.transpose(1, 2).contiguous(),
+                           n_timesteps=n_timesteps)
+        return mel[:, :, n_prompt:]
+
+    # ------------------------------------------------------------------ streaming
+    @torch.inference_mode()
+    def setup_cache(self, token: torch.Tensor, mel: torch.Tensor, spk: torch.Tensor,
+                    n_timesteps: int = 10) -> FlowCache:
+        """Encode and solve the voice prompt once.
+
+        token (b, Tp + 3): the prompt tokens followed by 3 lookahead tokens (upstream appends
+        the prompt's first 3; the vLLM-Omni protocol uses silence codes); mel (b, up_rate*Tp, 80)
+        the prompt mel; spk (b, 192). The returned cache is never mutated, so one cache can seed
+        any number of streams.
+        """
+        self._check_tokens(token, "prompt tokens")
+        want = (token.shape[1] - self.pre_lookahead_len) * self.up_rate
+        if mel.dim() != 3 or mel.shape[1] != want or mel.shape[2] != self.cfg.output_size:
+            raise InputError(f"prompt mel: expected (b, {want}, {self.cfg.output_size}) for {token.shape[1]} tokens "
+                             f"(incl. {self.pre_lookahead_len} lookahead), got {tuple(mel.shape)}")
+        if n_timesteps < 1:
+            raise InputError(f"n_timesteps must be >= 1, got {n_timesteps}")
+        spk = self._speaker(spk)
+        h, enc_cache = self.encoder.forward_chunk(self.input_embedding(token.long()), last_chunk=False)
+        h = self.encoder_proj(h)
+        _, est_cnn, est_att = self.decoder.forward_chunk(
+            h.transpose(1, 2).contiguous(), spk, mel.transpose(1, 2).contiguous(), n_timesteps=n_timesteps)
+        return FlowCache(enc_cache.cnn, enc_cache.att, est_cnn, est_att, prompt_frames=mel.shape[1])
+
+    @torch.inference_mode()
+    def inference_chunk(self, token: torch.Tensor, spk: torch.Tensor, cache: FlowCache, last_chunk: bool = False,
+                        n_timesteps: int | None = None) -> tuple[torch.Tensor, FlowCache]:
+        """One streamed chunk -> (mel (b, 80, up_rate*m), next cache).
+
+        token (b, n): a non-final chunk's last 3 tokens are lookahead (m = n - 3; they are sent
+        again at the start of the next chunk); with ``last_chunk`` all n are decoded. The next
+        cache is trimmed to prompt + 100 frames like upstream Token2wav.stream.
+        """
+        self._check_tokens(token, "tokens")
+        n_timesteps = cache.n_timesteps if n_timesteps is None else n_timesteps
+        if n_timesteps != cache.n_timesteps:
+            raise InputError(f"n_timesteps={n_timesteps} but the cache was set up with {cache.n_timesteps} steps")
+        if token.shape[1] <= (0 if last_chunk else self.pre_lookahead_len):
+            raise InputError(f"chunk of {token.shape[1]} tokens: a non-final chunk needs new tokens plus "
+                             f"{self.pre_lookahead_len} lookahead, a final one at least 1")
+        spk = self._speaker(spk)
+        h, enc_cache = self.encoder.forward_chunk(self.input_embedding(token.long()), last_chunk, cache.encoder)
+        h = self.encoder_proj(h).transpose(1, 2).contiguous()
+        mel, est_cnn, est_att = self.decoder.forward_chunk(
+            h, spk, torch.zeros_like(h), n_timesteps=n_timesteps,
+            cnn_cache=cache.estimator_cnn, att_cache=cache.estimator_att)
+        p = cache.prompt_frames
+        new = FlowCache(enc_cache.cnn, trim_conformer_att(enc_cache.att, p, len(self.encoder.encoders)),
+                        est_cnn, trim_estimator_att(est_att, p), p)
+        return mel, new
+
+
+def load_flow(asset_dir: str | Path, device: str | torch.device = "cpu", noise_seed: int = 0) -> Flow:
+    """Build the flow from ``asset_dir/flow.yaml`` and load ``asset_dir/flow.pt`` strictly (fp32)."""
+    asset_dir = Path(asset_dir)
+    yaml_path, weights = asset_dir / "flow.yaml", asset_dir / "flow.pt"
+    for path in (yaml_path, weights):
+        if not path.is_file():
+            raise CheckpointError(f"{path}: not found; a snapshot's assets/token2wav/ must hold flow.yaml and "
+                                  "flow.pt (point --model at a MiniCPM-o 4.5 snapshot or run make-tiny)")
+    cfg = read_flow_yaml(yaml_path)
+    try:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        raise CheckpointError(f"{weights}: cannot be read as a torch state_dict ({exc})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{weights}: holds a {type(state).__name__}, expected a state_dict")
+    with torch.device("meta"):
+        flow = Flow(cfg, noise_seed=noise_seed)
+    load_strict(flow, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, str(weights))
+    return flow.to(device).eval()
+
