@@ -1,18 +1,24 @@
 """5 Hz turn-taking targets from EasyCom ``Speech_Transcriptions`` (``minicpmo-rt make-targets``).
 
-Timeline. Time 0 is the start of the session's first one-minute file (``00-00-000``). A file
-named ``mm-ss-SSS.json`` starts at ``mm*60 + ss + SSS/1000`` seconds; its utterance frames are
-local to it, 20 fps and 1-based, so a frame number ``f`` is the session time
-``offset + (f - 1) / 20`` (both ``Start_Frame`` and ``End_Frame`` are converted this way, as
-ESPnet's EasyCom recipe does). A file covers ``[offset, offset + duration)``; the duration is
-read from the sibling media (the array WAV's sample count, else the mp4's frame count) and,
-without media, is the distance to the next file (if <= 61 s) or a nominal 60 s. Time not
-covered by any file (redacted minutes) is a *gap*; utterances are clipped to their file.
+Timeline: the feature extractor's *media time* (features/easycom.py). The session's
+one-minute files, ordered by their ``mm-ss-SSS`` names, are concatenated; each lasts its own
+media (``frames / 20`` s, frames = min(video frames, whole 20 fps frames of audio), read by
+``features.easycom.build_timeline`` from ``Video_Compressed/Session_N``). Transcript frames are
+20 fps, 1-based and local to their file, so frame ``f`` of a file starting at media time ``m``
+is ``m + (f - 1) / 20`` (both ``Start_Frame`` and ``End_Frame``, as ESPnet's EasyCom recipe
+converts them); utterances are clipped to their file. Redacted minutes are skipped, not
+filled: where the next name starts more than 1 s after the previous file's media ends there
+is a *cut* on the media axis. Without the session's videos the durations are guessed from the
+names (the distance to the next name if it is at most 61 s, else a nominal 60 s, which also
+ends the last file) and ``<stem>.meta.json`` says so; such targets may not line up with an
+artifact.
 
-Grid. Row ``i`` covers the half-open bin ``(0.2*i, 0.2*(i+1)]`` and its ``time`` is
-``0.2*(i+1)``: the same grid as a feature artifact's ``times`` (first row 0.2 s). The last row
-is the last complete bin before the end of the last file. Rows inside gaps are kept (so row
-index == artifact row index) and masked.
+Grid. Row ``i`` covers the half-open bin ``(0.2*i, 0.2*(i+1)]`` of media time and its
+``time`` is ``0.2*(i+1)``: the same grid as a feature artifact's ``times`` (first row 0.2 s).
+The last row is the last complete bin of the media. Gaps have no rows (media time skips them);
+a row whose bin straddles a cut is masked (``valid_now`` False), and a row whose 2 s future
+window crosses a cut or the session end is masked for the future targets (``valid`` False).
+Nothing spans a cut: events and ``last_speaker`` restart after one.
 
 Per-row rule (VAP's): a channel is *active* in a bin when utterances cover >= 0.5 of it.
 The wearer is participant 2; *partner* is the union of every other participant.
@@ -22,10 +28,11 @@ Fields of the structured array (``TARGET_DTYPE``, one record per row, row order)
 ==================  =====  ==================================================================
 name                dtype  meaning
 ==================  =====  ==================================================================
-time                f8     row end time, s (0.2, 0.4, ...)
-valid_now           ?      the row's bin lies entirely inside a file (not in a gap)
-valid               ?      valid_now, and the 2 s future window ``(time, time+2]`` lies
-                           entirely inside files too (no gap, not past the session end)
+time                f8     row end time, media seconds (0.2, 0.4, ...)
+session_time        f8     the same instant on the session clock of the file names
+valid_now           ?      the row's bin does not straddle a cut (a redaction gap)
+valid               ?      valid_now, and the 2 s future window ``(time, time+2]`` neither
+                           crosses a cut nor runs past the end of the media
 wearer              ?      wearer active in the row's bin
 partner             ?      any partner active (union of partners covers >= 0.5 of the bin)
 wearer_frac         f4     fraction of the bin covered by wearer speech
@@ -46,7 +53,8 @@ Shift/hold events, on per-participant activity (each participant's own >= 0.5 ru
 only active participant. A mutual silence is a maximal run of silent rows ``[s, e)`` with
 ``e - s >= min_silence`` rows (default 1 row = 200 ms). It is an event when the ``pre`` rows
 before it (default 5 = 1 s, as VAP) are all valid and all ``A alone`` for one participant A, and
-the ``post`` rows after it (default 5 = 1 s) are all valid and all ``B alone``. The event is
+the ``post`` rows after it (default 5 = 1 s) are all valid and all ``B alone``, with no cut
+anywhere in between. The event is
 stored on the silence's first row ``s`` (the first row at which the silence is observable):
 ``event = 1`` (shift) if B != A, else 0 (hold). Partner-to-partner changes are shifts.
 Utterance-level transcripts hide pauses inside an utterance, so holds are under-counted.
@@ -72,7 +80,7 @@ STEP = 0.2
 FUTURE_EDGES = (0.0, 0.2, 0.6, 1.2, 2.0)
 
 TARGET_DTYPE = np.dtype(
-    [("time", "f8"), ("valid_now", "?"), ("valid", "?"), ("wearer", "?"), ("partner", "?"),
+    [("time", "f8"), ("session_time", "f8"), ("valid_now", "?"), ("valid", "?"), ("wearer", "?"), ("partner", "?"),
      ("wearer_frac", "f4"), ("partner_frac", "f4")]
     + [(f"wearer_f{k}", "?") for k in range(4)]
     + [(f"partner_f{k}", "?") for k in range(4)]
@@ -105,9 +113,11 @@ class Utterance:
 @dataclass(frozen=True)
 class Segment:
     name: str
-    offset: float
-    duration: float
-    duration_source: str
+    name_start: float      # session clock, from the file name
+    offset: float          # media time of the file's first frame
+    duration: float        # media seconds
+    duration_source: str   # "media" (build_timeline) or "names" (guessed)
+    cut_after: bool = False  # a redaction gap follows this file
 
     @property
     def end(self) -> float:
@@ -172,29 +182,35 @@ def _session_name(session: str | int) -> str:
     return f"Session_{s}" if s.isdigit() else s
 
 
-def _media_duration(root: Path, session: str, stem: str) -> tuple[float, str] | None:
-    wav = root / "Glasses_Microphone_Array_Audio" / session / f"{stem}.wav"
-    if wav.is_file():
-        import soundfile as sf
+def _segments_from_media(video_dir: Path, names: list[str]) -> list[Segment]:
+    from ..features.easycom import build_timeline
 
-        info = sf.info(str(wav))
-        return info.frames / info.samplerate, f"wav:{wav.name}"
-    mp4 = root / "Video_Compressed" / session / f"{stem}.mp4"
-    if mp4.is_file():
-        import av
+    tl = build_timeline(video_dir)
+    gap_after = {g.after for g in tl.gaps}
+    by_name = {s.name: s for s in tl.segments}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise InputError(f"{video_dir}: transcripts {missing} have no video segment of the same name; "
+                         f"the media axis cannot place them (restore the mp4s or remove the JSONs)")
+    return [Segment(s.name, s.name_start, s.media_start, s.duration, "media", s.name in gap_after)
+            for s in tl.segments]
 
-        with av.open(str(mp4)) as container:
-            stream = container.streams.video[0]
-            if stream.frames and stream.average_rate:
-                return stream.frames / float(stream.average_rate), f"mp4-frames:{mp4.name}"
-            if container.duration:
-                return container.duration / 1e6, f"mp4-duration:{mp4.name}"
-    return None
+
+def _segments_from_names(names: list[str], cfg: LabelConfig) -> list[Segment]:
+    starts = [segment_offset(n) for n in names]
+    out, media = [], 0.0
+    for k, (n, st) in enumerate(zip(names, starts)):
+        nxt = starts[k + 1] - st if k + 1 < len(names) else None
+        cut = nxt is not None and nxt > cfg.max_contiguous_s
+        dur = nxt if nxt is not None and not cut else cfg.nominal_segment_s
+        out.append(Segment(n, st, media, dur, "names", cut))
+        media += dur
+    return out
 
 
 def read_session(easycom_root: str | os.PathLike, session: str | int,
                  cfg: LabelConfig = LabelConfig()) -> SessionTranscript:
-    """Read every transcript file of a session and place it on the session timeline."""
+    """Read every transcript file of a session and place it on the media timeline."""
     root = Path(easycom_root)
     name = _session_name(session)
     if not (root / "Speech_Transcriptions").is_dir() and (root / "Main" / "Speech_Transcriptions").is_dir():
@@ -203,26 +219,19 @@ def read_session(easycom_root: str | os.PathLike, session: str | int,
     if not tdir.is_dir():
         raise InputError(f"{tdir}: no transcript directory; --easycom-root must hold "
                          f"Speech_Transcriptions/{name}/ (the EasyCom Main/ folder)")
-    files = sorted(tdir.glob("*.json"), key=lambda p: segment_offset(p.stem))
+    files = {p.stem: p for p in tdir.glob("*.json")}
     if not files:
         raise InputError(f"{tdir}: no mm-ss-SSS.json transcript files in it")
-    offsets = [segment_offset(p.stem) for p in files]
-    segments = []
-    for k, (p, off) in enumerate(zip(files, offsets)):
-        got = _media_duration(root, name, p.stem)
-        if got is not None:
-            dur, src = got
-        elif k + 1 < len(files) and offsets[k + 1] - off <= cfg.max_contiguous_s:
-            dur, src = offsets[k + 1] - off, "next-file-start"
-        else:
-            dur, src = cfg.nominal_segment_s, "nominal"
-        if k + 1 < len(files) and off + dur > offsets[k + 1]:
-            dur = offsets[k + 1] - off  # drifted files: the next file's start wins
-        segments.append(Segment(p.stem, off, dur, src))
+    names = sorted(files, key=segment_offset)
+    video_dir = root / "Video_Compressed" / name
+    segments = _segments_from_media(video_dir, names) if video_dir.is_dir() else _segments_from_names(names, cfg)
     skipped: list[str] = []
     utts: list[Utterance] = []
-    for p, seg in zip(files, segments):
-        utts.extend(read_transcript_file(p, seg.offset, seg.duration, cfg, skipped))
+    for seg in segments:
+        if seg.name in files:
+            utts.extend(read_transcript_file(files[seg.name], seg.offset, seg.duration, cfg, skipped))
+        else:
+            skipped.append(f"{seg.name}: video segment without a transcript (its rows are labelled silent)")
     return SessionTranscript(name, segments, utts, skipped)
 
 
@@ -261,7 +270,8 @@ class Coverage:
 
 def build_targets(transcript: SessionTranscript, cfg: LabelConfig = LabelConfig()) -> np.ndarray:
     """The structured target rows of one session (see the module docstring)."""
-    session_end = max(s.end for s in transcript.segments)
+    segs = transcript.segments
+    session_end = segs[-1].end
     n = int(math.floor(session_end / STEP + 1e-6))
     if n == 0:
         raise InputError(f"{transcript.session}: the session is shorter than one 0.2 s row")
@@ -269,11 +279,18 @@ def build_targets(transcript: SessionTranscript, cfg: LabelConfig = LabelConfig(
     idx = np.arange(n)
     t = np.round(STEP * (idx + 1), 9)
     out["time"] = t
-    media = Coverage((s.offset, s.end) for s in transcript.segments)
+    starts = np.array([s.offset for s in segs])
+    k = np.clip(np.searchsorted(starts, t - 1e-9, side="right") - 1, 0, None)
+    out["session_time"] = np.array([s.name_start for s in segs])[k] + (t - starts[k])
+    cuts = np.array([s.end for s in segs if s.cut_after], dtype=np.float64)
     tol = 1e-6
-    out["valid_now"] = media.fraction(t - STEP, t) >= 1 - tol
+    # stretch = number of cuts before the row's bin ends; a cut strictly inside a window breaks it
+    stretch = np.searchsorted(cuts, t - tol, side="right")
+    inside_now = np.searchsorted(cuts, t - tol, side="left") - np.searchsorted(cuts, t - STEP + tol, side="right")
     horizon = FUTURE_EDGES[-1]
-    out["valid"] = out["valid_now"] & (media.fraction(t, t + horizon) >= 1 - tol)
+    inside_future = np.searchsorted(cuts, t + horizon - tol, side="left") - np.searchsorted(cuts, t + tol, side="right")
+    out["valid_now"] = inside_now == 0
+    out["valid"] = out["valid_now"] & (inside_future == 0) & (t + horizon <= session_end + tol)
 
     wearer = Coverage((u.start, u.end) for u in transcript.utterances if u.participant == cfg.wearer_id)
     partner = Coverage((u.start, u.end) for u in transcript.utterances if u.participant != cfg.wearer_id)
@@ -301,7 +318,7 @@ def build_targets(transcript: SessionTranscript, cfg: LabelConfig = LabelConfig(
     last = np.full(n, -1, dtype=np.int16)
     cur = -1
     for i in range(n):
-        if not valid_now[i]:
+        if not valid_now[i] or (i > 0 and stretch[i] != stretch[i - 1]):
             cur = -1
         elif alone[i] >= 0:
             cur = int(alone[i])
@@ -322,6 +339,8 @@ def build_targets(transcript: SessionTranscript, cfg: LabelConfig = LabelConfig(
             i += 1
         e = i
         if e - s < cfg.min_silence_rows or s - cfg.pre_rows < 0 or e + cfg.post_rows > n:
+            continue
+        if stretch[s - cfg.pre_rows] != stretch[e + cfg.post_rows - 1]:
             continue
         pre, post = alone[s - cfg.pre_rows:s], alone[e:e + cfg.post_rows]
         if pre[0] < 0 or post[0] < 0 or (pre != pre[0]).any() or (post != post[0]).any():

@@ -21,57 +21,59 @@ def _write(root, session, name, utts):
 
 @pytest.fixture
 def session(tmp_path):
-    # Three files, no media, so durations come from the layout: 00-00-000 runs to the next
-    # file's start (2.4 s); 00-02-400 is followed by a 67.6 s jump (> 61 s), so it gets the
-    # nominal 60 s, [2.4, 62.4), and [62.4, 70.0) is a redaction gap; the last file is nominal.
+    # Three files and no media, so durations come from the names: 00-00-000 runs to the next
+    # name (2.5 s); after 00-02-500 the names jump 67.5 s (> 61 s), so it gets the nominal
+    # 60 s and a cut follows it at media time 62.5 s (inside the bin (62.4, 62.6]); the last
+    # file is nominal too: media [62.5, 122.5) for session clock [70.0, 130.0).
     _write(tmp_path, "Session_3", "00-00-000", [
         (2, 1, 21),      # wearer: frames 1..21 -> [0.0, 1.0)
         (3, 25, 41),     # partner 3: [1.2, 2.0)
     ])
-    _write(tmp_path, "Session_3", "00-02-400", [
-        (3, 1, 9),       # partner 3 at offset 2.4: [2.4, 2.8)
-        ("4", 13, 14),   # partner 4 (string id): [3.0, 3.05) -> 0.25 of a bin, inactive
+    _write(tmp_path, "Session_3", "00-02-500", [
+        (3, 3, 11),      # partner 3, local frames 3..11 at media offset 2.5: [2.6, 3.0)
+        ("4", 11, 12),   # partner 4 (string id): [3.0, 3.05) -> 0.25 of a bin, inactive
     ])
     _write(tmp_path, "Session_3", "01-10-000", [
-        (2, 1, 41),      # wearer [70.0, 72.0)
+        (2, 1, 41),      # wearer [62.5, 64.5) on the media axis
     ])
     return tmp_path
 
 
-def test_offsets_frames_and_gap(session):
+def test_offsets_frames_and_cut(session):
     tr = L.read_session(session, 3)
-    assert [s.name for s in tr.segments] == ["00-00-000", "00-02-400", "01-10-000"]
-    assert [s.offset for s in tr.segments] == [0.0, 2.4, 70.0]
-    assert [round(s.duration, 6) for s in tr.segments] == [2.4, 60.0, 60.0]
-    assert [s.duration_source for s in tr.segments] == ["next-file-start", "nominal", "nominal"]
+    assert [s.name for s in tr.segments] == ["00-00-000", "00-02-500", "01-10-000"]
+    assert [s.name_start for s in tr.segments] == [0.0, 2.5, 70.0]
+    assert [round(s.offset, 6) for s in tr.segments] == [0.0, 2.5, 62.5]
+    assert [round(s.duration, 6) for s in tr.segments] == [2.5, 60.0, 60.0]
+    assert [s.cut_after for s in tr.segments] == [False, True, False]
     spans = sorted((u.participant, round(u.start, 6), round(u.end, 6)) for u in tr.utterances)
-    assert spans == [(2, 0.0, 1.0), (2, 70.0, 72.0), (3, 1.2, 2.0), (3, 2.4, 2.8), (4, 3.0, 3.05)]
+    assert spans == [(2, 0.0, 1.0), (2, 62.5, 64.5), (3, 1.2, 2.0), (3, 2.6, 3.0), (4, 3.0, 3.05)]
 
     arr = L.build_targets(tr)
     assert arr.dtype == L.TARGET_DTYPE
-    assert arr.size == 650  # last file ends at 130.0 s
+    assert arr.size == 612  # floor(122.5 / 0.2)
     np.testing.assert_allclose(arr["time"][:3], [0.2, 0.4, 0.6])
+    np.testing.assert_allclose(arr["session_time"][[0, 313]], [0.2, 70.3])
     # wearer rows (0, 0.2] .. (0.8, 1.0] active; (1.0, 1.2] not
     assert arr["wearer"][:6].tolist() == [1, 1, 1, 1, 1, 0]
-    # partner: (1.2,1.4]..(1.8,2.0] -> rows 6..9; (2.4,2.6],(2.6,2.8] -> rows 12,13;
+    # partner: (1.2,1.4]..(1.8,2.0] -> rows 6..9; (2.6,2.8],(2.8,3.0] -> rows 13,14;
     # partner 4's 50 ms in (3.0, 3.2] is 0.25 coverage -> inactive
-    part = np.nonzero(arr["partner"][:20])[0].tolist()
-    assert part == [6, 7, 8, 9, 12, 13]
+    assert np.nonzero(arr["partner"][:20])[0].tolist() == [6, 7, 8, 9, 13, 14]
     assert arr["partner_frac"][15] == pytest.approx(0.25)
     # future bins of row 0 (t=0.2): wearer (0.2,0.4] yes, (0.4,0.8] yes, (0.8,1.4] 0.2/0.6 no, (1.4,2.2] no
     assert [arr[f"wearer_f{k}"][0] for k in range(4)] == [1, 1, 0, 0]
     # partner at t=0.4: (0.4,0.6] no, (0.6,1.0] no, (1.0,1.6] 0.4/0.6 yes, (1.6,2.4] 0.4/0.8 yes
     assert [arr[f"partner_f{k}"][1] for k in range(4)] == [0, 0, 1, 1]
-    # gap (62.4, 70.0): row ending at 62.4 (index 311) valid_now, 62.6 (312) not, 70.2 (350) again
-    assert arr["valid_now"][311] and not arr["valid_now"][312] and not arr["valid_now"][349]
-    assert arr["valid_now"][350]
-    # future window (t, t+2] must avoid the gap: t=60.4 (index 301) ok, t=60.6 (302) crosses it
-    assert arr["valid"][301] and not arr["valid"][302]
-    # the session end (130.0 s) masks the last 10 rows' futures
-    assert arr["valid"][639] and not arr["valid"][640] and arr["valid_now"][649]
-    # last speaker: wearer through row 5, partner 3 from row 6, reset in the gap, wearer after it
-    assert arr["last_speaker"][5] == 2 and arr["last_speaker"][6] == 3
-    assert arr["last_speaker"][312] == -1 and arr["last_speaker"][351] == 2
+    # the cut at 62.5: only the straddling row (62.4, 62.6] (index 312) is masked now
+    assert arr["valid_now"].sum() == 611 and not arr["valid_now"][312]
+    # future window (t, t+2] must not cross it: t=60.4 (301) ok, t=60.6 (302) .. 62.6 masked
+    assert arr["valid"][301] and not arr["valid"][302:313].any() and arr["valid"][313]
+    # the end of the media (122.5 s) masks futures from t=120.6 (index 602) on
+    assert arr["valid"][601] and not arr["valid"][602] and arr["valid_now"][611]
+    # last speaker: wearer through row 5, partner 3 from row 6 up to the cut, reset at the
+    # cut, the wearer right after it
+    assert arr["last_speaker"][5] == 2 and arr["last_speaker"][6] == 3 and arr["last_speaker"][311] == 3
+    assert arr["last_speaker"][312] == -1 and arr["last_speaker"][313] == 2
 
 
 def test_shift_and_hold_events(tmp_path):
@@ -95,9 +97,9 @@ def test_make_targets_atomic_roundtrip(session, tmp_path):
     out.parent.mkdir()
     path, meta = L.make_targets(session, "3", out)
     arr = L.load_targets(path)
-    assert arr.dtype == L.TARGET_DTYPE and arr.size == 650
+    assert arr.dtype == L.TARGET_DTYPE and arr.size == 612
     assert meta["columns"] == list(L.COLUMNS)
-    assert json.loads((out.parent / "Session_3.meta.json").read_text())["summary"]["rows"] == 650
+    assert json.loads((out.parent / "Session_3.meta.json").read_text())["summary"]["rows"] == 612
     back = L.from_matrix(L.as_matrix(arr))
     for c in L.COLUMNS:
         np.testing.assert_allclose(back[c].astype(float), arr[c].astype(float), atol=1e-6)
@@ -113,3 +115,18 @@ def test_bad_inputs(tmp_path):
     _write(tmp_path, "Session_8", "bad-name", [])
     with pytest.raises(InputError, match="mm-ss-SSS"):
         L.read_session(tmp_path, 8)
+
+
+def test_no_event_across_a_cut(tmp_path):
+    # file 1 (nominal 60 s, a cut at media 60.0 s: a row boundary, so no row is masked):
+    # wearer [58.0, 59.8); after the cut, partner 3 at media [60.2, 62.2). The silence
+    # (59.8, 60.2] would be a perfect shift if the cut were ignored.
+    _write(tmp_path, "Session_5", "00-00-000", [(2, 1161, 1197)])
+    _write(tmp_path, "Session_5", "01-10-000", [(3, 5, 45)])
+    arr = L.build_targets(L.read_session(tmp_path, 5))
+    assert arr["valid_now"].all()
+    assert arr["wearer"][294:299].all() and arr["partner"][301:306].all()
+    assert not (arr["wearer"][299:301] | arr["partner"][299:301]).any()
+    assert (arr["event"] == -1).all()
+    assert arr["last_speaker"][299] == 2 and arr["last_speaker"][300] == -1
+    assert not arr["valid"][290] and arr["valid"][289]  # (58.2, 60.2] crosses the cut
