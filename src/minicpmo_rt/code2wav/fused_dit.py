@@ -1,0 +1,375 @@
+"""The fused DiT body: the original estimator's math in ~12 kernels per block.
+
+It reads the SAME parameters as the original body (``dit.blocks[i].attn.to_q``,
+``conv.block.1`` ...; upstream's names, so the upstream module works too). The
+only derived tensors are packed views of those weights, built once:
+
+* ``to_q|to_k|to_v`` packed into one QKV GEMM (bias included);
+* each causal conv's weight (Cout, Cin, K) as a taps matrix (K*Cout, Cin), so the
+  conv over a history buffer ``[cache(K-1) | x(T)]`` is one GEMM whose output row
+  t+k, column block k, summed over k, is the conv output at t (the "tap sum").
+
+Per block (R rows = CFG-doubled batch, T query frames, C hidden):
+  1  residual + modulated LN (fused with the previous block's MLP residual)
+  2  QKV GEMM             3  q/k head LN, k/v written straight into the [k|v] cache
+  4  attention (Triton tiled TF32 on SM80+, SDPA elsewhere)   5  out-proj GEMM
+  6  residual + modulated LN written straight into conv1's history buffer
+  7  conv1 GEMM           8  tap sum + bias + LN + Mish into conv2's history buffer
+  9  conv2 GEMM           10 tap sum + bias + residual + modulated LN (MLP input)
+  11 fc1 GEMM with tanh-GELU in the cuBLASLt epilogue          12 fc2 GEMM
+The original body launches ~47 kernels per block (see benchmarks/results).
+
+Without Triton (CPU CI, pre-SM80 CUDA, HIP) every fused stage runs as its torch
+formulation on the same buffers and attention goes through SDPA: the "SDPA
+fallback", which is what the CPU tests exercise; under ``TRITON_INTERPRET=1`` the
+Triton stages run on CPU tensors too.
+
+Modulation: per timestep a table (depth, 9, C) with the scale entries stored as
+``1 + scale`` plus the final layer's (2, C), computed from ``t`` through the
+original ``t_embedder``/``adaLN_modulation`` modules (outside any graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kernels import AVAILABLE as TRITON_AVAILABLE, usable_on
+from .kernels import dit_ops
+from .kernels.tiled_attention import sdpa_attention, tiled_attention
+
+__all__ = ["supports_fused_body", "FusedDiT", "DiTLayout", "Modulation"]
+
+AttentionKind = Literal["triton-tf32", "triton-ieee", "sdpa"]
+
+# adaLN chunk order of the original block
+SH_MSA, SC_MSA, G_MSA, SH_MLP, SC_MLP, G_MLP, SH_CONV, SC_CONV, G_CONV = range(9)
+
+
+@dataclass(frozen=True)
+class DiTLayout:
+    depth: int
+    hidden: int
+    heads: int
+    head_dim: int
+    mlp_hidden: int
+    in_channels: int
+    out_channels: int
+    taps: int
+    norm_eps: float      # norm1..3 / norm_final (affine-free)
+    qk_eps: float
+    conv_ln_eps: float
+
+
+def _is_ln(m, n: int, affine: bool | None = None) -> bool:
+    if not isinstance(m, nn.LayerNorm) or tuple(m.normalized_shape) != (n,):
+        return False
+    return affine is None or m.elementwise_affine == affine
+
+
+def _is_plain_conv(m, c: int) -> bool:
+    return (isinstance(m, nn.Conv1d) and m.in_channels == c and m.out_channels == c and m.stride == (1,)
+            and m.dilation == (1,) and m.groups == 1 and m.padding in ((0,), 0) and m.bias is not None
+            and m.padding_mode == "zeros")
+
+
+def supports_fused_body(dit: nn.Module) -> tuple[bool, str]:
+    """(eligible, why not) for the fused body over ``dit``'s parameters."""
+    try:
+        blocks = dit.blocks
+        C = dit.in_proj.out_features
+        for i, blk in enumerate(blocks):
+            a = blk.attn
+            H, D = a.num_heads, a.head_dim
+            where = f"blocks.{i}"
+            for n in ("norm1", "norm2", "norm3"):
+                if not _is_ln(getattr(blk, n), C, affine=False):
+                    return False, f"{where}.{n} is not an affine-free LayerNorm({C})"
+            for n in ("to_q", "to_k", "to_v"):
+                lin = getattr(a, n)
+                if not isinstance(lin, nn.Linear) or lin.bias is None or lin.out_features != H * D:
+                    return False, f"{where}.attn.{n} is not a biased Linear to {H}x{D}"
+            if not (_is_ln(a.q_norm, D, affine=True) and _is_ln(a.k_norm, D, affine=True)):
+                return False, f"{where}.attn q/k norms are not affine LayerNorm({D})"
+            if D < 16 or D & (D - 1):
+                return False, f"{where}.attn head_dim {D} is not a power of two >= 16"
+            seq = blk.conv.block
+            if len(seq) != 8 or not (_is_plain_conv(seq[1], C) and _is_ln(seq[3], C, affine=True)
+                                     and _is_plain_conv(seq[6], C)):
+                return False, f"{where}.conv.block is not [_, Conv1d, _, LayerNorm, Mish, _, Conv1d, _]"
+            if not isinstance(seq[4], (nn.Mish, nn.Identity)):
+                return False, f"{where}.conv.block.4 is {type(seq[4]).__name__}, not Mish"
+            if seq[1].kernel_size != seq[6].kernel_size:
+                return False, f"{where}.conv kernels differ"
+            act = getattr(blk.mlp, "act", None)
+            if act is not None and not (isinstance(act, nn.GELU) and act.approximate == "tanh"):
+                return False, f"{where}.mlp.act is not tanh-GELU"
+            if not isinstance(getattr(blk.mlp, "norm", nn.Identity()), nn.Identity):
+                return False, f"{where}.mlp has a hidden norm"
+            ada = blk.adaLN_modulation[-1]
+            if not isinstance(ada, nn.Linear) or ada.out_features != 9 * C:
+                return False, f"{where}.adaLN_modulation is not Linear({C}, {9 * C})"
+        fl = dit.final_layer
+        if not _is_ln(fl.norm_final, C, affine=False):
+            return False, "final_layer.norm_final is not an affine-free LayerNorm"
+    except AttributeError as exc:
+        return False, f"unknown DiT layout ({exc})"
+    return True, ""
+
+
+def layout_of(dit: nn.Module) -> DiTLayout:
+    b0 = dit.blocks[0]
+    return DiTLayout(depth=len(dit.blocks), hidden=dit.in_proj.out_features, heads=b0.attn.num_heads,
+                     head_dim=b0.attn.head_dim, mlp_hidden=b0.mlp.fc1.out_features,
+                     in_channels=dit.in_proj.in_features, out_channels=dit.final_layer.linear.out_features,
+                     taps=b0.conv.block[1].kernel_size[0], norm_eps=b0.norm1.eps, qk_eps=b0.attn.q_norm.eps,
+                     conv_ln_eps=b0.conv.block[3].eps)
+
+
+@dataclass
+class Modulation:
+    """adaLN tables for Rm rows (Rm = 1 when every row shares the timestep)."""
+
+    blocks: torch.Tensor   # (Rm, depth, 9, C), scale entries hold 1 + scale
+    final: torch.Tensor    # (Rm, 2, C): shift, 1 + scale
+
+
+@dataclass
+class Workspace:
+    """Per-call buffers for R rows, T frames (reused by a captured graph)."""
+
+    h: torch.Tensor        # (R, T, C) residual stream
+    norm: torch.Tensor     # (R, T, C) modulated-LN output
+    qkv: torch.Tensor      # (R, T, 3*H*D)
+    q: torch.Tensor        # (R, T, H, D)
+    o: torch.Tensor        # (R, T, H, D)
+    y: torch.Tensor        # (R, T, C)
+    taps: torch.Tensor     # (R, T+K-1, K*C)
+    mlp: torch.Tensor      # (R, T, 4C)
+
+
+class FusedDiT:
+    """Fused forward over an original DiT's parameters (the module is not modified)."""
+
+    def __init__(self, dit: nn.Module, attention: AttentionKind = "sdpa", use_triton: bool | None = None):
+        ok, why = supports_fused_body(dit)
+        if not ok:
+            raise ValueError(f"DiT layout not supported by the fused body: {why}")
+        self.dit = dit
+        self.L = layout_of(dit)
+        self.attention = attention
+        self.use_triton = TRITON_AVAILABLE if use_triton is None else use_triton
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-derive the packed weights (after loading new parameters)."""
+        self.w_qkv, self.b_qkv, self.w_taps1, self.w_taps2 = [], [], [], []
+        for blk in self.dit.blocks:
+            a = blk.attn
+            self.w_qkv.append(torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight], 0).contiguous())
+            self.b_qkv.append(torch.cat([a.to_q.bias, a.to_k.bias, a.to_v.bias], 0).contiguous())
+            for conv, dst in ((blk.conv.block[1], self.w_taps1), (blk.conv.block[6], self.w_taps2)):
+                w = conv.weight                                   # (Cout, Cin, K)
+                dst.append(w.permute(2, 0, 1).reshape(-1, w.shape[1]).contiguous())   # (K*Cout, Cin)
+
+    # ------------------------------------------------------------------ modulation
+    @torch.no_grad()
+    def modulation(self, t: torch.Tensor) -> Modulation:
+        """t (Rm,) timesteps -> tables; uses the original modules, so the same GEMMs and rounding."""
+        c = self.dit.t_embedder(t)                                  # (Rm, C)
+        blocks = torch.stack([blk.adaLN_modulation(c).view(-1, 9, self.L.hidden) for blk in self.dit.blocks], 1)
+        blocks = blocks.clone()
+        for i in (SC_MSA, SC_MLP, SC_CONV):
+            blocks[:, :, i] = 1 + blocks[:, :, i]
+        fin = self.dit.final_layer.adaLN_modulation(c).view(-1, 2, self.L.hidden).clone()
+        fin[:, 1] = 1 + fin[:, 1]
+        return Modulation(blocks.contiguous(), fin.contiguous())
+
+    # ------------------------------------------------------------------ buffers
+    def workspace(self, R: int, T: int, device, dtype=torch.float32) -> Workspace:
+        L = self.L
+        e = lambda *s: torch.empty(*s, device=device, dtype=dtype)  # noqa: E731
+        return Workspace(h=e(R, T, L.hidden), norm=e(R, T, L.hidden), qkv=e(R, T, 3 * L.heads * L.head_dim),
+                         q=e(R, T, L.heads, L.head_dim), o=e(R, T, L.heads, L.head_dim), y=e(R, T, L.hidden),
+                         taps=e(R, T + L.taps - 1, L.taps * L.hidden), mlp=e(R, T, L.mlp_hidden))
+
+    def _triton(self, t: torch.Tensor) -> bool:
+        return self.use_triton and usable_on(t)
+
+    # ------------------------------------------------------------------ fused stages
+    def _res_ln(self, ws: Workspace, y, bias, mods: torch.Tensor, gate_i, shift_i, scale_i, out, eps, taps=0):
+        """x += gate*y (y plain or tap sum); out = LN(x)*(1+scale)+shift.  mods (Rm, 9 or 2, C)."""
+        x = ws.h
+        gate = mods[:, gate_i] if gate_i is not None else None
+        shift, scale = mods[:, shift_i], mods[:, scale_i]
+        if self._triton(x):
+            dit_ops.residual_mod_ln(x, y, bias, gate, shift, scale, out, eps, taps)
+            return
+        if y is not None:
+            if taps:
+                T = x.shape[1]
+                C = x.shape[2]
+                y = sum(y[:, k:k + T, k * C:(k + 1) * C] for k in range(taps)) + bias
+            x.add_(gate[:, None] * y)
+        out.copy_(F.layer_norm(x, (x.shape[-1],), eps=eps) * scale[:, None] + shift[:, None])
+
+    def _qkv_ln(self, ws: Workspace, blk, kv_cur: torch.Tensor):
+        a = blk.attn
+        if self._triton(ws.qkv):
+            dit_ops.qkv_head_ln(ws.qkv, a.q_norm.weight, a.q_norm.bias, a.k_norm.weight, a.k_norm.bias,
+                                ws.q, kv_cur, self.L.qk_eps)
+            return
+        R, T, _ = ws.qkv.shape
+        H, D = self.L.heads, self.L.head_dim
+        q, k, v = ws.qkv.view(R, T, 3, H, D).unbind(2)
+        ws.q.copy_(F.layer_norm(q, (D,), a.q_norm.weight, a.q_norm.bias, self.L.qk_eps))
+        kv_cur[..., :D].copy_(F.layer_norm(k, (D,), a.k_norm.weight, a.k_norm.bias, self.L.qk_eps).transpose(1, 2))
+        kv_cur[..., D:].copy_(v.transpose(1, 2))
+
+    def _taps_ln_mish(self, taps_out: torch.Tensor, conv, ln, out: torch.Tensor):
+        K = self.L.taps
+        if self._triton(taps_out):
+            dit_ops.taps_ln_mish(taps_out, conv.bias, ln.weight, ln.bias, out, ln.eps, K)
+            return
+        T, C = out.shape[1], out.shape[2]
+        y = sum(taps_out[:, k:k + T, k * C:(k + 1) * C] for k in range(K)) + conv.bias
+        out.copy_(F.mish(F.layer_norm(y, (C,), ln.weight, ln.bias, ln.eps)))
+
+    def _attend(self, ws: Workspace, kv: torch.Tensor, mask: torch.Tensor | None):
+        D = self.L.head_dim
+        q = ws.q.transpose(1, 2)                 # (R, H, T, D) view
+        k, v = kv[..., :D], kv[..., D:]
+        if self.attention != "sdpa" and self._triton(q):
+            tiled_attention(q, k, v, mask, precision="tf32" if self.attention == "triton-tf32" else "ieee",
+                            out=ws.o.transpose(1, 2))
+        else:
+            ws.o.copy_(sdpa_attention(q, k, v, mask).transpose(1, 2))
+
+    @staticmethod
+    def _linear(x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out2d: torch.Tensor, gelu: bool = False):
+        if gelu and x2d.is_cuda:
+            # cuBLASLt epilogue: bias + tanh-GELU in the GEMM (the CPU op would use erf-GELU)
+            torch._addmm_activation(b, x2d, w.t(), use_gelu=True, out=out2d)
+        elif gelu:
+            torch.addmm(b, x2d, w.t(), out=out2d)
+            out2d.copy_(F.gelu(out2d, approximate="tanh"))
+        else:
+            torch.addmm(b, x2d, w.t(), out=out2d)
+
+    # ------------------------------------------------------------------ the body
+    def body(self, xin: torch.Tensor, mod: Modulation, hist: torch.Tensor, kv: torch.Tensor,
+             mask: torch.Tensor | None, ws: Workspace, out: torch.Tensor) -> torch.Tensor:
+        """One estimator evaluation, caches in place.
+
+        xin (R, T, in_channels) staged input, time-major. hist (depth, 2, R, T+K-1, C): conv histories
+        whose first K-1 frames hold the CNN cache (new cache = frames [q, q+K-1) for q valid frames).
+        kv (depth, R, H, T+L, 2D): frames [0, T) receive this chunk's [k|v], [T, T+L) hold the old cache.
+        mask (R, T, T+L) bool or None. out (R, T, out_channels).
+        """
+        L, dit = self.L, self.dit
+        R, T, _ = xin.shape
+        N = R * T
+        C, K = L.hidden, L.taps
+        torch.addmm(dit.in_proj.bias, xin.reshape(N, -1), dit.in_proj.weight.t(), out=ws.h.view(N, C))
+        mb = mod.blocks
+        # block 0 input: plain modulated LN
+        self._res_ln(ws, None, None, mb[:, 0], None, SH_MSA, SC_MSA, ws.norm, L.norm_eps)
+        for i, blk in enumerate(dit.blocks):
+            m = mb[:, i]
+            self._linear(ws.norm.view(N, C), self.w_qkv[i], self.b_qkv[i], ws.qkv.view(N, -1))
+            self._qkv_ln(ws, blk, kv[i][:, :, :T])
+            self._attend(ws, kv[i], mask)
+            a = blk.attn
+            self._linear(ws.o.view(N, -1), a.proj.weight, a.proj.bias, ws.y.view(N, C))
+            h1, h2 = hist[i, 0], hist[i, 1]
+            self._res_ln(ws, ws.y, None, m, G_MSA, SH_CONV, SC_CONV, h1[:, K - 1:], L.norm_eps)
+            conv1, ln, conv2 = blk.conv.block[1], blk.conv.block[3], blk.conv.block[6]
+            torch.mm(h1.reshape(-1, C), self.w_taps1[i].t(), out=ws.taps.view(-1, K * C))
+            self._taps_ln_mish(ws.taps, conv1, ln, h2[:, K - 1:])
+            torch.mm(h2.reshape(-1, C), self.w_taps2[i].t(), out=ws.taps.view(-1, K * C))
+            self._res_ln(ws, ws.taps, conv2.bias, m, G_CONV, SH_MLP, SC_MLP, ws.norm, L.norm_eps, taps=K)
+            self._linear(ws.norm.view(N, C), blk.mlp.fc1.weight, blk.mlp.fc1.bias, ws.mlp.view(N, -1), gelu=True)
+            self._linear(ws.mlp.view(N, -1), blk.mlp.fc2.weight, blk.mlp.fc2.bias, ws.y.view(N, C))
+            if i + 1 < L.depth:
+                nxt = mb[:, i + 1]
+                # this block's MLP residual fused with the next block's attention-input LN
+                self._res_ln_split(ws, m, nxt, ws.norm, L.norm_eps)
+            else:
+                self._res_ln_final(ws, m, mod.final, ws.norm, L.norm_eps)
+        fl = dit.final_layer.linear
+        torch.addmm(fl.bias, ws.norm.view(N, C), fl.weight.t(), out=out.view(N, -1))
+        return out
+
+    def _res_ln_split(self, ws, m_cur, m_next, out, eps):
+        """x += gate_mlp(cur) * y; out = LN(x) * (1+scale_msa(next)) + shift_msa(next)."""
+        x = ws.h
+        gate, shift, scale = m_cur[:, G_MLP], m_next[:, SH_MSA], m_next[:, SC_MSA]
+        if self._triton(x):
+            dit_ops.residual_mod_ln(x, ws.y, None, gate, shift, scale, out, eps)
+            return
+        x.add_(gate[:, None] * ws.y)
+        out.copy_(F.layer_norm(x, (x.shape[-1],), eps=eps) * scale[:, None] + shift[:, None])
+
+    def _res_ln_final(self, ws, m_cur, fin, out, eps):
+        x = ws.h
+        gate, shift, scale = m_cur[:, G_MLP], fin[:, 0], fin[:, 1]
+        if self._triton(x):
+            dit_ops.residual_mod_ln(x, ws.y, None, gate, shift, scale, out, eps)
+            return
+        x.add_(gate[:, None] * ws.y)
+        out.copy_(F.layer_norm(x, (x.shape[-1],), eps=eps) * scale[:, None] + shift[:, None])
+
+    # ------------------------------------------------------------------ original-compatible API
+    @torch.no_grad()
+    def forward_chunk(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor | None,
+                      cond: torch.Tensor | None, cnn_cache: torch.Tensor | None = None,
+                      att_cache: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+        """Same contract as the original ``DiT.forward_chunk`` (allocating; graphs use ``body``).
+
+        x, mu, cond (R, 80, T); t (R,); spks (R, 80); cnn_cache (depth, R, 2C, K-1); att_cache
+        (depth, R, H, L, 2D) newest first. Returns (velocity (R, 80, T), new cnn cache, new att cache).
+        """
+        L = self.L
+        R, _, T = x.shape
+        dev = x.device
+        parts = [x, mu]
+        if spks is not None:
+            parts.append(spks[:, :, None].expand(-1, -1, T))
+        if cond is not None:
+            parts.append(cond)
+        xin = torch.cat(parts, 1).transpose(1, 2).contiguous()
+        Lc = 0 if att_cache is None else att_cache.shape[3]
+        kv = torch.empty(L.depth, R, L.heads, T + Lc, 2 * L.head_dim, device=dev, dtype=x.dtype)
+        if Lc:
+            kv[:, :, :, T:].copy_(att_cache)
+        hist = self.new_hist(R, T, dev, x.dtype)
+        load_cnn_cache(hist, cnn_cache, L.taps - 1)
+        ws = self.workspace(R, T, dev, x.dtype)
+        out = torch.empty(R, T, L.out_channels, device=dev, dtype=x.dtype)
+        mod = self.modulation(t)
+        self.body(xin, mod, hist, kv, mask, ws, out)
+        return out.transpose(1, 2), read_cnn_cache(hist, T, L.taps - 1), kv
+
+    def new_hist(self, R: int, T: int, device, dtype=torch.float32) -> torch.Tensor:
+        L = self.L
+        return torch.empty(L.depth, 2, R, T + L.taps - 1, L.hidden, device=device, dtype=dtype)
+
+
+def load_cnn_cache(hist: torch.Tensor, cnn_cache: torch.Tensor | None, k1: int) -> None:
+    """Put the original-layout CNN cache (depth, R, 2C, K-1) into history frames [0, K-1); None = zeros."""
+    depth, _, R, _, C = hist.shape
+    if cnn_cache is None:
+        hist[:, :, :, :k1].zero_()
+        return
+    hist[:, :, :, :k1].copy_(cnn_cache.view(depth, R, 2, C, k1).permute(0, 2, 1, 4, 3))
+
+
+def read_cnn_cache(hist: torch.Tensor, valid: int, k1: int) -> torch.Tensor:
+    """History frames [valid, valid+K-1) -> original-layout CNN cache (depth, R, 2C, K-1)."""
+    depth, _, R, _, C = hist.shape
+    return hist[:, :, :, valid:valid + k1].permute(0, 2, 1, 4, 3).reshape(depth, R, 2 * C, k1)

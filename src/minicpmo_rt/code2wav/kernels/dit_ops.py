@@ -1,0 +1,143 @@
+"""Fused element-wise stages of the DiT block (Triton), one program per token row.
+
+* ``residual_mod_ln``: optional ``x += gate * y`` (y plain, or the tap sum of a
+  conv-as-GEMM output plus bias), then ``LN(x) * (1 + scale) + shift`` written to
+  any strided destination (e.g. straight into a conv history buffer).
+* ``qkv_head_ln``: per-head LayerNorm of q and k from the packed QKV GEMM output;
+  writes q to a query buffer and k, v straight into the ``[k|v]`` attention cache.
+* ``taps_ln_mish``: the tap sum of a conv-as-GEMM output + bias, LayerNorm
+  (affine) and Mish, written into the next conv's history buffer.
+
+Statistics are FP32 two-pass (mean, then centred variance), like torch's LayerNorm.
+Row r of the modulation tables is ``row // T`` scaled by a row stride that is 0
+when one table serves every row.
+"""
+
+from __future__ import annotations
+
+from . import AVAILABLE
+
+if AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _residual_mod_ln(X, Y, BIAS, GATE, SHIFT, SCALE, OUT,
+                         sxr, sxt, syr, syt, sor, sot, s_gate, s_mod,
+                         T, C, eps,
+                         TAPS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_C: tl.constexpr):
+        n = tl.program_id(0)
+        r = n // T
+        t = n % T
+        offs = tl.arange(0, BLOCK_C)
+        ok = offs < C
+        xp = X + r * sxr + t * sxt + offs
+        x = tl.load(xp, mask=ok, other=0.0)
+        if HAS_RES:
+            if TAPS > 0:
+                # conv output at t = sum_k Y[t + k, k*C + c] (+ bias): Y rows are history frames
+                y = tl.load(BIAS + offs, mask=ok, other=0.0)
+                for k in tl.static_range(TAPS):
+                    y += tl.load(Y + r * syr + (t + k) * syt + k * C + offs, mask=ok, other=0.0)
+            else:
+                y = tl.load(Y + r * syr + t * syt + offs, mask=ok, other=0.0)
+            g = tl.load(GATE + r * s_gate + offs, mask=ok, other=0.0)
+            x = x + g * y
+            tl.store(xp, x, mask=ok)
+        mean = tl.sum(x, axis=0) / C
+        d = tl.where(ok, x - mean, 0.0)
+        var = tl.sum(d * d, axis=0) / C
+        xn = d / tl.sqrt(var + eps)
+        sh = tl.load(SHIFT + r * s_mod + offs, mask=ok, other=0.0)
+        sc = tl.load(SCALE + r * s_mod + offs, mask=ok, other=0.0)
+        tl.store(OUT + r * sor + t * sot + offs, xn * sc + sh, mask=ok)
+
+    @triton.jit
+    def _qkv_head_ln(QKV, QW, QB, KW, KB, QOUT, KV,
+                     s_in_r, s_in_t, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t,
+                     T, H, D, eps,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        n = tl.program_id(0)
+        r = n // T
+        t = n % T
+        oh = tl.arange(0, BLOCK_H)
+        od = tl.arange(0, BLOCK_D)
+        ok = (oh[:, None] < H) & (od[None, :] < D)
+        base = QKV + r * s_in_r + t * s_in_t + oh[:, None] * D + od[None, :]
+        inner = H * D
+        wq = tl.load(QW + od, mask=od < D, other=0.0)
+        bq = tl.load(QB + od, mask=od < D, other=0.0)
+        wk = tl.load(KW + od, mask=od < D, other=0.0)
+        bk = tl.load(KB + od, mask=od < D, other=0.0)
+        q = tl.load(base, mask=ok, other=0.0)
+        mq = tl.sum(q, axis=1) / D
+        dq = tl.where(ok, q - mq[:, None], 0.0)
+        q = dq / tl.sqrt(tl.sum(dq * dq, axis=1) / D + eps)[:, None] * wq[None, :] + bq[None, :]
+        tl.store(QOUT + r * sq_r + t * sq_t + oh[:, None] * sq_h + od[None, :], q, mask=ok)
+        k = tl.load(base + inner, mask=ok, other=0.0)
+        mk = tl.sum(k, axis=1) / D
+        dk = tl.where(ok, k - mk[:, None], 0.0)
+        k = dk / tl.sqrt(tl.sum(dk * dk, axis=1) / D + eps)[:, None] * wk[None, :] + bk[None, :]
+        dst = KV + r * skv_r + oh[:, None] * skv_h + t * skv_t + od[None, :]
+        tl.store(dst, k, mask=ok)
+        v = tl.load(base + 2 * inner, mask=ok, other=0.0)
+        tl.store(dst + D, v, mask=ok)
+
+    @triton.jit
+    def _taps_ln_mish(Y, BIAS, W, B, OUT, syr, syt, sor, sot, T, C, eps,
+                      TAPS: tl.constexpr, BLOCK_C: tl.constexpr):
+        n = tl.program_id(0)
+        r = n // T
+        t = n % T
+        offs = tl.arange(0, BLOCK_C)
+        ok = offs < C
+        y = tl.load(BIAS + offs, mask=ok, other=0.0)
+        for k in tl.static_range(TAPS):
+            y += tl.load(Y + r * syr + (t + k) * syt + k * C + offs, mask=ok, other=0.0)
+        mean = tl.sum(y, axis=0) / C
+        d = tl.where(ok, y - mean, 0.0)
+        var = tl.sum(d * d, axis=0) / C
+        h = d / tl.sqrt(var + eps) * tl.load(W + offs, mask=ok, other=0.0) + tl.load(B + offs, mask=ok, other=0.0)
+        # mish(h) = h * tanh(softplus(h)) = h * n / (n + 2) with n = e^h (e^h + 2); exact form, no tanh call
+        e = tl.exp(tl.minimum(h, 20.0))
+        nn_ = e * (e + 2.0)
+        m = tl.where(h > 20.0, h, h * nn_ / (nn_ + 2.0))
+        tl.store(OUT + r * sor + t * sot + offs, m, mask=ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int = 0) -> None:
+    """x (R,T,C) in place; y (R,T,C) or taps output (R,T+taps-1,taps*C); mods (Rm,C); out (R,T,C) view."""
+    R, T, C = x.shape
+    if shift.stride(0) != scale1p.stride(0):
+        raise ValueError("shift and scale tables must share their row stride")
+    s_mod = shift.stride(0) if shift.shape[0] > 1 else 0
+    has_res = y is not None
+    s_gate = gate.stride(0) if has_res and gate.shape[0] > 1 else 0
+    yy = y if has_res else x
+    _residual_mod_ln[(R * T,)](
+        x, yy, bias if bias is not None else x, gate if has_res else shift, shift, scale1p, out,
+        x.stride(0), x.stride(1), yy.stride(0), yy.stride(1), out.stride(0), out.stride(1), s_gate, s_mod,
+        T, C, eps, TAPS=taps if has_res else 0, HAS_RES=has_res, BLOCK_C=_pow2(C), num_warps=4)
+
+
+def qkv_head_ln(qkv, q_w, q_b, k_w, k_b, q_out, kv, eps: float) -> None:
+    """qkv (R,T,3*H*D); q_out (R,T,H,D) view; kv (R,H,>=T,2D) view whose frames 0..T-1 get [k|v]."""
+    R, T, _ = qkv.shape
+    _, H, _, D2 = kv.shape
+    D = D2 // 2
+    _qkv_head_ln[(R * T,)](
+        qkv, q_w, q_b, k_w, k_b, q_out, kv,
+        qkv.stride(0), qkv.stride(1), q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        kv.stride(0), kv.stride(1), kv.stride(2), T, H, D, eps,
+        BLOCK_H=_pow2(H), BLOCK_D=_pow2(D), num_warps=4)
+
+
+def taps_ln_mish(y, bias, w, b, out, eps: float, taps: int) -> None:
+    """y (R,T+taps-1,taps*C) conv-as-GEMM output; out (R,T,C) view."""
+    R, T, C = out.shape
+    _taps_ln_mish[(R * T,)](y, bias, w, b, out, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+                            T, C, eps, TAPS=taps, BLOCK_C=_pow2(C), num_warps=4)

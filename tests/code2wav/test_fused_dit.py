@@ -1,0 +1,139 @@
+"""Fused DiT body vs the original body on the same weights and inputs (CPU: SDPA fallback
+and, under TRITON_INTERPRET=1, the Triton stages on a tiny shape)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernel import
+
+from minicpmo_rt.code2wav import kernels  # noqa: E402
+from minicpmo_rt.code2wav.flow_config import DiTConfig  # noqa: E402
+from minicpmo_rt.code2wav.fused_dit import FusedDiT, supports_fused_body  # noqa: E402
+
+from conftest import rel_err, requires_cuda  # noqa: E402
+
+TINY = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=4.0, depth=2, num_heads=2, head_dim=32, hidden_size=64)
+
+
+def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Non-trivial weights everywhere (upstream init zeroes adaLN and the final layer)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 16
+                if p.dim() == 3:
+                    fan_in = p.shape[1] * p.shape[2]
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+    return module.eval()
+
+
+def our_dit(cfg=TINY, seed=0):
+    from minicpmo_rt.code2wav.dit import DiT
+    return randomize(DiT(cfg), seed)
+
+
+def inputs(R, T, Lc, depth, C, H, D, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
+    t = torch.full((R,), 0.3).to(device)
+    return dict(x=r(R, 80, T), mu=r(R, 80, T), t=t, spks=r(R, 80), cond=r(R, 80, T),
+                cnn_cache=r(depth, R, 2 * C, 2), att_cache=r(depth, R, H, Lc, 2 * D) if Lc else None)
+
+
+def check(dit, fused, R, T, Lc, tol, seed=1, device="cpu", with_cnn=True):
+    cfg_C = dit.in_proj.out_features
+    a = dit.blocks[0].attn
+    kw = inputs(R, T, Lc, len(dit.blocks), cfg_C, a.num_heads, a.head_dim, seed, device)
+    if not with_cnn:
+        kw["cnn_cache"] = None
+    with torch.no_grad():
+        ref = dit.forward_chunk(**kw)
+        got = fused.forward_chunk(**kw)
+    errs = [rel_err(g, r) for g, r in zip(got, ref)]
+    assert got[2].shape == ref[2].shape and got[1].shape == ref[1].shape
+    assert max(errs) <= tol, errs
+    return errs
+
+
+def test_guard_accepts_our_and_upstream_layouts():
+    assert supports_fused_body(our_dit())[0]
+    dit = our_dit()
+    dit.blocks[1].mlp.act = torch.nn.GELU()              # erf-GELU is not what the fused MLP computes
+    ok, why = supports_fused_body(dit)
+    assert not ok and "blocks.1.mlp.act" in why
+    dit = our_dit()
+    dit.blocks[0].norm1 = torch.nn.LayerNorm(64)          # affine norm1: another layout
+    assert not supports_fused_body(dit)[0]
+    with pytest.raises(ValueError, match="not supported"):
+        FusedDiT(dit)
+
+
+@pytest.mark.parametrize("Lc,with_cnn", [(0, False), (7, True)])
+def test_sdpa_fallback_matches_original(Lc, with_cnn):
+    dit = our_dit()
+    fused = FusedDiT(dit, attention="sdpa", use_triton=False)
+    check(dit, fused, R=4, T=6, Lc=Lc, tol=1e-5, with_cnn=with_cnn)
+
+
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_triton_stages_match_original_tiny():
+    dit = our_dit(seed=3)
+    fused = FusedDiT(dit, attention="triton-ieee", use_triton=True)
+    errs = check(dit, fused, R=2, T=5, Lc=6, tol=1e-5, seed=4)
+    assert max(errs) > 0  # really a different computation path
+
+
+def test_matches_upstream_original_dit_full_width():
+    """Independent oracle: upstream's DiT at full width (512, 8x64), depth 2, batch 1 with CFG."""
+    from upstream import import_upstream
+    up = import_upstream("stepaudio2.cosyvoice2.flow.decoder_dit")
+    dit = randomize(up.DiT(in_channels=320, out_channels=80, depth=2, num_heads=8, head_dim=64,
+                           hidden_size=512), seed=5)
+    assert supports_fused_body(dit)[0]
+    fused = FusedDiT(dit, attention="sdpa", use_triton=False)
+    g = torch.Generator().manual_seed(6)
+    R, T, Lc = 2, 8, 12
+    kw = dict(x=torch.randn(R, 80, T, generator=g), mu=torch.randn(R, 80, T, generator=g),
+              t=torch.full((R,), 0.42), spks=torch.randn(R, 80, generator=g),
+              cond=torch.randn(R, 80, T, generator=g), cnn_cache=torch.randn(2, R, 1024, 2, generator=g),
+              att_cache=torch.randn(2, R, 8, Lc, 128, generator=g))
+    with torch.no_grad():
+        v, cnn, att = dit.forward_chunk(**kw)
+        ref = [v, cnn[:2], att[:2]]      # upstream returns its depth-16 buffers
+        got = fused.forward_chunk(**kw)
+    for g_, r_ in zip(got, ref):
+        assert g_.shape == r_.shape
+        assert rel_err(g_, r_) <= 1e-5
+
+
+def _kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+@requires_cuda
+@pytest.mark.parametrize("tf32,tol", [(False, 1e-5), (True, 1e-3)])
+def test_cuda_fused_vs_original_full_size(tf32, tol):
+    from minicpmo_rt.code2wav.flow_config import FULL_SIZE
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    dit = our_dit(FULL_SIZE.dit, seed=7).cuda()
+    fused = FusedDiT(dit, attention="triton-tf32" if tf32 else "triton-ieee")
+    with matmul_tf32(False):   # the reference is always IEEE
+        kw = inputs(8, 50, 400, 16, 512, 8, 64, seed=8, device="cuda")
+        ref = dit.forward_chunk(**kw)
+    with matmul_tf32(tf32):
+        got = fused.forward_chunk(**kw)
+    errs = [rel_err(g, r) for g, r in zip(got, ref)]
+    print(f"fused vs original (tf32={tf32}): velocity {errs[0]:.2e}, cnn cache {errs[1]:.2e}, att cache {errs[2]:.2e}")
+    assert max(errs) <= tol
