@@ -109,6 +109,15 @@ def make_targets_cmd(
                f"{s['shifts']} shifts, {s['holds']} holds) to {path}")
 
 
+@app.command("features", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                           "help_option_names": []}, add_help_option=False)
+def features_cmd(ctx: typer.Context) -> None:
+    """Causal MiniCPM-o features of an EasyCom session (the flags of streaming_minicpmo_features_directly.py; --help lists them)."""
+    from .features.extract import main as features_main
+
+    raise typer.Exit(code=features_main(list(ctx.args), prog="minicpmo-rt features"))
+
+
 @app.command("make-session")
 def make_session_cmd(
     out: Path = typer.Argument(..., help="Root to write Video_Compressed/, Glasses_Microphone_Array_Audio/, Speech_Transcriptions/ under."),

@@ -1,0 +1,659 @@
+"""Causal global features from a frozen MiniCPM-o 4.5 Thinker on the 5 Hz grid (seed 004).
+
+Row k ends at t = 0.2 (k + 1) s of media time (see easycom.py for the timeline across gaps).
+Second s is the half-open chunk [s - 1, s): 16 kHz audio of that span and the newest frame
+that started before s (frame 20 s - 1).
+
+native-1hz-hold
+    One input-only AV chunk is committed per completed second; the newest committed state is
+    forward-held onto the grid. Rows 0.2-0.8 s hold zeros (``initialization_mask``) and are
+    never backfilled; ``state_source_times`` is floor(t).
+
+cached-partial-5hz
+    At a non-boundary cutoff t the session is snapshotted (LLM cache, audio-encoder cache,
+    mel buffer, chunk index, RNG) by ``session.transaction()``, which also suspends destructive
+    pruning; the half-open tail [floor(t), t) is appended, the final-norm hidden state read,
+    and the snapshot restored. At a boundary the complete chunk is committed natively (with
+    the normal window policy). ``state_source_times`` == ``times``.
+
+Audits (cached-partial-5hz; their figures go to ``verification``)
+    boundary             every boundary: the same chunk committed temporarily inside a
+                         transaction vs the native commit that follows (a boundary whose native
+                         commit pruned is recorded as skipped: the two contexts differ by design).
+    clean_replay         a fresh session replays the prefix from the session start to t and
+                         must match the cached state (rel. error <= the dtype's tolerance).
+    future_intervention  a fresh replay whose audio after t (and frames that start at or after
+                         t) are replaced must equal the clean replay *exactly*.
+    snapshot_restoration every transaction: ``session.fingerprint()`` (LLM/audio cache lengths
+                         and checksums, mel state, chunk index, history, position offset, RNG)
+                         before == after.
+    Cadence: the first clean replay and future intervention run at the first non-boundary row
+    after the first commit (t = 1.2 s); then, with ``--verify-every N`` /
+    ``--future-intervention-every N`` (N rows, 250 = 50 s), at the first non-boundary row at or
+    after each further multiple of N. 0 means first-only. Boundary and restoration checks
+    always run. If any audit fails, or the first replay/intervention or a boundary check never
+    ran (the session is too short), nothing is saved unless ``--allow-unverified-partial-tail``,
+    which saves ``mode=minicpmo-unverified-partial-tail``.
+
+native-1hz-hold runs the clean replay and future intervention at native update rows (first
+at t = 2.0 s, or 1.0 s for a shorter session) with the same cadence flags; boundary and
+restoration do not apply (no transaction is ever opened).
+
+Target alignment (``--target``, a 5 Hz ``.npy`` for the whole session)
+    Target row j belongs to grid time 0.2 (j + 1). Its length must be within one row of the
+    session's full grid (floor(5 x media seconds)): an off-by-one length (the session end
+    rounded differently) is accepted and the rows are cut to the shorter of the two; a larger
+    difference is an InputError. With ``--end`` the aligned targets are cut to the extracted rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InputError, MiniCPMORTError
+from .artifact import (MODE_UNVERIFIED, MODE_VERIFIED, FeatureArtifact, grid_times, held_alignment,
+                       save_artifact)
+from .easycom import DECODERS, FPS, SAMPLE_RATE, EasyComSession, build_timeline, frame_index_at
+
+MODES = ("native-1hz-hold", "cached-partial-5hz")
+ROW_MS = 200
+# Relative-error tolerance of the replay-vs-cache comparisons: the same computation in the
+# same order is bit-identical on CPU; GPU kernels may choose different reductions for a fresh
+# cache layout, so half precisions get a few ulps of headroom.
+REPLAY_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+MAX_LISTED = 64  # per-check entries kept in `verification` (plus every failure)
+
+
+# ----------------------------------------------------------------------------- options
+
+@dataclass
+class ExtractOptions:
+    easycom_session_dir: Path
+    mode: str
+    model_id: str = "openbmb/MiniCPM-o-4_5"
+    revision: str | None = None
+    end: float | None = None
+    target: Path | None = None
+    decoder: str = "pyav"
+    decoder_threads: int = 1
+    max_open_readers: int = 1
+    frame_cache_size: int = 32
+    media_only: bool = False
+    dtype: str = "auto"
+    attention: str = "sdpa"
+    device: str = "auto"
+    output: Path | None = None
+    verify_every: int = 0
+    future_intervention_every: int = 0
+    allow_unverified_partial_tail: bool = False
+    progress: bool = True
+    command_line: str = ""
+
+
+def build_parser(prog: str = "streaming_minicpmo_features_directly.py") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Causal global MiniCPM-o 4.5 features of an EasyCom "
+                                "session on the 5 Hz grid (native-1hz-hold or verified cached-partial-5hz).")
+    p.add_argument("--model-id", default="openbmb/MiniCPM-o-4_5",
+                   help="Local snapshot directory, or a hub id resolved ONLY from the local HF cache.")
+    p.add_argument("--revision", default=None, help="Immutable revision to use/record.")
+    p.add_argument("--easycom-session-dir", required=True, type=Path,
+                   help=".../Video_Compressed/Session_N (WAVs are read from the sibling Glasses_Microphone_Array_Audio).")
+    p.add_argument("--end", type=float, default=None, help="Seconds of media to extract (default: the whole session).")
+    p.add_argument("--target", type=Path, default=None, help="5 Hz target .npy of the whole session to align and store.")
+    p.add_argument("--mode", required=True, choices=MODES)
+    p.add_argument("--decoder", choices=DECODERS, default="pyav")
+    p.add_argument("--decoder-threads", type=int, default=1)
+    p.add_argument("--max-open-readers", type=int, default=1)
+    p.add_argument("--frame-cache-size", type=int, default=32)
+    p.add_argument("--media-only", action="store_true", help="Check the timeline and decoders; load no model.")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="auto: bfloat16 on CUDA, float32 on CPU.")
+    p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
+    p.add_argument("--device", default="auto", help="cuda:0, cpu, ... (auto: cuda:0 when available).")
+    p.add_argument("--output", type=Path, default=None, help="Artifact .pt to write (atomically).")
+    p.add_argument("--verify-every", type=int, default=0,
+                   help="Clean-replay audit every N 5 Hz rows after the first (0: first only).")
+    p.add_argument("--future-intervention-every", type=int, default=0,
+                   help="Future-intervention audit every N rows after the first (0: first only).")
+    p.add_argument("--allow-unverified-partial-tail", action="store_true",
+                   help="Save a failed/too-short audit as mode=minicpmo-unverified-partial-tail (never for paper runs).")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS)
+    return p
+
+
+def parse_options(argv: Sequence[str] | None, prog: str = "streaming_minicpmo_features_directly.py") -> ExtractOptions:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser(prog).parse_args(argv)
+    opts = ExtractOptions(**vars(ns))
+    opts.command_line = shlex.join([prog, *argv])
+    return opts
+
+
+# ----------------------------------------------------------------------------- inputs
+
+class Inputs:
+    """Audio and frames by media time; ``perturbed_after`` builds the future-intervention view."""
+
+    def __init__(self, media: EasyComSession, end: float):
+        self.media = media
+        self.end = end
+        self._audio = media.audio(0.0, end)
+        self._cutoff: float | None = None
+        self._fake: np.ndarray | None = None
+
+    def perturbed_after(self, cutoff: float) -> "Inputs":
+        twin = Inputs.__new__(Inputs)
+        twin.media, twin.end, twin._cutoff = self.media, self.end, cutoff
+        k = int(round(cutoff * SAMPLE_RATE))
+        rng = np.random.default_rng(12345)
+        audio = self._audio.copy()
+        audio[k:] = (0.3 * rng.standard_normal(len(audio) - k)).astype(np.float32) - audio[k:]
+        twin._audio = audio
+        return twin
+
+    @property
+    def perturbed_samples(self) -> int:
+        return 0 if self._cutoff is None else len(self._audio) - int(round(self._cutoff * SAMPLE_RATE))
+
+    def audio(self, start: float, end: float) -> np.ndarray:
+        a, b = int(round(start * SAMPLE_RATE)), int(round(end * SAMPLE_RATE))
+        return self._audio[a:b]
+
+    def frame_at(self, t: float) -> np.ndarray:
+        idx = frame_index_at(t)
+        img = self.media.frame(idx)
+        if self._cutoff is not None and idx / FPS >= self._cutoff - 1e-9:
+            img = 255 - img  # a frame that starts at/after the cutoff: changed, must not matter
+        return img
+
+
+def row_time(k: int) -> float:
+    return round(ROW_MS * (k + 1) / 1000.0, 9)
+
+
+# ----------------------------------------------------------------------------- audits
+
+@dataclass
+class Audit:
+    name: str
+    exact: bool
+    rtol: float
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    runs: int = 0
+    failed: int = 0
+    skipped: int = 0
+    max_abs_diff: float = 0.0
+    max_rel_err: float = 0.0
+
+    def compare(self, row: int, t: float, got: torch.Tensor, ref: torch.Tensor, **extra) -> bool:
+        diff = (got.double() - ref.double()).abs()
+        max_abs = float(diff.max()) if diff.numel() else 0.0
+        rel = float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+        ok = max_abs == 0.0 if self.exact else (rel <= self.rtol and math.isfinite(rel))
+        self._record(dict(row=row, t=t, max_abs_diff=max_abs, rel_err=rel, bit_identical=max_abs == 0.0,
+                          passed=ok, **extra), ok)
+        self.max_abs_diff = max(self.max_abs_diff, max_abs)
+        self.max_rel_err = max(self.max_rel_err, rel)
+        return ok
+
+    def _record(self, entry: dict[str, Any], ok: bool) -> None:
+        self.runs += 1
+        self.failed += 0 if ok else 1
+        if len(self.checks) < MAX_LISTED or not ok:
+            self.checks.append(entry)
+
+    def record(self, entry: dict[str, Any], ok: bool) -> None:
+        self._record(dict(entry, passed=ok), ok)
+
+    def skip(self, entry: dict[str, Any]) -> None:
+        self.skipped += 1
+        if len(self.checks) < MAX_LISTED:
+            self.checks.append(dict(entry, passed=None))
+
+    @property
+    def passed(self) -> bool:
+        return self.runs > 0 and self.failed == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "runs": self.runs, "failed": self.failed, "skipped": self.skipped,
+                "criterion": "bit-identical" if self.exact else f"rel_err <= {self.rtol:g}",
+                "max_abs_diff": self.max_abs_diff, "max_rel_err": self.max_rel_err,
+                "checks": self.checks}
+
+
+def _fingerprint_dict(fp: Any) -> dict[str, Any]:
+    d = dataclasses.asdict(fp) if dataclasses.is_dataclass(fp) else dict(vars(fp))
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+class Cadence:
+    """First run at the first eligible row at/after ``first``; then at/after each multiple of ``every``."""
+
+    def __init__(self, first_row: int, every: int):
+        self.next_due = first_row
+        self.every = every
+        self.first_done = False
+
+    def due(self, row: int) -> bool:
+        if self.next_due is None or row < self.next_due:
+            return False
+        self.first_done = True
+        if self.every > 0:
+            self.next_due = (row // self.every + 1) * self.every
+        else:
+            self.next_due = None
+        return True
+
+
+# ----------------------------------------------------------------------------- extraction core
+
+SessionFactory = Callable[[], Any]
+
+
+def _commit(session: Any, inputs: Inputs, sec: int) -> None:
+    session.commit(inputs.audio(sec - 1, sec), inputs.frame_at(float(sec)))
+
+
+def replay_state(factory: SessionFactory, inputs: Inputs, row: int) -> torch.Tensor:
+    """A fresh session from the session start up to row ``row``'s cutoff (cached-partial semantics)."""
+    t_ms = ROW_MS * (row + 1)
+    sec, frac = divmod(t_ms, 1000)
+    s = factory()
+    for k in range(1, sec + 1):
+        _commit(s, inputs, k)
+    if frac == 0:
+        return s.read_state().float().clone()
+    t = t_ms / 1000.0
+    with s.transaction():
+        s.append_tail(inputs.audio(sec, t), inputs.frame_at(t))
+        return s.read_state().float().clone()
+
+
+@dataclass
+class ExtractResult:
+    states: torch.Tensor
+    state_source_times: torch.Tensor
+    native_update_mask: torch.Tensor
+    initialization_mask: torch.Tensor
+    verification: dict[str, Any]
+    admissible: bool
+    pruning: list[dict[str, Any]]
+    window: dict[str, Any]
+
+
+def _pruning_rows(session: Any, seen: int, row: int, t: float) -> tuple[int, list[dict[str, Any]]]:
+    events = list(getattr(session, "pruning_events", []) or [])
+    new = []
+    for ev in events[seen:]:
+        d = dataclasses.asdict(ev) if dataclasses.is_dataclass(ev) else (ev._asdict() if hasattr(ev, "_asdict") else
+                                                                         {"event": list(ev)})
+        new.append(dict(d, row=row, t=t))
+    return len(events), new
+
+
+def _window_dict(session: Any) -> dict[str, Any]:
+    w = getattr(session, "window", None)
+    if w is None:
+        return {"name": "none"}
+    return dataclasses.asdict(w) if dataclasses.is_dataclass(w) else {"name": str(w)}
+
+
+def extract_native(factory: SessionFactory, inputs: Inputs, rows: int, *, verify_every: int = 0,
+                   future_every: int = 0, tick: Callable[[float], None] | None = None) -> ExtractResult:
+    src, native, init = held_alignment(rows)
+    session = factory()
+    seconds = sum(1 for k in range(rows) if (k + 1) % 5 == 0)
+    first = 9 if seconds >= 2 else 4  # row of t = 2.0 s (a cache exists), else 1.0 s
+    replay, future = Audit("clean_replay", exact=False, rtol=_rtol(session)), Audit("future_intervention", True, 0.0)
+    c_replay, c_future = Cadence(first, verify_every), Cadence(first, future_every)
+    held: torch.Tensor | None = None
+    states: torch.Tensor | None = None
+    pruning: list[dict[str, Any]] = []
+    seen = 0
+    for k in range(rows):
+        t = row_time(k)
+        if native[k]:
+            sec = (k + 1) // 5
+            _commit(session, inputs, sec)
+            held = session.read_state().float().clone()
+            seen, new = _pruning_rows(session, seen, k, t)
+            pruning += new
+            if states is None:
+                states = torch.zeros(rows, held.shape[-1], dtype=torch.float32)
+            do_r, do_f = c_replay.due(k), c_future.due(k)
+            if do_r or do_f:
+                clean = replay_state(factory, inputs, k)
+                if do_r:
+                    replay.compare(k, t, held, clean)
+                if do_f:
+                    pert = inputs.perturbed_after(t)
+                    future.compare(k, t, replay_state(factory, pert, k), clean,
+                                   perturbed_samples=pert.perturbed_samples)
+        if held is not None:
+            states[k] = held
+        if tick:
+            tick(0.2)
+    if states is None:  # fewer than 5 rows: every row is initialisation; D from a probe commit-free read
+        raise InputError(f"--end {rows / 5:.1f}: native-1hz-hold needs at least one completed second (--end >= 1)")
+    checks = {
+        "clean_replay": replay.to_dict(), "future_intervention": future.to_dict(),
+        "boundary": {"passed": None, "not_applicable": "native mode opens no transaction; every row is a native commit"},
+        "snapshot_restoration": {"passed": None, "not_applicable": "native mode never snapshots or restores"},
+    }
+    too_short = not (c_replay.first_done and c_future.first_done)
+    ok = replay.passed and future.passed and not too_short
+    verification = {"all_passed": ok, "too_short": too_short, **checks,
+                    "cadence": {"verify_every": verify_every, "future_intervention_every": future_every,
+                                "first_row": first}}
+    return ExtractResult(states, src, native, init, verification, False, pruning, _window_dict(session))
+
+
+def _rtol(session: Any) -> float:
+    dtype = getattr(session, "dtype", None) or getattr(getattr(session, "thinker", None), "dtype", torch.float32)
+    return REPLAY_RTOL.get(dtype, 1e-5)
+
+
+def extract_partial(factory: SessionFactory, inputs: Inputs, rows: int, *, verify_every: int = 0,
+                    future_every: int = 0, tick: Callable[[float], None] | None = None) -> ExtractResult:
+    session = factory()
+    rtol = _rtol(session)
+    boundary = Audit("boundary", exact=False, rtol=rtol)
+    replay = Audit("clean_replay", exact=False, rtol=rtol)
+    future = Audit("future_intervention", exact=True, rtol=0.0)
+    restore = Audit("snapshot_restoration", exact=True, rtol=0.0)
+    first = 5  # t = 1.2 s: the first partial row with a committed chunk under it
+    c_replay, c_future = Cadence(first, verify_every), Cadence(first, future_every)
+    states: torch.Tensor | None = None
+    pruning: list[dict[str, Any]] = []
+    seen = 0
+    last_fp: dict[str, Any] | None = None
+
+    def check_restored(k: int, t: float, before: Any) -> None:
+        nonlocal last_fp
+        after = session.fingerprint()
+        b, a = _fingerprint_dict(before), _fingerprint_dict(after)
+        diff = sorted(key for key in b if b[key] != a.get(key))
+        restore.record({"row": k, "t": t, "changed": diff} if diff else {"row": k, "t": t}, not diff)
+        last_fp = a
+
+    for k in range(rows):
+        t = row_time(k)
+        sec, frac = divmod(ROW_MS * (k + 1), 1000)
+        if frac == 0:
+            audio, frame = inputs.audio(sec - 1, sec), inputs.frame_at(float(sec))
+            before = session.fingerprint()
+            with session.transaction():
+                session.commit(audio, frame)
+                temp = session.read_state().float().clone()
+            check_restored(k, t, before)
+            session.commit(audio, frame)
+            h = session.read_state().float().clone()
+            n_before = seen
+            seen, new = _pruning_rows(session, seen, k, t)
+            pruning += new
+            if seen > n_before:
+                boundary.skip({"row": k, "t": t, "reason": "the native commit pruned the window"})
+            else:
+                boundary.compare(k, t, temp, h)
+        else:
+            audio, frame = inputs.audio(sec, t), inputs.frame_at(t)
+            before = session.fingerprint()
+            with session.transaction():
+                session.append_tail(audio, frame)
+                h = session.read_state().float().clone()
+            check_restored(k, t, before)
+            do_r, do_f = c_replay.due(k), c_future.due(k)
+            if do_r or do_f:
+                clean = replay_state(factory, inputs, k)
+                if do_r:
+                    replay.compare(k, t, h, clean)
+                if do_f:
+                    pert = inputs.perturbed_after(t)
+                    future.compare(k, t, replay_state(factory, pert, k), clean,
+                                   perturbed_samples=pert.perturbed_samples)
+        if states is None:
+            states = torch.zeros(rows, h.shape[-1], dtype=torch.float32)
+        states[k] = h
+        if tick:
+            tick(0.2)
+    assert states is not None
+    times = grid_times(rows)
+    native = torch.tensor([(k + 1) % 5 == 0 for k in range(rows)], dtype=torch.bool)
+    too_short = not (c_replay.first_done and c_future.first_done and boundary.runs > 0)
+    ok = not too_short and all(a.passed for a in (boundary, replay, future, restore))
+    verification = {
+        "all_passed": ok, "too_short": too_short,
+        "boundary": boundary.to_dict(), "clean_replay": replay.to_dict(),
+        "future_intervention": future.to_dict(),
+        "snapshot_restoration": dict(restore.to_dict(), last_fingerprint=last_fp),
+        "cadence": {"verify_every": verify_every, "future_intervention_every": future_every, "first_row": first},
+    }
+    return ExtractResult(states, times.clone(), native, torch.zeros(rows, dtype=torch.bool), verification, ok,
+                         pruning, _window_dict(session))
+
+
+# ----------------------------------------------------------------------------- targets
+
+def align_targets(target: Path, full_rows: int, rows: int) -> tuple[torch.Tensor, dict[str, Any], int]:
+    """(aligned targets [rows', ...], info, rows') under the off-by-one policy of the module docstring."""
+    if not target.is_file():
+        raise InputError(f"--target {target}: file not found")
+    try:
+        arr = np.load(target, allow_pickle=False)
+    except Exception as exc:
+        raise InputError(f"--target {target}: cannot be read as a .npy array ({type(exc).__name__}: {exc})") from exc
+    if arr.ndim < 1 or arr.shape[0] == 0:
+        raise InputError(f"--target {target}: has shape {arr.shape}; expected [rows, ...] at 5 Hz")
+    n = int(arr.shape[0])
+    if abs(n - full_rows) > 1:
+        raise InputError(f"--target {target}: has {n} rows but the session has {full_rows} rows at 5 Hz "
+                         f"({full_rows / 5:.1f} s of media); only an off-by-one difference is accepted. Was it "
+                         f"built for this session and on the same gap-skipping media timeline?")
+    use = min(rows, n)
+    info = {"path": str(target), "shape": list(arr.shape), "dtype": str(arr.dtype), "target_rows": n,
+            "session_rows": full_rows, "rows": use,
+            "policy": "target row j <-> grid time 0.2*(j+1); |len - session rows| <= 1 accepted, cut to the shorter",
+            "dropped_feature_rows": rows - use, "dropped_target_rows": n - use}
+    return torch.from_numpy(np.ascontiguousarray(arr[:use])), info, use
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _resolve_device_dtype(opts: ExtractOptions) -> tuple[torch.device, torch.dtype]:
+    dev = opts.device
+    if dev == "auto":
+        dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    device = torch.device(dev)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {opts.device}: CUDA is not available on this machine; use --device cpu")
+    name = opts.dtype
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" else "float32"
+    return device, getattr(torch, name)
+
+
+def load_session_factory(opts: ExtractOptions) -> tuple[SessionFactory, dict[str, Any]]:
+    """Thinker + tokenizer from the snapshot (local path or cached hub id) and a fresh-session factory."""
+    from ..checkpoint.snapshot import resolve_snapshot
+    from ..checkpoint.tokenizer import load_tokenizer
+    from ..thinker.model import Thinker
+    from ..thinker.session import StreamingSession
+
+    device, dtype = _resolve_device_dtype(opts)
+    snap = resolve_snapshot(opts.model_id, opts.revision)
+    thinker = Thinker.from_snapshot(snap, dtype=dtype, device=device)
+    if opts.attention != "sdpa":
+        set_attn = getattr(thinker, "set_attention", None)
+        if set_attn is None:
+            raise InputError(f"--attention {opts.attention}: this Thinker build runs sdpa only")
+        set_attn(opts.attention)
+    thinker.eval()
+    tok = load_tokenizer(snap.path)
+
+    def factory():
+        return StreamingSession(thinker, tok)
+
+    info = {"model_id": snap.model_id, "model_path": str(snap.path), "revision": snap.revision,
+            "revision_source": snap.revision_source, "dtype": str(dtype).replace("torch.", ""),
+            "device": str(device), "attention": opts.attention}
+    return factory, info
+
+
+def plan_rows(opts: ExtractOptions, duration: float) -> tuple[int, int, float]:
+    """(rows to extract, rows of the whole session, end seconds)."""
+    full_rows = int(math.floor(duration * 5 + 1e-6))
+    if opts.end is None:
+        return full_rows, full_rows, full_rows / 5
+    if not opts.end > 0:
+        raise InputError(f"--end {opts.end}: must be > 0 seconds")
+    if opts.end > duration + 1e-6:
+        raise InputError(f"--end {opts.end}: beyond the session ({duration:.2f} s of media in "
+                         f"{opts.easycom_session_dir}); pass --end <= {duration:.2f} or omit it")
+    rows = int(math.floor(opts.end * 5 + 1e-6))
+    if rows == 0:
+        raise InputError(f"--end {opts.end}: shorter than one 0.2 s row")
+    return rows, full_rows, rows / 5
+
+
+def run(opts: ExtractOptions, factory: SessionFactory | None = None,
+        model_info: dict[str, Any] | None = None, echo: Callable[[str], None] = print) -> FeatureArtifact | None:
+    """Validate inputs, extract, audit and save. Returns the artifact (None for --media-only)."""
+    from .. import __version__
+
+    t_start = time.perf_counter()
+    if opts.verify_every < 0 or opts.future_intervention_every < 0:
+        raise InputError("--verify-every / --future-intervention-every must be >= 0 (0: first audit only)")
+    if not opts.media_only and opts.output is None:
+        raise InputError("--output PATH.pt is required (or pass --media-only)")
+    if opts.output is not None and not opts.media_only and not opts.output.parent.is_dir():
+        raise InputError(f"--output {opts.output}: directory {opts.output.parent} does not exist; create it first")
+    timeline = build_timeline(opts.easycom_session_dir)
+    rows, full_rows, end = plan_rows(opts, timeline.duration)
+    target = tinfo = None
+    if opts.target is not None:
+        target, tinfo, rows = align_targets(opts.target, full_rows, rows)
+        end = rows / 5
+    if opts.mode == "native-1hz-hold" and rows < 5 and not opts.media_only:
+        raise InputError(f"--end {end:.1f}: native-1hz-hold needs at least one completed second (--end >= 1)")
+    media = EasyComSession(opts.easycom_session_dir, decoder=opts.decoder, decoder_threads=opts.decoder_threads,
+                           max_open_readers=opts.max_open_readers, frame_cache_size=opts.frame_cache_size,
+                           timeline=timeline)
+    with contextlib.closing(media):
+        if opts.media_only:
+            echo(timeline.summary())
+            echo(f"decoder {opts.decoder} (threads {opts.decoder_threads}, max open readers "
+                 f"{opts.max_open_readers}, frame cache {opts.frame_cache_size}):")
+            for line in media.check_decoders():
+                echo(line)
+            echo(f"--end {end:.1f}s -> {rows} rows at 5 Hz of {full_rows}; mode {opts.mode}; media OK (no model loaded)")
+            return None
+        inputs = Inputs(media, end)
+        if factory is None:
+            factory, model_info = load_session_factory(opts)
+        bar = _progress(end, opts.progress)
+        t0 = time.perf_counter()
+        try:
+            fn = extract_native if opts.mode == "native-1hz-hold" else extract_partial
+            with torch.inference_mode():
+                res = fn(factory, inputs, rows, verify_every=opts.verify_every,
+                         future_every=opts.future_intervention_every, tick=bar.update if bar else None)
+        finally:
+            if bar:
+                bar.close()
+        wall = time.perf_counter() - t0
+    ok = res.verification["all_passed"]
+    _print_summary(echo, opts, rows, end, res, wall)
+    if not ok and not opts.allow_unverified_partial_tail:
+        why = "too short for the mandatory audits" if res.verification["too_short"] else "an audit failed"
+        raise VerificationError(f"{opts.easycom_session_dir}: {why} ({_audit_line(res.verification)}); nothing was "
+                                f"saved to {opts.output}. Diagnose it; --allow-unverified-partial-tail saves it as "
+                                f"mode={MODE_UNVERIFIED} (rejected by the default loader)")
+    provenance = dict(model_info or {})
+    provenance.update({
+        "decoder": opts.decoder, "decoder_threads": opts.decoder_threads,
+        "max_open_readers": opts.max_open_readers, "frame_cache_size": opts.frame_cache_size,
+        "session_dir": str(opts.easycom_session_dir), "session": timeline.session, "end": end,
+        "rows": rows, "session_rows": full_rows,
+        "target_path": str(opts.target) if opts.target else None,
+        "target_shape": tinfo["shape"] if tinfo else None,
+        "package": "minicpmo-rt", "package_version": __version__, "torch_version": torch.__version__,
+        "command_line": opts.command_line, "timeline": timeline.to_dict(),
+        "wall_time_s": round(wall, 3), "real_time_factor": round(end / wall, 3) if wall > 0 else None,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "allow_unverified_partial_tail": opts.allow_unverified_partial_tail,
+    })
+    art = FeatureArtifact(
+        mode=MODE_VERIFIED if ok else MODE_UNVERIFIED, extractor_mode=opts.mode, states=res.states,
+        times=grid_times(rows), state_source_times=res.state_source_times,
+        native_update_mask=res.native_update_mask, initialization_mask=res.initialization_mask,
+        partial_tail_admissible=bool(res.admissible and ok), verification=res.verification,
+        provenance=provenance, session=timeline.session, window=res.window, pruning=res.pruning,
+        targets=target, target_info=tinfo)
+    save_artifact(opts.output, art)
+    echo(f"saved {opts.output} (mode={art.mode}, {rows} rows x {art.dim}) in "
+         f"{time.perf_counter() - t_start:.1f}s total")
+    return art
+
+
+class VerificationError(MiniCPMORTError):
+    """A mandatory audit failed or was too short; nothing was saved."""
+
+
+def _progress(total: float, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=round(total, 1), unit="s", unit_scale=False, desc="session-seconds",
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} [{elapsed}<{remaining}, {rate_fmt}]",
+                dynamic_ncols=True, file=sys.stderr)
+
+
+def _audit_line(v: dict[str, Any]) -> str:
+    parts = []
+    for name in ("boundary", "clean_replay", "future_intervention", "snapshot_restoration"):
+        a = v.get(name, {})
+        if a.get("not_applicable"):
+            parts.append(f"{name} n/a")
+        else:
+            parts.append(f"{name} {'PASS' if a.get('passed') else 'FAIL'} {a.get('runs', 0) - a.get('failed', 0)}"
+                         f"/{a.get('runs', 0)}" + (f" max_rel {a['max_rel_err']:.2e}" if a.get("runs") else ""))
+    return "; ".join(parts)
+
+
+def _print_summary(echo, opts: ExtractOptions, rows: int, end: float, res: ExtractResult, wall: float) -> None:
+    v = res.verification
+    echo(f"{opts.mode}: {rows} rows ({end:.1f} s of media) x {res.states.shape[1]} in {wall:.2f}s wall, "
+         f"real-time factor {end / wall if wall > 0 else float('inf'):.2f}x; pruning events {len(res.pruning)}")
+    for name in ("boundary", "clean_replay", "future_intervention", "snapshot_restoration"):
+        a = v[name]
+        if a.get("not_applicable"):
+            echo(f"  {name:21s} n/a ({a['not_applicable']})")
+            continue
+        echo(f"  {name:21s} {'PASS' if a['passed'] else 'FAIL'}  runs {a['runs']} failed {a['failed']} "
+             f"skipped {a['skipped']}  max_abs_diff {a['max_abs_diff']:.3e}  max_rel_err {a['max_rel_err']:.3e}  "
+             f"({a['criterion']})")
+    echo(f"  audits {'ALL PASSED' if v['all_passed'] else 'NOT PASSED'}" + ("  (too short)" if v["too_short"] else ""))
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "streaming_minicpmo_features_directly.py") -> int:
+    try:
+        opts = parse_options(argv, prog)
+        run(opts)
+    except MiniCPMORTError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+

@@ -1,0 +1,168 @@
+"""Extractor alignment, audits and failure handling against the contract-honouring ToySession."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minicpmo_rt.errors import InputError
+from minicpmo_rt.features import extract as ex
+from minicpmo_rt.features.artifact import load_artifact
+from minicpmo_rt.features.easycom import EasyComSession, SAMPLE_RATE
+from minicpmo_rt.features.synthetic import make_session
+
+from features_toy_session import ToySession
+
+
+@pytest.fixture(scope="module")
+def syn(tmp_path_factory):
+    return make_session(tmp_path_factory.mktemp("x"), 4, width=32, height=32, segment_seconds=2, seed=1)
+
+
+def opts(syn, out, mode, **kw):
+    o = ex.ExtractOptions(easycom_session_dir=syn, mode=mode, output=out, progress=False, **kw)
+    return o
+
+
+def test_native_alignment_and_audits(syn, tmp_path):
+    out = tmp_path / "n.pt"
+    art = ex.run(opts(syn, out, "native-1hz-hold"), factory=ToySession, model_info={"model_id": "toy"},
+                 echo=lambda s: None)
+    assert art.mode == "causal-prefix" and not art.partial_tail_admissible
+    assert art.times[:6].tolist() == [0.2, 0.4, 0.6, 0.8, 1.0, 1.2]
+    assert art.state_source_times[:10].tolist() == [0.0] * 4 + [1.0] * 5 + [2.0]
+    assert art.initialization_mask.tolist() == [True] * 4 + [False] * 16
+    assert torch.count_nonzero(art.states[:4]) == 0
+    # held: rows 1.0-1.8 identical, 2.0 new
+    assert all(torch.equal(art.states[4], art.states[k]) for k in range(5, 9))
+    assert not torch.equal(art.states[8], art.states[9])
+    v = art.verification
+    assert v["all_passed"] and v["clean_replay"]["runs"] == 1 and v["future_intervention"]["runs"] == 1
+    assert v["clean_replay"]["checks"][0]["t"] == 2.0
+    assert load_artifact(out).extractor_mode == "native-1hz-hold"
+
+
+def test_partial_alignment_and_every_row_audits(syn, tmp_path):
+    out = tmp_path / "p.pt"
+    art = ex.run(opts(syn, out, "cached-partial-5hz", verify_every=1, future_intervention_every=1),
+                 factory=ToySession, model_info={}, echo=lambda s: None)
+    assert art.mode == "causal-prefix" and art.partial_tail_admissible
+    assert torch.equal(art.state_source_times, art.times)
+    v = art.verification
+    assert v["boundary"]["runs"] == 4 and v["snapshot_restoration"]["runs"] == 20
+    # every non-boundary row from 1.2 s on: 1.2,1.4,1.6,1.8,2.2,...,3.8 = 12
+    assert v["clean_replay"]["runs"] == 12 and v["future_intervention"]["runs"] == 12
+    assert v["boundary"]["max_abs_diff"] == 0.0 and v["clean_replay"]["max_abs_diff"] == 0.0
+    # partial rows at whole seconds equal the native held states
+    native = ex.run(opts(syn, tmp_path / "n.pt", "native-1hz-hold"), factory=ToySession, model_info={},
+                    echo=lambda s: None)
+    for k in (4, 9, 14, 19):
+        assert torch.equal(art.states[k], native.states[k])
+    assert not torch.equal(art.states[5], art.states[4])  # the tail moves the state
+
+
+def test_default_cadence_runs_first_only_then_periodic(syn, tmp_path):
+    art = ex.run(opts(syn, tmp_path / "a.pt", "cached-partial-5hz"), factory=ToySession, model_info={},
+                 echo=lambda s: None)
+    assert art.verification["clean_replay"]["runs"] == 1
+    assert art.verification["clean_replay"]["checks"][0]["t"] == 1.2
+    art = ex.run(opts(syn, tmp_path / "b.pt", "cached-partial-5hz", verify_every=10, future_intervention_every=7),
+                 factory=ToySession, model_info={}, echo=lambda s: None)
+    # rows: first 5 (1.2 s), then first non-boundary row at/after 10 (10 -> 2.2 s), 20 (none)
+    assert [c["row"] for c in art.verification["clean_replay"]["checks"]] == [5, 10]
+    # intervention: 5, then >=7 -> 7, >=14 -> 15 (row 14 is a boundary)
+    assert [c["row"] for c in art.verification["future_intervention"]["checks"]] == [5, 7, 15]
+
+
+def test_broken_restore_is_caught_and_nothing_saved(syn, tmp_path):
+    out = tmp_path / "p.pt"
+    with pytest.raises(ex.VerificationError, match="nothing was saved"):
+        ex.run(opts(syn, out, "cached-partial-5hz"), factory=lambda: ToySession(broken_restore=True),
+               model_info={}, echo=lambda s: None)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_nondeterministic_replay_fails_and_unverified_saves_when_allowed(syn, tmp_path):
+    out = tmp_path / "p.pt"
+    o = opts(syn, out, "cached-partial-5hz", allow_unverified_partial_tail=True)
+    art = ex.run(o, factory=lambda: ToySession(nondeterministic=True), model_info={}, echo=lambda s: None)
+    assert art.mode == "minicpmo-unverified-partial-tail" and not art.partial_tail_admissible
+    assert not art.verification["clean_replay"]["passed"]
+    with pytest.raises(InputError, match="--allow-unverified-partial-tail"):
+        load_artifact(out)
+
+
+def test_future_leak_in_reader_is_caught(syn, tmp_path, monkeypatch):
+    real = ex.Inputs.audio
+
+    def leaky(self, start, end):  # a reader bug: 50 ms of look-ahead
+        return real(self, start, min(self.end, end + 0.05))
+    monkeypatch.setattr(ex.Inputs, "audio", leaky)
+    o = opts(syn, tmp_path / "p.pt", "cached-partial-5hz", allow_unverified_partial_tail=True)
+    art = ex.run(o, factory=ToySession, model_info={}, echo=lambda s: None)
+    fut = art.verification["future_intervention"]
+    assert not fut["passed"] and fut["max_abs_diff"] > 0
+
+
+def test_too_short_is_not_verified(syn, tmp_path):
+    o = opts(syn, tmp_path / "p.pt", "cached-partial-5hz", end=1.0)
+    with pytest.raises(ex.VerificationError, match="too short"):
+        ex.run(o, factory=ToySession, model_info={}, echo=lambda s: None)
+    assert not (tmp_path / "p.pt").exists()
+
+
+def test_pruning_rows_recorded_and_boundary_skipped(syn, tmp_path):
+    art = ex.run(opts(syn, tmp_path / "p.pt", "cached-partial-5hz"), factory=lambda: ToySession(window_high=2),
+                 model_info={}, echo=lambda s: None)
+    assert art.window["high_tokens"] == 2
+    assert [p["row"] for p in art.pruning] == [14]  # third commit (3.0 s) exceeds 2 chunks
+    assert art.verification["boundary"]["skipped"] == 1 and art.verification["all_passed"]
+
+
+def test_perturbation_changes_only_the_future(syn):
+    with EasyComSession(syn) as media:
+        inp = ex.Inputs(media, 4.0)
+        pert = inp.perturbed_after(1.4)
+        k = int(1.4 * SAMPLE_RATE)
+        np.testing.assert_array_equal(inp.audio(0, 1.4), pert.audio(0, 1.4))
+        assert np.abs(inp.audio(1.4, 4.0) - pert.audio(1.4, 4.0)).max() > 0.1
+        np.testing.assert_array_equal(inp.frame_at(1.4), pert.frame_at(1.4))  # frame 27 starts at 1.35 s
+        assert not np.array_equal(inp.frame_at(1.45), pert.frame_at(1.45))  # frame 28 starts at 1.40 s
+        assert pert.perturbed_samples == 64000 - k
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"end": 9.0}, "beyond the session"),
+    ({"end": 0.1}, "shorter than one"),
+    ({"verify_every": -1}, ">= 0"),
+])
+def test_bad_options_named_before_model(syn, tmp_path, kw, msg):
+    def no_model():
+        raise AssertionError("model must not be loaded")
+    with pytest.raises(InputError, match=msg):
+        ex.run(opts(syn, tmp_path / "p.pt", "native-1hz-hold", **kw), factory=no_model, echo=lambda s: None)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("n, ok", [(19, True), (20, True), (21, True), (22, False), (18, False)])
+def test_target_alignment_policy(syn, tmp_path, n, ok):
+    tgt = tmp_path / "t.npy"
+    np.save(tgt, np.arange(n * 3).reshape(n, 3))
+    out = tmp_path / "p.pt"
+    o = opts(syn, out, "native-1hz-hold", target=tgt)
+    if not ok:
+        with pytest.raises(InputError, match="off-by-one"):
+            ex.run(o, factory=ToySession, model_info={}, echo=lambda s: None)
+        assert not out.exists()
+        return
+    art = ex.run(o, factory=ToySession, model_info={}, echo=lambda s: None)
+    rows = min(n, 20)
+    assert art.num_rows == rows and art.targets.shape == (rows, 3)
+    assert art.targets[:, 0].tolist() == [3 * j for j in range(rows)]
+    assert art.target_info["target_rows"] == n and art.provenance["target_shape"] == [n, 3]
+
+
+def test_output_dir_missing_named(syn, tmp_path):
+    with pytest.raises(InputError, match="does not exist"):
+        ex.run(opts(syn, tmp_path / "no" / "p.pt", "native-1hz-hold"), factory=ToySession, echo=lambda s: None)
