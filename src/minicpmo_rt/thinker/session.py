@@ -1,0 +1,450 @@
+"""``StreamingSession``: one input-only audio-visual stream through the Thinker, with
+exact snapshot/restore, temporary tails and a bounded context window.
+
+Layout (upstream duplex ``streaming_prefill``, spec section 7). The system prompt is
+the duplex one: ``<|im_start|>system\\n{text}\\n<|audio_start|><|audio_end|><|im_end|>``
+(no reference audio). Each ``commit`` is one unit: ``<unit>``, then for the frame
+``<image>`` + 64 embeddings + ``</image>`` (max_slice_nums=1, so never sliced), then the
+chunk's 10 audio embeddings with no audio markers -- the position at which upstream
+computes the unit's ``pending_logits``, and whose final-norm hidden ``read_state``
+returns. Nothing is generated: no ``<|listen|>`` or speech token ever enters the cache.
+Upstream's ``finalize_unit`` closes a unit with ``[terminator, </unit>]``; an
+input-only unit has no terminator, so it is closed with ``</unit>`` alone (the
+``terminator_id is None`` branch) and that token is fed at the start of the next
+commit, in the same forward. A unit's record includes its closing ``</unit>``.
+
+Audio follows upstream exactly: chunk 0 is left-padded with zeros to 1035 ms and
+consumes 16480 samples (the 80 left over are carried, so every later 1-s commit
+consumes 16000 and carries 80); mel via ``StreamingMel`` (stable frames, 2 CNN
+redundancy frames each side); the Whisper encoder cuts the conv frames of the
+redundancy (``use_extra_context``) and keeps its KV cache across chunks, reset when it
+would pass 1500 positions.
+
+Window (``WindowPolicy``). Upstream's duplex ``StreamDecoder.enforce_window``: when the
+LLM cache holds more than ``high_tokens`` it drops whole units, oldest first, right
+after the system prefix, until at most ``low_tokens`` remain, re-rotating the kept
+keys (inverse then forward RoPE, theta from the config) so that positions stay
+compressed; ``position_offset`` counts the dropped tokens. Upstream runs it in
+``finalize_unit``; here it runs right after each commit's forward (the read-out of that
+commit is taken before the drop, so a temporary full chunk inside a transaction equals
+the native commit). Upstream's duplex default is ``off`` and its turn-mode window
+never drops the single open round of an input-only session, so a 30-minute session
+would pass the model's 40,960 positions after about 8.7 minutes; the default here is
+``WindowPolicy.input_only()``: the same unit rule at upstream's 8000/6000 watermarks
+(``DuplexWindowConfig``). ``duplex_basic()`` (4000/3500, ``DuplexCapability``) and
+``off()`` are available; with ``off`` a session stops with ``ContextLimitError``.
+
+Snapshots hold the LLM cache *length* (restore truncates; KV tensors are never
+copied), the audio-encoder cache, mel state and carried samples (immutable values,
+so holding them is a free clone), the chunk index, RNG states, history length and
+open unit, position offset and the last read-out. Pruning cannot be undone by
+truncation, so ``transaction()`` suspends it, and restoring a snapshot taken before a
+pruning event is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from ..errors import InputError, MiniCPMORTError
+from .audio import AudioEncoderCache
+from .image_processor import ProcessedImage, process_image
+from .mel import SAMPLE_RATE, MelState, StreamingMel
+from .model import Thinker, cache_checksum, cache_length, drop_rows, truncate_cache
+from .prompt import PromptBuilder, PromptPiece
+
+FIRST_CHUNK_PAD_SAMPLES = int(1035 * SAMPLE_RATE / 1000)  # upstream pads chunk 0 on the left to 1035 ms
+
+
+class ContextLimitError(InputError):
+    """The LLM context would pass the model's max_position_embeddings."""
+
+
+class SnapshotError(MiniCPMORTError):
+    """A snapshot cannot be restored exactly (or did not restore exactly)."""
+
+
+@dataclass(frozen=True)
+class WindowPolicy:
+    name: str
+    high_tokens: int | None   # None: never prune
+    low_tokens: int | None
+
+    def __post_init__(self):
+        if (self.high_tokens is None) != (self.low_tokens is None):
+            raise InputError(f"window {self.name!r}: give both high_tokens and low_tokens, or neither")
+        if self.high_tokens is not None and not 0 < self.low_tokens <= self.high_tokens:
+            raise InputError(f"window {self.name!r}: need 0 < low_tokens ({self.low_tokens}) <= high_tokens "
+                             f"({self.high_tokens})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.high_tokens is not None
+
+    @classmethod
+    def off(cls) -> "WindowPolicy":
+        return cls("off", None, None)
+
+    @classmethod
+    def input_only(cls, high_tokens: int = 8000, low_tokens: int = 6000) -> "WindowPolicy":
+        return cls("input-only", high_tokens, low_tokens)
+
+    @classmethod
+    def duplex_basic(cls) -> "WindowPolicy":
+        return cls("duplex-basic", 4000, 3500)
+
+
+@dataclass(frozen=True)
+class PruneEvent:
+    commit_index: int      # committed_chunks when it happened
+    cache_len_before: int
+    tokens_dropped: int
+    units_dropped: int = 0
+
+
+@dataclass(frozen=True)
+class UnitRecord:
+    unit_id: int
+    piece: PromptPiece     # ids fed for this unit (<unk> marks embedding slots), incl. </unit> once closed
+    closed: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.piece)
+
+
+@dataclass(frozen=True)
+class SessionFingerprint:
+    llm_cache_len: int
+    llm_checksum: float
+    audio_cache_len: int
+    audio_checksum: float
+    mel_state: tuple
+    audio_chunk_idx: int
+    history_len: int
+    position_offset: int
+    rng_digest: str
+
+
+@dataclass(frozen=True)
+class RNGState:
+    cpu: torch.Tensor
+    cuda: tuple[torch.Tensor, ...] = ()
+
+    @classmethod
+    def capture(cls) -> "RNGState":
+        cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else ()
+        return cls(torch.get_rng_state(), cuda)
+
+    def apply(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda:
+            torch.cuda.set_rng_state_all(list(self.cuda))
+
+    def digest(self) -> str:
+        h = hashlib.sha1(self.cpu.numpy().tobytes())
+        for s in self.cuda:
+            h.update(s.cpu().numpy().tobytes())
+        return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    llm_cache_len: int
+    llm_checksum: float | None
+    audio_cache: AudioEncoderCache | None
+    mel_state: MelState
+    carry: np.ndarray
+    audio_chunk_idx: int
+    rng: RNGState
+    history_len: int
+    open_unit: UnitRecord | None
+    next_unit_id: int
+    position_offset: int
+    committed_chunks: int
+    prune_count: int
+    last_hidden: torch.Tensor | None
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _check_audio(audio, sample_rate: int, where: str) -> np.ndarray:
+    if isinstance(audio, torch.Tensor):
+        audio = audio.detach().cpu().numpy()
+    if not isinstance(audio, np.ndarray):
+        raise InputError(f"{where}: audio must be a numpy array of 16 kHz mono float samples, got "
+                         f"{type(audio).__name__}")
+    if audio.ndim == 2 and 1 in audio.shape:
+        audio = audio.reshape(-1)
+    if audio.ndim != 1:
+        raise InputError(f"{where}: audio of shape {list(audio.shape)} is not mono; mix it down to one channel")
+    if not np.issubdtype(audio.dtype, np.floating):
+        raise InputError(f"{where}: audio dtype {audio.dtype} is not floating point; pass float32 samples in "
+                         "[-1, 1] (e.g. int16 / 32768)")
+    if audio.size == 0:
+        raise InputError(f"{where}: empty audio chunk; pass at least one sample (a native chunk is 1 s = "
+                         f"{SAMPLE_RATE} samples)")
+    if not np.isfinite(audio).all():
+        raise InputError(f"{where}: audio holds NaN or infinite samples")
+    if int(sample_rate) <= 0:
+        raise InputError(f"{where}: sample_rate must be positive, got {sample_rate}")
+    audio = audio.astype(np.float32, copy=False)
+    if int(sample_rate) != SAMPLE_RATE:
+        from math import gcd
+
+        from scipy.signal import resample_poly
+
+        g = gcd(int(sample_rate), SAMPLE_RATE)
+        audio = resample_poly(audio, SAMPLE_RATE // g, int(sample_rate) // g).astype(np.float32)
+        if audio.size == 0:
+            raise InputError(f"{where}: audio is empty after resampling {sample_rate} Hz to {SAMPLE_RATE} Hz")
+    return audio
+
+
+class StreamingSession:
+    """One causal input-only stream (see the module docstring for the exact layout)."""
+
+    def __init__(self, thinker: Thinker, tokenizer, *, system_prompt: str | None = None,
+                 window: WindowPolicy | None = None, mel: StreamingMel | None = None):
+        self.thinker = thinker
+        self.tokenizer = tokenizer
+        self.prompts = PromptBuilder(tokenizer)
+        self.window = window if window is not None else WindowPolicy.input_only()
+        self.max_positions = thinker.config.llm.max_position_embeddings
+        self.mel = mel if mel is not None else StreamingMel()
+        self.cache = thinker.new_cache()
+        self.audio_cache: AudioEncoderCache | None = None
+        self.carry = _frozen(np.zeros(0, np.float32))  # samples received but not yet consumed by a chunk
+        self.audio_chunk_idx = 0
+        self.committed_chunks = 0
+        self.position_offset = 0
+        self.history: list[UnitRecord] = []
+        self.open_unit: UnitRecord | None = None
+        self.next_unit_id = 0
+        self.pruning_events: list[PruneEvent] = []
+        self.audio_resets = 0
+        self._suspended = 0
+        self._transactions = 0
+        self._tail_appended = False
+        self._last_hidden: torch.Tensor | None = None
+        self.system_piece = self.prompts.duplex_system(system_prompt)
+        if len(self.system_piece) > self.max_positions:
+            raise ContextLimitError(f"system prompt: {len(self.system_piece)} tokens exceed the model's "
+                                    f"{self.max_positions} positions; shorten it")
+        step = thinker.forward_embeds(thinker.embed_tokens(self.system_piece.ids), self.cache)
+        self._last_hidden = step.last
+        self.preserve = cache_length(self.cache)
+
+    # -- public API -------------------------------------------------------------------------
+    def commit(self, audio: np.ndarray, frame, *, sample_rate: int = SAMPLE_RATE) -> None:
+        """One native 1-s input-only AV chunk (see module docstring)."""
+        if self._tail_appended:
+            raise InputError("commit: a tail was appended in this transaction; leave the transaction (restore) "
+                             "before committing")
+        audio = _check_audio(audio, sample_rate, "commit")
+        processed = self._check_frame(frame, "commit")
+        pending = self._pending_with(audio)
+        need = self.mel.chunk_size()
+        if pending.shape[0] < need:
+            raise InputError(f"commit: a native chunk needs {need} samples here but only {pending.shape[0]} are "
+                             f"available ({audio.shape[0]} new + {self.carry.shape[0]} carried); pass 1 s "
+                             f"({SAMPLE_RATE} samples) per commit, or use append_tail for a partial chunk")
+        self._atomically(lambda: self._feed_unit(pending[:need], pending[need:], processed, last_chunk=False))
+
+    def append_tail(self, audio: np.ndarray, frame, *, sample_rate: int = SAMPLE_RATE) -> None:
+        """A half-open partial (< 1 s) chunk, mel in last-chunk mode; only inside ``transaction()``."""
+        if self._transactions == 0:
+            raise InputError("append_tail: a partial chunk may only be appended inside `with session.transaction():` "
+                             "(it must be restored away before the next native commit)")
+        if self._tail_appended:
+            raise InputError("append_tail: this transaction already holds a tail; open a new transaction")
+        audio = _check_audio(audio, sample_rate, "append_tail")
+        if audio.shape[0] >= self.mel.chunk_samples:
+            raise InputError(f"append_tail: {audio.shape[0]} samples is a whole chunk; a tail must be shorter than "
+                             f"{self.mel.chunk_samples} samples (use commit for complete seconds)")
+        processed = self._check_frame(frame, "append_tail")
+        pending = self._pending_with(audio)
+
+        def run():
+            self._feed_unit(pending, pending[:0], processed, last_chunk=True)
+            self._tail_appended = True
+
+        self._atomically(run)
+
+    def read_state(self) -> torch.Tensor:
+        """[hidden] float32 CPU: the final-norm hidden state at the last fed position."""
+        return self._last_hidden.detach().to(device="cpu", dtype=torch.float32).clone()
+
+    def snapshot(self, checksum: bool = False) -> SessionSnapshot:
+        """Capture everything ``restore`` needs; ``checksum=True`` also records the LLM cache
+        checksum (a full read of the cache) so that ``restore`` verifies it."""
+        return SessionSnapshot(
+            llm_cache_len=cache_length(self.cache),
+            llm_checksum=cache_checksum(self.cache) if checksum else None,
+            audio_cache=self.audio_cache, mel_state=self.mel.snapshot(), carry=self.carry,
+            audio_chunk_idx=self.audio_chunk_idx, rng=RNGState.capture(), history_len=len(self.history),
+            open_unit=self.open_unit, next_unit_id=self.next_unit_id, position_offset=self.position_offset,
+            committed_chunks=self.committed_chunks, prune_count=len(self.pruning_events),
+            last_hidden=self._last_hidden)
+
+    def restore(self, snap: SessionSnapshot) -> None:
+        if snap.prune_count != len(self.pruning_events):
+            raise SnapshotError(f"restore: the snapshot was taken before {len(self.pruning_events) - snap.prune_count} "
+                                "pruning event(s); truncation cannot recreate pruned units (take snapshots inside "
+                                "`transaction()`, which suspends pruning)")
+        length = cache_length(self.cache)
+        if length < snap.llm_cache_len:
+            raise SnapshotError(f"restore: the LLM cache holds {length} rows, fewer than the snapshot's "
+                                f"{snap.llm_cache_len}; it was modified outside this session")
+        truncate_cache(self.cache, snap.llm_cache_len)
+        self.audio_cache = snap.audio_cache
+        self.mel.restore(snap.mel_state)
+        self.carry = snap.carry
+        self.audio_chunk_idx = snap.audio_chunk_idx
+        snap.rng.apply()
+        del self.history[snap.history_len:]
+        self.open_unit = snap.open_unit
+        self.next_unit_id = snap.next_unit_id
+        self.position_offset = snap.position_offset
+        self.committed_chunks = snap.committed_chunks
+        self._last_hidden = snap.last_hidden
+        self._tail_appended = False
+        if snap.llm_checksum is not None and cache_checksum(self.cache) != snap.llm_checksum:
+            raise SnapshotError("restore: the LLM cache checksum differs from the snapshot's after truncation")
+
+    def fingerprint(self) -> SessionFingerprint:
+        carry = hashlib.sha1(np.ascontiguousarray(self.carry).tobytes()).hexdigest()
+        return SessionFingerprint(
+            llm_cache_len=cache_length(self.cache), llm_checksum=cache_checksum(self.cache),
+            audio_cache_len=self.audio_cache.length if self.audio_cache is not None else 0,
+            audio_checksum=self.audio_cache.checksum() if self.audio_cache is not None else 0.0,
+            mel_state=self.mel.state.digest() + (int(self.carry.shape[0]), carry),
+            audio_chunk_idx=self.audio_chunk_idx, history_len=self.history_len,
+            position_offset=self.position_offset, rng_digest=RNGState.capture().digest())
+
+    @contextmanager
+    def transaction(self):
+        """Snapshot; suspend destructive pruning; yield; restore (even on error)."""
+        snap = self.snapshot()
+        self._transactions += 1
+        try:
+            with self.pruning_suspended():
+                yield self
+        finally:
+            self._transactions -= 1
+            self.restore(snap)
+
+    @contextmanager
+    def pruning_suspended(self):
+        self._suspended += 1
+        try:
+            yield self
+        finally:
+            self._suspended -= 1
+
+    @property
+    def history_len(self) -> int:
+        """Units recorded so far (closed units plus the open one)."""
+        return len(self.history) + (1 if self.open_unit is not None else 0)
+
+    @property
+    def cache_len(self) -> int:
+        return cache_length(self.cache)
+
+    # -- internals --------------------------------------------------------------------------
+    def _check_frame(self, frame, where: str) -> ProcessedImage | None:
+        if frame is None:
+            return None
+        return process_image(frame, max_slice_nums=1, where=f"{where}: frame")
+
+    def _pending_with(self, audio: np.ndarray) -> np.ndarray:
+        pending = np.concatenate([self.carry, audio]) if self.carry.size else audio
+        if self.audio_chunk_idx == 0 and pending.shape[0] < FIRST_CHUNK_PAD_SAMPLES:
+            pending = np.concatenate([np.zeros(FIRST_CHUNK_PAD_SAMPLES - pending.shape[0], np.float32), pending])
+        return pending
+
+    def _atomically(self, fn) -> None:
+        """Run ``fn``; on any error put every piece of state back as it was."""
+        snap = self.snapshot()
+        events = list(self.pruning_events)
+        try:
+            fn()
+        except BaseException:
+            if len(self.pruning_events) == len(events):
+                self.restore(snap)
+            raise
+
+    def _feed_unit(self, chunk: np.ndarray, rest: np.ndarray, processed: ProcessedImage | None,
+                   last_chunk: bool) -> None:
+        th = self.thinker
+        mel = self.mel.process(chunk, last_chunk=last_chunk)
+        audio = th.embed_audio_chunk(mel.features, self.audio_cache, mel.prefix_extra, mel.suffix_extra)
+        images = [th.embed_image(processed)] if processed is not None else []
+        closing = self.prompts.duplex_unit_end(None) if self.open_unit is not None else PromptPiece(())
+        unit = self.prompts.duplex_unit([processed] if processed is not None else [],
+                                        audio_embeds=int(audio.embeds.shape[0]))
+        piece = closing + unit
+        start = cache_length(self.cache)
+        if start + len(piece) > self.max_positions:
+            raise ContextLimitError(
+                f"commit {self.committed_chunks}: the context would reach {start + len(piece)} positions, past the "
+                f"model's {self.max_positions} (window {self.window.name!r}, pruning "
+                f"{'suspended' if self._suspended else 'active'}); use a bounded WindowPolicy or shorter sessions")
+        embeds = self._assemble(piece, images, audio.embeds)
+        step = th.forward_embeds(embeds, self.cache)
+        # Commit the bookkeeping only after the forward succeeded.
+        self._last_hidden = step.last
+        self.audio_cache = audio.cache
+        self.audio_resets += int(audio.reset)
+        self.carry = _frozen(np.array(rest, dtype=np.float32))
+        if self.open_unit is not None:
+            self.history.append(replace(self.open_unit, piece=self.open_unit.piece + closing, closed=True))
+        self.open_unit = UnitRecord(self.next_unit_id, unit)
+        self.next_unit_id += 1
+        if not last_chunk:
+            self.audio_chunk_idx += 1
+            self.committed_chunks += 1
+            self._enforce_window()
+
+    def _assemble(self, piece: PromptPiece, images: list[torch.Tensor], audio: torch.Tensor) -> torch.Tensor:
+        th = self.thinker
+        embeds = th.embed_tokens(piece.ids).clone()
+        image_rows = iter([row for im in images for row in im])  # each [64, H]
+        for slot in piece.slots:
+            if slot.kind == "image":
+                embeds[slot.start:slot.start + slot.length] = next(image_rows).to(embeds.dtype)
+            else:
+                embeds[slot.start:slot.start + slot.length] = audio[:slot.length].to(embeds.dtype)
+        return embeds
+
+    def _enforce_window(self) -> None:
+        w = self.window
+        before = cache_length(self.cache)
+        if self._suspended or not w.enabled or before <= w.high_tokens:
+            return
+        drop_len, n_units, length = 0, 0, before
+        while length > w.low_tokens and n_units < len(self.history):
+            unit_len = self.history[n_units].length
+            drop_len += unit_len
+            length -= unit_len
+            n_units += 1
+        if not n_units:
+            return
+        drop_rows(self.cache, self.preserve, drop_len, self.thinker.llm.model.rotary_emb.inv_freq)
+        del self.history[:n_units]
+        self.position_offset += drop_len
+        self.pruning_events.append(PruneEvent(self.committed_chunks, before, drop_len, n_units))
+        expected = self.preserve + sum(u.length for u in self.history) + \
+            (self.open_unit.length if self.open_unit is not None else 0)
+        if expected != cache_length(self.cache):
+            raise SnapshotError(f"window: bookkeeping ({expected} rows) disagrees with the cache "
+                                f"({cache_length(self.cache)} rows) after pruning")
