@@ -56,9 +56,15 @@ def weight_parts() -> list[WeightPart]:
 
 def asset_parts() -> list[AssetPart]:
     parts: list[AssetPart] = []
+    from .code2wav.flow import build_flow_part
+
+    parts.append(AssetPart("flow", "flow.pt", build_flow_part))
     return parts
 
 
 def tiny_asset_writers() -> list[Callable[[Path, int], None]]:
     """Functions (asset_dir, seed) that write tiny assets (configs, .pt, ONNX)."""
-    return []
+    from .code2wav.flow import write_tiny_flow
+
+    writers: list[Callable[[Path, int], None]] = [write_tiny_flow]
+    return writers

@@ -232,3 +232,21 @@ def load_flow(asset_dir: str | Path, device: str | torch.device = "cpu", noise_s
     load_strict(flow, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, str(weights))
     return flow.to(device).eval()
 
+
+
+def build_flow_part(asset_dir: Path | None) -> Flow:
+    """Registry builder: ``None`` -> the released full-size layout; else from ``asset_dir/flow.yaml``."""
+    from .flow_config import FULL_SIZE
+
+    return Flow(FULL_SIZE if asset_dir is None else read_flow_yaml(Path(asset_dir) / "flow.yaml"))
+
+
+def write_tiny_flow(asset_dir: Path, seed: int) -> None:
+    """Tiny ``flow.yaml`` (upstream form, TINY dims) and ``flow.pt`` (random fp32 weights)."""
+    from ..checkpoint.tiny import randomize_
+    from .flow_config import TINY, write_flow_yaml
+
+    asset_dir = Path(asset_dir)
+    write_flow_yaml(TINY, asset_dir / "flow.yaml")
+    flow = randomize_(Flow(TINY), seed, prefix="flow.")
+    torch.save({k: v.detach().float().contiguous() for k, v in flow.state_dict().items()}, asset_dir / "flow.pt")
