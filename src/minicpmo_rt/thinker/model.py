@@ -72,18 +72,25 @@ class Thinker(nn.Module):
             name = prefix.rstrip(".")
             load_strict(getattr(model, name), state, where=f"{directory} ({prefix}*)", prefix=prefix)
         del state
+        model.rebuild_buffers()  # the non-persistent buffers are still on the meta device
         model.to(device=device, dtype=dtype)
-        model.rebuild_buffers()
+        model.rebuild_buffers()  # .to(dtype) rounded the RoPE frequencies
         return model.eval()
 
     def rebuild_buffers(self) -> None:
-        """Recompute non-persistent buffers in fp32 (the RoPE frequencies are not in the
-        checkpoint and must not be rounded to the weight dtype)."""
+        """Recompute non-persistent buffers: the RoPE frequencies in fp32 (they are not in
+        the checkpoint and must not be rounded to the weight dtype); the resampler's
+        sin-cos table is rebuilt lazily on first use."""
         rot = self.llm.model.rotary_emb
         device = self.llm.model.embed_tokens.weight.device
         inv_freq, _ = rot.compute_default_rope_parameters(self.llm.config)
         rot.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
         rot.original_inv_freq = rot.inv_freq.clone()
+        if self.resampler.pos_embed.is_meta:
+            self.resampler.pos_embed = torch.empty(0, device=device)
+        meta = [name for name, b in self.named_buffers() if b.is_meta]
+        if meta:
+            raise RuntimeError(f"Thinker: buffers left on the meta device: {', '.join(meta)}")
 
     @property
     def device(self) -> torch.device:
