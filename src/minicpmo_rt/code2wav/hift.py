@@ -1,0 +1,379 @@
+"""The original (non-causal) CosyVoice2 HiFT vocoder and its cross-faded streaming wrapper.
+
+HiFT = neural source filter + iSTFTNet: an F0 predictor turns the mel into a pitch
+track, a harmonic oscillator turns the pitch into an excitation signal, and a
+HiFi-GAN-style upsampler (fed the excitation's STFT at every scale) predicts
+magnitude and phase of a small (n_fft 16, hop 4) inverse STFT at 24 kHz.
+
+Module and parameter names follow upstream ``HiFTGenerator`` so its ``hift.pt``
+(0.1.1 / vLLM-Omni) or ``hift_original.pt`` (minicpmo-utils 1.0.7) loads strictly.
+Weight norm uses torch's parametrization API, so keys read
+``<conv>.parametrizations.weight.original0`` (g) / ``original1`` (v).
+
+The building blocks here (``HiFTConfig``, ``ResBlock``, ``Snake``, the STFT pair)
+are shared with ``hift_causal``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
+
+SAMPLE_RATE = 24000
+MEL_BINS = 80
+
+
+@dataclass(frozen=True)
+class HiFTConfig:
+    """Constructor arguments shared by both HiFT variants (upstream names and defaults)."""
+
+    in_channels: int = MEL_BINS
+    base_channels: int = 512
+    nb_harmonics: int = 8
+    sampling_rate: int = SAMPLE_RATE
+    nsf_alpha: float = 0.1
+    nsf_sigma: float = 0.003
+    nsf_voiced_threshold: float = 10.0
+    upsample_rates: tuple[int, ...] = (8, 5, 3)
+    upsample_kernel_sizes: tuple[int, ...] = (16, 11, 7)
+    n_fft: int = 16
+    hop_len: int = 4
+    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
+    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    source_resblock_kernel_sizes: tuple[int, ...] = (7, 7, 11)
+    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    lrelu_slope: float = 0.1
+    audio_limit: float = 0.99
+    f0_channels: int = 512  # F0 predictor's cond_channels
+    conv_pre_look_right: int = 4  # causal variant only
+
+    @property
+    def hop(self) -> int:
+        """Output samples per mel frame (480 at 24 kHz)."""
+        return int(math.prod(self.upsample_rates)) * self.hop_len
+
+    def validate(self, where: str) -> "HiFTConfig":
+        from ..errors import CheckpointError
+
+        problems = []
+        if self.sampling_rate != SAMPLE_RATE or self.hop != 480:
+            problems.append(f"sampling_rate {self.sampling_rate} / hop {self.hop}: need 24000 Hz and 480 samples per frame")
+        if self.sampling_rate == 22050:
+            problems.append("the 22.05 kHz SineGen variant is not implemented")
+        if not (len(self.upsample_rates) == len(self.upsample_kernel_sizes) == len(self.source_resblock_kernel_sizes)
+                == len(self.source_resblock_dilation_sizes)):
+            problems.append("upsample_rates, upsample_kernel_sizes and source_resblock_* must have equal lengths")
+        if self.base_channels % (2 ** len(self.upsample_rates)):
+            problems.append(f"base_channels {self.base_channels} not divisible by 2^{len(self.upsample_rates)}")
+        if problems:
+            raise CheckpointError(f"{where}: unsupported HiFT configuration: " + "; ".join(problems))
+        return self
+
+
+FULL_SIZE = HiFTConfig()
+# Test size: small channels, but the real rates (24 kHz, 480 samples per frame, n_fft 16).
+TINY = dataclasses.replace(FULL_SIZE, base_channels=16, f0_channels=16)
+
+
+class Snake(nn.Module):
+    """x + sin^2(alpha x) / alpha, per channel (BigVGAN's periodic activation)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.alpha[None, :, None]
+        return x + (1.0 / (a + 1e-9)) * torch.sin(x * a).pow(2)
+
+
+def causal_padding(kernel_size: int, dilation: int = 1) -> int:
+    """Upstream ``CausalConv1d.causal_padding`` (== (k-1)*d for the sizes in use)."""
+    return (kernel_size * dilation - dilation) // 2 * 2 + (kernel_size + 1) % 2
+
+
+class PaddedConv1d(nn.Conv1d):
+    """Stride-1 conv that pads ``left`` / ``right`` zeros itself.
+
+    ``right_context`` replaces the right zeros with real future frames (causal
+    streaming: the conv then only produces outputs whose look-ahead is known).
+    """
+
+    def __init__(self, cin: int, cout: int, kernel_size: int, dilation: int = 1,
+                 left: int = 0, right: int = 0):
+        super().__init__(cin, cout, kernel_size, 1, padding=0, dilation=dilation)
+        self.left, self.right = left, right
+
+    def forward(self, x: torch.Tensor, right_context: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if right_context is not None:
+            x = torch.cat([x, right_context], dim=2)
+            return super().forward(F.pad(x, (self.left, 0)) if self.left else x)
+        if self.left or self.right:
+            x = F.pad(x, (self.left, self.right))
+        return super().forward(x)
+
+
+class ResBlock(nn.Module):
+    """Three (Snake -> dilated conv -> Snake -> conv) residual units.
+
+    ``causal`` pads each conv entirely on the left (CosyVoice3 causal HiFT);
+    otherwise symmetrically.
+    """
+
+    def __init__(self, channels: int, kernel_size: int, dilations: Sequence[int], causal: bool = False):
+        super().__init__()
+
+        def conv(d: int) -> nn.Module:
+            if causal:
+                return weight_norm(PaddedConv1d(channels, channels, kernel_size, d, left=causal_padding(kernel_size, d)))
+            pad = (kernel_size * d - d) // 2
+            return weight_norm(PaddedConv1d(channels, channels, kernel_size, d, left=pad, right=pad))
+
+        self.convs1 = nn.ModuleList([conv(d) for d in dilations])
+        self.convs2 = nn.ModuleList([conv(1) for _ in dilations])
+        self.activations1 = nn.ModuleList([Snake(channels) for _ in dilations])
+        self.activations2 = nn.ModuleList([Snake(channels) for _ in dilations])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            x = x + c2(a2(c1(a1(x))))
+        return x
+
+    def history(self) -> int:
+        """Left context (frames at this rate) one causal block needs."""
+        return sum(c.left for c in (*self.convs1, *self.convs2))
+
+
+class F0Predictor(nn.Module):
+    """Original ``ConvRNNF0Predictor``: 5 x (conv k3 'same' + ELU), Linear, |.|."""
+
+    def __init__(self, in_channels: int = MEL_BINS, cond_channels: int = 512):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(5):
+            layers += [weight_norm(nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1)),
+                       nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, 1)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        h = self.condnet(mel).transpose(1, 2)
+        return self.classifier(h).squeeze(-1).abs()  # [B, T] Hz
+
+
+class SourceModule(nn.Module):
+    """Holds the harmonic merge (``m_source.l_linear``); the oscillators live in the generators."""
+
+    def __init__(self, nb_harmonics: int):
+        super().__init__()
+        self.l_linear = nn.Linear(nb_harmonics + 1, 1)
+
+    def forward(self, harmonics: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.l_linear(harmonics))
+
+
+def hann_window(n_fft: int, device: torch.device) -> torch.Tensor:
+    # scipy.signal.get_window('hann', n, fftbins=True) == periodic Hann, cast to float32.
+    return torch.hann_window(n_fft, periodic=True, dtype=torch.float64).float().to(device)
+
+
+class _HiFTBody(nn.Module):
+    """What both variants share: the excitation STFT, the upsampling trunk and the iSTFT."""
+
+    cfg: HiFTConfig
+    conv_pre: nn.Module
+    ups: nn.ModuleList
+    source_downs: nn.ModuleList
+    source_resblocks: nn.ModuleList
+    resblocks: nn.ModuleList
+    conv_post: nn.Module
+
+    def _build_resblocks(self, cfg: HiFTConfig, causal: bool) -> None:
+        self.source_resblocks = nn.ModuleList()
+        self.resblocks = nn.ModuleList()
+        for i in range(len(cfg.upsample_rates)):
+            ch = cfg.base_channels // 2 ** (i + 1)
+            self.source_resblocks.append(ResBlock(ch, cfg.source_resblock_kernel_sizes[i],
+                                                  cfg.source_resblock_dilation_sizes[i], causal))
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes):
+                self.resblocks.append(ResBlock(ch, k, d, causal))
+
+    def _source_down_rates(self) -> list[int]:
+        """Excitation-STFT downsampling per stage: cumulative products of the reversed rates."""
+        rates = [1] + list(self.cfg.upsample_rates[::-1][:-1])
+        cum = [int(math.prod(rates[: i + 1])) for i in range(len(rates))]
+        return cum[::-1]
+
+    def source_stft(self, source: torch.Tensor) -> torch.Tensor:
+        """[B, 1, L] excitation -> [B, n_fft + 2, L / hop_len + 1] (real | imag)."""
+        c = self.cfg
+        spec = torch.stft(source.squeeze(1), c.n_fft, c.hop_len, c.n_fft, window=hann_window(c.n_fft, source.device),
+                          return_complex=True)
+        spec = torch.view_as_real(spec)
+        return torch.cat([spec[..., 0], spec[..., 1]], dim=1)
+
+    def trunk(self, x: torch.Tensor, s_stft: torch.Tensor) -> torch.Tensor:
+        """conv_pre output + excitation STFT -> waveform (before any trimming / clamp)."""
+        c = self.cfg
+        n = len(c.resblock_kernel_sizes)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, c.lrelu_slope))
+            if i == len(self.ups) - 1:
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            acc = self.resblocks[i * n](x)
+            for j in range(1, n):
+                acc = acc + self.resblocks[i * n + j](x)
+            x = acc / n
+        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01, as upstream
+        half = c.n_fft // 2 + 1
+        magnitude = torch.exp(x[:, :half]).clamp(max=1e2)
+        phase = torch.sin(x[:, half:])  # upstream's sin() of the phase logits, kept for fidelity
+        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        return torch.istft(spec, c.n_fft, c.hop_len, c.n_fft, window=hann_window(c.n_fft, x.device))
+
+
+class HiFTGenerator(_HiFTBody):
+    """Original CosyVoice2 HiFT (``stepaudio2.flashcosyvoice.modules.hifigan.HiFTGenerator``).
+
+    ``forward(mel[B,80,T], cache_source[B,1,S]) -> (wav[B, T*480], source[B,1,T*480])``.
+    The excitation's initial harmonic phases and its additive noise are random, as
+    upstream: drawn from ``generator`` (or torch's global RNG, in upstream's order,
+    so a shared seed reproduces upstream exactly). ``cache_source`` overwrites the
+    start of the new excitation so consecutive stream chunks stay phase-continuous.
+    """
+
+    def __init__(self, cfg: HiFTConfig = FULL_SIZE):
+        super().__init__()
+        self.cfg = cfg
+        base = cfg.base_channels
+        self.m_source = SourceModule(cfg.nb_harmonics)
+        self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, base, 7, 1, padding=3))
+        self.ups = nn.ModuleList()
+        for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes)):
+            self.ups.append(weight_norm(nn.ConvTranspose1d(base // 2 ** i, base // 2 ** (i + 1), k, u,
+                                                           padding=(k - u) // 2)))
+        self.source_downs = nn.ModuleList()
+        for i, u in enumerate(self._source_down_rates()):
+            ch = base // 2 ** (i + 1)
+            if u == 1:
+                self.source_downs.append(nn.Conv1d(cfg.n_fft + 2, ch, 1, 1))
+            else:
+                self.source_downs.append(nn.Conv1d(cfg.n_fft + 2, ch, u * 2, u, padding=u // 2))
+        self._build_resblocks(cfg, causal=False)
+        ch = base // 2 ** len(cfg.upsample_rates)
+        self.conv_post = weight_norm(nn.Conv1d(ch, cfg.n_fft + 2, 7, 1, padding=3))
+        self.f0_predictor = F0Predictor(cfg.in_channels, cfg.f0_channels)
+
+    def excitation(self, f0: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """F0 [B, T] (Hz, frame rate) -> excitation [B, 1, T*hop] (upstream SineGen2, linear mode).
+
+        Phase is integrated at frame rate (linear resampling down by hop, cumsum,
+        linear resampling back up), which keeps the cumsum short and the pitch smooth.
+        """
+        c = self.cfg
+        hop = c.hop
+        b = f0.shape[0]
+        f0_up = f0[:, None].repeat_interleave(hop, dim=2).transpose(1, 2)  # [B, L, 1] nearest upsampling
+        mult = torch.arange(1, c.nb_harmonics + 2, device=f0.device, dtype=torch.float32)
+        rad = (f0_up * mult / c.sampling_rate) % 1  # [B, L, H]
+        init = torch.rand(b, c.nb_harmonics + 1, device=f0.device, generator=generator)
+        init[:, 0] = 0  # fundamental starts at phase 0, overtones at random phases
+        rad[:, 0, :] = rad[:, 0, :] + init
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / hop, mode="linear").transpose(1, 2)
+        phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+        phase = F.interpolate(phase.transpose(1, 2) * hop, scale_factor=hop, mode="linear").transpose(1, 2)
+        sines = torch.sin(phase) * c.nsf_alpha
+        uv = (f0_up > c.nsf_voiced_threshold).float()
+        noise_amp = uv * c.nsf_sigma + (1 - uv) * c.nsf_alpha / 3
+        # normal_ into a tensor laid out like ``sines`` (channel-major), as upstream's
+        # randn_like: the values drawn depend on that layout.
+        noise = noise_amp * torch.empty_like(sines).normal_(generator=generator)
+        harmonics = sines * uv + noise
+        # Upstream also draws (and discards) a noise branch of shape uv; drawing it keeps
+        # the RNG stream, hence multi-chunk results, identical to upstream's.
+        torch.empty_like(uv).normal_(generator=generator)
+        return self.m_source(harmonics).transpose(1, 2)
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        wav = self.trunk(self.conv_pre(mel), self.source_stft(source))
+        return wav.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
+
+    @torch.inference_mode()
+    def forward(self, mel: torch.Tensor, cache_source: Optional[torch.Tensor] = None,
+                generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        f0 = self.f0_predictor(mel)
+        source = self.excitation(f0, generator)
+        if cache_source is not None and cache_source.shape[2]:
+            source[:, :, :cache_source.shape[2]] = cache_source
+        return self.decode(mel, source), source
+
+
+class HiFTStream:
+    """Chunked vocoding with the original HiFT, as stepaudio2 0.1.1 / vLLM-Omni do it.
+
+    Each ``push`` vocodes ``[last 8 mel frames | new mel]`` with the last 3840
+    excitation samples forced to the previous chunk's (phase continuity); the first
+    3840 output samples are cross-faded with the previous chunk's held-back tail
+    by a ``hamming(7680)`` window; a non-final chunk holds its last 3840 samples
+    back. So a steady 50-frame chunk emits exactly 24000 samples and the first one
+    20160. With ``lead_silence`` a first non-final chunk is prefixed with 3840 zeros
+    (the later upstream fix that keeps chunk lengths equal); default off, as 0.1.1.
+
+    One stream = one utterance of batch 1; ``reset()`` starts a new one.
+    """
+
+    MEL_CACHE = 8
+
+    def __init__(self, model: HiFTGenerator, lead_silence: bool = False,
+                 generator: Optional[torch.Generator] = None):
+        self.model = model
+        self.lead_silence = lead_silence
+        self.generator = generator
+        self.tail = self.MEL_CACHE * model.cfg.hop  # 3840 samples
+        # np.hamming (symmetric) in float64, as upstream; the blend is written back as fp32.
+        self.window = torch.signal.windows.hamming(2 * self.tail, sym=True, dtype=torch.float64)
+        self.reset()
+
+    def reset(self) -> None:
+        p = self.model.conv_pre.parametrizations.weight.original1
+        self.mel_cache = p.new_zeros(1, self.model.cfg.in_channels, 0)
+        self.source_cache = p.new_zeros(1, 1, 0)
+        self.speech_cache = p.new_zeros(1, 0)
+        self.finished = False
+
+    @torch.inference_mode()
+    def push(self, mel: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """mel [1, 80, t] (t >= 0) -> new 24 kHz samples [1, n] float32."""
+        if self.finished:
+            raise RuntimeError("HiFTStream: push after the last chunk; call reset() for a new utterance")
+        if mel.ndim != 3 or mel.shape[0] != 1 or mel.shape[1] != self.model.cfg.in_channels:
+            raise ValueError(f"HiFTStream.push: mel must be [1, {self.model.cfg.in_channels}, t], got {list(mel.shape)}")
+        mel = torch.cat([self.mel_cache, mel.to(self.mel_cache)], dim=2)
+        if mel.shape[2] == 0:
+            self.finished = last
+            return mel.new_zeros(1, 0)
+        first = self.speech_cache.shape[1] == 0
+        speech, source = self.model(mel, self.source_cache, generator=self.generator)
+        if not first:
+            n = self.tail
+            w = self.window.to(speech.device)
+            speech = speech.clone()
+            speech[:, :n] = speech[:, :n] * w[:n] + self.speech_cache[:, -n:] * w[n:]
+        self.mel_cache = mel[:, :, -self.MEL_CACHE:].clone()
+        self.source_cache = source[:, :, -self.tail:].clone()
+        self.speech_cache = speech[:, -self.tail:].clone()
+        if last:
+            self.finished = True
+            return speech
+        speech = speech[:, :-self.tail]
+        if first and self.lead_silence:
+            speech = torch.cat([speech.new_zeros(1, self.tail), speech], dim=1)
+        return speech

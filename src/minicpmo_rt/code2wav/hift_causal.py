@@ -1,0 +1,358 @@
+"""The CosyVoice3 causal HiFT (what minicpmo-utils 1.0.7 ships as ``hift.pt``) and its
+bounded streaming vocoder.
+
+Differences from the original HiFT (``hift.py``), all for streaming:
+- every conv is causal (left-padded) except two with a fixed look-ahead: the F0
+  predictor's first conv (k 4, 3 frames right) and ``conv_pre`` (k 5, 4 frames
+  right). Upsampling is nearest-repeat + causal conv instead of a transposed conv.
+- the oscillator has no per-call randomness: a fixed initial-phase vector and a
+  fixed uniform noise table (upstream draws both from torch's global RNG when the
+  module is built; here from ``noise_seed``, or copied in with ``set_noise_tables``),
+  and the integrated phase is repeated (nearest), not interpolated, back to samples.
+- the F0 predictor runs in float64 (upstream: "precision is crucial for causal
+  inference"), since pitch errors integrate into phase drift.
+
+``BoundedStream`` is upstream ``BoundedVocoder``: it keeps only the mel/excitation
+history the receptive field needs, carries the harmonic phase in float64 modulo 1,
+and emits audio 8 frames (3 F0 + 4 conv_pre + 1 iSTFT) behind its input.
+Parameter names follow upstream ``CausalHiFTGenerator`` so ``hift.pt`` loads strictly.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
+
+from .hift import FULL_SIZE, MEL_BINS, HiFTConfig, PaddedConv1d, SourceModule, _HiFTBody, causal_padding
+
+# Upstream's noise tables cover 300 s of 24 kHz audio; positions wrap beyond that.
+NOISE_TABLE_SECONDS = 300
+
+
+def _weight_norm_weight(conv: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A weight-normed conv's weight computed in ``dtype`` from g and v (as a module cast to it would)."""
+    p = conv.parametrizations.weight
+    return torch._weight_norm(p.original1.to(dtype), p.original0.to(dtype), 0)
+
+
+class CausalF0Predictor(nn.Module):
+    """``CausalConvRNNF0Predictor``: conv k4 with 3 frames look-ahead, 4 x causal conv k3, ELU, Linear, |.|."""
+
+    def __init__(self, in_channels: int = MEL_BINS, cond_channels: int = 512):
+        super().__init__()
+        layers: list[nn.Module] = [weight_norm(PaddedConv1d(in_channels, cond_channels, 4, right=causal_padding(4))),
+                                   nn.ELU()]
+        for _ in range(4):
+            layers += [weight_norm(PaddedConv1d(cond_channels, cond_channels, 3, left=causal_padding(3))), nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, 1)
+
+    @property
+    def look_ahead(self) -> int:
+        return self.condnet[0].right
+
+    @property
+    def history(self) -> int:
+        return sum(m.left for m in self.condnet[2::2])
+
+    def forward(self, mel: torch.Tensor, finalize: bool = True, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """mel [B, 80, T] -> F0 [B, T] (finalize: zero look-ahead) or [B, T-3] (the last 3 frames are look-ahead only).
+
+        Computed in ``dtype`` (float64 as upstream), returned in ``dtype``.
+        """
+        x = mel.to(dtype)
+        for i, conv in enumerate(self.condnet[0::2]):
+            w = _weight_norm_weight(conv, dtype)
+            b = conv.bias.to(dtype)
+            if i == 0 and not finalize:
+                x = F.conv1d(x, w, b)  # the right "padding" is the real look-ahead frames
+            else:
+                x = F.conv1d(F.pad(x, (conv.left, conv.right)), w, b)
+            x = F.elu(x)
+        h = x.transpose(1, 2)
+        return F.linear(h, self.classifier.weight.to(dtype), self.classifier.bias.to(dtype)).squeeze(-1).abs()
+
+
+class UpsampleConv1d(nn.Conv1d):
+    """Nearest-repeat by ``stride``, then a causal conv (upstream ``CausalConv1dUpsample``)."""
+
+    def __init__(self, cin: int, cout: int, kernel_size: int, stride: int):
+        super().__init__(cin, cout, kernel_size, 1, padding=0)
+        self.stride_up = stride
+        self.left = kernel_size - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.repeat_interleave(self.stride_up, dim=2)
+        return super().forward(F.pad(x, (self.left, 0)))
+
+
+class DownsampleConv1d(nn.Conv1d):
+    """Strided conv left-padded by stride-1 (upstream ``CausalConv1dDownSample``)."""
+
+    def __init__(self, cin: int, cout: int, kernel_size: int, stride: int):
+        super().__init__(cin, cout, kernel_size, stride, padding=0)
+        self.left = stride - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(F.pad(x, (self.left, 0)))
+
+
+class CausalHiFTGenerator(_HiFTBody):
+    """CosyVoice3 ``CausalHiFTGenerator`` (24 kHz, 480 samples per mel frame).
+
+    ``forward(mel[B,80,T], finalize=True) -> (wav, source)``: with ``finalize`` the
+    whole utterance, ``wav`` [B, T*480]; without, the last 8 frames are treated as
+    look-ahead only and ``wav`` is [B, (T-8)*480] (upstream ``inference``).
+    """
+
+    def __init__(self, cfg: HiFTConfig = FULL_SIZE, noise_seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        base = cfg.base_channels
+        self.m_source = SourceModule(cfg.nb_harmonics)
+        self.conv_pre = weight_norm(PaddedConv1d(cfg.in_channels, base, cfg.conv_pre_look_right + 1,
+                                                 right=cfg.conv_pre_look_right))
+        self.ups = nn.ModuleList(
+            weight_norm(UpsampleConv1d(base // 2 ** i, base // 2 ** (i + 1), k, u))
+            for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes)))
+        self.source_downs = nn.ModuleList()
+        for i, u in enumerate(self._source_down_rates()):
+            ch = base // 2 ** (i + 1)
+            self.source_downs.append(PaddedConv1d(cfg.n_fft + 2, ch, 1) if u == 1
+                                     else DownsampleConv1d(cfg.n_fft + 2, ch, u * 2, u))
+        self._build_resblocks(cfg, causal=True)
+        ch = base // 2 ** len(cfg.upsample_rates)
+        self.conv_post = weight_norm(PaddedConv1d(ch, cfg.n_fft + 2, 7, left=causal_padding(7)))
+        self.f0_predictor = CausalF0Predictor(cfg.in_channels, cfg.f0_channels)
+        self.noise_seed = noise_seed
+        self._rand_ini: Optional[torch.Tensor] = None
+        self._noise_table: Optional[torch.Tensor] = None
+
+    # -- fixed noise ---------------------------------------------------------------------------
+    def set_noise_tables(self, rand_ini: torch.Tensor, noise_table: torch.Tensor) -> None:
+        """Install the oscillator's initial phases [1, H] and uniform noise table [1, N, H]."""
+        h = self.cfg.nb_harmonics + 1
+        if rand_ini.shape != (1, h) or noise_table.ndim != 3 or noise_table.shape[0] != 1 or noise_table.shape[2] != h:
+            raise ValueError(f"noise tables must be [1, {h}] and [1, N, {h}]; got {list(rand_ini.shape)}, "
+                             f"{list(noise_table.shape)}")
+        self._rand_ini, self._noise_table = rand_ini.float(), noise_table.float()
+
+    def noise_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._noise_table is None:
+            # Same draw order and distributions as upstream's constructor (rand_ini, then the table).
+            g = torch.Generator().manual_seed(self.noise_seed)
+            h = self.cfg.nb_harmonics + 1
+            rand_ini = torch.rand(1, h, generator=g)
+            rand_ini[:, 0] = 0
+            table = torch.rand(1, NOISE_TABLE_SECONDS * self.cfg.sampling_rate, h, generator=g)
+            self._rand_ini, self._noise_table = rand_ini, table
+        return self._rand_ini, self._noise_table
+
+    def table_noise(self, start: int, length: int, device: torch.device) -> torch.Tensor:
+        """Noise table rows [start, start+length) (wrapping), [1, length, H]."""
+        table = self.noise_tables()[1]
+        n = table.shape[1]
+        if start + length <= n:
+            rows = table[:, start:start + length]
+        else:
+            rows = table[:, torch.arange(start, start + length) % n]
+        return rows.to(device)
+
+    # -- excitation ------------------------------------------------------------------------------
+    def _harmonic_mult(self, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.arange(1, self.cfg.nb_harmonics + 2, device=device, dtype=dtype)
+
+    def excitation(self, f0: torch.Tensor) -> torch.Tensor:
+        """Whole-utterance F0 [B, T] -> excitation [B, 1, T*hop] (upstream causal SineGen2)."""
+        c = self.cfg
+        hop = c.hop
+        f0_up = f0[:, None].repeat_interleave(hop, dim=2).transpose(1, 2)  # [B, L, 1]
+        rad = (f0_up * self._harmonic_mult(f0.device) / c.sampling_rate) % 1
+        rad[:, 0, :] = rad[:, 0, :] + self.noise_tables()[0].to(f0.device)
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / hop, mode="linear").transpose(1, 2)
+        phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+        phase = F.interpolate(phase.transpose(1, 2) * hop, scale_factor=hop, mode="nearest").transpose(1, 2)
+        sines = torch.sin(phase) * c.nsf_alpha
+        uv = (f0_up > c.nsf_voiced_threshold).float()
+        noise_amp = uv * c.nsf_sigma + (1 - uv) * c.nsf_alpha / 3
+        harmonics = sines * uv + noise_amp * self.table_noise(0, sines.shape[1], f0.device)
+        return self.m_source(harmonics).transpose(1, 2)
+
+    # -- decoding -------------------------------------------------------------------------------
+    def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        """mel [B,80,T] + excitation -> wav. Without ``finalize`` conv_pre's look-ahead
+        comes from the last 4 mel frames and the last frame of audio (whose iSTFT
+        overlap is incomplete) is dropped: [B, (T-5)*hop]."""
+        c = self.cfg
+        s_stft = self.source_stft(source)
+        if finalize:
+            x = self.conv_pre(mel)
+        else:
+            r = c.conv_pre_look_right
+            x = self.conv_pre(mel[:, :, :-r], right_context=mel[:, :, -r:])
+            s_stft = s_stft[:, :, :-int(math.prod(c.upsample_rates)) * r]
+        wav = self.trunk(x, s_stft)
+        if not finalize:
+            wav = wav[:, :-c.hop]
+        return wav.clamp(-c.audio_limit, c.audio_limit)
+
+    @torch.inference_mode()
+    def forward(self, mel: torch.Tensor, finalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        f0 = self.f0_predictor(mel, finalize=finalize).to(mel.dtype)
+        source = self.excitation(f0)
+        if not finalize:
+            mel = mel[:, :, :-self.f0_predictor.look_ahead]
+        return self.decode(mel, source, finalize), source
+
+    # -- receptive field ------------------------------------------------------------------------
+    @property
+    def delay_frames(self) -> int:
+        """Frames of look-ahead before audio can be final: F0 (3) + conv_pre (4) + iSTFT (1)."""
+        return self.f0_predictor.look_ahead + self.cfg.conv_pre_look_right + 1
+
+    def history_frames(self) -> int:
+        """Mel/excitation frames of left context the decoder needs (upstream ``context_sizes``).
+
+        Walks the stages at their own rates: each upsampler's causal conv, the
+        excitation branch (STFT window, strided conv, its resblock) and the slowest
+        resblock per stage, then conv_post and the iSTFT; two extra frames cover
+        grid alignment at the resampling boundaries.
+        """
+        c = self.cfg
+        rate = int(math.prod(c.upsample_rates))
+        stft_span = Fraction(c.n_fft, rate * c.hop_len)
+        history, scale = Fraction(0), 1
+        n = len(c.resblock_kernel_sizes)
+        for i, up in enumerate(self.ups):
+            scale *= c.upsample_rates[i]
+            history += Fraction(up.left, scale)
+            down = self.source_downs[i]
+            source_history = (stft_span + Fraction((down.kernel_size[0] - 1) * down.dilation[0], rate)
+                              + Fraction(self.source_resblocks[i].history(), scale))
+            slowest = max(r.history() for r in self.resblocks[i * n:(i + 1) * n])
+            history = max(history, source_history) + Fraction(slowest, scale)
+        history += Fraction(self.conv_post.left + 1, rate) + stft_span
+        return int(math.ceil(history)) + 2
+
+
+class BoundedStream:
+    """Streaming with bounded memory (upstream ``BoundedVocoder``), batch 1.
+
+    ``push(mel[1,80,t], last)`` accepts only new mel frames and returns the newly
+    final samples [1, n]. Internally mel is consumed in ``block_frames`` blocks:
+    F0 is predicted once a frame's 3-frame look-ahead has arrived, its excitation
+    generated with a float64 phase accumulator carried across blocks, and audio is
+    decoded once conv_pre's 4-frame look-ahead (+1 frame of iSTFT overlap) is in.
+    ``last`` flushes everything (zero look-ahead). Total output = 480 x frames.
+
+    ``lead_silence`` (default on, as minicpmo-utils 1.0.7 ``Token2wav.stream``)
+    prefixes the first non-empty output of a non-final push with 8 frames (3840
+    samples) of zeros, so audio time matches mel time.
+    """
+
+    def __init__(self, model: CausalHiFTGenerator, block_frames: int = 16, lead_silence: bool = True):
+        if model.cfg.hop != 480 or model.cfg.sampling_rate != 24000:
+            raise ValueError("BoundedStream needs the 24 kHz, 480-samples-per-frame causal HiFT")
+        if block_frames < 1:
+            raise ValueError(f"block_frames must be >= 1, got {block_frames}")
+        self.model = model
+        self.hop = model.cfg.hop
+        self.block_frames = block_frames
+        self.lead_silence = lead_silence
+        self.f0_left = model.f0_predictor.history
+        self.f0_right = model.f0_predictor.look_ahead
+        self.history = model.history_frames()
+        self.decoder_right = model.cfg.conv_pre_look_right + 1
+        self.reset()
+
+    def reset(self) -> None:
+        p = self.model.conv_pre.parametrizations.weight.original1
+        self.mel = p.new_zeros(1, self.model.cfg.in_channels, 0)  # frames [mel_offset, received)
+        self.source = p.new_zeros(1, 1, 0)  # excitation frames [source_offset, source_end)
+        self.phase = torch.zeros(1, 1, self.model.cfg.nb_harmonics + 1, dtype=torch.float64, device=p.device)
+        self.mel_offset = self.source_offset = self.source_end = self.emitted = 0
+        self.finished = False
+        self.started = False
+
+    @property
+    def delay_samples(self) -> int:
+        return self.model.delay_frames * self.hop
+
+    def _excitation_block(self, f0: torch.Tensor, frame_offset: int) -> torch.Tensor:
+        """F0 [1, n] of frames [frame_offset, +n) -> excitation [1, 1, n*hop], phase carried in float64."""
+        c = self.model.cfg
+        inc = (f0[:, :, None] * self.model._harmonic_mult(f0.device, f0.dtype) / c.sampling_rate).remainder(1)
+        cycles = inc.double().cumsum(dim=1) * self.hop + self.phase
+        self.phase = cycles[:, -1:].remainder(1).clone()
+        # Frame-rate phase repeated per sample == upstream's nearest upsampling of the
+        # midpoint-sampled phase; the random initial offset of sample 0 does not survive it.
+        sine = torch.sin(cycles.remainder(1) * (2 * math.pi)).to(f0).repeat_interleave(self.hop, dim=1)
+        voiced = (f0[:, :, None] > c.nsf_voiced_threshold).to(f0).repeat_interleave(self.hop, dim=1)
+        noise_amp = voiced * c.nsf_sigma + (1 - voiced) * c.nsf_alpha / 3
+        noise = self.model.table_noise(frame_offset * self.hop, sine.shape[1], f0.device).to(f0)
+        harmonics = sine * c.nsf_alpha * voiced + noise_amp * noise
+        return self.model.m_source(harmonics).transpose(1, 2)
+
+    def _advance(self, finalize: bool) -> torch.Tensor:
+        received = self.mel_offset + self.mel.shape[2]
+        # 1. excitation for every frame whose F0 look-ahead is available
+        f0_ready = max(0, received - (0 if finalize else self.f0_right))
+        if f0_ready > self.source_end:
+            start = max(0, self.source_end - self.f0_left)
+            feats = self.mel[:, :, start - self.mel_offset:]
+            f0 = self.model.f0_predictor(feats, finalize=finalize).to(feats)[:, self.source_end - start:]
+            parts = [self.source]
+            for block in f0.split(self.block_frames, dim=1):
+                parts.append(self._excitation_block(block, self.source_end))
+                self.source_end += block.shape[1]
+            self.source = torch.cat(parts, dim=2)
+        # 2. audio for every frame whose conv_pre look-ahead (+1 iSTFT frame) is available
+        speech_ready = max(0, self.source_end - (0 if finalize else self.decoder_right))
+        speech = self.mel.new_zeros(1, 0)
+        if speech_ready > self.emitted:
+            start = max(0, self.emitted - self.history)
+            feats = self.mel[:, :, start - self.mel_offset:self.source_end - self.mel_offset]
+            source = self.source[:, :, (start - self.source_offset) * self.hop:]
+            speech = self.model.decode(feats, source, finalize=finalize)[:, (self.emitted - start) * self.hop:]
+            if speech.shape[1] != (speech_ready - self.emitted) * self.hop:
+                raise RuntimeError(f"BoundedStream: decoded {speech.shape[1]} samples, expected "
+                                   f"{(speech_ready - self.emitted) * self.hop}")
+            self.emitted = speech_ready
+        # 3. drop history no later step can need
+        keep_mel = max(0, min(self.emitted - self.history, self.source_end - self.f0_left))
+        keep_source = max(0, self.emitted - self.history)
+        self.mel = self.mel[:, :, keep_mel - self.mel_offset:].clone()
+        self.source = self.source[:, :, (keep_source - self.source_offset) * self.hop:].clone()
+        self.mel_offset, self.source_offset = keep_mel, keep_source
+        return speech
+
+    @torch.inference_mode()
+    def push(self, mel: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """mel [1, 80, t] (t >= 0, new frames only) -> new 24 kHz samples [1, n] float32."""
+        if self.finished:
+            if mel.shape[-1] or not last:
+                raise RuntimeError("BoundedStream: push after the last chunk; call reset() for a new utterance")
+            return self.mel.new_zeros(1, 0)
+        if mel.ndim != 3 or mel.shape[0] != 1 or mel.shape[1] != self.model.cfg.in_channels:
+            raise ValueError(f"BoundedStream.push: mel must be [1, {self.model.cfg.in_channels}, t], "
+                             f"got {list(mel.shape)}")
+        out = []
+        for block in mel.split(self.block_frames, dim=2):
+            if block.shape[2]:
+                self.mel = torch.cat([self.mel, block.to(self.mel)], dim=2)
+                out.append(self._advance(False))
+        if last:
+            out.append(self._advance(True))
+            self.finished = True
+        speech = torch.cat(out, dim=1) if out else self.mel.new_zeros(1, 0)
+        if speech.shape[1] and not self.started:
+            self.started = True
+            if self.lead_silence and not last:
+                speech = torch.cat([speech.new_zeros(1, self.delay_samples), speech], dim=1)
+        return speech
