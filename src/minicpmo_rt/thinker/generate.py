@@ -1,0 +1,224 @@
+"""Turn-mode text generation with the per-token hidden state the Talker conditions on.
+
+Mirrors upstream ``ChunkPrefillChunkGenerate.chunk_generate`` as driven by
+``MiniCPMO.streaming_generate``: every sampled token is fed back one at a time and the
+final-norm hidden state *at that token's own position* is recorded; a terminator is
+sampled but never fed, so it has no row. The caller prefills the prompt (ending with the
+assistant bos ``...<|tts_bos|>``) and passes the cache plus the logits at its last position.
+
+Sampling per step, in upstream's order: float32 logits -> forbidden ids to -inf (when
+speaking) -> repetition penalty over the ids generated so far (previous chunks' last 128 plus
+the current chunk) -> length penalty on the terminators -> temperature -> top-k -> top-p ->
+multinomial (or argmax when greedy). Chunks are 11 samples for the first and 10 after, which
+only matters for the repetition window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InputError
+from .llm import cache_kwarg
+from .prompt import TURN_TERMINATORS
+
+TERMINATORS = TURN_TERMINATORS  # <|tts_eos|> 151704, <|im_end|> 151645, </s> 128247
+
+# Upstream suppresses these strings through convert_tokens_to_ids; only the ASCII ones are
+# vocabulary entries, every other one resolves to the <unk> id, which is what gets masked.
+FORBIDDEN_STRINGS = (":", "：", "；", "#", "“", "”", "‘", "’", "@", "*", "【", "】", "「", "」",
+                     "(", ")", "（", "）", "[", "]", "&", "/", "$")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.7
+    top_k: int = 100
+    top_p: float = 0.8
+    repetition_penalty: float = 1.02
+    repetition_window: int = 128
+    length_penalty: float = 1.0
+    greedy: bool = False
+    max_new_tokens: int = 256      # tokens with a hidden row (fed tokens)
+    chunk_size: int = 10
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0 and not self.greedy:
+            raise InputError(f"temperature must be > 0 (got {self.temperature}); use greedy=True for argmax")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+
+
+@dataclass
+class TurnGeneration:
+    """Generated text tokens and their final-norm hidden rows (row i belongs to token_ids[i])."""
+
+    token_ids: list[int]
+    text: str
+    hidden: torch.Tensor                   # [n, H] float32 on CPU
+    terminator: int | None                 # the id that stopped generation; None = length limit
+    past_key_values: object = field(repr=False, default=None)   # cache holding prompt + token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.terminator is not None
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """Up to ``chunk_size`` consecutive fed tokens with their hidden rows (what the Talker eats)."""
+
+    token_ids: list[int]
+    hidden: torch.Tensor                   # [n, H] in the model's dtype, on its device
+    finished: bool
+    terminator: int | None = None
+
+
+def forbidden_token_ids(tokenizer) -> list[int]:
+    """Ids masked while speaking: upstream's punctuation list (as resolved by its tokenizer) + bad_token_ids."""
+    unk = tokenizer.special.unk
+    ids = [tokenizer.token_to_id(s) for s in FORBIDDEN_STRINGS]
+    ids = [unk if i is None else i for i in ids]
+    return sorted(set(ids) | set(getattr(tokenizer, "bad_token_ids", ())))
+
+
+def _penalize(logits: torch.Tensor, ids: torch.Tensor, penalty: float) -> None:
+    if penalty == 1.0 or ids.numel() == 0:
+        return
+    vals = logits[0, ids]
+    logits[0, ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
+
+
+def process_logits(logits: torch.Tensor, history: torch.Tensor, cfg: SamplingConfig, terminators: torch.Tensor,
+                   forbidden: torch.Tensor | None) -> torch.Tensor:
+    """Upstream's logits pipeline on [1, V] float32 (modified in place); returns the logits that
+    are argmax-ed (greedy) or soft-maxed and sampled."""
+    if forbidden is not None and forbidden.numel():
+        logits[0, forbidden] = float("-inf")
+    _penalize(logits, torch.unique(history), cfg.repetition_penalty)
+    _penalize(logits, terminators, cfg.length_penalty)
+    if cfg.greedy:
+        return logits
+    if cfg.temperature != 1.0:
+        logits = logits / cfg.temperature
+    if cfg.top_k > 0:
+        # Sorting only the k survivors equals upstream's full-vocabulary sort (the rest are -inf).
+        vals, idx = torch.topk(logits, min(cfg.top_k, logits.shape[-1]))   # descending
+        if cfg.top_p < 1.0:
+            vals = vals.masked_fill(_top_p_drop(vals, cfg.top_p), float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter_(1, idx, vals)
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        drop = _top_p_drop(sorted_logits, cfg.top_p)
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return logits
+
+
+def _top_p_drop(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask (in sorted order) of tokens past the nucleus; the token crossing ``top_p`` is kept."""
+    cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+    drop = cum > top_p
+    drop[..., 1:] = drop[..., :-1].clone()
+    drop[..., 0] = False
+    return drop
+
+
+def sample_next(logits: torch.Tensor, history: torch.Tensor, cfg: SamplingConfig, terminators: torch.Tensor,
+                forbidden: torch.Tensor | None, generator: torch.Generator | None) -> int:
+    """One upstream sampling step on ``logits`` [1, V] (float32, modified in place)."""
+    logits = process_logits(logits, history, cfg, terminators, forbidden)
+    if cfg.greedy:
+        return int(torch.argmax(logits, dim=-1))
+    return int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator))
+
+
+def _decode_step(llm, token: int, past_key_values) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed one token at the next cache position: (final-norm hidden [1,H], logits [1,V] float32)."""
+    device = llm.model.embed_tokens.weight.device
+    emb = llm.model.embed_tokens(torch.tensor([[token]], device=device))
+    out = llm.model(inputs_embeds=emb, use_cache=True, **{cache_kwarg(type(llm.model)): past_key_values})
+    h = out.last_hidden_state[:, -1]
+    return h, llm.lm_head(h).float()
+
+
+@torch.no_grad()
+def iter_generate(llm, past_key_values, last_logits: torch.Tensor, sampling: SamplingConfig = SamplingConfig(),
+                  *, terminators: Sequence[int] = TERMINATORS, forbidden_ids: Sequence[int] | None = None,
+                  generator: torch.Generator | None = None) -> Iterator[GenerationChunk]:
+    """Yield ``GenerationChunk``s of ``sampling.chunk_size`` fed tokens as they are produced.
+
+    ``llm``: a Qwen3ForCausalLM (``build_llm``); ``past_key_values``: its cache after the prompt
+    (mutated in place); ``last_logits``: [V] or [1, V] logits at the prompt's last position.
+    ``forbidden_ids``: pass ``forbidden_token_ids(tokenizer)`` when speaking (upstream masks them
+    only with audio on). ``generator`` drives multinomial (seeded -> reproducible).
+    """
+    if last_logits.dim() == 1:
+        last_logits = last_logits[None]
+    if last_logits.dim() != 2 or last_logits.shape[0] != 1:
+        raise InputError(f"last_logits: expected [V] or [1, V] for one sequence, got {list(last_logits.shape)}")
+    device = last_logits.device
+    term = torch.tensor(sorted(set(terminators)), dtype=torch.long, device=device)
+    term_set = set(int(t) for t in terminators)
+    forb = None if forbidden_ids is None else torch.tensor(list(forbidden_ids), dtype=torch.long, device=device)
+    sampled: list[int] = []          # every non-terminator sample, in order
+    chunk_ids: list[int] = []
+    chunk_h: list[torch.Tensor] = []
+    logits = last_logits.float().clone()
+    fed = 0
+    s = 0
+    while True:
+        # Repetition window: previous chunks' last N samples + this chunk's (chunk 0 holds 11 samples).
+        chunk = max(0, (s - 1) // sampling.chunk_size)
+        chunk_start = 0 if chunk == 0 else 1 + chunk * sampling.chunk_size
+        prev = sampled[:chunk_start][-sampling.repetition_window:] if sampling.repetition_window else []
+        history = torch.tensor(prev + sampled[chunk_start:], dtype=torch.long, device=device)
+        tok = sample_next(logits, history, sampling, term, forb, generator)
+        s += 1
+        if tok in term_set:
+            yield GenerationChunk(chunk_ids, _stack(chunk_h, llm), True, tok)
+            return
+        sampled.append(tok)
+        h, logits = _decode_step(llm, tok, past_key_values)
+        fed += 1
+        chunk_ids.append(tok)
+        chunk_h.append(h)
+        if fed >= sampling.max_new_tokens:
+            yield GenerationChunk(chunk_ids, _stack(chunk_h, llm), True, None)
+            return
+        if len(chunk_ids) == sampling.chunk_size:
+            yield GenerationChunk(chunk_ids, _stack(chunk_h, llm), False, None)
+            chunk_ids, chunk_h = [], []
+
+
+def _stack(rows: list[torch.Tensor], llm) -> torch.Tensor:
+    if rows:
+        return torch.cat(rows, dim=0)
+    w = llm.model.norm.weight
+    return w.new_zeros(0, w.shape[0])
+
+
+def generate(llm, past_key_values, last_logits: torch.Tensor, sampling: SamplingConfig = SamplingConfig(),
+             *, tokenizer=None, terminators: Sequence[int] = TERMINATORS, forbidden_ids: Sequence[int] | None = None,
+             generator: torch.Generator | None = None, seed: int | None = None) -> TurnGeneration:
+    """Run ``iter_generate`` to the end and collect a ``TurnGeneration`` (text needs ``tokenizer``).
+
+    ``seed`` makes a fresh generator on the logits' device when ``generator`` is not given.
+    """
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=last_logits.device).manual_seed(int(seed))
+    ids: list[int] = []
+    rows: list[torch.Tensor] = []
+    terminator = None
+    for chunk in iter_generate(llm, past_key_values, last_logits, sampling, terminators=terminators,
+                               forbidden_ids=forbidden_ids, generator=generator):
+        ids += chunk.token_ids
+        rows.append(chunk.hidden)
+        terminator = chunk.terminator
+    hidden = torch.cat(rows, 0).float().cpu()
+    text = tokenizer.decode(ids) if tokenizer is not None else ""
+    return TurnGeneration(ids, text, hidden, terminator, past_key_values)
