@@ -1,0 +1,406 @@
+"""Whole-Euler CFM solves: all Euler steps of one chunk in one CUDA graph.
+
+``WholeEulerSolver.solve`` has the contract of ``CausalConditionalCFM.forward_chunk``
+(mu, projected speaker, cond, per-step caches -> mel, new caches) and runs:
+
+* eagerly, the same code a graph would capture (CPU, or when graphs are off/out of
+  budget/failed), or
+* as one graph replay per chunk, keyed by (batch bucket, query-width bucket, cache-offset
+  bucket, masked). Widths snap up to a bucket (x zero-padded, mu/cond replicate-padded,
+  padded keys masked, padded queries reuse row 0's mask so they never produce NaN);
+  offsets snap up on a grid anchored at the steady length (prompt + 100), so the steady
+  solve is never padded and runs unmasked; batches snap to a power of two (padded rows
+  are independent and discarded) and larger batches run in groups.
+
+Each step stages ``[x | mu | spk | cond]`` for the ``[cond rows | uncond rows]`` batch, runs
+the body (fused, or the original module's ``forward_chunk``), writes that step's caches into
+per-step output slices, then applies CFG and the Euler update with ``dt`` baked in. The
+adaLN tables of every step are computed once, outside the graph, under the solver's
+precision. TF32 for the DiT GEMMs is on only inside ``solve``/capture (``precision``), so a
+graph keeps the precision it was captured with.
+
+One attention arena (steps, depth, rows, heads, query+offset, 2*head_dim), shared by every
+fused-body graph, holds each step's ``[current(query) | cache(offset)]``: the input cache is
+copied directly behind the current-chunk slot, so no concatenation happens inside the graph
+and the steady new cache is a view of it. Growing the arena drops the graphs that view it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from .fused_dit import FusedDiT, Modulation, load_cnn_cache
+from .precision import matmul_tf32
+
+__all__ = ["GraphConfig", "SolveKey", "WholeEulerSolver"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    enabled: bool = True
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
+    query_buckets: tuple[int, ...] = (50,)
+    offset_bucket: int = 50
+    offset_anchor: int | None = None      # steady cache length (prompt + 100); None: grid from 0
+    max_graphs: int = 32
+    warmups: int = 3
+
+
+@dataclass(frozen=True)
+class SolveKey:
+    batch: int
+    query: int
+    offset: int
+    masked: bool
+
+
+@dataclass
+class _Static:
+    key: SolveKey
+    z: torch.Tensor                     # (Bb, Q, 80) noise, time-major
+    x: torch.Tensor                     # (Bb, Q, 80) Euler state
+    mu: torch.Tensor                    # (Bb, Q, 80)
+    spk: torch.Tensor                   # (Bb, 80)
+    cond: torch.Tensor                  # (Bb, Q, 80)
+    cnn_in: torch.Tensor                # (S, depth, 2Bb, 2C, K-1)
+    cnn_out: torch.Tensor               # (S, depth, 2Bb, 2C, K-1)
+    kv: torch.Tensor | None = None      # fused: arena view (S, depth, 2Bb, H, Q+O, 2D)
+    att_in: torch.Tensor | None = None  # original: (S, depth, 2Bb, H, O, 2D)
+    att_out: torch.Tensor | None = None  # original: (S, depth, 2Bb, H, Q+O, 2D)
+    mask: torch.Tensor | None = None    # (2Bb, Q, Q+O)
+    cnn_idx: torch.Tensor | None = None  # (K-1,) frames of the new CNN cache
+    xin: torch.Tensor | None = None
+    hist: torch.Tensor | None = None
+    ws: object = None
+    out: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class WholeEulerSolver:
+    """Solve one chunk's CFM with the original or fused body, eagerly or from graphs."""
+
+    def __init__(self, cfm, body: Literal["original", "fused"] = "fused", attention: str = "triton-tf32",
+                 tf32: bool = False, n_timesteps: int = 10, config: GraphConfig = GraphConfig(),
+                 use_triton: bool | None = None):
+        self.cfm = cfm
+        self.dit = cfm.estimator
+        self.body = body
+        self.tf32 = bool(tf32)
+        self.S = n_timesteps
+        self.cfg_rate = float(cfm.inference_cfg_rate)
+        self.config = config
+        self.fused = FusedDiT(self.dit, attention=attention, use_triton=use_triton) if body == "fused" else None
+        b0 = self.dit.blocks[0]
+        self.depth, self.C = len(self.dit.blocks), self.dit.in_proj.out_features
+        self.H, self.D = b0.attn.num_heads, b0.attn.head_dim
+        self.K1 = b0.conv.block[1].kernel_size[0] - 1
+        self.n_mel = self.dit.out_channels
+        self._steps: dict[torch.device, tuple[list[float], list[float]]] = {}
+        self._mods: dict[torch.device, list[Modulation]] = {}
+        self._statics: dict[SolveKey, _Static] = {}
+        self._arena: torch.Tensor | None = None
+        self._pool = None
+        self._graphs_off_reason: str | None = None if config.enabled else "disabled"
+        self._logged: set[str] = set()
+
+    # ------------------------------------------------------------------ schedule
+    def _schedule(self, device) -> tuple[list[float], list[float]]:
+        """t_k and dt_k exactly as the reference solver accumulates them (float32 on the device)."""
+        device = torch.device(device)
+        if device not in self._steps:
+            t_span = 1 - torch.cos(torch.linspace(0, 1, self.S + 1, device=device) * 0.5 * math.pi)
+            ts, dts = [], []
+            t, dt = t_span[0], t_span[1] - t_span[0]
+            for step in range(1, self.S + 1):
+                ts.append(float(t))
+                dts.append(float(dt))
+                t = t + dt
+                if step < self.S:
+                    dt = t_span[step + 1] - t
+            self._steps[device] = (ts, dts)
+        return self._steps[device]
+
+    def _modulations(self, device) -> list[Modulation]:
+        device = torch.device(device)
+        if device not in self._mods:
+            ts, _ = self._schedule(device)
+            with matmul_tf32(self.tf32):
+                self._mods[device] = [self.fused.modulation(torch.tensor([t], device=device)) for t in ts]
+        return self._mods[device]
+
+    # ------------------------------------------------------------------ keys
+    def _log_once(self, what: str, msg: str) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning(msg)
+
+    @staticmethod
+    def _snap(value: int, buckets: tuple[int, ...]) -> int | None:
+        fits = [b for b in buckets if b >= value]
+        return min(fits) if fits else None
+
+    def snap_offset(self, L: int) -> int:
+        g, a = self.config.offset_bucket, self.config.offset_anchor
+        if a is None:
+            return max(g, math.ceil(L / g) * g) if L else 0
+        return a + math.ceil((L - a) / g) * g if L > a else max(0, a - ((a - L) // g) * g)
+
+    def key_for(self, B: int, T: int, L: int) -> SolveKey | None:
+        Bb = self._snap(B, self.config.batch_buckets)
+        if Bb is None:
+            return None
+        if self.body == "original":       # the original body takes no mask: exact widths only
+            return SolveKey(Bb, T, L, False)
+        Q = self._snap(T, self.config.query_buckets)
+        if Q is None:
+            return None
+        O = self.snap_offset(L)
+        return SolveKey(Bb, Q, O, masked=(Q != T or O != L))
+
+    # ------------------------------------------------------------------ buffers
+    def _arena_view(self, key: SolveKey, device) -> torch.Tensor:
+        shape = (self.S, self.depth, 2 * key.batch, self.H, key.query + key.offset, 2 * self.D)
+        n = math.prod(shape)
+        if self._arena is None or self._arena.numel() < n or self._arena.device != torch.device(device):
+            if self._statics:
+                self._log_once(f"grow{n}", f"Whole-Euler arena grows to {n * 4 / 2**30:.2f} GiB; "
+                                           f"dropping {len(self._statics)} graph(s) that view it")
+            self._statics.clear()
+            self._arena = torch.zeros(n, device=device)
+        return self._arena[:n].view(shape)
+
+    def _new_static(self, key: SolveKey, device) -> _Static:
+        z = lambda *s, dtype=torch.float32: torch.zeros(*s, device=device, dtype=dtype)  # noqa: E731
+        Bb, Q, O, R = key.batch, key.query, key.offset, 2 * key.batch
+        cnn = (self.S, self.depth, R, 2 * self.C, self.K1)
+        st = _Static(key=key, z=z(Bb, Q, self.n_mel), x=z(Bb, Q, self.n_mel), mu=z(Bb, Q, self.n_mel),
+                     spk=z(Bb, self.n_mel), cond=z(Bb, Q, self.n_mel), cnn_in=z(*cnn), cnn_out=z(*cnn))
+        if self.body == "fused":
+            st.kv = self._arena_view(key, device)
+            st.xin = z(R, Q, 4 * self.n_mel)
+            st.hist = self.fused.new_hist(R, Q, device)
+            st.hist.zero_()
+            st.ws = self.fused.workspace(R, Q, device)
+            st.out = z(R, Q, self.n_mel)
+            st.cnn_idx = torch.arange(Q, Q + self.K1, device=device)
+            if key.masked:
+                st.mask = torch.ones(R, Q, Q + O, device=device, dtype=torch.bool)
+        else:
+            st.att_in = z(self.S, self.depth, R, self.H, O, 2 * self.D)
+            st.att_out = z(self.S, self.depth, R, self.H, Q + O, 2 * self.D)
+        return st
+
+    # ------------------------------------------------------------------ the captured program
+    def _program(self, st: _Static) -> None:
+        if self.body == "fused":
+            self._program_fused(st)
+        else:
+            self._program_original(st)
+
+    def _program_fused(self, st: _Static) -> None:
+        Bb, n = st.key.batch, self.n_mel
+        ts, dts = self._schedule(st.x.device)
+        mods = self._modulations(st.x.device)
+        xin = st.xin
+        xin[:Bb, :, n:2 * n].copy_(st.mu)
+        xin[:Bb, :, 2 * n:3 * n].copy_(st.spk[:, None, :].expand(-1, st.key.query, -1))
+        xin[:Bb, :, 3 * n:].copy_(st.cond)          # uncond rows keep zeros there
+        st.x.copy_(st.z)
+        r = self.cfg_rate
+        for s in range(self.S):
+            xin[:Bb, :, :n].copy_(st.x)
+            xin[Bb:, :, :n].copy_(st.x)
+            load_cnn_cache(st.hist, st.cnn_in[s], self.K1)
+            self.fused.body(xin, mods[s], st.hist, st.kv[s], st.mask, st.ws, st.out)
+            # new CNN cache = history frames [valid, valid+K-1) (valid = real width, via index)
+            new = st.hist.index_select(3, st.cnn_idx)                      # (depth, 2, R, K-1, C)
+            st.cnn_out[s].copy_(new.permute(0, 2, 1, 4, 3).reshape(st.cnn_out[s].shape))
+            v = st.out
+            st.x.add_(dts[s] * ((1.0 + r) * v[:Bb] - r * v[Bb:]))
+
+    def _program_original(self, st: _Static) -> None:
+        Bb = st.key.batch
+        ts, dts = self._schedule(st.x.device)
+        r = self.cfg_rate
+        mu = st.mu.transpose(1, 2)
+        cond = st.cond.transpose(1, 2)
+        mu_in = torch.cat([mu, torch.zeros_like(mu)], 0)
+        spk_in = torch.cat([st.spk, torch.zeros_like(st.spk)], 0)
+        cond_in = torch.cat([cond, torch.zeros_like(cond)], 0)
+        x = st.z.transpose(1, 2)
+        O = st.key.offset
+        for s in range(self.S):
+            t = torch.full((2 * Bb,), ts[s], device=x.device)
+            v, c, a = self.dit.forward_chunk(torch.cat([x, x], 0), mu_in, t, spk_in, cond_in,
+                                             st.cnn_in[s], st.att_in[s] if O else None)
+            st.cnn_out[s].copy_(c)
+            st.att_out[s].copy_(a)
+            x = x + dts[s] * ((1.0 + r) * v[:Bb] - r * v[Bb:])
+        st.x.copy_(x.transpose(1, 2))
+
+    # ------------------------------------------------------------------ graphs
+    def _capture(self, st: _Static) -> None:
+        stream = torch.cuda.Stream(device=st.x.device)
+        stream.wait_stream(torch.cuda.current_stream(st.x.device))
+        with torch.cuda.stream(stream):
+            for _ in range(self.config.warmups):
+                self._program(st)
+        torch.cuda.current_stream(st.x.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._program(st)
+        st.graph = g
+
+    def _static_for(self, key: SolveKey, device, want_graph: bool) -> _Static:
+        st = self._statics.get(key)
+        if st is not None and (st.graph is not None or not want_graph):
+            return st
+        if st is None:
+            st = self._new_static(key, device)
+        if self.body == "fused":
+            self._modulations(device)      # tables are computed outside any graph
+        if want_graph:
+            n_graphs = sum(1 for s in self._statics.values() if s.graph is not None)
+            if n_graphs >= self.config.max_graphs:
+                self._log_once("budget", f"Whole-Euler graph budget ({self.config.max_graphs}) spent; "
+                                         f"new shapes such as {key} run eagerly")
+            else:
+                try:
+                    self._capture(st)
+                except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
+                    st.graph = None
+                    self._graphs_off_reason = f"capture failed: {exc}"
+                    self._log_once("capture", f"Whole-Euler capture failed for {key} ({exc}); "
+                                              "Whole-Euler graphs are off, solving eagerly")
+        self._statics[key] = st
+        return st
+
+    def graphs(self) -> list[SolveKey]:
+        return [k for k, s in self._statics.items() if s.graph is not None]
+
+    def precapture(self, batches: tuple[int, ...], query: int, offsets: tuple[int, ...], device="cuda") -> int:
+        """Capture graphs ahead of the first chunk (largest shapes first so the arena never regrows)."""
+        n = 0
+        with torch.inference_mode(), matmul_tf32(self.tf32):
+            for L in sorted(offsets, reverse=True):
+                for B in sorted(batches, reverse=True):
+                    key = self.key_for(B, query, L)
+                    if key is None or self._graphs_off_reason:
+                        continue
+                    st = self._static_for(key, device, want_graph=True)
+                    n += st.graph is not None
+        return n
+
+    # ------------------------------------------------------------------ solve
+    @torch.inference_mode()
+    def solve(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+              cnn_cache: torch.Tensor | None = None, att_cache: torch.Tensor | None = None,
+              temperature: float = 1.0, graph: bool = True, copy_out: bool = True):
+        """mu, cond (B, 80, T); spks (B, 80) projected; caches (S, depth, 2B, ...) or None.
+
+        Returns (mel (B, 80, T), new cnn cache (S, depth, 2B, 2C, K-1), new att cache
+        (S, depth, 2B, H, T+L, 2D)). With ``copy_out=False`` the caches may be views of the
+        solver's buffers, valid until the next ``solve``.
+        """
+        B, _, T = mu.shape
+        L = 0 if att_cache is None else att_cache.shape[4]
+        if att_cache is not None and att_cache.shape[0] != self.S:
+            raise ValueError(f"estimator cache has {att_cache.shape[0]} steps, the solver {self.S}")
+        big = max(self.config.batch_buckets)
+        if B > big:   # groups of the largest bucket
+            outs = [self.solve(mu[i:i + big], spks[i:i + big], cond[i:i + big],
+                               None if cnn_cache is None else _rows(cnn_cache, B, i, min(B, i + big)),
+                               None if att_cache is None else _rows(att_cache, B, i, min(B, i + big)),
+                               temperature, graph, True) for i in range(0, B, big)]
+            return (torch.cat([o[0] for o in outs], 0), _cat_rows([o[1] for o in outs]),
+                    _cat_rows([o[2] for o in outs]))
+        device = mu.device
+        key = self.key_for(B, T, L)
+        if key is None:   # beyond the buckets: an exact, unmasked shape
+            key = SolveKey(B, T, L, False)
+        want_graph = (graph and device.type == "cuda" and self._graphs_off_reason is None)
+        with matmul_tf32(self.tf32):
+            st = self._static_for(key, device, want_graph)
+            self._fill(st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L)
+            if st.graph is not None and want_graph:
+                st.graph.replay()
+            else:
+                self._program(st)
+        return self._read(st, B, T, L, copy_out)
+
+    def _fill(self, st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L) -> None:
+        Bb, Q, O = st.key.batch, st.key.query, st.key.offset
+        z = self.cfm.noise(L, T, temperature).to(mu.dtype).transpose(1, 2)      # (1, T, 80)
+        st.z[:B, :T].copy_(z.expand(B, -1, -1))
+        st.mu[:B, :T].copy_(mu.transpose(1, 2))
+        st.cond[:B, :T].copy_(cond.transpose(1, 2))
+        if T < Q:   # x zero-padded, mu / cond replicate-padded
+            st.z[:, T:].zero_()
+            st.mu[:B, T:].copy_(st.mu[:B, T - 1:T].expand(-1, Q - T, -1))
+            st.cond[:B, T:].copy_(st.cond[:B, T - 1:T].expand(-1, Q - T, -1))
+        st.spk[:B].copy_(spks)
+        if cnn_cache is None:
+            st.cnn_in.zero_()
+        else:
+            st.cnn_in[:, :, :B].copy_(cnn_cache[:, :, :B])
+            st.cnn_in[:, :, Bb:Bb + B].copy_(cnn_cache[:, :, B:])
+        if self.body == "fused":
+            if L:
+                dst = st.kv[..., Q:Q + L, :]
+                dst[:, :, :B].copy_(att_cache[:, :, :B])
+                dst[:, :, Bb:Bb + B].copy_(att_cache[:, :, B:])
+            st.cnn_idx.copy_(torch.arange(T, T + self.K1))
+            if st.mask is not None:
+                keys = torch.zeros(Q + O, dtype=torch.bool)
+                keys[:T] = True
+                keys[Q:Q + L] = True
+                st.mask.copy_(keys[None, None, :].expand(st.mask.shape))
+        elif L:
+            st.att_in[:, :, :B].copy_(att_cache[:, :, :B])
+            st.att_in[:, :, Bb:Bb + B].copy_(att_cache[:, :, B:])
+
+    def _read(self, st: _Static, B: int, T: int, L: int, copy_out: bool):
+        Bb, Q = st.key.batch, st.key.query
+        mel = st.x[:B, :T].transpose(1, 2)
+        cnn = _pick_rows(st.cnn_out, Bb, B)
+        if self.body == "fused":
+            att = st.kv[..., : Q + L, :] if T == Q else torch.cat([st.kv[..., :T, :], st.kv[..., Q:Q + L, :]], 4)
+        else:
+            att = st.att_out
+        att = _pick_rows(att, Bb, B)
+        if copy_out:   # views of solver buffers become the caller's own tensors
+            if B == Bb:
+                cnn = cnn.clone()
+                if self.body == "original" or T == Q:
+                    att = att.clone()
+        return mel.clone(), cnn, att
+
+
+def _pick_rows(t: torch.Tensor, Bb: int, B: int) -> torch.Tensor:
+    """Rows [cond 0..B-1 | uncond Bb..Bb+B-1] of a (S, depth, 2Bb, ...) buffer (a view when B == Bb)."""
+    if B == Bb:
+        return t
+    return torch.cat([t[:, :, :B], t[:, :, Bb:Bb + B]], 2)
+
+
+def _rows(cache: torch.Tensor, B: int, i: int, j: int) -> torch.Tensor:
+    return torch.cat([cache[:, :, i:j], cache[:, :, B + i:B + j]], 2)
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    conds, unconds = [], []
+    for p in parts:
+        h = p.shape[2] // 2
+        conds.append(p[:, :, :h])
+        unconds.append(p[:, :, h:])
+    return torch.cat(conds + unconds, 2)

@@ -1,0 +1,121 @@
+"""Whole-Euler solver vs the reference CFM solve (cfm.CausalConditionalCFM.forward_chunk)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernel import
+
+from minicpmo_rt.code2wav.cfm import CausalConditionalCFM  # noqa: E402
+from minicpmo_rt.code2wav.euler_graph import GraphConfig, SolveKey, WholeEulerSolver  # noqa: E402
+from minicpmo_rt.code2wav.flow_config import CFMConfig, DiTConfig  # noqa: E402
+from minicpmo_rt.code2wav.precision import tf32_enabled  # noqa: E402
+
+from conftest import rel_err, requires_cuda  # noqa: E402
+from test_fused_dit import randomize  # noqa: E402
+
+TINY = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=4.0, depth=2, num_heads=2, head_dim=32, hidden_size=64)
+S = 3
+
+
+def tiny_cfm(seed=0, cfg=TINY):
+    cfm = CausalConditionalCFM(CFMConfig(estimator=cfg), noise_frames=2000)
+    randomize(cfm.estimator, seed)
+    return cfm.eval()
+
+
+def chunk(B, T, L, seed, C=64, H=2, D=32, depth=2, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
+    return dict(mu=r(B, 80, T), spks=r(B, 80), cond=r(B, 80, T),
+                cnn_cache=r(S, depth, 2 * B, 2 * C, 2), att_cache=r(S, depth, 2 * B, H, L, 2 * D) if L else None)
+
+
+def reference(cfm, kw):
+    with torch.inference_mode():
+        return cfm.forward_chunk(kw["mu"], kw["spks"], kw["cond"], n_timesteps=S,
+                                 cnn_cache=kw["cnn_cache"], att_cache=kw["att_cache"])
+
+
+def assert_close(got, ref, tol):
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape
+        assert rel_err(g, r) <= tol, rel_err(g, r)
+
+
+@pytest.mark.parametrize("B,T,L", [(2, 6, 8), (3, 5, 7), (1, 6, 0)])
+@pytest.mark.parametrize("body", ["fused", "original"])
+def test_eager_solver_matches_reference(body, B, T, L):
+    """(2,6,8) is an exact bucket; (3,5,7) pads batch 3->4, width 5->6 and offset 7->8 (masked)."""
+    cfm = tiny_cfm()
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
+    solver = WholeEulerSolver(cfm, body=body, attention="sdpa", n_timesteps=S, config=cfg, use_triton=False)
+    kw = chunk(B, T, L, seed=B * 10 + T)
+    got = solver.solve(**kw, graph=False)
+    assert_close(got, reference(cfm, kw), 1e-5)
+    if body == "fused" and (B, T, L) == (3, 5, 7):
+        assert list(solver._statics) == [SolveKey(4, 6, 8, True)]
+
+
+def test_batches_beyond_the_largest_bucket_run_in_groups():
+    cfm = tiny_cfm(seed=2)
+    solver = WholeEulerSolver(cfm, body="fused", attention="sdpa", n_timesteps=S, use_triton=False,
+                              config=GraphConfig(batch_buckets=(1, 2), query_buckets=(4,), offset_bucket=5))
+    kw = chunk(5, 4, 5, seed=3)
+    assert_close(solver.solve(**kw, graph=False), reference(cfm, kw), 1e-5)
+
+
+def test_offset_grid_is_anchored_at_the_steady_length():
+    solver = WholeEulerSolver(tiny_cfm(), body="fused", attention="sdpa", n_timesteps=S,
+                              config=GraphConfig(offset_bucket=50, offset_anchor=400))
+    assert [solver.snap_offset(L) for L in (400, 401, 450, 451, 399, 350, 349, 0)] == \
+        [400, 450, 450, 500, 400, 350, 400 - 50, 0]
+    assert solver.key_for(1, 50, 400) == SolveKey(1, 50, 400, False)
+    assert solver.key_for(3, 40, 380) == SolveKey(4, 50, 400, True)
+    assert solver.key_for(1, 51, 400) is None
+
+
+def test_tf32_scope_is_restored_after_solve_and_on_error():
+    cfm = tiny_cfm()
+    solver = WholeEulerSolver(cfm, body="fused", attention="sdpa", tf32=True, n_timesteps=S, use_triton=False,
+                              config=GraphConfig(query_buckets=(4,), offset_bucket=4))
+    before = tf32_enabled()
+    kw = chunk(1, 4, 4, seed=1)
+    solver.solve(**kw, graph=False)
+    assert tf32_enabled() == before
+    bad = dict(kw, att_cache=torch.zeros(S + 1, 2, 2, 2, 4, 64))
+    with pytest.raises(ValueError):
+        solver.solve(**bad)
+    assert tf32_enabled() == before
+
+
+@requires_cuda
+@pytest.mark.parametrize("body,tf32", [("fused", False), ("fused", True), ("original", False), ("original", True)])
+def test_cuda_graph_matches_eager(body, tf32):
+    from minicpmo_rt.code2wav.flow_config import FULL_SIZE
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfm = tiny_cfm(seed=4, cfg=FULL_SIZE.dit).cuda()
+    global S
+    S_saved, S = S, 10
+    try:
+        cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(50,), offset_bucket=50, offset_anchor=400)
+        solver = WholeEulerSolver(cfm, body=body, attention="triton-tf32" if tf32 else "triton-ieee", tf32=tf32,
+                                  n_timesteps=10, config=cfg)
+        for B, T, L in ((2, 50, 400), (3, 45, 380)):
+            if body == "original" and T != 50:
+                continue
+            kw = chunk(B, T, L, seed=5, C=512, H=8, D=64, depth=16, device="cuda")
+            eager = solver.solve(**kw, graph=False)
+            graphed = solver.solve(**kw, graph=True)
+            assert tf32_enabled() is False              # the process flag is restored after capture/replay
+            assert solver.graphs(), "no graph was captured"
+            errs = [rel_err(g, e) for g, e in zip(graphed, eager)]
+            print(f"graph vs eager {body} tf32={tf32} B={B} T={T} L={L}: {max(errs):.2e}")
+            assert max(errs) <= 1e-6
+            if not tf32:
+                ref = reference(cfm, kw)
+                assert_close(graphed, ref, 1e-5)
+    finally:
+        S = S_saved
