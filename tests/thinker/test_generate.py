@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import rel_err, requires_cuda
 from minicpmo_rt.checkpoint.config import MiniCPMOConfig
 from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config
 from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
@@ -164,3 +164,53 @@ def test_top_p_without_top_k_matches_transformers():
     got = G.process_logits(logits.clone(), torch.tensor([], dtype=torch.long), cfg, torch.tensor([0]), None)
     ref = TopPLogitsWarper(0.6)(torch.zeros(1, 1, dtype=torch.long), logits.clone())
     assert torch.equal(torch.isinf(got), torch.isinf(ref)) and torch.isinf(got).sum() > 0
+
+
+def _static_run(llm, tok, cfg, device="cpu", use_graph=False, **kw):
+    from minicpmo_rt.thinker.decode import StaticDecoder
+
+    cache, logits = _prefill(llm, _prompt_ids(tok))
+    dec = StaticDecoder(llm, max_len=64)
+    n = G.load_dynamic_cache(dec, cache)
+    stepper = G.StaticStepper(dec, n, use_graph=use_graph, bucket=16)
+    return G.generate(llm, None, logits.to(device), cfg, tokenizer=tok, stepper=stepper, **kw)
+
+
+def test_static_kv_path_matches_plain_path(llm, tok):
+    cfg = G.SamplingConfig(max_new_tokens=10, greedy=True)
+    plain = _run(llm, tok, cfg)
+    fast = _static_run(llm, tok, cfg)
+    assert fast.token_ids == plain.token_ids
+    assert rel_err(fast.hidden, plain.hidden) < 1e-5
+    sampled = G.SamplingConfig(max_new_tokens=6)
+    assert _static_run(llm, tok, sampled, seed=5).token_ids == _run(llm, tok, sampled, seed=5).token_ids
+
+
+def test_static_stepper_rejects_full_decoder(llm):
+    from minicpmo_rt.thinker.decode import StaticDecoder
+
+    with pytest.raises(InputError, match="static decoder"):
+        G.StaticStepper(StaticDecoder(llm, max_len=4), 4)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_graph_path_matches_plain_path_on_gpu(tok):
+    cfg_m = MiniCPMOConfig.from_dict(tiny_config())
+    llm = randomize_(build_llm(cfg_m), 0, prefix="llm.").eval().cuda()
+    ids = _prompt_ids(tok)
+    cfg = G.SamplingConfig(max_new_tokens=20, greedy=True)
+    emb = llm.model.embed_tokens(torch.tensor([ids], device="cuda"))
+    with torch.no_grad():
+        h, cache = final_norm_hidden(llm, emb)
+        logits = llm.lm_head(h[:, -1])
+    plain = G.generate(llm, cache, logits, cfg)
+    from minicpmo_rt.thinker.decode import StaticDecoder
+
+    with torch.no_grad():
+        h, cache = final_norm_hidden(llm, emb)
+    dec = StaticDecoder(llm, max_len=128)
+    stepper = G.StaticStepper(dec, G.load_dynamic_cache(dec, cache), use_graph=True, bucket=16)
+    fast = G.generate(llm, None, logits, cfg, stepper=stepper)
+    assert fast.token_ids == plain.token_ids
+    assert rel_err(fast.hidden, plain.hidden) < 1e-4

@@ -137,26 +137,74 @@ def sample_next(logits: torch.Tensor, history: torch.Tensor, cfg: SamplingConfig
     return int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator))
 
 
-def _decode_step(llm, token: int, past_key_values) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed one token at the next cache position: (final-norm hidden [1,H], logits [1,V] float32)."""
-    device = llm.model.embed_tokens.weight.device
-    emb = llm.model.embed_tokens(torch.tensor([[token]], device=device))
-    out = llm.model(inputs_embeds=emb, use_cache=True, **{cache_kwarg(type(llm.model)): past_key_values})
-    h = out.last_hidden_state[:, -1]
-    return h, llm.lm_head(h).float()
+class DynamicStepper:
+    """Plain path: feed one token through transformers' Qwen3 on a growing DynamicCache."""
+
+    def __init__(self, llm, past_key_values):
+        self.llm, self.cache = llm, past_key_values
+        self.kwarg = cache_kwarg(type(llm.model))
+
+    def __call__(self, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final-norm hidden [1,H], logits [1,V] float32) at the token's own (next) position."""
+        model = self.llm.model
+        emb = model.embed_tokens(torch.tensor([[token]], device=model.embed_tokens.weight.device))
+        out = model(inputs_embeds=emb, use_cache=True, **{self.kwarg: self.cache})
+        h = out.last_hidden_state[:, -1]
+        return h, self.llm.lm_head(h).float()
+
+
+class StaticStepper:
+    """Fast path beside the plain one: ``decode.StaticDecoder`` (preallocated KV, packed weights),
+    optionally through its per-span CUDA graphs. Attention spans are bucketed so that a graph is
+    captured once per ``bucket`` positions; rows past the current position are masked."""
+
+    def __init__(self, decoder, position: int, use_graph: bool = False, bucket: int = 256):
+        if position >= decoder.max_len:
+            raise InputError(f"static decoder holds {decoder.max_len} positions; the prompt already fills {position}")
+        self.decoder, self.position, self.use_graph, self.bucket = decoder, int(position), use_graph, bucket
+
+    def __call__(self, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dec = self.decoder
+        if self.position >= dec.max_len:
+            raise InputError(f"static decoder of {dec.max_len} positions is full; build it with a larger max_len")
+        kv_len = min(dec.max_len, -(-(self.position + 1) // self.bucket) * self.bucket)
+        tok = torch.tensor([token], device=dec.device)
+        pos = torch.tensor([self.position], device=dec.device)
+        run = dec.decode_graph if self.use_graph else dec.decode
+        logits, h = run(tok, pos, kv_len)
+        self.position += 1
+        return h, logits
+
+
+def load_dynamic_cache(decoder, cache) -> int:
+    """Copy a transformers DynamicCache (batch 1) into ``decoder``'s static KV; returns its length."""
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+    if len(layers) != decoder.k_cache.shape[0]:
+        raise InputError(f"cache has {len(layers)} filled layers, the decoder {decoder.k_cache.shape[0]}")
+    n = int(layers[0].keys.shape[-2])
+    if n > decoder.max_len:
+        raise InputError(f"cache holds {n} positions, the static decoder only {decoder.max_len}")
+    with torch.no_grad():
+        for li, layer in enumerate(layers):
+            decoder.k_cache[li, :, :, :n] = layer.keys.to(decoder.dtype)
+            decoder.v_cache[li, :, :, :n] = layer.values.to(decoder.dtype)
+    return n
 
 
 @torch.no_grad()
 def iter_generate(llm, past_key_values, last_logits: torch.Tensor, sampling: SamplingConfig = SamplingConfig(),
                   *, terminators: Sequence[int] = TERMINATORS, forbidden_ids: Sequence[int] | None = None,
-                  generator: torch.Generator | None = None) -> Iterator[GenerationChunk]:
+                  generator: torch.Generator | None = None, stepper=None) -> Iterator[GenerationChunk]:
     """Yield ``GenerationChunk``s of ``sampling.chunk_size`` fed tokens as they are produced.
 
     ``llm``: a Qwen3ForCausalLM (``build_llm``); ``past_key_values``: its cache after the prompt
     (mutated in place); ``last_logits``: [V] or [1, V] logits at the prompt's last position.
     ``forbidden_ids``: pass ``forbidden_token_ids(tokenizer)`` when speaking (upstream masks them
     only with audio on). ``generator`` drives multinomial (seeded -> reproducible).
+    ``stepper``: how a token is fed (default ``DynamicStepper(llm, past_key_values)``; pass a
+    ``StaticStepper`` for the static-KV / CUDA-graph path, with ``past_key_values`` None).
     """
+    step = stepper if stepper is not None else DynamicStepper(llm, past_key_values)
     if last_logits.dim() == 1:
         last_logits = last_logits[None]
     if last_logits.dim() != 2 or last_logits.shape[0] != 1:
@@ -183,7 +231,7 @@ def iter_generate(llm, past_key_values, last_logits: torch.Tensor, sampling: Sam
             yield GenerationChunk(chunk_ids, _stack(chunk_h, llm), True, tok)
             return
         sampled.append(tok)
-        h, logits = _decode_step(llm, tok, past_key_values)
+        h, logits = step(tok)
         fed += 1
         chunk_ids.append(tok)
         chunk_h.append(h)
@@ -204,7 +252,7 @@ def _stack(rows: list[torch.Tensor], llm) -> torch.Tensor:
 
 def generate(llm, past_key_values, last_logits: torch.Tensor, sampling: SamplingConfig = SamplingConfig(),
              *, tokenizer=None, terminators: Sequence[int] = TERMINATORS, forbidden_ids: Sequence[int] | None = None,
-             generator: torch.Generator | None = None, seed: int | None = None) -> TurnGeneration:
+             generator: torch.Generator | None = None, seed: int | None = None, stepper=None) -> TurnGeneration:
     """Run ``iter_generate`` to the end and collect a ``TurnGeneration`` (text needs ``tokenizer``).
 
     ``seed`` makes a fresh generator on the logits' device when ``generator`` is not given.
@@ -215,7 +263,7 @@ def generate(llm, past_key_values, last_logits: torch.Tensor, sampling: Sampling
     rows: list[torch.Tensor] = []
     terminator = None
     for chunk in iter_generate(llm, past_key_values, last_logits, sampling, terminators=terminators,
-                               forbidden_ids=forbidden_ids, generator=generator):
+                               forbidden_ids=forbidden_ids, generator=generator, stepper=stepper):
         ids += chunk.token_ids
         rows.append(chunk.hidden)
         terminator = chunk.terminator
