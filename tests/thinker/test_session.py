@@ -15,7 +15,7 @@ from minicpmo_rt.errors import InputError
 from minicpmo_rt.thinker.model import Thinker, cache_length
 from minicpmo_rt.thinker.session import (ContextLimitError, SnapshotError, StreamingSession, WindowPolicy)
 
-from conftest import rel_err
+from conftest import rel_err, requires_cuda
 
 UNIT, UNIT_END, IMG, IMG_END, UNK = 151683, 151684, 151669, 151670, 128244
 
@@ -282,3 +282,27 @@ def test_session_on_tiny_checkpoint(tiny_ckpt):
     with s.transaction():
         s.append_tail(_audio(0.6, 17), _frame(5))
     assert s.fingerprint() == fp and torch.equal(s.read_state(), state) and torch.isfinite(state).all()
+
+
+@requires_cuda
+def test_cuda_bf16_session_is_exact_and_mel_runs_on_device(tok):
+    from minicpmo_rt.thinker.mel import log_mel
+
+    t = Thinker(MiniCPMOConfig.from_dict(tiny_config()))
+    randomize_(t, seed=11)
+    t.to(device="cuda", dtype=torch.bfloat16).rebuild_buffers()
+    assert t.llm.model.rotary_emb.inv_freq.dtype == torch.float32
+    a, b = StreamingSession(t, tok), StreamingSession(t, tok)
+    assert a.mel.device is not None and torch.device(a.mel.device).type == "cuda"
+    audio = _audio(3, 20)
+    _run(a, audio, 2)
+    _run(b, audio, 2)
+    fp, state = a.fingerprint(), a.read_state()
+    with a.transaction():
+        a.append_tail(audio[32000:40000], _frame(7))
+    assert a.fingerprint() == fp and torch.equal(a.read_state(), state)
+    a.commit(audio[32000:48000], _frame(2))
+    b.commit(audio[32000:48000], _frame(2))
+    assert torch.equal(a.read_state(), b.read_state())
+    x = _audio(6, 21)
+    assert rel_err(log_mel(x, True, device="cuda").cpu(), log_mel(x, True)) <= 1e-5

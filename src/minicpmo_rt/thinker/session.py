@@ -220,7 +220,10 @@ class StreamingSession:
         self.prompts = PromptBuilder(tokenizer)
         self.window = window if window is not None else WindowPolicy.input_only()
         self.max_positions = thinker.config.llm.max_position_embeddings
-        self.mel = mel if mel is not None else StreamingMel()
+        # The mel runs where the model runs (on CPU exactly upstream's path; on an
+        # accelerator the 30-s recomputation per call costs well under a millisecond).
+        dev = thinker.device
+        self.mel = mel if mel is not None else StreamingMel(device=None if dev.type == "cpu" else dev)
         self.cache = thinker.new_cache()
         self.audio_cache: AudioEncoderCache | None = None
         self.carry = _frozen(np.zeros(0, np.float32))  # samples received but not yet consumed by a chunk
