@@ -59,6 +59,10 @@ def asset_parts() -> list[AssetPart]:
     from .code2wav.flow import build_flow_part
 
     parts.append(AssetPart("flow", "flow.pt", build_flow_part))
+    from .code2wav.vocoder import build_hift_original_part, build_hift_part
+
+    parts.append(AssetPart("hift_original", "hift_original.pt", build_hift_original_part))
+    parts.append(AssetPart("hift", "hift.pt", build_hift_part))
     return parts
 
 
@@ -67,4 +71,7 @@ def tiny_asset_writers() -> list[Callable[[Path, int], None]]:
     from .code2wav.flow import write_tiny_flow
 
     writers: list[Callable[[Path, int], None]] = [write_tiny_flow]
+    from .code2wav.vocoder import write_tiny_hift
+
+    writers.append(write_tiny_hift)
     return writers

@@ -324,7 +324,7 @@ class HiFTStream:
     3840 output samples are cross-faded with the previous chunk's held-back tail
     by a ``hamming(7680)`` window; a non-final chunk holds its last 3840 samples
     back. So a steady 50-frame chunk emits exactly 24000 samples and the first one
-    20160. With ``lead_silence`` a first non-final chunk is prefixed with 3840 zeros
+    20160. Non-final chunks under 8 frames are buffered until 8 have arrived. With ``lead_silence`` a first non-final chunk is prefixed with 3840 zeros
     (the later upstream fix that keeps chunk lengths equal); default off, as 0.1.1.
 
     One stream = one utterance of batch 1; ``reset()`` starts a new one.
@@ -347,6 +347,7 @@ class HiFTStream:
         self.mel_cache = p.new_zeros(1, self.model.cfg.in_channels, 0)
         self.source_cache = p.new_zeros(1, 1, 0)
         self.speech_cache = p.new_zeros(1, 0)
+        self.pending = p.new_zeros(1, self.model.cfg.in_channels, 0)
         self.finished = False
 
     @torch.inference_mode()
@@ -356,7 +357,13 @@ class HiFTStream:
             raise RuntimeError("HiFTStream: push after the last chunk; call reset() for a new utterance")
         if mel.ndim != 3 or mel.shape[0] != 1 or mel.shape[1] != self.model.cfg.in_channels:
             raise ValueError(f"HiFTStream.push: mel must be [1, {self.model.cfg.in_channels}, t], got {list(mel.shape)}")
-        mel = torch.cat([self.mel_cache, mel.to(self.mel_cache)], dim=2)
+        self.pending = torch.cat([self.pending, mel.to(self.pending)], dim=2)
+        if not last and self.pending.shape[2] < self.MEL_CACHE:
+            # Shorter chunks would make the held-back tail shorter than the cross-fade
+            # (upstream fails there); wait for at least 8 new frames instead.
+            return self.pending.new_zeros(1, 0)
+        mel = torch.cat([self.mel_cache, self.pending], dim=2)
+        self.pending = self.pending[:, :, :0]
         if mel.shape[2] == 0:
             self.finished = last
             return mel.new_zeros(1, 0)
