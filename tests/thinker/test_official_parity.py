@@ -1,0 +1,328 @@
+"""Parity of the Thinker's parts with the official MiniCPM-o 4.5 code (fixtures).
+
+The fixtures in tests/fixtures/official/ were produced by the official modeling code at
+the tiny config with every weight equal to ``random_tensor(key, shape, seed=0)`` (recipe:
+docs/parity_fixtures.md). Here each part is rebuilt with ``randomize_(module, 0, prefix)``,
+fed the same inputs, and compared at relative error <= 1e-4 (fp32; the measured errors are
+~1e-7 or exactly 0, the margin covers BLAS/attention-kernel differences between machines).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minicpmo_rt.checkpoint.config import MiniCPMOConfig
+from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config
+from minicpmo_rt.checkpoint.tokenizer import vendored_tokenizer_dir, load_tokenizer
+from minicpmo_rt.thinker import audio as audio_mod
+from minicpmo_rt.thinker import image_processor as ip
+from minicpmo_rt.thinker import llm as llm_mod
+from minicpmo_rt.thinker import mel as mel_mod
+from minicpmo_rt.thinker.resampler import build_resampler
+from minicpmo_rt.thinker.vision import build_vision
+from tests.conftest import rel_err
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "official"
+TOL = 1e-4
+SEED = 0
+
+
+def _load(name: str):
+    data = dict(np.load(FIXTURES / f"{name}.npz"))
+    meta = json.loads((FIXTURES / f"{name}.json").read_text())
+    return data, meta
+
+
+def _audio_f32(i16: np.ndarray) -> np.ndarray:
+    return i16.astype(np.float32) / 32768.0
+
+
+@pytest.fixture(scope="module")
+def config() -> MiniCPMOConfig:
+    return MiniCPMOConfig.from_dict(tiny_config())
+
+
+def _randomized(module: torch.nn.Module, prefix: str) -> torch.nn.Module:
+    return randomize_(module.float(), SEED, prefix).eval()
+
+
+@pytest.fixture(scope="module")
+def vpm(config):
+    return _randomized(build_vision(config), "vpm.")
+
+
+@pytest.fixture(scope="module")
+def resampler(config):
+    return _randomized(build_resampler(config), "resampler.")
+
+
+@pytest.fixture(scope="module")
+def apm(config):
+    return _randomized(audio_mod.build_audio_encoder(config), "apm.")
+
+
+@pytest.fixture(scope="module")
+def projection(config):
+    return _randomized(audio_mod.build_audio_projection(config), "audio_projection_layer.")
+
+
+@pytest.fixture(scope="module")
+def llm(config):
+    return _randomized(llm_mod.build_llm(config), "llm.")
+
+
+# ----------------------------------------------------------------------------- vision
+
+def test_image_processor_matches_official():
+    data, meta = _load("vision")
+    for ci, case in enumerate(meta["cases"]):
+        out = ip.process_image(data[case["image"]], max_slice_nums=case["max_slice_nums"])
+        assert out.image_size == tuple(case["image_size_wh"])
+        assert (list(out.grid) if out.grid is not None else None) == case["grid"], f"case {ci}: slicing grid"
+        assert out.tgt_sizes.tolist() == case["tgt_sizes"], f"case {ci}: tgt_sizes"
+        assert out.num_sub_images == case["n_sub"]
+        for si, strip in enumerate(out.patches):
+            ref = torch.from_numpy(data[f"case{ci}_pixels_u8_{si}"]).double() / 127.5 - 1.0
+            assert tuple(strip.shape) == tuple(ref.shape), f"case {ci} sub-image {si}: strip shape"
+            # The fixture codes pixels as uint8 (exact to 1e-6); a wrong resize/normalise is >= 1/127.5 off.
+            assert float((strip.double() - ref).abs().max()) < 1e-5, f"case {ci} sub-image {si}: pixels"
+
+
+def _official_pixels(data, ci: int, n_sub: int) -> list[torch.Tensor]:
+    return [torch.from_numpy(data[f"case{ci}_pixels_u8_{si}"]).float() / 127.5 - 1.0 for si in range(n_sub)]
+
+
+def _embed(vpm, resampler, strips: list[torch.Tensor], tgt_sizes: torch.Tensor) -> torch.Tensor:
+    image = ip.ProcessedImage(strips, tgt_sizes, None, (0, 0))
+    batch = ip.pack_patches(image)
+    feats = vpm(batch.pixel_values, batch.patch_attention_mask, batch.tgt_sizes)
+    return resampler(feats, batch.tgt_sizes)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("ci", [0, 1, 2], ids=["img_a", "img_b", "img_a_sliced"])
+def test_vision_resampler_embeddings_match_official(vpm, resampler, ci):
+    data, meta = _load("vision")
+    case = meta["cases"][ci]
+    strips = _official_pixels(data, ci, case["n_sub"])
+    emb = _embed(vpm, resampler, strips, torch.from_numpy(data[f"case{ci}_tgt_sizes"]).long())
+    ref = torch.from_numpy(data[f"case{ci}_embeds"])
+    assert emb.shape == ref.shape
+    err = rel_err(emb, ref)
+    assert err <= TOL, f"case {ci}: vision+resampler rel err {err:.3e}"
+
+
+@torch.no_grad()
+def test_vision_batch_of_two_sizes_matches_official(vpm, resampler):
+    """Both images padded into one vision batch (as a frame list is), each against the official."""
+    data, meta = _load("vision")
+    strips = _official_pixels(data, 0, 1) + _official_pixels(data, 1, 1)
+    tgt = torch.cat([torch.from_numpy(data["case0_tgt_sizes"]), torch.from_numpy(data["case1_tgt_sizes"])]).long()
+    emb = _embed(vpm, resampler, strips, tgt)
+    ref = torch.from_numpy(data["batched_ab_embeds"])
+    assert rel_err(emb[0], ref[0]) <= TOL and rel_err(emb[1], ref[1]) <= TOL
+
+
+# ----------------------------------------------------------------------------- audio
+
+def _mel_stream_input(data, meta) -> tuple[np.ndarray, list[int]]:
+    x = np.concatenate([np.zeros(560, np.float32), _audio_f32(data["audio_i16"])])
+    sizes = [16480, 16000, 16000]
+    assert sum(sizes) == meta["chunks"][-1]["info"]["buffer_len_samples"]
+    return x, sizes
+
+
+def test_streaming_mel_matches_official():
+    data, meta = _load("audio")
+    x, sizes = _mel_stream_input(data, meta)
+    mel = mel_mod.StreamingMel()   # duplex configuration: 1035 ms first chunk, 20 ms CNN redundancy
+    off = 0
+    for k, n in enumerate(sizes):
+        assert mel.chunk_size() == n, f"chunk {k}: chunk size"
+        out = mel.process(x[off:off + n])
+        off += n
+        ref = torch.from_numpy(data[f"chunk{k}_mel"])
+        info = meta["chunks"][k]["info"]
+        assert out.features.shape == ref.shape, f"chunk {k}: {tuple(out.features.shape)} vs {tuple(ref.shape)}"
+        assert (out.core_start, out.core_end) == (info["core_start"], info["core_end"])
+        assert (out.prefix_extra, out.suffix_extra) == (meta["chunks"][k]["kwargs"]["prefix_extra_frames"],
+                                                        meta["chunks"][k]["kwargs"]["suffix_extra_frames"])
+        err = rel_err(out.features, ref)
+        assert err <= TOL, f"chunk {k}: mel rel err {err:.3e}"
+
+
+@torch.no_grad()
+def test_streaming_audio_embeddings_match_official(apm, projection):
+    """Three consecutive chunks through one encoder cache (positions continue)."""
+    data, meta = _load("audio")
+    cache = None
+    for k, call in enumerate(meta["chunks"]):
+        mel = torch.from_numpy(data[f"chunk{k}_mel"])[None]
+        kw = call["kwargs"]
+        hidden, cache = apm.stream(mel, cache, kw["prefix_extra_frames"], kw["suffix_extra_frames"])
+        emb = audio_mod.avg_pool(projection(hidden), 5)[0]
+        ref = torch.from_numpy(data[f"chunk{k}_embeds"])
+        assert emb.shape == ref.shape == (10, ref.shape[1])
+        err = rel_err(emb, ref)
+        assert err <= TOL, f"chunk {k}: audio embedding rel err {err:.3e}"
+    assert cache.length == 50 * 3
+
+
+@torch.no_grad()
+def test_reference_audio_block_causal_embeddings_match_official(apm, projection):
+    """The system-prompt voice reference: whole clip, 1-s (50-frame) block-causal encoder mask."""
+    data, meta = _load("audio")
+    mel = torch.from_numpy(data["ref_mel"])[None]
+    n = audio_mod.conv_output_length(mel.shape[-1])
+    hidden = apm(mel, audio_mod.block_causal_mask(n, 50))
+    emb = audio_mod.avg_pool(projection(hidden), 5)[0]
+    ref = torch.from_numpy(data["ref_embeds"])
+    assert emb.shape == ref.shape
+    assert rel_err(emb, ref) <= TOL
+
+
+def test_reference_mel_is_the_zero_padded_30s_window():
+    """Upstream's non-streaming mel pads to 30 s with zeros before the STFT (last frame differs
+    from a reflect-padded STFT of the bare clip)."""
+    data, _ = _load("audio")
+    clip = _audio_f32(data["ref_audio_i16"])
+    ref = torch.from_numpy(data["ref_mel"])
+    window = np.zeros(30 * 16000, np.float32)
+    window[: clip.shape[0]] = clip
+    mel = mel_mod.log_mel(window, True)[:, : ref.shape[-1]]
+    assert rel_err(mel, ref) <= TOL
+
+
+# ----------------------------------------------------------------------------- LLM
+
+def _check_stream(llm, name: str):
+    data, meta = _load(name)
+    embeds = torch.from_numpy(data["inputs_embeds"])
+    ids = data["token_ids"]
+    table = llm.model.embed_tokens.weight
+    tok_rows = np.nonzero(ids >= 0)[0]
+    # The token rows are plain embedding rows: our tokenizer ids and table give the same rows.
+    assert torch.equal(embeds[tok_rows], table[torch.from_numpy(ids[tok_rows])].detach())
+    assert ids[: len(meta["prefix_ids"])].tolist() == meta["prefix_ids"]
+    bounds = np.cumsum(data["block_lengths"])
+    n_prep = meta["n_prepare_blocks"]
+    stops = [int(bounds[n_prep - 1])] + [int(bounds[e - 1]) for _, e in meta["unit_block_ranges"]]
+    refs = [data["prepare_hidden"]] + list(data["unit_hidden"])
+    cache, start = None, 0
+    with torch.no_grad():
+        for i, (stop, ref) in enumerate(zip(stops, refs)):
+            pos = torch.arange(start, stop)[None]
+            hidden, cache = llm_mod.final_norm_hidden(llm, embeds[start:stop][None], cache, pos)
+            err = rel_err(hidden[0, -1], torch.from_numpy(ref))
+            assert err <= TOL, f"{name}: final-norm hidden after segment {i} (rows {start}..{stop}) rel err {err:.3e}"
+            if i > 0:
+                logits = llm.lm_head(hidden[0, -1])
+                top_ids = torch.from_numpy(data["unit_logits_top_ids"][i - 1])
+                assert rel_err(logits[top_ids], torch.from_numpy(data["unit_logits_top_vals"][i - 1])) <= TOL
+                assert int(logits.argmax()) == int(top_ids[0])
+            start = stop
+    assert start == meta["seq_len"]
+
+
+def test_llm_streaming_prefill_final_hidden_matches_official(llm):
+    _check_stream(llm, "llm_stream")
+
+
+def test_llm_streaming_prefill_without_reference_matches_official(llm):
+    _check_stream(llm, "llm_stream_noref")
+
+
+def test_prompt_ids_match_official_tokenizer():
+    data, meta = _load("greedy")
+    tok = load_tokenizer(vendored_tokenizer_dir())
+    assert tok.encode(meta["prompt_text"]) == data["prompt_ids"].tolist()
+    _, stream = _load("llm_stream")
+    assert tok.encode(stream["system_prefix"]) == stream["prefix_ids"]
+    assert tok.encode(stream["system_suffix"]) == stream["suffix_ids"]
+
+
+@torch.no_grad()
+def test_greedy_tokens_and_hidden_match_official(llm):
+    data, meta = _load("greedy")
+    ids = torch.from_numpy(data["prompt_ids"])[None]
+    embeds = llm.model.embed_tokens(ids)
+    hidden, cache = llm_mod.final_norm_hidden(llm, embeds, None, torch.arange(ids.shape[1])[None])
+    out, rows = [], [hidden[0, -1]]
+    for step in range(meta["max_new_tokens"]):
+        logits = llm.lm_head(rows[-1])
+        top = torch.from_numpy(data["step_top16_ids"][step])
+        assert rel_err(logits[top], torch.from_numpy(data["step_top16_vals"][step])) <= TOL
+        tok = int(logits.argmax())
+        out.append(tok)
+        if step + 1 < meta["max_new_tokens"]:
+            pos = torch.tensor([[ids.shape[1] + step]])
+            h, cache = llm_mod.final_norm_hidden(llm, llm.model.embed_tokens(torch.tensor([[tok]])), cache, pos)
+            rows.append(h[0, -1])
+    assert out == data["generated_ids"].tolist()
+    err = rel_err(torch.stack(rows), torch.from_numpy(data["step_hidden"]))
+    assert err <= TOL, f"per-step final-norm hidden rel err {err:.3e}"
+
+
+@torch.no_grad()
+def test_generate_greedy_matches_official(llm):
+    gen_mod = pytest.importorskip("minicpmo_rt.thinker.generate")
+    data, meta = _load("greedy")
+    ids = torch.from_numpy(data["prompt_ids"])[None]
+    out = llm(input_ids=ids, use_cache=True)
+    sampling = gen_mod.SamplingConfig(greedy=True, repetition_penalty=1.0, max_new_tokens=meta["max_new_tokens"])
+    turn = gen_mod.generate(llm, out.past_key_values, out.logits[0, -1], sampling)
+    assert turn.token_ids == data["generated_ids"].tolist()
+    # hidden row i belongs to token i (the state after feeding it) = official step row i+1
+    ref = torch.from_numpy(data["step_hidden"][1:])
+    assert rel_err(turn.hidden[: ref.shape[0]], ref) <= TOL
+
+
+# ----------------------------------------------------------------------------- Thinker / session
+
+@pytest.fixture(scope="module")
+def thinker(config):
+    model_mod = pytest.importorskip("minicpmo_rt.thinker.model")
+    model = model_mod.Thinker(config)
+    randomize_(model.float(), SEED, "")     # Thinker keys == checkpoint keys minus tts.
+    model.rebuild_buffers()
+    return model.eval()
+
+
+def test_thinker_embeds_match_official(thinker):
+    stream, meta = _load("llm_stream")
+    audio, ameta = _load("audio")
+    start = sum(stream["block_lengths"][: meta["n_prepare_blocks"]])
+    for k in range(3):
+        # unit rows: <unit>, <image>, 64 image rows, </image>, 10 audio rows
+        rows = torch.from_numpy(stream["inputs_embeds"][start:start + 77])
+        img = thinker.embed_image(stream[f"frame_{k}"], max_slice_nums=1)
+        assert img.shape == (1, 64, rows.shape[1])
+        assert rel_err(img[0], rows[2:66]) <= TOL, f"unit {k}: frame embedding"
+        assert rel_err(torch.from_numpy(audio[f"chunk{k}_embeds"]), rows[67:77]) == 0.0
+        start += 77
+
+
+def test_session_read_state_matches_official(thinker):
+    session_mod = pytest.importorskip("minicpmo_rt.thinker.session")
+    stream, meta = _load("llm_stream_noref")
+    frames, _ = _load("llm_stream")
+    audio, _ = _load("audio")
+    tok = load_tokenizer(vendored_tokenizer_dir())
+    session = session_mod.StreamingSession(thinker, tok, system_prompt=meta["system_text"],
+                                           window=session_mod.WindowPolicy.off())
+    prep = rel_err(session.read_state(), torch.from_numpy(stream["prepare_hidden"]))
+    assert prep <= TOL, (f"system prompt state differs from upstream's duplex prepare (rel err {prep:.3e}); "
+                         f"expected ids {meta['prefix_ids'] + meta['suffix_ids']}")
+    pcm = _audio_f32(audio["audio_i16"])
+    bounds = np.cumsum(stream["block_lengths"])
+    for k in range(3):
+        session.commit(pcm[k * 16000:(k + 1) * 16000], frames[f"frame_{k}"])
+        expected_len = int(bounds[meta["unit_block_ranges"][k][1] - 1])
+        assert session.fingerprint().llm_cache_len == expected_len, f"unit {k}: cache length (layout)"
+        err = rel_err(session.read_state(), torch.from_numpy(stream["unit_hidden"][k]))
+        assert err <= TOL, f"unit {k}: read_state rel err {err:.3e}"
