@@ -232,6 +232,10 @@ def test_context_limit_is_named_and_leaves_state_unchanged(tok):
     with w.pruning_suspended(), pytest.raises(ContextLimitError):
         for k in range(3):
             w.commit(audio[16000 * k:16000 * (k + 1)], _frame(k))
+    with pytest.raises(InputError, match="must stay below"):
+        StreamingSession(t, tok, window=WindowPolicy.input_only(250, 100))
+    with pytest.raises(InputError, match="low_tokens"):
+        WindowPolicy.input_only(100, 250)
 
 
 def test_long_session_resets_audio_cache_and_slides_mel(thinker, tok):

@@ -220,6 +220,9 @@ class StreamingSession:
         self.prompts = PromptBuilder(tokenizer)
         self.window = window if window is not None else WindowPolicy.input_only()
         self.max_positions = thinker.config.llm.max_position_embeddings
+        if self.window.enabled and self.window.high_tokens >= self.max_positions:
+            raise InputError(f"window {self.window.name!r}: high_tokens {self.window.high_tokens} must stay below the "
+                             f"model's {self.max_positions} positions (a unit is added before pruning runs)")
         # The mel runs where the model runs (on CPU exactly upstream's path; on an
         # accelerator the 30-s recomputation per call costs well under a millisecond).
         dev = thinker.device
