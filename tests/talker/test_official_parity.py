@@ -91,3 +91,31 @@ def test_own_condition_end_to_end_argmax(tts, fx):
     logits = tts.logits(hidden)[0]
     assert rel_err(logits, data["cond_logits"]) <= TOL
     assert torch.equal(logits[-1].argmax(), data["cond_logits"][-1].argmax())
+
+
+@torch.no_grad()
+def test_engine_static_kv_fast_path_teacher_forced(tts, fx, monkeypatch):
+    """The slot engine's static-KV path (the one the CUDA graph captures) against the official
+    logits: its sampler still runs (state advances as usual) but the fed codes are forced to
+    the official ones, and the logits each step samples from are recorded."""
+    engine_mod = pytest.importorskip("minicpmo_rt.talker.engine")
+    data, _ = fx
+    codes = data["codes"]
+    seen: list[torch.Tensor] = []
+    real_sample_step = engine_mod.sample_step
+
+    def forced(logits, state, params, eos):
+        seen.append(logits[0].clone())
+        real_sample_step(logits, state, params, eos)
+        return torch.full_like(state.step, int(codes[len(seen) - 1]))
+
+    monkeypatch.setattr(engine_mod, "sample_step", forced)
+    engine = engine_mod.TalkerEngine(tts, capacity=1, kv_budget_bytes=1 << 20)
+    engine.submit(engine_mod.TalkerRequest("parity", data["text_ids"], data["hidden"], seed=0, max_codes=100))
+    for _ in range(codes.numel()):
+        assert engine.step() == []          # no window is due before 25 codes
+    assert len(seen) == codes.numel()
+    ref = torch.cat([data["cond_logits"][-1:], data["decode_logits"]])     # [21, V]
+    got = torch.stack(seen + [engine.first_logits[0].clone()])
+    errs = [rel_err(g, r) for g, r in zip(got, ref)]
+    assert max(errs) <= TOL, f"engine logits rel err per step {['%.1e' % e for e in errs]}"

@@ -282,6 +282,41 @@ def test_generate_greedy_matches_official(llm):
     assert rel_err(turn.hidden[: ref.shape[0]], ref) <= TOL
 
 
+@torch.no_grad()
+def test_static_decoder_fast_path_matches_official(llm):
+    """The static-KV packed-weight decoder (the CUDA-graph path) on the streaming prefill
+    (segment by segment, as commits arrive) and on greedy decoding."""
+    decode_mod = pytest.importorskip("minicpmo_rt.thinker.decode")
+    data, meta = _load("llm_stream")
+    embeds = torch.from_numpy(data["inputs_embeds"])
+    bounds = np.cumsum(data["block_lengths"])
+    stops = [int(bounds[meta["n_prepare_blocks"] - 1])] + [int(bounds[e - 1]) for _, e in meta["unit_block_ranges"]]
+    refs = [data["prepare_hidden"]] + list(data["unit_hidden"])
+    dec = decode_mod.StaticDecoder(llm, max_len=meta["seq_len"] + 16)
+    start = 0
+    for i, (stop, ref) in enumerate(zip(stops, refs)):
+        hidden = dec.prefill(embeds[start:stop][None], start)
+        err = rel_err(hidden[0, -1], torch.from_numpy(ref))
+        assert err <= TOL, f"segment {i}: static decoder hidden rel err {err:.3e}"
+        start = stop
+
+    g, gmeta = _load("greedy")
+    prompt = torch.from_numpy(g["prompt_ids"])
+    n = prompt.numel()
+    dec = decode_mod.StaticDecoder(llm, max_len=n + 16)
+    rows = [dec.prefill(llm.model.embed_tokens(prompt)[None], 0)[0, -1]]
+    out = []
+    logits = llm.lm_head(rows[0]).float()[None]
+    for step in range(gmeta["max_new_tokens"]):
+        tok = int(logits[0].argmax())
+        out.append(tok)
+        if step + 1 < gmeta["max_new_tokens"]:
+            logits, h = dec.decode(torch.tensor([tok]), torch.tensor([n + step]), kv_len=n + step + 1)
+            rows.append(h[0])
+    assert out == g["generated_ids"].tolist()
+    assert rel_err(torch.stack(rows), torch.from_numpy(g["step_hidden"])) <= TOL
+
+
 # ----------------------------------------------------------------------------- Thinker / session
 
 @pytest.fixture(scope="module")
