@@ -74,4 +74,7 @@ def tiny_asset_writers() -> list[Callable[[Path, int], None]]:
     from .code2wav.vocoder import write_tiny_hift
 
     writers.append(write_tiny_hift)
+    from .code2wav.frontend import write_tiny_frontend
+
+    writers.append(write_tiny_frontend)
     return writers
