@@ -91,6 +91,8 @@ def test_input_kinds_agree():
     (np.zeros((2, 4, 5, 3), np.uint8), "not an image"),
     (np.array(["a", "b"]), "not an image"),
     (np.zeros((4, 4, 3), bool), "not an image"),
+    (np.full((4, 4, 3), 200.0, np.float32), r"\[0, 1\]"),
+    (np.full((4, 4, 3), np.nan, np.float32), "NaN"),
     ("frame.png", "not an image"),
     (None, "not an image"),
 ])

@@ -72,6 +72,10 @@ def to_rgb_image(image, where: str = "image") -> Image.Image:
         if np.issubdtype(arr.dtype, np.floating):
             if not np.isfinite(arr).all():
                 raise InputError(f"{where}: image holds NaN or infinite values")
+            if arr.min() < 0 or arr.max() > 1:
+                # Upstream would scale by 255 and wrap around uint8 silently.
+                raise InputError(f"{where}: float pixels must lie in [0, 1] (found {arr.min():.3g}..{arr.max():.3g}); "
+                                 "pass uint8 0..255 or divide by 255")
             arr = arr * 255  # floats are taken as [0, 1], as upstream
         image = Image.fromarray(arr.astype(np.uint8))
     if not isinstance(image, Image.Image):
