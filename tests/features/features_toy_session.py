@@ -50,6 +50,7 @@ class ToySession:
         self.window = ToyWindow(high_tokens=window_high, low_tokens=max(0, window_high - 2))
         self._in_tx = False
         self._suspended = False
+        self._last = torch.zeros(self.dim)
         self.broken_restore = broken_restore
         self.nondeterministic = nondeterministic
 
@@ -69,6 +70,7 @@ class ToySession:
 
     def commit(self, audio, frame) -> None:
         self.cache.append(self._token(audio, frame))
+        self._last = self._fold()  # read out before pruning, as the real session does
         self.chunk_idx += 1
         self.committed_chunks += 1
         hi = self.window.high_tokens
@@ -81,18 +83,22 @@ class ToySession:
         if not self._in_tx:
             raise RuntimeError("append_tail outside transaction()")
         self.cache.append(self._token(audio, frame))
+        self._last = self._fold()
 
-    def read_state(self) -> torch.Tensor:
+    def _fold(self) -> torch.Tensor:
         acc = torch.zeros(self.dim, dtype=torch.float64)
         for tok in self.cache:
             acc = torch.tanh(0.7 * acc + tok)
         return acc.float()
 
+    def read_state(self) -> torch.Tensor:
+        return self._last.clone()
+
     def snapshot(self):
-        return (list(self.cache), self.chunk_idx, self.committed_chunks, copy.copy(self.pruning_events))
+        return (list(self.cache), self.chunk_idx, self.committed_chunks, copy.copy(self.pruning_events), self._last)
 
     def restore(self, snap) -> None:
-        cache, self.chunk_idx, self.committed_chunks, self.pruning_events = snap
+        cache, self.chunk_idx, self.committed_chunks, self.pruning_events, self._last = snap
         self.cache = list(cache)
         if self.broken_restore and self.cache:
             self.cache[-1] = self.cache[-1] + 1e-9

@@ -112,12 +112,14 @@ def test_too_short_is_not_verified(syn, tmp_path):
     assert not (tmp_path / "p.pt").exists()
 
 
-def test_pruning_rows_recorded_and_boundary_skipped(syn, tmp_path):
+def test_pruning_rows_recorded_and_boundary_still_compared(syn, tmp_path):
     art = ex.run(opts(syn, tmp_path / "p.pt", "cached-partial-5hz"), factory=lambda: ToySession(window_high=2),
                  model_info={}, echo=lambda s: None)
     assert art.window["high_tokens"] == 2
     assert [p["row"] for p in art.pruning] == [14]  # third commit (3.0 s) exceeds 2 chunks
-    assert art.verification["boundary"]["skipped"] == 1 and art.verification["all_passed"]
+    b = art.verification["boundary"]
+    assert b["runs"] == 4 and [c["pruned"] for c in b["checks"]] == [False, False, True, False]
+    assert art.verification["all_passed"]
 
 
 def test_perturbation_changes_only_the_future(syn):

@@ -18,8 +18,9 @@ cached-partial-5hz
 
 Audits (cached-partial-5hz; their figures go to ``verification``)
     boundary             every boundary: the same chunk committed temporarily inside a
-                         transaction vs the native commit that follows (a boundary whose native
-                         commit pruned is recorded as skipped: the two contexts differ by design).
+                         transaction (pruning suspended) vs the native commit that follows (the
+                         session reads a commit's state before its window pruning, so pruning
+                         commits compare too; their entries carry pruned=True).
     clean_replay         a fresh session replays the prefix from the session start to t and
                          must match the cached state (rel. error <= the dtype's tolerance).
     future_intervention  a fresh replay whose audio after t (and frames that start at or after
@@ -403,10 +404,9 @@ def extract_partial(factory: SessionFactory, inputs: Inputs, rows: int, *, verif
             n_before = seen
             seen, new = _pruning_rows(session, seen, k, t)
             pruning += new
-            if seen > n_before:
-                boundary.skip({"row": k, "t": t, "reason": "the native commit pruned the window"})
-            else:
-                boundary.compare(k, t, temp, h)
+            # The session reads a commit's state out before it prunes, so a pruning commit is
+            # still comparable; the entry says it pruned.
+            boundary.compare(k, t, temp, h, pruned=seen > n_before)
         else:
             audio, frame = inputs.audio(sec, t), inputs.frame_at(t)
             before = session.fingerprint()
@@ -493,12 +493,7 @@ def load_session_factory(opts: ExtractOptions) -> tuple[SessionFactory, dict[str
 
     device, dtype = _resolve_device_dtype(opts)
     snap = resolve_snapshot(opts.model_id, opts.revision)
-    thinker = Thinker.from_snapshot(snap, dtype=dtype, device=device)
-    if opts.attention != "sdpa":
-        set_attn = getattr(thinker, "set_attention", None)
-        if set_attn is None:
-            raise InputError(f"--attention {opts.attention}: this Thinker build runs sdpa only")
-        set_attn(opts.attention)
+    thinker = Thinker.from_snapshot(snap, dtype=dtype, device=device, attn_implementation=opts.attention)
     thinker.eval()
     tok = load_tokenizer(snap.path)
 
@@ -568,7 +563,8 @@ def run(opts: ExtractOptions, factory: SessionFactory | None = None,
             fn = extract_native if opts.mode == "native-1hz-hold" else extract_partial
             with torch.inference_mode():
                 res = fn(factory, inputs, rows, verify_every=opts.verify_every,
-                         future_every=opts.future_intervention_every, tick=bar.update if bar else None)
+                         future_every=opts.future_intervention_every,
+                         tick=(lambda _dt: bar.update(1)) if bar else None)
         finally:
             if bar:
                 bar.close()
@@ -612,12 +608,14 @@ class VerificationError(MiniCPMORTError):
 
 
 def _progress(total: float, enabled: bool):
+    """A bar over 5 Hz rows shown in session seconds; the rate is session-seconds per second."""
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=round(total, 1), unit="s", unit_scale=False, desc="session-seconds",
-                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} [{elapsed}<{remaining}, {rate_fmt}]",
+    return tqdm(total=int(round(total * 5)), unit="s", unit_scale=0.2, desc="session-seconds",
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s "
+                           "[{elapsed}<{remaining}, {rate_noinv_fmt}]",
                 dynamic_ncols=True, file=sys.stderr)
 
 
