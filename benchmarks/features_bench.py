@@ -1,0 +1,162 @@
+"""Feature-extractor throughput (session-seconds per second) for both modes.
+
+A synthetic EasyCom session (default 60 s, 1920x1080, 20 fps, H.264, 6-ch 48 kHz WAVs) is
+extracted with full-size random Thinker weights in bf16 on the GPU, at the default audit
+cadence (first clean replay / future intervention only; every boundary and restoration
+check) and at --verify-every 250 --future-intervention-every 250. Prints a table and writes
+features_bench.json / features_bench.md to OUT.
+
+    python benchmarks/features_bench.py OUT                 # GPU, full size
+    python benchmarks/features_bench.py OUT --tiny          # CPU smoke test at tiny size
+
+Goals (issue 5): native >= 60x real time, cached-partial >= 20x real time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from minicpmo_rt.checkpoint.config import MiniCPMOConfig
+from minicpmo_rt.checkpoint.tiny import reference_config
+from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
+from minicpmo_rt.features import extract as ex
+from minicpmo_rt.features.synthetic import make_session
+
+GOALS = {"native-1hz-hold": 60.0, "cached-partial-5hz": 20.0}
+
+
+def randomize_on_device_(module: torch.nn.Module, seed: int = 0) -> None:
+    """The tiny checkpoint's init rules (norm scales ~1, small biases, N(0, 1/fan_in) weights),
+    drawn on the module's device so full-size weights take seconds, not minutes."""
+    with torch.no_grad():
+        for name, t in module.state_dict(keep_vars=True).items():
+            if not t.is_floating_point():
+                continue
+            g = torch.Generator(device=t.device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            leaf, lname = name.rsplit(".", 1)[-1], name.lower()
+            is_norm = any(k in lname for k in ("norm", "ln_", ".ln", "layernorm"))
+            r = torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32)
+            if t.ndim <= 1 and is_norm and leaf in ("weight", "gamma", "scale"):
+                r = 1.0 + 0.1 * r
+            elif leaf in ("bias", "beta") or t.ndim <= 1:
+                r = 0.02 * r
+            else:
+                fan_in = t[0].numel() if t.ndim > 1 else 1
+                r = r / max(fan_in, 1) ** 0.5
+            t.copy_(r.to(t.dtype))
+
+
+def build_factory(tiny: bool, out: Path, device: torch.device, dtype: torch.dtype):
+    from minicpmo_rt.thinker.model import Thinker
+    from minicpmo_rt.thinker.session import StreamingSession
+
+    if tiny:
+        from minicpmo_rt.snapshot_tools import make_tiny
+
+        ckpt = out / "tiny_ckpt"
+        if not (ckpt / "config.json").is_file():
+            make_tiny(ckpt, seed=0, force=True)
+        thinker = Thinker.from_snapshot(ckpt, dtype=dtype, device=device)
+        tok = load_tokenizer(ckpt)
+        name = "tiny random"
+    else:
+        cfg = MiniCPMOConfig.from_dict(reference_config())
+        with torch.device(device):
+            thinker = Thinker(cfg)  # built in place so non-persistent buffers are computed, not garbage
+        randomize_on_device_(thinker)
+        thinker = thinker.to(dtype).eval()
+        thinker.rebuild_buffers()  # fp32 RoPE frequencies after the cast
+        tok = load_tokenizer(vendored_tokenizer_dir())
+        name = "full-size random"
+    info = {"model_id": f"{name} weights (benchmark)", "model_path": None, "revision": "random",
+            "revision_source": "benchmark", "dtype": str(dtype).replace("torch.", ""), "device": str(device),
+            "attention": "sdpa"}
+    return (lambda: StreamingSession(thinker, tok)), info, sum(p.numel() for p in thinker.parameters())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="tiny checkpoint, 4-s 64x48 session, CPU")
+    ap.add_argument("--seconds", type=float, default=None)
+    ap.add_argument("--width", type=int, default=None)
+    ap.add_argument("--height", type=int, default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--decoder", default="pyav", choices=("pyav", "decord"))
+    ap.add_argument("--periodic", type=int, default=250, help="N of the periodic-audit configuration")
+    args = ap.parse_args()
+    tiny = args.tiny
+    seconds = args.seconds or (4.0 if tiny else 60.0)
+    width, height = args.width or (64 if tiny else 1920), args.height or (48 if tiny else 1080)
+    device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() and not tiny else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    root = args.out / f"session_{int(seconds)}s_{width}x{height}"
+    vdir = root / "Video_Compressed" / "Session_1"
+    t0 = time.perf_counter()
+    if not vdir.is_dir() or not any(vdir.glob("*.mp4")):
+        make_session(root, seconds, width=width, height=height, segment_seconds=min(20.0, seconds), seed=0)
+    print(f"session {vdir} ({seconds:.0f} s, {width}x{height}) ready in {time.perf_counter() - t0:.1f}s")
+    t0 = time.perf_counter()
+    factory, info, n_params = build_factory(tiny, args.out, device, dtype)
+    print(f"Thinker {info['model_id']}: {n_params / 1e9:.3f} B params, {info['dtype']} on {device}, "
+          f"built in {time.perf_counter() - t0:.1f}s")
+
+    def opts(mode: str, every: int, end: float | None, output: Path) -> ex.ExtractOptions:
+        return ex.ExtractOptions(easycom_session_dir=vdir, mode=mode, end=end, output=output, decoder=args.decoder,
+                                 verify_every=every, future_intervention_every=every, progress=False,
+                                 frame_cache_size=32, dtype=info["dtype"], device=str(device),
+                                 command_line="benchmarks/features_bench.py")
+
+    # warm-up (allocator, kernels, first decode) outside the timings
+    ex.run(opts("cached-partial-5hz", 0, min(2.0, seconds), args.out / "warmup.pt"), factory=factory,
+           model_info=info, echo=lambda s: None)
+    rows = []
+    for mode in ("native-1hz-hold", "cached-partial-5hz"):
+        for every in (0, args.periodic):
+            label = "default" if every == 0 else f"--verify-every {every} --future-intervention-every {every}"
+            out = args.out / f"{mode}_{'default' if every == 0 else every}.pt"
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            art = ex.run(opts(mode, every, None, out), factory=factory, model_info=info, echo=print)
+            wall = art.provenance["wall_time_s"]
+            v = art.verification
+            rows.append({
+                "mode": mode, "cadence": label, "session_seconds": art.num_rows / 5, "wall_s": wall,
+                "x_realtime": round(art.num_rows / 5 / wall, 2), "goal_x": GOALS[mode],
+                "meets_goal": art.num_rows / 5 / wall >= GOALS[mode],
+                "artifact_mode": art.mode, "all_audits_passed": v["all_passed"],
+                "audits": {k: {kk: v[k].get(kk) for kk in ("passed", "runs", "failed", "max_abs_diff", "max_rel_err")}
+                           for k in ("boundary", "clean_replay", "future_intervention", "snapshot_restoration")},
+                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+                "pruning_events": len(art.pruning),
+            })
+    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+           "torch": torch.__version__, "dtype": info["dtype"], "weights": info["model_id"], "params": n_params,
+           "session": {"seconds": seconds, "width": width, "height": height, "fps": 20}, "decoder": args.decoder,
+           "tiny": tiny}
+    (args.out / "features_bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+    lines = [f"# Feature extractor benchmark ({env['device']}, {env['weights']}, {env['dtype']})", "",
+             f"Synthetic {seconds:.0f}-s {width}x{height} 20 fps session; decoder {args.decoder}; torch {torch.__version__}.",
+             "", "| mode | audit cadence | session s | wall s | x real time | goal | audits | peak GPU GiB |",
+             "|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['cadence']} | {r['session_seconds']:.1f} | {r['wall_s']:.2f} | "
+                     f"{r['x_realtime']:.2f} | {r['goal_x']:.0f}x {'met' if r['meets_goal'] else 'NOT met'} | "
+                     f"{'all passed' if r['all_audits_passed'] else 'FAILED'} | {r['peak_gpu_gib'] or '-'} |")
+    md = "\n".join(lines) + "\n"
+    (args.out / "features_bench.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
