@@ -156,6 +156,41 @@ def test_streaming_mel_matches_official():
         assert err <= TOL, f"chunk {k}: mel rel err {err:.3e}"
 
 
+def test_streaming_mel_long_stream_and_tails_match_official():
+    """36 s through the streaming mel: the fixed->dynamic log floor at 5 s, the 30-s sliding
+    window (10 s dropped), and partial tails in last-chunk mode."""
+    data, meta = _load("mel_long")
+    audio, _ = _load("audio")
+    x = np.tile(_audio_f32(audio["audio_i16"]), 12)
+    mel = mel_mod.StreamingMel()
+    off = 0
+    for k, info in enumerate(meta["chunks"]):
+        assert mel.chunk_size() == info["samples"], f"chunk {k}: chunk size"
+        out = mel.process(x[off:off + info["samples"]])
+        off += info["samples"]
+        assert out.n_frames == info["emitted_frames"], f"chunk {k}: emitted frames"
+        assert (out.core_start, out.core_end) == (info["core_start"], info["core_end"]), f"chunk {k}: core range"
+        if k in meta["kept_chunks"]:
+            err = rel_err(out.features, torch.from_numpy(data[f"chunk{k}_mel"]))
+            assert err <= TOL, f"chunk {k}: mel rel err {err:.3e}"
+    tail = meta["tail_long"]
+    assert off == tail["offset"]
+    out = mel.process(x[off:off + tail["samples"]], last_chunk=True)
+    assert rel_err(out.features, torch.from_numpy(data["tail_long_mel"])) <= TOL
+
+    tail = meta["tail_early"]
+    mel = mel_mod.StreamingMel()
+    off = 0
+    for _ in range(tail["after_chunks"]):
+        n = mel.chunk_size()
+        mel.process(x[off:off + n])
+        off += n
+    assert off == tail["offset"]
+    out = mel.process(x[off:off + tail["samples"]], last_chunk=True)
+    assert out.n_frames == tail["emitted_frames"]
+    assert rel_err(out.features, torch.from_numpy(data["tail_early_mel"])) <= TOL
+
+
 @torch.no_grad()
 def test_streaming_audio_embeddings_match_official(apm, projection):
     """Three consecutive chunks through one encoder cache (positions continue)."""
