@@ -1,0 +1,417 @@
+"""Code2Wav CFM fast-path benchmark (one steady 1-s chunk).
+
+Per chunk: query width 50 mel frames, 10 Euler steps with CFG (2B rows), estimator cache
+at its steady length prompt + 100 = 400 frames, batch 1, 4, 8, 16. Rows:
+
+  original eager            reference ``CausalConditionalCFM.forward_chunk`` (IEEE FP32)
+  original + graph          Whole-Euler graph over the original body (IEEE FP32)
+  fused + graph TF32 on     fused body, TF32 GEMMs, Triton tiled TF32 attention
+  fused + graph TF32 off    IEEE GEMMs; attention per the knobs (explicit fused => triton-tf32)
+  fused + graph IEEE        IEEE GEMMs and IEEE Triton attention (the <=1e-5 configuration)
+  upstream inference_chunk  minicpmo-utils 1.0.7 flow (encoder + CFM, batch 1 only: its
+                            buffers hold 2 rows), FP32 and TF32, same weights
+  ours flow.inference_chunk reference flow (encoder + CFM, eager), batch 1
+
+Graph rows report ``solve`` (input staging + cache copy into the arena + replay) and the
+replay alone. Weights are random (timings do not depend on values). Writes
+``code2wav_bench.json`` and ``code2wav_bench.md`` into --out.
+
+    PYTHONPATH=src python benchmarks/code2wav_bench.py --out benchmarks/results [--upstream DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
+from minicpmo_rt.code2wav.flow import Flow
+from minicpmo_rt.code2wav.flow_config import FULL_SIZE
+from minicpmo_rt.code2wav.fused_dit import FusedDiT
+from minicpmo_rt.code2wav.precision import matmul_tf32
+
+S, T, L = 10, 50, 400
+
+
+def randomize_(module: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+
+
+def timed(fn, budget_s: float = 2.0, max_reps: int = 30, min_reps: int = 3) -> list[float]:
+    """Milliseconds per call (CUDA events), after warm-up; reps fit the time budget."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = time.perf_counter() - t0
+    reps = int(max(min_reps, min(max_reps, budget_s / max(one, 1e-4))))
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def chunk_flops(B: int, C=512, H=8, D=64, mlp=2048, K=3, n_in=320, n_out=80) -> float:
+    R, N = 2 * B, 2 * B * T
+    gemm = 2 * N * (C * 3 * H * D + H * D * C + C * mlp + mlp * C) + 2 * 2 * R * (T + K - 1) * C * K * C
+    attn = 4 * R * H * T * (T + L) * D
+    per_eval = 16 * (gemm + attn) + 2 * N * (n_in * C + C * n_out)
+    return S * per_eval
+
+
+def peak_tflops(tf32: bool) -> float:
+    n = 8192
+    a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
+    with matmul_tf32(tf32):
+        ms = statistics.median(timed(lambda: a @ b, budget_s=1.0, max_reps=10))
+    return 2 * n ** 3 / ms / 1e9
+
+
+def count_kernels(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def caches(B: int, g: torch.Generator):
+    cnn = torch.randn(S, 16, 2 * B, 1024, 2, generator=g).cuda()
+    att = torch.randn(S, 16, 2 * B, 8, L, 128, generator=g).cuda()
+    return cnn, att
+
+
+def import_upstream(root: Path):
+    """Register empty parent packages so stepaudio2's package __init__ (torchaudio, s3tokenizer) never runs."""
+    for pkg, rel in (("stepaudio2", ""), ("stepaudio2.cosyvoice2", "cosyvoice2"),
+                     ("stepaudio2.cosyvoice2.flow", "cosyvoice2/flow"),
+                     ("stepaudio2.cosyvoice2.transformer", "cosyvoice2/transformer"),
+                     ("stepaudio2.cosyvoice2.utils", "cosyvoice2/utils")):
+        if pkg not in sys.modules:
+            m = types.ModuleType(pkg)
+            m.__path__ = [str(root / "stepaudio2" / rel)]
+            sys.modules[pkg] = m
+    import importlib
+    return (importlib.import_module("stepaudio2.cosyvoice2.flow.flow"),
+            importlib.import_module("stepaudio2.cosyvoice2.flow.flow_matching"),
+            importlib.import_module("stepaudio2.cosyvoice2.flow.decoder_dit"),
+            importlib.import_module("stepaudio2.cosyvoice2.transformer.upsample_encoder_v2"))
+
+
+def upstream_flow(root: Path, ours: Flow):
+    fl, fm, dd, enc = import_upstream(root)
+    c = FULL_SIZE
+    e = c.encoder
+    encoder = enc.UpsampleConformerEncoderV2(
+        input_size=e.input_size, output_size=e.output_size, input_layer=e.input_layer,
+        pre_lookahead_len=e.pre_lookahead_len, num_blocks=e.num_blocks, num_up_blocks=e.num_up_blocks,
+        up_stride=e.up_stride, up_scale_factor=e.up_scale_factor, attention_heads=e.attention_heads,
+        pos_enc_layer_type=e.pos_enc_layer_type, selfattention_layer_type=e.selfattention_layer_type,
+        key_bias=e.key_bias, linear_units=e.linear_units, dropout_rate=e.dropout_rate,
+        positional_dropout_rate=e.positional_dropout_rate, attention_dropout_rate=e.attention_dropout_rate,
+        normalize_before=e.normalize_before)
+    d = c.dit
+    dit = dd.DiT(in_channels=d.in_channels, out_channels=d.out_channels, mlp_ratio=d.mlp_ratio, depth=d.depth,
+                 num_heads=d.num_heads, head_dim=d.head_dim, hidden_size=d.hidden_size)
+    cfm = fm.CausalConditionalCFM(dit, inference_cfg_rate=c.decoder.inference_cfg_rate)
+    flow = fl.CausalMaskedDiffWithXvec(input_size=c.input_size, output_size=c.output_size,
+                                       spk_embed_dim=c.spk_embed_dim, output_type="mel", vocab_size=c.vocab_size,
+                                       encoder=encoder, decoder=cfm)
+    flow.load_state_dict(ours.state_dict(), strict=True)
+    flow.decoder.rand_noise.copy_(ours.decoder.rand_noise)     # same noise frames as ours
+    return flow.cuda().eval()
+
+
+def kernel_profile(fn, top: int = 14) -> list[dict]:
+    """CUDA kernels of one call: name, count and total microseconds, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    agg: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            a = agg.setdefault(e.name[:90], [0, 0.0])
+            a[0] += 1
+            a[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    rows = [{"kernel": k, "count": int(v[0]), "total_us": v[1]} for k, v in agg.items()]
+    return sorted(rows, key=lambda r: -r["total_us"])[:top]
+
+
+class ieee_cudnn:
+    """Bench-local IEEE reference: the original body's Conv1d runs in cuDNN (TF32 by default)."""
+
+    def __enter__(self):
+        self.prev = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cudnn.allow_tf32 = self.prev
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--batches", default="1,16,4,8")
+    ap.add_argument("--upstream", type=Path, default=None, help="folder holding the stepaudio2 package source")
+    ap.add_argument("--budget", type=float, default=0.5, help="seconds of timing per cell")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(dev)
+    flow = Flow(FULL_SIZE)
+    randomize_(flow, 0)
+    flow = flow.to(dev).eval()
+    cfm = flow.decoder
+    res = {"gpu": gpu, "torch": torch.__version__, "triton": _triton_version(), "query": T, "steps": S,
+           "cache": L, "cfg": True, "rows": [], "notes": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save():   # after every row, so a cut-off run still leaves its numbers
+        (args.out / "code2wav_bench.json").write_text(json.dumps(res, indent=1))
+        (args.out / "code2wav_bench.md").write_text(markdown(res))
+
+    res["peak_tf32_tflops"] = peak_tflops(True)
+    res["peak_fp32_tflops"] = peak_tflops(False)
+    print(f"{gpu}: TF32 mm peak {res['peak_tf32_tflops']:.0f} TFLOP/s, FP32 {res['peak_fp32_tflops']:.0f}", flush=True)
+
+    # kernels per block: one estimator evaluation at batch 1, divided by depth
+    g = torch.Generator().manual_seed(1)
+    cnn, att = caches(1, g)
+    x = torch.randn(2, 80, T, device=dev)
+    mu, spk, cond = torch.randn(2, 80, T, device=dev), torch.randn(2, 80, device=dev), torch.zeros(2, 80, T, device=dev)
+    tt = torch.full((2,), 0.5, device=dev)
+    with torch.inference_mode():
+        k_orig = count_kernels(lambda: cfm.estimator.forward_chunk(x, mu, tt, spk, cond, cnn[0], att[0]))
+        fused = FusedDiT(cfm.estimator, attention="triton-tf32")
+        xin = torch.cat([x, mu, spk[:, :, None].expand(-1, -1, T), cond], 1).transpose(1, 2).contiguous()
+        kv = torch.empty(16, 2, 8, T + L, 128, device=dev)
+        kv[:, :, :, T:] = att[0]
+        hist = fused.new_hist(2, T, dev).zero_()
+        ws = fused.workspace(2, T, dev)
+        out = torch.empty(2, T, 80, device=dev)
+        with matmul_tf32(True):
+            mod = fused.modulation(tt[:1])
+            body = lambda: fused.body(xin, mod, hist, kv, None, ws, out)  # noqa: E731
+            k_fused = count_kernels(body)
+            res["fused_eval_kernels_b1_tf32"] = kernel_profile(body)
+        res["original_eval_kernels_b1"] = kernel_profile(
+            lambda: cfm.estimator.forward_chunk(x, mu, tt, spk, cond, cnn[0], att[0]))
+    res["kernels_per_block"] = {"original": k_orig / 16, "fused": k_fused / 16,
+                                "note": "CUDA kernels (incl. copies) of one estimator evaluation / depth"}
+    print(f"kernels per block: original {k_orig / 16:.1f}, fused {k_fused / 16:.1f}", flush=True)
+    for r in res["fused_eval_kernels_b1_tf32"]:
+        print(f"    {r['count']:4d} {r['total_us']:9.1f} us  {r['kernel']}", flush=True)
+    del kv, hist, ws, fused
+    save()
+
+    def row(name, B, ms, replay=None, extra=None):
+        r = {"row": name, "batch": B, "median_ms": statistics.median(ms), "reps": len(ms),
+             "min_ms": min(ms)}
+        if replay is not None:
+            r["replay_median_ms"] = statistics.median(replay)
+        r["tf32_peak_fraction"] = chunk_flops(B) / (r["median_ms"] * 1e9) / res["peak_tf32_tflops"]
+        r.update(extra or {})
+        res["rows"].append(r)
+        save()
+        print(f"  {name:32s} B={B:2d} {r['median_ms']:9.2f} ms" +
+              (f"  (replay {r['replay_median_ms']:.2f} ms)" if replay else ""), flush=True)
+
+    cfg = GraphConfig(batch_buckets=tuple(sorted(set(batches))), query_buckets=(T,), offset_bucket=50,
+                      offset_anchor=L, max_graphs=32)
+    variants = [("original + graph", dict(body="original", tf32=False)),
+                ("fused + graph TF32 on", dict(body="fused", attention="triton-tf32", tf32=True)),
+                ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
+                ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
+
+    def cfm_rows(B):
+        g = torch.Generator().manual_seed(10 + B)
+        cnn, att = caches(B, g)
+        mu = torch.randn(B, 80, T, generator=g).cuda()
+        spk = torch.randn(B, 80, generator=g).cuda()
+        cond = torch.zeros(B, 80, T, device=dev)
+        eager = lambda: cfm.forward_chunk(mu, spk, cond, n_timesteps=S, cnn_cache=cnn, att_cache=att)  # noqa: E731
+        with matmul_tf32(False), ieee_cudnn():
+            ref = eager()
+        with matmul_tf32(False):
+            row("original eager", B, timed(eager, args.budget))
+        if B == 1:
+            with matmul_tf32(True):
+                row("original eager TF32", B, timed(eager, args.budget))
+        for name, kw in variants:
+            solver = WholeEulerSolver(cfm, n_timesteps=S, config=cfg, **kw)
+            got = solver.solve(mu, spk, cond, cnn, att, copy_out=False)
+            errs = [_rel(a, b) for a, b in zip(got, ref)]
+            st = next(iter(solver._statics.values()))
+            ms = timed(lambda: solver.solve(mu, spk, cond, cnn, att, copy_out=False), args.budget)
+            rep = timed(st.graph.replay, args.budget) if st.graph is not None else None
+            row(name, B, ms, rep, {"rel_err_vs_original_ieee": {"mel": errs[0], "cnn": errs[1], "att": errs[2]},
+                                   "graph": st.graph is not None})
+            del solver, st, got
+            gc.collect()
+            torch.cuda.empty_cache()
+        del cnn, att, ref
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    cfm_rows(batches[0])
+
+    # whole flow chunk (encoder + CFM), batch 1: upstream's inference_chunk vs ours (eager)
+    g = torch.Generator().manual_seed(99)
+    prompt = torch.randint(0, 6561, (1, L // 2 + 3), generator=g).cuda()
+    pmel = torch.randn(1, L, 80, generator=g).cuda()
+    spk192 = torch.randn(1, 192, generator=g).cuda()
+    toks = torch.randint(0, 6561, (1, 28), generator=g).cuda()
+    with matmul_tf32(False):
+        cache = flow.setup_cache(prompt, pmel, spk192)
+        row("ours flow.inference_chunk eager", 1, timed(lambda: flow.inference_chunk(toks, spk192, cache), args.budget))
+    if args.upstream is not None:
+        try:
+            up = upstream_flow(args.upstream, flow)
+            with matmul_tf32(False):   # parity first: its caches are views of buffers each call rewrites
+                ucache = {k: v.clone() for k, v in up.setup_cache(prompt, pmel, spk192).items()}
+                m_up, _ = up.inference_chunk(toks, spk192, ucache)
+                m_ours, _ = flow.inference_chunk(toks, spk192, cache)
+            res["notes"].append(f"upstream vs ours flow chunk mel rel err {_rel(m_ours, m_up):.2e} (same weights, "
+                                "same noise, matmul IEEE)")
+            for tf32 in (False, True):
+                with matmul_tf32(tf32):
+                    ucache = up.setup_cache(prompt, pmel, spk192)
+                    row(f"upstream inference_chunk {'TF32' if tf32 else 'FP32'}", 1,
+                        timed(lambda: up.inference_chunk(toks, spk192, ucache), args.budget))
+            del up, ucache
+            gc.collect()
+            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - the baseline row is optional
+            res["notes"].append(f"upstream baseline failed: {exc!r}")
+            print(f"upstream baseline failed: {exc!r}", flush=True)
+        save()
+
+    hift_rows(res, row, args.budget)
+    for B in batches[1:]:
+        cfm_rows(B)
+    print(markdown(res))
+    return 0
+
+
+def hift_rows(res, row, budget) -> None:
+    """HiFT at a steady stream chunk: 8 cached + 50 new mel frames, 3840 cached excitation samples."""
+    try:
+        from minicpmo_rt.code2wav.hift import FULL_SIZE as HIFT_FULL, HiFTGenerator
+        from minicpmo_rt.code2wav.hift_graph import GraphedHiFT
+        from minicpmo_rt.code2wav.precision import ieee_fp32
+        model = HiFTGenerator(HIFT_FULL)
+        randomize_(model, 3)
+        model = model.cuda().eval()
+        graphed = GraphedHiFT(model)
+        for B in (1, 16):
+            mel = torch.randn(B, 80, 58, device="cuda")
+            src = 0.01 * torch.randn(B, 1, 3840, device="cuda")
+            with ieee_fp32(), torch.inference_mode():
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                want = model(mel, src, generator=gen)[0]
+                row("HiFT eager (58 mel, cached source)", B, timed(lambda: model(mel, src), budget))
+            got = graphed(mel, src, generator=torch.Generator(device="cuda").manual_seed(0))[0]
+            row("HiFT graphs (58 mel, cached source)", B, timed(lambda: graphed(mel, src, copy_out=False), budget),
+                extra={"rel_err_vs_eager": _rel(got, want)})
+    except Exception as exc:  # noqa: BLE001
+        res["notes"].append(f"HiFT rows failed: {exc!r}")
+        print(f"HiFT rows failed: {exc!r}", flush=True)
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return "absent"
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# Code2Wav CFM chunk benchmark on {res['gpu']}", "",
+             f"torch {res['torch']}, triton {res['triton']}; per steady 1-s chunk: query {res['query']} mel frames, "
+             f"{res['steps']} Euler steps with CFG, estimator cache {res['cache']} frames. Medians of CUDA-event timings.",
+             f"Measured matmul peak: TF32 {res['peak_tf32_tflops']:.0f} TFLOP/s, FP32 {res['peak_fp32_tflops']:.0f} TFLOP/s.",
+             f"Kernels per DiT block: original {res['kernels_per_block']['original']:.1f}, "
+             f"fused {res['kernels_per_block']['fused']:.1f}.", ""]
+    batches = sorted({r["batch"] for r in res["rows"]})
+    names = list(dict.fromkeys(r["row"] for r in res["rows"]))
+    cell = {(r["row"], r["batch"]): r for r in res["rows"]}
+    lines.append("| row | " + " | ".join(f"B={b} ms" for b in batches) + " | x vs original eager (B=1) |")
+    lines.append("|---|" + "---|" * (len(batches) + 1))
+    base = cell.get(("original eager", 1))
+    for n in names:
+        vals = []
+        for b in batches:
+            r = cell.get((n, b))
+            if r is None:
+                vals.append("—")
+            else:
+                s = f"{r['median_ms']:.2f}"
+                if "replay_median_ms" in r:
+                    s += f" (replay {r['replay_median_ms']:.2f})"
+                vals.append(s)
+        r1 = cell.get((n, 1))
+        ratio = f"{base['median_ms'] / r1['median_ms']:.1f}x" if base and r1 and not n.startswith("HiFT") else "—"
+        lines.append(f"| {n} | " + " | ".join(vals) + f" | {ratio} |")
+    lines += ["", "Errors vs the original body in IEEE FP32 (relative L2; mel, cnn cache, att cache), batch 1:", ""]
+    for r in res["rows"]:
+        if "rel_err_vs_original_ieee" in r and r["batch"] == 1:
+            e = r["rel_err_vs_original_ieee"]
+            lines.append(f"- {r['row']}: {e['mel']:.1e}, {e['cnn']:.1e}, {e['att']:.1e}")
+    lines += ["", "Fraction of the measured TF32 matmul peak (useful FLOPs / time):", ""]
+    for r in res["rows"]:
+        if r["row"].startswith("fused + graph TF32 on"):
+            lines.append(f"- B={r['batch']}: {100 * r['tf32_peak_fraction']:.2f}% "
+                         f"({chunk_flops(r['batch']) / 1e9:.1f} GFLOP per chunk)")
+    for key, title in (("fused_eval_kernels_b1_tf32", "fused body, TF32"),
+                       ("original_eval_kernels_b1", "original body")):
+        if key in res:
+            lines += ["", f"Kernels of one estimator evaluation (16 blocks, batch 1, {title}), by total time:", "",
+                      "| kernel | count | total us |", "|---|---|---|"]
+            lines += [f"| `{r['kernel']}` | {r['count']} | {r['total_us']:.1f} |" for r in res[key]]
+    lines.append("")
+    for r in res["rows"]:
+        if "rel_err_vs_eager" in r:
+            lines.append(f"- {r['row']} B={r['batch']}: rel err vs eager {r['rel_err_vs_eager']:.1e}")
+    if res["notes"]:
+        lines += ["", *[f"- {n}" for n in res["notes"]]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
