@@ -113,8 +113,8 @@ class Mlp(nn.Module):
 class CausalConvBlock(nn.Module):
     """causal conv k3 -> LayerNorm -> Mish -> causal conv k3, on (b, t, c) input.
 
-    ``block`` is indexed like upstream's Sequential (transposes and Mish sat at 0, 2, 4, 5, 7;
-    they hold no weights) so checkpoint keys read ``conv.block.1/3/6``.
+    ``block`` is indexed like upstream's Sequential (its transposes sat at 0, 2, 5, 7; here
+    weightless placeholders) so checkpoint keys read ``conv.block.1/3/6`` and Mish is ``block[4]``.
     """
 
     def __init__(self, channels: int, kernel_size: int = 3):
@@ -123,7 +123,7 @@ class CausalConvBlock(nn.Module):
         self.pad = kernel_size - 1
         self.block = nn.ModuleList([
             nn.Identity(), nn.Conv1d(channels, channels, kernel_size), nn.Identity(),
-            nn.LayerNorm(channels), nn.Identity(), nn.Identity(),
+            nn.LayerNorm(channels), nn.Mish(), nn.Identity(),
             nn.Conv1d(channels, channels, kernel_size), nn.Identity(),
         ])
 
@@ -149,7 +149,7 @@ class CausalConvBlock(nn.Module):
         h = torch.cat([c1, x.transpose(1, 2)], dim=2)
         new1 = h[..., -self.pad:]
         h = self.conv1(h)
-        h = F.mish(self.norm(h.transpose(1, 2))).transpose(1, 2)
+        h = self.block[4](self.norm(h.transpose(1, 2))).transpose(1, 2)
         h = torch.cat([c2, h], dim=2)
         new2 = h[..., -self.pad:]
         h = self.conv2(h)
