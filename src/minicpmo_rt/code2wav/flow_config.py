@@ -159,6 +159,7 @@ _WRITTEN = {
 
 
 # ----------------------------------------------------------------------------- reading
+# _Loader, _New and _resolve are also used by vocoder_config (config.yaml has the same form).
 
 @dataclass
 class _New:
