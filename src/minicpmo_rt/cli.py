@@ -88,6 +88,28 @@ def inspect_cmd(
     typer.echo(f"token2wav assets: {', '.join(info['token2wav_assets']) or 'none'}")
 
 
+@app.command("code2wav")
+def code2wav_cmd(
+    model: str = typer.Option(..., "--model", help="Snapshot dir (its assets/token2wav/ is used)."),
+    codes: Path = typer.Option(..., "--codes", help="JSON list of codec ids (0..6560), 25 per second."),
+    voice: Path = typer.Option(..., "--voice", help="Reference voice recording (any rate; normalised to 6 s)."),
+    output: Path = typer.Option(..., "--output", help="WAV to write (24 kHz, float32)."),
+    stream: bool = typer.Option(False, "--stream", help="Decode through the 3 + 25 streaming protocol."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    n_timesteps: int = typer.Option(10, "--n-timesteps", help="Euler steps of the flow solve."),
+) -> None:
+    """Codec ids -> 24 kHz WAV through the Code2Wav reference path."""
+    from .code2wav.io import run_code2wav
+
+    try:
+        info = run_code2wav(model, codes, voice, output, stream=stream, device=device, n_timesteps=n_timesteps)
+    except MiniCPMORTError as exc:
+        _fail(exc)
+    typer.echo(f"wrote {output}: {info['samples']} samples ({info['seconds']:.2f} s at 24 kHz) from "
+               f"{info['codes']} codes in {info['wall_s']:.2f} s (RTF {info['rtf']:.2f}); "
+               f"vocoder {info['vocoder']}, {'streamed' if stream else 'whole utterance'}")
+
+
 @app.command("make-targets")
 def make_targets_cmd(
     easycom_root: Path = typer.Option(..., "--easycom-root", help="EasyCom Main/ folder (holds Speech_Transcriptions/)."),
@@ -107,6 +129,15 @@ def make_targets_cmd(
     s = meta["summary"]
     typer.echo(f"wrote {s['rows']} rows ({s['valid_now']} valid, {s['valid']} with a valid 2 s future; "
                f"{s['shifts']} shifts, {s['holds']} holds) to {path}")
+
+
+@app.command("train-turn-head", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                                  "help_option_names": []}, add_help_option=False)
+def train_turn_head_cmd(ctx: typer.Context) -> None:
+    """Train and evaluate a turn head on feature artifacts (the flags of train_turn_head.py; --help lists them)."""
+    from .turn_head.train import main as train_main
+
+    raise typer.Exit(code=train_main(list(ctx.args), prog="minicpmo-rt train-turn-head"))
 
 
 @app.command("features", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,

@@ -1,0 +1,134 @@
+"""Honest learning tests: a planted signal is learned, pure noise is not; named errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from minicpmo_rt.errors import InputError
+from minicpmo_rt.turn_head import data as D
+from minicpmo_rt.turn_head.train import TrainConfig, run
+from turn_synth import write_root
+
+SESSIONS = [1, 2, 3, 4, 5, 6]
+SPLIT = "val=5;test=6"
+FAST = dict(epochs=12, patience=4, crop=128, min_steps=10, lr=1e-2, progress=False, split=SPLIT)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny matmuls: intra-op threads only add contention on a shared 2-CPU runner
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _aucs(metrics, system, split="test"):
+    return {k: v["roc_auc"] for k, v in metrics["results"][split][system].items()}
+
+
+@pytest.mark.parametrize("model", ["linear", "tcn"])
+def test_planted_signal_is_learned(tmp_path, model):
+    write_root(tmp_path / "feat", SESSIONS, native=(1, 6), signal=3.0)
+    m = run(tmp_path / "feat", tmp_path / "out", TrainConfig(model=model, plots=(model == "linear"), **FAST),
+            echo=lambda s: None)
+    aucs = _aucs(m, model)
+    assert m["results"]["test"][model]["shift"]["n"] >= 8  # events exist and are scored
+    assert all(a > 0.9 for a in aucs.values()), aucs
+    ba = m["results"]["test"][model]["wearer_f1"]["balanced_accuracy"]
+    assert ba > 0.85
+    # majority is constant (AUC 0.5 exactly); last speaker cannot see the planted features
+    assert all(a == 0.5 for a in _aucs(m, "majority").values() if a is not None)
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["sessions"]["test"] == ["Session_6"]
+    if model == "linear":
+        for name in ("roc_val.png", "pr_test.png", "timeline_Session_6.png", "table.txt", "head.pt"):
+            assert (tmp_path / "out" / name).stat().st_size > 1000, name
+
+
+def test_pure_noise_is_not_learned(tmp_path):
+    write_root(tmp_path / "feat", SESSIONS, signal=0.0, rows=800)
+    m = run(tmp_path / "feat", tmp_path / "out", TrainConfig(model="tcn", plots=False, **FAST), echo=lambda s: None)
+    for name, r in m["results"]["test"]["tcn"].items():
+        if name == "shift":
+            continue  # a few dozen events: too few rows for a +-0.1 bound to be a fair test
+        assert r["n"] > 500 and abs(r["roc_auc"] - 0.5) < 0.1, (name, r)
+    # the labels themselves carry signal: the VAD-only head does learn the future bins
+    assert m["results"]["test"]["vad_head"]["partner_f0"]["roc_auc"] > 0.8
+
+
+def test_targets_root_matches_stored_targets(tmp_path):
+    write_root(tmp_path / "a", [1, 2], store_targets=True, seed=3)
+    write_root(tmp_path / "b", [1, 2], store_targets=False, targets_root=tmp_path / "t", seed=3)
+    sa, sb = D.load_sessions(tmp_path / "a"), D.load_sessions(tmp_path / "b", tmp_path / "t")
+    for x, y in zip(sa, sb):
+        np.testing.assert_array_equal(x.y, y.y)
+        np.testing.assert_array_equal(x.mask, y.mask)
+        assert x.target_source == "artifact" and y.target_source.endswith(f"{y.name}.npy")
+
+
+def test_init_rows_are_masked(tmp_path):
+    write_root(tmp_path / "f", [1], native=(1,))
+    (s,) = D.load_sessions(tmp_path / "f")
+    assert s.init_mask[:4].all() and not s.init_mask[4:].any()
+    assert not s.mask[:4].any() and s.mask[4:, 0].all()
+
+
+def test_named_errors(tmp_path):
+    write_root(tmp_path / "dim", [1, 2, 3], dims={2: 17})
+    with pytest.raises(D.FeatureDimensionMismatch, match="Session_2.pt: 17"):
+        D.load_sessions(tmp_path / "dim")
+    write_root(tmp_path / "nt", [1, 2], store_targets=False)
+    with pytest.raises(D.MissingTargetsError, match="--targets-root"):
+        D.load_sessions(tmp_path / "nt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(D.MissingTargetsError, match="Session_1.npy does not exist"):
+        D.load_sessions(tmp_path / "nt", tmp_path / "empty")
+    write_root(tmp_path / "unv", [1, 2], unverified=(2,))
+    with pytest.raises(InputError, match="minicpmo-unverified-partial-tail"):
+        D.load_sessions(tmp_path / "unv")
+    with pytest.raises(InputError, match="minicpmo-unverified-partial-tail"):
+        run(tmp_path / "unv", tmp_path / "out", TrainConfig(progress=False, split="val=1"))
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_splits(tmp_path):
+    write_root(tmp_path / "f", list(range(1, 13)), rows=20)
+    ss = D.load_sessions(tmp_path / "f")
+    p = D.split_sessions(ss, "named")
+    assert [s.name for s in p["val"]] == ["Session_4", "Session_12"]
+    assert [s.name for s in p["test"]] == ["Session_10", "Session_11"]
+    assert len(p["train"]) == 8
+    folds = [D.split_sessions(ss, f"kfold:4:{f}") for f in range(4)]
+    assert sorted(s.name for f in folds for s in f["test"]) == sorted(s.name for s in ss)
+    for f in folds:
+        names = [{s.name for s in f[k]} for k in ("train", "val", "test")]
+        assert not (names[0] & names[1] or names[0] & names[2] or names[1] & names[2])
+    with pytest.raises(D.SplitError, match="Session_13|'13'"):
+        D.split_sessions(ss, "val=13")
+    with pytest.raises(D.SplitError):
+        D.split_sessions(ss[:2], "kfold:3:0")
+
+
+def test_cli_and_shim(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from minicpmo_rt.turn_head.train import main
+
+    write_root(tmp_path / "f", [1, 2, 3], rows=100, signal=3.0)
+    argv = ["--feature-root", str(tmp_path / "f"), "--out", str(tmp_path / "o"), "--split", "val=2;test=3",
+            "--model", "gru", "--epochs", "2", "--min-steps", "2", "--no-plots", "--no-progress"]
+    assert main(argv) == 0
+    m = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    assert m["head"]["kind"] == "gru" and set(m["results"]["test"]) == {"gru", "vad_head", "last_speaker", "majority"}
+    assert "partner_f3" in capsys.readouterr().out  # the printed table
+    assert main(argv) == 2 and "--force" in capsys.readouterr().err  # no silent overwrite
+    # the repository-root shim parses the same flags
+    shim = D.__file__.split("/src/")[0] + "/train_turn_head.py"
+    r = subprocess.run([sys.executable, shim, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--targets-root" in r.stdout
