@@ -169,3 +169,15 @@ def test_bad_sessions_are_named(syn, tmp_path, fault, msg):
         shutil.rmtree(d.parents[1] / "Glasses_Microphone_Array_Audio")
     with pytest.raises(InputError, match=msg):
         build_timeline(d)
+
+
+def test_truncated_mp4_is_named(syn, tmp_path):
+    d = _copy(syn, tmp_path)
+    p = d / "01-01-500.mp4"
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 3])
+    with pytest.raises(InputError, match="01-01-500.mp4"):
+        tl = build_timeline(d)
+        with EasyComSession(d, timeline=tl) as s:
+            for i in range(tl.segments[1].frame_offset, tl.segments[1].frame_offset + tl.segments[1].frames):
+                s.frame(i)

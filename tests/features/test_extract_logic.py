@@ -168,3 +168,13 @@ def test_target_alignment_policy(syn, tmp_path, n, ok):
 def test_output_dir_missing_named(syn, tmp_path):
     with pytest.raises(InputError, match="does not exist"):
         ex.run(opts(syn, tmp_path / "no" / "p.pt", "native-1hz-hold"), factory=ToySession, echo=lambda s: None)
+
+
+def test_paired_replays_decode_each_frame_once(syn):
+    with EasyComSession(syn, frame_cache_size=32) as media:
+        inp = ex.Inputs(media, 4.0)
+        clean, pert = ex.replay_states(ToySession, [inp, inp.perturbed_after(3.6)], 17)  # t = 3.6 s
+        # frames 19, 39, 59 (commits) and 71 (tail): decoded once each, served twice
+        assert media.stats.frames_decoded_requests == 4 and media.stats.cache_hits == 4
+        assert torch.equal(clean, pert)
+        assert torch.equal(clean, ex.replay_state(ToySession, inp, 17))

@@ -267,19 +267,45 @@ def _commit(session: Any, inputs: Inputs, sec: int) -> None:
     session.commit(inputs.audio(sec - 1, sec), inputs.frame_at(float(sec)))
 
 
-def replay_state(factory: SessionFactory, inputs: Inputs, row: int) -> torch.Tensor:
-    """A fresh session from the session start up to row ``row``'s cutoff (cached-partial semantics)."""
+def replay_states(factory: SessionFactory, views: Sequence[Inputs], row: int) -> list[torch.Tensor]:
+    """Fresh sessions, one per input view, from the session start up to row ``row``'s cutoff.
+
+    The views are stepped together, second by second, so each frame is decoded once and
+    served to the other views from the frame cache (a replay far into a session would
+    otherwise decode the prefix once per view).
+    """
     t_ms = ROW_MS * (row + 1)
     sec, frac = divmod(t_ms, 1000)
-    s = factory()
+    sessions = [factory() for _ in views]
     for k in range(1, sec + 1):
-        _commit(s, inputs, k)
+        for s, view in zip(sessions, views):
+            _commit(s, view, k)
     if frac == 0:
-        return s.read_state().float().clone()
+        return [s.read_state().float().clone() for s in sessions]
     t = t_ms / 1000.0
-    with s.transaction():
-        s.append_tail(inputs.audio(sec, t), inputs.frame_at(t))
-        return s.read_state().float().clone()
+    out = []
+    for s, view in zip(sessions, views):
+        with s.transaction():
+            s.append_tail(view.audio(sec, t), view.frame_at(t))
+            out.append(s.read_state().float().clone())
+    return out
+
+
+def replay_state(factory: SessionFactory, inputs: Inputs, row: int) -> torch.Tensor:
+    """A fresh session from the session start up to row ``row``'s cutoff (cached-partial semantics)."""
+    return replay_states(factory, [inputs], row)[0]
+
+
+def _run_replays(factory: SessionFactory, inputs: Inputs, k: int, t: float, cached: torch.Tensor,
+                 do_r: bool, do_f: bool, replay: Audit, future: Audit) -> None:
+    """The clean replay (always needed: it is also the future intervention's reference) and,
+    when due, the perturbed replay, stepped together."""
+    pert = inputs.perturbed_after(t) if do_f else None
+    states = replay_states(factory, [inputs] + ([pert] if pert is not None else []), k)
+    if do_r:
+        replay.compare(k, t, cached, states[0])
+    if pert is not None:
+        future.compare(k, t, states[1], states[0], perturbed_samples=pert.perturbed_samples)
 
 
 @dataclass
@@ -335,13 +361,7 @@ def extract_native(factory: SessionFactory, inputs: Inputs, rows: int, *, verify
                 states = torch.zeros(rows, held.shape[-1], dtype=torch.float32)
             do_r, do_f = c_replay.due(k), c_future.due(k)
             if do_r or do_f:
-                clean = replay_state(factory, inputs, k)
-                if do_r:
-                    replay.compare(k, t, held, clean)
-                if do_f:
-                    pert = inputs.perturbed_after(t)
-                    future.compare(k, t, replay_state(factory, pert, k), clean,
-                                   perturbed_samples=pert.perturbed_samples)
+                _run_replays(factory, inputs, k, t, held, do_r, do_f, replay, future)
         if held is not None:
             states[k] = held
         if tick:
@@ -381,25 +401,32 @@ def extract_partial(factory: SessionFactory, inputs: Inputs, rows: int, *, verif
     seen = 0
     last_fp: dict[str, Any] | None = None
 
+    known: Any = None  # the session's fingerprint while nothing has changed it since (saves a cache read)
+
+    def fingerprint_before() -> Any:
+        return known if known is not None else session.fingerprint()
+
     def check_restored(k: int, t: float, before: Any) -> None:
-        nonlocal last_fp
+        nonlocal last_fp, known
         after = session.fingerprint()
         b, a = _fingerprint_dict(before), _fingerprint_dict(after)
         diff = sorted(key for key in b if b[key] != a.get(key))
         restore.record({"row": k, "t": t, "changed": diff} if diff else {"row": k, "t": t}, not diff)
         last_fp = a
+        known = after
 
     for k in range(rows):
         t = row_time(k)
         sec, frac = divmod(ROW_MS * (k + 1), 1000)
         if frac == 0:
             audio, frame = inputs.audio(sec - 1, sec), inputs.frame_at(float(sec))
-            before = session.fingerprint()
+            before = fingerprint_before()
             with session.transaction():
                 session.commit(audio, frame)
                 temp = session.read_state().float().clone()
             check_restored(k, t, before)
             session.commit(audio, frame)
+            known = None
             h = session.read_state().float().clone()
             n_before = seen
             seen, new = _pruning_rows(session, seen, k, t)
@@ -409,20 +436,15 @@ def extract_partial(factory: SessionFactory, inputs: Inputs, rows: int, *, verif
             boundary.compare(k, t, temp, h, pruned=seen > n_before)
         else:
             audio, frame = inputs.audio(sec, t), inputs.frame_at(t)
-            before = session.fingerprint()
+            before = fingerprint_before()
             with session.transaction():
                 session.append_tail(audio, frame)
                 h = session.read_state().float().clone()
             check_restored(k, t, before)
             do_r, do_f = c_replay.due(k), c_future.due(k)
             if do_r or do_f:
-                clean = replay_state(factory, inputs, k)
-                if do_r:
-                    replay.compare(k, t, h, clean)
-                if do_f:
-                    pert = inputs.perturbed_after(t)
-                    future.compare(k, t, replay_state(factory, pert, k), clean,
-                                   perturbed_samples=pert.perturbed_samples)
+                _run_replays(factory, inputs, k, t, h, do_r, do_f, replay, future)
+                known = None  # replays touch process-wide state (RNG, allocator): read it afresh
         if states is None:
             states = torch.zeros(rows, h.shape[-1], dtype=torch.float32)
         states[k] = h
