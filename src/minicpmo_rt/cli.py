@@ -117,13 +117,14 @@ def make_targets_cmd(
     output: Path = typer.Option(..., "--output", help="Output .npy (a <stem>.meta.json is written beside it)."),
     pre_s: float = typer.Option(1.0, help="Seconds one speaker must hold the floor alone before a shift/hold silence."),
     post_s: float = typer.Option(1.0, help="Seconds one speaker must hold the floor alone after it."),
+    matrix: bool = typer.Option(False, "--matrix", help="Write a float64 [T, C] matrix (labels.COLUMNS order) instead of records, e.g. for the extractor's --target."),
 ) -> None:
     """5 Hz turn-taking targets (now, future bins, shift/hold) from Speech_Transcriptions."""
     from .turn_head.labels import LabelConfig, make_targets
 
     try:
         cfg = LabelConfig(pre_rows=max(1, round(pre_s / 0.2)), post_rows=max(1, round(post_s / 0.2)))
-        path, meta = make_targets(easycom_root, session, output, cfg)
+        path, meta = make_targets(easycom_root, session, output, cfg, matrix=matrix)
     except MiniCPMORTError as exc:
         _fail(exc)
     s = meta["summary"]

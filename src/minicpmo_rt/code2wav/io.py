@@ -1,0 +1,63 @@
+"""File-level Code2Wav job behind ``minicpmo-rt code2wav`` (reads JSON codes, writes a WAV atomically)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InputError
+from .pipeline import SAMPLE_RATE, Code2Wav, check_codes
+
+
+def read_codes(path: Path) -> list[int]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: codes file not found") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not valid JSON ({exc}); expected a list of integers") from None
+    if not isinstance(data, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
+        raise InputError(f"{path}: expected a JSON list of integers (codec ids 0..6560)")
+    check_codes(data, str(path))
+    return data
+
+
+def write_wav_atomic(path: Path, wav: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
+    """Write next to ``path`` then rename: a failure never leaves a partial or clobbered file."""
+    import soundfile as sf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.wav", dir=path.parent)
+    os.close(fd)
+    try:
+        sf.write(tmp, np.asarray(wav, dtype=np.float32), sample_rate, subtype="FLOAT")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run_code2wav(model: str, codes_path: Path, voice: Path, output: Path, stream: bool = False,
+                 device: str = "cpu", n_timesteps: int = 10) -> dict:
+    codes = read_codes(codes_path)
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: CUDA is not available here; use --device cpu")
+    c2w = Code2Wav.from_snapshot(model, device=device, n_timesteps=n_timesteps)
+    feats = c2w.features(voice)  # reads and validates the reference before any work
+    t = time.perf_counter()
+    wav = c2w.stream_codes(codes, feats) if stream else c2w.synthesize(codes, feats)
+    wall = time.perf_counter() - t
+    write_wav_atomic(output, wav)
+    seconds = len(wav) / SAMPLE_RATE
+    return {"samples": len(wav), "seconds": seconds, "codes": len(codes), "wall_s": wall,
+            "rtf": wall / max(seconds, 1e-9), "vocoder": c2w.vocoders.stream.variant if stream
+            else c2w.vocoders.whole.variant}

@@ -1,0 +1,198 @@
+"""Code2Wav: 25 Hz codec ids -> 24 kHz float32 PCM, whole-utterance or streamed.
+
+    c2w = Code2Wav.from_snapshot("/path/to/MiniCPM-o-4_5")       # assets/token2wav/*
+    wav = c2w.synthesize(codes, voice="ref.wav")                  # [N * 960] float32
+    stream = c2w.open_stream(voice="ref.wav")
+    for payload, last in chunks:                                   # 3 context + 25 new codes
+        pcm = stream.push(payload, last)
+
+Streaming follows the vLLM-Omni chunk protocol: every payload is 3 left-context codes and a
+window of new codes (the first context is 3 x silence 4218). The flow decodes a payload's
+context and all but its last 3 codes (lookahead, sent again as the next payload's context);
+a final payload is decoded whole. The voice prompt is solved once per voice
+(``Flow.setup_cache`` on ``prompt + 3 x 4218``) and that state is shared read-only by every
+stream of that voice through ``PromptStateCache``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence, Union
+
+import numpy as np
+import torch
+
+from ..checkpoint.snapshot import resolve_snapshot
+from ..errors import CheckpointError, InputError
+from .flow import Flow, FlowCache, load_flow
+from .frontend import PromptFeatures, VoiceFrontend
+from .prompt_state import PromptLease, PromptStateCache
+from .vocoder import VocoderSet, load_vocoders
+
+SAMPLE_RATE = 24000
+CODE_RATE = 25
+SAMPLES_PER_CODE = SAMPLE_RATE // CODE_RATE  # 960
+N_CODES = 6561
+SILENCE_CODE = 4218
+CONTEXT = 3
+ASSET_FILES = ("flow.yaml", "flow.pt", "hift.pt", "speech_tokenizer_v2_25hz.onnx", "campplus.onnx")
+
+Voice = Union[str, Path, PromptFeatures]
+
+
+def check_codes(codes: Sequence[int], where: str = "codes", allow_empty: bool = False) -> torch.Tensor:
+    """Codec ids as a [1, n] long tensor; empty lists and ids outside 0..6560 are named errors."""
+    try:
+        t = torch.as_tensor(list(codes), dtype=torch.long)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InputError(f"{where}: expected a list of integers ({exc})") from None
+    if t.ndim != 1:
+        raise InputError(f"{where}: expected a flat list of integers, got shape {tuple(t.shape)}")
+    if t.numel() == 0 and not allow_empty:
+        raise InputError(f"{where}: the code list is empty; pass at least one codec id (0..{N_CODES - 1})")
+    bad = ((t < 0) | (t >= N_CODES)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise InputError(f"{where}: code {int(t[i])} at index {i} is outside 0..{N_CODES - 1} "
+                         f"({bad.numel()} such codes; 6561 is the Talker's EOS and never reaches Code2Wav)")
+    return t[None]
+
+
+def token2wav_dir(model: Union[str, Path]) -> Path:
+    """``assets/token2wav`` of a snapshot (or the directory itself if it holds the assets)."""
+    path = Path(model)
+    if (path / "flow.yaml").is_file():
+        return path
+    snap = resolve_snapshot(model)
+    asset_dir = snap.path / "assets" / "token2wav"
+    if not asset_dir.is_dir():
+        raise CheckpointError(f"{snap.path}: no assets/token2wav/ directory; a MiniCPM-o 4.5 snapshot carries the "
+                              f"Code2Wav assets there ({', '.join(ASSET_FILES)})")
+    missing = [f for f in ASSET_FILES if not (asset_dir / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{asset_dir}: token2wav asset(s) missing: {', '.join(missing)}")
+    return asset_dir
+
+
+@dataclass(frozen=True)
+class PromptState:
+    """What every stream of one voice starts from (shared, never mutated)."""
+
+    features: PromptFeatures
+    flow_cache: FlowCache
+
+
+class Code2Wav:
+    def __init__(self, flow: Flow, vocoders: VocoderSet, frontend: VoiceFrontend, n_timesteps: int = 10,
+                 prompt_cache_size: int = 4):
+        self.flow, self.vocoders, self.frontend = flow, vocoders, frontend
+        self.n_timesteps = n_timesteps
+        self.prompts: PromptStateCache[PromptState] = PromptStateCache(prompt_cache_size)
+        self._features: dict[str, PromptFeatures] = {}
+
+    @classmethod
+    def from_snapshot(cls, model: Union[str, Path], device: str | torch.device = "cpu",
+                      n_timesteps: int = 10, prompt_cache_size: int = 4) -> "Code2Wav":
+        asset_dir = token2wav_dir(model)
+        return cls(load_flow(asset_dir, device), load_vocoders(asset_dir, device), VoiceFrontend(asset_dir),
+                   n_timesteps, prompt_cache_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.flow.input_embedding.weight.device
+
+    # ---- voice prompt -------------------------------------------------------------------------
+    def features(self, voice: Voice) -> PromptFeatures:
+        if isinstance(voice, PromptFeatures):
+            return voice
+        key = str(Path(voice).resolve())
+        if key not in self._features:
+            self._features[key] = self.frontend(voice)
+        return self._features[key]
+
+    def _solve(self, feats: PromptFeatures) -> PromptState:
+        dev = self.device
+        lookahead = torch.full((1, CONTEXT), SILENCE_CODE, dtype=torch.long)
+        token = torch.cat([feats.tokens.long(), lookahead], 1).to(dev)
+        cache = self.flow.setup_cache(token, feats.mel.to(dev), feats.spk_embedding.to(dev), self.n_timesteps)
+        return PromptState(feats, cache)
+
+    def lease_prompt(self, voice: Voice) -> PromptLease[PromptState]:
+        feats = self.features(voice)
+        return self.prompts.acquire(("voice", feats.key, self.n_timesteps), lambda: self._solve(feats))
+
+    # ---- whole utterance ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def synthesize(self, codes: Sequence[int], voice: Voice) -> np.ndarray:
+        """All codes at once -> [len(codes) * 960] float32 at 24 kHz (original HiFT)."""
+        token = check_codes(codes).to(self.device)
+        feats = self.features(voice)
+        dev = self.device
+        mel = self.flow.inference(token, feats.tokens.long().to(dev), feats.mel.to(dev),
+                                  feats.spk_embedding.to(dev), self.n_timesteps)
+        return self.vocoders.whole.vocode(mel)[0].cpu().numpy().astype(np.float32)
+
+    # ---- streaming ----------------------------------------------------------------------------
+    def open_stream(self, voice: Voice) -> "Code2WavStream":
+        return Code2WavStream(self, self.lease_prompt(voice))
+
+    def stream_codes(self, codes: Sequence[int], voice: Voice, window: int = 25,
+                     first_window: int | None = None) -> np.ndarray:
+        """Stream ``codes`` through the 3 + window protocol and return the audio for the codes
+        alone ([len(codes) * 960] samples): the decoded leading silence context is cut."""
+        check_codes(codes)
+        codes = list(codes)
+        stream = self.open_stream(voice)
+        out, context, i, w = [], [SILENCE_CODE] * CONTEXT, 0, first_window or window
+        while True:
+            new = codes[i:i + w]
+            i += len(new)
+            last = i >= len(codes)
+            payload = context + new
+            out.append(stream.push(payload, last))
+            if last:
+                break
+            context = payload[-CONTEXT:]
+            w = window
+        stream.close()
+        wav = np.concatenate(out)
+        start = stream.lead_samples + CONTEXT * SAMPLES_PER_CODE
+        return wav[start:start + len(codes) * SAMPLES_PER_CODE]
+
+
+class Code2WavStream:
+    """One request's stream: flow cache (starting from the shared prompt state) + vocoder state."""
+
+    def __init__(self, owner: Code2Wav, lease: PromptLease[PromptState]):
+        self.owner, self.lease = owner, lease
+        self.cache = lease.state.flow_cache
+        self.spk = lease.state.features.spk_embedding.to(owner.device)
+        self.vocoder = owner.vocoders.stream.open_stream()
+        # Samples of vocoder-inserted leading silence (the causal HiFT's 8-frame alignment pad).
+        self.lead_samples = 8 * 480 if getattr(self.vocoder, "lead_silence", False) else 0
+        self.finished = False
+
+    @torch.inference_mode()
+    def push(self, payload: Sequence[int], last: bool = False) -> np.ndarray:
+        """3 context codes + new codes (fewer allowed for the final payload) -> new PCM samples."""
+        if self.finished:
+            raise InputError("Code2Wav stream: push after the final payload; open a new stream")
+        token = check_codes(payload, "codec payload", allow_empty=last)
+        if not last and token.shape[1] <= self.owner.flow.pre_lookahead_len:
+            raise InputError(f"codec payload: {token.shape[1]} codes; a non-final payload needs new codes plus "
+                             f"{self.owner.flow.pre_lookahead_len} lookahead")
+        if token.shape[1]:
+            mel, self.cache = self.owner.flow.inference_chunk(token.to(self.owner.device), self.spk, self.cache,
+                                                              last_chunk=last, n_timesteps=self.owner.n_timesteps)
+        else:
+            mel = torch.zeros(1, 80, 0, device=self.owner.device)
+        wav = self.vocoder.push(mel, last)
+        if last:
+            self.close()
+        return wav[0].cpu().numpy().astype(np.float32)
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.lease.release()

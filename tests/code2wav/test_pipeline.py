@@ -1,0 +1,104 @@
+import json
+import shutil
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from typer.testing import CliRunner
+
+from minicpmo_rt.cli import app
+from minicpmo_rt.code2wav.pipeline import SAMPLES_PER_CODE, Code2Wav, check_codes
+from minicpmo_rt.errors import CheckpointError, InputError
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def voice(shared_dir):
+    return shared_dir / "media" / "ref_en_dlc_1.wav"  # 22.05 kHz: exercises resampling
+
+
+@pytest.fixture(scope="module")
+def c2w(tiny_ckpt):
+    return Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2)
+
+
+def _codes(n, seed=0):
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 6561, n)]
+
+
+def test_whole_and_stream_lengths_match_the_codes(c2w, voice):
+    codes = _codes(33)
+    whole = c2w.synthesize(codes, voice)
+    streamed = c2w.stream_codes(codes, voice, window=25, first_window=10)
+    for wav in (whole, streamed):
+        assert wav.dtype == np.float32 and wav.shape == (33 * SAMPLES_PER_CODE,)
+        assert np.isfinite(wav).all() and np.abs(wav).max() > 0
+
+
+def test_steady_chunk_is_one_second_and_prompt_state_is_shared(c2w, voice):
+    solves = c2w.prompts.solves
+    a, b = c2w.open_stream(voice), c2w.open_stream(voice)
+    assert a.cache is b.cache  # one prompt solve, shared read-only
+    assert c2w.prompts.solves <= solves + 1
+    ctx = [4218] * 3
+    codes = _codes(50, seed=1)
+    first = a.push(ctx + codes[:25])
+    steady = a.push(codes[22:50])
+    assert steady.shape == (24000,)  # 25 codes -> 50 mel frames -> 1 s
+    assert first.shape[0] == 24000  # causal HiFT: 8-frame lead silence + 42 frames (8 held back)
+    tail = a.push(codes[47:50], last=True)
+    assert tail.shape[0] > 0
+    b.close()
+    with pytest.raises(InputError, match="after the final payload"):
+        a.push(codes[:28])
+
+
+@pytest.mark.parametrize("codes, msg", [([], "empty"), ([1, 2, 6561], "6561 at index 2"), ([-1], "outside")])
+def test_bad_codes_are_named(codes, msg):
+    with pytest.raises(InputError, match=msg):
+        check_codes(codes)
+
+
+def test_cli_whole_and_stream(tiny_ckpt, voice, tmp_path):
+    codes = tmp_path / "codes.json"
+    codes.write_text(json.dumps(_codes(30, seed=2)))
+    for flag in ([], ["--stream"]):
+        out = tmp_path / f"out{len(flag)}.wav"
+        res = runner.invoke(app, ["code2wav", "--model", str(tiny_ckpt), "--codes", str(codes), "--voice",
+                                  str(voice), "--output", str(out), "--n-timesteps", "2", *flag])
+        assert res.exit_code == 0, res.output
+        wav, sr = sf.read(out)
+        assert sr == 24000 and wav.shape == (30 * 960,)
+
+
+def test_cli_errors_leave_no_file_and_keep_a_good_one(tiny_ckpt, voice, tmp_path):
+    out = tmp_path / "keep.wav"
+    sf.write(out, np.zeros(10, np.float32), 24000)
+    before = out.read_bytes()
+    bad = tmp_path / "bad.json"
+    for content, msg in [("[]", "empty"), ("[1, 99999]", "outside"), ("{", "not valid JSON"), ('["a"]', "integers")]:
+        bad.write_text(content)
+        res = runner.invoke(app, ["code2wav", "--model", str(tiny_ckpt), "--codes", str(bad), "--voice", str(voice),
+                                  "--output", str(out)])
+        assert res.exit_code == 2 and msg in res.output, res.output
+    assert out.read_bytes() == before
+    good = tmp_path / "good.json"
+    good.write_text("[1, 2, 3, 4, 5]")
+    short = tmp_path / "short.wav"
+    sf.write(short, np.zeros(800, np.float32), 16000)
+    notaudio = tmp_path / "not.wav"
+    notaudio.write_text("hello")
+    for v in (short, notaudio, tmp_path / "missing.wav"):
+        res = runner.invoke(app, ["code2wav", "--model", str(tiny_ckpt), "--codes", str(good), "--voice", str(v),
+                                  "--output", str(tmp_path / "x.wav")])
+        assert res.exit_code == 2 and str(v.name) in res.output, res.output
+        assert not (tmp_path / "x.wav").exists()
+
+
+def test_snapshot_without_token2wav_assets_is_named(tiny_ckpt, tmp_path):
+    clone = tmp_path / "noassets"
+    shutil.copytree(tiny_ckpt, clone, ignore=shutil.ignore_patterns("assets"))
+    with pytest.raises(CheckpointError, match="assets/token2wav"):
+        Code2Wav.from_snapshot(clone)
