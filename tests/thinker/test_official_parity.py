@@ -396,3 +396,25 @@ def test_session_read_state_matches_official(thinker):
         assert session.fingerprint().llm_cache_len == expected_len, f"unit {k}: cache length (layout)"
         err = rel_err(session.read_state(), torch.from_numpy(stream["unit_hidden"][k]))
         assert err <= TOL, f"unit {k}: read_state rel err {err:.3e}"
+
+
+@pytest.mark.slow
+def test_session_long_audio_only_stream_matches_official(thinker):
+    """32 audio-only units: crosses the 5-s mel floor switch, the 30-s mel slide and the
+    audio-encoder cache reset at 1500 positions (unit 29), all as upstream."""
+    session_mod = pytest.importorskip("minicpmo_rt.thinker.session")
+    data, meta = _load("session_long")
+    audio, _ = _load("audio")
+    x = np.tile(_audio_f32(audio["audio_i16"]), 12)
+    tok = load_tokenizer(vendored_tokenizer_dir())
+    session = session_mod.StreamingSession(thinker, tok, system_prompt=meta["system_text"],
+                                           window=session_mod.WindowPolicy.off())
+    assert rel_err(session.read_state(), torch.from_numpy(data["prepare_hidden"])) <= TOL
+    errs = []
+    for k in range(data["unit_hidden"].shape[0]):
+        session.commit(x[k * 16000:(k + 1) * 16000], None)
+        fp = session.fingerprint()
+        assert fp.llm_cache_len == int(data["llm_cache_len"][k]), f"unit {k}: LLM cache length"
+        assert fp.audio_cache_len == meta["audio_calls"][k]["cache_after"], f"unit {k}: audio-encoder cache length"
+        errs.append(rel_err(session.read_state(), torch.from_numpy(data["unit_hidden"][k])))
+    assert max(errs) <= TOL, f"read_state rel err per unit {['%.1e' % e for e in errs]}"
