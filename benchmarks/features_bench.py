@@ -71,7 +71,7 @@ def build_factory(tiny: bool, out: Path, device: torch.device, dtype: torch.dtyp
         with torch.device(device):
             thinker = Thinker(cfg)  # built in place so non-persistent buffers are computed, not garbage
         randomize_on_device_(thinker)
-        thinker = thinker.to(dtype).eval()
+        thinker = thinker.to(device=device, dtype=dtype).eval()
         thinker.rebuild_buffers()  # fp32 RoPE frequencies after the cast
         tok = load_tokenizer(vendored_tokenizer_dir())
         name = "full-size random"

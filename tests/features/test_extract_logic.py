@@ -178,3 +178,17 @@ def test_paired_replays_decode_each_frame_once(syn):
         assert media.stats.frames_decoded_requests == 4 and media.stats.cache_hits == 4
         assert torch.equal(clean, pert)
         assert torch.equal(clean, ex.replay_state(ToySession, inp, 17))
+
+
+def test_structured_targets_stored_as_matrix(syn, tmp_path):
+    rec = np.zeros(20, dtype=[("time", "f8"), ("valid", "?"), ("event", "i1")])
+    rec["time"] = np.arange(1, 21) * 0.2
+    rec["valid"][::2] = True
+    rec["event"] = -1
+    tgt = tmp_path / "t.npy"
+    np.save(tgt, rec)
+    art = ex.run(opts(syn, tmp_path / "p.pt", "native-1hz-hold", target=tgt), factory=ToySession, model_info={},
+                 echo=lambda s: None)
+    assert art.target_info["columns"] == ["time", "valid", "event"] and art.targets.shape == (20, 3)
+    assert art.targets[:, 0].tolist() == pytest.approx(art.times.tolist())
+    assert art.targets[:2, 1].tolist() == [1.0, 0.0] and art.provenance["target_shape"] == [20]

@@ -127,3 +127,24 @@ def test_bad_inputs_leave_no_artifact(tiny_ckpt, session_dir, tmp_path):
             ex.run(ex.parse_options(base + extra))
         assert not out.exists()
     assert ex.main(base + ["--easycom-session-dir", str(tmp_path / "nope")]) == 2
+
+
+def test_hub_id_resolved_from_local_cache_only(tiny_ckpt, session_dir, tmp_path, monkeypatch):
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--openbmb--MiniCPM-o-4_5"
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    for f in tiny_ckpt.iterdir():
+        (snap / f.name).symlink_to(f)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "n.pt"
+    assert ex.main(["--model-id", "openbmb/MiniCPM-o-4_5", "--easycom-session-dir", str(session_dir), "--end", "1",
+                    "--mode", "native-1hz-hold", "--device", "cpu", "--output", str(out)]) == 0
+    p = load_artifact(out).provenance
+    assert p["model_id"] == "openbmb/MiniCPM-o-4_5" and p["revision"] == rev and p["revision_source"] == "hf-cache"
+    assert ex.main(["--model-id", "openbmb/Not-Cached", "--easycom-session-dir", str(session_dir), "--end", "1",
+                    "--mode", "native-1hz-hold", "--device", "cpu", "--output", str(tmp_path / "m.pt")]) == 2
+    assert not (tmp_path / "m.pt").exists()

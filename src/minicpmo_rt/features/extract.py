@@ -41,7 +41,9 @@ at t = 2.0 s, or 1.0 s for a shorter session) with the same cadence flags; bound
 restoration do not apply (no transaction is ever opened).
 
 Target alignment (``--target``, a 5 Hz ``.npy`` for the whole session)
-    Target row j belongs to grid time 0.2 (j + 1). Its length must be within one row of the
+    Target row j belongs to grid time 0.2 (j + 1). Structured records (turn_head make-targets)
+    are stored as a float64 matrix in field order, the names in ``target_info["columns"]``.
+    Its length must be within one row of the
     session's full grid (floor(5 x media seconds)): an off-by-one length (the session end
     rounded differently) is accepted and the rows are cut to the shorter of the two; a larger
     difference is an InputError. With ``--end`` the aligned targets are cut to the extracted rows.
@@ -483,8 +485,19 @@ def align_targets(target: Path, full_rows: int, rows: int) -> tuple[torch.Tensor
         raise InputError(f"--target {target}: has {n} rows but the session has {full_rows} rows at 5 Hz "
                          f"({full_rows / 5:.1f} s of media); only an off-by-one difference is accepted. Was it "
                          f"built for this session and on the same gap-skipping media timeline?")
+    columns, file_shape, file_dtype = None, list(arr.shape), str(arr.dtype)
+    if arr.dtype.names:  # structured records (turn_head make-targets): a float64 matrix in field order
+        columns = list(arr.dtype.names)
+        bad = [c for c in columns if arr.dtype[c].shape or arr.dtype[c].kind not in "biuf"]
+        if bad:
+            raise InputError(f"--target {target}: structured fields {bad} are not numeric scalars; "
+                             f"store a numeric [rows, ...] array")
+        arr = np.stack([arr[c].astype(np.float64) for c in columns], axis=1)
+    elif arr.dtype.kind not in "biuf":
+        raise InputError(f"--target {target}: dtype {arr.dtype} is not numeric")
     use = min(rows, n)
-    info = {"path": str(target), "shape": list(arr.shape), "dtype": str(arr.dtype), "target_rows": n,
+    info = {"path": str(target), "shape": file_shape, "dtype": file_dtype, "stored_shape": [use, *arr.shape[1:]],
+            "stored_dtype": str(arr.dtype), "target_rows": n, "columns": columns,
             "session_rows": full_rows, "rows": use,
             "policy": "target row j <-> grid time 0.2*(j+1); |len - session rows| <= 1 accepted, cut to the shorter",
             "dropped_feature_rows": rows - use, "dropped_target_rows": n - use}
