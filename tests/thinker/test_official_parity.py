@@ -281,6 +281,37 @@ def test_prompt_ids_match_official_tokenizer():
     assert tok.encode(stream["system_suffix"]) == stream["suffix_ids"]
 
 
+def _layout_ids(piece) -> list[int]:
+    ids = list(piece.ids)
+    for slot in piece.slots:
+        ids[slot.start:slot.start + slot.length] = [-1] * slot.length
+    return ids
+
+
+@pytest.mark.parametrize("name,ref_embeds,close_units", [("llm_stream", 15, False), ("llm_stream_noref", 0, True)])
+def test_duplex_prompt_layout_matches_official(name, ref_embeds, close_units):
+    """PromptBuilder's duplex system prompt and units give the official row layout (token ids,
+    and embedding rows exactly where upstream put embeddings)."""
+    prompt_mod = pytest.importorskip("minicpmo_rt.thinker.prompt")
+    data, meta = _load(name)
+    pb = prompt_mod.PromptBuilder(load_tokenizer(vendored_tokenizer_dir()))
+    piece = pb.duplex_system("Streaming Omni Conversation.", ref_audio_embeds=ref_embeds)
+    unit_end = prompt_mod.PromptPiece((pb.sp.unit_end,))
+    for k in range(3):
+        piece = piece + pb.duplex_unit([1], audio_embeds=10)
+        if close_units and k < 2:
+            piece = piece + unit_end
+    assert _layout_ids(piece) == data["token_ids"].tolist()
+
+
+def test_chat_template_matches_official():
+    prompt_mod = pytest.importorskip("minicpmo_rt.thinker.prompt")
+    _, meta = _load("greedy")
+    text = prompt_mod.apply_chat_template(meta["messages"], add_generation_prompt=True, enable_thinking=False,
+                                          use_tts_template=True)
+    assert text == meta["prompt_text"]
+
+
 @torch.no_grad()
 def test_greedy_tokens_and_hidden_match_official(llm):
     data, meta = _load("greedy")
