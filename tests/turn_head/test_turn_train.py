@@ -34,7 +34,7 @@ def _aucs(metrics, system, split="test"):
 
 @pytest.mark.parametrize("model", ["linear", "tcn"])
 def test_planted_signal_is_learned(tmp_path, model):
-    write_root(tmp_path / "feat", SESSIONS, native=(1, 6), signal=3.0)
+    write_root(tmp_path / "feat", SESSIONS, native=SESSIONS if model == "tcn" else (), signal=3.0)
     m = run(tmp_path / "feat", tmp_path / "out", TrainConfig(model=model, plots=(model == "linear"), **FAST),
             echo=lambda s: None)
     aucs = _aucs(m, model)
@@ -72,8 +72,8 @@ def test_targets_root_matches_stored_targets(tmp_path):
 
 
 def test_init_rows_are_masked(tmp_path):
-    write_root(tmp_path / "f", [1], native=(1,))
-    (s,) = D.load_sessions(tmp_path / "f")
+    write_root(tmp_path / "f", [1, 2], native=(1, 2))
+    s = D.load_sessions(tmp_path / "f")[0]
     assert s.init_mask[:4].all() and not s.init_mask[4:].any()
     assert not s.mask[:4].any() and s.mask[4:, 0].all()
 
@@ -88,6 +88,9 @@ def test_named_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(D.MissingTargetsError, match="Session_1.npy does not exist"):
         D.load_sessions(tmp_path / "nt", tmp_path / "empty")
+    write_root(tmp_path / "mixed", [1, 2], native=(2,))
+    with pytest.raises(D.MixedExtractionError, match="Session_2.pt: native-1hz-hold"):
+        D.load_sessions(tmp_path / "mixed")
     write_root(tmp_path / "unv", [1, 2], unverified=(2,))
     with pytest.raises(InputError, match="minicpmo-unverified-partial-tail"):
         D.load_sessions(tmp_path / "unv")

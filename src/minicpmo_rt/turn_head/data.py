@@ -44,6 +44,10 @@ class TargetAlignmentError(InputError):
     """Target rows do not line up with an artifact's 0.2 s grid."""
 
 
+class MixedExtractionError(InputError):
+    """One feature root holds artifacts of different extractor modes."""
+
+
 class SplitError(InputError):
     """A session split is malformed or leaves a required part empty."""
 
@@ -155,6 +159,12 @@ def load_sessions(feature_root: str | os.PathLike, targets_root: str | os.PathLi
         raise FeatureDimensionMismatch(
             f"{feature_root}: artifacts have different feature widths ({listing}); they come from "
             f"different models or layers -- keep one extraction per feature root")
+    modes = {s.extractor_mode for s in sessions}
+    if len(modes) > 1:
+        listing = ", ".join(f"{s.path.name}: {s.extractor_mode}" for s in sessions)
+        raise MixedExtractionError(
+            f"{feature_root}: artifacts of different extractor modes ({listing}); native-1hz-hold and "
+            f"cached-partial-5hz states mean different things -- keep one mode per feature root")
     return sorted(sessions, key=lambda s: (s.session_id is None, s.session_id or 0, s.name))
 
 

@@ -48,6 +48,11 @@ last_speaker        i2     participant active alone in the most recent such row 
 n_active            i1     number of participants individually active in the bin
 ==================  =====  ==================================================================
 
+On disk (``make-targets``) the rows are this structured array; ``--matrix`` writes
+``as_matrix(rows)`` instead, float64 ``[T, len(COLUMNS)]`` in ``COLUMNS`` order (booleans 0/1),
+for consumers that need a plain numeric array (the extractor's ``--target`` stores a tensor).
+``load_targets`` / ``coerce_targets`` read either form back into records.
+
 Shift/hold events, on per-participant activity (each participant's own >= 0.5 rule). A row is
 *silent* when it is valid_now and neither channel is active; a row is *p alone* when p is the
 only active participant. A mutual silence is a maximal run of silent rows ``[s, e)`` with
@@ -375,14 +380,20 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def save_targets(path: str | os.PathLike, arr: np.ndarray, meta: dict[str, Any] | None = None) -> Path:
-    """Write ``arr`` to ``path`` (.npy) atomically, and ``meta`` beside it as ``<stem>.meta.json``."""
+def save_targets(path: str | os.PathLike, arr: np.ndarray, meta: dict[str, Any] | None = None,
+                 matrix: bool = False) -> Path:
+    """Write ``arr`` to ``path`` (.npy) atomically, and ``meta`` beside it as ``<stem>.meta.json``.
+
+    ``matrix=True`` writes ``as_matrix(arr)`` (float64 [T, len(COLUMNS)]) instead of records:
+    the form a consumer that needs a plain numeric array (``torch.from_numpy``) can take.
+    """
     path = Path(path)
     if arr.dtype != TARGET_DTYPE:
         raise InputError(f"{path}: refusing to save targets of dtype {arr.dtype}; build them with build_targets")
     if not path.parent.is_dir():
         raise InputError(f"{path}: output directory {path.parent} does not exist; create it first")
-    _atomic_write(path, lambda fh: np.save(fh, arr, allow_pickle=False))
+    data = as_matrix(arr) if matrix else arr
+    _atomic_write(path, lambda fh: np.save(fh, data, allow_pickle=False))
     if meta is not None:
         side = path.with_name(path.stem + ".meta.json")
         _atomic_write(side, lambda fh: fh.write(json.dumps(meta, indent=2).encode()))
@@ -431,17 +442,18 @@ def coerce_targets(arr: Any, where: str) -> np.ndarray:
 
 
 def make_targets(easycom_root: str | os.PathLike, session: str | int, output: str | os.PathLike,
-                 cfg: LabelConfig = LabelConfig()) -> tuple[Path, dict[str, Any]]:
+                 cfg: LabelConfig = LabelConfig(), matrix: bool = False) -> tuple[Path, dict[str, Any]]:
     transcript = read_session(easycom_root, session, cfg)
     arr = build_targets(transcript, cfg)
     summary = summarize(arr)
     meta = {"session": transcript.session, "easycom_root": str(Path(easycom_root).resolve()),
+            "format": "matrix float64 [T, len(columns)]" if matrix else "structured records (labels.TARGET_DTYPE)",
             "columns": list(COLUMNS), "config": asdict(cfg), "step_s": STEP,
             "future_edges_s": list(FUTURE_EDGES),
             "segments": [asdict(s) for s in transcript.segments],
             "utterances": len(transcript.utterances), "skipped_utterances": transcript.skipped,
             "summary": summary}
-    path = save_targets(output, arr, meta)
+    path = save_targets(output, arr, meta, matrix=matrix)
     return path, meta
 
 

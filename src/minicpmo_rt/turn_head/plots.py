@@ -51,7 +51,10 @@ def plot_curves(systems: dict[str, tuple[Sequence[SessionData], Sequence[np.ndar
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1.02)
         ax.set_title(name)
-        ax.legend(fontsize=7, loc="lower right" if kind == "roc" else "lower left")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="lower right" if kind == "roc" else "lower left")
+        else:
+            ax.text(0.5, 0.5, "one class only:\nno curve", ha="center", va="center", fontsize=8)
     for j in range(len(TARGET_NAMES), rows * cols):
         axes[j // cols][j % cols].axis("off")
     fig.suptitle(title)
