@@ -109,3 +109,17 @@ def test_config_yaml_builds_upstream_and_hift_pt_loads_strict(assets):
     assert model.f0_predictor.condnet[0].causal_padding + model.conv_pre_look_right + 1 == 8
     model.load_state_dict(torch.load(assets / STREAM_FILE, weights_only=True), strict=True)
     assert conf["feat_extractor"].keywords["n_fft"] == 1920
+
+
+def test_fused_weight_norm_matches(assets):
+    mel = torch.randn(1, 80, 24) - 5
+    for name in (STREAM_FILE, WHOLE_FILE):
+        plain = load_vocoder(assets / name, fuse=False)
+        fused = load_vocoder(assets / name, fuse=True)
+        assert not any("parametrizations" in k for k in fused.model.state_dict())
+        g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+        assert torch.allclose(fused.vocode(mel, generator=g()), plain.vocode(mel, generator=g()), rtol=0, atol=1e-5)
+        a, b = fused.open_stream(generator=g()), plain.open_stream(generator=g())
+        wa = torch.cat([a.push(mel[:, :, :16]), a.push(mel[:, :, 16:], last=True)], dim=1)
+        wb = torch.cat([b.push(mel[:, :, :16]), b.push(mel[:, :, 16:], last=True)], dim=1)
+        assert wa.shape == wb.shape and torch.allclose(wa, wb, rtol=0, atol=1e-5)

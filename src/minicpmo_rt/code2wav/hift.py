@@ -316,6 +316,25 @@ class HiFTGenerator(_HiFTBody):
         return self.decode(mel, source), source
 
 
+def fuse_weight_norm(model: nn.Module) -> nn.Module:
+    """Replace every weight-norm parametrization by its current weight (inference speed-up:
+    the norm is otherwise recomputed on every forward). Values are unchanged; the
+    state_dict then uses plain ``weight`` keys, so fuse only after loading. The causal F0
+    predictor's float64 weights are computed from g and v first, keeping it exact."""
+    from torch.nn.utils import parametrize
+
+    with torch.no_grad():
+        for m in model.modules():
+            if not parametrize.is_parametrized(m, "weight"):
+                continue
+            if getattr(m, "float64_weight", False):
+                p = m.parametrizations.weight
+                m.register_buffer("weight64", torch._weight_norm(p.original1.double(), p.original0.double(), 0),
+                                  persistent=False)
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+    return model
+
+
 class HiFTStream:
     """Chunked vocoding with the original HiFT, as stepaudio2 0.1.1 / vLLM-Omni do it.
 
@@ -343,7 +362,7 @@ class HiFTStream:
         self.reset()
 
     def reset(self) -> None:
-        p = self.model.conv_pre.parametrizations.weight.original1
+        p = self.model.conv_pre.bias  # exists with or without fused weight norm
         self.mel_cache = p.new_zeros(1, self.model.cfg.in_channels, 0)
         self.source_cache = p.new_zeros(1, 1, 0)
         self.speech_cache = p.new_zeros(1, 0)

@@ -20,6 +20,7 @@ Parameter names follow upstream ``CausalHiFTGenerator`` so ``hift.pt`` loads str
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 from typing import Optional
@@ -36,9 +37,26 @@ NOISE_TABLE_SECONDS = 300
 
 
 def _weight_norm_weight(conv: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A weight-normed conv's weight computed in ``dtype`` from g and v (as a module cast to it would)."""
+    """A weight-normed conv's weight computed in ``dtype`` from g and v (as a module cast to it would).
+
+    After ``fuse_weight_norm`` the float64 weight computed at fusion time is used."""
+    fused = getattr(conv, "weight64", None)
+    if fused is not None and fused.dtype == dtype:
+        return fused
+    if not hasattr(conv, "parametrizations"):
+        return conv.weight.to(dtype)
     p = conv.parametrizations.weight
     return torch._weight_norm(p.original1.to(dtype), p.original0.to(dtype), 0)
+
+
+@functools.lru_cache(maxsize=2)
+def _seeded_noise_tables(seed: int, harmonics: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Same draw order and distributions as upstream's constructor (rand_ini, then the table).
+    # Cached because the table is large (259 MB at full length) and never written.
+    g = torch.Generator().manual_seed(seed)
+    rand_ini = torch.rand(1, harmonics, generator=g)
+    rand_ini[:, 0] = 0
+    return rand_ini, torch.rand(1, length, harmonics, generator=g)
 
 
 class CausalF0Predictor(nn.Module):
@@ -52,6 +70,8 @@ class CausalF0Predictor(nn.Module):
             layers += [weight_norm(PaddedConv1d(cond_channels, cond_channels, 3, left=causal_padding(3))), nn.ELU()]
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cond_channels, 1)
+        for conv in self.condnet[0::2]:
+            conv.float64_weight = True  # tells fuse_weight_norm to keep a float64 copy
 
     @property
     def look_ahead(self) -> int:
@@ -144,14 +164,10 @@ class CausalHiFTGenerator(_HiFTBody):
         self._rand_ini, self._noise_table = rand_ini.float(), noise_table.float()
 
     def noise_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(initial phases [1, H], uniform noise table [1, N, H]); read-only, shared per seed."""
         if self._noise_table is None:
-            # Same draw order and distributions as upstream's constructor (rand_ini, then the table).
-            g = torch.Generator().manual_seed(self.noise_seed)
-            h = self.cfg.nb_harmonics + 1
-            rand_ini = torch.rand(1, h, generator=g)
-            rand_ini[:, 0] = 0
-            table = torch.rand(1, NOISE_TABLE_SECONDS * self.cfg.sampling_rate, h, generator=g)
-            self._rand_ini, self._noise_table = rand_ini, table
+            self._rand_ini, self._noise_table = _seeded_noise_tables(
+                self.noise_seed, self.cfg.nb_harmonics + 1, NOISE_TABLE_SECONDS * self.cfg.sampling_rate)
         return self._rand_ini, self._noise_table
 
     def table_noise(self, start: int, length: int, device: torch.device) -> torch.Tensor:
@@ -272,7 +288,7 @@ class BoundedStream:
         self.reset()
 
     def reset(self) -> None:
-        p = self.model.conv_pre.parametrizations.weight.original1
+        p = self.model.conv_pre.bias  # exists with or without fused weight norm
         self.mel = p.new_zeros(1, self.model.cfg.in_channels, 0)  # frames [mel_offset, received)
         self.source = p.new_zeros(1, 1, 0)  # excitation frames [source_offset, source_end)
         self.phase = torch.zeros(1, 1, self.model.cfg.nb_harmonics + 1, dtype=torch.float64, device=p.device)

@@ -31,7 +31,7 @@ import torch
 
 from ..checkpoint.weights import load_strict
 from ..errors import CheckpointError, InputError
-from .hift import FULL_SIZE, SAMPLE_RATE, HiFTConfig, HiFTGenerator, HiFTStream
+from .hift import FULL_SIZE, SAMPLE_RATE, HiFTConfig, HiFTGenerator, HiFTStream, fuse_weight_norm
 from .hift_causal import BoundedStream, CausalHiFTGenerator
 
 ORIGINAL = "original"
@@ -137,7 +137,7 @@ class Vocoder:
 
     @property
     def device(self) -> torch.device:
-        return self.model.conv_pre.parametrizations.weight.original1.device
+        return self.model.conv_pre.bias.device
 
     def _check(self, mel: torch.Tensor, batch1: bool = False) -> torch.Tensor:
         c = self.model.cfg.in_channels
@@ -176,10 +176,11 @@ class VocoderSet:
 
 
 def load_vocoder(path: str | Path, device: str | torch.device = "cpu",
-                 config_yaml: str | Path | None = None) -> Vocoder:
+                 config_yaml: str | Path | None = None, fuse: bool = True) -> Vocoder:
     """Load one HiFT file strictly; the variant comes from its shapes. A causal file's
     hyper-parameters come from ``config_yaml`` (default: ``config.yaml`` beside it) when
-    present, else from the weights' shapes."""
+    present, else from the weights' shapes. ``fuse`` folds weight norm into plain weights
+    after loading (same values, no per-forward norm; the model's state_dict keys change)."""
     path = Path(path)
     state = read_state(path)
     variant = detect_variant(state, str(path))
@@ -193,15 +194,17 @@ def load_vocoder(path: str | Path, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = build_generator(variant, cfg)
     load_strict(model, {k: v.float() for k, v in state.items()}, str(path))
+    if fuse:
+        fuse_weight_norm(model)
     return Vocoder(model.to(device).eval(), variant, path)
 
 
-def load_vocoders(asset_dir: str | Path, device: str | torch.device = "cpu") -> VocoderSet:
+def load_vocoders(asset_dir: str | Path, device: str | torch.device = "cpu", fuse: bool = True) -> VocoderSet:
     asset_dir = Path(asset_dir)
-    stream = load_vocoder(asset_dir / STREAM_FILE, device)
+    stream = load_vocoder(asset_dir / STREAM_FILE, device, fuse=fuse)
     whole_path = asset_dir / WHOLE_FILE
     if whole_path.is_file():
-        whole = load_vocoder(whole_path, device)
+        whole = load_vocoder(whole_path, device, fuse=fuse)
         if whole.variant != ORIGINAL:
             raise CheckpointError(f"{whole_path}: holds the causal HiFT; this file is the original "
                                   "(whole-utterance) vocoder in minicpmo-utils 1.0.7 asset sets")
