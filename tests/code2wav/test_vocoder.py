@@ -123,3 +123,17 @@ def test_fused_weight_norm_matches(assets):
         wa = torch.cat([a.push(mel[:, :, :16]), a.push(mel[:, :, 16:], last=True)], dim=1)
         wb = torch.cat([b.push(mel[:, :, :16]), b.push(mel[:, :, 16:], last=True)], dim=1)
         assert wa.shape == wb.shape and torch.allclose(wa, wb, rtol=0, atol=1e-5)
+
+
+def test_make_tiny_writes_the_1_0_7_asset_set(tiny_ckpt):
+    """make-tiny's assets/token2wav holds all 7 files minicpmo-utils 1.0.7 requires, and they load."""
+    from minicpmo_rt.code2wav.frontend import VoiceFrontend
+
+    d = tiny_ckpt / "assets" / "token2wav"
+    for name in ("speech_tokenizer_v2_25hz.onnx", "campplus.onnx", "flow.yaml", "flow.pt", "config.yaml",
+                 STREAM_FILE, WHOLE_FILE):
+        assert (d / name).is_file(), name
+    voc = load_vocoders(d)
+    assert (voc.stream.variant, voc.whole.variant) == (CAUSAL, ORIGINAL)
+    assert read_vocoder_yaml(d / "config.yaml").hift == voc.stream.model.cfg == TINY
+    VoiceFrontend(d)
