@@ -69,6 +69,9 @@ def test_guard_accepts_our_and_upstream_layouts():
     ok, why = supports_fused_body(dit)
     assert not ok and "blocks.1.mlp.act" in why
     dit = our_dit()
+    dit.blocks[1].conv.block[4] = torch.nn.SiLU()          # another activation in the conv block
+    assert "conv.block.4" in supports_fused_body(dit)[1]
+    dit = our_dit()
     dit.blocks[0].norm1 = torch.nn.LayerNorm(64)          # affine norm1: another layout
     assert not supports_fused_body(dit)[0]
     with pytest.raises(ValueError, match="not supported"):

@@ -101,7 +101,7 @@ def supports_fused_body(dit: nn.Module) -> tuple[bool, str]:
             if len(seq) != 8 or not (_is_plain_conv(seq[1], C) and _is_ln(seq[3], C, affine=True)
                                      and _is_plain_conv(seq[6], C)):
                 return False, f"{where}.conv.block is not [_, Conv1d, _, LayerNorm, Mish, _, Conv1d, _]"
-            if not isinstance(seq[4], (nn.Mish, nn.Identity)):
+            if not isinstance(seq[4], nn.Mish):
                 return False, f"{where}.conv.block.4 is {type(seq[4]).__name__}, not Mish"
             if seq[1].kernel_size != seq[6].kernel_size:
                 return False, f"{where}.conv kernels differ"

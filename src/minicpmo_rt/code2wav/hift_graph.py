@@ -19,8 +19,9 @@ spent graph budget falls back to the eager model (logged once).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -34,8 +35,10 @@ log = logging.getLogger(__name__)
 class ShapeGraphs:
     """Capture ``fn(*tensors) -> tensor | tuple`` once per input-shape key and replay it."""
 
-    def __init__(self, fn: Callable, name: str, max_graphs: int = 8, warmups: int = 2):
+    def __init__(self, fn: Callable, name: str, max_graphs: int = 8, warmups: int = 2,
+                 capture_context: Callable[[], ContextManager] = contextlib.nullcontext):
         self.fn, self.name, self.max_graphs, self.warmups = fn, name, max_graphs, warmups
+        self.capture_context = capture_context
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], object]] = {}
         self.off: str | None = None
         self._logged: set[str] = set()
@@ -69,6 +72,10 @@ class ShapeGraphs:
         return static_out
 
     def _capture(self, xs):
+        with self.capture_context():
+            return self._capture_now(xs)
+
+    def _capture_now(self, xs):
         static_in = [x.detach().clone() for x in xs]
         stream = torch.cuda.Stream(device=xs[0].device)
         stream.wait_stream(torch.cuda.current_stream(xs[0].device))
@@ -89,8 +96,32 @@ class GraphedHiFT:
 
     def __init__(self, model, max_graphs: int = 8):
         self.model = model
+        self._windows: dict[tuple, torch.Tensor] = {}   # kept alive: captured graphs read them
         self.f0 = ShapeGraphs(model.f0_predictor, "HiFT f0", max_graphs)
-        self.decode = ShapeGraphs(model.decode, "HiFT decode", max_graphs)
+        self.decode = ShapeGraphs(model.decode, "HiFT decode", max_graphs, capture_context=self._device_windows)
+
+    @contextlib.contextmanager
+    def _device_windows(self):
+        """While capturing, serve the STFT windows from device tensors made during the warm-ups.
+
+        ``hift.hann_window`` builds the window on the CPU and copies it to the device on every
+        call, and a host-to-device copy cannot be captured. The patch is scoped to the capture
+        and restored afterwards; the window values are the function's own.
+        """
+        from . import hift as hift_mod
+        original = hift_mod.hann_window
+
+        def cached(n_fft: int, device) -> torch.Tensor:
+            key = (n_fft, str(device))
+            if key not in self._windows:
+                self._windows[key] = original(n_fft, device)
+            return self._windows[key]
+
+        hift_mod.hann_window = cached
+        try:
+            yield
+        finally:
+            hift_mod.hann_window = original
 
     @torch.inference_mode()
     def __call__(self, mel: torch.Tensor, cache_source: Optional[torch.Tensor] = None,
