@@ -181,3 +181,29 @@ def test_truncated_mp4_is_named(syn, tmp_path):
         with EasyComSession(d, timeline=tl) as s:
             for i in range(tl.segments[1].frame_offset, tl.segments[1].frame_offset + tl.segments[1].frames):
                 s.frame(i)
+
+
+def test_prefetch_serves_identical_frames_and_replays_still_work(syn):
+    with EasyComSession(syn, frame_cache_size=0) as ref:
+        want = {i: ref.frame(i) for i in (3, 7, 19, 23, 39, 79)}
+    with EasyComSession(syn, frame_cache_size=0) as s:
+        s.prefetch([3, 7, 19, 23, 39, 79], depth=2)
+        np.testing.assert_array_equal(s.frame(3), want[3])
+        np.testing.assert_array_equal(s.frame(7), want[7])
+        np.testing.assert_array_equal(s.frame(7), want[7])  # asked twice: no decode, no schedule slip
+        np.testing.assert_array_equal(s.frame(3), want[3])  # a replay going back: own readers
+        np.testing.assert_array_equal(s.frame(23), want[23])  # 19 skipped by the consumer
+        np.testing.assert_array_equal(s.frame(79), want[79])
+        assert s.stats.prefetched == 4 and s.stats.frames_decoded_requests == 1
+
+
+def test_prefetch_error_reaches_consumer(syn, tmp_path):
+    d = _copy(syn, tmp_path)
+    tl = build_timeline(d)
+    p = d / "01-01-500.mp4"
+    p.write_bytes(p.read_bytes()[:2000])
+    with EasyComSession(d, timeline=tl) as s:
+        s.prefetch([3, 33, 37])
+        s.frame(3)
+        with pytest.raises(InputError, match="01-01-500.mp4"):
+            s.frame(33)

@@ -431,6 +431,71 @@ class ReaderStats:
     cache_hits: int = 0
     readers_opened: int = 0
     readers_evicted: int = 0
+    prefetched: int = 0
+
+
+class FramePrefetcher:
+    """Decodes a known, increasing sequence of frames ahead of use on a worker thread.
+
+    The worker has its own readers (containers are not shared across threads), so the main
+    thread may still read any other frame (replays) through its own. PyAV releases the GIL
+    while decoding, so decoding overlaps the model's work.
+    """
+
+    _STOP = object()
+
+    def __init__(self, session: "EasyComSession", indices: list[int], depth: int):
+        import queue
+        import threading
+
+        self.indices = indices
+        self._pos = 0
+        self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._worker_media = EasyComSession(session.timeline.session_dir, decoder=session.decoder,
+                                            decoder_threads=session.decoder_threads, max_open_readers=1,
+                                            frame_cache_size=0, timeline=session.timeline)
+        self._thread = threading.Thread(target=self._run, name="frame-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for idx in self.indices:
+                if self._stop.is_set():
+                    return
+                item = (idx, self._worker_media.frame(idx), None)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except Exception:  # queue.Full: wait for the consumer or a stop
+                        continue
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._queue.put((None, None, exc))
+        finally:
+            self._worker_media.close()
+
+    @property
+    def next_index(self) -> int | None:
+        return self.indices[self._pos] if self._pos < len(self.indices) else None
+
+    def take(self) -> np.ndarray:
+        idx, img, exc = self._queue.get()
+        if exc is not None:
+            self._pos = len(self.indices)
+            raise exc
+        assert idx == self.indices[self._pos], (idx, self._pos)
+        self._pos += 1
+        return img
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():
+            try:
+                self._queue.get(timeout=0.05)
+            except Exception:
+                pass
+        self._thread.join()
 
 
 class EasyComSession:
@@ -458,7 +523,16 @@ class EasyComSession:
         self._readers: OrderedDict[int, object] = OrderedDict()
         self._frames: OrderedDict[int, np.ndarray] = OrderedDict()
         self._audio: list[np.ndarray | None] = [None] * len(self.timeline.segments)
+        self._prefetcher: FramePrefetcher | None = None
+        self._last: tuple[int, np.ndarray] | None = None
         self.stats = ReaderStats()
+
+    def prefetch(self, indices: list[int], depth: int = 8) -> None:
+        """Decode ``indices`` (increasing) ahead on a worker thread; ``frame`` serves them in order."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        idx = sorted(set(int(i) for i in indices))
+        self._prefetcher = FramePrefetcher(self, idx, depth) if idx else None
 
     # -- video
     def _reader(self, seg: int):
@@ -483,12 +557,22 @@ class EasyComSession:
             self._frames.move_to_end(index)
             self.stats.cache_hits += 1
             return hit
-        seg, local = self.timeline.locate(index)
-        img = self._reader(seg).read(local)
-        if self.timeline.crop_right:
-            img = img[:, -self.timeline.crop_right:]
-        img = np.ascontiguousarray(img)
-        self.stats.frames_decoded_requests += 1
+        if self._last is not None and self._last[0] == index:
+            return self._last[1]
+        pf = self._prefetcher
+        while pf is not None and pf.next_index is not None and pf.next_index < index:
+            pf.take()  # scheduled but never asked for: drop it so the schedule stays in step
+        if pf is not None and pf.next_index == index:
+            img = pf.take()
+            self._last = (index, img)  # served again without a decode even with no frame cache
+            self.stats.prefetched += 1
+        else:
+            seg, local = self.timeline.locate(index)
+            img = self._reader(seg).read(local)
+            if self.timeline.crop_right:
+                img = img[:, -self.timeline.crop_right:]
+            img = np.ascontiguousarray(img)
+            self.stats.frames_decoded_requests += 1
         if self.frame_cache_size:
             self._frames[index] = img
             while len(self._frames) > self.frame_cache_size:
@@ -539,6 +623,9 @@ class EasyComSession:
         return report
 
     def close(self) -> None:
+        if getattr(self, "_prefetcher", None) is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
         for r in self._readers.values():
             r.close()
         self._readers.clear()

@@ -592,6 +592,9 @@ def run(opts: ExtractOptions, factory: SessionFactory | None = None,
         inputs = Inputs(media, end)
         if factory is None:
             factory, model_info = load_session_factory(opts)
+        # the main loop's frames, decoded ahead on a worker thread while the model runs
+        wanted = range(rows) if opts.mode == "cached-partial-5hz" else range(4, rows, 5)
+        media.prefetch([frame_index_at(row_time(k)) for k in wanted], depth=8)
         bar = _progress(end, opts.progress)
         t0 = time.perf_counter()
         try:
