@@ -454,3 +454,62 @@ def test_session_long_audio_only_stream_matches_official(thinker):
         assert fp.audio_cache_len == meta["audio_calls"][k]["cache_after"], f"unit {k}: audio-encoder cache length"
         errs.append(rel_err(session.read_state(), torch.from_numpy(data["unit_hidden"][k])))
     assert max(errs) <= TOL, f"read_state rel err per unit {['%.1e' % e for e in errs]}"
+
+
+# ----------------------------------------------------------------------------- turn mode
+
+def test_turn_mode_audio_path_matches_official(apm, projection):
+    """Turn-mode streaming user audio (no DuplexCapability: CNN redundancy 0, no extra-context
+    cut): chunk 0 is padded to 1035 ms (16560 samples) and each segment goes whole into the mel."""
+    data, meta = _load("turn")
+    audio, _ = _load("audio")
+    pcm = _audio_f32(audio["audio_i16"])
+    segments = [np.concatenate([np.zeros(560, np.float32), pcm[:16000]]), pcm[16000:32000], pcm[32000:48000]]
+    mel = mel_mod.StreamingMel(cnn_redundancy_ms=0)
+    cache = None
+    for k, seg in enumerate(segments):
+        out = mel.process(seg)
+        ref = torch.from_numpy(data[f"chunk{k}_mel"])
+        assert out.features.shape == ref.shape and rel_err(out.features, ref) <= TOL, f"segment {k}: mel"
+        with torch.no_grad():
+            hidden, cache = apm.stream(ref[None], cache, 0, 0)
+            emb = audio_mod.avg_pool(projection(hidden), 5)[0]
+        assert cache.length == meta["audio_calls"][k]["cache_after"]
+        assert rel_err(emb, torch.from_numpy(data[f"chunk{k}_embeds"])) <= TOL, f"segment {k}: audio embeddings"
+
+
+def test_turn_mode_prompt_layout_matches_official():
+    prompt_mod = pytest.importorskip("minicpmo_rt.thinker.prompt")
+    data, meta = _load("turn")
+    pb = prompt_mod.PromptBuilder(load_tokenizer(vendored_tokenizer_dir()))
+    piece = (pb.system_turn(meta["system_text"]) + pb.user_segment([16560], first_of_turn=True)
+             + pb.user_segment([16000], first_of_turn=False) + pb.user_segment([16000], first_of_turn=False)
+             + pb.assistant_bos())
+    n = int(data["forward_rows"][: meta["n_prefill_forwards"] + 1].sum())
+    assert _layout_ids(piece) == data["token_ids"][:n].tolist()
+
+
+@torch.no_grad()
+def test_turn_mode_prefill_and_greedy_generate_match_official(llm):
+    """The official turn: four prefills, the assistant bos, then ChunkPrefillChunkGenerate's greedy
+    decoding (repetition penalty 1.02 over the generated ids, chunks of 11 then 10) for 30 tokens."""
+    data, meta = _load("turn")
+    rows = data["forward_rows"]
+    embeds = torch.from_numpy(data["inputs_embeds"])
+    n_pre = meta["n_prefill_forwards"] + 1          # + the bos forward
+    cache, start = None, 0
+    for i in range(n_pre):
+        stop = start + int(rows[i])
+        hidden, cache = llm_mod.final_norm_hidden(llm, embeds[start:stop][None], cache, torch.arange(start, stop)[None])
+        err = rel_err(hidden[0, -1], torch.from_numpy(data["forward_last_hidden"][i]))
+        assert err <= TOL, f"prefill forward {i}: final-norm hidden rel err {err:.3e}"
+        start = stop
+    gen_mod = pytest.importorskip("minicpmo_rt.thinker.generate")
+    logits = llm.lm_head(hidden[0, -1])
+    sampling = gen_mod.SamplingConfig(greedy=True, temperature=0.7, repetition_penalty=1.02,
+                                      max_new_tokens=len(meta["generated_ids"]))
+    turn = gen_mod.generate(llm, cache, logits, sampling)
+    assert turn.token_ids == meta["generated_ids"]
+    ref = torch.from_numpy(data["forward_last_hidden"][n_pre:])
+    err = rel_err(turn.hidden, ref)
+    assert err <= TOL, f"per-token hidden rel err {err:.3e}"
