@@ -5,6 +5,13 @@ weights through a fixed-shape step that a CUDA graph can capture: QKV and gate/u
 packed into one GEMM each, the KV cache is a preallocated tensor written in place at a
 device-side position, and attention spans a static bucket of the cache under a mask.
 The math is Qwen3's: per-head RMSNorm on q and k before RoPE (rotate-half layout).
+
+Two kernel sets compute the same step: ``"torch"`` (the plain reference: eager ops, SDPA
+under a boolean mask over the span ``[0, kv_len)``) and ``"triton"`` (``kernels.py``: fused
+residual+RMSNorm, q/k-norm+RoPE+cache write, split-KV attention that reads each row's
+position from device memory, SiLU*mul -- about ten launches per layer, and one CUDA graph
+for every decode position because nothing in the launch depends on the span). ``"auto"``
+picks Triton on CUDA and torch elsewhere.
 """
 
 from __future__ import annotations
@@ -12,6 +19,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import kernels as K
+
+KERNEL_SETS = ("auto", "torch", "triton")
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,8 +40,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class StaticDecoder(nn.Module):
     """Holds packed weights (views of nothing: copies) and a static KV cache for ``batch`` rows."""
 
-    def __init__(self, llm: nn.Module, max_len: int, batch: int = 1):
+    def __init__(self, llm: nn.Module, max_len: int, batch: int = 1, kernels: str = "auto"):
         super().__init__()
+        if kernels not in KERNEL_SETS:
+            raise ValueError(f"StaticDecoder: kernels={kernels!r}; choose one of {', '.join(KERNEL_SETS)}")
         cfg = llm.config
         p = next(llm.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -56,13 +69,46 @@ class StaticDecoder(nn.Module):
         shape = (len(self.layers), batch, self.n_kv, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if kernels == "auto":
+            kernels = "triton" if self.device.type == "cuda" and K.usable_on(self.k_cache) else "torch"
+        elif kernels == "triton" and not K.usable_on(self.k_cache):
+            raise ValueError(f"StaticDecoder: Triton kernels cannot run on {self.device} here (need CUDA, or "
+                             "TRITON_INTERPRET=1 set before import on CPU); use kernels='torch'")
+        self.kernels = kernels
+        self._prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self._graphs: dict[int | None, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """x [B,T,H] embeddings at positions pos [B,T]; returns final-norm hidden [B,T,H].
 
-        Writes K/V at ``pos``; attends to cache rows [0, kv_len) at key positions <= query position.
+        Writes K/V at ``pos``; attends to cache rows [0, kv_len) at key positions <= query position
+        (the Triton set ignores ``kv_len``: it reads rows <= each query's position directly).
         """
+        if self.kernels == "triton":
+            return self.fused_step(x, pos)
+        return self.plain_step(x, pos, kv_len)
+
+    def fused_step(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``plain_step`` through the fused kernels of ``kernels.py`` (no mask, no span)."""
+        H, KV, eps = self.n_heads, self.n_kv, self.eps
+        layers = self.layers
+        s, h = K.add_rms_norm(x, None, layers[0].input_layernorm.weight, eps)
+        for li, layer in enumerate(layers):
+            att = layer.self_attn
+            qkv = F.linear(h, self.wqkv[li])
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            q = K.qk_norm_rope_cache(qkv, att.q_norm.weight, att.k_norm.weight, self.cos, self.sin, pos, kc, vc,
+                                     H, KV, eps)
+            o = K.attention(q, kc, vc, pos)
+            a = F.linear(o.flatten(2), att.o_proj.weight)
+            s, h = K.add_rms_norm(s, a, layer.post_attention_layernorm.weight, eps)
+            m = K.silu_mul(F.linear(h, self.w13[li]))
+            nxt = layers[li + 1].input_layernorm.weight if li + 1 < len(layers) else self.norm_w
+            s, h = K.add_rms_norm(s, F.linear(m, layer.mlp.down_proj.weight), nxt, eps)
+        return h
+
+    def plain_step(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """The reference step: eager torch ops, SDPA under a mask over [0, kv_len)."""
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B,1,T,D]
@@ -108,11 +154,16 @@ class StaticDecoder(nn.Module):
 
     # ---- CUDA graphs: one per attention-span bucket ------------------------------------------
     @torch.no_grad()
-    def decode_graph(self, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int):
-        """``decode`` through a CUDA graph captured once per ``kv_len`` (use bucketed spans)."""
+    def decode_graph(self, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None):
+        """``decode`` through a CUDA graph captured once per ``kv_len`` (use bucketed spans); with
+        the Triton kernels one graph serves every position (``kv_len`` is ignored)."""
+        if self.kernels == "triton":
+            kv_len = None
         if kv_len not in self._graphs:
             st = torch.zeros_like(tokens)
-            sp = torch.zeros_like(pos)
+            # Warm-up runs execute: write their K/V in the last row (rewritten before any read),
+            # never over the live prefix at row 0.
+            sp = torch.full_like(pos, self.max_len - 1)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -128,3 +179,33 @@ class StaticDecoder(nn.Module):
         sp.copy_(pos)
         g.replay()
         return logits, hidden
+
+    @torch.no_grad()
+    def prefill_graph(self, embeds: torch.Tensor, start: int) -> torch.Tensor:
+        """``prefill`` through a CUDA graph captured once per input length (Triton kernels only:
+        the plain step's mask depends on ``start``). Returns a copy of the final-norm hidden."""
+        if self.kernels != "triton":
+            raise ValueError("prefill_graph needs kernels='triton' (the plain step's span depends on start)")
+        B, T, _ = embeds.shape
+        if start + T > self.max_len:
+            raise ValueError(f"static cache of {self.max_len} positions cannot hold {start + T}")
+        key = (B, T)
+        if key not in self._prefill_graphs:
+            sx = torch.zeros(B, T, embeds.shape[-1], dtype=self.dtype, device=self.device)
+            # Warm-up / capture positions: the last T rows, overwritten by any real prefill there.
+            sp = torch.arange(self.max_len - T, self.max_len, device=self.device)[None].expand(B, T).contiguous()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.fused_step(sx, sp)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = self.fused_step(sx, sp)
+            self._prefill_graphs[key] = (g, sx, sp, out)
+        g, sx, sp, out = self._prefill_graphs[key]
+        sx.copy_(embeds)
+        sp.copy_(torch.arange(start, start + T, device=self.device)[None].expand(B, T))
+        g.replay()
+        return out.clone()
