@@ -110,6 +110,67 @@ def code2wav_cmd(
                f"vocoder {info['vocoder']}, {'streamed' if stream else 'whole utterance'}")
 
 
+@app.command("talker")
+def talker_cmd(
+    model: str = typer.Option(..., "--model", help="Snapshot dir (Thinker, tokenizer and tts.* weights)."),
+    text: str = typer.Option(..., "--text", help="The user's words; the Thinker answers and the Talker voices it."),
+    codes_out: Path = typer.Option(..., "--codes-out", help="JSON list of codec ids (0..6560, no EOS) to write."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the Thinker and Talker sampling."),
+    profile: str = typer.Option("minicpmo_4_5_turn_mrv2", "--profile", help="Turn-mode deploy profile (name or YAML)."),
+    max_codes: Optional[int] = typer.Option(None, "--max-codes", help="Talker code limit (default 2048)."),
+    min_codes: int = typer.Option(50, "--min-codes", help="Codes before EOS may be drawn (upstream 50)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Thinker text token limit (default 256)."),
+    capacity: Optional[int] = typer.Option(None, "--capacity", help="Talker slots (default: the profile's)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+) -> None:
+    """Text -> Thinker (text + hidden states) -> Talker -> codec ids (JSON)."""
+    from .runtime.jobs import run_talker
+
+    try:
+        info = run_talker(model, text, codes_out, seed=seed, profile=profile, max_codes=max_codes,
+                          min_codes=min_codes, max_new_tokens=max_new_tokens, capacity=capacity, device=device)
+    except MiniCPMORTError as exc:
+        _fail(exc)
+    if info["warning"]:
+        typer.echo(info["warning"])
+    typer.echo(f"thinker: {info['tokens']} tokens ({'stopped by ' + str(info['terminator']) if info['terminator'] else 'token limit'}): {info['text']!r}")
+    typer.echo(f"wrote {codes_out}: {info['codes']} codes ({info['codes'] / 25:.2f} s at 25 Hz) in {info['wall_s']:.2f} s "
+               f"(profile {info['profile']}, {info['capacity']} talker slots)")
+
+
+@app.command("speak")
+def speak_cmd(
+    model: str = typer.Option(..., "--model", help="Snapshot dir (all weights, tokenizer, assets/token2wav/)."),
+    text: str = typer.Option(..., "--text", help="The user's words; the answer is spoken."),
+    voice: Path = typer.Option(..., "--voice", help="Reference recording of the voice to speak in."),
+    output: Path = typer.Option(..., "--output", help="WAV to write (24 kHz, float32)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the Thinker and Talker sampling."),
+    profile: str = typer.Option("minicpmo_4_5_turn_mrv2", "--profile", help="Turn-mode deploy profile (name or YAML)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Thinker text token limit (default 256)."),
+    max_codes: Optional[int] = typer.Option(None, "--max-codes", help="Talker code limit (default 2048)."),
+    min_codes: int = typer.Option(50, "--min-codes", help="Codes before EOS may be drawn (upstream 50)."),
+    capacity: Optional[int] = typer.Option(None, "--capacity", help="Talker slots (default: the profile's)."),
+    n_timesteps: Optional[int] = typer.Option(None, "--n-timesteps", help="Euler steps of the flow (default: the profile's)."),
+    codes_out: Optional[Path] = typer.Option(None, "--codes-out", help="Also write the codec ids as JSON."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+) -> None:
+    """One spoken turn: text -> Thinker -> Talker -> Code2Wav -> 24 kHz WAV."""
+    from .runtime.jobs import run_speak
+
+    try:
+        info = run_speak(model, text, voice, output, seed=seed, profile=profile, max_codes=max_codes,
+                         min_codes=min_codes, max_new_tokens=max_new_tokens, capacity=capacity,
+                         n_timesteps=n_timesteps, device=device, codes_out=codes_out)
+    except MiniCPMORTError as exc:
+        _fail(exc)
+    if info["warning"]:
+        typer.echo(info["warning"])
+    typer.echo(f"thinker: {info['tokens']} tokens ({'stopped by ' + str(info['terminator']) if info['terminator'] else 'token limit'}): {info['text']!r}")
+    typer.echo(f"talker: {info['codes']} codes; code2wav: {info['chunks']} chunks, {info['n_timesteps']} Euler steps")
+    typer.echo(f"wrote {output}: {info['samples']} samples ({info['seconds']:.2f} s at 24 kHz) in {info['wall_s']:.2f} s "
+               f"(profile {info['profile']}, {info['capacity']} talker slots)")
+
+
 @app.command("make-targets")
 def make_targets_cmd(
     easycom_root: Path = typer.Option(..., "--easycom-root", help="EasyCom Main/ folder (holds Speech_Transcriptions/)."),

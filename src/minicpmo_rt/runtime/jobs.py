@@ -1,0 +1,109 @@
+"""File-level jobs behind ``minicpmo-rt talker`` and ``minicpmo-rt speak``.
+
+Every input is checked before a model is loaded, and outputs are written atomically
+(temporary file beside the target, then rename), so a failed run leaves no output file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import InputError
+from .contracts import TurnRequest
+from .turn import DEFAULT_PROFILE, TurnPipeline, TurnTrace
+
+REAL_LLM_HIDDEN = 4096  # MiniCPM-o 4.5's Qwen3-8B
+
+
+def write_json_atomic(path: Path, data) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _check_inputs(text: str, profile: str, voice: Path | None = None) -> None:
+    from ..profiles import load_profile
+
+    if not text or not text.strip():
+        raise InputError("--text is empty; pass the user's words to answer, e.g. --text \"Hello!\"")
+    if voice is not None and not Path(voice).is_file():
+        raise InputError(f"--voice {voice}: reference audio not found; pass a WAV of the voice to speak in")
+    prof = load_profile(profile)
+    if prof.mode != "turn":
+        raise InputError(f"--profile {profile}: a {prof.mode} profile; pass a turn-mode profile "
+                         f"(e.g. {DEFAULT_PROFILE})")
+
+
+def _pipeline(model, profile, device, with_code2wav, capacity, min_codes, n_timesteps=None) -> TurnPipeline:
+    from ..talker.sampler import SamplingParams
+
+    if min_codes < 0:
+        raise InputError(f"--min-codes must be >= 0, got {min_codes}")
+    return TurnPipeline.from_snapshot(model, profile, device=device, with_code2wav=with_code2wav,
+                                      n_timesteps=n_timesteps, capacity=capacity,
+                                      talker_params=SamplingParams(min_codes=min_codes))
+
+
+def tiny_warning(pipe: TurnPipeline) -> str | None:
+    h = pipe.thinker.config.llm.hidden_size
+    if h < REAL_LLM_HIDDEN:
+        return (f"warning: this checkpoint's dims are tiny (LLM hidden {h}, the real model has {REAL_LLM_HIDDEN}): "
+                "it is a random-weight test checkpoint, so its text is gibberish and its audio is noise")
+    return None
+
+
+def run_talker(model: str, text: str, codes_out: Path, seed: int = 0, profile: str = DEFAULT_PROFILE,
+               max_codes: int | None = None, min_codes: int = 50, max_new_tokens: int | None = None,
+               capacity: int | None = None, device: str = "cpu") -> dict:
+    """Thinker generate -> Talker; writes the codec ids (no EOS) as a JSON list."""
+    _check_inputs(text, profile)
+    req = TurnRequest.make("cli", text, None, seed, max_new_tokens, max_codes)
+    t = time.perf_counter()
+    pipe = _pipeline(model, profile, device, False, capacity, min_codes)
+    trace = TurnTrace()
+    codes = pipe.codes([req], trace)["cli"]
+    write_json_atomic(codes_out, codes)
+    return {"codes": len(codes), "text": trace.talker_inputs["cli"].text,
+            "tokens": len(trace.talker_inputs["cli"].token_ids), "terminator": trace.talker_inputs["cli"].terminator,
+            "wall_s": time.perf_counter() - t, "warning": tiny_warning(pipe), "profile": pipe.profile.name,
+            "capacity": pipe.talker.capacity}
+
+
+def run_speak(model: str, text: str, voice: Path, output: Path, seed: int = 0, profile: str = DEFAULT_PROFILE,
+              max_codes: int | None = None, min_codes: int = 50, max_new_tokens: int | None = None,
+              capacity: int | None = None, n_timesteps: int | None = None, device: str = "cpu",
+              codes_out: Path | None = None) -> dict:
+    """The whole turn pipeline to a 24 kHz float WAV (and optionally the codes as JSON)."""
+    from ..code2wav.io import write_wav_atomic
+    from .turn import collect
+
+    _check_inputs(text, profile, voice)
+    if n_timesteps is not None and n_timesteps < 1:
+        raise InputError(f"--n-timesteps must be >= 1, got {n_timesteps}")
+    req = TurnRequest.make("cli", text, voice, seed, max_new_tokens, max_codes)
+    t = time.perf_counter()
+    pipe = _pipeline(model, profile, device, True, capacity, min_codes, n_timesteps)
+    trace = TurnTrace()
+    chunks = list(pipe.run([req], trace))
+    wav = collect(chunks)["cli"]
+    codes = trace.codes("cli")
+    write_wav_atomic(output, wav)
+    if codes_out is not None:
+        write_json_atomic(codes_out, codes)
+    wall = time.perf_counter() - t
+    return {"samples": len(wav), "seconds": len(wav) / 24000, "codes": len(codes), "chunks": len(chunks),
+            "text": trace.talker_inputs["cli"].text, "tokens": len(trace.talker_inputs["cli"].token_ids),
+            "terminator": trace.talker_inputs["cli"].terminator, "wall_s": wall,
+            "warning": tiny_warning(pipe), "profile": pipe.profile.name, "capacity": pipe.talker.capacity,
+            "n_timesteps": pipe.code2wav.n_timesteps}

@@ -1,0 +1,282 @@
+"""Turn-mode spoken conversation: text in, 24 kHz speech out, through three decoupled stages.
+
+    pipe = TurnPipeline.from_snapshot("/path/to/MiniCPM-o-4_5")     # profile: generic MRv2
+    for pcm in pipe.respond("Hello!", voice="ref.wav", seed=0):    # PcmChunk, in order
+        play(pcm.samples)
+
+1. Thinker: prompt (system + user + ``...<|tts_bos|>``) is prefilled, then ``thinker.generate``
+   samples text; every token becomes a ``ThinkerStep`` with its final-norm hidden row. A turn
+   terminator ends the text and never reaches the Talker.
+2. Talker: the steps of a request are collected into a ``TalkerInput`` and submitted to the
+   ``TalkerEngine`` (fixed slots, so several requests share each decode step); it emits
+   ``CodecChunk``s (3 context codes + window, final flag).
+3. Code2Wav: each chunk is pushed into its request's stream; the audio comes out as
+   ``PcmChunk``s aligned to the codes (the vocoder's lead-in and the 3 silence context codes
+   of the first payload are cut, so a request yields exactly 960 samples per code).
+
+Stages hand over through ``snapshot.SnapshotPublisher``s (Thinker steps per request, codec
+chunks for all requests) and touch nothing but the contracts. Here they run one after the
+other on the calling thread; the Thinker runs every request before the Talker starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+from ..talker.engine import CONTEXT_CODES, TalkerEngine, TalkerRequest
+from .contracts import CodecChunk, Message, PcmChunk, TalkerInput, ThinkerStep, TurnRequest
+from .snapshot import SnapshotPublisher, SnapshotReader
+
+DEFAULT_PROFILE = "minicpmo_4_5_turn_mrv2"
+SAMPLES_PER_CODE = 960  # 24 kHz / 25 Hz
+
+
+@dataclass
+class TurnTrace:
+    """What crossed each stage boundary, per request (for callers that report or test it)."""
+
+    steps: dict[str, list[ThinkerStep]] = field(default_factory=dict)
+    talker_inputs: dict[str, TalkerInput] = field(default_factory=dict)
+    talker_requests: dict[str, TalkerRequest] = field(default_factory=dict)
+    chunks: dict[str, list[CodecChunk]] = field(default_factory=dict)
+
+    def codes(self, request_id: str) -> list[int]:
+        """The request's codec ids in order (context and EOS excluded)."""
+        return [c for ch in self.chunks.get(request_id, []) for c in ch.codes[ch.n_context:]]
+
+
+def turn_prompt(builder, messages: Sequence[Message]):
+    """System (the default one unless given) + earlier turns through the chat template, then
+    ``<|im_start|>user\\n{text}`` and the assistant bos ending in ``<|tts_bos|>`` (upstream's
+    streaming turn layout, text only: no reference audio is fed to the Thinker)."""
+    from ..thinker.prompt import DEFAULT_SYSTEM_PROMPT, apply_chat_template
+
+    msgs = list(messages)
+    if msgs[0]["role"] != "system":
+        msgs.insert(0, {"role": "system", "content": DEFAULT_SYSTEM_PROMPT})
+    piece = builder.from_text(apply_chat_template(msgs[:-1]) + builder.user_prefix() + msgs[-1]["content"])
+    if piece.slots:
+        raise InputError("user text contains audio/image markers (<|audio_start|>, <image>...); "
+                         "this pipeline takes plain text")
+    return piece + builder.assistant_bos()
+
+
+class TurnPipeline:
+    def __init__(self, thinker, tokenizer, talker_engine: TalkerEngine, code2wav=None, profile=None,
+                 sampling=None):
+        from ..thinker.generate import SamplingConfig, forbidden_token_ids
+        from ..thinker.prompt import PromptBuilder
+
+        if profile is not None and profile.mode != "turn":
+            raise InputError(f"profile {profile.name!r} is a {profile.mode} profile; the turn pipeline needs a "
+                             f"turn-mode profile (e.g. {DEFAULT_PROFILE})")
+        self.thinker, self.tokenizer, self.talker, self.code2wav = thinker, tokenizer, talker_engine, code2wav
+        self.profile = profile
+        self.sampling = sampling or SamplingConfig()
+        self.builder = PromptBuilder(tokenizer)
+        self.forbidden = forbidden_token_ids(tokenizer)  # upstream masks these while speaking
+
+    @classmethod
+    def from_snapshot(cls, model: Union[str, Path], profile: str = DEFAULT_PROFILE, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32, with_code2wav: bool = True,
+                      n_timesteps: int | None = None, capacity: int | None = None,
+                      talker_params=None, sampling=None) -> "TurnPipeline":
+        """Load every stage from a snapshot; ``capacity``/``n_timesteps`` override the profile."""
+        from ..checkpoint.snapshot import resolve_snapshot
+        from ..checkpoint.tokenizer import load_tokenizer
+        from ..code2wav.pipeline import Code2Wav
+        from ..profiles import load_profile
+        from ..talker.load import load_talker
+        from ..talker.sampler import SamplingParams
+        from ..thinker.model import Thinker
+
+        prof = load_profile(profile)
+        if prof.mode != "turn":
+            raise InputError(f"profile {prof.name!r} is a {prof.mode} profile; pass a turn-mode profile "
+                             f"(e.g. {DEFAULT_PROFILE})")
+        if capacity is not None and capacity < 1:
+            raise InputError(f"talker capacity must be >= 1, got {capacity}")
+        snap = resolve_snapshot(model)
+        thinker = Thinker.from_snapshot(snap.path, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(snap.path)
+        engine = TalkerEngine(load_talker(snap.path, dtype, device), capacity or prof.talker.capacity,
+                              prof.talker.kv_cache_bytes, talker_params or SamplingParams(),
+                              prof.talker.window, prof.talker.first_window)
+        c2w = None
+        if with_code2wav:
+            c2w = Code2Wav.from_snapshot(snap.path, device=device,
+                                         n_timesteps=n_timesteps or prof.code2wav.n_timesteps)
+        return cls(thinker, tokenizer, engine, c2w, prof, sampling)
+
+    # ---- stage 1: Thinker ---------------------------------------------------------------------
+    @torch.no_grad()
+    def think(self, req: TurnRequest) -> Iterator[list[ThinkerStep]]:
+        """Prefill the turn prompt and generate; yields the ThinkerSteps of each generation chunk."""
+        from ..thinker.generate import iter_generate
+
+        th = self.thinker
+        piece = turn_prompt(self.builder, req.messages)
+        cache = th.new_cache()
+        prefill = th.forward_embeds(th.embed_tokens(piece.ids), cache, logits=True)
+        sampling = self.sampling
+        if req.max_new_tokens is not None:
+            sampling = replace(sampling, max_new_tokens=req.max_new_tokens)
+        gen = torch.Generator(device=prefill.logits.device).manual_seed(req.seed)
+        position = len(piece)
+        ids: list[int] = []
+        said = ""
+        for chunk in iter_generate(th.llm, cache, prefill.logits, sampling, forbidden_ids=self.forbidden,
+                                   generator=gen):
+            rows = chunk.hidden.detach().float().cpu()
+            steps = []
+            for i, tok in enumerate(chunk.token_ids):
+                ids.append(tok)
+                text = self.tokenizer.decode(ids)
+                piece_text = ""
+                if not text.endswith("\ufffd"):  # wait for the rest of a split UTF-8 character
+                    piece_text, said = text[len(said):], text
+                steps.append(ThinkerStep(req.request_id, position, tok, piece_text, rows[i].clone(), False))
+                position += 1
+            if chunk.terminator is not None:
+                steps.append(ThinkerStep(req.request_id, position, chunk.terminator,
+                                         self.tokenizer.decode([chunk.terminator]), None, True))
+            yield steps
+
+    # ---- stages 1 + 2: text and codec chunks ----------------------------------------------------
+    def _check(self, requests: Sequence[TurnRequest], need_voice: bool) -> None:
+        if not requests:
+            raise InputError("no requests; pass at least one TurnRequest")
+        busy = {s.request.request_id for s in self.talker.slots.values()} | \
+               {p.request_id for p in self.talker.pending}
+        seen: set[str] = set()
+        for r in requests:
+            if r.request_id in seen or r.request_id in busy:
+                raise InputError(f"request id {r.request_id!r} is used twice; give every request its own id")
+            seen.add(r.request_id)
+            if need_voice:
+                if r.voice is None:
+                    raise InputError(f"request {r.request_id!r}: no voice; pass a reference recording (WAV)")
+                self.code2wav.features(r.voice)  # reads and validates it before any model work
+
+    def codec_chunks(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None) -> Iterator[CodecChunk]:
+        """Stages 1 and 2: every request through the Thinker, then all of them through the
+        Talker's slots together; yields CodecChunks as the engine emits them."""
+        trace = trace if trace is not None else TurnTrace()
+        staged: list[TalkerRequest] = []
+        for req in requests:
+            out: SnapshotPublisher[ThinkerStep] = SnapshotPublisher(f"thinker[{req.request_id}]")
+            reader = SnapshotReader(out)
+            for steps in self.think(req):
+                out.publish(*steps)
+            out.close()
+            steps = list(reader.poll())
+            talker_input = TalkerInput.from_steps(req.request_id, steps)
+            talker_req = talker_input.to_request(req.seed, req.max_codes)
+            trace.steps[req.request_id] = steps
+            trace.talker_inputs[req.request_id] = talker_input
+            trace.talker_requests[req.request_id] = talker_req
+            trace.chunks[req.request_id] = []
+            staged.append(talker_req)
+        for talker_req in staged:  # a request that can never fit fails before any is admitted
+            if self.talker.need_tokens(talker_req) > self.talker.max_len:
+                self.talker.submit(talker_req)  # raises the engine's named error
+        for talker_req in staged:
+            self.talker.submit(talker_req)
+        ids = {r.request_id for r in requests}
+        try:
+            while self.talker.pending or self.talker.slots:
+                for ch in self.talker.step():
+                    if ch.request_id in ids:
+                        trace.chunks[ch.request_id].append(ch)
+                    yield ch
+        finally:
+            self._abandon(ids)
+
+    def _abandon(self, ids: set[str]) -> None:
+        """Free the slots of requests whose consumer stopped early (or failed), so the engine
+        can serve the next call; finished rows are skipped by every later decode step."""
+        eng = self.talker
+        eng.pending = type(eng.pending)(r for r in eng.pending if r.request_id not in ids)
+        for slot, s in list(eng.slots.items()):
+            if s.request.request_id in ids:
+                eng.state.finished[slot] = True
+                del eng.slots[slot]
+
+    def codes(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None) -> dict[str, list[int]]:
+        """Stages 1 and 2 only: each request's codec ids (no EOS)."""
+        self._check(requests, need_voice=False)
+        trace = trace if trace is not None else TurnTrace()
+        for _ in self.codec_chunks(requests, trace):
+            pass
+        return {r.request_id: trace.codes(r.request_id) for r in requests}
+
+    # ---- stage 3: Code2Wav ------------------------------------------------------------------------
+    def run(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None) -> Iterator[PcmChunk]:
+        """All three stages; PcmChunks of different requests interleave, each request's in order.
+        Inputs (ids, voices) are checked before the first chunk is produced."""
+        if self.code2wav is None:
+            raise InputError("this pipeline was built without Code2Wav; build it with with_code2wav=True")
+        self._check(requests, need_voice=True)
+        return self._run(list(requests), trace)
+
+    def _run(self, requests: list[TurnRequest], trace: TurnTrace | None) -> Iterator[PcmChunk]:
+        voices = {r.request_id: r.voice for r in requests}
+        codec_out: SnapshotPublisher[CodecChunk] = SnapshotPublisher("talker")
+        reader = SnapshotReader(codec_out)
+        streams: dict = {}
+        skip: dict[str, int] = {}
+        seq: dict[str, int] = {}
+        try:
+            for ch in self.codec_chunks(requests, trace):
+                codec_out.publish(ch)
+                for chunk in reader.poll():
+                    rid = chunk.request_id
+                    if rid not in voices:
+                        continue
+                    if rid not in streams:
+                        streams[rid] = self.code2wav.open_stream(voices[rid])
+                        # The first payload also decodes the vocoder lead-in and the silence context.
+                        skip[rid] = streams[rid].lead_samples + CONTEXT_CODES * SAMPLES_PER_CODE
+                        seq[rid] = 0
+                    wav = streams[rid].push(list(chunk.codes), chunk.final)
+                    cut = min(skip[rid], len(wav))
+                    skip[rid] -= cut
+                    wav = wav[cut:]
+                    if len(wav) or chunk.final:
+                        yield PcmChunk(rid, seq[rid], wav, chunk.final)
+                        seq[rid] += 1
+            codec_out.close()
+        finally:
+            for s in streams.values():
+                s.close()
+
+    def respond(self, text_or_messages: Union[str, Sequence[Message]], voice, request_id: str = "turn-0",
+                seed: int = 0, max_new_tokens: int | None = None, max_codes: int | None = None,
+                trace: TurnTrace | None = None) -> Iterator[PcmChunk]:
+        """One turn: user text (or a message list ending with the user's) -> PcmChunks in order."""
+        req = TurnRequest.make(request_id, text_or_messages, voice, seed, max_new_tokens, max_codes)
+        return self.run([req], trace)
+
+    def respond_waveform(self, text_or_messages: Union[str, Sequence[Message]], voice, request_id: str = "turn-0",
+                         seed: int = 0, max_new_tokens: int | None = None, max_codes: int | None = None,
+                         trace: TurnTrace | None = None) -> np.ndarray:
+        """The whole answer as one float32 waveform at 24 kHz."""
+        chunks = list(self.respond(text_or_messages, voice, request_id, seed, max_new_tokens, max_codes, trace))
+        return collect(chunks)[request_id]
+
+
+def collect(chunks: Sequence[PcmChunk]) -> dict[str, np.ndarray]:
+    """Concatenate each request's PcmChunks (checking they arrived in order)."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for c in chunks:
+        got = parts.setdefault(c.request_id, [])
+        if c.seq != len(got):
+            raise ValueError(f"request {c.request_id!r}: chunk {c.seq} arrived after {len(got)} chunks")
+        got.append(c.samples)
+    return {rid: np.concatenate(p).astype(np.float32, copy=False) for rid, p in parts.items()}
