@@ -137,3 +137,16 @@ def test_make_tiny_writes_the_1_0_7_asset_set(tiny_ckpt):
     assert (voc.stream.variant, voc.whole.variant) == (CAUSAL, ORIGINAL)
     assert read_vocoder_yaml(d / "config.yaml").hift == voc.stream.model.cfg == TINY
     VoiceFrontend(d)
+
+
+def test_stream_snapshot_restore_replays(assets):
+    mel = torch.randn(1, 80, 40) - 5
+    for v in load_vocoders(assets).stream, load_vocoder(assets / WHOLE_FILE):
+        st = v.open_stream(generator=torch.Generator().manual_seed(1))
+        st.push(mel[:, :, :16])
+        snap = st.snapshot()
+        first = [st.push(mel[:, :, 16:30]), st.push(mel[:, :, 30:], last=True)]
+        st.restore(snap)
+        again = [st.push(mel[:, :, 16:30]), st.push(mel[:, :, 30:], last=True)]
+        for a, b in zip(first, again):
+            assert a.shape == b.shape and torch.equal(a, b)

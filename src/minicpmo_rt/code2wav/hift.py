@@ -369,6 +369,22 @@ class HiFTStream:
         self.pending = p.new_zeros(1, self.model.cfg.in_channels, 0)
         self.finished = False
 
+    _STATE = ("mel_cache", "source_cache", "speech_cache", "pending", "finished")
+
+    def snapshot(self) -> dict:
+        """The stream's state (tensors shared, never mutated in place), plus the RNG state of
+        its ``generator`` if it has one, so ``restore`` replays exactly (rollback)."""
+        snap = {k: getattr(self, k) for k in self._STATE}
+        if self.generator is not None:
+            snap["rng"] = self.generator.get_state()
+        return snap
+
+    def restore(self, snap: dict) -> None:
+        for k in self._STATE:
+            setattr(self, k, snap[k])
+        if self.generator is not None and "rng" in snap:
+            self.generator.set_state(snap["rng"])
+
     @torch.inference_mode()
     def push(self, mel: torch.Tensor, last: bool = False) -> torch.Tensor:
         """mel [1, 80, t] (t >= 0) -> new 24 kHz samples [1, n] float32."""

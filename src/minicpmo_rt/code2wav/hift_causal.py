@@ -296,6 +296,16 @@ class BoundedStream:
         self.finished = False
         self.started = False
 
+    _STATE = ("mel", "source", "phase", "mel_offset", "source_offset", "source_end", "emitted", "finished", "started")
+
+    def snapshot(self) -> dict:
+        """The stream's state (tensors are replaced, never mutated in place, so sharing is safe)."""
+        return {k: getattr(self, k) for k in self._STATE}
+
+    def restore(self, snap: dict) -> None:
+        for k in self._STATE:
+            setattr(self, k, snap[k])
+
     @property
     def delay_samples(self) -> int:
         return self.model.delay_frames * self.hop

@@ -52,6 +52,12 @@ class VocoderStream(Protocol):
     def reset(self) -> None:
         """Forget the utterance; the next push starts a new one."""
 
+    def snapshot(self) -> dict:
+        """Opaque state for ``restore`` (turn rollback); cheap, shares tensors."""
+
+    def restore(self, snap: dict) -> None:
+        """Return to a ``snapshot``; later pushes then give what they gave after it."""
+
 
 # ----------------------------------------------------------------------------- state dicts
 
