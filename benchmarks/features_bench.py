@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--height", type=int, default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--decoder", default="pyav", choices=("pyav", "decord"))
+    ap.add_argument("--decoder-threads", type=int, default=0,
+                    help="decoder threads (0: FFmpeg's choice, all cores; the seed's commands use 1)")
     ap.add_argument("--periodic", type=int, default=250, help="N of the periodic-audit configuration")
     args = ap.parse_args()
     tiny = args.tiny
@@ -112,6 +114,7 @@ def main() -> None:
 
     def opts(mode: str, every: int, end: float | None, output: Path) -> ex.ExtractOptions:
         return ex.ExtractOptions(easycom_session_dir=vdir, mode=mode, end=end, output=output, decoder=args.decoder,
+                                 decoder_threads=args.decoder_threads,
                                  verify_every=every, future_intervention_every=every, progress=False,
                                  frame_cache_size=32, dtype=info["dtype"], device=str(device),
                                  command_line="benchmarks/features_bench.py")
@@ -143,10 +146,11 @@ def main() -> None:
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "dtype": info["dtype"], "weights": info["model_id"], "params": n_params,
            "session": {"seconds": seconds, "width": width, "height": height, "fps": 20}, "decoder": args.decoder,
-           "tiny": tiny}
+           "decoder_threads": args.decoder_threads, "tiny": tiny}
     (args.out / "features_bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
     lines = [f"# Feature extractor benchmark ({env['device']}, {env['weights']}, {env['dtype']})", "",
-             f"Synthetic {seconds:.0f}-s {width}x{height} 20 fps session; decoder {args.decoder}; torch {torch.__version__}.",
+             f"Synthetic {seconds:.0f}-s {width}x{height} 20 fps session; decoder {args.decoder} "
+             f"(threads {args.decoder_threads or 'auto'}); torch {torch.__version__}.",
              "", "| mode | audit cadence | session s | wall s | x real time | goal | audits | peak GPU GiB |",
              "|---|---|---:|---:|---:|---:|---|---:|"]
     for r in rows:
