@@ -21,9 +21,9 @@ TINY = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=4.0, depth=2, num_h
 S = 3
 
 
-def tiny_cfm(seed=0, cfg=TINY):
+def tiny_cfm(seed=0, cfg=TINY, mild=False):
     cfm = CausalConditionalCFM(CFMConfig(estimator=cfg), noise_frames=2000)
-    randomize(cfm.estimator, seed)
+    randomize(cfm.estimator, seed, mild=mild)
     return cfm.eval()
 
 
@@ -97,7 +97,7 @@ def test_tf32_scope_is_restored_after_solve_and_on_error():
 def test_cuda_graph_matches_eager(body, tf32):
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfm = tiny_cfm(seed=4, cfg=FULL_SIZE.dit).cuda()
+    cfm = tiny_cfm(seed=4, cfg=FULL_SIZE.dit, mild=True).cuda()
     global S
     S_saved, S = S, 10
     try:

@@ -19,13 +19,20 @@ from conftest import rel_err, requires_cuda  # noqa: E402
 TINY = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=4.0, depth=2, num_heads=2, head_dim=32, hidden_size=64)
 
 
-def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Non-trivial weights everywhere (upstream init zeroes adaLN and the final layer)."""
+def randomize(module: torch.nn.Module, seed: int, mild: bool = False) -> torch.nn.Module:
+    """Non-trivial weights everywhere (upstream init zeroes adaLN and the final layer).
+
+    ``mild`` (small biases, norm gains near 1, as the benchmark uses) for whole 10-step solves at
+    full size: with the default large biases the solve amplifies fp32 rounding itself (measured on
+    CPU: fp32 vs fp64 of the reference solve 1.6e-6 mel / 4.4e-6 CNN cache), too close to 1e-5.
+    """
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if "norm" in name and name.endswith("weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+                p.copy_(1 + (0.1 if mild else 0.2) * torch.randn(p.shape, generator=g))
+            elif mild and p.dim() == 1:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
             else:
                 fan_in = p.shape[-1] if p.dim() > 1 else 16
                 if p.dim() == 3:
