@@ -40,6 +40,13 @@ so holding them is a free clone), the chunk index, RNG states, history length an
 open unit, position offset and the last read-out. Pruning cannot be undone by
 truncation, so ``transaction()`` suspends it, and restoring a snapshot taken before a
 pruning event is refused.
+
+LLM cache backend (``llm_cache``, see ``llm_cache.py``): ``"dynamic"`` (default, the plain
+reference: transformers' forward on a DynamicCache) or ``"static"`` (the fast path: the
+packed-weight static-cache prefill, fused Triton kernels and CUDA-graph prefill on CUDA).
+Both hold the same rows under the same snapshot/truncate/prune semantics. The static
+cache is preallocated: ``static_capacity`` rows (default: the window's high watermark plus
+``STATIC_HEADROOM`` for units fed while pruning is suspended, or the model's positions).
 """
 
 from __future__ import annotations
@@ -55,10 +62,12 @@ from ..errors import InputError, MiniCPMORTError
 from .audio import AudioEncoderCache
 from .image_processor import ProcessedImage, process_image
 from .mel import SAMPLE_RATE, MelState, StreamingMel
-from .model import Thinker, cache_checksum, cache_length, drop_rows, truncate_cache
+from .llm_cache import LLM_CACHES, make_llm_cache
+from .model import Thinker
 from .prompt import PromptBuilder, PromptPiece
 
 FIRST_CHUNK_PAD_SAMPLES = int(1035 * SAMPLE_RATE / 1000)  # upstream pads chunk 0 on the left to 1035 ms
+STATIC_HEADROOM = 2048  # static-cache rows above the window's high watermark (~26 units inside a transaction)
 
 
 class ContextLimitError(InputError):
@@ -214,7 +223,9 @@ class StreamingSession:
     """One causal input-only stream (see the module docstring for the exact layout)."""
 
     def __init__(self, thinker: Thinker, tokenizer, *, system_prompt: str | None = None,
-                 window: WindowPolicy | None = None, mel: StreamingMel | None = None):
+                 window: WindowPolicy | None = None, mel: StreamingMel | None = None,
+                 llm_cache: str = "dynamic", static_capacity: int | None = None, llm_kernels: str = "auto",
+                 llm_graphs: bool | None = None):
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -227,7 +238,14 @@ class StreamingSession:
         # accelerator the 30-s recomputation per call costs well under a millisecond).
         dev = thinker.device
         self.mel = mel if mel is not None else StreamingMel(device=None if dev.type == "cpu" else dev)
-        self.cache = thinker.new_cache()
+        if llm_cache not in LLM_CACHES:
+            raise InputError(f"llm_cache={llm_cache!r}: choose one of {', '.join(LLM_CACHES)}")
+        capacity = self.max_positions
+        if llm_cache == "static":
+            if static_capacity is None and self.window.enabled:
+                static_capacity = self.window.high_tokens + STATIC_HEADROOM
+            capacity = min(capacity, static_capacity or capacity)
+        self.llm_cache = make_llm_cache(llm_cache, thinker, capacity, kernels=llm_kernels, graphs=llm_graphs)
         self.audio_cache: AudioEncoderCache | None = None
         self.carry = _frozen(np.zeros(0, np.float32))  # samples received but not yet consumed by a chunk
         self.audio_chunk_idx = 0
@@ -246,9 +264,12 @@ class StreamingSession:
         if len(self.system_piece) > self.max_positions:
             raise ContextLimitError(f"system prompt: {len(self.system_piece)} tokens exceed the model's "
                                     f"{self.max_positions} positions; shorten it")
-        step = thinker.forward_embeds(thinker.embed_tokens(self.system_piece.ids), self.cache)
+        if len(self.system_piece) > self.llm_cache.capacity:
+            raise ContextLimitError(f"system prompt: {len(self.system_piece)} tokens exceed the static LLM cache's "
+                                    f"{self.llm_cache.capacity} rows; pass a larger static_capacity")
+        step = self.llm_cache.feed(thinker.embed_tokens(self.system_piece.ids))
         self._last_hidden = step.last
-        self.preserve = cache_length(self.cache)
+        self.preserve = self.llm_cache.length
 
     # -- public API -------------------------------------------------------------------------
     def commit(self, audio: np.ndarray, frame, *, sample_rate: int = SAMPLE_RATE) -> None:
@@ -294,8 +315,8 @@ class StreamingSession:
         """Capture everything ``restore`` needs; ``checksum=True`` also records the LLM cache
         checksum (a full read of the cache) so that ``restore`` verifies it."""
         return SessionSnapshot(
-            llm_cache_len=cache_length(self.cache),
-            llm_checksum=cache_checksum(self.cache) if checksum else None,
+            llm_cache_len=self.llm_cache.length,
+            llm_checksum=self.llm_cache.checksum() if checksum else None,
             audio_cache=self.audio_cache, mel_state=self.mel.snapshot(), carry=self.carry,
             audio_chunk_idx=self.audio_chunk_idx, rng=RNGState.capture(), history_len=len(self.history),
             open_unit=self.open_unit, next_unit_id=self.next_unit_id, position_offset=self.position_offset,
@@ -307,11 +328,11 @@ class StreamingSession:
             raise SnapshotError(f"restore: the snapshot was taken before {len(self.pruning_events) - snap.prune_count} "
                                 "pruning event(s); truncation cannot recreate pruned units (take snapshots inside "
                                 "`transaction()`, which suspends pruning)")
-        length = cache_length(self.cache)
+        length = self.llm_cache.length
         if length < snap.llm_cache_len:
             raise SnapshotError(f"restore: the LLM cache holds {length} rows, fewer than the snapshot's "
                                 f"{snap.llm_cache_len}; it was modified outside this session")
-        truncate_cache(self.cache, snap.llm_cache_len)
+        self.llm_cache.truncate(snap.llm_cache_len)
         self.audio_cache = snap.audio_cache
         self.mel.restore(snap.mel_state)
         self.carry = snap.carry
@@ -324,13 +345,13 @@ class StreamingSession:
         self.committed_chunks = snap.committed_chunks
         self._last_hidden = snap.last_hidden
         self._tail_appended = False
-        if snap.llm_checksum is not None and cache_checksum(self.cache) != snap.llm_checksum:
+        if snap.llm_checksum is not None and self.llm_cache.checksum() != snap.llm_checksum:
             raise SnapshotError("restore: the LLM cache checksum differs from the snapshot's after truncation")
 
     def fingerprint(self) -> SessionFingerprint:
         carry = hashlib.sha1(np.ascontiguousarray(self.carry).tobytes()).hexdigest()
         return SessionFingerprint(
-            llm_cache_len=cache_length(self.cache), llm_checksum=cache_checksum(self.cache),
+            llm_cache_len=self.llm_cache.length, llm_checksum=self.llm_cache.checksum(),
             audio_cache_len=self.audio_cache.length if self.audio_cache is not None else 0,
             audio_checksum=self.audio_cache.checksum() if self.audio_cache is not None else 0.0,
             mel_state=self.mel.state.digest() + (int(self.carry.shape[0]), carry),
@@ -364,7 +385,12 @@ class StreamingSession:
 
     @property
     def cache_len(self) -> int:
-        return cache_length(self.cache)
+        return self.llm_cache.length
+
+    @property
+    def cache(self):
+        """The backend's store: a transformers DynamicCache, or the StaticDecoder holding the static KV."""
+        return self.llm_cache.store
 
     # -- internals --------------------------------------------------------------------------
     def _check_frame(self, frame, where: str) -> ProcessedImage | None:
@@ -399,14 +425,19 @@ class StreamingSession:
         unit = self.prompts.duplex_unit([processed] if processed is not None else [],
                                         audio_embeds=int(audio.embeds.shape[0]))
         piece = closing + unit
-        start = cache_length(self.cache)
+        start = self.llm_cache.length
+        if start + len(piece) > self.llm_cache.capacity and self.llm_cache.capacity < self.max_positions:
+            raise ContextLimitError(
+                f"commit {self.committed_chunks}: the context would reach {start + len(piece)} rows, past the static "
+                f"LLM cache's {self.llm_cache.capacity} (pruning {'suspended' if self._suspended else 'active'}); "
+                "pass a larger static_capacity")
         if start + len(piece) > self.max_positions:
             raise ContextLimitError(
                 f"commit {self.committed_chunks}: the context would reach {start + len(piece)} positions, past the "
                 f"model's {self.max_positions} (window {self.window.name!r}, pruning "
                 f"{'suspended' if self._suspended else 'active'}); use a bounded WindowPolicy or shorter sessions")
         embeds = self._assemble(piece, images, audio.embeds)
-        step = th.forward_embeds(embeds, self.cache)
+        step = self.llm_cache.feed(embeds)
         # Commit the bookkeeping only after the forward succeeded.
         self._last_hidden = step.last
         self.audio_cache = audio.cache
@@ -434,7 +465,7 @@ class StreamingSession:
 
     def _enforce_window(self) -> None:
         w = self.window
-        before = cache_length(self.cache)
+        before = self.llm_cache.length
         if self._suspended or not w.enabled or before <= w.high_tokens:
             return
         drop_len, n_units, length = 0, 0, before
@@ -445,12 +476,12 @@ class StreamingSession:
             n_units += 1
         if not n_units:
             return
-        drop_rows(self.cache, self.preserve, drop_len, self.thinker.llm.model.rotary_emb.inv_freq)
+        self.llm_cache.drop_rows(self.preserve, drop_len, self.thinker.llm.model.rotary_emb.inv_freq)
         del self.history[:n_units]
         self.position_offset += drop_len
         self.pruning_events.append(PruneEvent(self.committed_chunks, before, drop_len, n_units))
         expected = self.preserve + sum(u.length for u in self.history) + \
             (self.open_unit.length if self.open_unit is not None else 0)
-        if expected != cache_length(self.cache):
+        if expected != self.llm_cache.length:
             raise SnapshotError(f"window: bookkeeping ({expected} rows) disagrees with the cache "
-                                f"({cache_length(self.cache)} rows) after pruning")
+                                f"({self.llm_cache.length} rows) after pruning")

@@ -1,0 +1,139 @@
+"""Where a ``StreamingSession`` keeps its LLM KV cache: two backends with one contract.
+
+- ``DynamicLLMCache`` (the plain reference, default): transformers' own Qwen3 forward on a
+  ``DynamicCache`` (``Thinker.forward_embeds``), truncation by slicing, pruning by
+  concatenation (``model.drop_rows``).
+- ``StaticLLMCache`` (the fast path): ``decode.StaticDecoder``'s preallocated cache, fed by
+  its packed-weight prefill (fused Triton kernels on CUDA, optionally one CUDA graph per
+  input length). Its length is a host-side integer, so truncation is free; rows past the
+  length are stale and never read (every prefill writes its rows before attending to them).
+
+Contract (what the session relies on): ``feed(embeds [L,H])`` appends L positions and
+returns the final-norm hidden of each; ``length``; ``truncate(n)`` keeps rows [0, n);
+``checksum()`` is a float64 sum of K and V over the live rows (comparable within one
+backend only); ``drop_rows(start, n, inv_freq)`` removes rows and re-rotates the kept
+suffix's keys exactly as ``model.drop_rows`` does (same fp32 element-wise arithmetic).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..errors import InputError
+from .decode import StaticDecoder
+from .model import LLMStep, Thinker, cache_checksum, cache_length, drop_rows, rerotate_keys, truncate_cache
+
+LLM_CACHES = ("dynamic", "static")
+
+
+class LLMCache(Protocol):
+    capacity: int
+
+    @property
+    def length(self) -> int: ...
+
+    def feed(self, embeds: torch.Tensor) -> LLMStep: ...
+
+    def truncate(self, length: int) -> None: ...
+
+    def checksum(self) -> float: ...
+
+    def drop_rows(self, start: int, length: int, inv_freq: torch.Tensor) -> None: ...
+
+
+class DynamicLLMCache:
+    """transformers' forward on a growing ``DynamicCache`` (``store``)."""
+
+    def __init__(self, thinker: Thinker, capacity: int):
+        self.thinker, self.capacity = thinker, capacity
+        self.store = thinker.new_cache()
+
+    @property
+    def length(self) -> int:
+        return cache_length(self.store)
+
+    def feed(self, embeds: torch.Tensor) -> LLMStep:
+        return self.thinker.forward_embeds(embeds, self.store)
+
+    def truncate(self, length: int) -> None:
+        truncate_cache(self.store, length)
+
+    def checksum(self) -> float:
+        return cache_checksum(self.store)
+
+    def drop_rows(self, start: int, length: int, inv_freq: torch.Tensor) -> None:
+        drop_rows(self.store, start, length, inv_freq)
+
+
+class StaticLLMCache:
+    """``StaticDecoder`` prefill on its preallocated cache (``store``) of ``capacity`` rows."""
+
+    def __init__(self, thinker: Thinker, capacity: int, kernels: str = "auto", graphs: bool | None = None):
+        self.thinker, self.capacity = thinker, capacity
+        self.store = StaticDecoder(thinker.llm, max_len=capacity, kernels=kernels)
+        if graphs is None:
+            graphs = self.store.kernels == "triton" and self.store.device.type == "cuda"
+        if graphs and not (self.store.kernels == "triton" and self.store.device.type == "cuda"):
+            raise InputError("static LLM cache: CUDA-graph prefill needs a CUDA model and the Triton kernels; "
+                             "pass graphs=False")
+        self.graphs = graphs
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @torch.no_grad()
+    def feed(self, embeds: torch.Tensor) -> LLMStep:
+        if embeds.dim() == 2:
+            embeds = embeds[None]
+        n = int(embeds.shape[1])
+        if self._length + n > self.capacity:
+            raise InputError(f"static LLM cache: {self._length} + {n} positions pass its capacity of {self.capacity}; "
+                             "build the session with a larger static_capacity (or a tighter window)")
+        run = self.store.prefill_graph if self.graphs else self.store.prefill
+        hidden = run(embeds, self._length)
+        self._length += n
+        return LLMStep(hidden[0])
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a {self._length}-row cache to {length} rows")
+        self._length = int(length)
+
+    def checksum(self) -> float:
+        n = self._length
+        if not n:
+            return 0.0
+        k, v = self.store.k_cache[:, :, :, :n], self.store.v_cache[:, :, :, :n]
+        return float(k.sum(dtype=torch.float64) + v.sum(dtype=torch.float64))
+
+    @torch.no_grad()
+    def drop_rows(self, start: int, length: int, inv_freq: torch.Tensor) -> None:
+        total = self._length
+        if length <= 0:
+            return
+        if start < 0 or start + length > total:
+            raise ValueError(f"cannot drop rows [{start}, {start + length}) of a {total}-row cache")
+        suffix = total - start - length
+        if suffix:
+            kc, vc = self.store.k_cache, self.store.v_cache
+            dev = kc.device
+            old = torch.arange(start + length, total, device=dev)
+            new = torch.arange(start, start + suffix, device=dev)
+            # All layers at once: the rotation is element-wise, so this equals the per-layer form.
+            keys = rerotate_keys(kc[:, :, :, start + length:total], old, new, inv_freq)
+            kc[:, :, :, start:start + suffix] = keys
+            vc[:, :, :, start:start + suffix] = vc[:, :, :, start + length:total].clone()
+        self._length = start + suffix
+
+
+def make_llm_cache(kind: str, thinker: Thinker, capacity: int, *, kernels: str = "auto",
+                   graphs: bool | None = None) -> DynamicLLMCache | StaticLLMCache:
+    if kind == "dynamic":
+        return DynamicLLMCache(thinker, capacity)
+    if kind == "static":
+        return StaticLLMCache(thinker, capacity, kernels=kernels, graphs=graphs)
+    raise InputError(f"llm_cache={kind!r}: choose one of {', '.join(LLM_CACHES)}")

@@ -1,0 +1,173 @@
+"""StreamingSession on the static LLM cache (the fast path) vs the plain DynamicCache session:
+same read-outs and cache rows (fp32 rel err), bit-exact snapshot/restore and transactions,
+identical pruning bookkeeping, and named capacity errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
+
+from minicpmo_rt.checkpoint.config import MiniCPMOConfig  # noqa: E402
+from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config  # noqa: E402
+from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir  # noqa: E402
+from minicpmo_rt.errors import InputError  # noqa: E402
+from minicpmo_rt.thinker import kernels as K  # noqa: E402
+from minicpmo_rt.thinker.llm_cache import DynamicLLMCache, StaticLLMCache  # noqa: E402
+from minicpmo_rt.thinker.model import Thinker  # noqa: E402
+from minicpmo_rt.thinker.session import ContextLimitError, StreamingSession, WindowPolicy  # noqa: E402
+
+from conftest import rel_err  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def thinker() -> Thinker:
+    t = Thinker(MiniCPMOConfig.from_dict(tiny_config()))
+    randomize_(t, seed=11)
+    t.float().rebuild_buffers()
+    return t
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(vendored_tokenizer_dir())
+
+
+def _audio(seconds: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = int(round(seconds * 16000))
+    t = np.arange(n) / 16000
+    return (0.3 * np.sin(2 * np.pi * (150 + 50 * rng.random()) * t) + 0.02 * rng.standard_normal(n)).astype(np.float32)
+
+
+def _frame(seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).random((72, 128, 3)) * 255).astype(np.uint8)
+
+
+def _run(s, audio, seconds, first=0):
+    for k in range(first, first + seconds):
+        s.commit(audio[16000 * k:16000 * (k + 1)], _frame(k) if k % 2 == 0 else None)
+
+
+def _static_rows(s, layer: int):
+    n = s.cache_len
+    return s.cache.k_cache[layer, :, :, :n], s.cache.v_cache[layer, :, :, :n]
+
+
+def test_static_session_equals_dynamic_session(thinker, tok):
+    audio = _audio(3, 0)
+    d = StreamingSession(thinker, tok)
+    s = StreamingSession(thinker, tok, llm_cache="static", static_capacity=512)
+    assert isinstance(d.llm_cache, DynamicLLMCache) and isinstance(s.llm_cache, StaticLLMCache)
+    assert s.cache.kernels == "torch" and not s.llm_cache.graphs  # auto on CPU: the torch step, no graphs
+    for k in range(3):
+        _run(d, audio, 1, k)
+        _run(s, audio, 1, k)
+        assert s.cache_len == d.cache_len
+        assert rel_err(s.read_state(), d.read_state()) <= 1e-5
+    for layer in range(len(d.cache.layers)):
+        k, v = _static_rows(s, layer)
+        assert rel_err(k, d.cache.layers[layer].keys) <= 1e-5 and rel_err(v, d.cache.layers[layer].values) <= 1e-5
+
+
+def test_static_transaction_restores_bit_exactly(thinker, tok):
+    audio = _audio(4, 1)
+    a = StreamingSession(thinker, tok, llm_cache="static", static_capacity=512)
+    b = StreamingSession(thinker, tok, llm_cache="static", static_capacity=512)
+    _run(a, audio, 2)
+    _run(b, audio, 2)
+    fp, state = a.fingerprint(), a.read_state()
+    snap = a.snapshot(checksum=True)
+    with a.transaction():
+        a.append_tail(audio[32000:32000 + 6400], _frame(9))
+        assert a.cache_len == fp.llm_cache_len + 1 + 1 + 66 + 4 and not torch.equal(a.read_state(), state)
+    assert a.fingerprint() == fp and torch.equal(a.read_state(), state)
+    a.restore(snap)  # the checksum is verified over the live rows
+    assert all(getattr(a.fingerprint(), f.name) == getattr(b.fingerprint(), f.name) for f in dataclasses.fields(fp))
+    # The tail's stale rows past the length are overwritten: continuing is bit-identical.
+    a.commit(audio[32000:48000], _frame(2))
+    b.commit(audio[32000:48000], _frame(2))
+    assert torch.equal(a.read_state(), b.read_state()) and a.fingerprint() == b.fingerprint()
+    # ...and a temporary full chunk equals the native commit.
+    with a.transaction():
+        a.commit(audio[48000:64000], None)
+        temporary = a.read_state()
+    a.commit(audio[48000:64000], None)
+    assert torch.equal(temporary, a.read_state())
+
+
+def test_static_pruning_equals_dynamic_pruning(thinker, tok):
+    window = WindowPolicy.input_only(high_tokens=250, low_tokens=170)
+    audio = _audio(5, 2)
+    d = StreamingSession(thinker, tok, window=window)
+    s = StreamingSession(thinker, tok, window=window, llm_cache="static")
+    assert s.llm_cache.capacity == 250 + 2048
+    _run(d, audio, 5)
+    _run(s, audio, 5)
+    assert s.pruning_events == d.pruning_events and len(s.pruning_events) >= 1
+    assert s.position_offset == d.position_offset and s.cache_len == d.cache_len
+    assert rel_err(s.read_state(), d.read_state()) <= 1e-5
+    k, v = _static_rows(s, 0)
+    assert rel_err(k, d.cache.layers[0].keys) <= 1e-5 and rel_err(v, d.cache.layers[0].values) <= 1e-6
+
+
+def test_static_drop_rows_rerotates_exactly_as_dynamic(thinker):
+    """Same rows in, same rows out: the all-layer re-rotation equals the per-layer one bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    embeds = torch.randn(40, thinker.hidden_size, generator=g)
+    d, s = DynamicLLMCache(thinker, 64), StaticLLMCache(thinker, 64)
+    d.feed(embeds)
+    s.feed(embeds)
+    for layer in range(len(d.store.layers)):  # make the starting rows identical
+        s.store.k_cache[layer, :, :, :40] = d.store.layers[layer].keys
+        s.store.v_cache[layer, :, :, :40] = d.store.layers[layer].values
+    inv = thinker.llm.model.rotary_emb.inv_freq
+    d.drop_rows(5, 12, inv)
+    s.drop_rows(5, 12, inv)
+    assert s.length == d.length == 28
+    for layer in range(len(d.store.layers)):
+        assert torch.equal(s.store.k_cache[layer, :, :, :28], d.store.layers[layer].keys)
+        assert torch.equal(s.store.v_cache[layer, :, :, :28], d.store.layers[layer].values)
+
+
+def test_static_capacity_is_named_and_leaves_state_unchanged(thinker, tok):
+    audio = _audio(3, 4)
+    s = StreamingSession(thinker, tok, window=WindowPolicy.off(), llm_cache="static", static_capacity=150)
+    _run(s, audio, 2)
+    assert s.cache_len + 79 > 150 > s.cache_len
+    fp = s.fingerprint()
+    with pytest.raises(ContextLimitError, match="static_capacity"):
+        s.commit(audio[32000:48000], _frame(2))
+    assert s.fingerprint() == fp
+    with pytest.raises(InputError, match="llm_cache"):
+        StreamingSession(thinker, tok, llm_cache="paged")
+
+
+@pytest.mark.skipif(not K.usable_on(torch.empty(0)) or torch.cuda.is_available(),
+                    reason="the Triton kernels on CPU need TRITON_INTERPRET=1 before import")
+def test_static_session_with_triton_kernels_equals_dynamic(thinker, tok):
+    audio = _audio(2, 5)
+    d = StreamingSession(thinker, tok)
+    s = StreamingSession(thinker, tok, llm_cache="static", static_capacity=256, llm_kernels="triton")
+    assert s.cache.kernels == "triton"
+    _run(d, audio, 2)
+    _run(s, audio, 2)
+    assert rel_err(s.read_state(), d.read_state()) <= 1e-5
+    fp, state = s.fingerprint(), s.read_state()
+    with s.transaction():
+        s.append_tail(audio[:4800], None)
+    assert s.fingerprint() == fp and torch.equal(s.read_state(), state)
