@@ -126,7 +126,7 @@ if AVAILABLE:
         r_ok = r < T * G
         t = r // G
         h = kvh * G + r % G
-        qpos = tl.load(POS + b * T + t, mask=r_ok, other=-1)
+        qpos = tl.load(POS + b * T + t, mask=r_ok, other=-1).to(tl.int32)
         d = tl.arange(0, HD)
         q = tl.load(Q + b.to(tl.int64) * s_qb + t[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
                     mask=r_ok[:, None], other=0.0)
@@ -152,16 +152,20 @@ if AVAILABLE:
             acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         # Partials laid out [B, T, H, NSPLIT(, HD)] so the reduce reads one row's splits contiguously.
+        # Splits wholly past a row's position are neither written nor read (the reduce knows the
+        # count from the position), so an unused split costs a launch slot, not memory traffic.
         hrow = ((b * T + t) * (KV * G) + h).to(tl.int64) * NSPLIT + split
-        tl.store(MP + hrow, m_i, mask=r_ok)
-        tl.store(LP + hrow, l_i, mask=r_ok)
-        tl.store(OP + hrow[:, None] * HD + d[None, :], acc, mask=r_ok[:, None])
+        live = r_ok & (qpos >= lo)
+        tl.store(MP + hrow, m_i, mask=live)
+        tl.store(LP + hrow, l_i, mask=live)
+        tl.store(OP + hrow[:, None] * HD + d[None, :], acc, mask=live[:, None])
 
     @triton.jit
-    def _attn_reduce_kernel(OP, MP, LP, O, NSPLIT: tl.constexpr, NS_P2: tl.constexpr, HD: tl.constexpr):
+    def _attn_reduce_kernel(OP, MP, LP, O, POS, H, NSPLIT: tl.constexpr, NS_P2: tl.constexpr, SPLIT: tl.constexpr,
+                            HD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         sp = tl.arange(0, NS_P2)
-        ok = sp < NSPLIT
+        ok = sp <= tl.load(POS + row // H) // SPLIT  # the splits holding keys <= this row's position
         m = tl.load(MP + row * NSPLIT + sp, mask=ok, other=-1.0e30)
         l_ = tl.load(LP + row * NSPLIT + sp, mask=ok, other=0.0)
         w = tl.exp2(m - tl.max(m, axis=0))
@@ -277,24 +281,25 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     block_n = 64 if D >= 64 else 32
     if split is None:
-        # Decode: short splits spread one token's keys over many SMs; prefill already has
-        # many query tiles, so fewer, longer splits keep the partials small.
-        split = 256 if rows <= 16 else max(512, _pow2(math.ceil(S / 4)))
+        # Short splits spread one token's keys over many SMs; splits past every position
+        # exit at once, so the count (fixed by the cache size, as a CUDA graph needs) is cheap.
+        split = 128 if rows <= 16 else 256
     split = max(block_n, (split // block_n) * block_n)
     nsplit = math.ceil(S / split)
     op = torch.empty(B, T, H, nsplit, D, dtype=torch.float32, device=q.device)
     mp = torch.empty(B, T, H, nsplit, dtype=torch.float32, device=q.device)
     lp = torch.empty_like(mp)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    pos = pos.contiguous()
     _attn_split_kernel[(B * KV, math.ceil(rows / block_m), nsplit)](
-        q, k_cache, v_cache, pos.contiguous(), op, mp, lp, T,
+        q, k_cache, v_cache, pos, op, mp, lp, T,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         _LOG2E / math.sqrt(D),
         G=G, KV=KV, HD=D, SPLIT=split, NSPLIT=nsplit, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=prec,
         num_warps=4)
     o = torch.empty_like(q)
-    _attn_reduce_kernel[(B * T * H,)](op, mp, lp, o, NSPLIT=nsplit, NS_P2=max(2, _pow2(nsplit)), HD=D,
-                                      num_warps=4)
+    _attn_reduce_kernel[(B * T * H,)](op, mp, lp, o, pos, H, NSPLIT=nsplit, NS_P2=max(2, _pow2(nsplit)),
+                                      SPLIT=split, HD=D, num_warps=4)
     return o
 
 
