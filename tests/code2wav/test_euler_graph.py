@@ -122,3 +122,17 @@ def test_cuda_graph_matches_eager(body, tf32):
     finally:
         stack.close()
         S = S_saved
+
+
+def test_solver_from_knobs_on_cpu(caplog):
+    from minicpmo_rt.code2wav.euler_graph import solver_from_knobs
+    cfm = tiny_cfm()
+    with caplog.at_level("INFO"):
+        solver, choice = solver_from_knobs(cfm, {}, "cpu", n_timesteps=S, env={})
+    assert (choice.body, choice.tf32, solver.body) == ("original", False, "original")
+    assert "CFM body original" in caplog.text
+    solver, choice = solver_from_knobs(cfm, {"cfm_fused_body": True}, "cpu", n_timesteps=S, env={},
+                                       config=GraphConfig(query_buckets=(4,), offset_bucket=4))
+    assert (choice.body, choice.attention, solver.body) == ("fused", "sdpa", "fused")
+    kw = chunk(1, 4, 4, seed=9)
+    assert_close(solver.solve(**kw), reference(cfm, kw), 1e-5)

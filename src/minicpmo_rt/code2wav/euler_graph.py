@@ -404,3 +404,27 @@ def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
         conds.append(p[:, :, :h])
         unconds.append(p[:, :, h:])
     return torch.cat(conds + unconds, 2)
+
+
+def solver_from_knobs(cfm, extra: dict | None, device, config: GraphConfig = GraphConfig(),
+                      n_timesteps: int = 10, env: dict | None = None):
+    """Resolve the connector knobs for ``cfm`` on ``device`` and build the matching solver.
+
+    Returns ``(solver, choice)``; the choice is logged once here and is what ``inspect`` reports.
+    Graphs are used only on CUDA (the solver runs the same program eagerly elsewhere).
+    """
+    from .fused_dit import supports_fused_body
+    from .knobs import device_facts, log_choice, resolve_code2wav
+
+    ok, why = supports_fused_body(cfm.estimator)
+    facts = device_facts(device, att_cache_dtype=torch.float32, layout_supported=ok)
+    choice = resolve_code2wav(extra, facts, env)
+    if not ok and choice.body == "original" and why:
+        log.info("fused DiT body not eligible: %s", why)
+    log_choice(choice)
+    attention = choice.attention or "sdpa"
+    solver = WholeEulerSolver(cfm, body=choice.body, attention=attention, tf32=choice.tf32,
+                              n_timesteps=n_timesteps,
+                              config=config if torch.device(device).type == "cuda"
+                              else GraphConfig(**{**config.__dict__, "enabled": False}))
+    return solver, choice
