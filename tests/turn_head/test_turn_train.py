@@ -135,3 +135,15 @@ def test_cli_and_shim(tmp_path, capsys):
     shim = D.__file__.split("/src/")[0] + "/train_turn_head.py"
     r = subprocess.run([sys.executable, shim, "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--targets-root" in r.stdout
+
+
+def test_all_folds(tmp_path):
+    write_root(tmp_path / "f", [1, 2, 3], rows=100, signal=3.0)
+    m = run(tmp_path / "f", tmp_path / "o", TrainConfig(model="linear", split="kfold:3", epochs=5, min_steps=5,
+                                                        lr=1e-2, progress=False, plots=False), echo=lambda s: None)
+    assert sorted(f["test"][0] for f in m["folds"]) == ["Session_1", "Session_2", "Session_3"]
+    per_fold = [json.loads((tmp_path / "o" / f"fold_{f}" / "metrics.json").read_text())
+                ["results"]["test"]["linear"]["wearer"]["roc_auc"] for f in range(3)]
+    r = m["test_mean_std"]["linear"]["wearer"]["roc_auc"]
+    assert r["folds"] == 3 and r["mean"] == pytest.approx(np.mean(per_fold)) and r["std"] == pytest.approx(np.std(per_fold))
+    assert r["mean"] > 0.8

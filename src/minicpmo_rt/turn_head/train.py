@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from . import metrics as M
-from .data import NOW_NAMES, TARGET_NAMES, SessionData, load_sessions, split_sessions, DEFAULT_SPLIT
+from .data import DEFAULT_SPLIT, NOW_NAMES, TARGET_NAMES, SessionData, SplitError, load_sessions, split_sessions
 from .models import HeadConfig, build_head
 
 Features = Callable[[SessionData], np.ndarray]
@@ -267,64 +267,110 @@ def _publish(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _run_split(sessions: list[SessionData], parts: dict[str, list[SessionData]], cfg: TrainConfig,
+               where: Path, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Train, evaluate and write one split's files into ``where``; returns its metrics."""
+    model, history, hcfg = fit_head(parts["train"], parts["val"], cfg, desc=cfg.model)
+    vad, vad_history, _ = fit_head(parts["train"], parts["val"], cfg,
+                                   features=vad_features(cfg.vad_history), kind="linear", desc="vad")
+    results: dict[str, Any] = {}
+    curves: dict[str, dict[str, tuple[list[SessionData], list[np.ndarray]]]] = {}
+    for split in ("val", "test"):
+        ss = parts[split]
+        if not ss:
+            continue
+        systems = {
+            cfg.model: predict(model, ss, state_features),
+            "vad_head": predict(vad, ss, vad_features(cfg.vad_history)),
+            "last_speaker": last_speaker_probs(ss),
+            "majority": majority_probs(parts["train"], ss),
+        }
+        results[split] = {name: evaluate(ss, probs) for name, probs in systems.items()}
+        curves[split] = {name: (ss, probs) for name, probs in systems.items()}
+    shown = "test" if "test" in results else "val"
+    table = format_table(results[shown], f"{shown} sessions: {', '.join(s.name for s in parts[shown])}")
+    echo(table)
+    metrics = {
+        "config": asdict(cfg), "head": asdict(hcfg), "feature_dim": sessions[0].dim,
+        "extractor_modes": sorted({s.extractor_mode for s in sessions}),
+        "sessions": {k: [s.name for s in v] for k, v in parts.items()},
+        "rows": {k: int(sum(s.states.shape[0] for s in v)) for k, v in parts.items()},
+        "targets": list(TARGET_NAMES), "history": history, "vad_history": vad_history,
+        "results": results,
+    }
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "metrics.json").write_text(json.dumps(_nan_to_none(metrics), indent=2))
+    (where / "table.txt").write_text(table + "\n")
+    torch.save({"head": asdict(hcfg), "state_dict": model.state_dict(), "targets": list(TARGET_NAMES),
+                "config": asdict(cfg)}, where / "head.pt")
+    if cfg.plots:
+        from .plots import plot_curves, plot_timeline
+
+        for split, systems in curves.items():
+            plot_curves(systems, where / f"roc_{split}.png", kind="roc", title=f"ROC, {split}")
+            plot_curves(systems, where / f"pr_{split}.png", kind="pr", title=f"precision-recall, {split}")
+        ss, probs = curves[shown][cfg.model]
+        plot_timeline(ss[0], probs[0], where / f"timeline_{ss[0].name}.png", model_name=cfg.model)
+    return metrics
+
+
+def _fold_summary(folds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and std over folds of each system's test metrics, per target."""
+    out: dict[str, Any] = {}
+    for system in folds[0]["results"]["test"]:
+        out[system] = {}
+        for name in TARGET_NAMES:
+            out[system][name] = {}
+            for key in ("roc_auc", "balanced_accuracy", "weighted_f1", "average_precision"):
+                vals = np.array([f["results"]["test"][system][name][key] for f in folds], dtype=np.float64)
+                vals = vals[~np.isnan(vals)]
+                out[system][name][key] = {"mean": float(vals.mean()) if vals.size else math.nan,
+                                          "std": float(vals.std()) if vals.size else math.nan,
+                                          "folds": int(vals.size)}
+    return out
+
+
 def run(feature_root: str | os.PathLike, out: str | os.PathLike, cfg: TrainConfig = TrainConfig(),
         targets_root: str | os.PathLike | None = None, force: bool = False,
         echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Load, split, train the head and the VAD baseline, evaluate, write ``out/``.
 
     Files: ``metrics.json``, ``table.txt``, ``head.pt``, ``roc_<split>.png``,
-    ``pr_<split>.png``, ``timeline_<session>.png``. Nothing is written under ``out`` unless the
-    whole run succeeds (it is assembled in a temp directory and renamed).
+    ``pr_<split>.png``, ``timeline_<session>.png``. With ``--split kfold:K`` every fold runs
+    into ``fold_F/`` and ``metrics.json`` holds the folds' test mean and std. Nothing is
+    written under ``out`` unless the whole run succeeds (a temp directory is renamed).
     """
     out = Path(out)
     sessions = load_sessions(feature_root, targets_root)
-    parts = split_sessions(sessions, cfg.split)
+    spec = cfg.split.strip()
+    all_folds = spec.startswith("kfold:") and spec.count(":") == 1
+    if all_folds:
+        try:
+            k = int(spec.split(":")[1])
+        except ValueError:
+            raise SplitError(f"split {spec!r}: write kfold:K (all folds) or kfold:K:F") from None
+        splits = [(f"fold_{f}", replace(cfg, split=f"kfold:{k}:{f}")) for f in range(k)]
+    else:
+        splits = [("", cfg)]
+    parts = [split_sessions(sessions, c.split) for _, c in splits]  # all split errors before training
     tmp = _prepare_out(out, force)
     try:
-        model, history, hcfg = fit_head(parts["train"], parts["val"], cfg, desc=cfg.model)
-        vad_cfg = replace(cfg, hidden=cfg.hidden)
-        vad, vad_history, _ = fit_head(parts["train"], parts["val"], vad_cfg,
-                                       features=vad_features(cfg.vad_history), kind="linear", desc="vad")
-        results: dict[str, Any] = {}
-        curves: dict[str, dict[str, tuple[list[SessionData], list[np.ndarray]]]] = {}
-        for split in ("val", "test"):
-            ss = parts[split]
-            if not ss:
-                continue
-            systems = {
-                cfg.model: predict(model, ss, state_features),
-                "vad_head": predict(vad, ss, vad_features(cfg.vad_history)),
-                "last_speaker": last_speaker_probs(ss),
-                "majority": majority_probs(parts["train"], ss),
-            }
-            results[split] = {name: evaluate(ss, probs) for name, probs in systems.items()}
-            curves[split] = {name: (ss, probs) for name, probs in systems.items()}
-        shown = "test" if "test" in results else "val"
-        table = format_table(results[shown], f"{shown} sessions: {', '.join(s.name for s in parts[shown])}")
-        echo(table)
-        metrics = {
-            "config": asdict(cfg), "head": asdict(hcfg),
-            "feature_root": str(Path(feature_root).resolve()),
-            "targets_root": str(Path(targets_root).resolve()) if targets_root else None,
-            "feature_dim": sessions[0].dim,
-            "extractor_modes": sorted({s.extractor_mode for s in sessions}),
-            "sessions": {k: [s.name for s in v] for k, v in parts.items()},
-            "rows": {k: int(sum(s.states.shape[0] for s in v)) for k, v in parts.items()},
-            "targets": list(TARGET_NAMES), "history": history, "vad_history": vad_history,
-            "results": results,
-        }
+        runs = [_run_split(sessions, p, c, tmp / sub if sub else tmp, echo) for (sub, c), p in zip(splits, parts)]
+        common = {"feature_root": str(Path(feature_root).resolve()),
+                  "targets_root": str(Path(targets_root).resolve()) if targets_root else None}
+        if all_folds:
+            metrics = {**common, "config": asdict(cfg), "folds": [r["sessions"] for r in runs],
+                       "test_mean_std": _fold_summary(runs)}
+            lines = [f"{len(runs)}-fold test mean +- std (ROC-AUC / balanced accuracy), {cfg.model}:"]
+            for name in TARGET_NAMES:
+                r = metrics["test_mean_std"][cfg.model][name]
+                lines.append(f"  {name:12s} {r['roc_auc']['mean']:.3f} +- {r['roc_auc']['std']:.3f}   "
+                             f"{r['balanced_accuracy']['mean']:.3f} +- {r['balanced_accuracy']['std']:.3f}")
+            echo("\n".join(lines))
+            (tmp / "table.txt").write_text("\n".join(lines) + "\n")
+        else:
+            metrics = {**common, **runs[0]}
         (tmp / "metrics.json").write_text(json.dumps(_nan_to_none(metrics), indent=2))
-        (tmp / "table.txt").write_text(table + "\n")
-        torch.save({"head": asdict(hcfg), "state_dict": model.state_dict(), "targets": list(TARGET_NAMES),
-                    "config": asdict(cfg)}, tmp / "head.pt")
-        if cfg.plots:
-            from .plots import plot_curves, plot_timeline
-
-            for split, systems in curves.items():
-                plot_curves(systems, tmp / f"roc_{split}.png", kind="roc", title=f"ROC, {split}")
-                plot_curves(systems, tmp / f"pr_{split}.png", kind="pr", title=f"precision-recall, {split}")
-            ss, probs = curves[shown][cfg.model]
-            plot_timeline(ss[0], probs[0], tmp / f"timeline_{ss[0].name}.png", model_name=cfg.model)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -342,7 +388,8 @@ def build_parser(prog: str = "train_turn_head.py"):
                    help="Directory of make-targets Session_N.npy (default: the targets stored in each artifact).")
     p.add_argument("--out", required=True, help="Output directory (metrics.json, table.txt, head.pt, PNGs).")
     p.add_argument("--split", default=d.split,
-                   help="'val=4,12;test=10,11' (default; the rest trains), 'named', or 'kfold:K:F'.")
+                   help="'val=4,12;test=10,11' (default; the rest trains), 'named', 'kfold:K:F' (one fold) "
+                        "or 'kfold:K' (every fold, into OUT/fold_F, with mean/std).")
     p.add_argument("--model", choices=("linear", "tcn", "gru"), default=d.model)
     p.add_argument("--hidden", type=int, default=d.hidden)
     p.add_argument("--layers", type=int, default=d.layers)
