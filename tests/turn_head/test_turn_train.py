@@ -147,3 +147,16 @@ def test_all_folds(tmp_path):
     r = m["test_mean_std"]["linear"]["wearer"]["roc_auc"]
     assert r["folds"] == 3 and r["mean"] == pytest.approx(np.mean(per_fold)) and r["std"] == pytest.approx(np.std(per_fold))
     assert r["mean"] > 0.8
+
+
+def test_misaligned_targets(tmp_path):
+    from minicpmo_rt.turn_head import labels as L
+
+    write_root(tmp_path / "f", [1], rows=50, store_targets=False, targets_root=tmp_path / "t")
+    arr = L.load_targets(tmp_path / "t" / "Session_1.npy")
+    L.save_targets(tmp_path / "t" / "Session_1.npy", arr[:48])  # two rows short: beyond the +-1 policy
+    with pytest.raises(D.TargetAlignmentError, match="targets end at row 48"):
+        D.load_sessions(tmp_path / "f", tmp_path / "t")
+    L.save_targets(tmp_path / "t" / "Session_1.npy", arr[:49])  # one row short: accepted, last row masked
+    (s,) = D.load_sessions(tmp_path / "f", tmp_path / "t")
+    assert not s.mask[49].any() and s.mask[48, 0]

@@ -127,6 +127,9 @@ def _load_one(path: Path, art, targets_root: Path | None) -> SessionData:
         rows = L.coerce_targets(art.targets, f"{path} (stored targets)")
         if rows.size != times.size:
             raise TargetAlignmentError(f"{path}: {rows.size} stored target rows for {times.size} states")
+        if not np.allclose(rows["time"], times, atol=1e-4):
+            raise TargetAlignmentError(f"{path}: the stored target rows' times do not match the artifact's "
+                                       f"grid; re-extract with --target from make-targets --matrix")
         source = "artifact"
     else:
         raise MissingTargetsError(
