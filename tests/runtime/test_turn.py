@@ -1,0 +1,148 @@
+"""The turn pipeline on the tiny checkpoint (random weights: the plumbing, not speech)."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import rel_err
+from minicpmo_rt.checkpoint.weights import load_tensors
+from minicpmo_rt.errors import InputError
+from minicpmo_rt.runtime.contracts import IM_END_ID, TurnRequest
+from minicpmo_rt.runtime.turn import SAMPLES_PER_CODE, TurnPipeline, TurnTrace, collect, turn_prompt
+from minicpmo_rt.talker.load import load_talker
+from minicpmo_rt.talker.sampler import SamplingParams
+from minicpmo_rt.thinker.llm import final_norm_hidden
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny ops: one thread avoids OpenMP hand-offs that dominate (and stall on a busy machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def voice(shared_dir):
+    return shared_dir / "media" / "ref_en_dlc_1.wav"
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_ckpt):
+    return TurnPipeline.from_snapshot(tiny_ckpt, capacity=2, n_timesteps=2,
+                                      talker_params=SamplingParams(min_codes=5))
+
+
+def test_load_talker_is_strict_and_exact(tiny_ckpt):
+    tts = load_talker(tiny_ckpt)
+    state = load_tensors(tiny_ckpt, ("tts.",))
+    got = tts.state_dict()
+    assert set(got) == {k[len("tts."):] for k in state}
+    assert all(torch.equal(got[k[len("tts."):]], v.float()) for k, v in state.items())
+    rot = tts.model.rotary_emb
+    fresh = type(rot)(rot.config)
+    assert torch.equal(rot.inv_freq, fresh.inv_freq)
+
+
+class _StopAt(nn.Module):
+    """The real LM head, except that its ``at``-th call puts <|im_end|> on top."""
+
+    def __init__(self, head: nn.Module, at: int):
+        super().__init__()
+        self.head, self.at, self.calls = head, at, 0
+
+    def forward(self, h):
+        out = self.head(h)
+        self.calls += 1
+        if self.calls == self.at:
+            out = out.clone()
+            out[..., IM_END_ID] = out.max() + 100.0
+        return out
+
+
+def test_terminator_row_never_reaches_the_talker(pipe):
+    # Call 1 is the prefill, calls 2.. follow each fed token: the 4th sample is <|im_end|>.
+    llm = pipe.thinker.llm
+    head = llm.lm_head
+    llm.lm_head = _StopAt(head, at=4)
+    try:
+        req = TurnRequest.make("stop", "Hello there, who are you?", seed=3, max_new_tokens=8, max_codes=12)
+        trace = TurnTrace()
+        codes = pipe.codes([req], trace)["stop"]
+    finally:
+        llm.lm_head = head
+    steps = trace.steps["stop"]
+    assert [s.is_terminator for s in steps] == [False] * 3 + [True] and steps[-1].token_id == IM_END_ID
+    assert steps[-1].hidden is None
+    talker_req = trace.talker_requests["stop"]
+    assert talker_req.text_ids.tolist() == [s.token_id for s in steps[:3]]
+    assert torch.equal(talker_req.hidden, torch.stack([s.hidden for s in steps[:3]]))
+    # Independent: one full forward over prompt + the 3 fed tokens; row i = token i's own position.
+    prompt = list(turn_prompt(pipe.builder, req.messages).ids)
+    ids = prompt + talker_req.text_ids.tolist()
+    assert [s.position for s in steps] == list(range(len(prompt), len(ids) + 1))
+    with torch.no_grad():
+        h, _ = final_norm_hidden(llm, llm.model.embed_tokens(torch.tensor([ids])))
+    err = rel_err(talker_req.hidden, h[0, len(prompt):])
+    assert err < 1e-5, err
+    assert 0 < len(codes) <= 12 and all(0 <= c < 6561 for c in codes)
+    assert not pipe.talker.slots and not pipe.talker.pending
+
+
+def test_respond_streams_960_samples_per_code_in_order(pipe, voice):
+    trace = TurnTrace()
+    chunks = list(pipe.respond("Tell me a story.", voice, request_id="one", seed=1, max_new_tokens=6,
+                               max_codes=30, trace=trace))
+    assert [c.seq for c in chunks] == list(range(len(chunks))) and len(chunks) >= 2
+    assert chunks[-1].final and not any(c.final for c in chunks[:-1])
+    wav = collect(chunks)["one"]
+    codes = trace.codes("one")
+    assert 5 <= len(codes) <= 30 and wav.shape == (len(codes) * SAMPLES_PER_CODE,)
+    assert np.isfinite(wav).all() and np.abs(wav).max() > 0
+    # The stream equals Code2Wav's own streamed decode of the same codes (same windows).
+    prof = pipe.profile.talker
+    ref = pipe.code2wav.stream_codes(codes, voice, window=prof.window, first_window=prof.first_window)
+    assert np.array_equal(wav, ref)
+
+
+def test_two_requests_in_one_batch_equal_each_alone(pipe, voice):
+    reqs = [TurnRequest.make("a", "What is the weather like?", voice, seed=11, max_new_tokens=5, max_codes=28),
+            TurnRequest.make("b", [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "Name a colour."}], voice, seed=12,
+                             max_new_tokens=7, max_codes=20)]
+    together_trace = TurnTrace()
+    together = list(pipe.run(reqs, together_trace))
+    # The two requests shared decode steps (both slots live), and their chunks interleave.
+    assert {c.request_id for c in together} == {"a", "b"}
+    both = collect(together)
+    for r in reqs:
+        alone_trace = TurnTrace()
+        alone = collect(list(pipe.run([r], alone_trace)))[r.request_id]
+        assert together_trace.codes(r.request_id) == alone_trace.codes(r.request_id)
+        assert np.array_equal(both[r.request_id], alone), r.request_id
+    assert not pipe.talker.slots
+
+
+def test_bad_requests_are_named(pipe, voice, tmp_path):
+    with pytest.raises(InputError, match="reference audio not found"):
+        list(pipe.respond("hi", tmp_path / "missing.wav"))
+    with pytest.raises(InputError, match="user text is empty"):
+        pipe.respond("  ", voice)
+    r = TurnRequest.make("dup", "hi", voice)
+    with pytest.raises(InputError, match="used twice"):
+        pipe.run([r, r])
+    with pytest.raises(InputError, match="turn-mode profile"):
+        TurnPipeline.from_snapshot("/nonexistent", profile="minicpmo_4_5_duplex_h200")
+    with pytest.raises(InputError, match="can never fit"):
+        pipe.codes([TurnRequest.make("big", "hi", max_new_tokens=2, max_codes=10 ** 7)])
+    assert not pipe.talker.slots and not pipe.talker.pending
+
+
+def test_abandoned_stream_frees_its_slot(pipe, voice):
+    it = pipe.respond("Go on.", voice, request_id="quit", seed=2, max_new_tokens=4, max_codes=60)
+    first = next(it)
+    assert first.seq == 0
+    it.close()
+    assert not pipe.talker.slots and not pipe.talker.pending
