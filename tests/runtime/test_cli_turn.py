@@ -1,0 +1,89 @@
+"""``minicpmo-rt talker`` and ``minicpmo-rt speak`` on the tiny checkpoint."""
+
+import json
+
+import pytest
+import soundfile as sf
+import torch
+from typer.testing import CliRunner
+
+from minicpmo_rt.cli import app
+
+runner = CliRunner()
+FAST = ["--capacity", "1", "--min-codes", "5"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def voice(shared_dir):
+    return shared_dir / "media" / "ref_en_dlc_1.wav"
+
+
+def _talker(tiny_ckpt, out, seed, *extra):
+    res = runner.invoke(app, ["talker", "--model", str(tiny_ckpt), "--text", "Hello, how are you?", "--codes-out",
+                              str(out), "--seed", str(seed), "--max-codes", "20", "--max-new-tokens", "6",
+                              *FAST, *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(out.read_text()), res.output
+
+
+def test_talker_writes_codes_deterministic_per_seed(tiny_ckpt, tmp_path):
+    a, out = _talker(tiny_ckpt, tmp_path / "a.json", 4)
+    b, _ = _talker(tiny_ckpt, tmp_path / "b.json", 4)
+    c, _ = _talker(tiny_ckpt, tmp_path / "c.json", 5, "--profile", "minicpmo_4_5_turn_mrv2_h200")
+    assert a == b
+    assert a != c
+    for codes in (a, c):
+        assert 5 <= len(codes) <= 20 and all(isinstance(x, int) and 0 <= x < 6561 for x in codes)
+    assert "random-weight" in out and f"{len(a)} codes" in out
+    assert not list(tmp_path.glob(".*tmp"))  # no temporary left behind
+
+
+def test_speak_writes_960_samples_per_code(tiny_ckpt, voice, tmp_path):
+    wav_path, codes_path = tmp_path / "out.wav", tmp_path / "codes.json"
+    res = runner.invoke(app, ["speak", "--model", str(tiny_ckpt), "--text", "Say something nice.", "--voice",
+                              str(voice), "--output", str(wav_path), "--codes-out", str(codes_path), "--seed", "2",
+                              "--max-new-tokens", "8", "--max-codes", "60", "--n-timesteps", "2", *FAST])
+    assert res.exit_code == 0, res.output
+    wav, sr = sf.read(wav_path, dtype="float32")
+    codes = json.loads(codes_path.read_text())
+    assert sr == 24000 and 5 <= len(codes) <= 60
+    assert wav.shape == (len(codes) * 960,)
+    assert "random-weight" in res.output and f"{len(codes)} codes" in res.output
+
+
+@pytest.mark.parametrize("case, msg", [
+    ("empty", "--text is empty"),
+    ("voice", "reference audio not found"),
+    ("profile", "no_such_profile"),
+    ("duplex", "turn-mode profile"),
+    ("model", "no such directory"),
+])
+def test_bad_inputs_are_named_and_write_nothing(tiny_ckpt, voice, tmp_path, case, msg):
+    out = tmp_path / "out.wav"
+    codes = tmp_path / "codes.json"
+    args = {"text": "Hello", "voice": str(voice), "profile": "minicpmo_4_5_turn_mrv2", "model": str(tiny_ckpt)}
+    if case == "empty":
+        args["text"] = "  "
+    elif case == "voice":
+        args["voice"] = str(tmp_path / "missing.wav")
+    elif case == "profile":
+        args["profile"] = "no_such_profile"
+    elif case == "duplex":
+        args["profile"] = "minicpmo_4_5_duplex_h200"
+    else:
+        args["model"] = str(tmp_path / "no_model")
+    common = ["--model", args["model"], "--text", args["text"], "--profile", args["profile"]]
+    res = runner.invoke(app, ["speak", *common, "--voice", args["voice"], "--output", str(out)])
+    assert res.exit_code == 2 and msg in res.output, res.output
+    if case != "voice":
+        res = runner.invoke(app, ["talker", *common, "--codes-out", str(codes)])
+        assert res.exit_code == 2 and msg in res.output, res.output
+    assert list(tmp_path.iterdir()) == []
