@@ -146,3 +146,38 @@ def test_abandoned_stream_frees_its_slot(pipe, voice):
     assert first.seq == 0
     it.close()
     assert not pipe.talker.slots and not pipe.talker.pending
+
+
+def test_static_kv_thinker_path_matches_plain_path(pipe):
+    from minicpmo_rt.thinker.decode import StaticDecoder
+    from minicpmo_rt.thinker.generate import SamplingConfig
+
+    greedy = SamplingConfig(greedy=True, max_new_tokens=6)
+    plain = TurnPipeline(pipe.thinker, pipe.tokenizer, pipe.talker, None, pipe.profile, greedy)
+    fast = TurnPipeline(pipe.thinker, pipe.tokenizer, pipe.talker, None, pipe.profile, greedy,
+                        decoder=StaticDecoder(pipe.thinker.llm, 96, kernels="torch"))
+    req = TurnRequest.make("s", "Count to three.", seed=0)
+    a = [s for chunk in plain.think(req) for s in chunk]
+    b = [s for chunk in fast.think(req) for s in chunk]
+    assert [s.token_id for s in a] == [s.token_id for s in b] and len(a) == 6
+    assert [s.position for s in a] == [s.position for s in b]
+    err = rel_err(torch.stack([s.hidden for s in b]), torch.stack([s.hidden for s in a]))
+    assert err < 1e-5, err
+    with pytest.raises(InputError, match="static cache"):
+        list(fast.think(TurnRequest.make("t", "Count to three.", max_new_tokens=90)))
+
+
+def test_copied_step_outlives_static_buffers():
+    """A CUDA-graph step returns views of static buffers that the next replay overwrites."""
+    from minicpmo_rt.runtime.turn import _CopiedStep
+
+    hbuf, lbuf = torch.zeros(1, 4), torch.zeros(1, 10)
+
+    def graph_like(token):
+        hbuf.fill_(token)
+        lbuf.fill_(token)
+        return hbuf, lbuf
+
+    step = _CopiedStep(graph_like)
+    rows = [step(t)[0] for t in (1, 2, 3)]
+    assert [float(r[0, 0]) for r in rows] == [1.0, 2.0, 3.0]

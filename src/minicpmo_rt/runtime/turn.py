@@ -67,9 +67,25 @@ def turn_prompt(builder, messages: Sequence[Message]):
     return piece + builder.assistant_bos()
 
 
+class _CopiedStep:
+    """A stepper whose outputs are copied out of the decoder's static (CUDA-graph) buffers,
+    which the next replay overwrites; the hidden rows must outlive it (DESIGN contract)."""
+
+    def __init__(self, stepper):
+        self.stepper = stepper
+
+    def __call__(self, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h, logits = self.stepper(token)
+        return h.clone(), logits.clone()
+
+
 class TurnPipeline:
+    """``decoder``: an optional ``thinker.decode.StaticDecoder`` of ``thinker.llm`` (the static-KV
+    fast path, through CUDA graphs when ``use_graph``); without it the Thinker decodes on
+    transformers' DynamicCache (the plain path)."""
+
     def __init__(self, thinker, tokenizer, talker_engine: TalkerEngine, code2wav=None, profile=None,
-                 sampling=None):
+                 sampling=None, decoder=None, use_graph: bool = False):
         from ..thinker.generate import SamplingConfig, forbidden_token_ids
         from ..thinker.prompt import PromptBuilder
 
@@ -78,6 +94,7 @@ class TurnPipeline:
                              f"turn-mode profile (e.g. {DEFAULT_PROFILE})")
         self.thinker, self.tokenizer, self.talker, self.code2wav = thinker, tokenizer, talker_engine, code2wav
         self.profile = profile
+        self.decoder, self.use_graph = decoder, use_graph
         self.sampling = sampling or SamplingConfig()
         self.builder = PromptBuilder(tokenizer)
         self.forbidden = forbidden_token_ids(tokenizer)  # upstream masks these while speaking
@@ -86,8 +103,11 @@ class TurnPipeline:
     def from_snapshot(cls, model: Union[str, Path], profile: str = DEFAULT_PROFILE, device: str = "cpu",
                       dtype: torch.dtype = torch.float32, with_code2wav: bool = True,
                       n_timesteps: int | None = None, capacity: int | None = None,
-                      talker_params=None, sampling=None) -> "TurnPipeline":
-        """Load every stage from a snapshot; ``capacity``/``n_timesteps`` override the profile."""
+                      talker_params=None, sampling=None, thinker_fast: bool | None = None,
+                      thinker_max_len: int = 4096) -> "TurnPipeline":
+        """Load every stage from a snapshot; ``capacity``/``n_timesteps`` override the profile.
+        ``thinker_fast`` (default: on CUDA) decodes the Thinker on a static KV cache of
+        ``thinker_max_len`` positions through CUDA graphs."""
         from ..checkpoint.snapshot import resolve_snapshot
         from ..checkpoint.tokenizer import load_tokenizer
         from ..code2wav.pipeline import Code2Wav
@@ -112,7 +132,14 @@ class TurnPipeline:
         if with_code2wav:
             c2w = Code2Wav.from_snapshot(snap.path, device=device,
                                          n_timesteps=n_timesteps or prof.code2wav.n_timesteps)
-        return cls(thinker, tokenizer, engine, c2w, prof, sampling)
+        decoder = None
+        fast = thinker_fast if thinker_fast is not None else torch.device(device).type == "cuda"
+        if fast:
+            from ..thinker.decode import StaticDecoder
+
+            decoder = StaticDecoder(thinker.llm, thinker_max_len)
+        return cls(thinker, tokenizer, engine, c2w, prof, sampling, decoder,
+                   use_graph=fast and torch.device(device).type == "cuda")
 
     # ---- stage 1: Thinker ---------------------------------------------------------------------
     @torch.no_grad()
@@ -131,8 +158,19 @@ class TurnPipeline:
         position = len(piece)
         ids: list[int] = []
         said = ""
+        stepper = None
+        if self.decoder is not None:
+            from ..thinker.generate import StaticStepper, load_dynamic_cache
+
+            if position + sampling.max_new_tokens + 1 > self.decoder.max_len:
+                raise InputError(f"request {req.request_id!r}: prompt ({position} tokens) + max_new_tokens "
+                                 f"({sampling.max_new_tokens}) exceed the Thinker's static cache "
+                                 f"({self.decoder.max_len}); shorten the input or lower max_new_tokens")
+            stepper = _CopiedStep(StaticStepper(self.decoder, load_dynamic_cache(self.decoder, cache),
+                                                use_graph=self.use_graph))
+            cache = None
         for chunk in iter_generate(th.llm, cache, prefill.logits, sampling, forbidden_ids=self.forbidden,
-                                   generator=gen):
+                                   generator=gen, stepper=stepper):
             rows = chunk.hidden.detach().float().cpu()
             steps = []
             for i, tok in enumerate(chunk.token_ids):
