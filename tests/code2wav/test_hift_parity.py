@@ -160,6 +160,17 @@ def test_causal_bounded_stream(causal_pair):
     assert stream.mel.shape[2] <= stream.history + stream.model.delay_frames + stream.block_frames
 
 
+def test_causal_stream_block_size_only_changes_rounding(causal_pair):
+    ours, _ = causal_pair
+    mel = _mel(60, seed=5)
+    outs = []
+    for block in (16, 50):
+        stream = BoundedStream(ours, block_frames=block, lead_silence=False)
+        outs.append(torch.cat([stream.push(mel[:, :, :50]), stream.push(mel[:, :, 50:], last=True)], dim=1))
+    assert outs[0].shape == outs[1].shape == (1, 60 * 480)
+    assert rel_err(outs[1], outs[0]) <= TOL
+
+
 def test_causal_stream_lead_silence(causal_pair):
     ours, _ = causal_pair
     stream = BoundedStream(ours)

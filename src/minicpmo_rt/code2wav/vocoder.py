@@ -163,13 +163,16 @@ class Vocoder:
             return self.model(mel, finalize=True)[0]
         return self.model(mel, generator=generator)[0]
 
-    def open_stream(self, lead_silence: Optional[bool] = None,
-                    generator: Optional[torch.Generator] = None) -> VocoderStream:
+    def open_stream(self, lead_silence: Optional[bool] = None, generator: Optional[torch.Generator] = None,
+                    block_frames: int = 16) -> VocoderStream:
         """A fresh stream. ``lead_silence`` defaults to each upstream's behaviour: on for the
         causal vocoder (1.0.7 prefixes its first chunk with 8 frames of zeros), off for the
-        original (0.1.1: the first chunk is 3840 samples short)."""
+        original (0.1.1: the first chunk is 3840 samples short). ``block_frames`` (causal only)
+        is the internal decode block: 16 as upstream; 50 decodes a 1-s chunk ~2.5x faster on
+        CPU (each block re-decodes ~31 frames of history) with output equal to fp32 noise."""
         if self.variant == CAUSAL:
-            return BoundedStream(self.model, lead_silence=True if lead_silence is None else lead_silence)
+            return BoundedStream(self.model, block_frames=block_frames,
+                                 lead_silence=True if lead_silence is None else lead_silence)
         return HiFTStream(self.model, lead_silence=bool(lead_silence), generator=generator)
 
 
