@@ -150,3 +150,22 @@ def test_stream_snapshot_restore_replays(assets):
         again = [st.push(mel[:, :, 16:30]), st.push(mel[:, :, 30:], last=True)]
         for a, b in zip(first, again):
             assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_detect_variant_on_the_real_manifests(shared_dir):
+    """The released layouts (token2wav_manifest.json) are told apart by their shapes alone."""
+    import json
+
+    from minicpmo_rt.code2wav.vocoder import config_from_state, detect_variant
+
+    files = json.loads((shared_dir / "token2wav_manifest.json").read_text())["files"]
+    for name, variant in (("hift.pt", CAUSAL), ("hift_original.pt", ORIGINAL)):
+        state = {k: torch.empty(v["shape"], device="meta") for k, v in files[name]["keys"].items()}
+        assert detect_variant(state, name) == variant
+        cfg = config_from_state(state, variant)
+        assert (cfg.base_channels, cfg.f0_channels, cfg.hop) == (512, 512, 480)
+        assert cfg.conv_pre_look_right == 4
+    bad = {k: torch.empty(v["shape"], device="meta") for k, v in files["hift.pt"]["keys"].items()}
+    bad["f0_predictor.condnet.0.parametrizations.weight.original1"] = torch.empty(512, 80, 3, device="meta")
+    with pytest.raises(CheckpointError, match="match neither HiFT variant"):
+        detect_variant(bad, "mixed.pt")
