@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from .checkpoint.tiny import (TINY_NOTE, TINY_SHARD_BYTES, atomic_directory, ran
 from .checkpoint.weights import KeyReport, compare_keys, module_shapes, read_shapes, save_sharded
 from .parts import ALL_PREFIXES, asset_parts, tiny_asset_writers, weight_parts
 
+DEFAULT_VOICE = Path(__file__).parent / "code2wav" / "data" / "ref_minicpm_signature.wav"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -44,6 +46,8 @@ def make_tiny(out: Path, seed: int = 0, force: bool = False) -> Path:
             asset_dir.mkdir(parents=True)
         for write in writers:
             write(asset_dir, seed)
+        # A real snapshot keeps its default voice at assets/HT_ref_audio.wav.
+        shutil.copyfile(DEFAULT_VOICE, tmp / "assets" / "HT_ref_audio.wav")
 
     return atomic_directory(Path(out), build, force=force)
 

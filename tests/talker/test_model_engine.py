@@ -97,3 +97,13 @@ def test_request_that_can_never_fit_is_refused(tts):
         eng.submit(_request("x", max_codes=100000))
     with pytest.raises(InputError, match="budget"):
         TalkerEngine(tts, capacity=16, kv_budget_bytes=1000)
+
+
+def test_max_codes_limit_yields_exactly_max_codes(tts):
+    """A slot stopped by its code limit keeps its last code (regression: EOS overwrote it)."""
+    params = SamplingParams(min_codes=10**6, max_codes=17)  # EOS never allowed: only the limit stops
+    eng = TalkerEngine(tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+    out = eng.run([_request("a", seed=3, max_codes=17), _request("b", seed=4, max_codes=9)])
+    for rid, n in (("a", 17), ("b", 9)):
+        codes = [c for ch in out[rid] for c in ch.codes[3:]]
+        assert len(codes) == n and all(0 <= c < 6561 for c in codes)

@@ -180,9 +180,12 @@ class TalkerEngine:
         """
         kv_len = kv_len or self.max_len
         logits = self.first_logits
+        live = ~self.state.finished  # rows that draw a real code this step
         codes = sample_step(logits, self.state, self.params, self.tts.eos_code)
         step_idx = (self.state.step - 1).clamp_min(0)
-        self.codes.scatter_(1, step_idx[:, None], codes[:, None])
+        # Finished rows keep their last code (their step did not advance; writing would clobber it).
+        old = self.codes.gather(1, step_idx[:, None])
+        self.codes.scatter_(1, step_idx[:, None], torch.where(live[:, None], codes[:, None], old))
         # Feed the new code to get the next logits (finished rows compute garbage that is never read).
         x = self.tts.embed_codes(codes.clamp_max(self.tts.cfg.num_audio_tokens - 1))[:, None]
         pos = self.pos.clamp_max(self.max_len - 1)

@@ -173,6 +173,8 @@ class StaticStepper:
         run = dec.decode_graph if self.use_graph else dec.decode
         logits, h = run(tok, pos, kv_len)
         self.position += 1
+        if self.use_graph:  # graph outputs are static buffers that the next replay overwrites
+            logits, h = logits.clone(), h.clone()
         return h, logits
 
 
