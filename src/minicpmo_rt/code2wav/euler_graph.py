@@ -81,6 +81,8 @@ class _Static:
     ws: object = None
     out: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
+    rows: torch.Tensor | None = None    # slot pool: (2Bb,) pool rows of the batch rows
+    pos: torch.Tensor | None = None     # slot pool: (2Bb, Q) frames the current K/V go to
     extra: dict = field(default_factory=dict)
 
 
@@ -219,7 +221,7 @@ class WholeEulerSolver:
             xin[:Bb, :, :n].copy_(st.x)
             xin[Bb:, :, :n].copy_(st.x)
             load_cnn_cache(st.hist, st.cnn_in[s], self.K1)
-            self.fused.body(xin, mods[s], st.hist, st.kv[s], st.mask, st.ws, st.out)
+            self.fused.body(xin, mods[s], st.hist, st.kv[s], st.mask, st.ws, st.out, st.rows, st.pos)
             # new CNN cache = history frames [valid, valid+K-1) (valid = real width, via index)
             new = st.hist.index_select(3, st.cnn_idx)                      # (depth, 2, R, K-1, C)
             st.cnn_out[s].copy_(new.permute(0, 2, 1, 4, 3).reshape(st.cnn_out[s].shape))

@@ -218,18 +218,23 @@ class FusedDiT:
             x.add_(gate[:, None] * y)
         out.copy_(F.layer_norm(x, (x.shape[-1],), eps=eps) * scale[:, None] + shift[:, None])
 
-    def _qkv_ln(self, ws: Workspace, blk, kv_cur: torch.Tensor):
+    def _qkv_ln(self, ws: Workspace, blk, kv_cur: torch.Tensor, rows=None, pos=None):
         a = blk.attn
         if self._triton(ws.qkv):
             dit_ops.qkv_head_ln(ws.qkv, a.q_norm.weight, a.q_norm.bias, a.k_norm.weight, a.k_norm.bias,
-                                ws.q, kv_cur, self.L.qk_eps)
+                                ws.q, kv_cur, self.L.qk_eps, rows, pos)
             return
         R, T, _ = ws.qkv.shape
         H, D = self.L.heads, self.L.head_dim
         q, k, v = ws.qkv.view(R, T, 3, H, D).unbind(2)
         ws.q.copy_(F.layer_norm(q, (D,), a.q_norm.weight, a.q_norm.bias, self.L.qk_eps))
-        kv_cur[..., :D].copy_(F.layer_norm(k, (D,), a.k_norm.weight, a.k_norm.bias, self.L.qk_eps).transpose(1, 2))
-        kv_cur[..., D:].copy_(v.transpose(1, 2))
+        k = F.layer_norm(k, (D,), a.k_norm.weight, a.k_norm.bias, self.L.qk_eps)
+        if pos is None:
+            kv_cur[..., :D].copy_(k.transpose(1, 2))
+            kv_cur[..., D:].copy_(v.transpose(1, 2))
+        else:   # pool (P, H, F, 2D): (rows, pos) index pairs -> (R, T, H, 2D)
+            r_idx, p_idx = rows.long()[:, None].expand(-1, T), pos.long()
+            kv_cur[r_idx, :, p_idx] = torch.cat([k, v], -1)
 
     def _taps_ln_mish(self, taps_out: torch.Tensor, conv, ln, out: torch.Tensor):
         K = self.L.taps
@@ -240,15 +245,16 @@ class FusedDiT:
         y = sum(taps_out[:, k:k + T, k * C:(k + 1) * C] for k in range(K)) + conv.bias
         out.copy_(F.mish(F.layer_norm(y, (C,), ln.weight, ln.bias, ln.eps)))
 
-    def _attend(self, ws: Workspace, kv: torch.Tensor, mask: torch.Tensor | None):
+    def _attend(self, ws: Workspace, kv: torch.Tensor, mask: torch.Tensor | None, rows=None):
         D = self.L.head_dim
         q = ws.q.transpose(1, 2)                 # (R, H, T, D) view
         k, v = kv[..., :D], kv[..., D:]
         if self.attention != "sdpa" and self._triton(q):
-            tiled_attention(q, k, v, mask, precision="tf32" if self.attention == "triton-tf32" else "ieee",
+            tiled_attention(q, k, v, mask, kv_rows=rows,
+                            precision="tf32" if self.attention == "triton-tf32" else "ieee",
                             out=ws.o.transpose(1, 2))
         else:
-            ws.o.copy_(sdpa_attention(q, k, v, mask).transpose(1, 2))
+            ws.o.copy_(sdpa_attention(q, k, v, mask, rows).transpose(1, 2))
 
     @staticmethod
     def _linear(x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out2d: torch.Tensor, gelu: bool = False):
@@ -263,13 +269,16 @@ class FusedDiT:
 
     # ------------------------------------------------------------------ the body
     def body(self, xin: torch.Tensor, mod: Modulation, hist: torch.Tensor, kv: torch.Tensor,
-             mask: torch.Tensor | None, ws: Workspace, out: torch.Tensor) -> torch.Tensor:
+             mask: torch.Tensor | None, ws: Workspace, out: torch.Tensor,
+             rows: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
         """One estimator evaluation, caches in place.
 
         xin (R, T, in_channels) staged input, time-major. hist (depth, 2, R, T+K-1, C): conv histories
         whose first K-1 frames hold the CNN cache (new cache = frames [q, q+K-1) for q valid frames).
         kv (depth, R, H, T+L, 2D): frames [0, T) receive this chunk's [k|v], [T, T+L) hold the old cache.
         mask (R, T, T+L) bool or None. out (R, T, out_channels).
+        Pooled caches (``slot_pool``): kv is (depth, P, H, F, 2D), ``rows`` (R,) int32 are the pool
+        rows of the batch rows and ``pos`` (R, T) int32 the frames the current K/V go to; mask (R, T, F).
         """
         L, dit = self.L, self.dit
         R, T, _ = xin.shape
@@ -282,8 +291,11 @@ class FusedDiT:
         for i, blk in enumerate(dit.blocks):
             m = mb[:, i]
             self._linear(ws.norm.view(N, C), self.w_qkv[i], self.b_qkv[i], ws.qkv.view(N, -1))
-            self._qkv_ln(ws, blk, kv[i][:, :, :T])
-            self._attend(ws, kv[i], mask)
+            if pos is None:
+                self._qkv_ln(ws, blk, kv[i][:, :, :T])
+            else:
+                self._qkv_ln(ws, blk, kv[i], rows, pos)
+            self._attend(ws, kv[i], mask, rows)
             a = blk.attn
             self._linear(ws.o.view(N, -1), a.proj.weight, a.proj.bias, ws.y.view(N, C))
             h1, h2 = hist[i, 0], hist[i, 1]

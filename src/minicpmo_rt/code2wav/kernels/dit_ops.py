@@ -53,13 +53,18 @@ if AVAILABLE:
         tl.store(OUT + r * sor + t * sot + offs, xn * sc + sh, mask=ok)
 
     @triton.jit
-    def _qkv_head_ln(QKV, QW, QB, KW, KB, QOUT, KV,
+    def _qkv_head_ln(QKV, QW, QB, KW, KB, QOUT, KV, ROWS, POS,
                      s_in_r, s_in_t, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t,
                      T, H, D, eps,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_POS: tl.constexpr):
         n = tl.program_id(0)
         r = n // T
         t = n % T
+        kr = r
+        kt = t
+        if HAS_POS:   # pooled cache: row r's frame t lives at slot row ROWS[r], frame POS[r, t]
+            kr = tl.load(ROWS + r)
+            kt = tl.load(POS + n)
         oh = tl.arange(0, BLOCK_H)
         od = tl.arange(0, BLOCK_D)
         ok = (oh[:, None] < H) & (od[None, :] < D)
@@ -78,7 +83,7 @@ if AVAILABLE:
         mk = tl.sum(k, axis=1) / D
         dk = tl.where(ok, k - mk[:, None], 0.0)
         k = dk / tl.sqrt(tl.sum(dk * dk, axis=1) / D + eps)[:, None] * wk[None, :] + bk[None, :]
-        dst = KV + r * skv_r + oh[:, None] * skv_h + t * skv_t + od[None, :]
+        dst = KV + kr.to(tl.int64) * skv_r + oh[:, None] * skv_h + kt * skv_t + od[None, :]
         tl.store(dst, k, mask=ok)
         v = tl.load(base + 2 * inner, mask=ok, other=0.0)
         tl.store(dst + D, v, mask=ok)
@@ -124,16 +129,21 @@ def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int
         T, C, eps, TAPS=taps if has_res else 0, HAS_RES=has_res, BLOCK_C=_pow2(C), num_warps=4)
 
 
-def qkv_head_ln(qkv, q_w, q_b, k_w, k_b, q_out, kv, eps: float) -> None:
-    """qkv (R,T,3*H*D); q_out (R,T,H,D) view; kv (R,H,>=T,2D) view whose frames 0..T-1 get [k|v]."""
+def qkv_head_ln(qkv, q_w, q_b, k_w, k_b, q_out, kv, eps: float, rows=None, pos=None) -> None:
+    """qkv (R,T,3*H*D); q_out (R,T,H,D) view; kv (R,H,>=T,2D) view whose frames 0..T-1 get [k|v].
+
+    With ``rows`` (R,) and ``pos`` (R,T) int32, kv is a pool (P,H,F,2D) and row r's frame t goes
+    to pool row rows[r], frame pos[r, t].
+    """
     R, T, _ = qkv.shape
     _, H, _, D2 = kv.shape
     D = D2 // 2
+    has_pos = pos is not None
     _qkv_head_ln[(R * T,)](
-        qkv, q_w, q_b, k_w, k_b, q_out, kv,
+        qkv, q_w, q_b, k_w, k_b, q_out, kv, rows if has_pos else qkv, pos if has_pos else qkv,
         qkv.stride(0), qkv.stride(1), q_out.stride(0), q_out.stride(1), q_out.stride(2),
         kv.stride(0), kv.stride(1), kv.stride(2), T, H, D, eps,
-        BLOCK_H=_pow2(H), BLOCK_D=_pow2(D), num_warps=4)
+        BLOCK_H=_pow2(H), BLOCK_D=_pow2(D), HAS_POS=has_pos, num_warps=4)
 
 
 def taps_ln_mish(y, bias, w, b, out, eps: float, taps: int) -> None:

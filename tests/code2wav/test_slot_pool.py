@@ -1,0 +1,71 @@
+"""Slot pooling + row-offset merging vs separate per-stream reference solves (with the dense trim)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernel import
+
+from minicpmo_rt.code2wav.euler_graph import GraphConfig  # noqa: E402
+from minicpmo_rt.code2wav.flow import trim_estimator_att  # noqa: E402
+from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver  # noqa: E402
+
+from conftest import rel_err  # noqa: E402
+from test_euler_graph import S, tiny_cfm  # noqa: E402
+
+
+def test_pooled_merged_solves_match_separate_solves():
+    cfm = tiny_cfm(seed=6)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(4,))
+    prompt, keep, T = 6, 4, 4
+    base = SlotSolver(cfm, pool=None, attention="sdpa", n_timesteps=S, config=cfg, use_triton=False)
+    pool = SlotPool(base, slots=3, frames=prompt + keep + 4 + T, keep=keep, device="cpu")
+    base.pool = pool
+    g = torch.Generator().manual_seed(1)
+    # three streams whose caches differ in length (6, 9 and 10 frames): one merged replay per chunk
+    lengths = [6, 9, 10]
+    dense = [(torch.randn(S, 2, 2, 128, 2, generator=g), torch.randn(S, 2, 2, 2, L, 64, generator=g))
+             for L in lengths]
+    handles = [pool.admit(c, a, prompt) for c, a in dense]
+    for chunk in range(3):
+        B = 3
+        mu, spk, cond = torch.randn(B, 80, T, generator=g), torch.randn(B, 80, generator=g), torch.randn(B, 80, T, generator=g)
+        mel = base.solve_slots(handles, mu, spk, cond)
+        for i, h in enumerate(handles):
+            with torch.inference_mode():
+                ref, rc, ra = cfm.forward_chunk(mu[i:i + 1], spk[i:i + 1], cond[i:i + 1], n_timesteps=S,
+                                                cnn_cache=dense[i][0], att_cache=dense[i][1])
+            ra = trim_estimator_att(ra, prompt, keep)
+            dense[i] = (rc, ra)
+            got_cnn, got_att = h.dense()
+            assert rel_err(mel[i:i + 1], ref) <= 1e-5
+            assert got_att.shape == ra.shape and rel_err(got_att, ra) <= 1e-5
+            assert rel_err(got_cnn, rc) <= 1e-5
+    assert [h.length for h in handles] == [prompt + keep] * 3
+    handles[1].release()
+    assert pool.admit(None, None, prompt).slot == 1
+
+
+def test_triton_pooled_writes_and_reads_match_reference():
+    """The QKV kernel's (row, frame) scatter and the attention's kv_rows under Triton (or the interpreter)."""
+    import pytest
+    from minicpmo_rt.code2wav import kernels
+    if not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    cfm = tiny_cfm(seed=7)
+    prompt, keep, T = 3, 2, 4
+    solver = SlotSolver(cfm, pool=None, attention="triton-ieee", n_timesteps=S, use_triton=True,
+                        config=GraphConfig(batch_buckets=(2,), query_buckets=(4,)))
+    solver.pool = pool = SlotPool(solver, slots=2, frames=12, keep=keep, device="cpu")
+    g = torch.Generator().manual_seed(2)
+    dense = [(torch.randn(S, 2, 2, 128, 2, generator=g), torch.randn(S, 2, 2, 2, L, 64, generator=g)) for L in (3, 5)]
+    handles = [pool.admit(c, a, prompt) for c, a in dense]
+    mu, spk, cond = torch.randn(2, 80, T, generator=g), torch.randn(2, 80, generator=g), torch.randn(2, 80, T, generator=g)
+    mel = solver.solve_slots(handles, mu, spk, cond)
+    for i, h in enumerate(handles):
+        with torch.inference_mode():
+            ref, rc, ra = cfm.forward_chunk(mu[i:i + 1], spk[i:i + 1], cond[i:i + 1], n_timesteps=S,
+                                            cnn_cache=dense[i][0], att_cache=dense[i][1])
+        assert rel_err(mel[i:i + 1], ref) <= 1e-5
+        assert rel_err(h.dense()[1], trim_estimator_att(ra, prompt, keep)) <= 1e-5
