@@ -1,10 +1,17 @@
 """Thinker on the GPU: full-size random weights in bf16 (or --tiny on CPU as a smoke test).
 
 Measures, side by side in one run: image preprocessing (CPU) and vision encode per
-1920x1080 frame, one native 1-s commit through StreamingSession (frame + audio + prefill),
-read_state, snapshot+restore, one tail transaction, and batch-1 decode tokens/s with
-transformers' eager forward (dynamic cache) vs the static-cache decoder eager and as a
-CUDA-graph replay. Writes JSON + Markdown (GPU named) to --out.
+1920x1080 frame; one native 1-s commit and one tail transaction through StreamingSession
+with the plain LLM cache (transformers' forward on a DynamicCache) vs the static cache
+(fused Triton kernels, eager and with CUDA-graph prefill), each with a per-stage
+breakdown (frame preprocessing, vision, mel+audio encoder, LLM); read_state and
+snapshot+restore; a 78-token LLM prefill onto a 1024-token context per path; batch-1
+decode tokens/s: transformers eager, static cache with the plain torch step (eager,
+CUDA graph) and with the fused kernels (eager, CUDA graph); and the fast paths' relative
+error against the plain ones on this device. Writes JSON + Markdown (GPU named) to --out.
+
+    python benchmarks/thinker_bench.py            # H200: full size, bf16 (~2-3 min)
+    TRITON_INTERPRET=1 python benchmarks/thinker_bench.py --tiny --commits 3 --decode-tokens 4   # CPU smoke
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 from minicpmo_rt.checkpoint.config import MiniCPMOConfig
 from minicpmo_rt.checkpoint.tiny import randomize_, reference_config, tiny_config
 from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
+from minicpmo_rt.thinker import kernels as K
 from minicpmo_rt.thinker.decode import StaticDecoder
 from minicpmo_rt.thinker.image_processor import process_image
 from minicpmo_rt.thinker.model import Thinker
@@ -30,6 +38,31 @@ from minicpmo_rt.thinker.session import StreamingSession
 def sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm())
+
+
+class StageClock:
+    """Wraps callables so each call's synchronised wall time is added to a named stage."""
+
+    def __init__(self, dev):
+        self.dev, self.ms = dev, {}
+
+    def wrap(self, name, fn):
+        def timed_call(*a, **kw):
+            sync(self.dev)
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            sync(self.dev)
+            self.ms.setdefault(name, []).append((time.perf_counter() - t) * 1e3)
+            return out
+        return timed_call
+
+    def reset(self):
+        self.ms = {}
 
 
 def timed(fn, dev, n):
@@ -98,42 +131,108 @@ def main() -> None:
     rows["image preprocessing (CPU) per frame"] = statistics.median(pre)
     rows["vision encode + resampler per frame"] = statistics.median(vis)
 
-    sess = StreamingSession(thinker, tok, system_prompt="You are a helpful assistant.")
     audio = speechlike(args.commits + 2)
-    commit_ms = []
-    for i in range(args.commits):
-        a = audio[i * 16000:(i + 1) * 16000]
-        commit_ms += timed(lambda: sess.commit(a, frames[i % 4]), dev, 1)
-    rows["native 1-s commit (frame + audio + prefill)"] = statistics.median(commit_ms[2:])
-    rows["read_state"] = statistics.median(timed(sess.read_state, dev, 20))
-
-    def snap_restore():
-        s = sess.snapshot()
-        sess.restore(s)
-
-    rows["snapshot + restore"] = statistics.median(timed(snap_restore, dev, 20))
     tail = audio[args.commits * 16000: args.commits * 16000 + 6400]
-
-    def transaction():
-        with sess.transaction():
-            sess.append_tail(tail, frames[0])
-            sess.read_state()
-
-    rows["tail transaction (0.4 s tail + frame)"] = statistics.median(timed(transaction, dev, 5))
+    fast_kernels = "triton" if K.usable_on(torch.empty(0, device=dev)) else "torch"
+    variants = {"plain (DynamicCache)": dict(llm_cache="dynamic"),
+                f"static cache, {fast_kernels} kernels, eager": dict(llm_cache="static", llm_kernels=fast_kernels,
+                                                                    llm_graphs=False)}
+    if dev.type == "cuda":
+        variants[f"static cache, {fast_kernels} kernels, CUDA-graph prefill"] = dict(
+            llm_cache="static", llm_kernels=fast_kernels, llm_graphs=True)
+    commit_rows, tail_rows, breakdown, states, errors = {}, {}, {}, {}, {}
     ctx = None
-    try:
-        from minicpmo_rt.thinker.model import cache_length
-        ctx = cache_length(sess.cache)
-    except Exception:
-        pass
+    for name, kw in variants.items():
+        clock = StageClock(dev)
+        thinker.embed_audio_chunk = clock.wrap("audio encoder", Thinker.embed_audio_chunk.__get__(thinker))
+        thinker.embed_image = clock.wrap("vision + resampler", Thinker.embed_image.__get__(thinker))
+        commit_ms, stage, sess = [], {}, None
+        try:
+            sess = StreamingSession(thinker, tok, system_prompt="You are a helpful assistant.", **kw)
+            sess._check_frame = clock.wrap("frame preprocessing (CPU)", sess._check_frame)
+            sess.mel.process = clock.wrap("mel", sess.mel.process)
+            sess.llm_cache.feed = clock.wrap("LLM prefill", sess.llm_cache.feed)
+            for i in range(args.commits):
+                a = audio[i * 16000:(i + 1) * 16000]
+                clock.reset()
+                commit_ms += timed(lambda: sess.commit(a, frames[i % 4]), dev, 1)
+                if i >= 2:
+                    for k, v in clock.ms.items():
+                        stage.setdefault(k, []).append(sum(v))
+            commit_rows[name] = statistics.median(commit_ms[2:])
+            breakdown[name] = {k: statistics.median(v) for k, v in stage.items()}
+            states[name] = sess.read_state()
+            ctx = sess.cache_len
 
-    # Decode tokens/s at batch 1.
+            def transaction():
+                with sess.transaction():
+                    sess.append_tail(tail, frames[0])
+                    sess.read_state()
+
+            transaction()  # first tail length: compiles / captures once
+            tail_rows[name] = statistics.median(timed(transaction, dev, 5))
+            if name.startswith("plain"):
+                rows["read_state"] = statistics.median(timed(sess.read_state, dev, 20))
+
+                def snap_restore():
+                    sess.restore(sess.snapshot())
+
+                rows["snapshot + restore"] = statistics.median(timed(snap_restore, dev, 20))
+            else:
+                errors[f"read_state after {args.commits} commits: {name} vs plain"] = rel(
+                    states[name], states["plain (DynamicCache)"])
+        except Exception as e:  # keep the other rows of the one device run
+            commit_rows[name] = f"failed: {type(e).__name__}: {e}"[:300]
+        finally:
+            del thinker.embed_audio_chunk, thinker.embed_image
+            del sess
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    for name, v in commit_rows.items():
+        rows[f"native 1-s commit: {name}"] = v
+    for name, v in tail_rows.items():
+        rows[f"tail transaction (0.4 s tail + frame): {name}"] = v
+
     llm = thinker.llm
     n_prompt = 1024 if not args.tiny else 64
     max_len = 2048 if not args.tiny else 256
     prompt = torch.randn(1, n_prompt, cfg.llm.hidden_size, device=dev, dtype=dtype)
+    unit = torch.randn(1, 78, cfg.llm.hidden_size, device=dev, dtype=dtype)
+
+    # LLM prefill of one 78-token unit onto the n_prompt context, per path.
+    prefill = {}
+    from minicpmo_rt.thinker.model import truncate_cache
+    hf_cache = thinker.new_cache()
+    thinker.forward_embeds(prompt[0], hf_cache)
+
+    def hf_prefill():
+        thinker.forward_embeds(unit[0], hf_cache)
+        truncate_cache(hf_cache, n_prompt)
+
+    hf_prefill()
+    prefill["transformers eager (DynamicCache)"] = statistics.median(timed(hf_prefill, dev, 10))
+    del hf_cache
+    sd = StaticDecoder(llm, max_len=max_len, kernels="torch")
+    fd = StaticDecoder(llm, max_len=max_len, kernels=fast_kernels, share_weights=sd)
+    with torch.no_grad():
+        for d in (sd, fd):
+            d.prefill(prompt, 0)
+        ref_h = sd.prefill(unit, n_prompt)
+        errors[f"78-token prefill hidden: {fast_kernels} vs torch step"] = rel(fd.prefill(unit, n_prompt), ref_h)
+    prefill["static cache, torch step, eager"] = statistics.median(timed(lambda: sd.prefill(unit, n_prompt), dev, 10))
+    prefill[f"static cache, {fast_kernels} kernels, eager"] = statistics.median(
+        timed(lambda: fd.prefill(unit, n_prompt), dev, 10))
+    if dev.type == "cuda" and fast_kernels == "triton":
+        try:
+            errors["78-token prefill hidden: triton CUDA graph vs torch step"] = rel(fd.prefill_graph(unit, n_prompt),
+                                                                                     ref_h)
+            prefill["static cache, triton kernels, CUDA graph"] = statistics.median(
+                timed(lambda: fd.prefill_graph(unit, n_prompt), dev, 10))
+        except Exception as e:
+            prefill["static cache, triton kernels, CUDA graph"] = f"failed: {type(e).__name__}: {e}"[:300]
+
+    # Decode tokens/s at batch 1.
     decode = {}
-    # transformers eager with its dynamic cache
     out = llm.model(inputs_embeds=prompt, use_cache=True)
     cache = out.past_key_values
     tokid = torch.tensor([[100]], device=dev)
@@ -146,18 +245,37 @@ def main() -> None:
     n = 16 if args.tiny else 32
     decode["transformers eager (dynamic cache)"] = n / (sum(timed(hf_step, dev, n)) / 1e3)
     del cache, out
-    sd = StaticDecoder(llm, max_len=max_len)
-    sd.prefill(prompt, 0)
+    for d in (sd, fd):
+        d.prefill(prompt, 0)
     pos = torch.tensor([n_prompt], device=dev)
     t1 = torch.tensor([100], device=dev)
-    decode["static cache eager"] = n / (sum(timed(lambda: sd.decode(t1, pos, max_len), dev, n)) / 1e3)
+    # kv_len: the 256-bucket holding the position, as StaticStepper uses (the Triton set ignores it).
+    span = min(max_len, -(-(n_prompt + 1) // 256) * 256)
+    with torch.no_grad():
+        lp, hp = sd.decode(t1, pos, span)
+        lf, hf = fd.decode(t1, pos, span)
+    errors[f"decode hidden: {fast_kernels} vs torch step"] = rel(hf, hp)
+    errors[f"decode logits: {fast_kernels} vs torch step"] = rel(lf, lp)
+    decode["static cache, torch step, eager"] = n / (sum(timed(lambda: sd.decode(t1, pos, span), dev, n)) / 1e3)
+    decode[f"static cache, {fast_kernels} kernels, eager"] = n / (
+        sum(timed(lambda: fd.decode(t1, pos, span), dev, n)) / 1e3)
     if dev.type == "cuda":
-        sd.decode_graph(t1, pos, max_len)
-        ms = timed(lambda: sd.decode_graph(t1, pos, max_len), dev, args.decode_tokens)
-        decode["static cache + CUDA graph"] = args.decode_tokens / (sum(ms) / 1e3)
+        for label, d in (("static cache, torch step, CUDA graph", sd),
+                         (f"static cache, {fast_kernels} kernels, CUDA graph", fd)):
+            try:
+                d.decode_graph(t1, pos, span)
+                ms = timed(lambda: d.decode_graph(t1, pos, span), dev, args.decode_tokens)
+                decode[label] = args.decode_tokens / (sum(ms) / 1e3)
+            except Exception as e:
+                decode[label] = f"failed: {type(e).__name__}: {e}"[:300]
+        with torch.no_grad():
+            lg, hg = fd.decode_graph(t1, pos, span)
+        errors[f"decode hidden: {fast_kernels} CUDA graph vs torch step"] = rel(hg, hp)
     gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     res = {"gpu": gpu, "dtype": str(dtype), "torch": torch.__version__, "tiny": args.tiny,
-           "build_s": build_s, "latency_ms_median": rows, "decode_tokens_per_s": decode,
+           "build_s": build_s, "latency_ms_median": rows, "commit_breakdown_ms_median": breakdown,
+           "llm_prefill_78_tokens_ms_median": prefill, "decode_tokens_per_s": decode,
+           "fast_vs_plain_rel_err": errors, "fast_kernels": fast_kernels,
            "llm_context_after_commits": ctx, "commits": args.commits,
            "goals": {"decode_tokens_per_s": 180, "native_commit_ms": 25}}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -165,9 +283,20 @@ def main() -> None:
     (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2))
     lines = [f"# Thinker ({gpu}, {dtype}, {'tiny' if args.tiny else 'full-size random weights'})", "",
              "| quantity | median (ms) |", "|---|---|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in rows.items()]
+    fmt = lambda v, p: f"{v:.{p}f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines += [f"| {k} | {fmt(v, 2)} |" for k, v in rows.items()]
+    lines += ["", "| commit stage (median ms) | " + " | ".join(breakdown) + " |",
+              "|---|" + "---|" * len(breakdown)]
+    stages = sorted({k for b in breakdown.values() for k in b})
+    lines += [f"| {st} | " + " | ".join(fmt(b.get(st, float("nan")), 2) for b in breakdown.values()) + " |"
+              for st in stages]
+    lines += ["", "| LLM prefill, 78 tokens onto %d | median (ms) |" % n_prompt, "|---|---|"]
+    lines += [f"| {k} | {fmt(v, 2)} |" for k, v in prefill.items()]
     lines += ["", "| decode at batch 1 (context %d) | tokens/s |" % n_prompt, "|---|---|"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in decode.items()]
+    lines += [f"| {k} | {fmt(v, 1)} |" for k, v in decode.items()]
+    lines += ["", "| fast path vs plain path (this device, %s) | rel err |" % str(dtype).replace("torch.", ""),
+              "|---|---|"]
+    lines += [f"| {k} | {v:.2e} |" for k, v in errors.items()]
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -40,7 +40,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class StaticDecoder(nn.Module):
     """Holds packed weights (views of nothing: copies) and a static KV cache for ``batch`` rows."""
 
-    def __init__(self, llm: nn.Module, max_len: int, batch: int = 1, kernels: str = "auto"):
+    def __init__(self, llm: nn.Module, max_len: int, batch: int = 1, kernels: str = "auto",
+                 share_weights: "StaticDecoder | None" = None):
         super().__init__()
         if kernels not in KERNEL_SETS:
             raise ValueError(f"StaticDecoder: kernels={kernels!r}; choose one of {', '.join(KERNEL_SETS)}")
@@ -55,10 +56,14 @@ class StaticDecoder(nn.Module):
         self.embed = model.embed_tokens
         self.norm_w = model.norm.weight
         self.lm_head = llm.lm_head
-        with torch.no_grad():
-            self.wqkv = [torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight,
-                                    l.self_attn.v_proj.weight]) for l in model.layers]
-            self.w13 = [torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]) for l in model.layers]
+        if share_weights is not None and share_weights.layers[0] is model.layers[0]:
+            # Another decoder of the same model: its packed copies serve here too (~9 GB at full size).
+            self.wqkv, self.w13 = share_weights.wqkv, share_weights.w13
+        else:
+            with torch.no_grad():
+                self.wqkv = [torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight,
+                                        l.self_attn.v_proj.weight]) for l in model.layers]
+                self.w13 = [torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]) for l in model.layers]
         self.layers = list(model.layers)
         theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
         inv = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, device=self.device).float() / self.head_dim))
