@@ -166,6 +166,22 @@ def kernel_profile(fn, top: int = 14) -> list[dict]:
     return sorted(rows, key=lambda r: -r["total_us"])[:top]
 
 
+def attention_micro() -> dict:
+    """One block's attention (50 queries over 450 keys, 8 heads x 64) at 2 and 32 rows."""
+    from minicpmo_rt.code2wav.kernels.tiled_attention import tiled_attention
+    out = {}
+    for R in (2, 32):
+        q = torch.randn(R, 8, T, 64, device="cuda")
+        kv = torch.randn(R, 8, T + L, 128, device="cuda")
+        k, v = kv[..., :64], kv[..., 64:]
+        for bm in (32, 64):
+            fn = lambda: tiled_attention(q, k, v, None, precision="tf32", block_m=bm)  # noqa: E731
+            out[f"R{R}_tiled_tf32_bm{bm}"] = 1e3 * statistics.median(timed(fn, 0.2, 50))
+        fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
+        out[f"R{R}_sdpa"] = 1e3 * statistics.median(timed(fn, 0.2, 50))
+    return out
+
+
 class ieee_cudnn:
     """Bench-local IEEE reference: the original body's Conv1d runs in cuDNN (TF32 by default)."""
 
@@ -232,6 +248,8 @@ def main(argv=None) -> int:
     for r in res["fused_eval_kernels_b1_tf32"]:
         print(f"    {r['count']:4d} {r['total_us']:9.1f} us  {r['kernel']}", flush=True)
     del kv, hist, ws, fused
+    res["attention_us"] = attention_micro()
+    print(f"attention micro-bench (us): {res['attention_us']}", flush=True)
     save()
 
     def row(name, B, ms, replay=None, extra=None):
@@ -279,9 +297,27 @@ def main(argv=None) -> int:
             del solver, st, got
             gc.collect()
             torch.cuda.empty_cache()
+        slot_row(B, cnn, att, mu, spk, cond, ref)
         del cnn, att, ref
         gc.collect()
         torch.cuda.empty_cache()
+
+    def slot_row(B, cnn, att, mu, spk, cond, ref):
+        """Opt-in slot pool: caches resident, no per-chunk cache copy (prompt 300 + keep 100)."""
+        try:
+            from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver, default_pool_frames
+            solver = SlotSolver(cfm, pool=None, attention="triton-tf32", tf32=True, n_timesteps=S, config=cfg)
+            solver.pool = pool = SlotPool(solver, slots=B, frames=default_pool_frames(L - 100), device=dev)
+            handles = [pool.admit(cnn[:, :, [i, B + i]], att[:, :, [i, B + i]], L - 100) for i in range(B)]
+            mel = solver.solve_slots(handles, mu, spk, cond)
+            err = _rel(mel, ref[0])
+            ms = timed(lambda: solver.solve_slots(handles, mu, spk, cond), args.budget)
+            row("fused + graph TF32 on, slot pool", B, ms, extra={"rel_err_vs_original_ieee": {
+                "mel": err, "cnn": float("nan"), "att": float("nan")}})
+            del solver, pool, handles
+        except Exception as exc:  # noqa: BLE001 - opt-in row
+            res["notes"].append(f"slot pool row B={B} failed: {exc!r}")
+            print(f"slot pool row failed: {exc!r}", flush=True)
 
     cfm_rows(batches[0])
 

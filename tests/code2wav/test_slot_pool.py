@@ -11,8 +11,9 @@ from minicpmo_rt.code2wav.euler_graph import GraphConfig  # noqa: E402
 from minicpmo_rt.code2wav.flow import trim_estimator_att  # noqa: E402
 from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver  # noqa: E402
 
-from conftest import rel_err  # noqa: E402
+from conftest import rel_err, requires_cuda  # noqa: E402
 from test_euler_graph import S, tiny_cfm  # noqa: E402
+from test_fused_dit import ieee_cudnn  # noqa: E402
 
 
 def test_pooled_merged_solves_match_separate_solves():
@@ -69,3 +70,30 @@ def test_triton_pooled_writes_and_reads_match_reference():
                                             cnn_cache=dense[i][0], att_cache=dense[i][1])
         assert rel_err(mel[i:i + 1], ref) <= 1e-5
         assert rel_err(h.dense()[1], trim_estimator_att(ra, prompt, keep)) <= 1e-5
+
+
+@requires_cuda
+def test_cuda_slot_graph_matches_separate_solves():
+    from minicpmo_rt.code2wav.flow_config import FULL_SIZE
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfm = tiny_cfm(seed=8, cfg=FULL_SIZE.dit, mild=True).cuda()
+    prompt, keep, T, n = 300, 100, 50, 10
+    solver = SlotSolver(cfm, pool=None, attention="triton-ieee", n_timesteps=n,
+                        config=GraphConfig(batch_buckets=(4,), query_buckets=(50,)))
+    solver.pool = pool = SlotPool(solver, slots=4, frames=512, keep=keep, device="cuda")
+    g = torch.Generator().manual_seed(3)
+    dense = [(torch.randn(n, 16, 2, 1024, 2, generator=g).cuda(), torch.randn(n, 16, 2, 8, L, 128, generator=g).cuda())
+             for L in (360, 400, 380)]
+    handles = [pool.admit(c, a, prompt) for c, a in dense]
+    mu, spk, cond = (torch.randn(3, 80, T, generator=g).cuda(), torch.randn(3, 80, generator=g).cuda(),
+                     torch.zeros(3, 80, T, device="cuda"))
+    mel = solver.solve_slots(handles, mu, spk, cond, graph=True)
+    assert solver.graphs()
+    for i, h in enumerate(handles):
+        with torch.inference_mode(), ieee_cudnn():
+            ref, rc, ra = cfm.forward_chunk(mu[i:i + 1], spk[i:i + 1], cond[i:i + 1], n_timesteps=n,
+                                            cnn_cache=dense[i][0], att_cache=dense[i][1])
+        errs = [rel_err(mel[i:i + 1], ref), rel_err(h.dense()[1], trim_estimator_att(ra, prompt, keep)),
+                rel_err(h.dense()[0], rc)]
+        print(f"slot pool stream {i}: {errs}")
+        assert max(errs) <= 1e-5
