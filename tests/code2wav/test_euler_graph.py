@@ -136,3 +136,9 @@ def test_solver_from_knobs_on_cpu(caplog):
     assert (choice.body, choice.attention, solver.body) == ("fused", "sdpa", "fused")
     kw = chunk(1, 4, 4, seed=9)
     assert_close(solver.solve(**kw), reference(cfm, kw), 1e-5)
+
+
+def test_precapture_is_a_no_op_off_cuda():
+    solver = WholeEulerSolver(tiny_cfm(), body="fused", attention="sdpa", n_timesteps=S, use_triton=False)
+    assert solver.precapture((1, 2), 50, (400,), device="cpu") == 0
+    assert solver._graphs_off_reason is None and not solver.graphs()

@@ -292,6 +292,8 @@ class WholeEulerSolver:
 
     def precapture(self, batches: tuple[int, ...], query: int, offsets: tuple[int, ...], device="cuda") -> int:
         """Capture graphs ahead of the first chunk (largest shapes first so the arena never regrows)."""
+        if torch.device(device).type != "cuda" or not self.config.enabled:
+            return 0
         n = 0
         with torch.inference_mode(), matmul_tf32(self.tf32):
             for L in sorted(offsets, reverse=True):
