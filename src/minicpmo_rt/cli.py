@@ -86,6 +86,8 @@ def inspect_cmd(
         typer.echo(f"  {prefix:26s} {e['keys']:5d} keys {e['parameters']:>15,d} params  {','.join(e['dtypes'])}")
     typer.echo(f"  {'total':26s} {'':5s}      {info['total_parameters']:>15,d} params")
     typer.echo(f"token2wav assets: {', '.join(info['token2wav_assets']) or 'none'}")
+    for dev, line in info.get("code2wav_choice", {}).items():
+        typer.echo(f"code2wav on {dev}: {line}")
 
 
 @app.command("code2wav")

@@ -100,7 +100,7 @@ def check_manifest(config_path: Path, manifest_path: Path) -> ManifestCheck:
     return result
 
 
-def inspect_snapshot(model: str, revision: str | None = None) -> dict:
+def inspect_snapshot(model: str, revision: str | None = None, extra: dict | None = None) -> dict:
     """Parts present, parameter counts per top-level prefix, dtypes and revision."""
     snap = resolve_snapshot(model, revision)
     config = load_config(snap.path)
@@ -119,6 +119,7 @@ def inspect_snapshot(model: str, revision: str | None = None) -> dict:
         entry["dtypes"] = sorted(entry["dtypes"])
     asset_dir = snap.path / "assets" / "token2wav"
     assets = sorted(p.name for p in asset_dir.iterdir()) if asset_dir.is_dir() else []
+    choices = code2wav_choices(asset_dir, extra) if (asset_dir / "flow.yaml").is_file() else {}
     return {
         "path": str(snap.path),
         "model_id": snap.model_id,
@@ -129,4 +130,20 @@ def inspect_snapshot(model: str, revision: str | None = None) -> dict:
         "parts": {k: v for k, v in per_prefix.items()},
         "total_parameters": sum(v["parameters"] for v in per_prefix.values()),
         "token2wav_assets": assets,
+        "code2wav_choice": choices,
     }
+
+
+def code2wav_choices(asset_dir: Path, extra: dict | None = None) -> dict[str, str]:
+    """The Code2Wav CFM body / attention / TF32 the knobs pick for this snapshot's DiT, per
+    device kind available here (CPU always; CUDA when present)."""
+    from .code2wav.flow import Flow
+    from .code2wav.flow_config import read_flow_yaml
+    from .code2wav.fused_dit import supports_fused_body
+    from .code2wav.knobs import device_facts, resolve_code2wav
+
+    with torch.device("meta"):
+        flow = Flow(read_flow_yaml(asset_dir / "flow.yaml"))
+    ok, _ = supports_fused_body(flow.decoder.estimator)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return {d: resolve_code2wav(extra, device_facts(d, layout_supported=ok)).describe() for d in devices}

@@ -102,3 +102,17 @@ def test_snapshot_without_token2wav_assets_is_named(tiny_ckpt, tmp_path):
     shutil.copytree(tiny_ckpt, clone, ignore=shutil.ignore_patterns("assets"))
     with pytest.raises(CheckpointError, match="assets/token2wav"):
         Code2Wav.from_snapshot(clone)
+
+
+def test_fused_fast_path_stream_matches_reference(tiny_ckpt, voice):
+    """cfm_fused_body: true on CPU runs the fused body (SDPA fallback) through the solver; the
+    streamed audio equals the reference path's (fp32)."""
+    ref = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2)
+    assert ref.choice.body == "original" and ref.flow.chunk_solver is None
+    fast = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True})
+    assert fast.choice.body == "fused" and fast.flow.chunk_solver is not None
+    codes = _codes(30, seed=5)
+    a = ref.stream_codes(codes, voice)
+    b = fast.stream_codes(codes, voice)
+    err = float(np.linalg.norm(a - b) / np.linalg.norm(a))
+    assert err < 1e-5, err

@@ -108,6 +108,9 @@ class Flow(nn.Module):
         self.encoder = UpsampleConformerEncoderV2(cfg.encoder)
         self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
         self.decoder = CausalConditionalCFM(cfg.decoder, noise_seed=noise_seed)
+        # Optional fast path for streamed chunks (code2wav.euler_graph.WholeEulerSolver); the
+        # reference ``decoder.forward_chunk`` runs when it is None.
+        self.chunk_solver = None
 
     @property
     def pre_lookahead_len(self) -> int:
@@ -203,9 +206,14 @@ class Flow(nn.Module):
         spk = self._speaker(spk)
         h, enc_cache = self.encoder.forward_chunk(self.input_embedding(token.long()), last_chunk, cache.encoder)
         h = self.encoder_proj(h).transpose(1, 2).contiguous()
-        mel, est_cnn, est_att = self.decoder.forward_chunk(
-            h, spk, torch.zeros_like(h), n_timesteps=n_timesteps,
-            cnn_cache=cache.estimator_cnn, att_cache=cache.estimator_att)
+        if self.chunk_solver is not None and self.chunk_solver.S == n_timesteps:
+            # The fast path (fused body / Whole-Euler graphs): same contract as forward_chunk.
+            mel, est_cnn, est_att = self.chunk_solver.solve(h, spk, torch.zeros_like(h),
+                                                            cache.estimator_cnn, cache.estimator_att)
+        else:
+            mel, est_cnn, est_att = self.decoder.forward_chunk(
+                h, spk, torch.zeros_like(h), n_timesteps=n_timesteps,
+                cnn_cache=cache.estimator_cnn, att_cache=cache.estimator_att)
         p = cache.prompt_frames
         new = FlowCache(enc_cache.cnn, trim_conformer_att(enc_cache.att, p, len(self.encoder.encoders)),
                         est_cnn, trim_estimator_att(est_att, p), p)

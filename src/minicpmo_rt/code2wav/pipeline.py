@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from ..checkpoint.snapshot import resolve_snapshot
 from ..errors import CheckpointError, InputError
 from .flow import Flow, FlowCache, load_flow
 from .frontend import PromptFeatures, VoiceFrontend
+from .knobs import Code2WavChoice
 from .prompt_state import PromptLease, PromptStateCache
 from .vocoder import VocoderSet, load_vocoders
 
@@ -35,6 +36,7 @@ CODE_RATE = 25
 SAMPLES_PER_CODE = SAMPLE_RATE // CODE_RATE  # 960
 N_CODES = 6561
 SILENCE_CODE = 4218
+REF_TOKENS = 150  # 6.0 s of reference at 25 Hz
 CONTEXT = 3
 ASSET_FILES = ("flow.yaml", "flow.pt", "hift.pt", "speech_tokenizer_v2_25hz.onnx", "campplus.onnx")
 
@@ -93,10 +95,31 @@ class Code2Wav:
 
     @classmethod
     def from_snapshot(cls, model: Union[str, Path], device: str | torch.device = "cpu",
-                      n_timesteps: int = 10, prompt_cache_size: int = 4) -> "Code2Wav":
+                      n_timesteps: int = 10, prompt_cache_size: int = 4,
+                      extra: Mapping[str, Any] | None = None) -> "Code2Wav":
+        """Load the assets. ``extra`` is the connector mapping of the deploy profile
+        (``cfm_fused_body``, ``token2wav_allow_tf32``; ``MINICPMO_CODE2WAV_TF32=off`` wins):
+        on CUDA it selects the fast CFM path (code2wav.knobs); elsewhere the reference path
+        runs unless ``cfm_fused_body: true`` asks for the fused body explicitly."""
         asset_dir = token2wav_dir(model)
-        return cls(load_flow(asset_dir, device), load_vocoders(asset_dir, device), VoiceFrontend(asset_dir),
-                   n_timesteps, prompt_cache_size)
+        c2w = cls(load_flow(asset_dir, device), load_vocoders(asset_dir, device), VoiceFrontend(asset_dir),
+                  n_timesteps, prompt_cache_size)
+        c2w.configure_fast_path(extra)
+        return c2w
+
+    def configure_fast_path(self, extra: Mapping[str, Any] | None) -> "Code2WavChoice":
+        """Resolve the knobs for this device and install the chosen CFM chunk solver."""
+        from .euler_graph import GraphConfig, solver_from_knobs
+
+        # Offsets snap on a grid anchored at the steady cache (prompt + 100 frames): a 6-s
+        # reference gives 150 tokens, 300 prompt frames.
+        anchor = 2 * int(REF_TOKENS) + 100
+        solver, choice = solver_from_knobs(self.flow.decoder, dict(extra or {}), self.device,
+                                           GraphConfig(offset_anchor=anchor), n_timesteps=self.n_timesteps)
+        self.choice = choice
+        fast = choice.body == "fused" or self.device.type == "cuda"
+        self.flow.chunk_solver = solver if fast else None
+        return choice
 
     @property
     def device(self) -> torch.device:
