@@ -131,7 +131,8 @@ class TurnPipeline:
         c2w = None
         if with_code2wav:
             c2w = Code2Wav.from_snapshot(snap.path, device=device,
-                                         n_timesteps=n_timesteps or prof.code2wav.n_timesteps)
+                                         n_timesteps=n_timesteps or prof.code2wav.n_timesteps,
+                                         extra=prof.code2wav.extra)
         decoder = None
         fast = thinker_fast if thinker_fast is not None else torch.device(device).type == "cuda"
         if fast:
