@@ -30,7 +30,7 @@ from minicpmo_rt.checkpoint.tiny import randomize_, reference_config, tiny_confi
 from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
 from minicpmo_rt.thinker import kernels as K
 from minicpmo_rt.thinker.decode import StaticDecoder
-from minicpmo_rt.thinker.image_processor import process_image
+from minicpmo_rt.thinker.image_processor import process_frame_torch, process_image
 from minicpmo_rt.thinker.model import Thinker
 from minicpmo_rt.thinker.session import StreamingSession
 
@@ -130,6 +130,10 @@ def main() -> None:
     vis = timed(lambda: thinker.embed_image(processed), dev, 10)
     rows["image preprocessing (CPU) per frame"] = statistics.median(pre)
     rows["vision encode + resampler per frame"] = statistics.median(vis)
+    rows[f"image preprocessing (torch on {dev.type}) per frame"] = statistics.median(
+        timed(lambda: process_frame_torch(frames[0], device=dev), dev, 10))
+    errors = {"resampler output: torch vs PIL preprocessing (1080p random frame)": rel(
+        thinker.embed_image(process_frame_torch(frames[0], device=dev)), thinker.embed_image(processed))}
 
     audio = speechlike(args.commits + 2)
     tail = audio[args.commits * 16000: args.commits * 16000 + 6400]
@@ -140,7 +144,10 @@ def main() -> None:
     if dev.type == "cuda":
         variants[f"static cache, {fast_kernels} kernels, CUDA-graph prefill"] = dict(
             llm_cache="static", llm_kernels=fast_kernels, llm_graphs=True)
-    commit_rows, tail_rows, breakdown, states, errors = {}, {}, {}, {}, {}
+    if dev.type == "cuda":
+        variants[f"static cache, {fast_kernels} kernels, CUDA-graph prefill, torch frame preprocessing"] = dict(
+            llm_cache="static", llm_kernels=fast_kernels, llm_graphs=True, image_preprocess="torch")
+    commit_rows, tail_rows, breakdown, states = {}, {}, {}, {}
     ctx = None
     for name, kw in variants.items():
         clock = StageClock(dev)

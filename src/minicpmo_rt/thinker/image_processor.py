@@ -195,6 +195,42 @@ def process_image(image, max_slice_nums: int = 1, scale_resolution: int = SCALE_
     return ProcessedImage(patches, torch.tensor(sizes, dtype=torch.long), grid, pil.size)
 
 
+def process_frame_torch(image, device: str | torch.device | None = None, scale_resolution: int = SCALE_RESOLUTION,
+                        patch_size: int = PATCH, where: str = "image") -> ProcessedImage:
+    """The streaming preprocess (``max_slice_nums=1``: one unsliced source image) in torch, on
+    ``device`` (the fast path beside ``process_image``; opt-in, PIL stays the reference).
+
+    The resize is ``F.interpolate(bicubic, antialias=True)``, whose filter is PIL's (a = -0.5,
+    support widened by the scale), run as PIL runs it (horizontal pass, 8-bit rounding,
+    vertical pass) but with float weights instead of PIL's fixed-point ones, so pixels
+    differ from PIL by one or two levels; ``tests/thinker/test_image_torch.py`` measures
+    the pixel and feature cost.
+    A uint8 HxWx3 array or tensor goes to the device as is (no PIL copy); anything else
+    passes through ``to_rgb_image`` first.
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    x = image
+    fast = isinstance(x, (np.ndarray, torch.Tensor)) and x.dtype in (np.uint8, torch.uint8) and x.ndim == 3 \
+        and x.shape[-1] == 3 and x.shape[0] > 0 and x.shape[1] > 0
+    if not fast:
+        x = np.array(to_rgb_image(image, where), dtype=np.uint8)  # a writable copy of the PIL buffer
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    height, width = int(x.shape[0]), int(x.shape[1])
+    w, h = find_best_resize((width, height), scale_resolution, patch_size, allow_upscale=True)
+    x = x.to(dev, non_blocking=True).permute(2, 0, 1)[None].float()
+    # Two passes, horizontal first, each rounded to 8 bits: PIL's order and intermediate
+    # rounding (a single 2-D pass differs by up to ~20 levels where bicubic overshoot clips).
+    for size in ((height, w), (h, w)):
+        if tuple(x.shape[-2:]) != size:
+            x = torch.nn.functional.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
+            x = x.round_().clamp_(0, 255)
+    x = (x[0] / 255 - MEAN) / STD
+    strip = reshape_by_patch(x, patch_size)
+    return ProcessedImage([strip], torch.tensor([(h // patch_size, w // patch_size)], dtype=torch.long), None,
+                          (width, height))
+
+
 def pack_patches(images: list[ProcessedImage] | ProcessedImage) -> PatchBatch:
     """Pad every sub-image of ``images`` into one batch, in order (source, slices, next image...)."""
     if isinstance(images, ProcessedImage):

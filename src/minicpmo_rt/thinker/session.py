@@ -44,7 +44,10 @@ pruning event is refused.
 LLM cache backend (``llm_cache``, see ``llm_cache.py``): ``"dynamic"`` (default, the plain
 reference: transformers' forward on a DynamicCache) or ``"static"`` (the fast path: the
 packed-weight static-cache prefill, fused Triton kernels and CUDA-graph prefill on CUDA).
-Both hold the same rows under the same snapshot/truncate/prune semantics. The static
+Both hold the same rows under the same snapshot/truncate/prune semantics. Frames are
+preprocessed with PIL as upstream (``image_preprocess="pil"``, default) or in torch on
+the model's device (``"torch"``: one or two pixel levels off PIL, see
+``image_processor.process_frame_torch``). The static
 cache is preallocated: ``static_capacity`` rows (default: the window's high watermark plus
 ``STATIC_HEADROOM`` for units fed while pruning is suspended, or the model's positions).
 """
@@ -60,7 +63,7 @@ import torch
 
 from ..errors import InputError, MiniCPMORTError
 from .audio import AudioEncoderCache
-from .image_processor import ProcessedImage, process_image
+from .image_processor import ProcessedImage, process_frame_torch, process_image
 from .mel import SAMPLE_RATE, MelState, StreamingMel
 from .llm_cache import LLM_CACHES, make_llm_cache
 from .model import Thinker
@@ -225,7 +228,7 @@ class StreamingSession:
     def __init__(self, thinker: Thinker, tokenizer, *, system_prompt: str | None = None,
                  window: WindowPolicy | None = None, mel: StreamingMel | None = None,
                  llm_cache: str = "dynamic", static_capacity: int | None = None, llm_kernels: str = "auto",
-                 llm_graphs: bool | None = None):
+                 llm_graphs: bool | None = None, image_preprocess: str = "pil"):
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -238,6 +241,10 @@ class StreamingSession:
         # accelerator the 30-s recomputation per call costs well under a millisecond).
         dev = thinker.device
         self.mel = mel if mel is not None else StreamingMel(device=None if dev.type == "cpu" else dev)
+        if image_preprocess not in ("pil", "torch"):
+            raise InputError(f"image_preprocess={image_preprocess!r}: choose 'pil' (the reference) or 'torch' "
+                             "(resize + normalise on the model's device)")
+        self.image_preprocess = image_preprocess
         if llm_cache not in LLM_CACHES:
             raise InputError(f"llm_cache={llm_cache!r}: choose one of {', '.join(LLM_CACHES)}")
         capacity = self.max_positions
@@ -396,6 +403,8 @@ class StreamingSession:
     def _check_frame(self, frame, where: str) -> ProcessedImage | None:
         if frame is None:
             return None
+        if self.image_preprocess == "torch":
+            return process_frame_torch(frame, device=self.thinker.device, where=f"{where}: frame")
         return process_image(frame, max_slice_nums=1, where=f"{where}: frame")
 
     def _pending_with(self, audio: np.ndarray) -> np.ndarray:
