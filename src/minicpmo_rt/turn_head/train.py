@@ -57,6 +57,7 @@ class TrainConfig:
     split: str = DEFAULT_SPLIT
     vad_history: int = 10
     progress: bool = True
+    device: str = "cpu"
     plots: bool = True
 
 
@@ -123,14 +124,17 @@ def _batch(items, train, feats, crop):
 def predict(model: torch.nn.Module, sessions: Sequence[SessionData], features: Features) -> list[np.ndarray]:
     """Probabilities [T, C] per session, each session run whole (the heads are causal)."""
     model.eval()
-    return [torch.sigmoid(model(torch.from_numpy(features(s)).float()[None]))[0].numpy() for s in sessions]
+    dev = next(model.parameters()).device
+    return [torch.sigmoid(model(torch.from_numpy(features(s)).float()[None].to(dev)))[0].cpu().numpy()
+            for s in sessions]
 
 
 def _eval_loss(model, sessions, features, pos_weight) -> float:
     model.eval()
     with torch.no_grad():
-        losses = [float(masked_loss(model(torch.from_numpy(features(s)).float()[None])[0],
-                                    torch.from_numpy(s.y), torch.from_numpy(s.mask), pos_weight))
+        dev = pos_weight.device
+        losses = [float(masked_loss(model(torch.from_numpy(features(s)).float()[None].to(dev))[0],
+                                    torch.from_numpy(s.y).to(dev), torch.from_numpy(s.mask).to(dev), pos_weight))
                   for s in sessions]
     return float(np.mean(losses))
 
@@ -140,14 +144,20 @@ def fit_head(train: Sequence[SessionData], val: Sequence[SessionData], cfg: Trai
              desc: str = "head") -> tuple[torch.nn.Module, list[dict[str, float]], HeadConfig]:
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    feats = [features(s).astype(np.float32) for s in train]
-    keep = np.concatenate([f[~s.init_mask] for f, s in zip(feats, train)])
+    feats = [features(s).astype(np.float32, copy=False) for s in train]
+    # streaming mean/std over the non-initialisation rows (no concatenated copy of a big root)
+    s1, s2, count = np.zeros(feats[0].shape[1]), np.zeros(feats[0].shape[1]), 0
+    for f, s in zip(feats, train):
+        rows = f[~s.init_mask].astype(np.float64)
+        s1, s2, count = s1 + rows.sum(0), s2 + (rows ** 2).sum(0), count + rows.shape[0]
+    mean = s1 / max(count, 1)
+    std = np.sqrt(np.maximum(s2 / max(count, 1) - mean ** 2, 0.0))
     hcfg = HeadConfig(kind=kind or cfg.model, in_dim=feats[0].shape[1], num_targets=len(TARGET_NAMES),
                       hidden=cfg.hidden, layers=cfg.layers, dropout=cfg.dropout)
-    model = build_head(hcfg)
-    model.norm.set_stats(torch.from_numpy(keep.mean(0)), torch.from_numpy(keep.std(0)))
+    model = build_head(hcfg).to(cfg.device)
+    model.norm.set_stats(torch.from_numpy(mean).float().to(cfg.device), torch.from_numpy(std).float().to(cfg.device))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    pw = _pos_weight(train)
+    pw = _pos_weight(train).to(cfg.device)
     crop = min(cfg.crop, max(f.shape[0] for f in feats))
     best, best_state, bad, history = math.inf, None, 0, []
     epochs = range(cfg.epochs)
@@ -162,6 +172,7 @@ def fit_head(train: Sequence[SessionData], val: Sequence[SessionData], cfg: Trai
         total = 0.0
         for k in range(0, len(items), cfg.batch_size):
             x, y, m = _batch(items[k:k + cfg.batch_size], train, feats, crop)
+            x, y, m = x.to(cfg.device), y.to(cfg.device), m.to(cfg.device)
             loss = masked_loss(model(x), y, m, pw)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -301,8 +312,9 @@ def _run_split(sessions: list[SessionData], parts: dict[str, list[SessionData]],
     where.mkdir(parents=True, exist_ok=True)
     (where / "metrics.json").write_text(json.dumps(_nan_to_none(metrics), indent=2))
     (where / "table.txt").write_text(table + "\n")
-    torch.save({"head": asdict(hcfg), "state_dict": model.state_dict(), "targets": list(TARGET_NAMES),
-                "config": asdict(cfg)}, where / "head.pt")
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    torch.save({"head": asdict(hcfg), "state_dict": state, "targets": list(TARGET_NAMES), "config": asdict(cfg)},
+               where / "head.pt")
     if cfg.plots:
         from .plots import plot_curves, plot_timeline
 
@@ -403,6 +415,7 @@ def build_parser(prog: str = "train_turn_head.py"):
     p.add_argument("--min-steps", type=int, default=d.min_steps)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--vad-history", type=int, default=d.vad_history, help="Rows of VAD labels the VAD baseline sees.")
+    p.add_argument("--device", default=d.device, help="Torch device for the head (cpu, cuda, cuda:1).")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--force", action="store_true", help="Replace a non-empty --out.")
@@ -419,7 +432,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "train_turn_head.py") ->
                       lr=args.lr, weight_decay=args.weight_decay, epochs=args.epochs, patience=args.patience,
                       batch_size=args.batch_size, crop=args.crop, min_steps=args.min_steps, seed=args.seed,
                       split=args.split, vad_history=args.vad_history, progress=not args.no_progress,
-                      plots=not args.no_plots)
+                      plots=not args.no_plots, device=args.device)
     try:
         run(args.feature_root, args.out, cfg, targets_root=args.targets_root, force=args.force)
     except MiniCPMORTError as exc:
