@@ -438,5 +438,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "train_turn_head.py") ->
     except MiniCPMORTError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}/metrics.json, table.txt, head.pt" + ("" if args.no_plots else " and plots"))
+    each = "metrics.json, table.txt, head.pt" + ("" if args.no_plots else " and plots")
+    if args.split.strip().startswith("kfold:") and args.split.count(":") == 1:
+        print(f"wrote {args.out}/metrics.json (fold mean/std) and {args.out}/fold_*/ ({each})")
+    else:
+        print(f"wrote {args.out}/{each}")
     return 0
