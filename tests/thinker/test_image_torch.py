@@ -67,3 +67,19 @@ def test_feature_cost_and_session_option():
     assert a.cache_len == b.cache_len and rel_err(b.read_state(), a.read_state()) <= 1e-3
     with pytest.raises(InputError, match="image_preprocess"):
         StreamingSession(t, tok, image_preprocess="cv2")
+
+
+def test_vision_graph_body_equals_embed_image_and_session_option():
+    """The captured body (host work hoisted out) is the eager forward exactly; on CPU the
+    VisionGraphs wrapper runs it eagerly."""
+    from minicpmo_rt.thinker.vision_graph import VisionGraphs
+
+    t = Thinker(MiniCPMOConfig.from_dict(tiny_config()))
+    randomize_(t, seed=12)
+    t.float().rebuild_buffers()
+    for frame in (_smooth_frame(72, 128, seed=5), _smooth_frame(300, 200, seed=6)):
+        p = process_image(frame, 1)
+        assert torch.equal(VisionGraphs(t)(p), t.embed_image(p))
+    sliced = process_image(_smooth_frame(900, 1600, seed=7), 4)  # padded batch: exercises the key mask
+    assert sliced.num_sub_images > 1
+    assert torch.equal(VisionGraphs(t)(sliced), t.embed_image(sliced))

@@ -47,7 +47,8 @@ packed-weight static-cache prefill, fused Triton kernels and CUDA-graph prefill 
 Both hold the same rows under the same snapshot/truncate/prune semantics. Frames are
 preprocessed with PIL as upstream (``image_preprocess="pil"``, default) or in torch on
 the model's device (``"torch"``: one or two pixel levels off PIL, see
-``image_processor.process_frame_torch``). The static
+``image_processor.process_frame_torch``). ``vision_graphs=True`` replays the vision tower +
+resampler from a CUDA graph per frame shape (``vision_graph.py``). The static
 cache is preallocated: ``static_capacity`` rows (default: the window's high watermark plus
 ``STATIC_HEADROOM`` for units fed while pruning is suspended, or the model's positions).
 """
@@ -57,6 +58,7 @@ from __future__ import annotations
 import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -67,10 +69,13 @@ from .image_processor import ProcessedImage, process_frame_torch, process_image
 from .mel import SAMPLE_RATE, MelState, StreamingMel
 from .llm_cache import LLM_CACHES, make_llm_cache
 from .model import Thinker
+from .vision_graph import VisionGraphs
 from .prompt import PromptBuilder, PromptPiece
 
 FIRST_CHUNK_PAD_SAMPLES = int(1035 * SAMPLE_RATE / 1000)  # upstream pads chunk 0 on the left to 1035 ms
 STATIC_HEADROOM = 2048  # static-cache rows above the window's high watermark (~26 units inside a transaction)
+# Every fast path at once, for a CUDA model: ``StreamingSession(thinker, tok, **FAST_PATH_OPTIONS)``.
+FAST_PATH_OPTIONS = MappingProxyType({"llm_cache": "static", "image_preprocess": "torch", "vision_graphs": True})
 
 
 class ContextLimitError(InputError):
@@ -228,7 +233,7 @@ class StreamingSession:
     def __init__(self, thinker: Thinker, tokenizer, *, system_prompt: str | None = None,
                  window: WindowPolicy | None = None, mel: StreamingMel | None = None,
                  llm_cache: str = "dynamic", static_capacity: int | None = None, llm_kernels: str = "auto",
-                 llm_graphs: bool | None = None, image_preprocess: str = "pil"):
+                 llm_graphs: bool | None = None, image_preprocess: str = "pil", vision_graphs: bool = False):
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -245,6 +250,7 @@ class StreamingSession:
             raise InputError(f"image_preprocess={image_preprocess!r}: choose 'pil' (the reference) or 'torch' "
                              "(resize + normalise on the model's device)")
         self.image_preprocess = image_preprocess
+        self.vision = VisionGraphs(thinker) if vision_graphs else None
         if llm_cache not in LLM_CACHES:
             raise InputError(f"llm_cache={llm_cache!r}: choose one of {', '.join(LLM_CACHES)}")
         capacity = self.max_positions
@@ -429,7 +435,8 @@ class StreamingSession:
         th = self.thinker
         mel = self.mel.process(chunk, last_chunk=last_chunk)
         audio = th.embed_audio_chunk(mel.features, self.audio_cache, mel.prefix_extra, mel.suffix_extra)
-        images = [th.embed_image(processed)] if processed is not None else []
+        embed_image = self.vision if self.vision is not None else th.embed_image
+        images = [embed_image(processed)] if processed is not None else []
         closing = self.prompts.duplex_unit_end(None) if self.open_unit is not None else PromptPiece(())
         unit = self.prompts.duplex_unit([processed] if processed is not None else [],
                                         audio_embeds=int(audio.embeds.shape[0]))
