@@ -23,7 +23,7 @@ from minicpmo_rt.thinker.llm_cache import DynamicLLMCache, StaticLLMCache  # noq
 from minicpmo_rt.thinker.model import Thinker  # noqa: E402
 from minicpmo_rt.thinker.session import ContextLimitError, StreamingSession, WindowPolicy  # noqa: E402
 
-from conftest import rel_err  # noqa: E402
+from conftest import rel_err, requires_cuda  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -171,3 +171,55 @@ def test_static_session_with_triton_kernels_equals_dynamic(thinker, tok):
     with s.transaction():
         s.append_tail(audio[:4800], None)
     assert s.fingerprint() == fp and torch.equal(s.read_state(), state)
+
+
+@requires_cuda
+def test_cuda_fast_session_matches_plain_and_restores_exactly(tok):
+    """bf16 on CUDA: every fast path (static cache with Triton kernels and CUDA-graph prefill,
+    torch frame preprocessing, vision graph) vs the plain session, and bit-exact transactions."""
+    from minicpmo_rt.thinker.session import FAST_PATH_OPTIONS
+
+    t = Thinker(MiniCPMOConfig.from_dict(tiny_config()))
+    randomize_(t, seed=11)
+    t.to(device="cuda", dtype=torch.bfloat16).rebuild_buffers()
+    audio = _audio(4, 6)
+    plain = StreamingSession(t, tok)
+    a = StreamingSession(t, tok, **FAST_PATH_OPTIONS)
+    b = StreamingSession(t, tok, **FAST_PATH_OPTIONS)
+    assert a.cache.kernels == "triton" and a.llm_cache.graphs
+    for s in (plain, a, b):
+        _run(s, audio, 2)
+    assert rel_err(a.read_state(), plain.read_state()) <= 3e-2  # bf16, different kernels and preprocessing
+    fp, state = a.fingerprint(), a.read_state()
+    with a.transaction():
+        a.append_tail(audio[32000:38400], _frame(7))
+    assert a.fingerprint() == fp and torch.equal(a.read_state(), state)
+    a.commit(audio[32000:48000], _frame(2))
+    b.commit(audio[32000:48000], _frame(2))
+    assert torch.equal(a.read_state(), b.read_state()) and a.fingerprint() == b.fingerprint()
+    assert not a.vision.failures
+
+
+@requires_cuda
+def test_cuda_graph_decode_and_prefill_equal_eager():
+    from minicpmo_rt.thinker.decode import StaticDecoder
+    from minicpmo_rt.thinker.llm import build_llm
+
+    cfg = MiniCPMOConfig.from_dict(tiny_config())
+    llm = build_llm(cfg)
+    randomize_(llm, seed=11, prefix="llm.")
+    llm.to(device="cuda", dtype=torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randn(1, 9, cfg.llm.hidden_size, generator=g).to("cuda", torch.bfloat16)
+    eager, graph = StaticDecoder(llm, 128), StaticDecoder(llm, 128, share_weights=None)
+    assert eager.kernels == graph.kernels == "triton"
+    # Same kernels replayed (cuBLAS may pick another algorithm under capture: bf16-level tolerance).
+    assert rel_err(graph.prefill_graph(prompt, 0).float(), eager.prefill(prompt, 0).float()) <= 1e-2
+    for i in range(3):
+        tok, pos = torch.tensor([7 + i], device="cuda"), torch.tensor([9 + i], device="cuda")
+        le, he = eager.decode(tok, pos)
+        lg, hg = graph.decode_graph(tok, pos)
+        assert rel_err(hg.float(), he.float()) <= 1e-2 and rel_err(lg, le) <= 1e-2
+    # the plain torch step agrees within bf16 rounding
+    plain = StaticDecoder(llm, 128, kernels="torch")
+    assert rel_err(plain.prefill(prompt, 0).float(), eager.prefill(prompt, 0).float()) <= 2e-2
