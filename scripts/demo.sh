@@ -11,6 +11,8 @@ if [ "${MINICPMO_RT_SKIP_SETUP:-0}" != 1 ]; then  # 1: use the active environmen
   bash scripts/setup.sh
   . .venv/bin/activate
 fi
+# The tiny model's matmuls are too small to gain from intra-op threads; they only contend.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 OUT=${DEMO_OUT:-demo_out}
 mkdir -p "$OUT"
 echo "== tiny checkpoint (random weights) =="
