@@ -28,6 +28,7 @@ minicpmo-rt code2wav --model "$OUT/tiny" --codes "$OUT/reply_codes.json" --voice
 
 echo "== research chain: synthetic EasyCom -> causal features -> labels -> turn head =="
 rm -rf "$OUT/easycom" "$OUT/features" "$OUT/targets" "$OUT/turn_head"
+mkdir -p "$OUT/targets" "$OUT/features/native_1hz_hold" "$OUT/features/cached_partial_5hz"
 for S in 1 2 3; do
   minicpmo-rt make-session "$OUT/easycom" --session "$S" --seconds 10 --width 64 --height 48 --seed "$S"
   minicpmo-rt make-targets --easycom-root "$OUT/easycom" --session "$S" --output "$OUT/targets/Session_$S.npy"
