@@ -173,6 +173,27 @@ def test_static_session_with_triton_kernels_equals_dynamic(thinker, tok):
     assert s.fingerprint() == fp and torch.equal(s.read_state(), state)
 
 
+def test_audio_graph_body_and_session_option(thinker, tok):
+    """The captured audio body is the eager step exactly; on CPU AudioGraphs runs eagerly, so a
+    session with it is bit-identical to the plain one (also across a shared instance)."""
+    from minicpmo_rt.thinker.audio_graph import AudioGraphs, stream_body
+
+    audio = _audio(3, 7)
+    plain = StreamingSession(thinker, tok)
+    shared = AudioGraphs(thinker)
+    a = StreamingSession(thinker, tok, audio_graphs=shared)
+    b = StreamingSession(thinker, tok, audio_graphs=shared)
+    for k in range(3):
+        for s in (plain, a, b):
+            _run(s, audio, 1, k)
+        assert torch.equal(a.read_state(), plain.read_state()) and torch.equal(b.read_state(), plain.read_state())
+    mel = a.mel.process(audio[:16000], last_chunk=False)
+    x = mel.features[None]
+    ref = thinker.embed_audio_chunk(mel.features, a.audio_cache, mel.prefix_extra, mel.suffix_extra)
+    embeds, cache = stream_body(thinker, x, a.audio_cache, mel.prefix_extra, mel.suffix_extra)
+    assert torch.equal(embeds, ref.embeds) and cache.checksum() == ref.cache.checksum()
+
+
 @requires_cuda
 def test_cuda_fast_session_matches_plain_and_restores_exactly(tok):
     """bf16 on CUDA: every fast path (static cache with Triton kernels and CUDA-graph prefill,
@@ -184,8 +205,8 @@ def test_cuda_fast_session_matches_plain_and_restores_exactly(tok):
     t.to(device="cuda", dtype=torch.bfloat16).rebuild_buffers()
     audio = _audio(4, 6)
     plain = StreamingSession(t, tok)
-    a = StreamingSession(t, tok, **FAST_PATH_OPTIONS)
-    b = StreamingSession(t, tok, **FAST_PATH_OPTIONS)
+    a = StreamingSession(t, tok, **FAST_PATH_OPTIONS, audio_graphs=True)
+    b = StreamingSession(t, tok, **FAST_PATH_OPTIONS, audio_graphs=True)
     assert a.cache.kernels == "triton" and a.llm_cache.graphs
     for s in (plain, a, b):
         _run(s, audio, 2)
@@ -197,7 +218,7 @@ def test_cuda_fast_session_matches_plain_and_restores_exactly(tok):
     a.commit(audio[32000:48000], _frame(2))
     b.commit(audio[32000:48000], _frame(2))
     assert torch.equal(a.read_state(), b.read_state()) and a.fingerprint() == b.fingerprint()
-    assert not a.vision.failures
+    assert not a.vision.failures and not a.audio_graphs.failures
 
 
 @requires_cuda

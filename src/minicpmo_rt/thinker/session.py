@@ -48,7 +48,8 @@ Both hold the same rows under the same snapshot/truncate/prune semantics. Frames
 preprocessed with PIL as upstream (``image_preprocess="pil"``, default) or in torch on
 the model's device (``"torch"``: one or two pixel levels off PIL, see
 ``image_processor.process_frame_torch``). ``vision_graphs=True`` replays the vision tower +
-resampler from a CUDA graph per frame shape (``vision_graph.py``). The static
+resampler from a CUDA graph per frame shape (``vision_graph.py``); ``audio_graphs=True`` the
+Whisper streaming step per (chunk shape, cache length) (``audio_graph.py``). The static
 cache is preallocated: ``static_capacity`` rows (default: the window's high watermark plus
 ``STATIC_HEADROOM`` for units fed while pruning is suspended, or the model's positions).
 """
@@ -69,6 +70,7 @@ from .image_processor import ProcessedImage, process_frame_torch, process_image
 from .mel import SAMPLE_RATE, MelState, StreamingMel
 from .llm_cache import LLM_CACHES, make_llm_cache
 from .model import Thinker
+from .audio_graph import AudioGraphs
 from .vision_graph import VisionGraphs
 from .prompt import PromptBuilder, PromptPiece
 
@@ -233,7 +235,8 @@ class StreamingSession:
     def __init__(self, thinker: Thinker, tokenizer, *, system_prompt: str | None = None,
                  window: WindowPolicy | None = None, mel: StreamingMel | None = None,
                  llm_cache: str = "dynamic", static_capacity: int | None = None, llm_kernels: str = "auto",
-                 llm_graphs: bool | None = None, image_preprocess: str = "pil", vision_graphs: bool = False):
+                 llm_graphs: bool | None = None, image_preprocess: str = "pil", vision_graphs: bool | VisionGraphs = False,
+                 audio_graphs: bool | AudioGraphs = False):
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -250,7 +253,11 @@ class StreamingSession:
             raise InputError(f"image_preprocess={image_preprocess!r}: choose 'pil' (the reference) or 'torch' "
                              "(resize + normalise on the model's device)")
         self.image_preprocess = image_preprocess
-        self.vision = VisionGraphs(thinker) if vision_graphs else None
+        # An instance may be shared by sessions of one thinker (it holds graphs, no stream state).
+        self.vision = vision_graphs if isinstance(vision_graphs, VisionGraphs) else \
+            VisionGraphs(thinker) if vision_graphs else None
+        self.audio_graphs = audio_graphs if isinstance(audio_graphs, AudioGraphs) else \
+            AudioGraphs(thinker) if audio_graphs else None
         if llm_cache not in LLM_CACHES:
             raise InputError(f"llm_cache={llm_cache!r}: choose one of {', '.join(LLM_CACHES)}")
         capacity = self.max_positions
@@ -434,7 +441,8 @@ class StreamingSession:
                    last_chunk: bool) -> None:
         th = self.thinker
         mel = self.mel.process(chunk, last_chunk=last_chunk)
-        audio = th.embed_audio_chunk(mel.features, self.audio_cache, mel.prefix_extra, mel.suffix_extra)
+        embed_audio = self.audio_graphs.embed_chunk if self.audio_graphs is not None else th.embed_audio_chunk
+        audio = embed_audio(mel.features, self.audio_cache, mel.prefix_extra, mel.suffix_extra)
         embed_image = self.vision if self.vision is not None else th.embed_image
         images = [embed_image(processed)] if processed is not None else []
         closing = self.prompts.duplex_unit_end(None) if self.open_unit is not None else PromptPiece(())

@@ -18,6 +18,7 @@ from .image_processor import ProcessedImage, pack_patches
 from .model import Thinker
 
 
+@torch.no_grad()
 def embed_body(thinker: Thinker, pixels: torch.Tensor, pos_ids: torch.Tensor, key_mask: torch.Tensor | None,
                tgt_sizes: torch.Tensor) -> torch.Tensor:
     """``Thinker.embed_image`` after packing, given device ``pixels``, ``pos_ids`` and ``key_mask``."""
