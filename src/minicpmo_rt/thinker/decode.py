@@ -81,7 +81,8 @@ class StaticDecoder(nn.Module):
                              "TRITON_INTERPRET=1 set before import on CPU); use kernels='torch'")
         self.kernels = kernels
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
-        self._graphs: dict[int | None, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # kv_len (None with the Triton kernels) -> (graph, tokens, positions, logits, hidden)
+        self._graphs: dict[int | None, tuple] = {}
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """x [B,T,H] embeddings at positions pos [B,T]; returns final-norm hidden [B,T,H].

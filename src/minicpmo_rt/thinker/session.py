@@ -235,8 +235,8 @@ class StreamingSession:
     def __init__(self, thinker: Thinker, tokenizer, *, system_prompt: str | None = None,
                  window: WindowPolicy | None = None, mel: StreamingMel | None = None,
                  llm_cache: str = "dynamic", static_capacity: int | None = None, llm_kernels: str = "auto",
-                 llm_graphs: bool | None = None, image_preprocess: str = "pil", vision_graphs: bool | VisionGraphs = False,
-                 audio_graphs: bool | AudioGraphs = False):
+                 llm_graphs: bool | None = None, image_preprocess: str = "pil",
+                 vision_graphs: bool | VisionGraphs = False, audio_graphs: bool | AudioGraphs = False):
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -285,8 +285,8 @@ class StreamingSession:
             raise ContextLimitError(f"system prompt: {len(self.system_piece)} tokens exceed the model's "
                                     f"{self.max_positions} positions; shorten it")
         if len(self.system_piece) > self.llm_cache.capacity:
-            raise ContextLimitError(f"system prompt: {len(self.system_piece)} tokens exceed the static LLM cache's "
-                                    f"{self.llm_cache.capacity} rows; pass a larger static_capacity")
+            raise ContextLimitError(f"system prompt: {len(self.system_piece)} tokens exceed the static LLM "
+                                    f"cache's {self.llm_cache.capacity} rows; pass a larger static_capacity")
         step = self.llm_cache.feed(thinker.embed_tokens(self.system_piece.ids))
         self._last_hidden = step.last
         self.preserve = self.llm_cache.length
