@@ -210,7 +210,7 @@ def test_cuda_fast_session_matches_plain_and_restores_exactly(tok):
     assert a.cache.kernels == "triton" and a.llm_cache.graphs
     for s in (plain, a, b):
         _run(s, audio, 2)
-    assert rel_err(a.read_state(), plain.read_state()) <= 3e-2  # bf16, different kernels and preprocessing
+    assert rel_err(a.read_state(), plain.read_state()) <= 5e-2  # bf16, different kernels and preprocessing
     fp, state = a.fingerprint(), a.read_state()
     with a.transaction():
         a.append_tail(audio[32000:38400], _frame(7))
