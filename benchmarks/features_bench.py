@@ -53,9 +53,9 @@ def randomize_on_device_(module: torch.nn.Module, seed: int = 0) -> None:
             t.copy_(r.to(t.dtype))
 
 
-def build_factory(tiny: bool, out: Path, device: torch.device, dtype: torch.dtype):
+def build_factory(tiny: bool, out: Path, device: torch.device, dtype: torch.dtype, fast: bool = False):
     from minicpmo_rt.thinker.model import Thinker
-    from minicpmo_rt.thinker.session import StreamingSession
+    from minicpmo_rt.thinker.session import FAST_PATH_OPTIONS, StreamingSession
 
     if tiny:
         from minicpmo_rt.snapshot_tools import make_tiny
@@ -78,7 +78,9 @@ def build_factory(tiny: bool, out: Path, device: torch.device, dtype: torch.dtyp
     info = {"model_id": f"{name} weights (benchmark)", "model_path": None, "revision": "random",
             "revision_source": "benchmark", "dtype": str(dtype).replace("torch.", ""), "device": str(device),
             "attention": "sdpa"}
-    return (lambda: StreamingSession(thinker, tok)), info, sum(p.numel() for p in thinker.parameters())
+    options = dict(FAST_PATH_OPTIONS) if fast else {}
+    info["session_options"] = options
+    return (lambda: StreamingSession(thinker, tok, **options)), info, sum(p.numel() for p in thinker.parameters())
 
 
 def main() -> None:
@@ -93,6 +95,8 @@ def main() -> None:
     ap.add_argument("--decoder-threads", type=int, default=0,
                     help="decoder threads (0: FFmpeg's choice, all cores; the seed's commands use 1)")
     ap.add_argument("--periodic", type=int, default=250, help="N of the periodic-audit configuration")
+    ap.add_argument("--fast", action="store_true", help="StreamingSession(**FAST_PATH_OPTIONS): static-cache "
+                    "LLM prefill with fused kernels, GPU frame preprocessing, vision graphs")
     args = ap.parse_args()
     tiny = args.tiny
     seconds = args.seconds or (4.0 if tiny else 60.0)
@@ -108,7 +112,7 @@ def main() -> None:
         make_session(root, seconds, width=width, height=height, segment_seconds=min(20.0, seconds), seed=0)
     print(f"session {vdir} ({seconds:.0f} s, {width}x{height}) ready in {time.perf_counter() - t0:.1f}s")
     t0 = time.perf_counter()
-    factory, info, n_params = build_factory(tiny, args.out, device, dtype)
+    factory, info, n_params = build_factory(tiny, args.out, device, dtype, fast=args.fast)
     print(f"Thinker {info['model_id']}: {n_params / 1e9:.3f} B params, {info['dtype']} on {device}, "
           f"built in {time.perf_counter() - t0:.1f}s")
 
