@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_write
 from ..errors import InputError
 from .pipeline import SAMPLE_RATE, Code2Wav, check_codes
 
@@ -33,14 +32,8 @@ def write_wav_atomic(path: Path, wav: np.ndarray, sample_rate: int = SAMPLE_RATE
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.wav", dir=path.parent)
-    os.close(fd)
-    try:
-        sf.write(tmp, np.asarray(wav, dtype=np.float32), sample_rate, subtype="FLOAT")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda fh: sf.write(fh, np.asarray(wav, dtype=np.float32), sample_rate,
+                                           format="WAV", subtype="FLOAT"))
 
 
 def run_code2wav(model: str, codes_path: Path, voice: Path, output: Path, stream: bool = False,

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
+from ..atomic import atomic_write
 from ..errors import InputError
 
 FORMAT = "minicpmo-rt-features"
@@ -186,20 +186,7 @@ def save_artifact(path: str | os.PathLike, payload: dict[str, Any] | FeatureArti
     validate_payload(payload, str(path))
     if not path.parent.is_dir():
         raise InputError(f"{path}: output directory {path.parent} does not exist; create it first")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
+    return atomic_write(path, lambda fh: torch.save(payload, fh))
 
 
 def load_artifact(path: str | os.PathLike, allow_unverified: bool = False) -> FeatureArtifact:

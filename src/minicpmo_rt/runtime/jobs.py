@@ -7,11 +7,10 @@ Every input is checked before a model is loaded, and outputs are written atomica
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
+from ..atomic import atomic_write
 from ..errors import InputError
 from .contracts import TurnRequest
 from .turn import DEFAULT_PROFILE, TurnPipeline, TurnTrace
@@ -22,14 +21,7 @@ REAL_LLM_HIDDEN = 4096  # MiniCPM-o 4.5's Qwen3-8B
 def write_json_atomic(path: Path, data) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda fh: fh.write(json.dumps(data).encode()))
 
 
 def _check_inputs(text: str, profile: str, voice: Path | None = None) -> None:

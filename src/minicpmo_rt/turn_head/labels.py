@@ -71,13 +71,13 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from ..atomic import atomic_write
 from ..errors import InputError
 
 WEARER_ID = 2
@@ -364,22 +364,6 @@ def summarize(arr: np.ndarray) -> dict[str, Any]:
             "shifts": int((ev == 1).sum()), "holds": int((ev == 0).sum())}
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def save_targets(path: str | os.PathLike, arr: np.ndarray, meta: dict[str, Any] | None = None,
                  matrix: bool = False) -> Path:
     """Write ``arr`` to ``path`` (.npy) atomically, and ``meta`` beside it as ``<stem>.meta.json``.
@@ -393,10 +377,10 @@ def save_targets(path: str | os.PathLike, arr: np.ndarray, meta: dict[str, Any] 
     if not path.parent.is_dir():
         raise InputError(f"{path}: output directory {path.parent} does not exist; create it first")
     data = as_matrix(arr) if matrix else arr
-    _atomic_write(path, lambda fh: np.save(fh, data, allow_pickle=False))
+    atomic_write(path, lambda fh: np.save(fh, data, allow_pickle=False))
     if meta is not None:
         side = path.with_name(path.stem + ".meta.json")
-        _atomic_write(side, lambda fh: fh.write(json.dumps(meta, indent=2).encode()))
+        atomic_write(side, lambda fh: fh.write(json.dumps(meta, indent=2).encode()))
     return path
 
 
