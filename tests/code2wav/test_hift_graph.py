@@ -1,9 +1,9 @@
 """GraphedHiFT vs the eager HiFTGenerator (same weights, same RNG stream)."""
 
-import types
-
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from minicpmo_rt.code2wav.hift_graph import GraphedHiFT, ShapeGraphs
 from minicpmo_rt.code2wav.precision import ieee_fp32, tf32_enabled
@@ -42,15 +42,102 @@ def test_shape_graphs_fall_back_on_cpu_and_count_nothing():
     assert not sg.graphs
 
 
-def test_window_patch_is_scoped():
-    from minicpmo_rt.code2wav import hift as hift_mod
-    graphed = GraphedHiFT(types.SimpleNamespace(f0_predictor=None, decode=None))
-    before = hift_mod.hann_window
-    with graphed._device_windows():
-        w = hift_mod.hann_window(16, "cpu")
-        assert hift_mod.hann_window(16, "cpu") is w          # served from the cache
-    assert hift_mod.hann_window is before
-    assert torch.equal(w, before(16, "cpu"))
+# Ops that read a device value back to the host: each synchronizes, which a CUDA graph
+# capture cannot contain (cudaErrorStreamCaptureInvalidated). ``aten.equal`` is how
+# ``torch.istft`` reads its window-envelope check back.
+HOST_READS = {"aten._local_scalar_dense", "aten.item", "aten.equal", "aten.is_nonzero", "aten.nonzero",
+              "aten.any", "aten.all"}
+
+
+class OpLog(TorchDispatchMode):
+    """Every aten op below autograd (composites decomposed) and the devices of its tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.devices: set[tuple[str, str]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name if hasattr(func, "_schema") else str(func)
+        self.ops.append(name.replace("::", "."))
+        for t in tree_leaves((args, kwargs, out)):
+            if isinstance(t, torch.Tensor):
+                self.devices.add((self.ops[-1], t.device.type))
+        return out
+
+
+def test_istft_is_torch_istft_bitwise():
+    """The capture-safe iSTFT has torch.istft's exact numbers (same ops, same order)."""
+    from minicpmo_rt.code2wav.hift import hann_window, istft
+    window = hann_window(16)
+    g = torch.Generator().manual_seed(0)
+    for batch, frames in ((1, 2), (2, 121), (3, 6001)):
+        mag = torch.randn(batch, 9, frames, generator=g).exp().clamp(max=1e2)
+        phase = torch.sin(torch.randn(batch, 9, frames, generator=g))
+        spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase))
+        want = torch.istft(spec, 16, 4, 16, window=window)
+        got = istft(spec, window, 4)
+        assert got.shape == want.shape and torch.equal(got, want), (batch, frames)
+
+
+def test_torch_istft_reads_back_to_host_and_ours_does_not():
+    """Shows the cause of the capture failure: torch.istft makes a host read every call."""
+    from minicpmo_rt.code2wav.hift import hann_window, istft
+    spec = torch.randn(1, 9, 20, dtype=torch.complex64)
+    with torch.no_grad(), OpLog() as theirs:
+        torch.istft(spec, 16, 4, 16, window=hann_window(16))
+    with torch.no_grad(), OpLog() as ours:
+        istft(spec, hann_window(16), 4)
+    assert HOST_READS & set(theirs.ops)
+    assert not HOST_READS & set(ours.ops)
+
+
+def test_stft_window_is_a_device_buffer_outside_the_state_dict():
+    from minicpmo_rt.code2wav.hift import TINY, HiFTGenerator
+    with torch.device("meta"):                     # as the loader builds it: the window stays real
+        model = HiFTGenerator(TINY)
+    n = torch.arange(16, dtype=torch.float64)
+    periodic_hann = (0.5 - 0.5 * torch.cos(2 * torch.pi * n / 16)).float()
+    assert model.stft_window.device.type == "cpu"
+    assert torch.allclose(model.stft_window, periodic_hann, atol=1e-7, rtol=0)
+    assert "stft_window" not in model.state_dict()  # checkpoints keep loading strictly
+    assert model.to("meta").stft_window.device.type == "meta"   # moves with the model
+
+
+def test_nola_violation_is_refused_at_build_time():
+    import dataclasses
+
+    from minicpmo_rt.code2wav.hift import TINY, HiFTGenerator
+    from minicpmo_rt.errors import CheckpointError
+    with pytest.raises(CheckpointError, match="NOLA"):
+        HiFTGenerator(dataclasses.replace(TINY, hop_len=16))   # Hann's zero end leaves gaps
+
+
+def test_decode_stays_on_the_input_device_and_never_reads_back():
+    """decode with model and inputs on ``meta``: a host read fails there (no values), and every
+    tensor any op touches must be on ``meta``, so nothing is built on the CPU and copied over
+    (the two things that invalidated the H200 capture). Also checked on the CPU op log."""
+    model = hift()
+    mel, source = torch.randn(1, 80, 6), torch.randn(1, 1, 6 * 480) * 0.01
+    with torch.no_grad(), OpLog() as cpu_log:
+        model.decode(mel, source)
+    assert not HOST_READS & set(cpu_log.ops)
+    meta_model = hift().to("meta")
+    mel_m, source_m = mel.to("meta"), source.to("meta")
+    with torch.no_grad(), OpLog() as meta_log:
+        wav = meta_model.decode(mel_m, source_m)
+    assert wav.device.type == "meta" and wav.shape == (1, 6 * 480)
+    assert {dev for _, dev in meta_log.devices} == {"meta"}, sorted(meta_log.devices)
+    assert not HOST_READS & set(meta_log.ops)
+
+
+def test_decode_twice_is_identical():
+    model = hift()
+    mel, source = torch.randn(2, 80, 7), torch.randn(2, 1, 7 * 480) * 0.01
+    with torch.inference_mode():
+        a, b = model.decode(mel, source), model.decode(mel, source)
+    assert torch.equal(a, b) and a.abs().max() > 0
 
 
 @requires_cuda

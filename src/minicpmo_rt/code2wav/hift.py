@@ -179,9 +179,53 @@ class SourceModule(nn.Module):
         return torch.tanh(self.l_linear(harmonics))
 
 
-def hann_window(n_fft: int, device: torch.device) -> torch.Tensor:
-    # scipy.signal.get_window('hann', n, fftbins=True) == periodic Hann, cast to float32.
-    return torch.hann_window(n_fft, periodic=True, dtype=torch.float64).float().to(device)
+def hann_window(n_fft: int) -> torch.Tensor:
+    """scipy.signal.get_window('hann', n, fftbins=True) == periodic Hann, cast to float32.
+
+    Built on the CPU explicitly (real values even while a model is built on ``meta``); the
+    models keep it as a buffer that moves with them, so no forward copies it to the device.
+    """
+    return torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device="cpu").float()
+
+
+def _overlap_add(frames: torch.Tensor, length: int, hop: int) -> torch.Tensor:
+    """[B, n_frames, n] frames -> [B, length] with frame i added at sample i*hop (ATen's own OLA op,
+    the one ``torch.istft`` uses, so the summation order and hence the rounding are istft's)."""
+    return torch.ops.aten.unfold_backward(frames, [frames.shape[0], length], 1, frames.shape[2], hop)
+
+
+def istft(spec: torch.Tensor, window: torch.Tensor, hop: int) -> torch.Tensor:
+    """``torch.istft(spec, n, hop, n, window, center=True)`` for a one-sided complex [B, n/2+1, F].
+
+    Same ops in the same order as ATen's istft (c2r FFT, window, overlap-add, trim n/2 each side,
+    divide by the overlap-added squared window), minus its NOLA check: that check reads
+    ``min(envelope) < 1e-11`` back to the host on every call, a device sync that invalidates a
+    CUDA graph capture. The envelope depends only on the window, hop and frame count, never on
+    the data, so ``check_nola`` verifies it once when the model is built.
+    """
+    n = window.shape[0]
+    n_frames = spec.shape[2]
+    length = n + hop * (n_frames - 1)
+    frames = torch.fft.irfft(spec.transpose(1, 2), n=n, dim=-1) * window.view(1, 1, n)
+    y = _overlap_add(frames, length, hop)
+    envelope = _overlap_add(window.pow(2).expand(1, n_frames, n), length, hop)
+    half = n // 2
+    return y[:, half:length - half] / envelope[:, half:length - half]
+
+
+def check_nola(window: torch.Tensor, hop: int, where: str) -> None:
+    """Raise unless every centred iSTFT output sample is covered by the window (the check
+    ``torch.istft`` makes per call). Frames farther apart than the window do not interact, so
+    2*ceil(n/hop)+1 frames show every envelope value any longer signal can have."""
+    from ..errors import CheckpointError
+
+    n = window.shape[0]
+    n_frames = 2 * -(-n // hop) + 1
+    length = n + hop * (n_frames - 1)
+    envelope = _overlap_add(window.double().pow(2).expand(1, n_frames, n), length, hop)[:, n // 2:length - n // 2]
+    if float(envelope.abs().min()) < 1e-11:
+        raise CheckpointError(f"{where}: iSTFT window of {n} samples with hop {hop} leaves output samples "
+                              "uncovered (NOLA violated); use hop_len <= n_fft / 2 with a Hann window")
 
 
 class _HiFTBody(nn.Module):
@@ -204,6 +248,16 @@ class _HiFTBody(nn.Module):
                                                   cfg.source_resblock_dilation_sizes[i], causal))
             for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes):
                 self.resblocks.append(ResBlock(ch, k, d, causal))
+        # Both variants build their resblocks here, so this is where the STFT window is made.
+        self._build_stft_window(cfg)
+
+    def _build_stft_window(self, cfg: HiFTConfig) -> None:
+        window = hann_window(cfg.n_fft)
+        check_nola(window, cfg.hop_len, type(self).__name__)
+        # A non-persistent buffer: no state_dict key (checkpoints load strictly as before), and it
+        # moves with ``.to(device)``, so the forward never copies a host window to the device (a
+        # host-to-device copy cannot be captured into a CUDA graph).
+        self.register_buffer("stft_window", window, persistent=False)
 
     def _source_down_rates(self) -> list[int]:
         """Excitation-STFT downsampling per stage: cumulative products of the reversed rates."""
@@ -214,7 +268,7 @@ class _HiFTBody(nn.Module):
     def source_stft(self, source: torch.Tensor) -> torch.Tensor:
         """[B, 1, L] excitation -> [B, n_fft + 2, L / hop_len + 1] (real | imag)."""
         c = self.cfg
-        spec = torch.stft(source.squeeze(1), c.n_fft, c.hop_len, c.n_fft, window=hann_window(c.n_fft, source.device),
+        spec = torch.stft(source.squeeze(1), c.n_fft, c.hop_len, c.n_fft, window=self.stft_window,
                           return_complex=True)
         spec = torch.view_as_real(spec)
         return torch.cat([spec[..., 0], spec[..., 1]], dim=1)
@@ -237,7 +291,7 @@ class _HiFTBody(nn.Module):
         magnitude = torch.exp(x[:, :half]).clamp(max=1e2)
         phase = torch.sin(x[:, half:])  # upstream's sin() of the phase logits, kept for fidelity
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        return torch.istft(spec, c.n_fft, c.hop_len, c.n_fft, window=hann_window(c.n_fft, x.device))
+        return istft(spec, self.stft_window, c.hop_len)
 
 
 class HiFTGenerator(_HiFTBody):

@@ -10,6 +10,10 @@ generator -> wav, source) and splits it at the random excitation:
 3. ``decode(mel, source)`` (source STFT, trunk, iSTFT, clamp)   graph keyed by
                                               (batch, mel frames, cached source samples)
 
+``decode`` is capture-safe as written: its STFT window is a device buffer of the model (no
+host-to-device copy) and its iSTFT is ``hift.istft``, which drops ``torch.istft``'s per-call
+host read-back of the window-envelope check (checked once at build time instead).
+
 A steady 1-s stream chunk (8 cached + 50 new mel frames, 3840 cached excitation samples)
 therefore costs two replays plus the excitation's few kernels; batch rows of equal length run
 together. Matmuls run with TF32 off (``precision.ieee_fp32``) during capture and replay; cuDNN's
@@ -96,32 +100,8 @@ class GraphedHiFT:
 
     def __init__(self, model, max_graphs: int = 8):
         self.model = model
-        self._windows: dict[tuple, torch.Tensor] = {}   # kept alive: captured graphs read them
         self.f0 = ShapeGraphs(model.f0_predictor, "HiFT f0", max_graphs)
-        self.decode = ShapeGraphs(model.decode, "HiFT decode", max_graphs, capture_context=self._device_windows)
-
-    @contextlib.contextmanager
-    def _device_windows(self):
-        """While capturing, serve the STFT windows from device tensors made during the warm-ups.
-
-        ``hift.hann_window`` builds the window on the CPU and copies it to the device on every
-        call, and a host-to-device copy cannot be captured. The patch is scoped to the capture
-        and restored afterwards; the window values are the function's own.
-        """
-        from . import hift as hift_mod
-        original = hift_mod.hann_window
-
-        def cached(n_fft: int, device) -> torch.Tensor:
-            key = (n_fft, str(device))
-            if key not in self._windows:
-                self._windows[key] = original(n_fft, device)
-            return self._windows[key]
-
-        hift_mod.hann_window = cached
-        try:
-            yield
-        finally:
-            hift_mod.hann_window = original
+        self.decode = ShapeGraphs(model.decode, "HiFT decode", max_graphs)
 
     @torch.inference_mode()
     def __call__(self, mel: torch.Tensor, cache_source: Optional[torch.Tensor] = None,
