@@ -176,6 +176,9 @@ class WholeEulerSolver:
                 self._log_once(f"grow{n}", f"Whole-Euler arena grows to {n * 4 / 2**30:.2f} GiB; "
                                            f"dropping {len(self._statics)} graph(s) that view it")
             self._statics.clear()
+            # The dropped graphs were the private pool's only users; capturing into a pool whose
+            # use count fell to zero trips the caching allocator, so later graphs get a new pool.
+            self._pool = None
             self._arena = torch.zeros(n, device=device)
         return self._arena[:n].view(shape)
 
