@@ -85,6 +85,53 @@ class PromptState:
     flow_cache: FlowCache
 
 
+def _cfg_halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cond rows, uncond rows) of an estimator cache (steps, depth, 2b, ...)."""
+    h = t.shape[2] // 2
+    return t[:, :, :h], t[:, :, h:]
+
+
+def stack_flow_caches(caches: Sequence[FlowCache]) -> FlowCache:
+    """One FlowCache whose batch rows are the given caches' rows, in order.
+
+    The encoder caches are batch-first (cnn) or batch on axis 1 (att, after the layer axis);
+    the estimator caches hold ``[cond rows | uncond rows]`` on axis 2, so the cond halves are
+    stacked ahead of the uncond halves to keep that layout.
+    """
+    est_cnn = [_cfg_halves(c.estimator_cnn) for c in caches]
+    est_att = [_cfg_halves(c.estimator_att) for c in caches]
+    return FlowCache(torch.cat([c.conformer_cnn for c in caches], 0),
+                     torch.cat([c.conformer_att for c in caches], 1),
+                     torch.cat([h[0] for h in est_cnn] + [h[1] for h in est_cnn], 2),
+                     torch.cat([h[0] for h in est_att] + [h[1] for h in est_att], 2),
+                     caches[0].prompt_frames)
+
+
+def split_flow_cache(cache: FlowCache, sizes: Sequence[int]) -> list[FlowCache]:
+    """Inverse of ``stack_flow_caches``: per-stream caches of ``sizes`` rows each (own memory,
+    so a stream never keeps the whole batch's tensors alive)."""
+    out, i = [], 0
+    cc, cu = _cfg_halves(cache.estimator_cnn)
+    ac, au = _cfg_halves(cache.estimator_att)
+    for n in sizes:
+        j = i + n
+        out.append(FlowCache(cache.conformer_cnn[i:j].contiguous(), cache.conformer_att[:, i:j].contiguous(),
+                             torch.cat([cc[:, :, i:j], cu[:, :, i:j]], 2),
+                             torch.cat([ac[:, :, i:j], au[:, :, i:j]], 2), cache.prompt_frames))
+        i = j
+    return out
+
+
+def _batch_key(cache: FlowCache, spk: torch.Tensor, n_codes: int, last: bool) -> tuple:
+    """Streams with equal keys can share one flow solve: every cache shape but the batch axis,
+    the trimming anchor (prompt frames), the payload length and the final flag agree."""
+    def but(t: torch.Tensor, axis: int) -> tuple:
+        return tuple(t.shape[:axis]) + tuple(t.shape[axis + 1:])
+    return (n_codes, last, cache.prompt_frames, cache.estimator_att.dtype, str(cache.estimator_att.device),
+            but(cache.conformer_cnn, 0), but(cache.conformer_att, 1), but(cache.estimator_cnn, 2),
+            but(cache.estimator_att, 2), tuple(spk.shape[1:]))
+
+
 class Code2Wav:
     def __init__(self, flow: Flow, vocoders: VocoderSet, frontend: VoiceFrontend, n_timesteps: int = 10,
                  prompt_cache_size: int = 4):
@@ -160,6 +207,48 @@ class Code2Wav:
     def open_stream(self, voice: Voice) -> "Code2WavStream":
         return Code2WavStream(self, self.lease_prompt(voice))
 
+    @torch.inference_mode()
+    def push_many(self, items: Sequence[tuple["Code2WavStream", Sequence[int], bool]],
+                  max_batch: int | None = None) -> list[np.ndarray]:
+        """Push one payload into each of several streams -> their new PCM, in order.
+
+        Streams whose caches have the same shapes (the steady state of concurrent streams)
+        and whose payloads have the same length and final flag run ONE flow solve together
+        (at most ``max_batch`` rows each); the rest run alone as ``push``. Every stream keeps
+        its own vocoder state, so vocoding stays per stream. Same result as pushing each
+        stream alone (row-independent math; the noise offset is the shared cache length).
+        """
+        streams = [it[0] for it in items]
+        if len({id(s) for s in streams}) != len(streams):
+            raise InputError("push_many: a stream appears more than once; push its payloads in separate calls")
+        for s in streams:
+            if s.owner is not self:
+                raise InputError("push_many: a stream belongs to another Code2Wav; push it through its own owner")
+        tokens = [s._check(payload, bool(last)) for s, payload, last in items]
+        groups: dict[tuple, list[int]] = {}
+        for i, ((s, _, last), tok) in enumerate(zip(items, tokens)):
+            if tok.shape[1]:
+                groups.setdefault(_batch_key(s.cache, s.spk, tok.shape[1], bool(last)), []).append(i)
+        mels: list[torch.Tensor | None] = [None] * len(items)
+        cap = max_batch or len(items)
+        for key, members in groups.items():
+            last = key[1]
+            for k in range(0, len(members), cap):
+                rows = members[k:k + cap]
+                token = torch.cat([tokens[i] for i in rows], 0).to(self.device)
+                spk = torch.cat([streams[i].spk for i in rows], 0)
+                cache = streams[rows[0]].cache if len(rows) == 1 else stack_flow_caches([streams[i].cache for i in rows])
+                mel, new = self.flow.inference_chunk(token, spk, cache, last_chunk=last, n_timesteps=self.n_timesteps)
+                news = [new] if len(rows) == 1 else split_flow_cache(new, [1] * len(rows))
+                for r, i in enumerate(rows):
+                    streams[i].cache = news[r]
+                    mels[i] = mel[r:r + 1]
+        out = []
+        for i, (s, _, last) in enumerate(items):
+            mel = mels[i] if mels[i] is not None else torch.zeros(1, 80, 0, device=self.device)
+            out.append(s._vocode(mel, bool(last)))
+        return out
+
     def stream_codes(self, codes: Sequence[int], voice: Voice, window: int = 25,
                      first_window: int | None = None) -> np.ndarray:
         """Stream ``codes`` through the 3 + window protocol and return the audio for the codes
@@ -199,17 +288,24 @@ class Code2WavStream:
     @torch.inference_mode()
     def push(self, payload: Sequence[int], last: bool = False) -> np.ndarray:
         """3 context codes + new codes (fewer allowed for the final payload) -> new PCM samples."""
+        token = self._check(payload, last)
+        if token.shape[1]:
+            mel, self.cache = self.owner.flow.inference_chunk(token.to(self.owner.device), self.spk, self.cache,
+                                                              last_chunk=last, n_timesteps=self.owner.n_timesteps)
+        else:
+            mel = torch.zeros(1, 80, 0, device=self.owner.device)
+        return self._vocode(mel, last)
+
+    def _check(self, payload: Sequence[int], last: bool) -> torch.Tensor:
         if self.finished:
             raise InputError("Code2Wav stream: push after the final payload; open a new stream")
         token = check_codes(payload, "codec payload", allow_empty=last)
         if not last and token.shape[1] <= self.owner.flow.pre_lookahead_len:
             raise InputError(f"codec payload: {token.shape[1]} codes; a non-final payload needs new codes plus "
                              f"{self.owner.flow.pre_lookahead_len} lookahead")
-        if token.shape[1]:
-            mel, self.cache = self.owner.flow.inference_chunk(token.to(self.owner.device), self.spk, self.cache,
-                                                              last_chunk=last, n_timesteps=self.owner.n_timesteps)
-        else:
-            mel = torch.zeros(1, 80, 0, device=self.owner.device)
+        return token
+
+    def _vocode(self, mel: torch.Tensor, last: bool) -> np.ndarray:
         wav = self.vocoder.push(mel, last)
         if last:
             self.close()
