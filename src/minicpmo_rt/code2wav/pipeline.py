@@ -5,6 +5,10 @@
     stream = c2w.open_stream(voice="ref.wav")
     for payload, last in chunks:                                   # 3 context + 25 new codes
         pcm = stream.push(payload, last)
+    pcms = c2w.push_many([(s1, p1, False), (s2, p2, False)])      # one flow solve for both
+
+``push_many`` stacks streams whose caches and payloads have equal shapes (the steady state of
+concurrent streams) into one encoder + CFM solve and vocodes each stream with its own state.
 
 Streaming follows the vLLM-Omni chunk protocol: every payload is 3 left-context codes and a
 window of new codes (the first context is 3 x silence 4218). The flow decodes a payload's
@@ -230,6 +234,7 @@ class Code2Wav:
             if tok.shape[1]:
                 groups.setdefault(_batch_key(s.cache, s.spk, tok.shape[1], bool(last)), []).append(i)
         mels: list[torch.Tensor | None] = [None] * len(items)
+        caches: dict[int, FlowCache] = {}
         cap = max_batch or len(items)
         for key, members in groups.items():
             last = key[1]
@@ -241,8 +246,11 @@ class Code2Wav:
                 mel, new = self.flow.inference_chunk(token, spk, cache, last_chunk=last, n_timesteps=self.n_timesteps)
                 news = [new] if len(rows) == 1 else split_flow_cache(new, [1] * len(rows))
                 for r, i in enumerate(rows):
-                    streams[i].cache = news[r]
+                    caches[i] = news[r]
                     mels[i] = mel[r:r + 1]
+        # Caches advance only once every solve succeeded: a failed call leaves all streams as they were.
+        for i, cache in caches.items():
+            streams[i].cache = cache
         out = []
         for i, (s, _, last) in enumerate(items):
             mel = mels[i] if mels[i] is not None else torch.zeros(1, 80, 0, device=self.device)
