@@ -41,4 +41,22 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return make_tiny(out, seed=0)
 
 
+@pytest.fixture(scope="session")
+def voice(shared_dir) -> Path:
+    """A real reference voice (22.05 kHz, so resampling is exercised too)."""
+    return shared_dir / "media" / "ref_en_dlc_1.wav"
+
+
+def make_tiny_thinker(seed: int):
+    """The tiny-config Thinker with ``randomize_`` weights, fp32, buffers rebuilt."""
+    from minicpmo_rt.checkpoint.config import MiniCPMOConfig
+    from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config
+    from minicpmo_rt.thinker.model import Thinker
+
+    t = Thinker(MiniCPMOConfig.from_dict(tiny_config()))
+    randomize_(t, seed=seed)
+    t.float().rebuild_buffers()
+    return t
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,14 +10,6 @@ from minicpmo_rt.code2wav.flow_config import TINY, read_flow_yaml
 from minicpmo_rt.errors import CheckpointError, InputError, StrictLoadError
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny tensors: one thread is as fast and avoids OpenMP spin contention on a busy 2-CPU box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def tiny_assets(tmp_path_factory):

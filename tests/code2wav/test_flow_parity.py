@@ -71,13 +71,6 @@ def build_upstream(cfg, state: dict, noise: torch.Tensor, max_frames: int = 400)
     return flow.eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _summary():
-    # Tiny tensors: one thread is as fast and avoids OpenMP spin contention on a busy 2-CPU box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
     if ERRORS:
         worst = max(ERRORS, key=ERRORS.get)
         print(f"\nflow parity: {len(ERRORS)} comparisons, max rel_err {ERRORS[worst]:.3e} ({worst})")

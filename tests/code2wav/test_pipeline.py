@@ -4,7 +4,6 @@ import shutil
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 from typer.testing import CliRunner
 
 from minicpmo_rt.cli import app
@@ -13,10 +12,6 @@ from minicpmo_rt.errors import CheckpointError, InputError
 
 runner = CliRunner()
 
-
-@pytest.fixture(scope="module")
-def voice(shared_dir):
-    return shared_dir / "media" / "ref_en_dlc_1.wav"  # 22.05 kHz: exercises resampling
 
 
 @pytest.fixture(scope="module")

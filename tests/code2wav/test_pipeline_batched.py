@@ -10,10 +10,6 @@ from minicpmo_rt.errors import InputError
 SIL = [4218] * 3
 
 
-@pytest.fixture(scope="module")
-def voice(shared_dir):
-    return shared_dir / "media" / "ref_en_dlc_1.wav"
-
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

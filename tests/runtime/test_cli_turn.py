@@ -4,7 +4,6 @@ import json
 
 import pytest
 import soundfile as sf
-import torch
 from typer.testing import CliRunner
 
 from minicpmo_rt.cli import app
@@ -13,17 +12,6 @@ runner = CliRunner()
 FAST = ["--capacity", "1", "--min-codes", "5"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def voice(shared_dir):
-    return shared_dir / "media" / "ref_en_dlc_1.wav"
 
 
 def _talker(tiny_ckpt, out, seed, *extra):

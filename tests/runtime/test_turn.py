@@ -15,18 +15,6 @@ from minicpmo_rt.talker.sampler import SamplingParams
 from minicpmo_rt.thinker.llm import final_norm_hidden
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny ops: one thread avoids OpenMP hand-offs that dominate (and stall on a busy machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def voice(shared_dir):
-    return shared_dir / "media" / "ref_en_dlc_1.wav"
 
 
 @pytest.fixture(scope="module")

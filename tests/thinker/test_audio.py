@@ -14,14 +14,6 @@ from minicpmo_rt.thinker.audio import (AudioEncoderCache, avg_pool, block_causal
 from conftest import rel_err
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small tensors on a shared 2-CPU box are far faster without OpenMP spinning.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def config() -> MiniCPMOConfig:

@@ -23,23 +23,13 @@ from minicpmo_rt.thinker.llm_cache import DynamicLLMCache, StaticLLMCache  # noq
 from minicpmo_rt.thinker.model import Thinker  # noqa: E402
 from minicpmo_rt.thinker.session import ContextLimitError, StreamingSession, WindowPolicy  # noqa: E402
 
-from conftest import rel_err, requires_cuda  # noqa: E402
+from conftest import make_tiny_thinker, rel_err, requires_cuda  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
 def thinker() -> Thinker:
-    t = Thinker(MiniCPMOConfig.from_dict(tiny_config()))
-    randomize_(t, seed=11)
-    t.float().rebuild_buffers()
-    return t
+    return make_tiny_thinker(seed=11)
 
 
 @pytest.fixture(scope="module")

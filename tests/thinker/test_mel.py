@@ -11,14 +11,6 @@ from minicpmo_rt.thinker.mel import StreamingMel, log_mel, mel_filters
 from conftest import rel_err
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small tensors on a shared 2-CPU box are far faster without OpenMP spinning.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _speechlike(seconds: float, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)

@@ -8,31 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from minicpmo_rt.checkpoint.config import MiniCPMOConfig
-from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config
 from minicpmo_rt.checkpoint.weights import load_tensors, read_shapes, save_sharded
 from minicpmo_rt.errors import StrictLoadError
 from minicpmo_rt.thinker.model import (Thinker, cache_checksum, cache_length, drop_rows, rerotate_keys,
                                        truncate_cache)
 
-from conftest import rel_err
+from conftest import make_tiny_thinker, rel_err
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls on a shared 2-CPU box are far faster without OpenMP spinning.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
 def thinker() -> Thinker:
-    t = Thinker(MiniCPMOConfig.from_dict(tiny_config()))
-    randomize_(t, seed=5)
-    t.float().rebuild_buffers()
-    return t
+    return make_tiny_thinker(seed=5)
 
 
 def test_state_dict_keys_are_checkpoint_keys_minus_tts(tiny_ckpt, thinker):

@@ -15,25 +15,15 @@ from minicpmo_rt.errors import InputError
 from minicpmo_rt.thinker.model import Thinker, cache_length
 from minicpmo_rt.thinker.session import (ContextLimitError, SnapshotError, StreamingSession, WindowPolicy)
 
-from conftest import rel_err, requires_cuda
+from conftest import make_tiny_thinker, rel_err, requires_cuda
 
 UNIT, UNIT_END, IMG, IMG_END, UNK = 151683, 151684, 151669, 151670, 128244
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def thinker() -> Thinker:
-    t = Thinker(MiniCPMOConfig.from_dict(tiny_config()))
-    randomize_(t, seed=11)
-    t.float().rebuild_buffers()
-    return t
+    return make_tiny_thinker(seed=11)
 
 
 @pytest.fixture(scope="module")

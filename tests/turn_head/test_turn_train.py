@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from minicpmo_rt.errors import InputError
 from minicpmo_rt.turn_head import data as D
@@ -17,15 +16,6 @@ from turn_synth import write_root
 SESSIONS = [1, 2, 3, 4, 5, 6]
 SPLIT = "val=5;test=6"
 FAST = dict(epochs=12, patience=4, crop=128, min_steps=10, lr=1e-2, progress=False, split=SPLIT)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny matmuls: intra-op threads only add contention on a shared 2-CPU runner
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _aucs(metrics, system, split="test"):
