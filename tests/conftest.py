@@ -47,6 +47,14 @@ def voice(shared_dir) -> Path:
     return shared_dir / "media" / "ref_en_dlc_1.wav"
 
 
+@pytest.fixture(scope="session")
+def tok():
+    """The real MiniCPM-o 4.5 tokenizer (vendored files); loaded once per test session."""
+    from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
+
+    return load_tokenizer(vendored_tokenizer_dir())
+
+
 def make_tiny_thinker(seed: int):
     """The tiny-config Thinker with ``randomize_`` weights, fp32, buffers rebuilt."""
     from minicpmo_rt.checkpoint.config import MiniCPMOConfig

@@ -6,16 +6,11 @@ import torch
 from conftest import rel_err, requires_cuda
 from minicpmo_rt.checkpoint.config import MiniCPMOConfig
 from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config
-from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
 from minicpmo_rt.errors import InputError
 from minicpmo_rt.thinker import generate as G
 from minicpmo_rt.thinker.llm import build_llm, final_norm_hidden
 from minicpmo_rt.thinker.prompt import IM_END_ID, TTS_EOS_ID, PromptBuilder
 
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(vendored_tokenizer_dir())
 
 
 @pytest.fixture(scope="module")

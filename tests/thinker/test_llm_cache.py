@@ -16,7 +16,6 @@ if not torch.cuda.is_available():
 
 from minicpmo_rt.checkpoint.config import MiniCPMOConfig  # noqa: E402
 from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config  # noqa: E402
-from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir  # noqa: E402
 from minicpmo_rt.errors import InputError  # noqa: E402
 from minicpmo_rt.thinker import kernels as K  # noqa: E402
 from minicpmo_rt.thinker.llm_cache import DynamicLLMCache, StaticLLMCache  # noqa: E402
@@ -31,10 +30,6 @@ from conftest import make_tiny_thinker, rel_err, requires_cuda  # noqa: E402
 def thinker() -> Thinker:
     return make_tiny_thinker(seed=11)
 
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(vendored_tokenizer_dir())
 
 
 def _audio(seconds: float, seed: int) -> np.ndarray:

@@ -4,15 +4,11 @@ import json
 
 import pytest
 
-from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
+from minicpmo_rt.checkpoint.tokenizer import vendored_tokenizer_dir
 from minicpmo_rt.errors import InputError
 from minicpmo_rt.thinker import image_processor as ip
 from minicpmo_rt.thinker import prompt as P
 
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(vendored_tokenizer_dir())
 
 
 def test_documented_ids_match_tokenizer(tok):

@@ -10,7 +10,7 @@ import torch
 
 from minicpmo_rt.checkpoint.config import MiniCPMOConfig
 from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config
-from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
+from minicpmo_rt.checkpoint.tokenizer import load_tokenizer
 from minicpmo_rt.errors import InputError
 from minicpmo_rt.thinker.model import Thinker, cache_length
 from minicpmo_rt.thinker.session import (ContextLimitError, SnapshotError, StreamingSession, WindowPolicy)
@@ -25,10 +25,6 @@ UNIT, UNIT_END, IMG, IMG_END, UNK = 151683, 151684, 151669, 151670, 128244
 def thinker() -> Thinker:
     return make_tiny_thinker(seed=11)
 
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(vendored_tokenizer_dir())
 
 
 def _audio(seconds: float, seed: int) -> np.ndarray:
