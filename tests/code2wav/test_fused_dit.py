@@ -101,6 +101,48 @@ def test_triton_stages_match_original_tiny():
     assert max(errs) > 0  # really a different computation path
 
 
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_few_row_gemm_and_split_attention_match_original_tiny():
+    """The TF32-only fast stages (few-row Triton GEMMs, key-split attention). Under the CPU
+    interpreter TF32 dots compute in FP32, so the IEEE tolerance applies; on CUDA it is TF32's."""
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dit = our_dit(seed=5).to(dev)
+    fused = FusedDiT(dit, attention="triton-tf32", use_triton=True, gemm="triton", attn_splits=2,
+                     attn_block_m=16)
+    calls = []
+    import minicpmo_rt.code2wav.fused_dit as fd
+    real = fd.small_gemm
+
+    def spy(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+    fd.small_gemm = spy
+    try:
+        with matmul_tf32(True):
+            check(dit, fused, R=2, T=5, Lc=20, tol=1e-5 if kernels.interpreting() else 2e-3, seed=6, device=dev)
+        with matmul_tf32(False):     # TF32 off: back on torch GEMMs
+            n = len(calls)
+            check(dit, fused, R=2, T=5, Lc=20, tol=1e-5, seed=6, device=dev)
+            assert len(calls) == n
+    finally:
+        fd.small_gemm = real
+    assert len(calls) == 2 + 6 * len(dit.blocks)      # in/out projections + 6 per block
+    with pytest.raises(ValueError, match="gemm"):
+        FusedDiT(dit, gemm="cutlass")
+    with pytest.raises(ValueError, match="attn_splits"):
+        FusedDiT(dit, attn_splits=0)
+
+
+def test_attention_launch_shape_by_grid_fill():
+    fused = FusedDiT(our_dit(seed=1))
+    assert fused._attn_shape(2, 8, 50) == (16, 8)       # batch 1: 64 programs -> keys split 8 ways
+    assert fused._attn_shape(8, 8, 50) == (16, 2)
+    assert fused._attn_shape(32, 8, 50) == (32, 1)      # batch 16: the grid is full already
+    assert FusedDiT(our_dit(seed=1), attn_splits=3, attn_block_m=64)._attn_shape(2, 8, 50) == (64, 3)
+
+
 def test_matches_upstream_original_dit_full_width():
     """Independent oracle: upstream's DiT at full width (512, 8x64), depth 2, batch 1 with CFG."""
     from upstream import import_upstream
@@ -136,17 +178,18 @@ def ieee_cudnn():
 
 
 @requires_cuda
+@pytest.mark.parametrize("R,gemm", [(8, "cublas"), (2, "cublas"), (32, "cublas")])
 @pytest.mark.parametrize("tf32,tol", [(False, 1e-5), (True, 1e-3)])
-def test_cuda_fused_vs_original_full_size(tf32, tol):
+def test_cuda_fused_vs_original_full_size(tf32, tol, R, gemm):
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE
     from minicpmo_rt.code2wav.precision import matmul_tf32
     dit = our_dit(FULL_SIZE.dit, seed=7).cuda()
-    fused = FusedDiT(dit, attention="triton-tf32" if tf32 else "triton-ieee")
-    kw = inputs(8, 50, 400, 16, 512, 8, 64, seed=8, device="cuda")
+    fused = FusedDiT(dit, attention="triton-tf32" if tf32 else "triton-ieee", gemm=gemm)
+    kw = inputs(R, 50, 400, 16, 512, 8, 64, seed=8, device="cuda")
     with matmul_tf32(False), ieee_cudnn():   # the reference is always IEEE (its Conv1d runs in cuDNN)
         ref = dit.forward_chunk(**kw)
     with matmul_tf32(tf32):
         got = fused.forward_chunk(**kw)
     errs = [rel_err(g, r) for g, r in zip(got, ref)]
-    print(f"fused vs original (tf32={tf32}): velocity {errs[0]:.2e}, cnn cache {errs[1]:.2e}, att cache {errs[2]:.2e}")
+    print(f"fused vs original (tf32={tf32}, R={R}, gemm={gemm}): velocity {errs[0]:.2e}, cnn cache {errs[1]:.2e}, att cache {errs[2]:.2e}")
     assert max(errs) <= tol

@@ -37,9 +37,10 @@ def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("use_mask", [False, True])
 @pytest.mark.parametrize("nq,nk", [(5, 13), (17, 40)])
-def test_matches_fp64_ieee(use_mask, nq, nk):
+def test_matches_fp64_ieee(use_mask, nq, nk, splits):
     gen = torch.Generator().manual_seed(nq * 100 + nk)
     B, H, D = 2, 2, 16
     q, k, v = (torch.randn(B, H, n, D, generator=gen) for n in (nq, nk, nk))
@@ -49,7 +50,7 @@ def test_matches_fp64_ieee(use_mask, nq, nk):
         pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
     out = torch.full_like(q, float("nan")).to(dev)   # poisoned: every element must be written
     tiled_attention(q.to(dev), k.to(dev), v.to(dev), None if mask is None else mask.to(dev),
-                    precision="ieee", out=out, block_m=16, block_n=16)
+                    precision="ieee", out=out, block_m=16, block_n=16, splits=splits)
     ref = reference(q, k, v, mask)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-5
@@ -69,24 +70,45 @@ def test_packed_cache_views_kv_rows_and_strided_out():
     dev = device()
     if not usable_on(q.to(dev)):
         pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
-    out_bnhd = torch.full((B, nq, H, D), float("nan"), device=dev)
-    tiled_attention(q.to(dev), k.to(dev), v.to(dev), mask.to(dev), kv_rows=kv_rows.to(dev), precision="ieee",
-                    out=out_bnhd.transpose(1, 2), block_m=16, block_n=16)
     ref = reference(q, k, v, mask, kv_rows)
-    assert rel_err(out_bnhd.transpose(1, 2), ref) < 1e-5
+    for splits in (1, 2):   # split keys: partials through contiguous scratch, output still strided
+        out_bnhd = torch.full((B, nq, H, D), float("nan"), device=dev)
+        tiled_attention(q.to(dev), k.to(dev), v.to(dev), mask.to(dev), kv_rows=kv_rows.to(dev), precision="ieee",
+                        out=out_bnhd.transpose(1, 2), block_m=16, block_n=16, splits=splits)
+        assert rel_err(out_bnhd.transpose(1, 2), ref) < 1e-5
     assert rel_err(sdpa_attention(q, k, v, mask, kv_rows), ref) < 1e-5
 
 
+def test_split_keys_one_tile_per_split_and_a_split_past_the_end():
+    """More splits than key tiles are clamped; a fully masked split contributes nothing."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, nq, nk, D = 1, 2, 4, 33, 16
+    q, k, v = (torch.randn(B, H, n, D, generator=gen) for n in (nq, nk, nk))
+    mask = torch.ones(B, nq, nk, dtype=torch.bool)
+    mask[:, :, :16] = False                  # the whole first split is masked
+    dev = device()
+    if not usable_on(q.to(dev)):
+        pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
+    ref = reference(q, k, v, mask)
+    for splits in (2, 3, 8):
+        out = tiled_attention(q.to(dev), k.to(dev), v.to(dev), mask.to(dev), precision="ieee",
+                              block_m=16, block_n=16, splits=splits)
+        assert rel_err(out, ref) < 1e-5, splits
+    with pytest.raises(ValueError, match="splits"):
+        tiled_attention(q.to(dev), k.to(dev), v.to(dev), None, splits=0)
+
+
 @requires_cuda
+@pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("precision,tol", [("ieee", 1e-5), ("tf32", 2e-3)])
-def test_cuda_model_shape(precision, tol):
+def test_cuda_model_shape(precision, tol, splits):
     torch.manual_seed(0)
     B, H, nq, nk, D = 4, 8, 50, 450, 64
     q = torch.randn(B, H, nq, D, device="cuda")
     cache = torch.randn(B, H, nk, 2 * D, device="cuda")
     mask = torch.rand(B, nq, nk, device="cuda") > 0.1
     mask[1, 3] = False
-    out = tiled_attention(q, cache[..., :D], cache[..., D:], mask, precision=precision)
+    out = tiled_attention(q, cache[..., :D], cache[..., D:], mask, precision=precision, splits=splits)
     ref = reference(q.cpu(), cache[..., :D].cpu(), cache[..., D:].cpu(), mask.cpu())
     err = rel_err(out, ref)
     print(f"tiled attention {precision}: rel err {err:.2e}")

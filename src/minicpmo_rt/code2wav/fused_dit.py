@@ -40,11 +40,19 @@ from torch import nn
 
 from .kernels import AVAILABLE as TRITON_AVAILABLE, usable_on
 from .kernels import dit_ops
+from .kernels.small_gemm import small_gemm
 from .kernels.tiled_attention import sdpa_attention, tiled_attention
 
 __all__ = ["supports_fused_body", "FusedDiT", "DiTLayout", "Modulation"]
 
 AttentionKind = Literal["triton-tf32", "triton-ieee", "sdpa"]
+GemmKind = Literal["cublas", "triton"]
+
+# Attention launch shape by grid fill (H200 sweep, benchmarks/code2wav_kernels_bench.py): with
+# rows x heads >= 128 there are enough programs (32-query blocks, no key split); below that,
+# 16-query blocks and keys split until ~512 programs (2 rows x 8 heads: 18.3 -> 8.6 us).
+ATTN_FULL_GRID_ROWS_HEADS = 128
+ATTN_TARGET_PROGRAMS = 512
 
 # adaLN chunk order of the original block
 SH_MSA, SC_MSA, G_MSA, SH_MLP, SC_MLP, G_MLP, SH_CONV, SC_CONV, G_CONV = range(9)
@@ -155,14 +163,24 @@ class Workspace:
 class FusedDiT:
     """Fused forward over an original DiT's parameters (the module is not modified)."""
 
-    def __init__(self, dit: nn.Module, attention: AttentionKind = "sdpa", use_triton: bool | None = None):
+    def __init__(self, dit: nn.Module, attention: AttentionKind = "sdpa", use_triton: bool | None = None,
+                 gemm: GemmKind = "cublas", attn_splits: int | None = None, attn_block_m: int | None = None):
+        """``gemm="triton"`` runs every GEMM through the few-row Triton kernel while TF32 is on
+        (opt-in: on the H200 it made a batch-1 solve slower, 15.3 vs 13.1 ms, and its TF32
+        rounding costs ~2x cuBLAS's error; see benchmarks/results/code2wav_kernels_h200.md).
+        ``attn_splits`` / ``attn_block_m``: Triton attention launch shape (None: by grid fill)."""
         ok, why = supports_fused_body(dit)
         if not ok:
             raise ValueError(f"DiT layout not supported by the fused body: {why}")
+        if gemm not in ("cublas", "triton"):
+            raise ValueError(f"gemm must be 'cublas' or 'triton', got {gemm!r}")
+        if attn_splits is not None and attn_splits < 1:
+            raise ValueError(f"attn_splits must be >= 1 or None, got {attn_splits}")
         self.dit = dit
         self.L = layout_of(dit)
         self.attention = attention
         self.use_triton = TRITON_AVAILABLE if use_triton is None else use_triton
+        self.gemm, self.attn_splits, self.attn_block_m = gemm, attn_splits, attn_block_m
         self.refresh()
 
     @torch.no_grad()
@@ -250,14 +268,35 @@ class FusedDiT:
         q = ws.q.transpose(1, 2)                 # (R, H, T, D) view
         k, v = kv[..., :D], kv[..., D:]
         if self.attention != "sdpa" and self._triton(q):
+            bm, splits = self._attn_shape(q.shape[0], q.shape[1], q.shape[2])
             tiled_attention(q, k, v, mask, kv_rows=rows,
                             precision="tf32" if self.attention == "triton-tf32" else "ieee",
-                            out=ws.o.transpose(1, 2))
+                            out=ws.o.transpose(1, 2), block_m=bm, splits=splits)
         else:
             ws.o.copy_(sdpa_attention(q, k, v, mask, rows).transpose(1, 2))
 
-    @staticmethod
-    def _linear(x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out2d: torch.Tensor, gelu: bool = False):
+    def _attn_shape(self, R: int, H: int, T: int) -> tuple[int, int]:
+        """(query block, key splits) for R rows x H heads x T queries."""
+        full = R * H >= ATTN_FULL_GRID_ROWS_HEADS
+        bm = self.attn_block_m or (32 if full else 16)
+        splits = self.attn_splits
+        if splits is None:
+            progs = R * H * -(-T // bm)
+            splits = 1 if full else max(1, min(8, ATTN_TARGET_PROGRAMS // progs))
+        return bm, splits
+
+    def _small_gemm(self, x2d: torch.Tensor) -> bool:
+        """Few-row Triton GEMM for this call? Opt-in, and only under TF32 (IEEE stays on cuBLAS)."""
+        return (self.gemm == "triton" and self._triton(x2d) and torch.backends.cuda.matmul.allow_tf32)
+
+    def _linear(self, x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out2d: torch.Tensor,
+                gelu: bool = False):
+        if self._small_gemm(x2d):
+            small_gemm(x2d, w, b, out2d, gelu=gelu, precision="tf32")
+            return
+        if b is None:
+            torch.mm(x2d, w.t(), out=out2d)
+            return
         if gelu and x2d.is_cuda and torch.backends.cuda.matmul.allow_tf32:
             # bias + tanh-GELU in the cuBLASLt epilogue. Only under TF32: the epilogue's tanh is
             # not IEEE-exact, which would break the <=1e-5 IEEE parity (and CPU has erf-GELU there).
@@ -284,7 +323,7 @@ class FusedDiT:
         R, T, _ = xin.shape
         N = R * T
         C, K = L.hidden, L.taps
-        torch.addmm(dit.in_proj.bias, xin.reshape(N, -1), dit.in_proj.weight.t(), out=ws.h.view(N, C))
+        self._linear(xin.reshape(N, -1), dit.in_proj.weight, dit.in_proj.bias, ws.h.view(N, C))
         mb = mod.blocks
         # block 0 input: plain modulated LN
         self._res_ln(ws, None, None, mb[:, 0], None, SH_MSA, SC_MSA, ws.norm, L.norm_eps)
@@ -301,9 +340,9 @@ class FusedDiT:
             h1, h2 = hist[i, 0], hist[i, 1]
             self._res_ln(ws, ws.y, None, m, G_MSA, SH_CONV, SC_CONV, h1[:, K - 1:], L.norm_eps)
             conv1, ln, conv2 = blk.conv.block[1], blk.conv.block[3], blk.conv.block[6]
-            torch.mm(h1.reshape(-1, C), self.w_taps1[i].t(), out=ws.taps.view(-1, K * C))
+            self._linear(h1.reshape(-1, C), self.w_taps1[i], None, ws.taps.view(-1, K * C))
             self._taps_ln_mish(ws.taps, conv1, ln, h2[:, K - 1:])
-            torch.mm(h2.reshape(-1, C), self.w_taps2[i].t(), out=ws.taps.view(-1, K * C))
+            self._linear(h2.reshape(-1, C), self.w_taps2[i], None, ws.taps.view(-1, K * C))
             self._res_ln(ws, ws.taps, conv2.bias, m, G_CONV, SH_MLP, SC_MLP, ws.norm, L.norm_eps, taps=K)
             self._linear(ws.norm.view(N, C), blk.mlp.fc1.weight, blk.mlp.fc1.bias, ws.mlp.view(N, -1), gelu=True)
             self._linear(ws.mlp.view(N, -1), blk.mlp.fc2.weight, blk.mlp.fc2.bias, ws.y.view(N, C))
@@ -314,7 +353,7 @@ class FusedDiT:
             else:
                 self._res_ln_final(ws, m, mod.final, ws.norm, L.norm_eps)
         fl = dit.final_layer.linear
-        torch.addmm(fl.bias, ws.norm.view(N, C), fl.weight.t(), out=out.view(N, -1))
+        self._linear(ws.norm.view(N, C), fl.weight, fl.bias, out.view(N, -1))
         return out
 
     def _res_ln_split(self, ws, m_cur, m_next, out, eps):

@@ -2,7 +2,10 @@
 
 One program per (batch row, head, block of BLOCK_M queries) walks the keys in
 BLOCK_N tiles keeping a running max and denominator (flash-attention style), so
-the (nq, nk) score matrix never reaches device memory. Semantics follow
+the (nq, nk) score matrix never reaches device memory. With ``splits`` > 1 the keys
+are also divided among programs (flash-decoding): at batch 1 a chunk has only
+rows x heads x query-blocks = 32 programs, too few for 132 SMs, so each split writes
+its partial (acc, max, denominator) and a small second kernel combines them. Semantics follow
 ``F.scaled_dot_product_attention`` with a boolean mask: True means "attend",
 scores are scaled by D^-0.5, and a query row whose keys are all masked returns 0.
 
@@ -21,18 +24,20 @@ if AVAILABLE:
     import triton.language as tl
 
     @triton.jit
-    def _attn_fwd(Q, K, V, O, M, KVR,
+    def _attn_fwd(Q, K, V, O, M, KVR, PACC, PML,
                   sqb, sqh, sqm, sqd,
                   skb, skh, skn, skd,
                   svb, svh, svn, svd,
                   sob, soh, som, sod,
                   smb, smm, smn,
-                  nq, nk, scale,
+                  nq, nk, scale, keys_per_split,
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr):
+                  HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
+                  SPLITS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
-        mblk = tl.program_id(2)
+        mblk = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
         kvb = b
         if HAS_KVR:
             kvb = tl.load(KVR + b)
@@ -47,9 +52,11 @@ if AVAILABLE:
         acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
         k_base = K + kvb.to(tl.int64) * skb + h * skh
         v_base = V + kvb.to(tl.int64) * svb + h * svh
-        for start in range(0, nk, BLOCK_N):
+        k_lo = split * keys_per_split
+        k_hi = tl.minimum(k_lo + keys_per_split, nk)
+        for start in range(k_lo, k_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < nk
+            col_ok = offs_n < k_hi
             kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :], other=0.0)
             s = tl.dot(q, kt, input_precision=PRECISION) * scale
             keep = row_ok[:, None] & col_ok[None, :]
@@ -64,15 +71,47 @@ if AVAILABLE:
             v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
-        denom = tl.where(l_i > 0, l_i, 1.0)
-        out = tl.where((l_i > 0)[:, None], acc / denom[:, None], 0.0)
+        if SPLITS == 1:
+            denom = tl.where(l_i > 0, l_i, 1.0)
+            out = tl.where((l_i > 0)[:, None], acc / denom[:, None], 0.0)
+            tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out,
+                     mask=row_ok[:, None])
+        else:
+            # partial (unnormalised acc, running max, denominator) of this key range; contiguous
+            # scratch (B, H, SPLITS, nq, D) and (B, H, SPLITS, nq, 2), combined by _attn_combine
+            part = ((b * tl.num_programs(1) + h) * SPLITS + split).to(tl.int64) * nq
+            tl.store(PACC + (part + offs_m[:, None]) * HEAD_D + offs_d[None, :], acc, mask=row_ok[:, None])
+            tl.store(PML + (part + offs_m) * 2, m_i, mask=row_ok)
+            tl.store(PML + (part + offs_m) * 2 + 1, l_i, mask=row_ok)
+
+    @triton.jit
+    def _attn_combine(PACC, PML, O, sob, soh, som, sod, H, nq,
+                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_D)
+        row_ok = offs_m < nq
+        base = (b * H + h) * SPLITS
+        m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        for s in tl.static_range(SPLITS):
+            m = tl.maximum(m, tl.load(PML + ((base + s) * nq + offs_m).to(tl.int64) * 2, mask=row_ok, other=-1.0e30))
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        for s in tl.static_range(SPLITS):
+            row = ((base + s) * nq + offs_m).to(tl.int64)
+            w = tl.exp(tl.load(PML + row * 2, mask=row_ok, other=-1.0e30) - m)
+            l_sum += w * tl.load(PML + row * 2 + 1, mask=row_ok, other=0.0)
+            acc += w[:, None] * tl.load(PACC + row[:, None] * HEAD_D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        denom = tl.where(l_sum > 0, l_sum, 1.0)
+        out = tl.where((l_sum > 0)[:, None], acc / denom[:, None], 0.0)
         tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out, mask=row_ok[:, None])
 
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                     kv_rows: torch.Tensor | None = None, precision: str = "tf32",
                     out: torch.Tensor | None = None, block_m: int = 32, block_n: int = 64,
-                    num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                    num_warps: int = 4, num_stages: int = 2, splits: int = 1) -> torch.Tensor:
     """softmax(q k^T D^-0.5, mask) v for fp32 q (B,H,nq,D), k/v (Bk,H,nk,D); mask (B,nq,nk) bool.
 
     ``out`` (B,H,nq,D) may be any strided view (e.g. (B,nq,H,D) transposed) so the
@@ -98,13 +137,29 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     else:
         m, ms = q, (0, 0, 0)
     kvr = kv_rows.to(torch.int32) if kv_rows is not None else q
-    grid = (B, H, triton.cdiv(nq, block_m))
-    _attn_fwd[grid](q, k, v, out, m, kvr,
-                    *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms,
-                    nq, nk, float(D) ** -0.5,
-                    HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
-                    HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None, PRECISION=precision,
-                    num_warps=num_warps, num_stages=num_stages)
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    # each split walks a whole number of key tiles; fewer splits when the keys run out
+    tiles = triton.cdiv(nk, block_n)
+    splits = max(1, min(splits, tiles))
+    per_split = triton.cdiv(tiles, splits) * block_n
+    splits = triton.cdiv(nk, per_split)
+    mblocks = triton.cdiv(nq, block_m)
+    if splits > 1:
+        pacc = torch.empty(B, H, splits, nq, D, device=q.device, dtype=torch.float32)
+        pml = torch.empty(B, H, splits, nq, 2, device=q.device, dtype=torch.float32)
+    else:
+        pacc = pml = q
+    _attn_fwd[(B, H, mblocks * splits)](q, k, v, out, m, kvr, pacc, pml,
+                                        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms,
+                                        nq, nk, float(D) ** -0.5, per_split,
+                                        HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                                        HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
+                                        PRECISION=precision, SPLITS=splits,
+                                        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _attn_combine[(B, H, mblocks)](pacc, pml, out, *out.stride(), H, nq,
+                                       HEAD_D=D, BLOCK_M=block_m, SPLITS=splits, num_warps=4)
     return out
 
 
