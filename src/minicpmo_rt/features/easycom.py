@@ -40,10 +40,14 @@ Audio
 
 from __future__ import annotations
 
+import bisect
 import math
+import os
+import queue
 import re
+import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -209,11 +213,22 @@ def _probe_video(path: Path) -> tuple[int, int, int, float]:
     return frames, width, height, fps
 
 
-class _PyAVReader:
-    """Sequential decoder; a backwards request reopens the file and decodes forward (no seeks)."""
+class _Stopped(Exception):
+    """A prefetch worker was told to stop (``FramePrefetcher.close``) while decoding."""
 
-    def __init__(self, path: Path, threads: int):
-        self.path, self.threads = path, threads
+
+class _SeekMismatch(Exception):
+    """Decoding after a keyframe seek did not yield the expected frames; the caller decodes from the start."""
+
+
+class _PyAVReader:
+    """Sequential decoder; a backwards request reopens the file and decodes forward (no seeks).
+
+    ``stop`` (set by another thread) ends a long forward decode between frames with ``_Stopped``.
+    """
+
+    def __init__(self, path: Path, threads: int, stop: "threading.Event | None" = None):
+        self.path, self.threads, self._stop = path, threads, stop
         self._open()
 
     def _open(self) -> None:
@@ -224,20 +239,26 @@ class _PyAVReader:
         self._frames = self.container.decode(st)
         self.pos = 0  # index of the next frame the iterator yields
 
+    def _check(self, frame) -> None:
+        """Hook for ``_SeekingPyAVReader``: validate a decoded frame before it is counted."""
+
     def read(self, index: int) -> np.ndarray:
         if index < self.pos:
             self.close()
             self._open()
         try:
             while True:
+                if self._stop is not None and self._stop.is_set():
+                    raise _Stopped
                 frame = next(self._frames)
+                self._check(frame)
                 self.pos += 1
                 if self.pos - 1 == index:
                     return frame.to_ndarray(format="rgb24")
         except StopIteration:
             raise InputError(f"{self.path}: ended after {self.pos} frames while frame {index} was requested; "
                              f"the file is truncated or corrupt") from None
-        except InputError:
+        except (InputError, _Stopped, _SeekMismatch):
             raise
         except Exception as exc:
             raise InputError(f"{self.path}: decoding failed at frame {self.pos} ({type(exc).__name__}: {exc}); "
@@ -245,6 +266,127 @@ class _PyAVReader:
 
     def close(self) -> None:
         self.container.close()
+
+
+@dataclass(frozen=True)
+class SegmentIndex:
+    """One segment's video packets in presentation order, from demuxing without decoding.
+
+    ``rank`` maps a packet pts to its local frame index (the rank of the pts among all the
+    segment's pts: no constant-frame-rate assumption). ``keyframes`` are the (local index, pts)
+    of the keyframes after the first where a seek may start a chunk: IDRs, or keyframes whose
+    kind the bitstream does not tell (a seek there is verified while decoding). Keyframes that
+    are known not to be IDRs (open GOP: later frames may reference earlier ones) are only
+    counted in ``open_gop_keyframes``.
+    """
+
+    rank: dict[int, int]
+    keyframes: tuple[tuple[int, int], ...]
+    open_gop_keyframes: int = 0
+
+
+def _nal_types(codec: str, extradata: bytes | None, data: bytes) -> list[int] | None:
+    """NAL unit types in one packet (avcC/hvcC length-prefixed or Annex B); None if unparseable."""
+    if extradata and extradata[0] == 1 and len(extradata) > (21 if codec == "hevc" else 4):
+        n = (extradata[21 if codec == "hevc" else 4] & 3) + 1
+        heads, i = [], 0
+        while i + n <= len(data):
+            size = int.from_bytes(data[i:i + n], "big")
+            i += n
+            if size <= 0 or i + size > len(data):
+                return None
+            heads.append(data[i])
+            i += size
+    else:  # Annex B: emulation prevention keeps 00 00 01 out of NAL payloads
+        heads = [data[m.end()] for m in re.finditer(b"\x00\x00\x01", data) if m.end() < len(data)]
+    if codec == "h264":
+        return [h & 0x1F for h in heads]
+    return [(h >> 1) & 0x3F for h in heads]
+
+
+def _keyframe_is_idr(codec: str, extradata: bytes | None, data: bytes) -> bool | None:
+    """True for an IDR keyframe (no later frame references an earlier one: a safe seek point),
+    False for a non-IDR one (open GOP, HEVC CRA/BLA), None when the codec or bitstream does not say."""
+    if codec not in ("h264", "hevc"):
+        return None
+    types = _nal_types(codec, extradata, data)
+    if not types:
+        return None
+    vcl = [t for t in types if 1 <= t <= 5] if codec == "h264" else [t for t in types if t <= 31]
+    if not vcl:
+        return None
+    idr = (5,) if codec == "h264" else (19, 20)
+    return all(t in idr for t in vcl)
+
+
+def index_segment(path: Path) -> SegmentIndex:
+    """Demux ``path``'s video packets (no decoding) into a ``SegmentIndex``."""
+    c = _open_av(path)
+    try:
+        if not c.streams.video:
+            raise InputError(f"{path}: has no video stream")
+        st = c.streams.video[0]
+        codec = st.codec_context.name
+        extradata = st.codec_context.extradata
+        pts: list[int] = []
+        keys: list[tuple[int, bool | None]] = []
+        for pkt in c.demux(st):
+            if pkt.size == 0:
+                continue  # the demuxer's final flush packet
+            if pkt.pts is None:  # cannot rank frames: no keyframe splits (decode from the start)
+                return SegmentIndex(rank={}, keyframes=())
+            pts.append(int(pkt.pts))
+            if pkt.is_keyframe:
+                keys.append((int(pkt.pts), _keyframe_is_idr(codec, extradata, bytes(pkt))))
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"{path}: demuxing failed ({type(exc).__name__}: {exc}); the file is corrupt") from exc
+    finally:
+        c.close()
+    order = sorted(pts)
+    if len(set(order)) != len(order):  # duplicate pts: ranks are ambiguous, so no splits
+        return SegmentIndex(rank={}, keyframes=())
+    rank = {p: i for i, p in enumerate(order)}
+    safe = tuple(sorted((rank[p], p) for p, idr in keys if idr is not False and rank[p] > 0))
+    return SegmentIndex(rank=rank, keyframes=safe, open_gop_keyframes=sum(idr is False for _, idr in keys))
+
+
+def _seek_keyframe(container, stream, pts: int) -> None:
+    """Position the demuxer on the keyframe with ``pts`` (a module function so tests can break it)."""
+    container.seek(pts, stream=stream, backward=True, any_frame=False)
+
+
+class _SeekingPyAVReader(_PyAVReader):
+    """A worker's decoder that may start at a keyframe: every frame decoded after a seek must carry
+    the pts of the expected local index (``index.rank``), else ``_SeekMismatch``."""
+
+    def __init__(self, path: Path, threads: int, index: SegmentIndex, stop: "threading.Event | None" = None):
+        self.index, self._verify = index, False
+        super().__init__(path, threads, stop)
+
+    def _open(self) -> None:
+        super()._open()
+        self._verify = False
+
+    def seek(self, pts: int, local: int) -> None:
+        st = self.container.streams.video[0]
+        try:
+            _seek_keyframe(self.container, st, pts)
+        except Exception as exc:
+            raise _SeekMismatch(f"seek to pts {pts} failed ({type(exc).__name__}: {exc})") from exc
+        self._frames = self.container.decode(st)  # PyAV's seek flushed the decoder
+        self.pos, self._verify = local, True
+
+    def _check(self, frame) -> None:
+        if self._verify and (frame.pts is None or self.index.rank.get(int(frame.pts)) != self.pos):
+            raise _SeekMismatch(f"{self.path}: after the seek, frame {self.pos} was expected but pts "
+                                f"{frame.pts} came out")
+
+    def read(self, index: int) -> np.ndarray:
+        if index < self.pos:
+            raise _SeekMismatch(f"{self.path}: frame {index} requested behind the decoder (at {self.pos})")
+        return super().read(index)
 
 
 def _import_decord():
@@ -431,71 +573,227 @@ class ReaderStats:
     cache_hits: int = 0
     readers_opened: int = 0
     readers_evicted: int = 0
-    prefetched: int = 0
+    prefetched: int = 0  # frames served from prefetch
+    prefetch_chunks: int = 0  # of the latest prefetch(): independently decodable chunks planned
+    prefetch_workers: int = 0  # of the latest prefetch(): decoding threads started
+    prefetch_seek_fallbacks: int = 0  # chunks re-decoded from their segment's start after a bad seek
+
+
+DECODE_WORKERS_ENV = "MINICPMO_RT_DECODE_WORKERS"
+
+
+def default_decode_workers() -> int:
+    """Prefetch worker threads: ``$MINICPMO_RT_DECODE_WORKERS`` or max(1, min(8, cpus // 2))."""
+    raw = os.environ.get(DECODE_WORKERS_ENV)
+    if raw is None or raw.strip() == "":
+        return max(1, min(8, (os.cpu_count() or 2) // 2))
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise InputError(f"{DECODE_WORKERS_ENV}={raw!r}: must be a positive integer (frame-decoding worker "
+                         f"threads); fix it or unset it for the default max(1, min(8, cpus // 2))")
+    return n
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    """Wanted frames of one segment that one worker decodes on its own.
+
+    ``start`` is the local index decoding begins at: 0 (open the segment and decode from its
+    first frame, exactly as the sequential reader) or a keyframe's, then ``start_pts`` is that
+    keyframe's pts to seek to.
+    """
+
+    segment: int
+    start: int
+    start_pts: int | None
+    indices: tuple[int, ...]  # global frame indices, increasing
+
+
+class _WorkerDecoder:
+    """One worker thread's readers (PyAV containers are never shared across threads)."""
+
+    def __init__(self, session: "EasyComSession", stop: "threading.Event", on_fallback):
+        self.timeline, self.decoder, self.threads = session.timeline, session.decoder, session.decoder_threads
+        self._index = session._index
+        self._stop, self._on_fallback = stop, on_fallback
+        self._seeker: _SeekingPyAVReader | None = None  # kept open across this worker's chunks of one segment
+
+    def _drop_seeker(self) -> None:
+        if self._seeker is not None:
+            self._seeker.close()
+            self._seeker = None
+
+    def frames(self, chunk: DecodeChunk):
+        """Yield the chunk's frames (cropped, contiguous) in order; each is decoded on ``next``."""
+        seg = self.timeline.segments[chunk.segment]
+        crop = self.timeline.crop_right
+        raw = self._raw(chunk, seg)
+        try:
+            for img in raw:
+                if crop:
+                    img = img[:, -crop:]
+                yield np.ascontiguousarray(img)
+        finally:
+            raw.close()  # closes its reader now, also when the consumer stopped early
+
+    def _raw(self, chunk: DecodeChunk, seg: Segment):
+        locals_ = [i - seg.frame_offset for i in chunk.indices]
+        if self.decoder == "decord":  # decord seeks by itself: one chunk per segment
+            r = _DecordReader(seg.video, self.threads)
+            try:
+                for local in locals_:
+                    if self._stop.is_set():
+                        raise _Stopped
+                    yield r.read(local)
+            finally:
+                r.close()
+            return
+        done = 0
+        if chunk.start_pts is not None:
+            try:
+                if self._seeker is None or self._seeker.path != seg.video:
+                    self._drop_seeker()
+                    self._seeker = _SeekingPyAVReader(seg.video, self.threads, self._index[chunk.segment],
+                                                      self._stop)
+                self._seeker.seek(chunk.start_pts, chunk.start)
+                for local in locals_:
+                    img = self._seeker.read(local)
+                    done += 1
+                    yield img
+                return
+            except _Stopped:
+                raise
+            except Exception:
+                # the seek gave other frames than the table promised (or failed): the frames
+                # already served had the right pts; the rest come from the segment's start
+                self._drop_seeker()
+                self._on_fallback()
+        r = _PyAVReader(seg.video, self.threads, self._stop)
+        try:
+            for local in locals_[done:]:
+                yield r.read(local)
+        finally:
+            r.close()
+
+    def close(self) -> None:
+        self._drop_seeker()
 
 
 class FramePrefetcher:
-    """Decodes a known, increasing sequence of frames ahead of use on a worker thread.
+    """Decodes a known, increasing sequence of frames ahead of use on ``workers`` threads.
 
-    The worker has its own readers (containers are not shared across threads), so the main
-    thread may still read any other frame (replays) through its own. PyAV releases the GIL
-    while decoding, so decoding overlaps the model's work.
+    The frames are planned into ``DecodeChunk``s (``EasyComSession.plan_prefetch``). Each worker
+    takes the next chunk not yet started and decodes it into that chunk's own queue; the consumer
+    (``take``) reads the queues strictly in frame order. A worker starts chunk k only while
+    k < (consumer's chunk) + workers and holds a free slot of the chunk (``depth`` of them) before
+    decoding each frame, so at most ``workers * depth`` decoded frames are in flight. Each worker
+    has its own readers, and the main thread may still read any other frame (replays) through its
+    own. PyAV releases the GIL while decoding, so workers decode in parallel with each other and
+    with the model; each worker's FFmpeg decoder still uses ``decoder_threads`` threads of its
+    own. An exception in a worker is re-raised by ``take`` for the frame it broke.
     """
 
-    _STOP = object()
-
-    def __init__(self, session: "EasyComSession", indices: list[int], depth: int):
-        import queue
-        import threading
-
-        self.indices = indices
-        self._pos = 0
-        self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
+    def __init__(self, session: "EasyComSession", chunks: list[DecodeChunk], depth: int, workers: int):
+        self.chunks = chunks
+        self.indices = [i for c in chunks for i in c.indices]
+        self.workers = max(1, min(workers, len(chunks)))
+        self._session = session
+        self._pos = 0  # into indices
+        self._chunk, self._in_chunk = 0, 0  # consumer's chunk and its position in it
+        # a chunk's queue is bounded by its slots (not maxsize) so that a worker waits for room
+        # *before* decoding the next frame: a frame held while waiting would exceed the bound
+        self._queues: list[queue.Queue] = [queue.Queue() for _ in chunks]
+        self._slots = [threading.Semaphore(max(1, depth)) for _ in chunks]
+        self._next = 0  # next chunk a worker starts
+        self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._worker_media = EasyComSession(session.timeline.session_dir, decoder=session.decoder,
-                                            decoder_threads=session.decoder_threads, max_open_readers=1,
-                                            frame_cache_size=0, timeline=session.timeline)
-        self._thread = threading.Thread(target=self._run, name="frame-prefetch", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"frame-prefetch-{k}", daemon=True)
+                         for k in range(self.workers)]
+        for t in self._threads:
+            t.start()
+
+    def _fallback(self) -> None:
+        with self._cond:
+            self._session.stats.prefetch_seek_fallbacks += 1
+
+    def _claim(self) -> int | None:
+        with self._cond:
+            while not self._stop.is_set() and self._next < len(self.chunks) \
+                    and self._next >= self._chunk + self.workers:
+                self._cond.wait()
+            if self._stop.is_set() or self._next >= len(self.chunks):
+                return None
+            self._next += 1
+            return self._next - 1
 
     def _run(self) -> None:
+        dec = _WorkerDecoder(self._session, self._stop, self._fallback)
+        k: int | None = None
         try:
-            for idx in self.indices:
-                if self._stop.is_set():
+            while (k := self._claim()) is not None:
+                q, slots = self._queues[k], self._slots[k]
+                frames = dec.frames(self.chunks[k])
+                try:
+                    for idx in self.chunks[k].indices:
+                        while not slots.acquire(timeout=0.1):  # room for one more frame of this chunk
+                            if self._stop.is_set():
+                                return
+                        q.put((idx, next(frames), None))
+                except _Stopped:
                     return
-                item = (idx, self._worker_media.frame(idx), None)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except Exception:  # queue.Full: wait for the consumer or a stop
-                        continue
-        except BaseException as exc:  # handed to the consumer, raised there
-            self._queue.put((None, None, exc))
+                except Exception as exc:  # handed to the consumer, raised at this frame
+                    q.put((None, None, exc))
+                finally:
+                    frames.close()
+        except BaseException as exc:  # not expected; still reach the consumer rather than hang it
+            if k is not None:
+                self._queues[k].put((None, None, exc))
+            raise
         finally:
-            self._worker_media.close()
+            dec.close()
 
     @property
     def next_index(self) -> int | None:
         return self.indices[self._pos] if self._pos < len(self.indices) else None
 
     def take(self) -> np.ndarray:
-        idx, img, exc = self._queue.get()
+        q = self._queues[self._chunk]
+        while True:
+            try:
+                idx, img, exc = q.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if not any(t.is_alive() for t in self._threads) and q.empty():
+                    missing = self.indices[self._pos]
+                    self._pos = len(self.indices)
+                    raise RuntimeError(f"frame prefetch: every worker exited before frame {missing} "
+                                       f"was decoded") from None
         if exc is not None:
             self._pos = len(self.indices)
+            self._stop.set()  # nothing more will be taken: let the workers go
+            with self._cond:
+                self._cond.notify_all()
             raise exc
         assert idx == self.indices[self._pos], (idx, self._pos)
+        self._slots[self._chunk].release()
         self._pos += 1
+        self._in_chunk += 1
+        if self._in_chunk == len(self.chunks[self._chunk].indices):
+            with self._cond:  # the window moves: a worker may start chunk + workers
+                self._chunk, self._in_chunk = self._chunk + 1, 0
+                self._cond.notify_all()
         return img
 
     def close(self) -> None:
         self._stop.set()
-        while self._thread.is_alive():
-            try:
-                self._queue.get(timeout=0.05)
-            except Exception:
-                pass
-        self._thread.join()
+        with self._cond:
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+        self._queues = []  # drop decoded frames nobody will take
 
 
 class EasyComSession:
@@ -524,15 +822,68 @@ class EasyComSession:
         self._frames: OrderedDict[int, np.ndarray] = OrderedDict()
         self._audio: list[np.ndarray | None] = [None] * len(self.timeline.segments)
         self._prefetcher: FramePrefetcher | None = None
+        self._index: dict[int, SegmentIndex | None] = {}  # per-segment keyframe tables (None: unreadable)
         self._last: tuple[int, np.ndarray] | None = None
         self.stats = ReaderStats()
 
-    def prefetch(self, indices: list[int], depth: int = 8) -> None:
-        """Decode ``indices`` (increasing) ahead on a worker thread; ``frame`` serves them in order."""
+    def prefetch(self, indices: list[int], depth: int = 8, workers: int | None = None) -> None:
+        """Decode ``indices`` ahead on worker threads; ``frame`` serves them in order.
+
+        ``workers`` caps the threads (default ``$MINICPMO_RT_DECODE_WORKERS`` or
+        max(1, min(8, cpus // 2))); no more are started than there are chunks to decode, and each
+        one's FFmpeg decoder still runs ``decoder_threads`` threads. At most ``workers * depth``
+        decoded frames wait for the consumer (see ``FramePrefetcher``).
+        """
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+            raise InputError(f"prefetch(workers={workers!r}): must be a positive integer (decoding threads)")
+        max_workers = workers if workers is not None else default_decode_workers()
         if self._prefetcher is not None:
             self._prefetcher.close()
+            self._prefetcher = None
+        chunks = self.plan_prefetch(indices)
+        if chunks:
+            self._prefetcher = FramePrefetcher(self, chunks, depth, max_workers)
+        self.stats.prefetch_chunks = len(chunks)
+        self.stats.prefetch_workers = self._prefetcher.workers if self._prefetcher else 0
+
+    def segment_index(self, seg: int) -> SegmentIndex | None:
+        """The segment's keyframe table (cached); None when it cannot be demuxed, so its frames are
+        decoded from the segment start and the worker reports the file's error where a frame needs it."""
+        if seg not in self._index:
+            try:
+                self._index[seg] = index_segment(self.timeline.segments[seg].video)
+            except InputError:
+                self._index[seg] = None
+        return self._index[seg]
+
+    def plan_prefetch(self, indices: list[int]) -> list[DecodeChunk]:
+        """Split the wanted frames into independently decodable chunks, in frame order: at every
+        segment boundary, and (PyAV) inside a segment at each safe keyframe with a wanted frame
+        at or after it; decord random-accesses by itself, so it gets one chunk per segment."""
         idx = sorted(set(int(i) for i in indices))
-        self._prefetcher = FramePrefetcher(self, idx, depth) if idx else None
+        if not idx:
+            return []
+        self.timeline.locate(idx[0])
+        self.timeline.locate(idx[-1])  # range check with the usual error
+        starts = [s.frame_offset for s in self.timeline.segments]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i in idx:
+            seg = bisect.bisect_right(starts, i) - 1
+            start = 0
+            if self.decoder == "pyav":
+                table = self.segment_index(seg)
+                keys = table.keyframes if table else ()
+                k = bisect.bisect_right(keys, (i - starts[seg], math.inf)) - 1
+                start = keys[k][0] if k >= 0 else 0
+            groups.setdefault((seg, start), []).append(i)
+        chunks = []
+        for (seg, start), members in groups.items():  # insertion order is frame order
+            pts = None
+            if start:
+                table = self._index[seg]
+                pts = next(p for local, p in table.keyframes if local == start)
+            chunks.append(DecodeChunk(segment=seg, start=start, start_pts=pts, indices=tuple(members)))
+        return chunks
 
     # -- video
     def _reader(self, seg: int):
@@ -615,7 +966,7 @@ class EasyComSession:
         report = []
         for k, s in enumerate(self.timeline.segments):
             first = self.frame(s.frame_offset)
-            last = self.frame(s.frame_offset + s.frames - 1)
+            self.frame(s.frame_offset + s.frames - 1)  # the last used frame decodes, or raises
             a = self._segment_audio(k)
             report.append(f"  {s.name}: frames {first.shape[1]}x{first.shape[0]} ok (first, last #{s.frames - 1}), "
                           f"audio {len(a) / SAMPLE_RATE:.3f}s rms {float(np.sqrt(np.mean(a.astype(np.float64) ** 2))):.4f}")

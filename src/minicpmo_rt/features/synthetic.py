@@ -82,7 +82,8 @@ def _speechlike(rng: np.random.Generator, n: int, f0: float, sr: int) -> np.ndar
     return (y / (np.abs(y).max() + 1e-9)).astype(np.float64)
 
 
-def _write_video(path: Path, frames: int, width: int, height: int, t0: float, seed: int) -> None:
+def _write_video(path: Path, frames: int, width: int, height: int, t0: float, seed: int,
+                 x264_params: str | None = None) -> None:
     import av
 
     yy, xx = np.mgrid[0:height, 0:width]
@@ -91,7 +92,7 @@ def _write_video(path: Path, frames: int, width: int, height: int, t0: float, se
     with av.open(str(path), "w") as c:
         st = c.add_stream("libx264", rate=FPS)
         st.width, st.height, st.pix_fmt = width, height, "yuv420p"
-        st.options = {"preset": "ultrafast", "crf": "23"}
+        st.options = {"preset": "ultrafast", "crf": "23", **({"x264-params": x264_params} if x264_params else {})}
         size = max(4, min(width, height) // 4)
         for i in range(frames):
             t = t0 + i / FPS
@@ -138,8 +139,12 @@ def _mux_audio_track(path: Path, mono: np.ndarray, sr: int) -> None:
 
 def make_session(out: str | Path, seconds: float, *, session: int = 1, width: int = 320, height: int = 180,
                  segment_seconds: float | None = None, gap_seconds: float = 60.0, seed: int = 0,
-                 wavs: bool = True, mp4_audio: bool = False) -> Path:
-    """Write a synthetic session; return its ``Video_Compressed/Session_N`` directory."""
+                 wavs: bool = True, mp4_audio: bool = False, x264_params: str | None = None) -> Path:
+    """Write a synthetic session; return its ``Video_Compressed/Session_N`` directory.
+
+    ``x264_params`` go to libx264 as ``-x264-params`` (tests use e.g. ``keyint=10:scenecut=0`` for
+    segments with several keyframes, or ``open-gop=1`` for keyframes that are not IDRs).
+    """
     import soundfile as sf
 
     if seconds < 1 or seconds * FPS != int(seconds * FPS):
@@ -169,7 +174,7 @@ def make_session(out: str | Path, seconds: float, *, session: int = 1, width: in
         n = min(seg_frames, total_frames - done)
         seg_s = n / FPS
         stem = segment_name(name_t)
-        _write_video(vdir / f"{stem}.mp4", n, width, height, done / FPS, seed + k)
+        _write_video(vdir / f"{stem}.mp4", n, width, height, done / FPS, seed + k, x264_params)
         samples = int(round(seg_s * WAV_RATE))
         audio = 0.003 * rng.standard_normal((samples, 6))
         utts = _plan_utterances(rng, seg_s)
