@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 import zlib
@@ -53,9 +54,8 @@ def randomize_on_device_(module: torch.nn.Module, seed: int = 0) -> None:
             t.copy_(r.to(t.dtype))
 
 
-def build_factory(tiny: bool, out: Path, device: torch.device, dtype: torch.dtype, fast: bool = False):
+def build_factory(tiny: bool, out: Path, device: torch.device, dtype: torch.dtype, fast: bool | None = None):
     from minicpmo_rt.thinker.model import Thinker
-    from minicpmo_rt.thinker.session import FAST_PATH_OPTIONS, StreamingSession
 
     if tiny:
         from minicpmo_rt.snapshot_tools import make_tiny
@@ -78,9 +78,10 @@ def build_factory(tiny: bool, out: Path, device: torch.device, dtype: torch.dtyp
     info = {"model_id": f"{name} weights (benchmark)", "model_path": None, "revision": "random",
             "revision_source": "benchmark", "dtype": str(dtype).replace("torch.", ""), "device": str(device),
             "attention": "sdpa"}
-    options = dict(FAST_PATH_OPTIONS) if fast else {}
-    info["session_options"] = options
-    return (lambda: StreamingSession(thinker, tok, **options)), info, sum(p.numel() for p in thinker.parameters())
+    # the extractor's own session factory: on CUDA every fast path, shared by all sessions of the run
+    factory, used = ex.session_factory(thinker, tok, fast=fast)
+    info["session_fast_paths"] = used
+    return factory, info, sum(p.numel() for p in thinker.parameters())
 
 
 def main() -> None:
@@ -95,8 +96,13 @@ def main() -> None:
     ap.add_argument("--decoder-threads", type=int, default=0,
                     help="decoder threads (0: FFmpeg's choice, all cores; the seed's commands use 1)")
     ap.add_argument("--periodic", type=int, default=250, help="N of the periodic-audit configuration")
-    ap.add_argument("--fast", action="store_true", help="StreamingSession(**FAST_PATH_OPTIONS): static-cache "
-                    "LLM prefill with fused kernels, GPU frame preprocessing, vision graphs")
+    ap.add_argument("--plain", action="store_true", help="the plain reference session even on CUDA (the "
+                    "extractor's default there is every fast path: static-cache Triton prefill from graphs, GPU "
+                    "frame preprocessing, vision and audio graphs, pooled decoders)")
+    ap.add_argument("--profile", action="store_true", help="cProfile each timed run; top functions to OUT/profile_*.txt")
+    ap.add_argument("--modes", default="native-1hz-hold,cached-partial-5hz")
+    ap.add_argument("--cadences", default=None, help="comma list; 0 = default cadence, N = --verify-every N ... "
+                    "(default: 0 and --periodic)")
     args = ap.parse_args()
     tiny = args.tiny
     seconds = args.seconds or (4.0 if tiny else 60.0)
@@ -112,7 +118,7 @@ def main() -> None:
         make_session(root, seconds, width=width, height=height, segment_seconds=min(20.0, seconds), seed=0)
     print(f"session {vdir} ({seconds:.0f} s, {width}x{height}) ready in {time.perf_counter() - t0:.1f}s")
     t0 = time.perf_counter()
-    factory, info, n_params = build_factory(tiny, args.out, device, dtype, fast=args.fast)
+    factory, info, n_params = build_factory(tiny, args.out, device, dtype, fast=False if args.plain else None)
     print(f"Thinker {info['model_id']}: {n_params / 1e9:.3f} B params, {info['dtype']} on {device}, "
           f"built in {time.perf_counter() - t0:.1f}s")
 
@@ -127,14 +133,27 @@ def main() -> None:
     ex.run(opts("cached-partial-5hz", 0, min(2.0, seconds), args.out / "warmup.pt"), factory=factory,
            model_info=info, echo=lambda s: None)
     rows = []
-    for mode in ("native-1hz-hold", "cached-partial-5hz"):
-        for every in (0, args.periodic):
+    for mode in args.modes.split(","):
+        for every in (int(c) for c in (args.cadences or f"0,{args.periodic}").split(",")):
             label = "default" if every == 0 else f"--verify-every {every} --future-intervention-every {every}"
             out = args.out / f"{mode}_{'default' if every == 0 else every}.pt"
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            if args.profile:
+                import cProfile
+                import io
+                import pstats
+                prof = cProfile.Profile()
+                prof.enable()
             art = ex.run(opts(mode, every, None, out), factory=factory, model_info=info, echo=print)
+            if args.profile:
+                prof.disable()
+                buf = io.StringIO()
+                st = pstats.Stats(prof, stream=buf)
+                st.sort_stats("tottime").print_stats(35)
+                st.sort_stats("cumulative").print_stats(45)
+                (args.out / f"profile_{mode}_{every}.txt").write_text(buf.getvalue())
             wall = art.provenance["wall_time_s"]
             v = art.verification
             rows.append({
@@ -146,15 +165,21 @@ def main() -> None:
                            for k in ("boundary", "clean_replay", "future_intervention", "snapshot_restoration")},
                 "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
                 "pruning_events": len(art.pruning),
+                "prefetch_workers": art.provenance.get("reader_stats", {}).get("prefetch_workers"),
+                "prefetch_chunks": art.provenance.get("reader_stats", {}).get("prefetch_chunks"),
             })
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "dtype": info["dtype"], "weights": info["model_id"], "params": n_params,
            "session": {"seconds": seconds, "width": width, "height": height, "fps": 20}, "decoder": args.decoder,
-           "decoder_threads": args.decoder_threads, "tiny": tiny}
+           "decoder_threads": args.decoder_threads, "tiny": tiny,
+           "session_fast_paths": info.get("session_fast_paths"), "cpus": os.cpu_count(),
+           "prefetch_workers": rows[-1].get("prefetch_workers") if rows else None}
     (args.out / "features_bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
     lines = [f"# Feature extractor benchmark ({env['device']}, {env['weights']}, {env['dtype']})", "",
              f"Synthetic {seconds:.0f}-s {width}x{height} 20 fps session; decoder {args.decoder} "
-             f"(threads {args.decoder_threads or 'auto'}); torch {torch.__version__}.",
+             f"(threads {args.decoder_threads or 'auto'}); torch {torch.__version__}; session fast paths "
+             f"{'on' if info.get('session_fast_paths') else 'off'}; prefetch workers "
+             f"{env.get('prefetch_workers', '?')}.",
              "", "| mode | audit cadence | session s | wall s | x real time | goal | audits | peak GPU GiB |",
              "|---|---|---:|---:|---:|---:|---|---:|"]
     for r in rows:

@@ -179,6 +179,44 @@ def test_audio_graph_body_and_session_option(thinker, tok):
     assert torch.equal(embeds, ref.embeds) and cache.checksum() == ref.cache.checksum()
 
 
+def test_buffered_audio_body_matches_the_growing_cache_step(thinker, tok):
+    """The capture-safe audio step (fixed K/V buffer, row mask) equals the eager step that
+    concatenates the cache, chunk after chunk, including the first (no cache) chunk."""
+    from minicpmo_rt.thinker.audio_graph import buffered_stream_body, stream_body
+
+    s = StreamingSession(thinker, tok)
+    apm = thinker.apm
+    a = apm.layers[0].self_attn
+    P = apm.max_source_positions
+    buf = torch.full((len(apm.layers), 2, 1, a.num_heads, P, a.head_dim), float("nan"))
+    buf[..., : P // 2, :] = 0.0          # rows past every cache stay NaN: masked rows must not leak
+    buf[..., P // 2:, :] = 1e4
+    mask = torch.zeros(1, 1, 1, P, dtype=torch.bool)
+    audio = _audio(4, 5)
+    cache = None
+    steps = 0
+    for k in range(4):
+        mel = s.mel.process(audio[16000 * k:16000 * (k + 1)], last_chunk=False)
+        if mel.features.shape[-1] < 20:      # the mel waits for its lookahead first
+            continue
+        steps += 1
+        x = mel.features[None]
+        ref, new = stream_body(thinker, x, cache, mel.prefix_extra, mel.suffix_extra)
+        past = cache.length if cache is not None else 0
+        n = new.length - past
+        rows = torch.arange(past, past + n)
+        mask[..., :] = torch.arange(P) < past + n
+        got = buffered_stream_body(thinker, x, buf, rows, mask, mel.prefix_extra, mel.suffix_extra)
+        assert rel_err(got, ref) <= 1e-6
+        for i in range(len(apm.layers)):
+            # layer 0 sees identical inputs; later layers inherit the attention's summation order
+            same = torch.equal if i == 0 else (lambda a, b: rel_err(a, b) <= 1e-6)
+            assert same(buf[i, 0, :, :, :past + n], new.keys[i])
+            assert same(buf[i, 1, :, :, :past + n], new.values[i])
+        cache = new
+    assert steps >= 2
+
+
 @requires_cuda
 def test_cuda_fast_session_matches_plain_and_restores_exactly(tok):
     """bf16 on CUDA: every fast path (static cache with Triton kernels and CUDA-graph prefill,
@@ -204,6 +242,11 @@ def test_cuda_fast_session_matches_plain_and_restores_exactly(tok):
     b.commit(audio[32000:48000], _frame(2))
     assert torch.equal(a.read_state(), b.read_state()) and a.fingerprint() == b.fingerprint()
     assert not a.vision.failures and not a.audio_graphs.failures
+    # one audio graph per chunk shape, not per cache length
+    assert a.audio_graphs.captures <= 3, a.audio_graphs.captures
+    for k in range(3):   # the cache grows by one chunk per commit; no new capture
+        a.commit(audio[32000:48000], _frame(k))
+    assert a.audio_graphs.captures <= 3
 
 
 @requires_cuda
@@ -229,3 +272,49 @@ def test_cuda_graph_decode_and_prefill_equal_eager():
     # the plain torch step agrees within bf16 rounding
     plain = StaticDecoder(llm, 128, kernels="torch")
     assert rel_err(plain.prefill(prompt, 0).float(), eager.prefill(prompt, 0).float()) <= 2e-2
+
+
+def test_decoder_pool_shares_weights_and_reuses_released_decoders(thinker, tok):
+    """Pooled static caches give the same states as private ones; a closed session's decoder
+    (stale rows and all) serves the next session, which still matches a fresh one."""
+    from minicpmo_rt.thinker.llm_cache import StaticDecoderPool
+
+    pool = StaticDecoderPool(thinker, kernels="torch")
+    audio = _audio(3, 9)
+    ref = StreamingSession(thinker, tok, llm_cache="static", static_capacity=256, llm_kernels="torch")
+    a = StreamingSession(thinker, tok, llm_cache="static", static_capacity=256, llm_pool=pool)
+    b = StreamingSession(thinker, tok, llm_cache="static", static_capacity=256, llm_pool=pool)
+    assert pool.created == 2 and b.llm_cache.store.wqkv is a.llm_cache.store.wqkv   # packed weights shared
+    _run(ref, audio, 3)
+    _run(a, audio, 3)
+    assert torch.equal(a.read_state(), ref.read_state())
+    store = a.llm_cache.store
+    a.close()
+    with pytest.raises(InputError, match="after close"):
+        a.commit(audio[:16000], None)
+    c = StreamingSession(thinker, tok, llm_cache="static", static_capacity=256, llm_pool=pool)
+    assert c.llm_cache.store is store and pool.created == 2      # reused, not rebuilt
+    _run(c, audio, 2, first=1)                                   # different content over stale rows
+    fresh = StreamingSession(thinker, tok, llm_cache="static", static_capacity=256, llm_kernels="torch")
+    _run(fresh, audio, 2, first=1)
+    assert torch.equal(c.read_state(), fresh.read_state()) and c.fingerprint() == fresh.fingerprint()
+    c.close()
+    c.close()                                                    # idempotent
+    with pytest.raises(ValueError, match="released already"):
+        pool.release(store)
+
+
+def test_feature_session_factory_plain_on_cpu_and_env_switch(thinker, tok, monkeypatch):
+    from minicpmo_rt.features.extract import session_factory
+
+    factory, fast = session_factory(thinker, tok)
+    assert fast is False and factory().llm_cache.__class__.__name__ == "DynamicLLMCache"
+    factory, fast = session_factory(thinker, tok, fast=True)   # forced: the fast options on CPU
+    s1, s2 = factory(), factory()
+    assert fast and s1.audio_graphs is s2.audio_graphs and s1.vision is s2.vision
+    s1.close()
+    assert s1.llm_cache.pool.created == 2
+    assert factory().llm_cache.pool.created == 2               # s1's decoder is reused
+    monkeypatch.setenv("MINICPMO_RT_FEATURES_FAST", "yes")
+    with pytest.raises(InputError, match="MINICPMO_RT_FEATURES_FAST"):
+        session_factory(thinker, tok)

@@ -58,6 +58,7 @@ import math
 import shlex
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -279,18 +280,28 @@ def replay_states(factory: SessionFactory, views: Sequence[Inputs], row: int) ->
     t_ms = ROW_MS * (row + 1)
     sec, frac = divmod(t_ms, 1000)
     sessions = [factory() for _ in views]
-    for k in range(1, sec + 1):
+    try:
+        for k in range(1, sec + 1):
+            for s, view in zip(sessions, views):
+                _commit(s, view, k)
+        if frac == 0:
+            return [s.read_state().float().clone() for s in sessions]
+        t = t_ms / 1000.0
+        out = []
         for s, view in zip(sessions, views):
-            _commit(s, view, k)
-    if frac == 0:
-        return [s.read_state().float().clone() for s in sessions]
-    t = t_ms / 1000.0
-    out = []
-    for s, view in zip(sessions, views):
-        with s.transaction():
-            s.append_tail(view.audio(sec, t), view.frame_at(t))
-            out.append(s.read_state().float().clone())
-    return out
+            with s.transaction():
+                s.append_tail(view.audio(sec, t), view.frame_at(t))
+                out.append(s.read_state().float().clone())
+        return out
+    finally:
+        for s in sessions:   # pooled resources (a fast session's static cache) go back for the next replay
+            _close(s)
+
+
+def _close(session: Any) -> None:
+    close = getattr(session, "close", None)
+    if close is not None:
+        close()
 
 
 def replay_state(factory: SessionFactory, inputs: Inputs, row: int) -> torch.Tensor:
@@ -524,21 +535,35 @@ def load_session_factory(opts: ExtractOptions) -> tuple[SessionFactory, dict[str
     from ..checkpoint.snapshot import resolve_snapshot
     from ..checkpoint.tokenizer import load_tokenizer
     from ..thinker.model import Thinker
-    from ..thinker.session import StreamingSession
 
     device, dtype = _resolve_device_dtype(opts)
     snap = resolve_snapshot(opts.model_id, opts.revision)
     thinker = Thinker.from_snapshot(snap, dtype=dtype, device=device, attn_implementation=opts.attention)
     thinker.eval()
     tok = load_tokenizer(snap.path)
-
-    def factory():
-        return StreamingSession(thinker, tok)
-
+    factory, fast = session_factory(thinker, tok)
     info = {"model_id": snap.model_id, "model_path": str(snap.path), "revision": snap.revision,
             "revision_source": snap.revision_source, "dtype": str(dtype).replace("torch.", ""),
-            "device": str(device), "attention": opts.attention}
+            "device": str(device), "attention": opts.attention, "session_fast_paths": fast}
     return factory, info
+
+
+def session_factory(thinker: Any, tok: Any, fast: bool | None = None) -> tuple[SessionFactory, bool]:
+    """Fresh-session factory: on CUDA every session fast path (static-cache Triton prefill from
+    graphs, GPU frame preprocessing, vision and audio graphs), built once and shared by all the
+    sessions (main and audit replays); the plain reference path elsewhere or when
+    MINICPMO_RT_FEATURES_FAST=0. Returns (factory, fast)."""
+    import os
+
+    from ..thinker.session import StreamingSession, shared_fast_paths
+
+    if fast is None:
+        env = os.environ.get("MINICPMO_RT_FEATURES_FAST", "")
+        if env not in ("", "0", "1"):
+            raise InputError(f"MINICPMO_RT_FEATURES_FAST={env!r}: use 1 (fast paths on CUDA) or 0 (plain reference)")
+        fast = thinker.device.type == "cuda" and env != "0"
+    options = shared_fast_paths(thinker) if fast else {}
+    return (lambda: StreamingSession(thinker, tok, **options)), fast
 
 
 def plan_rows(opts: ExtractOptions, duration: float) -> tuple[int, int, float]:
@@ -594,19 +619,29 @@ def run(opts: ExtractOptions, factory: SessionFactory | None = None,
             factory, model_info = load_session_factory(opts)
         # the main loop's frames, decoded ahead on a worker thread while the model runs
         wanted = range(rows) if opts.mode == "cached-partial-5hz" else range(4, rows, 5)
-        media.prefetch([frame_index_at(row_time(k)) for k in wanted], depth=8)
+        # depth: wanted frames a worker may decode ahead per chunk (1080p RGB ~6 MB each)
+        media.prefetch([frame_index_at(row_time(k)) for k in wanted], depth=16)
         bar = _progress(end, opts.progress)
         t0 = time.perf_counter()
+        opened = weakref.WeakSet()
+
+        def tracked():
+            s = factory()
+            opened.add(s)
+            return s
         try:
             fn = extract_native if opts.mode == "native-1hz-hold" else extract_partial
             with torch.inference_mode():
-                res = fn(factory, inputs, rows, verify_every=opts.verify_every,
+                res = fn(tracked, inputs, rows, verify_every=opts.verify_every,
                          future_every=opts.future_intervention_every,
                          tick=(lambda _dt: bar.update(1)) if bar else None)
         finally:
             if bar:
                 bar.close()
+            for s in list(opened):   # pooled resources back, also after a failure
+                _close(s)
         wall = time.perf_counter() - t0
+        reader_stats = dataclasses.asdict(media.stats)
     ok = res.verification["all_passed"]
     _print_summary(echo, opts, rows, end, res, wall)
     if not ok and not opts.allow_unverified_partial_tail:
@@ -627,6 +662,7 @@ def run(opts: ExtractOptions, factory: SessionFactory | None = None,
         "wall_time_s": round(wall, 3), "real_time_factor": round(end / wall, 3) if wall > 0 else None,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "allow_unverified_partial_tail": opts.allow_unverified_partial_tail,
+        "reader_stats": reader_stats,
     })
     art = FeatureArtifact(
         mode=MODE_VERIFIED if ok else MODE_UNVERIFIED, extractor_mode=opts.mode, states=res.states,

@@ -2,18 +2,25 @@
 ``Thinker.embed_audio_chunk``).
 
 One 1-s chunk is only ~50 encoder frames through 24 Whisper layers: the eager step is
-launch-bound. Its shapes depend on the mel length, the redundancy frames and the cache
-length, which repeat every stream (the cache grows by one chunk per commit and resets
-before 1500 positions), so one graph per (mel shape, cache length, redundancy) covers a
-stream after ~30 captures. The cache stays immutable for snapshots: before a replay the
-cached K/V are copied into static views of one preallocated buffer, and after it the new
-cache and embeddings are cloned out of the graphs' shared memory pool. A shape whose
-capture fails stays eager (``failures`` keeps the reason).
+launch-bound. The eager step concatenates the new K/V onto the cache, so its shapes change
+with the cache length every chunk; a graph per cache length would need ~30 captures per
+stream (~90 ms each on the H200, more than the whole stream's replays save). Here the cache
+lives in ONE fixed buffer of ``max_source_positions`` rows per layer: a step writes its n
+new K/V rows at ``past + arange(n)`` and attends over the whole buffer under a row mask
+(rows < past + n), so one graph per (mel shape, redundancy frames) serves every cache
+length. Masked rows get exactly zero weight; the unmasked sum runs over the same keys, so
+the result equals the eager step up to the attention kernel's summation order.
+
+The session's cache stays immutable for snapshots: before a replay the cached K/V are copied
+into the buffer (skipped when the buffer already holds them: the previous step's output),
+and after it the new cache is cloned out. A shape whose capture fails stays eager
+(``failures`` keeps the reason). An instance may be shared by every session of one thinker.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .audio import AudioEncoderCache, avg_pool, conv_output_length, extra_conv_frames
 from .model import AudioChunkEmbedding, Thinker
@@ -28,15 +35,68 @@ def stream_body(thinker: Thinker, mel: torch.Tensor, cache: AudioEncoderCache | 
     return embeds.to(thinker.dtype), cache
 
 
+@torch.no_grad()
+def buffered_stream_body(thinker: Thinker, mel: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
+                         mask: torch.Tensor, prefix_extra: int, suffix_extra: int) -> torch.Tensor:
+    """``stream_body`` over a fixed cache buffer (capture-safe: no shape depends on the cache).
+
+    buf [layers, 2, 1, heads, P, head_dim] holds the cached K/V at rows [0, past); this step's
+    n new rows go to ``rows`` (= past + arange(n), long) and every query attends to the rows
+    where ``mask`` [1, 1, 1, P] (bool) is True, i.e. rows < past + n. Returns the embeddings.
+    """
+    apm = thinker.apm
+    x = apm.conv_frames(mel)
+    front, back = extra_conv_frames(prefix_extra), extra_conv_frames(suffix_extra)
+    if front:
+        x = x[:, front:]
+    if 0 < back < x.shape[1]:
+        x = x[:, :-back]
+    table = apm.embed_positions.weight
+    # upstream repeats the last learned position past the table (unreachable before a reset)
+    h = x + table.index_select(0, rows.clamp_max(table.shape[0] - 1)).to(x.dtype)
+    b, t, _ = h.shape
+    for i, layer in enumerate(apm.layers):
+        a = layer.self_attn
+        y = layer.self_attn_layer_norm(h)
+        q, k, v = a._heads(a.q_proj(y)), a._heads(a.k_proj(y)), a._heads(a.v_proj(y))
+        buf[i, 0].index_copy_(2, rows, k)
+        buf[i, 1].index_copy_(2, rows, v)
+        o = F.scaled_dot_product_attention(q, buf[i, 0], buf[i, 1], attn_mask=mask)
+        h = h + a.out_proj(o.transpose(1, 2).reshape(b, t, -1))
+        h = h + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(h))))
+    hidden = apm.layer_norm(h)
+    return avg_pool(thinker.audio_projection_layer(hidden), thinker.audio_pool_step)[0].to(thinker.dtype)
+
+
 class AudioGraphs:
     """``embed_chunk(mel, cache, prefix_extra, suffix_extra)`` with ``Thinker.embed_audio_chunk``'s contract."""
 
     def __init__(self, thinker: Thinker):
         self.thinker = thinker
+        # (mel shape, dtype, prefix, suffix) -> (graph, static mel, static rows, output embeddings)
         self._graphs: dict[tuple, tuple] = {}
         self._pool = None
-        self._past: torch.Tensor | None = None  # [layers, 2, 1, heads, max_positions, head_dim]
+        self._buf: torch.Tensor | None = None     # [layers, 2, 1, heads, P, head_dim]
+        self._mask: torch.Tensor | None = None    # [1, 1, 1, P] bool
+        self._arange: torch.Tensor | None = None  # [P] long
+        self._resident: AudioEncoderCache | None = None  # the cache whose rows the buffer holds
         self.failures: dict[tuple, str] = {}
+        self.captures = 0
+
+    def _eager(self, x, cache, prefix_extra, suffix_extra, reset) -> AudioChunkEmbedding:
+        self._resident = None
+        embeds, cache = stream_body(self.thinker, x, cache, prefix_extra, suffix_extra)
+        return AudioChunkEmbedding(embeds, cache, reset)
+
+    def _buffers(self) -> None:
+        if self._buf is not None:
+            return
+        apm, th = self.thinker.apm, self.thinker
+        a = apm.layers[0].self_attn
+        P = apm.max_source_positions
+        self._buf = torch.zeros(len(apm.layers), 2, 1, a.num_heads, P, a.head_dim, dtype=th.dtype, device=th.device)
+        self._mask = torch.zeros(1, 1, 1, P, dtype=torch.bool, device=th.device)
+        self._arange = torch.arange(P, device=th.device)
 
     @torch.no_grad()
     def embed_chunk(self, mel: torch.Tensor, cache: AudioEncoderCache | None, prefix_extra: int,
@@ -47,62 +107,60 @@ class AudioGraphs:
         n_conv = conv_output_length(n_mel) - extra_conv_frames(prefix_extra) if n_mel else 0
         n_conv -= back if 0 < back < n_conv else 0
         if n_conv < th.audio_pool_step or th.device.type != "cuda":
+            self._resident = None
             return th.embed_audio_chunk(mel, cache, prefix_extra, suffix_extra)
         reset = th.apm.needs_reset(cache, n_mel)
         if reset:
             cache = None
         x = mel[None].to(th.device)
+        key = (tuple(x.shape), x.dtype, int(prefix_extra), int(suffix_extra))
+        if key in self.failures or (cache is not None and cache.keys[0].dtype != th.dtype):
+            return self._eager(x, cache, prefix_extra, suffix_extra, reset)
+        self._buffers()
         past = cache.length if cache is not None else 0
-        key = (tuple(x.shape), x.dtype, past, int(prefix_extra), int(suffix_extra))
-        if key in self.failures:
-            embeds, cache = stream_body(th, x, cache, prefix_extra, suffix_extra)
-            return AudioChunkEmbedding(embeds, cache, reset)
-        if key not in self._graphs:
-            try:
-                self._graphs[key] = self._capture(x, cache, prefix_extra, suffix_extra)
-            except Exception as e:  # an op that syncs with the host: this shape stays eager
-                self.failures[key] = f"{type(e).__name__}: {e}"
-                torch.cuda.synchronize()
-                embeds, cache = stream_body(th, x, cache, prefix_extra, suffix_extra)
-                return AudioChunkEmbedding(embeds, cache, reset)
-        g, sx, views, out_embeds, out_cache = self._graphs[key]
+        if cache is not None and cache is not self._resident:
+            torch._foreach_copy_([self._buf[i, j, :, :, :past] for i in range(len(cache.keys)) for j in (0, 1)],
+                                 [t for kv in zip(cache.keys, cache.values) for t in kv])
+        torch.lt(self._arange, past + n_conv, out=self._mask[0, 0, 0])
+        try:
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(x, n_conv, prefix_extra, suffix_extra)
+        except Exception as e:  # an op that syncs with the host: this shape stays eager
+            self.failures[key] = f"{type(e).__name__}: {e}"
+            torch.cuda.synchronize()
+            return self._eager(x, cache, prefix_extra, suffix_extra, reset)
+        g, sx, rows, out = self._graphs[key]
         sx.copy_(x)
-        if views is not None:
-            for (vk, vv), k, v in zip(views, cache.keys, cache.values):
-                vk.copy_(k)
-                vv.copy_(v)
+        torch.add(self._arange[:n_conv], past, out=rows)
         g.replay()
-        new = AudioEncoderCache(tuple(k.clone() for k in out_cache.keys), tuple(v.clone() for v in out_cache.values))
-        return AudioChunkEmbedding(out_embeds.clone(), new, reset)
+        kv = self._buf[:, :, :, :, :past + n_conv].clone()
+        new = AudioEncoderCache(tuple(kv[:, 0].unbind(0)), tuple(kv[:, 1].unbind(0)))
+        self._resident = new
+        return AudioChunkEmbedding(out.clone(), new, reset)
 
-    def _views(self, cache: AudioEncoderCache):
-        if self._past is None:
-            k = cache.keys[0]
-            shape = (len(cache.keys), 2, k.shape[0], k.shape[1], self.thinker.apm.max_source_positions, k.shape[3])
-            self._past = torch.zeros(shape, dtype=k.dtype, device=k.device)
-        n = cache.length
-        return [(self._past[i, 0, :, :, :n], self._past[i, 1, :, :, :n]) for i in range(len(cache.keys))]
-
-    def _capture(self, x, cache, prefix_extra, suffix_extra):
+    def _capture(self, x, n_conv, prefix_extra, suffix_extra):
         th = self.thinker
         sx = x.clone()
-        views = self._views(cache) if cache is not None else None
-        if views is not None:
-            for (vk, vv), k, v in zip(views, cache.keys, cache.values):
-                vk.copy_(k)
-                vv.copy_(v)
-        static_cache = AudioEncoderCache(tuple(v[0] for v in views), tuple(v[1] for v in views)) if views else None
+        rows = torch.empty(n_conv, dtype=torch.long, device=x.device)
+        # Warm-up and capture write rows past the end of every real cache (the last n rows of the
+        # buffer) under a mask that keeps only them: the cached rows [0, past) stay untouched.
+        P = self._buf.shape[4]
+        rows.copy_(self._arange[P - n_conv:])
+        saved = self._mask.clone()
+        self._mask.copy_(self._arange >= P - n_conv)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                stream_body(th, sx, static_cache, prefix_extra, suffix_extra)
+                buffered_stream_body(th, sx, self._buf, rows, self._mask, prefix_extra, suffix_extra)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         # One pool for every chunk shape: outputs are cloned right after each replay, so a
         # later graph may reuse an earlier one's memory.
         with torch.cuda.graph(g, pool=self._pool):
-            out_embeds, out_cache = stream_body(th, sx, static_cache, prefix_extra, suffix_extra)
+            out = buffered_stream_body(th, sx, self._buf, rows, self._mask, prefix_extra, suffix_extra)
         if self._pool is None:
             self._pool = g.pool()
-        return g, sx, views, out_embeds, out_cache
+        self._mask.copy_(saved)
+        self.captures += 1
+        return g, sx, rows, out

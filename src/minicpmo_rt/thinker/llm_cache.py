@@ -40,6 +40,8 @@ class LLMCache(Protocol):
 
     def checksum(self) -> float: ...
 
+    def close(self) -> None: ...
+
     def drop_rows(self, start: int, length: int, inv_freq: torch.Tensor) -> None: ...
 
 
@@ -54,6 +56,9 @@ class DynamicLLMCache:
     def length(self) -> int:
         return cache_length(self.store)
 
+    def close(self) -> None:
+        """Nothing pooled: the DynamicCache goes with the session."""
+
     def feed(self, embeds: torch.Tensor) -> LLMStep:
         return self.thinker.forward_embeds(embeds, self.store)
 
@@ -67,12 +72,46 @@ class DynamicLLMCache:
         drop_rows(self.store, start, length, inv_freq)
 
 
+class StaticDecoderPool:
+    """Reusable ``StaticDecoder``s of one thinker, for short-lived sessions (audit replays).
+
+    A fresh decoder costs a copy of the packed weights (~9 GB at full size) and a CUDA-graph
+    capture per prefill length. Decoders from one pool share the first one's packed weights,
+    and a released decoder (with its graphs) serves the next session that asks for the same
+    capacity. Stale cache rows need no clearing: a decoder only reads rows below the
+    positions it has been fed since it was acquired.
+    """
+
+    def __init__(self, thinker: Thinker, kernels: str = "auto"):
+        self.thinker, self.kernels = thinker, kernels
+        self._free: dict[int, list[StaticDecoder]] = {}
+        self._donor: StaticDecoder | None = None
+        self.created = 0
+
+    def acquire(self, capacity: int) -> StaticDecoder:
+        free = self._free.get(capacity)
+        if free:
+            return free.pop()
+        dec = StaticDecoder(self.thinker.llm, max_len=capacity, kernels=self.kernels, share_weights=self._donor)
+        self._donor = self._donor or dec
+        self.created += 1
+        return dec
+
+    def release(self, dec: StaticDecoder) -> None:
+        if any(d is dec for d in self._free.get(dec.max_len, [])):
+            raise ValueError("StaticDecoderPool.release: this decoder was released already")
+        self._free.setdefault(dec.max_len, []).append(dec)
+
+
 class StaticLLMCache:
     """``StaticDecoder`` prefill on its preallocated cache (``store``) of ``capacity`` rows."""
 
-    def __init__(self, thinker: Thinker, capacity: int, kernels: str = "auto", graphs: bool | None = None):
+    def __init__(self, thinker: Thinker, capacity: int, kernels: str = "auto", graphs: bool | None = None,
+                 pool: StaticDecoderPool | None = None):
         self.thinker, self.capacity = thinker, capacity
-        self.store = StaticDecoder(thinker.llm, max_len=capacity, kernels=kernels)
+        self.pool = pool
+        self.store = pool.acquire(capacity) if pool is not None else \
+            StaticDecoder(thinker.llm, max_len=capacity, kernels=kernels)
         if graphs is None:
             graphs = self.store.kernels == "triton" and self.store.device.type == "cuda"
         if graphs and not (self.store.kernels == "triton" and self.store.device.type == "cuda"):
@@ -85,8 +124,16 @@ class StaticLLMCache:
     def length(self) -> int:
         return self._length
 
+    def close(self) -> None:
+        """Hand a pooled decoder back; the cache is unusable afterwards."""
+        if self.pool is not None and self.store is not None:
+            self.pool.release(self.store)
+        self.store = None
+
     @torch.no_grad()
     def feed(self, embeds: torch.Tensor) -> LLMStep:
+        if self.store is None:
+            raise InputError("static LLM cache: used after close(); open a new session")
         if embeds.dim() == 2:
             embeds = embeds[None]
         n = int(embeds.shape[1])
@@ -131,9 +178,9 @@ class StaticLLMCache:
 
 
 def make_llm_cache(kind: str, thinker: Thinker, capacity: int, *, kernels: str = "auto",
-                   graphs: bool | None = None) -> DynamicLLMCache | StaticLLMCache:
+                   graphs: bool | None = None, pool: StaticDecoderPool | None = None) -> DynamicLLMCache | StaticLLMCache:
     if kind == "dynamic":
         return DynamicLLMCache(thinker, capacity)
     if kind == "static":
-        return StaticLLMCache(thinker, capacity, kernels=kernels, graphs=graphs)
+        return StaticLLMCache(thinker, capacity, kernels=kernels, graphs=graphs, pool=pool)
     raise InputError(f"llm_cache={kind!r}: choose one of {', '.join(LLM_CACHES)}")

@@ -49,16 +49,19 @@ preprocessed with PIL as upstream (``image_preprocess="pil"``, default) or in to
 the model's device (``"torch"``: one or two pixel levels off PIL, see
 ``image_processor.process_frame_torch``). ``vision_graphs=True`` replays the vision tower +
 resampler from a CUDA graph per frame shape (``vision_graph.py``); ``audio_graphs=True`` the
-Whisper streaming step per (chunk shape, cache length) (``audio_graph.py``). The static
+Whisper streaming step per chunk shape over a fixed cache buffer (``audio_graph.py``). The static
 cache is preallocated: ``static_capacity`` rows (default: the window's high watermark plus
 ``STATIC_HEADROOM`` for units fed while pruning is suspended, or the model's positions).
+``llm_pool`` draws that cache from a ``StaticDecoderPool`` (shared packed weights, graphs kept
+across sessions; ``close()`` hands it back). ``shared_fast_paths(thinker)`` builds every fast
+path once, for all the sessions of one thinker.
 """
 
 from __future__ import annotations
 
 import hashlib
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import numpy as np
@@ -68,7 +71,7 @@ from ..errors import InputError, MiniCPMORTError
 from .audio import AudioEncoderCache
 from .image_processor import ProcessedImage, process_frame_torch, process_image
 from .mel import SAMPLE_RATE, MelState, StreamingMel
-from .llm_cache import LLM_CACHES, make_llm_cache
+from .llm_cache import LLM_CACHES, StaticDecoderPool, make_llm_cache
 from .model import Thinker
 from .audio_graph import AudioGraphs
 from .vision_graph import VisionGraphs
@@ -77,7 +80,15 @@ from .prompt import PromptBuilder, PromptPiece
 FIRST_CHUNK_PAD_SAMPLES = int(1035 * SAMPLE_RATE / 1000)  # upstream pads chunk 0 on the left to 1035 ms
 STATIC_HEADROOM = 2048  # static-cache rows above the window's high watermark (~26 units inside a transaction)
 # Every fast path at once, for a CUDA model: ``StreamingSession(thinker, tok, **FAST_PATH_OPTIONS)``.
-FAST_PATH_OPTIONS = MappingProxyType({"llm_cache": "static", "image_preprocess": "torch", "vision_graphs": True})
+FAST_PATH_OPTIONS = MappingProxyType({"llm_cache": "static", "image_preprocess": "torch", "vision_graphs": True,
+                                      "audio_graphs": True})
+
+
+def shared_fast_paths(thinker: Thinker) -> dict:
+    """FAST_PATH_OPTIONS with one vision-graph holder, one audio-graph holder and one decoder
+    pool, to pass to every session of ``thinker`` (fresh sessions then reuse the captures)."""
+    return {**FAST_PATH_OPTIONS, "vision_graphs": VisionGraphs(thinker), "audio_graphs": AudioGraphs(thinker),
+            "llm_pool": StaticDecoderPool(thinker)}
 
 
 class ContextLimitError(InputError):
@@ -236,7 +247,8 @@ class StreamingSession:
                  window: WindowPolicy | None = None, mel: StreamingMel | None = None,
                  llm_cache: str = "dynamic", static_capacity: int | None = None, llm_kernels: str = "auto",
                  llm_graphs: bool | None = None, image_preprocess: str = "pil",
-                 vision_graphs: bool | VisionGraphs = False, audio_graphs: bool | AudioGraphs = False):
+                 vision_graphs: bool | VisionGraphs = False, audio_graphs: bool | AudioGraphs = False,
+                 llm_pool: StaticDecoderPool | None = None):
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -265,7 +277,8 @@ class StreamingSession:
             if static_capacity is None and self.window.enabled:
                 static_capacity = self.window.high_tokens + STATIC_HEADROOM
             capacity = min(capacity, static_capacity or capacity)
-        self.llm_cache = make_llm_cache(llm_cache, thinker, capacity, kernels=llm_kernels, graphs=llm_graphs)
+        self.llm_cache = make_llm_cache(llm_cache, thinker, capacity, kernels=llm_kernels, graphs=llm_graphs,
+                                        pool=llm_pool)
         self.audio_cache: AudioEncoderCache | None = None
         self.carry = _frozen(np.zeros(0, np.float32))  # samples received but not yet consumed by a chunk
         self.audio_chunk_idx = 0
@@ -292,6 +305,10 @@ class StreamingSession:
         self.preserve = self.llm_cache.length
 
     # -- public API -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release pooled resources (a pooled static LLM cache goes back to its pool)."""
+        self.llm_cache.close()
+
     def commit(self, audio: np.ndarray, frame, *, sample_rate: int = SAMPLE_RATE) -> None:
         """One native 1-s input-only AV chunk (see module docstring)."""
         if self._tail_appended:
