@@ -6,8 +6,13 @@ reference path (original DiT, eager) and the fast path the knobs pick on CUDA (f
 Whole-Euler graphs, TF32 scoped to the DiT). 16 streams are pushed round-robin, one chunk
 each per round; RTF = round time / 1 s of audio per stream. Each path also gets a "16 streams
 batched" row: the round goes through ``Code2Wav.push_many``, so the 16 steady streams share
-ONE encoder + flow solve (batch 16) and only the vocoding stays per stream.
-Writes JSON + Markdown to --out. ``--tiny --device cpu`` is a smoke run of the script itself.
+ONE encoder + flow solve (batch 16) while the vocoding stays per stream and eager (the old path,
+``batch_vocoding=False``), and a "+ HiFT batched" row where ``push_many`` also vocodes the 16
+streams through batched HiFT calls, replayed from CUDA graphs (``GraphedHiFT``; eager off CUDA).
+A vocoder-only table times one steady 1-s chunk (50 mel frames) of every stream: per stream
+eager (the old path), per stream graphed, batched eager, batched graphed.
+Every row prints which vocoder path ran. Writes JSON + Markdown to --out.
+``--tiny --device cpu`` is a smoke run of the script itself.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from minicpmo_rt.code2wav.flow import Flow
 from minicpmo_rt.code2wav.frontend import PromptFeatures
 from minicpmo_rt.code2wav.pipeline import Code2Wav
 from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet, build_generator
+
+CHUNK_FRAMES = 50  # mel frames of a steady 1-s chunk (25 codes)
 
 
 def timed(fn, n):
@@ -56,13 +63,22 @@ def main() -> None:
     randomize_(flow, seed=1)
     gen = build_generator(CAUSAL, hift.TINY if args.tiny else hift.FULL_SIZE)
     randomize_(gen, seed=2)
-    voc = Vocoder(gen.to(dev).eval(), CAUSAL)
+    gen = gen.to(dev).eval()
+    # One model, two stream vocoders: the old per-stream eager path and the graphed one
+    # (GraphedHiFT on CUDA; off CUDA it stays eager and the rows say so).
+    voc = Vocoder(gen, CAUSAL, cuda_graphs=False)
+    voc_fast = Vocoder(gen, CAUSAL)
     g = torch.Generator().manual_seed(0)
     feats = PromptFeatures(torch.randint(0, 6561, (1, 150), generator=g), torch.randn(1, 192, generator=g),
                            torch.randn(1, 300, 80, generator=g), 300, "bench")
-    c2w = Code2Wav(flow.to(dev).eval(), VocoderSet(voc, voc), frontend=None, n_timesteps=10)
+    flow = flow.to(dev).eval()
+    c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
+    # shares the flow, so c2w.configure_fast_path (which installs flow.chunk_solver) applies to both
+    c2w_fast = Code2Wav(flow, VocoderSet(voc_fast, voc_fast), frontend=None, n_timesteps=10)
     gpu = torch.cuda.get_device_name() if dev.type == "cuda" else f"{dev.type} (smoke run)"
-    res = {"gpu": gpu, "torch": torch.__version__, "rows": []}
+    res = {"gpu": gpu, "torch": torch.__version__, "streams": args.streams, "rows": [], "vocoder_rows": []}
+    print(f"vocoder paths: old = {voc.describe_stream_path()}; new = {voc_fast.describe_stream_path()} "
+          "(batched through Vocoder.push_many)", flush=True)
 
     def payload():
         return torch.randint(0, 6561, (28,), generator=g).tolist()
@@ -70,20 +86,27 @@ def main() -> None:
     def chunk(stream):
         return stream.push(payload())
 
-    def batched_round(streams):
-        return c2w.push_many([(s, payload(), False) for s in streams])
+    def batched_round(owner, streams, batch_vocoding):
+        return owner.push_many([(s, payload(), False) for s in streams], batch_vocoding=batch_vocoding)
 
-    def batched_vs_alone(n=4, rounds=4):
-        """Max PCM rel err of push_many vs each stream pushed alone (same payloads, fresh streams)."""
+    def batched_vs_alone(owner, batch_vocoding, n=4, rounds=4):
+        """Max PCM rel err of ``owner.push_many`` vs each stream pushed alone through the old path
+        (eager vocoder; same payloads, fresh streams)."""
         plans = [[payload() for _ in range(rounds)] for _ in range(n)]
         ones = [c2w.open_stream(feats) for _ in range(n)]
         alone = [[s.push(p) for p in plan] for s, plan in zip(ones, plans)]
-        bs = [c2w.open_stream(feats) for _ in range(n)]
-        both = [c2w.push_many([(s, plan[k], False) for s, plan in zip(bs, plans)]) for k in range(rounds)]
+        bs = [owner.open_stream(feats) for _ in range(n)]
+        both = [owner.push_many([(s, plan[k], False) for s, plan in zip(bs, plans)], batch_vocoding=batch_vocoding)
+                for k in range(rounds)]
         for s in ones + bs:
             s.close()
         return max(float(np.linalg.norm(both[k][j] - alone[j][k]) / max(np.linalg.norm(alone[j][k]), 1e-30))
                    for j in range(n) for k in range(rounds))
+
+    def add(row):
+        row["ms_per_1s_chunk"] = row["round_ms_16_streams"] / args.streams
+        res["rows"].append(row)
+        print(row, flush=True)
 
     for label, extra in (("reference (original DiT, eager)", None),
                          ("original DiT + Whole-Euler graph (cfm_fused_body: false)", {"cfm_fused_body": False}),
@@ -97,34 +120,95 @@ def main() -> None:
                 chunk(s)
         one = statistics.median(timed(lambda: chunk(streams[0]), args.reps))
         rnd = statistics.median(timed(lambda: [chunk(s) for s in streams], max(3, args.reps // 3)))
-        row = {"path": label, "choice": choice.describe(), "whole_chunk_ms_b1": one,
-               "round_ms_16_streams": rnd, "rtf_16_streams": rnd / 1000.0}
-        res["rows"].append(row)
-        print(row, flush=True)
-        batched_round(streams)  # warm-up: captures the batch-16 graph on the fast paths
-        rnd_b = statistics.median(timed(lambda: batched_round(streams), max(3, args.reps // 3)))
-        row = {"path": f"{label}, {args.streams} streams batched (one solve per round)",
-               "choice": choice.describe(), "whole_chunk_ms_b1": None,
-               "round_ms_16_streams": rnd_b, "rtf_16_streams": rnd_b / 1000.0,
-               "pcm_rel_err_batched_vs_alone": batched_vs_alone()}
-        res["rows"].append(row)
-        print(row, flush=True)
+        add({"path": label, "choice": choice.describe(), "vocoder": voc.describe_stream_path() + ", per stream",
+             "whole_chunk_ms_b1": one, "round_ms_16_streams": rnd, "rtf_16_streams": rnd / 1000.0})
+        batched_round(c2w, streams, False)  # warm-up: captures the batch-16 graph on the fast paths
+        rnd_b = statistics.median(timed(lambda: batched_round(c2w, streams, False), max(3, args.reps // 3)))
+        add({"path": f"{label}, {args.streams} streams batched (one solve per round)",
+             "choice": choice.describe(), "vocoder": voc.describe_stream_path() + ", per stream",
+             "whole_chunk_ms_b1": None, "round_ms_16_streams": rnd_b, "rtf_16_streams": rnd_b / 1000.0,
+             "pcm_rel_err_batched_vs_alone": batched_vs_alone(c2w, False)})
         for s in streams:
             s.close()
+        fast = [c2w_fast.open_stream(feats) for _ in range(args.streams)]
+        for _ in range(6):  # steady cache (3 rounds), then HiFT graphs captured (a length on its 2nd call)
+            batched_round(c2w_fast, fast, True)
+        rnd_v = statistics.median(timed(lambda: batched_round(c2w_fast, fast, True), max(3, args.reps // 3)))
+        add({"path": f"{label}, {args.streams} streams batched + HiFT batched",
+             "choice": choice.describe(), "vocoder": voc_fast.describe_stream_path() + ", batched",
+             "whole_chunk_ms_b1": None, "round_ms_16_streams": rnd_v, "rtf_16_streams": rnd_v / 1000.0,
+             "pcm_rel_err_batched_vs_alone": batched_vs_alone(c2w_fast, True)})
+        for s in fast:
+            s.close()
+
+    vocoder_rows(res, voc, voc_fast, args, dev)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "code2wav_pipeline_h200.json").write_text(json.dumps(res, indent=2))
-    lines = [f"# Code2Wav whole chunk and {args.streams} streams ({res['gpu']}, torch {res['torch']})", "",
-             "Steady 1-s chunk = encoder + 10-step CFG flow + causal HiFT (eager vocoder), full-size random "
-             "weights. RTF = seconds of compute per second of audio for all streams, one chunk each.", "",
-             f"| path | whole chunk, 1 stream (ms) | round of {args.streams} streams (ms) | RTF ({args.streams} streams) "
-             "| PCM rel err batched vs alone |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['path']} | {'-' if r['whole_chunk_ms_b1'] is None else format(r['whole_chunk_ms_b1'], '.1f')} | "
-              f"{r['round_ms_16_streams']:.1f} | "
-              f"{r['rtf_16_streams']:.3f} | {format(r['pcm_rel_err_batched_vs_alone'], '.1e') if 'pcm_rel_err_batched_vs_alone' in r else '-'} |"
+    n = args.streams
+    lines = [f"# Code2Wav whole chunk and {n} streams ({res['gpu']}, torch {res['torch']})", "",
+             "Steady 1-s chunk = encoder + 10-step CFG flow + causal HiFT, full-size random weights (weight "
+             "norm not fused). RTF = seconds of compute per second of audio for all streams, one chunk each; "
+             f"per 1-s chunk = round / {n}. Vocoder column: the HiFT path that ran (eager per stream = the "
+             "old path; batched = Vocoder.push_many, from CUDA graphs where it says so). PCM rel err is "
+             "against each stream pushed alone through the old path.", "",
+             f"| path | vocoder | whole chunk, 1 stream (ms) | round of {n} streams (ms) | per 1-s chunk (ms) "
+             f"| RTF ({n} streams) | PCM rel err batched vs alone |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['path']} | {r['vocoder']} | "
+              f"{'-' if r['whole_chunk_ms_b1'] is None else format(r['whole_chunk_ms_b1'], '.1f')} | "
+              f"{r['round_ms_16_streams']:.1f} | {r['ms_per_1s_chunk']:.1f} | {r['rtf_16_streams']:.3f} | "
+              f"{format(r['pcm_rel_err_batched_vs_alone'], '.1e') if 'pcm_rel_err_batched_vs_alone' in r else '-'} |"
               for r in res["rows"]]
+    lines += ["", f"## HiFT alone: one steady 1-s chunk ({CHUNK_FRAMES} mel frames) for each of {n} streams", "",
+              f"| vocoding | path that ran | round of {n} streams (ms) | per 1-s chunk (ms) | RTF ({n} streams) "
+              "| PCM rel err vs per-stream eager |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['vocoder']} | {r['round_ms']:.2f} | {r['ms_per_1s_chunk']:.2f} | {r['rtf']:.4f} | "
+              f"{'-' if r['pcm_rel_err_vs_eager'] is None else format(r['pcm_rel_err_vs_eager'], '.1e')} |"
+              for r in res["vocoder_rows"]]
     (args.out / "code2wav_pipeline_h200.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def vocoder_rows(res: dict, voc: Vocoder, voc_fast: Vocoder, args, dev: torch.device) -> None:
+    """HiFT alone at the steady state: each stream has had 3 chunks (full history), then every
+    timed round pushes one 50-frame chunk into each stream. Per-stream rows call ``push`` stream by
+    stream; batched rows call ``Vocoder.push_many`` once per round. Every mode replays the same
+    chunk sequence from the same starting state, so their outputs are compared directly."""
+    n = args.streams
+    g = torch.Generator().manual_seed(5)
+    warm = [torch.randn(n, 80, CHUNK_FRAMES, generator=g).to(dev) - 5 for _ in range(3)]
+    rounds = max(3, args.reps // 3)
+    timed_mels = [torch.randn(n, 80, CHUNK_FRAMES, generator=g).to(dev) - 5 for _ in range(rounds + 3)]
+
+    def run(v: Vocoder, batched: bool) -> tuple[list[float], list[torch.Tensor]]:
+        streams = [v.open_stream() for _ in range(n)]
+        mels = iter(warm + timed_mels)
+        outs: list[torch.Tensor] = []
+
+        def one_round():
+            mel = next(mels)
+            if batched:
+                outs.extend(v.push_many([(s, mel[i:i + 1], False) for i, s in enumerate(streams)]))
+            else:
+                outs.extend(s.push(mel[i:i + 1]) for i, s in enumerate(streams))
+
+        for _ in range(len(warm) + 3):  # steady history; graphs captured (a length on its 2nd call)
+            one_round()
+        ms = timed(one_round, rounds)
+        return ms, outs
+
+    ref_ms, ref = run(voc, False)
+    for mode, v, batched in (("per stream, eager (old path)", voc, False), ("per stream, graphed", voc_fast, False),
+                             ("batched, eager", voc, True), ("batched, graphed", voc_fast, True)):
+        ms, outs = (ref_ms, ref) if (v is voc and not batched) else run(v, batched)
+        err = None if outs is ref else max(
+            float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)) for a, b in zip(outs, ref))
+        rnd = statistics.median(ms)
+        row = {"mode": mode, "vocoder": v.describe_stream_path(), "round_ms": rnd, "ms_per_1s_chunk": rnd / n,
+               "rtf": rnd / 1000.0, "pcm_rel_err_vs_eager": err}
+        res["vocoder_rows"].append(row)
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

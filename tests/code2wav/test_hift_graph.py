@@ -42,6 +42,74 @@ def test_shape_graphs_fall_back_on_cpu_and_count_nothing():
     assert not sg.graphs
 
 
+class FakeGraphs(ShapeGraphs):
+    """ShapeGraphs' bookkeeping on the CPU: a "graph" recomputes into fixed output memory on
+    replay, exactly as a captured graph overwrites its static outputs."""
+
+    def _graphable(self, xs):
+        return not self.off
+
+    def _capture(self, xs):
+        static_in = [x.clone() for x in xs]
+        out = self.fn(*static_in)
+        fn = self.fn
+
+        class Replay:
+            def replay(self):
+                out.copy_(fn(*static_in))
+
+        return Replay(), static_in, out
+
+
+def test_shape_graphs_capture_after_budget_and_copy_out():
+    sg = FakeGraphs(lambda x: x * 2, "t", max_graphs=1, capture_after=2)
+    a, b = torch.ones(3), torch.ones(4)
+    assert torch.equal(sg(a), a * 2) and not sg.graphs            # first sight: eager
+    first = sg(a)
+    assert len(sg.graphs) == 1 and sg.replays == 1                # second: captured, replayed
+    kept = sg(a * 5, copy_out=True)
+    assert torch.equal(sg(a * 7), a * 14) and torch.equal(first, a * 14)  # static output overwritten...
+    assert torch.equal(kept, a * 10)                              # ...a copy_out result is not
+    sg(b), sg(b)
+    assert len(sg.graphs) == 1                                    # budget spent: b stays eager
+    with pytest.raises(ValueError, match="capture_after"):
+        ShapeGraphs(lambda x: x, "t", capture_after=0)
+
+
+@pytest.mark.parametrize("variant", ["causal", "original"])
+def test_graph_runner_replays_through_streams_equal_eager(variant):
+    """Streams (alone and batched) through a GraphedHiFT whose graphs replay into fixed memory:
+    no stream output or state may alias a graph's output buffer (it is overwritten by the next
+    replay). Bit-identical to the eager streams."""
+    from minicpmo_rt.code2wav.hift import TINY
+    from minicpmo_rt.code2wav.vocoder import Vocoder, build_generator
+
+    model = randomize(build_generator(variant, TINY), seed=5)
+    with torch.no_grad():  # F0 ~150 Hz: voiced, so the F0 stage's output reaches the samples
+        model.f0_predictor.classifier.bias += 150.0
+    eager = Vocoder(model, variant)
+    g = torch.Generator().manual_seed(1)
+    chunks = [[torch.randn(1, 80, n, generator=g) - 5 for n in plan] for plan in ([50, 50, 50, 9], [50, 50, 50, 20])]
+
+    def run(voc, many, max_batch=None):
+        sts = [voc.open_stream(generator=torch.Generator().manual_seed(i)) for i in range(len(chunks))]
+        out = []
+        for k in range(4):
+            items = [(s, c[k], k == 3) for s, c in zip(sts, chunks)]
+            out += voc.push_many(items, max_batch) if many else [s.push(m, last) for s, m, last in items]
+        return out
+
+    graphed = Vocoder(model, variant)
+    graphed.runner = runner = GraphedHiFT(model, max_graphs=8, capture_after=2)
+    runner.f0 = FakeGraphs(runner.f0.fn, "f0", 8, capture_after=2)
+    runner.decode = FakeGraphs(runner.decode.fn, "decode", 8, capture_after=2)
+    # max_batch=1: equal-key rows replay one graph back to back before any stream resumes
+    for many, cap in ((False, None), (True, None), (True, 1)):
+        want, got = run(eager, many, cap), run(graphed, many, cap)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert runner.decode.replays > 0 and runner.f0.replays > 0 and runner.decode.graphs
+
+
 # Ops that read a device value back to the host: each synchronizes, which a CUDA graph
 # capture cannot contain (cudaErrorStreamCaptureInvalidated). ``aten.equal`` is how
 # ``torch.istft`` reads its window-envelope check back.

@@ -28,6 +28,24 @@ def _payloads(seed: int, windows=(25, 25, 25, 25, 10)):
     return out
 
 
+class StageSpy:
+    """Stands in for a vocoder's runner: records (op, batch rows) of every HiFT stage call, runs
+    it on the model, and raises on call ``fail_on`` (1-based) if given."""
+
+    def __init__(self, model, fail_on=None):
+        self.model, self.calls, self.fail_on = model, [], fail_on
+
+    def __getattr__(self, name):
+        fn = getattr(self.model, name)
+
+        def call(*args, **kw):
+            self.calls.append((name[len("run_"):], args[0].shape[0]))
+            if self.fail_on is not None and len(self.calls) == self.fail_on:
+                raise RuntimeError("injected vocoder failure")
+            return fn(*args, **kw)
+        return call
+
+
 @pytest.fixture(scope="module", params=["reference", "fused"])
 def c2w(request, tiny_ckpt):
     extra = {"cfm_fused_body": True} if request.param == "fused" else None
@@ -55,6 +73,8 @@ def test_batched_streams_equal_streams_pushed_alone(c2w, voice):
         return real(token, *a, **k)
 
     c2w.flow.inference_chunk = spy
+    voc = c2w.vocoders.stream
+    voc.runner = stages = StageSpy(voc.model)
     try:
         batched, frames = [], []
         for k in range(len(plans[0])):
@@ -62,7 +82,11 @@ def test_batched_streams_equal_streams_pushed_alone(c2w, voice):
             batched.append(c2w.push_many([(s, plan[k][0], plan[k][1]) for s, plan in zip(streams, plans)]))
     finally:
         del c2w.flow.inference_chunk
+        voc.runner = voc.model
     assert calls == [3] * len(plans[0])  # one solve per round, all three rows in it
+    # the vocoding was batched too: the streams stay in step, so every HiFT stage call had 3 rows
+    assert stages.calls and {rows for _, rows in stages.calls} == {3}
+    assert {op for op, _ in stages.calls} == ({"f0", "excite", "decode"} if voc.variant == "causal" else {"f0", "decode"})
     prompt = streams[0].cache.prompt_frames
     # rounds 4 and 5 start from the trimmed steady cache (prompt + 100 frames)
     assert frames[3:] == [prompt + 100] * 2 and frames[2] == prompt + 100 and frames[1] == prompt + 50
@@ -101,6 +125,37 @@ def test_mismatched_streams_run_alone_and_match(c2w, voice):
     with pytest.raises(InputError, match="more than once"):
         c2w.push_many([(a, *plan_a[2]), (a, *plan_a[2])])
     a.close(), b.close()
+
+
+def test_failed_vocoding_leaves_every_stream_as_it_was(c2w, voice):
+    """A failure inside the batched vocoding (after the flow solve succeeded) rolls back nothing
+    half-way: flow caches, vocoder states and the final flag stay as before; a retry then gives
+    what pushing each stream alone gives."""
+    plans = [_payloads(seed, windows=(25, 25, 10)) for seed in (31, 32)]
+    alone = []
+    for plan in plans:
+        s = c2w.open_stream(voice)
+        alone.append([s.push(p, last) for p, last in plan])
+    streams = [c2w.open_stream(voice) for _ in plans]
+    c2w.push_many([(s, *plan[0]) for s, plan in zip(streams, plans)])
+    before = [(s.cache, s.vocoder.snapshot(), s.finished) for s in streams]
+    voc = c2w.vocoders.stream
+    for fail_on in (1, 4):  # the first HiFT call of the round, and one after state had moved
+        voc.runner = StageSpy(voc.model, fail_on=fail_on)
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                c2w.push_many([(s, *plan[1]) for s, plan in zip(streams, plans)])
+        finally:
+            voc.runner = voc.model
+        for s, (cache, snap, finished) in zip(streams, before):
+            assert s.cache is cache and s.finished == finished
+            for k, v in s.vocoder.snapshot().items():
+                assert torch.equal(v, snap[k]) if isinstance(v, torch.Tensor) else v == snap[k], k
+    for k in (1, 2):
+        out = c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])
+        for j in range(len(plans)):
+            assert _rel(out[j], alone[j][k]) <= 1e-5
+    assert all(s.finished for s in streams)
 
 
 def test_stack_split_round_trip(c2w, voice):

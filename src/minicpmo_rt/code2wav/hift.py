@@ -11,7 +11,12 @@ Weight norm uses torch's parametrization API, so keys read
 ``<conv>.parametrizations.weight.original0`` (g) / ``original1`` (v).
 
 The building blocks here (``HiFTConfig``, ``ResBlock``, ``Snake``, the STFT pair)
-are shared with ``hift_causal``.
+are shared with ``hift_causal``, and so is the stream-step protocol: a stream's ``push`` is
+written as a coroutine (``steps``) that yields each deterministic generator stage it needs
+(``StageCall``: F0, excitation of the causal HiFT, decode) and receives its result. ``drive``
+runs one stream's steps with batch-1 calls; ``drive_many`` runs several streams' steps in
+lockstep and batches calls of equal shapes into one generator call (rows = streams). Both run
+the calls through a *runner*: the generator itself (eager) or a ``hift_graph.GraphedHiFT``.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Generator, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
+
+from .precision import ieee_fp32
 
 SAMPLE_RATE = 24000
 MEL_BINS = 80
@@ -360,6 +367,14 @@ class HiFTGenerator(_HiFTBody):
         wav = self.trunk(self.conv_pre(mel), self.source_stft(source))
         return wav.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
 
+    # The deterministic stages as a stream runner calls them (``StageCall``); ``finalize`` is
+    # the causal variant's flag, accepted here so both generators take the same calls.
+    def run_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        return self.f0_predictor(mel)
+
+    def run_decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        return self.decode(mel, source)
+
     @torch.inference_mode()
     def forward(self, mel: torch.Tensor, cache_source: Optional[torch.Tensor] = None,
                 generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,6 +404,108 @@ def fuse_weight_norm(model: nn.Module) -> nn.Module:
     return model
 
 
+# ----------------------------------------------------------------------------- stream steps
+
+F0, EXCITE, DECODE = "f0", "excite", "decode"
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """One deterministic generator stage a stream step needs: ``runner.run_<op>(*args)`` (plus
+    ``finalize=`` unless it is ``None``) on batch-1 tensors. Calls with equal ``key()`` from
+    different streams can run as one batched call."""
+
+    op: str
+    args: tuple[torch.Tensor, ...]
+    finalize: Optional[bool] = None
+
+    def key(self) -> tuple:
+        return (self.op, self.finalize) + tuple((tuple(a.shape), a.dtype, a.device) for a in self.args)
+
+
+# A stream's push as a coroutine: yields StageCalls, receives each one's (batch-1) result,
+# returns the new samples [1, n].
+Steps = Generator[StageCall, Any, torch.Tensor]
+
+
+class StageRunner(Protocol):
+    """Runs stream stages: a HiFT generator itself (eager) or ``hift_graph.GraphedHiFT``. The
+    causal HiFT's runners also have ``run_excite(f0, phase, noise) -> (source, phase)``."""
+
+    def run_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor: ...
+
+    def run_decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor: ...
+
+
+def run_stage(runner: StageRunner, calls: Sequence[StageCall]) -> list[Any]:
+    """Equal-key calls as ONE call whose batch rows are the calls, in order -> per-row results.
+
+    A single call runs on its own tensors as given (no copy), so a stream driven alone makes
+    exactly the calls it always made. Tuple results (the causal excitation's (source, phase))
+    are split element-wise."""
+    first = calls[0]
+    if len(calls) == 1:
+        args = first.args
+    else:
+        args = tuple(torch.cat([c.args[k] for c in calls]) for k in range(len(first.args)))
+    fn = getattr(runner, "run_" + first.op)
+    out = fn(*args) if first.finalize is None else fn(*args, finalize=first.finalize)
+    if len(calls) == 1:
+        return [out]
+    if isinstance(out, tuple):
+        return list(zip(*(o.split(1) for o in out)))
+    return list(out.split(1))
+
+
+def drive(steps: Steps, runner: StageRunner) -> torch.Tensor:
+    """Run one stream's steps, each stage alone (batch 1), with IEEE FP32 matmuls."""
+    with torch.inference_mode(), ieee_fp32():
+        try:
+            call = next(steps)
+            while True:
+                call = steps.send(run_stage(runner, [call])[0])
+        except StopIteration as stop:
+            return stop.value
+
+
+def drive_many(steps: Sequence[Steps], runner: StageRunner,
+               max_batch: Optional[int] = None) -> list[torch.Tensor]:
+    """Run several streams' steps in lockstep -> each stream's new samples, in order.
+
+    Each round, the calls the streams are waiting on are grouped by ``StageCall.key`` and each
+    group runs as one batched call (at most ``max_batch`` rows); then the streams resume in
+    item order. A stream's state and random draws stay its own: only the stage calls are shared,
+    and those are row-independent. Streams that share one RNG (the original HiFT's global-RNG
+    default) draw in item order, as pushing them one after another would, because each such
+    stream draws once per push."""
+    results: list[Optional[torch.Tensor]] = [None] * len(steps)
+    waiting: dict[int, StageCall] = {}
+    cap = max_batch or max(1, len(steps))
+
+    def resume(i: int, value: Any) -> None:
+        try:
+            waiting[i] = steps[i].send(value)
+        except StopIteration as stop:
+            waiting.pop(i, None)
+            results[i] = stop.value
+
+    with torch.inference_mode(), ieee_fp32():
+        for i in range(len(steps)):
+            resume(i, None)
+        while waiting:
+            groups: dict[tuple, list[int]] = {}
+            for i, call in waiting.items():
+                groups.setdefault(call.key(), []).append(i)
+            got: dict[int, Any] = {}
+            for rows in groups.values():
+                for k in range(0, len(rows), cap):
+                    part = rows[k:k + cap]
+                    got.update(zip(part, run_stage(runner, [waiting[i] for i in part])))
+            for i in sorted(got):
+                resume(i, got[i])
+    return results  # type: ignore[return-value]
+
+
 class HiFTStream:
     """Chunked vocoding with the original HiFT, as stepaudio2 0.1.1 / vLLM-Omni do it.
 
@@ -400,14 +517,18 @@ class HiFTStream:
     20160. Non-final chunks under 8 frames are buffered until 8 have arrived. With ``lead_silence`` a first non-final chunk is prefixed with 3840 zeros
     (the later upstream fix that keeps chunk lengths equal); default off, as 0.1.1.
 
-    One stream = one utterance of batch 1; ``reset()`` starts a new one.
+    One stream = one utterance of batch 1; ``reset()`` starts a new one. ``runner`` runs the
+    generator's F0 and decode stages (default: the model, eagerly; ``GraphedHiFT`` replays CUDA
+    graphs); the random excitation is always drawn here, from ``generator`` (or torch's global
+    RNG), so batching or graphing the stages never changes which random numbers a stream gets.
     """
 
     MEL_CACHE = 8
 
     def __init__(self, model: HiFTGenerator, lead_silence: bool = False,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, runner: Optional[StageRunner] = None):
         self.model = model
+        self.runner = model if runner is None else runner
         self.lead_silence = lead_silence
         self.generator = generator
         self.tail = self.MEL_CACHE * model.cfg.hop  # 3840 samples
@@ -439,13 +560,20 @@ class HiFTStream:
         if self.generator is not None and "rng" in snap:
             self.generator.set_state(snap["rng"])
 
-    @torch.inference_mode()
     def push(self, mel: torch.Tensor, last: bool = False) -> torch.Tensor:
         """mel [1, 80, t] (t >= 0) -> new 24 kHz samples [1, n] float32."""
+        return drive(self.steps(mel, last), self.runner)
+
+    def steps(self, mel: torch.Tensor, last: bool = False) -> Steps:
+        """``push`` as stage calls (for ``drive_many``); the input is checked now, the state
+        changes only as the steps run."""
         if self.finished:
             raise RuntimeError("HiFTStream: push after the last chunk; call reset() for a new utterance")
         if mel.ndim != 3 or mel.shape[0] != 1 or mel.shape[1] != self.model.cfg.in_channels:
             raise ValueError(f"HiFTStream.push: mel must be [1, {self.model.cfg.in_channels}, t], got {list(mel.shape)}")
+        return self._steps(mel, last)
+
+    def _steps(self, mel: torch.Tensor, last: bool) -> Steps:
         self.pending = torch.cat([self.pending, mel.to(self.pending)], dim=2)
         if not last and self.pending.shape[2] < self.MEL_CACHE:
             # Shorter chunks would make the held-back tail shorter than the cross-fade
@@ -457,7 +585,12 @@ class HiFTStream:
             self.finished = last
             return mel.new_zeros(1, 0)
         first = self.speech_cache.shape[1] == 0
-        speech, source = self.model(mel, self.source_cache, generator=self.generator)
+        # HiFTGenerator.forward, split at its random excitation (drawn here, per stream)
+        f0 = yield StageCall(F0, (mel,))
+        source = self.model.excitation(f0, self.generator)
+        if self.source_cache.shape[2]:
+            source[:, :, :self.source_cache.shape[2]] = self.source_cache
+        speech = yield StageCall(DECODE, (mel, source))
         if not first:
             n = self.tail
             w = self.window.to(speech.device)

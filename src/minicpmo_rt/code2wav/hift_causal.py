@@ -23,14 +23,15 @@ from __future__ import annotations
 import functools
 import math
 from fractions import Fraction
-from typing import Optional
+from typing import Any, Generator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from .hift import FULL_SIZE, MEL_BINS, HiFTConfig, PaddedConv1d, SourceModule, _HiFTBody, causal_padding
+from .hift import (DECODE, EXCITE, F0, FULL_SIZE, MEL_BINS, HiFTConfig, PaddedConv1d, SourceModule, StageCall,
+                   StageRunner, Steps, _HiFTBody, causal_padding, drive)
 
 # Upstream's noise tables cover 300 s of 24 kHz audio; positions wrap beyond that.
 NOISE_TABLE_SECONDS = 300
@@ -153,6 +154,9 @@ class CausalHiFTGenerator(_HiFTBody):
         self.noise_seed = noise_seed
         self._rand_ini: Optional[torch.Tensor] = None
         self._noise_table: Optional[torch.Tensor] = None
+        # The table's copy on the model's accelerator: streams read a block of rows per call,
+        # and a pageable host-to-device copy per block would synchronize the host each time.
+        self._device_table: Optional[torch.Tensor] = None
 
     # -- fixed noise ---------------------------------------------------------------------------
     def set_noise_tables(self, rand_ini: torch.Tensor, noise_table: torch.Tensor) -> None:
@@ -162,6 +166,7 @@ class CausalHiFTGenerator(_HiFTBody):
             raise ValueError(f"noise tables must be [1, {h}] and [1, N, {h}]; got {list(rand_ini.shape)}, "
                              f"{list(noise_table.shape)}")
         self._rand_ini, self._noise_table = rand_ini.float(), noise_table.float()
+        self._device_table = None
 
     def noise_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(initial phases [1, H], uniform noise table [1, N, H]); read-only, shared per seed."""
@@ -173,11 +178,18 @@ class CausalHiFTGenerator(_HiFTBody):
     def table_noise(self, start: int, length: int, device: torch.device) -> torch.Tensor:
         """Noise table rows [start, start+length) (wrapping), [1, length, H]."""
         table = self.noise_tables()[1]
+        dev = torch.device(device)
+        if dev.type != "cpu":
+            held = self._device_table
+            # "cuda" (no index) means the current device: a table already on a cuda:N is reused
+            if held is None or held.device.type != dev.type or dev.index not in (None, held.device.index):
+                self._device_table = table.to(dev)  # same values, copied once
+            table = self._device_table
         n = table.shape[1]
         if start + length <= n:
             rows = table[:, start:start + length]
         else:
-            rows = table[:, torch.arange(start, start + length) % n]
+            rows = table[:, torch.arange(start, start + length, device=table.device) % n]
         return rows.to(device)
 
     # -- excitation ------------------------------------------------------------------------------
@@ -217,6 +229,31 @@ class CausalHiFTGenerator(_HiFTBody):
         if not finalize:
             wav = wav[:, :-c.hop]
         return wav.clamp(-c.audio_limit, c.audio_limit)
+
+    # -- the stages a stream runner calls (``hift.StageCall``) -----------------------------------
+    def run_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        return self.f0_predictor(mel, finalize=finalize)
+
+    def run_decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        return self.decode(mel, source, finalize)
+
+    def run_excite(self, f0: torch.Tensor, phase: torch.Tensor,
+                   noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stream block's excitation: F0 [B, n] (Hz), harmonic phase [B, 1, H] (float64 cycles,
+        carried across blocks) and the block's noise-table rows [B, n*hop, H] ->
+        (excitation [B, 1, n*hop], the phase after the block). Row-independent, no randomness."""
+        c = self.cfg
+        hop = c.hop
+        inc = (f0[:, :, None] * self._harmonic_mult(f0.device, f0.dtype) / c.sampling_rate).remainder(1)
+        cycles = inc.double().cumsum(dim=1) * hop + phase
+        phase = cycles[:, -1:].remainder(1).clone()
+        # Frame-rate phase repeated per sample == upstream's nearest upsampling of the
+        # midpoint-sampled phase; the random initial offset of sample 0 does not survive it.
+        sine = torch.sin(cycles.remainder(1) * (2 * math.pi)).to(f0).repeat_interleave(hop, dim=1)
+        voiced = (f0[:, :, None] > c.nsf_voiced_threshold).to(f0).repeat_interleave(hop, dim=1)
+        noise_amp = voiced * c.nsf_sigma + (1 - voiced) * c.nsf_alpha / 3
+        harmonics = sine * c.nsf_alpha * voiced + noise_amp * noise
+        return self.m_source(harmonics).transpose(1, 2), phase
 
     @torch.inference_mode()
     def forward(self, mel: torch.Tensor, finalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,14 +307,20 @@ class BoundedStream:
     ``lead_silence`` (default on, as minicpmo-utils 1.0.7 ``Token2wav.stream``)
     prefixes the first non-empty output of a non-final push with 8 frames (3840
     samples) of zeros, so audio time matches mel time.
+
+    ``runner`` runs the generator stages (F0, block excitation, decode): the model itself by
+    default; a ``GraphedHiFT`` replays F0 and decode from CUDA graphs. Per block that is one F0,
+    one excitation and one decode call; ``drive_many`` batches them across streams.
     """
 
-    def __init__(self, model: CausalHiFTGenerator, block_frames: int = 16, lead_silence: bool = True):
+    def __init__(self, model: CausalHiFTGenerator, block_frames: int = 16, lead_silence: bool = True,
+                 runner: Optional[StageRunner] = None):
         if model.cfg.hop != 480 or model.cfg.sampling_rate != 24000:
             raise ValueError("BoundedStream needs the 24 kHz, 480-samples-per-frame causal HiFT")
         if block_frames < 1:
             raise ValueError(f"block_frames must be >= 1, got {block_frames}")
         self.model = model
+        self.runner = model if runner is None else runner
         self.hop = model.cfg.hop
         self.block_frames = block_frames
         self.lead_silence = lead_silence
@@ -310,32 +353,23 @@ class BoundedStream:
     def delay_samples(self) -> int:
         return self.model.delay_frames * self.hop
 
-    def _excitation_block(self, f0: torch.Tensor, frame_offset: int) -> torch.Tensor:
+    def _excitation_block(self, f0: torch.Tensor, frame_offset: int) -> Generator[StageCall, Any, torch.Tensor]:
         """F0 [1, n] of frames [frame_offset, +n) -> excitation [1, 1, n*hop], phase carried in float64."""
-        c = self.model.cfg
-        inc = (f0[:, :, None] * self.model._harmonic_mult(f0.device, f0.dtype) / c.sampling_rate).remainder(1)
-        cycles = inc.double().cumsum(dim=1) * self.hop + self.phase
-        self.phase = cycles[:, -1:].remainder(1).clone()
-        # Frame-rate phase repeated per sample == upstream's nearest upsampling of the
-        # midpoint-sampled phase; the random initial offset of sample 0 does not survive it.
-        sine = torch.sin(cycles.remainder(1) * (2 * math.pi)).to(f0).repeat_interleave(self.hop, dim=1)
-        voiced = (f0[:, :, None] > c.nsf_voiced_threshold).to(f0).repeat_interleave(self.hop, dim=1)
-        noise_amp = voiced * c.nsf_sigma + (1 - voiced) * c.nsf_alpha / 3
-        noise = self.model.table_noise(frame_offset * self.hop, sine.shape[1], f0.device).to(f0)
-        harmonics = sine * c.nsf_alpha * voiced + noise_amp * noise
-        return self.model.m_source(harmonics).transpose(1, 2)
+        noise = self.model.table_noise(frame_offset * self.hop, f0.shape[1] * self.hop, f0.device).to(f0)
+        source, self.phase = yield StageCall(EXCITE, (f0, self.phase, noise))
+        return source
 
-    def _advance(self, finalize: bool) -> torch.Tensor:
+    def _advance(self, finalize: bool) -> Generator[StageCall, Any, torch.Tensor]:
         received = self.mel_offset + self.mel.shape[2]
         # 1. excitation for every frame whose F0 look-ahead is available
         f0_ready = max(0, received - (0 if finalize else self.f0_right))
         if f0_ready > self.source_end:
             start = max(0, self.source_end - self.f0_left)
             feats = self.mel[:, :, start - self.mel_offset:]
-            f0 = self.model.f0_predictor(feats, finalize=finalize).to(feats)[:, self.source_end - start:]
+            f0 = (yield StageCall(F0, (feats,), finalize)).to(feats)[:, self.source_end - start:]
             parts = [self.source]
             for block in f0.split(self.block_frames, dim=1):
-                parts.append(self._excitation_block(block, self.source_end))
+                parts.append((yield from self._excitation_block(block, self.source_end)))
                 self.source_end += block.shape[1]
             self.source = torch.cat(parts, dim=2)
         # 2. audio for every frame whose conv_pre look-ahead (+1 iSTFT frame) is available
@@ -345,7 +379,7 @@ class BoundedStream:
             start = max(0, self.emitted - self.history)
             feats = self.mel[:, :, start - self.mel_offset:self.source_end - self.mel_offset]
             source = self.source[:, :, (start - self.source_offset) * self.hop:]
-            speech = self.model.decode(feats, source, finalize=finalize)[:, (self.emitted - start) * self.hop:]
+            speech = (yield StageCall(DECODE, (feats, source), finalize))[:, (self.emitted - start) * self.hop:]
             if speech.shape[1] != (speech_ready - self.emitted) * self.hop:
                 raise RuntimeError(f"BoundedStream: decoded {speech.shape[1]} samples, expected "
                                    f"{(speech_ready - self.emitted) * self.hop}")
@@ -358,23 +392,31 @@ class BoundedStream:
         self.mel_offset, self.source_offset = keep_mel, keep_source
         return speech
 
-    @torch.inference_mode()
     def push(self, mel: torch.Tensor, last: bool = False) -> torch.Tensor:
         """mel [1, 80, t] (t >= 0, new frames only) -> new 24 kHz samples [1, n] float32."""
+        return drive(self.steps(mel, last), self.runner)
+
+    def steps(self, mel: torch.Tensor, last: bool = False) -> Steps:
+        """``push`` as stage calls (for ``drive_many``); the input is checked now, the state
+        changes only as the steps run."""
         if self.finished:
             if mel.shape[-1] or not last:
                 raise RuntimeError("BoundedStream: push after the last chunk; call reset() for a new utterance")
-            return self.mel.new_zeros(1, 0)
-        if mel.ndim != 3 or mel.shape[0] != 1 or mel.shape[1] != self.model.cfg.in_channels:
+        elif mel.ndim != 3 or mel.shape[0] != 1 or mel.shape[1] != self.model.cfg.in_channels:
             raise ValueError(f"BoundedStream.push: mel must be [1, {self.model.cfg.in_channels}, t], "
                              f"got {list(mel.shape)}")
+        return self._steps(mel, last)
+
+    def _steps(self, mel: torch.Tensor, last: bool) -> Steps:
+        if self.finished:  # an empty final push after the final one: nothing more to say
+            return self.mel.new_zeros(1, 0)
         out = []
         for block in mel.split(self.block_frames, dim=2):
             if block.shape[2]:
                 self.mel = torch.cat([self.mel, block.to(self.mel)], dim=2)
-                out.append(self._advance(False))
+                out.append((yield from self._advance(False)))
         if last:
-            out.append(self._advance(True))
+            out.append((yield from self._advance(True)))
             self.finished = True
         speech = torch.cat(out, dim=1) if out else self.mel.new_zeros(1, 0)
         if speech.shape[1] and not self.started:

@@ -19,16 +19,25 @@ therefore costs two replays plus the excitation's few kernels; batch rows of equ
 together. Matmuls run with TF32 off (``precision.ieee_fp32``) during capture and replay; cuDNN's
 own flag is left to the process, as the precision policy requires. A capture failure or a
 spent graph budget falls back to the eager model (logged once).
+
+Streams use it as their *runner* (``hift.StageCall``): ``run_f0`` / ``run_decode`` replay the
+graphs for either HiFT variant (the causal one's look-ahead calls, ``finalize=False``; its one
+final call per utterance runs eagerly), ``run_excite`` is the causal block excitation, eager.
+One ``GraphedHiFT`` per model serves every stream of it; ``capture_after=2`` keeps one-off
+lengths (a final chunk) from spending the graph budget.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional, Union
 
 import torch
 
+from .hift import HiFTGenerator
+from .hift_causal import CausalHiFTGenerator
 from .precision import ieee_fp32
 
 __all__ = ["ShapeGraphs", "GraphedHiFT"]
@@ -37,14 +46,26 @@ log = logging.getLogger(__name__)
 
 
 class ShapeGraphs:
-    """Capture ``fn(*tensors) -> tensor | tuple`` once per input-shape key and replay it."""
+    """Capture ``fn(*tensors) -> tensor | tuple`` once per input-shape key and replay it.
+
+    A key is captured on its ``capture_after``-th call (earlier calls run eagerly), so shapes
+    seen once never spend the ``max_graphs`` budget. ``copy_out=True`` returns a replay's
+    outputs in fresh memory (the graph's own outputs are overwritten by its next replay)."""
+
+    SEEN_LIMIT = 256  # keys counted towards capture_after; older counts are forgotten
 
     def __init__(self, fn: Callable, name: str, max_graphs: int = 8, warmups: int = 2,
-                 capture_context: Callable[[], ContextManager] = contextlib.nullcontext):
+                 capture_context: Callable[[], ContextManager] = contextlib.nullcontext,
+                 capture_after: int = 1):
+        if capture_after < 1:
+            raise ValueError(f"{name}: capture_after must be >= 1, got {capture_after}")
         self.fn, self.name, self.max_graphs, self.warmups = fn, name, max_graphs, warmups
         self.capture_context = capture_context
+        self.capture_after = capture_after
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], object]] = {}
+        self.replays = 0
         self.off: str | None = None
+        self._seen: dict[tuple, int] = {}
         self._logged: set[str] = set()
         self._pool = None
 
@@ -53,12 +74,21 @@ class ShapeGraphs:
             self._logged.add(what)
             log.warning(msg)
 
-    def __call__(self, *xs: torch.Tensor):
-        if self.off or not xs[0].is_cuda:
+    def _graphable(self, xs: tuple[torch.Tensor, ...]) -> bool:
+        return not self.off and xs[0].is_cuda
+
+    def __call__(self, *xs: torch.Tensor, copy_out: bool = False):
+        if not self._graphable(xs):
             return self.fn(*xs)
         key = tuple((tuple(x.shape), x.dtype) for x in xs)
         entry = self.graphs.get(key)
         if entry is None:
+            seen = self._seen.pop(key, 0) + 1
+            if seen < self.capture_after:
+                if len(self._seen) >= self.SEEN_LIMIT:
+                    self._seen.pop(next(iter(self._seen)))
+                self._seen[key] = seen
+                return self.fn(*xs)
             if len(self.graphs) >= self.max_graphs:
                 self._log_once("budget", f"{self.name}: graph budget ({self.max_graphs}) spent; new lengths run eagerly")
                 return self.fn(*xs)
@@ -73,7 +103,12 @@ class ShapeGraphs:
         for s, x in zip(static_in, xs):
             s.copy_(x)
         graph.replay()
-        return static_out
+        self.replays += 1
+        if not copy_out:
+            return static_out
+        if isinstance(static_out, tuple):
+            return tuple(o.clone() for o in static_out)
+        return static_out.clone()
 
     def _capture(self, xs):
         with self.capture_context():
@@ -96,16 +131,65 @@ class ShapeGraphs:
 
 
 class GraphedHiFT:
-    """``HiFTGenerator.forward`` with its deterministic parts replayed from CUDA graphs."""
+    """``HiFTGenerator.forward`` with its deterministic parts replayed from CUDA graphs; also the
+    stage runner (``run_f0`` / ``run_excite`` / ``run_decode``) streams of either HiFT variant call.
 
-    def __init__(self, model, max_graphs: int = 8):
+    ``max_graphs`` bounds each of the F0 and decode graph sets (keys = batch rows and lengths);
+    ``capture_after`` is how often a key must be called before it is captured. A replay writes
+    the graph's own buffers, so one caller at a time (as with the flow's graphs)."""
+
+    def __init__(self, model: Union[HiFTGenerator, CausalHiFTGenerator], max_graphs: int = 8,
+                 capture_after: int = 1):
         self.model = model
-        self.f0 = ShapeGraphs(model.f0_predictor, "HiFT f0", max_graphs)
-        self.decode = ShapeGraphs(model.decode, "HiFT decode", max_graphs)
+        self.causal = isinstance(model, CausalHiFTGenerator)
+        # finalize=False: the causal HiFT's look-ahead form (the original ignores the flag)
+        self.f0 = ShapeGraphs(functools.partial(model.run_f0, finalize=False), "HiFT f0", max_graphs,
+                              capture_after=capture_after)
+        self.decode = ShapeGraphs(functools.partial(model.run_decode, finalize=False), "HiFT decode", max_graphs,
+                                  capture_after=capture_after)
+
+    def describe(self) -> str:
+        """Which path ran, for logs and benchmarks."""
+        d, f = self.decode, self.f0
+        state = f"off ({d.off or f.off})" if d.off or f.off else "on"
+        return (f"CUDA graphs {state}: {len(f.graphs)} F0 + {len(d.graphs)} decode graphs, "
+                f"{f.replays + d.replays} replays")
+
+    def _eager(self, finalize: bool) -> bool:
+        # The causal HiFT's final call (zero look-ahead) comes once per utterance at a length
+        # that varies: capturing it would cost more than its single replay saves.
+        return self.causal and finalize
+
+    @torch.inference_mode()
+    def run_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        with ieee_fp32():
+            if self._eager(finalize):
+                return self.model.run_f0(mel, finalize=True)
+            return self.f0(mel, copy_out=True)
+
+    @torch.inference_mode()
+    def run_decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        with ieee_fp32():
+            if self._eager(finalize):
+                return self.model.run_decode(mel, source, finalize=True)
+            return self.decode(mel, source, copy_out=True)
+
+    @torch.inference_mode()
+    def run_excite(self, f0: torch.Tensor, phase: torch.Tensor,
+                   noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.causal:
+            raise TypeError("GraphedHiFT.run_excite: only the causal HiFT has a stage excitation; the original "
+                            "HiFT draws its excitation from the stream's generator")
+        with ieee_fp32():
+            return self.model.run_excite(f0, phase, noise)
 
     @torch.inference_mode()
     def __call__(self, mel: torch.Tensor, cache_source: Optional[torch.Tensor] = None,
                  generator: Optional[torch.Generator] = None, copy_out: bool = True):
+        """The original HiFT's ``forward(mel, cache_source, generator) -> (wav, source)``."""
+        if self.causal:
+            raise TypeError("GraphedHiFT(...)(mel, cache_source, generator) is the original HiFT's forward; "
+                            "drive the causal HiFT through BoundedStream (runner=GraphedHiFT) instead")
         with ieee_fp32():
             f0 = self.f0(mel.contiguous())
             source = self.model.excitation(f0, generator)

@@ -8,7 +8,9 @@
     pcms = c2w.push_many([(s1, p1, False), (s2, p2, False)])      # one flow solve for both
 
 ``push_many`` stacks streams whose caches and payloads have equal shapes (the steady state of
-concurrent streams) into one encoder + CFM solve and vocodes each stream with its own state.
+concurrent streams) into one encoder + CFM solve, then vocodes them through
+``Vocoder.push_many``: HiFT calls of equal shapes run as one batch (each stream keeping its own
+vocoder state and excitation), from CUDA graphs on CUDA (``vocoder_graphs``).
 
 Streaming follows the vLLM-Omni chunk protocol: every payload is 3 left-context codes and a
 window of new codes (the first context is 3 x silence 4218). The flow decodes a payload's
@@ -147,14 +149,15 @@ class Code2Wav:
     @classmethod
     def from_snapshot(cls, model: Union[str, Path], device: str | torch.device = "cpu",
                       n_timesteps: int = 10, prompt_cache_size: int = 4,
-                      extra: Mapping[str, Any] | None = None) -> "Code2Wav":
+                      extra: Mapping[str, Any] | None = None, vocoder_graphs: bool = True) -> "Code2Wav":
         """Load the assets. ``extra`` is the connector mapping of the deploy profile
         (``cfm_fused_body``, ``token2wav_allow_tf32``; ``MINICPMO_CODE2WAV_TF32=off`` wins):
         on CUDA it selects the fast CFM path (code2wav.knobs); elsewhere the reference path
-        runs unless ``cfm_fused_body: true`` asks for the fused body explicitly."""
+        runs unless ``cfm_fused_body: true`` asks for the fused body explicitly.
+        ``vocoder_graphs``: stream vocoding from CUDA graphs on CUDA (``Vocoder.cuda_graphs``)."""
         asset_dir = token2wav_dir(model)
-        c2w = cls(load_flow(asset_dir, device), load_vocoders(asset_dir, device), VoiceFrontend(asset_dir),
-                  n_timesteps, prompt_cache_size)
+        c2w = cls(load_flow(asset_dir, device), load_vocoders(asset_dir, device, cuda_graphs=vocoder_graphs),
+                  VoiceFrontend(asset_dir), n_timesteps, prompt_cache_size)
         c2w.configure_fast_path(extra)
         return c2w
 
@@ -213,14 +216,18 @@ class Code2Wav:
 
     @torch.inference_mode()
     def push_many(self, items: Sequence[tuple["Code2WavStream", Sequence[int], bool]],
-                  max_batch: int | None = None) -> list[np.ndarray]:
+                  max_batch: int | None = None, batch_vocoding: bool = True) -> list[np.ndarray]:
         """Push one payload into each of several streams -> their new PCM, in order.
 
         Streams whose caches have the same shapes (the steady state of concurrent streams)
         and whose payloads have the same length and final flag run ONE flow solve together
-        (at most ``max_batch`` rows each); the rest run alone as ``push``. Every stream keeps
-        its own vocoder state, so vocoding stays per stream. Same result as pushing each
+        (at most ``max_batch`` rows each); the rest run alone as ``push``. Vocoding goes through
+        ``Vocoder.push_many``: HiFT calls of equal shapes run batched (at most ``max_batch``
+        rows), each stream keeping its own vocoder state; ``batch_vocoding=False`` runs every
+        HiFT call alone (the per-stream path, for comparison). Same result as pushing each
         stream alone (row-independent math; the noise offset is the shared cache length).
+        A failed call leaves every stream as it was: flow caches advance only after all solves
+        and the vocoding succeeded, and the vocoder states are restored on failure.
         """
         streams = [it[0] for it in items]
         if len({id(s) for s in streams}) != len(streams):
@@ -248,13 +255,18 @@ class Code2Wav:
                 for r, i in enumerate(rows):
                     caches[i] = news[r]
                     mels[i] = mel[r:r + 1]
-        # Caches advance only once every solve succeeded: a failed call leaves all streams as they were.
+        empty = torch.zeros(1, 80, 0, device=self.device)
+        voc_items = [(s.vocoder, empty if mel is None else mel, bool(last))
+                     for (s, _, last), mel in zip(items, mels)]
+        wavs = self.vocoders.stream.push_many(voc_items, max_batch=max_batch if batch_vocoding else 1)
+        # Caches advance only once every solve and the vocoding succeeded.
         for i, cache in caches.items():
             streams[i].cache = cache
         out = []
-        for i, (s, _, last) in enumerate(items):
-            mel = mels[i] if mels[i] is not None else torch.zeros(1, 80, 0, device=self.device)
-            out.append(s._vocode(mel, bool(last)))
+        for (s, _, last), wav in zip(items, wavs):
+            if last:
+                s.close()
+            out.append(wav[0].cpu().numpy().astype(np.float32))
         return out
 
     def stream_codes(self, codes: Sequence[int], voice: Voice, window: int = 25,

@@ -14,6 +14,12 @@ API (stable; the Code2Wav pipeline builds on it)::
     st = voc.stream.open_stream()              # VocoderStream
     st.push(mel_chunk, last=False) -> wav [1, n]  (new samples only; float32, 24 kHz)
     st.reset()
+    wavs = voc.stream.push_many([(st1, mel1, False), (st2, mel2, True)])   # batched across streams
+
+On CUDA a ``Vocoder``'s streams run the generator's F0 and decode stages from CUDA graphs
+(``hift_graph.GraphedHiFT``, one per ``Vocoder``, IEEE FP32; ``cuda_graphs=False`` turns them
+off); on the CPU they run eagerly. ``push_many`` runs equal-shape stage calls of several streams
+as one batched call; each stream keeps its own state and random excitation.
 
 ``load_vocoder(path)`` loads one file. Files may carry a ``generator.`` key prefix
 and legacy ``weight_g``/``weight_v`` weight-norm keys; the strict check lists every
@@ -23,16 +29,18 @@ missing, unexpected and mis-shaped key.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Protocol, Union
+from typing import Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 
 from ..checkpoint.weights import load_strict
 from ..errors import CheckpointError, InputError
-from .hift import FULL_SIZE, SAMPLE_RATE, HiFTConfig, HiFTGenerator, HiFTStream, fuse_weight_norm
+from .hift import (FULL_SIZE, SAMPLE_RATE, HiFTConfig, HiFTGenerator, HiFTStream, StageRunner, Steps, drive_many,
+                   fuse_weight_norm)
 from .hift_causal import BoundedStream, CausalHiFTGenerator
+from .hift_graph import GraphedHiFT
 
 ORIGINAL = "original"
 CAUSAL = "causal"
@@ -46,8 +54,13 @@ Generator = Union[HiFTGenerator, CausalHiFTGenerator]
 class VocoderStream(Protocol):
     """One utterance of streaming vocoding (batch 1)."""
 
+    model: Generator
+
     def push(self, mel: torch.Tensor, last: bool = False) -> torch.Tensor:
         """New mel frames [1, 80, t] -> newly final samples [1, n] (float32, 24 kHz)."""
+
+    def steps(self, mel: torch.Tensor, last: bool = False) -> Steps:
+        """``push`` as generator stage calls (``hift.StageCall``), for batching across streams."""
 
     def reset(self) -> None:
         """Forget the utterance; the next push starts a new one."""
@@ -130,12 +143,31 @@ def read_state(path: Path) -> dict[str, torch.Tensor]:
 
 @dataclass
 class Vocoder:
-    """One loaded HiFT. ``vocode`` = whole utterance; ``open_stream`` = chunked."""
+    """One loaded HiFT. ``vocode`` = whole utterance; ``open_stream`` = chunked; ``push_many`` =
+    one chunk into each of several streams, batched.
+
+    ``cuda_graphs`` (default on): when the model is on CUDA at construction, its streams run the
+    generator stages through one shared ``GraphedHiFT`` (at most ``max_graphs`` F0 and as many
+    decode graphs; a length is captured on its second call). Off, or off CUDA: eagerly."""
 
     model: Generator
     variant: str
     source: Optional[Path] = None
     sample_rate: int = SAMPLE_RATE
+    cuda_graphs: bool = True
+    max_graphs: int = 32
+    runner: StageRunner = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        on_cuda = self.model.conv_pre.bias.device.type == "cuda"
+        self.runner = (GraphedHiFT(self.model, self.max_graphs, capture_after=2) if self.cuda_graphs and on_cuda
+                       else self.model)
+
+    def describe_stream_path(self) -> str:
+        """Which path stream vocoding takes (for logs and benchmarks)."""
+        if isinstance(self.runner, GraphedHiFT):
+            return f"{self.variant} HiFT, {self.runner.describe()}"
+        return f"{self.variant} HiFT, eager"
 
     @property
     def hop(self) -> int:
@@ -172,8 +204,38 @@ class Vocoder:
         CPU (each block re-decodes ~31 frames of history) with output equal to fp32 noise."""
         if self.variant == CAUSAL:
             return BoundedStream(self.model, block_frames=block_frames,
-                                 lead_silence=True if lead_silence is None else lead_silence)
-        return HiFTStream(self.model, lead_silence=bool(lead_silence), generator=generator)
+                                 lead_silence=True if lead_silence is None else lead_silence, runner=self.runner)
+        return HiFTStream(self.model, lead_silence=bool(lead_silence), generator=generator, runner=self.runner)
+
+    def push_many(self, items: Sequence[tuple[VocoderStream, torch.Tensor, bool]],
+                  max_batch: Optional[int] = None) -> list[torch.Tensor]:
+        """Push ``(stream, mel [1, 80, t], last)`` for several streams of this vocoder -> each
+        stream's new samples [1, n], in order.
+
+        The streams step in lockstep; generator calls whose inputs have equal shapes (equal mel
+        lengths and cache states: the steady state of concurrent streams) run as ONE batched call
+        of at most ``max_batch`` rows, the rest alone. Each stream draws its own excitation (its
+        generator / phase state) exactly as alone, so the samples equal each stream pushed alone
+        up to the batched call's rounding. If anything fails, every stream is restored to its
+        state before the call (the global RNG, which generator-less original-HiFT streams
+        share, is not rewound)."""
+        streams = [it[0] for it in items]
+        if len({id(s) for s in streams}) != len(streams):
+            raise InputError("Vocoder.push_many: a stream appears more than once; push its chunks in separate calls")
+        for i, s in enumerate(streams):
+            if getattr(s, "model", None) is not self.model:
+                raise InputError(f"Vocoder.push_many: item {i} is a stream of another vocoder; push it through "
+                                 "the Vocoder that opened it")
+        if max_batch is not None and max_batch < 1:
+            raise InputError(f"Vocoder.push_many: max_batch must be >= 1 (or None for no cap), got {max_batch}")
+        snaps = [s.snapshot() for s in streams]
+        try:
+            steps = [s.steps(mel, bool(last)) for s, mel, last in items]
+            return drive_many(steps, self.runner, max_batch)
+        except BaseException:
+            for s, snap in zip(streams, snaps):
+                s.restore(snap)
+            raise
 
 
 @dataclass
@@ -185,11 +247,12 @@ class VocoderSet:
 
 
 def load_vocoder(path: str | Path, device: str | torch.device = "cpu",
-                 config_yaml: str | Path | None = None, fuse: bool = True) -> Vocoder:
+                 config_yaml: str | Path | None = None, fuse: bool = True, cuda_graphs: bool = True) -> Vocoder:
     """Load one HiFT file strictly; the variant comes from its shapes. A causal file's
     hyper-parameters come from ``config_yaml`` (default: ``config.yaml`` beside it) when
     present, else from the weights' shapes. ``fuse`` folds weight norm into plain weights
-    after loading (same values, no per-forward norm; the model's state_dict keys change)."""
+    after loading (same values, no per-forward norm; the model's state_dict keys change).
+    ``cuda_graphs``: see ``Vocoder``."""
     path = Path(path)
     state = read_state(path)
     variant = detect_variant(state, str(path))
@@ -205,15 +268,17 @@ def load_vocoder(path: str | Path, device: str | torch.device = "cpu",
     load_strict(model, {k: v.float() for k, v in state.items()}, str(path))
     if fuse:
         fuse_weight_norm(model)
-    return Vocoder(model.to(device).eval(), variant, path)
+    return Vocoder(model.to(device).eval(), variant, path, cuda_graphs=cuda_graphs)
 
 
-def load_vocoders(asset_dir: str | Path, device: str | torch.device = "cpu", fuse: bool = True) -> VocoderSet:
+def load_vocoders(asset_dir: str | Path, device: str | torch.device = "cpu", fuse: bool = True,
+                  cuda_graphs: bool = True) -> VocoderSet:
+    """The asset dir's stream and whole-utterance vocoders; ``cuda_graphs``: see ``Vocoder``."""
     asset_dir = Path(asset_dir)
-    stream = load_vocoder(asset_dir / STREAM_FILE, device, fuse=fuse)
+    stream = load_vocoder(asset_dir / STREAM_FILE, device, fuse=fuse, cuda_graphs=cuda_graphs)
     whole_path = asset_dir / WHOLE_FILE
     if whole_path.is_file():
-        whole = load_vocoder(whole_path, device, fuse=fuse)
+        whole = load_vocoder(whole_path, device, fuse=fuse, cuda_graphs=cuda_graphs)
         if whole.variant != ORIGINAL:
             raise CheckpointError(f"{whole_path}: holds the causal HiFT; this file is the original "
                                   "(whole-utterance) vocoder in minicpmo-utils 1.0.7 asset sets")
