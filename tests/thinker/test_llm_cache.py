@@ -228,8 +228,8 @@ def test_cuda_fast_session_matches_plain_and_restores_exactly(tok):
     t.to(device="cuda", dtype=torch.bfloat16).rebuild_buffers()
     audio = _audio(4, 6)
     plain = StreamingSession(t, tok)
-    a = StreamingSession(t, tok, **FAST_PATH_OPTIONS, audio_graphs=True)
-    b = StreamingSession(t, tok, **FAST_PATH_OPTIONS, audio_graphs=True)
+    a = StreamingSession(t, tok, **FAST_PATH_OPTIONS)     # audio graphs included
+    b = StreamingSession(t, tok, **FAST_PATH_OPTIONS)
     assert a.cache.kernels == "triton" and a.llm_cache.graphs
     for s in (plain, a, b):
         _run(s, audio, 2)
