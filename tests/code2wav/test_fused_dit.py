@@ -122,9 +122,9 @@ def test_few_row_gemm_and_split_attention_match_original_tiny():
     try:
         with matmul_tf32(True):
             check(dit, fused, R=2, T=5, Lc=20, tol=1e-5 if kernels.interpreting() else 2e-3, seed=6, device=dev)
-        with matmul_tf32(False):     # TF32 off: back on torch GEMMs
+        with matmul_tf32(False):     # TF32 off: back on torch GEMMs (the explicit triton-tf32 attention stays)
             n = len(calls)
-            check(dit, fused, R=2, T=5, Lc=20, tol=1e-5, seed=6, device=dev)
+            check(dit, fused, R=2, T=5, Lc=20, tol=1e-5 if kernels.interpreting() else 2e-3, seed=6, device=dev)
             assert len(calls) == n
     finally:
         fd.small_gemm = real
