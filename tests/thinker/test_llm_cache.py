@@ -302,6 +302,10 @@ def test_decoder_pool_shares_weights_and_reuses_released_decoders(thinker, tok):
     c.close()                                                    # idempotent
     with pytest.raises(ValueError, match="released already"):
         pool.release(store)
+    b.close()
+    rich = next(d for d in pool._free[256] if d is not store)    # mark one free decoder as graph-rich
+    rich._prefill_graphs[(1, 99)] = None
+    assert pool.acquire(256) is rich                             # the richest goes first
 
 
 def test_feature_session_factory_plain_on_cpu_and_env_switch(thinker, tok, monkeypatch):

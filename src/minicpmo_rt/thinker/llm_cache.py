@@ -91,7 +91,10 @@ class StaticDecoderPool:
     def acquire(self, capacity: int) -> StaticDecoder:
         free = self._free.get(capacity)
         if free:
-            return free.pop()
+            # the decoder with the most prefill graphs: a run's first session (its main one, which
+            # feeds the most shapes) then captures least
+            best = max(range(len(free)), key=lambda i: len(free[i]._prefill_graphs))
+            return free.pop(best)
         dec = StaticDecoder(self.thinker.llm, max_len=capacity, kernels=self.kernels, share_weights=self._donor)
         self._donor = self._donor or dec
         self.created += 1
