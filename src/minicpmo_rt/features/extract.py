@@ -370,8 +370,8 @@ def extract_native(factory: SessionFactory, inputs: Inputs, rows: int, *, verify
             held = session.read_state().float().clone()
             seen, new = _pruning_rows(session, seen, k, t)
             pruning += new
-            if states is None:   # on the model's device: a per-row download would sync every commit
-                states = torch.zeros(rows, held.shape[-1], dtype=torch.float32, device=held.device)
+            if states is None:
+                states = torch.zeros(rows, held.shape[-1], dtype=torch.float32)
             do_r, do_f = c_replay.due(k), c_future.due(k)
             if do_r or do_f:
                 _run_replays(factory, inputs, k, t, held, do_r, do_f, replay, future)
@@ -391,7 +391,7 @@ def extract_native(factory: SessionFactory, inputs: Inputs, rows: int, *, verify
     verification = {"all_passed": ok, "too_short": too_short, **checks,
                     "cadence": {"verify_every": verify_every, "future_intervention_every": future_every,
                                 "first_row": first}}
-    return ExtractResult(states.cpu(), src, native, init, verification, False, pruning, _window_dict(session))
+    return ExtractResult(states, src, native, init, verification, False, pruning, _window_dict(session))
 
 
 def _rtol(session: Any) -> float:
@@ -458,8 +458,8 @@ def extract_partial(factory: SessionFactory, inputs: Inputs, rows: int, *, verif
             if do_r or do_f:
                 _run_replays(factory, inputs, k, t, h, do_r, do_f, replay, future)
                 known = None  # replays touch process-wide state (RNG, allocator): read it afresh
-        if states is None:   # on the model's device: a per-row download would sync every row
-            states = torch.zeros(rows, h.shape[-1], dtype=torch.float32, device=h.device)
+        if states is None:
+            states = torch.zeros(rows, h.shape[-1], dtype=torch.float32)
         states[k] = h
         if tick:
             tick(0.2)
@@ -475,7 +475,7 @@ def extract_partial(factory: SessionFactory, inputs: Inputs, rows: int, *, verif
         "snapshot_restoration": dict(restore.to_dict(), last_fingerprint=last_fp),
         "cadence": {"verify_every": verify_every, "future_intervention_every": future_every, "first_row": first},
     }
-    return ExtractResult(states.cpu(), times.clone(), native, torch.zeros(rows, dtype=torch.bool), verification, ok,
+    return ExtractResult(states, times.clone(), native, torch.zeros(rows, dtype=torch.bool), verification, ok,
                          pruning, _window_dict(session))
 
 

@@ -218,8 +218,6 @@ def process_frame_torch(image, device: str | torch.device | None = None, scale_r
         x = torch.from_numpy(np.ascontiguousarray(x))
     height, width = int(x.shape[0]), int(x.shape[1])
     w, h = find_best_resize((width, height), scale_resolution, patch_size, allow_upscale=True)
-    if dev.type == "cuda" and x.device.type == "cpu":
-        x = x.pin_memory()   # a pageable upload would wait for every queued kernel first
     x = x.to(dev, non_blocking=True).permute(2, 0, 1)[None].float()
     # Two passes, horizontal first, each rounded to 8 bits: PIL's order and intermediate
     # rounding (a single 2-D pass differs by up to ~20 levels where bicubic overshoot clips).

@@ -54,9 +54,6 @@ def log_mel(waveform: np.ndarray | torch.Tensor, dynamic: bool, n_mels: int = N_
     device = torch.device(device) if device is not None else torch.device("cpu")
     if torch.is_tensor(waveform):
         wave = waveform.detach().to(device=device, dtype=torch.float32)
-    elif device.type == "cuda":
-        # through pinned memory: a pageable upload would wait for every queued kernel first
-        wave = torch.from_numpy(np.array(waveform, dtype=np.float32)).pin_memory().to(device, non_blocking=True)
     else:
         # A copy: buffers are read-only numpy arrays, which torch cannot wrap safely.
         wave = torch.tensor(np.asarray(waveform, dtype=np.float32), device=device)
@@ -65,18 +62,10 @@ def log_mel(waveform: np.ndarray | torch.Tensor, dynamic: bool, n_mels: int = N_
     window = torch.hann_window(N_FFT, device=device)
     stft = torch.stft(wave, N_FFT, HOP, window=window, return_complex=True)
     power = (stft[..., :-1].abs() ** 2).contiguous()
-    spec = torch.clamp(_filters_on(n_mels, device) @ power, min=1e-10).log10()
-    if dynamic:
-        spec = torch.maximum(spec, spec.max() - DYNAMIC_RANGE_DB)
-    else:
-        spec = spec.clamp_min(FIXED_FLOOR_DB)   # = maximum with the constant, no host->device scalar
-    return (spec + 4.0) / 4.0
-
-
-@lru_cache(maxsize=8)
-def _filters_on(n_mels: int, device: torch.device) -> torch.Tensor:
-    """The filter bank on ``device``, uploaded once (an upload per call would sync the host)."""
-    return mel_filters(n_mels).to(device)
+    spec = torch.clamp(mel_filters(n_mels).to(device) @ power, min=1e-10).log10()
+    floor = spec.max() - DYNAMIC_RANGE_DB if dynamic else torch.tensor(FIXED_FLOOR_DB, dtype=spec.dtype,
+                                                                       device=device)
+    return (torch.maximum(spec, floor) + 4.0) / 4.0
 
 
 def uses_dynamic_floor(buffer_len: int, sample_rate: int = SAMPLE_RATE) -> bool:

@@ -8,7 +8,6 @@ Model math only: what to feed when, and when to prune, is ``session``'s business
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,24 +107,8 @@ class Thinker(nn.Module):
     # -- embeddings ---------------------------------------------------------------------------
     @torch.no_grad()
     def embed_tokens(self, ids) -> torch.Tensor:
-        ids = list(ids)
-        dev = self.device
-        if dev.type == "cpu":
-            return self.llm.model.embed_tokens(torch.as_tensor(ids, dtype=torch.long))
-        # A host list -> device copy waits for every kernel queued before it (pageable memory),
-        # which would stall the host at each unit; a session's pieces repeat (markers, prompts),
-        # so their id tensors are kept on the device (bounded LRU).
-        cache = self.__dict__.setdefault("_ids_on_device", OrderedDict())
-        key = (dev, tuple(ids))
-        t = cache.get(key)
-        if t is None:
-            t = torch.as_tensor(ids, dtype=torch.long, device=dev)
-            cache[key] = t
-            while len(cache) > 512:
-                cache.popitem(last=False)
-        else:
-            cache.move_to_end(key)
-        return self.llm.model.embed_tokens(t)
+        ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
+        return self.llm.model.embed_tokens(ids)
 
     @torch.no_grad()
     def embed_image(self, image, max_slice_nums: int = 1) -> torch.Tensor:
