@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from minicpmo_rt.errors import InputError
-from minicpmo_rt.features import easycom
-from minicpmo_rt.features.easycom import DECODE_WORKERS_ENV, EasyComSession, default_decode_workers
+from minicpmo_rt.features import easycom, prefetch, video
+from minicpmo_rt.features.easycom import EasyComSession
+from minicpmo_rt.features.prefetch import DECODE_WORKERS_ENV, default_decode_workers
 from minicpmo_rt.features.synthetic import make_session
 
 # closed GOPs (IDR every 10 frames) with B-frames, so presentation order differs from decode order
@@ -97,7 +98,7 @@ def _seek_to_start(container, stream, pts):
 def _mismatch_third_frame(orig):
     def check(self, frame):
         if self._verify and self.pos == self.index.rank[self.index.keyframes[0][1]] + 2:
-            raise easycom._SeekMismatch("forced")
+            raise video._SeekMismatch("forced")
         orig(self, frame)
     return check
 
@@ -105,10 +106,10 @@ def _mismatch_third_frame(orig):
 @pytest.mark.parametrize("fault", ["seek_lands_elsewhere", "mismatch_mid_chunk"])
 def test_seek_mismatch_falls_back_to_segment_start(kf, ref, monkeypatch, fault):
     if fault == "seek_lands_elsewhere":
-        monkeypatch.setattr(easycom, "_seek_keyframe", _seek_to_start)
+        monkeypatch.setattr(video, "_seek_keyframe", _seek_to_start)
     else:  # frames 10, 11 served from the seek, the rest of the chunk from the start
-        monkeypatch.setattr(easycom._SeekingPyAVReader, "_check",
-                            _mismatch_third_frame(easycom._SeekingPyAVReader._check))
+        monkeypatch.setattr(video._SeekingPyAVReader, "_check",
+                            _mismatch_third_frame(video._SeekingPyAVReader._check))
     got, stats = _consume(kf, WANTED["all"], 2)
     assert all(np.array_equal(got[i], ref[i]) for i in WANTED["all"])
     seeks = 5 if fault == "seek_lands_elsewhere" else 3  # chunks at a keyframe / at the first keyframe
@@ -168,9 +169,9 @@ def test_memory_bound_and_close_after_partial_consumption(kf, wanted):
 
 def test_decode_workers_env_and_argument(kf, monkeypatch):
     monkeypatch.delenv(DECODE_WORKERS_ENV, raising=False)
-    monkeypatch.setattr(easycom.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(prefetch.os, "cpu_count", lambda: 16)
     assert default_decode_workers() == 8
-    monkeypatch.setattr(easycom.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(prefetch.os, "cpu_count", lambda: 2)
     assert default_decode_workers() == 1
     monkeypatch.setenv(DECODE_WORKERS_ENV, " 3 ")
     assert default_decode_workers() == 3
@@ -207,7 +208,7 @@ def test_close_is_prompt_during_a_long_forward_decode(kf, monkeypatch):
             time.sleep(0.1)  # a slow decoder: reaching frame 79 from its keyframe (70) takes ~1 s
             orig(self, frame)
         return check
-    for cls in (easycom._PyAVReader, easycom._SeekingPyAVReader):
+    for cls in (video._PyAVReader, video._SeekingPyAVReader):
         monkeypatch.setattr(cls, "_check", slow(cls._check))
     s = EasyComSession(kf, frame_cache_size=0)
     s.prefetch([79], workers=1)
