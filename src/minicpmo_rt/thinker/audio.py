@@ -62,6 +62,16 @@ def extra_conv_frames(extra_mel_frames: int) -> int:
     return (extra_mel_frames + 1) // 2 if extra_mel_frames > 0 else 0
 
 
+def chunk_conv_frames(n_mel: int, prefix_extra_frames: int, suffix_extra_frames: int) -> int:
+    """Encoder frames a streaming chunk of ``n_mel`` mel frames feeds the transformer (after the
+    redundancy cut of ``WhisperAudioEncoder.trim_extra``)."""
+    if not n_mel:
+        return 0
+    n = conv_output_length(n_mel) - extra_conv_frames(prefix_extra_frames)
+    back = extra_conv_frames(suffix_extra_frames)
+    return n - back if 0 < back < n else n
+
+
 class WhisperSelfAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int):
         super().__init__()
@@ -79,11 +89,18 @@ class WhisperSelfAttention(nn.Module):
         return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None = None,
-                attn_mask: torch.Tensor | None = None):
+                attn_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None):
+        """``past`` (K, V) [B, heads, L, head_dim]: the cache, concatenated before the new frames;
+        or, with ``rows`` (long [n]), fixed buffers the new K/V are written into at those rows
+        (the capture-safe form of ``audio_graph``: ``attn_mask`` then selects the live rows)."""
         q = self._heads(self.q_proj(x))
         k = self._heads(self.k_proj(x))
         v = self._heads(self.v_proj(x))
-        if past is not None:
+        if rows is not None:
+            past[0].index_copy_(2, rows, k)
+            past[1].index_copy_(2, rows, v)
+            k, v = past
+        elif past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
         # No mask in streaming: every new frame sees the cache and the whole chunk.
@@ -104,8 +121,8 @@ class WhisperEncoderLayer(nn.Module):
         if config.activation_function != "gelu":
             raise ValueError(f"audio activation {config.activation_function!r} is not supported (Whisper uses gelu)")
 
-    def forward(self, x: torch.Tensor, past=None, attn_mask=None):
-        h, k, v = self.self_attn(self.self_attn_layer_norm(x), past, attn_mask)
+    def forward(self, x: torch.Tensor, past=None, attn_mask=None, rows=None):
+        h, k, v = self.self_attn(self.self_attn_layer_norm(x), past, attn_mask, rows)
         x = x + h
         x = x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
         return x, k, v
@@ -174,14 +191,19 @@ class WhisperAudioEncoder(nn.Module):
         transformer (upstream's ``use_extra_context``): ceil(prefix/2) at the front, and
         ceil(suffix/2) at the back unless that would leave nothing.
         """
-        x = self.conv_frames(mel)
+        x = self.trim_extra(self.conv_frames(mel), prefix_extra_frames, suffix_extra_frames)
+        return self.encode(x, cache)
+
+    @staticmethod
+    def trim_extra(x: torch.Tensor, prefix_extra_frames: int, suffix_extra_frames: int) -> torch.Tensor:
+        """Cut the conv frames [B, n, d] that exist only from redundancy mel frames."""
         front = extra_conv_frames(prefix_extra_frames)
         back = extra_conv_frames(suffix_extra_frames)
         if front:
             x = x[:, front:]
         if 0 < back < x.shape[1]:
             x = x[:, :-back]
-        return self.encode(x, cache)
+        return x
 
     def needs_reset(self, cache: AudioEncoderCache | None, n_mel: int) -> bool:
         """Upstream drops the cache when cache + this chunk's conv frames would reach 1500."""

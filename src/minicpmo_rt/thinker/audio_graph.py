@@ -20,9 +20,8 @@ and after it the new cache is cloned out. A shape whose capture fails stays eage
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .audio import AudioEncoderCache, avg_pool, conv_output_length, extra_conv_frames
+from .audio import AudioEncoderCache, avg_pool, chunk_conv_frames
 from .model import AudioChunkEmbedding, Thinker
 
 
@@ -45,25 +44,12 @@ def buffered_stream_body(thinker: Thinker, mel: torch.Tensor, buf: torch.Tensor,
     where ``mask`` [1, 1, 1, P] (bool) is True, i.e. rows < past + n. Returns the embeddings.
     """
     apm = thinker.apm
-    x = apm.conv_frames(mel)
-    front, back = extra_conv_frames(prefix_extra), extra_conv_frames(suffix_extra)
-    if front:
-        x = x[:, front:]
-    if 0 < back < x.shape[1]:
-        x = x[:, :-back]
+    h = apm.trim_extra(apm.conv_frames(mel), prefix_extra, suffix_extra)
     table = apm.embed_positions.weight
     # upstream repeats the last learned position past the table (unreachable before a reset)
-    h = x + table.index_select(0, rows.clamp_max(table.shape[0] - 1)).to(x.dtype)
-    b, t, _ = h.shape
+    h = h + table.index_select(0, rows.clamp_max(table.shape[0] - 1)).to(h.dtype)
     for i, layer in enumerate(apm.layers):
-        a = layer.self_attn
-        y = layer.self_attn_layer_norm(h)
-        q, k, v = a._heads(a.q_proj(y)), a._heads(a.k_proj(y)), a._heads(a.v_proj(y))
-        buf[i, 0].index_copy_(2, rows, k)
-        buf[i, 1].index_copy_(2, rows, v)
-        o = F.scaled_dot_product_attention(q, buf[i, 0], buf[i, 1], attn_mask=mask)
-        h = h + a.out_proj(o.transpose(1, 2).reshape(b, t, -1))
-        h = h + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(h))))
+        h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), mask, rows)
     hidden = apm.layer_norm(h)
     return avg_pool(thinker.audio_projection_layer(hidden), thinker.audio_pool_step)[0].to(thinker.dtype)
 
@@ -103,9 +89,7 @@ class AudioGraphs:
                     suffix_extra: int) -> AudioChunkEmbedding:
         th = self.thinker
         n_mel = int(mel.shape[-1])
-        back = extra_conv_frames(suffix_extra)
-        n_conv = conv_output_length(n_mel) - extra_conv_frames(prefix_extra) if n_mel else 0
-        n_conv -= back if 0 < back < n_conv else 0
+        n_conv = chunk_conv_frames(n_mel, prefix_extra, suffix_extra)
         if n_conv < th.audio_pool_step or th.device.type != "cuda":
             self._resident = None
             return th.embed_audio_chunk(mel, cache, prefix_extra, suffix_extra)

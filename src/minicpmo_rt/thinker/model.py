@@ -17,8 +17,7 @@ from transformers import DynamicCache
 
 from ..checkpoint.config import MiniCPMOConfig, load_config
 from ..checkpoint.weights import load_strict, load_tensors
-from .audio import (AudioEncoderCache, avg_pool, build_audio_encoder, build_audio_projection, conv_output_length,
-                    extra_conv_frames)
+from .audio import AudioEncoderCache, avg_pool, build_audio_encoder, build_audio_projection, chunk_conv_frames
 from .image_processor import pack_patches, process_image
 from .llm import build_llm, final_norm_hidden
 from .resampler import build_resampler
@@ -128,10 +127,7 @@ class Thinker(nn.Module):
         positions), final LayerNorm, projection, AvgPool(5).
         """
         n_mel = int(mel.shape[-1])
-        back = extra_conv_frames(suffix_extra_frames)
-        n_conv = conv_output_length(n_mel) - extra_conv_frames(prefix_extra_frames) if n_mel else 0
-        n_conv -= back if 0 < back < n_conv else 0
-        if n_conv < self.audio_pool_step:
+        if chunk_conv_frames(n_mel, prefix_extra_frames, suffix_extra_frames) < self.audio_pool_step:
             # Too short to make one pooled embedding (a tiny tail): nothing to feed, cache untouched.
             empty = torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
             return AudioChunkEmbedding(empty, cache, False)
