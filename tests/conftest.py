@@ -1,4 +1,4 @@
-import os
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -68,3 +68,15 @@ def make_tiny_thinker(seed: int):
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@contextlib.contextmanager
+def ieee_cudnn():
+    """IEEE references on CUDA: convolutions run in cuDNN, whose own TF32 default is on (the
+    precision policy leaves that flag to the process, so only tests and benchmarks set it)."""
+    prev = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = prev

@@ -14,8 +14,8 @@ from minicpmo_rt.code2wav.euler_graph import GraphConfig, SolveKey, WholeEulerSo
 from minicpmo_rt.code2wav.flow_config import CFMConfig, DiTConfig  # noqa: E402
 from minicpmo_rt.code2wav.precision import tf32_enabled  # noqa: E402
 
-from conftest import rel_err, requires_cuda  # noqa: E402
-from test_fused_dit import ieee_cudnn, randomize  # noqa: E402
+from conftest import ieee_cudnn, rel_err, requires_cuda  # noqa: E402
+from test_fused_dit import randomize  # noqa: E402
 
 TINY = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=4.0, depth=2, num_heads=2, head_dim=32, hidden_size=64)
 S = 3

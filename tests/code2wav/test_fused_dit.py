@@ -1,7 +1,6 @@
 """Fused DiT body vs the original body on the same weights and inputs (CPU: SDPA fallback
 and, under TRITON_INTERPRET=1, the Triton stages on a tiny shape)."""
 
-import contextlib
 import os
 
 import pytest
@@ -14,7 +13,7 @@ from minicpmo_rt.code2wav import kernels  # noqa: E402
 from minicpmo_rt.code2wav.flow_config import DiTConfig  # noqa: E402
 from minicpmo_rt.code2wav.fused_dit import FusedDiT, supports_fused_body  # noqa: E402
 
-from conftest import rel_err, requires_cuda  # noqa: E402
+from conftest import ieee_cudnn, rel_err, requires_cuda  # noqa: E402
 
 TINY = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=4.0, depth=2, num_heads=2, head_dim=32, hidden_size=64)
 
@@ -164,17 +163,6 @@ def test_matches_upstream_original_dit_full_width():
     for g_, r_ in zip(got, ref):
         assert g_.shape == r_.shape
         assert rel_err(g_, r_) <= 1e-5
-
-
-@contextlib.contextmanager
-def ieee_cudnn():
-    """Test-local: the original body's Conv1d goes through cuDNN, whose TF32 default is on."""
-    prev = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32 = prev
 
 
 @requires_cuda

@@ -8,8 +8,8 @@ from torch.utils._pytree import tree_leaves
 from minicpmo_rt.code2wav.hift_graph import GraphedHiFT, ShapeGraphs
 from minicpmo_rt.code2wav.precision import ieee_fp32, tf32_enabled
 
-from conftest import rel_err, requires_cuda
-from test_fused_dit import ieee_cudnn, randomize
+from conftest import ieee_cudnn, rel_err, requires_cuda
+from test_fused_dit import randomize
 
 
 def hift(device="cpu", full=False):

@@ -11,9 +11,8 @@ from minicpmo_rt.code2wav.euler_graph import GraphConfig  # noqa: E402
 from minicpmo_rt.code2wav.flow import trim_estimator_att  # noqa: E402
 from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver  # noqa: E402
 
-from conftest import rel_err, requires_cuda  # noqa: E402
+from conftest import ieee_cudnn, rel_err, requires_cuda  # noqa: E402
 from test_euler_graph import S, tiny_cfm  # noqa: E402
-from test_fused_dit import ieee_cudnn  # noqa: E402
 
 
 def test_pooled_merged_solves_match_separate_solves():

@@ -3,7 +3,6 @@ alone, for both HiFT variants; the graph runner on the CPU is the eager path exa
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from minicpmo_rt.code2wav.vocoder import CAUSAL, ORIGINAL, WHOLE_FILE, Vocoder, 
     write_tiny_hift
 from minicpmo_rt.errors import InputError
 
-from conftest import rel_err, requires_cuda
+from conftest import ieee_cudnn, rel_err, requires_cuda
 
 # Per stream, its chunks' mel lengths; the last chunk of each plan is final. Mixed on purpose:
 # streams 0-2 stay in step (equal lengths and states: batched; stream 3 too at first), stream 3 ends early, stream 4
@@ -243,18 +242,6 @@ def test_push_many_input_errors(assets):
     with pytest.raises(ValueError, match="mel must be"):
         voc.push_many([(a, torch.randn(1, 81, 10), False)])
     assert a.snapshot()["mel"].shape[2] == 0  # nothing ran
-
-
-@contextlib.contextmanager
-def ieee_cudnn():
-    """Test-local: HiFT's convs run in cuDNN, whose own TF32 default is on (precision policy:
-    the process owns that flag)."""
-    prev = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32 = prev
 
 
 @requires_cuda
