@@ -47,6 +47,38 @@ def test_pooled_merged_solves_match_separate_solves():
     assert pool.admit(None, None, prompt).slot == 1
 
 
+
+def test_padded_rows_narrow_chunk_and_frame_list_restore():
+    """Batch 2 in a bucket of 4 (scratch rows), width 3 in a bucket of 4; restoring the frame lists
+    (and the CNN caches) replays the same chunk exactly, as the benchmark's merged row does."""
+    cfm = tiny_cfm(seed=9)
+    prompt, keep, T = 4, 3, 3
+    solver = SlotSolver(cfm, pool=None, attention="sdpa", n_timesteps=S, use_triton=False,
+                        config=GraphConfig(batch_buckets=(4,), query_buckets=(4,)))
+    solver.pool = pool = SlotPool(solver, slots=2, frames=prompt + keep + 4, keep=keep, device="cpu")
+    g = torch.Generator().manual_seed(4)
+    dense = [(torch.randn(S, 2, 2, 128, 2, generator=g), torch.randn(S, 2, 2, 2, L, 64, generator=g)) for L in (5, 7)]
+    handles = [pool.admit(c, a, prompt) for c, a in dense]
+    saved, cnn = [list(h.frames) for h in handles], pool.cnn.clone()
+    mu, spk, cond = torch.randn(2, 80, T, generator=g), torch.randn(2, 80, generator=g), torch.randn(2, 80, T, generator=g)
+    mel = solver.solve_slots(handles, mu, spk, cond, temperature=0.8)
+    after = [h.dense() for h in handles]
+    for i, h in enumerate(handles):
+        with torch.inference_mode():
+            ref, rc, ra = cfm.forward_chunk(mu[i:i + 1], spk[i:i + 1], cond[i:i + 1], n_timesteps=S, temperature=0.8,
+                                            cnn_cache=dense[i][0], att_cache=dense[i][1])
+        assert rel_err(mel[i:i + 1], ref) <= 1e-5
+        assert rel_err(after[i][1], trim_estimator_att(ra, prompt, keep)) <= 1e-5
+        assert rel_err(after[i][0], rc) <= 1e-5
+    for h, f in zip(handles, saved):
+        h.frames = list(f)
+    pool.cnn.copy_(cnn)
+    again = solver.solve_slots(handles, mu, spk, cond, temperature=0.8)
+    assert torch.equal(again, mel)
+    for h, (c, a) in zip(handles, after):
+        c2, a2 = h.dense()
+        assert torch.equal(c2, c) and torch.equal(a2, a)
+
 def test_triton_pooled_writes_and_reads_match_reference():
     """The QKV kernel's (row, frame) scatter and the attention's kv_rows under Triton (or the interpreter)."""
     import pytest

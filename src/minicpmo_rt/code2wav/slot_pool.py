@@ -22,9 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .euler_graph import GraphConfig, SolveKey, WholeEulerSolver, _Static
+from .precision import matmul_tf32
 
 __all__ = ["SlotPool", "SlotHandle", "SlotSolver"]
 
@@ -35,11 +37,20 @@ class SlotHandle:
     prompt_frames: int
     frames: list[int] = field(default_factory=list)   # logical (newest first) -> physical frame
     pool: "SlotPool | None" = None
+    # numpy copy of ``frames`` for the per-chunk mask (rebuilt when ``frames`` is replaced by
+    # another list or changes length; assign a new list rather than editing it in place)
+    _arr: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _arr_of: list | None = field(default=None, repr=False, compare=False)
 
     @property
     def length(self) -> int:
         """Estimator cache length: the noise offset of the stream's next chunk."""
         return len(self.frames)
+
+    def _frames_array(self) -> np.ndarray:
+        if self._arr_of is not self.frames or len(self._arr) != len(self.frames):
+            self._arr, self._arr_of = np.asarray(self.frames, dtype=np.int64), self.frames
+        return self._arr
 
     def release(self) -> None:
         if self.pool is not None:
@@ -93,13 +104,22 @@ class SlotPool:
 
 
 class SlotSolver(WholeEulerSolver):
-    """Whole-Euler solves over pooled caches; several streams (any cache lengths) per replay."""
+    """Whole-Euler solves over pooled caches; several streams (any cache lengths) per replay.
+
+    Per chunk the host work is small and never waits for the device: the streams' free frames and
+    key masks are computed with numpy into a pinned int32 buffer (two, alternating) that reaches the
+    device in one non-blocking copy; the (rows, frames) indices, the key mask and the noise gather
+    are expanded from it on the device. The mask the attention reads is a stride-0 view of one key
+    row per batch row. The CNN caches are gathered from and written back to the pool inside the
+    captured program, so a replay needs no host-built index tensors.
+    """
 
     def __init__(self, cfm, pool: SlotPool, attention: str = "triton-tf32", tf32: bool = False,
                  n_timesteps: int = 10, config: GraphConfig = GraphConfig(), use_triton: bool | None = None):
         super().__init__(cfm, body="fused", attention=attention, tf32=tf32, n_timesteps=n_timesteps,
                          config=config, use_triton=use_triton)
         self.pool = pool
+        self._staging: dict[tuple, _Staging] = {}
 
     def key_for(self, B: int, T: int, L: int = 0) -> SolveKey | None:
         Bb = self._snap(B, self.config.batch_buckets)
@@ -123,9 +143,29 @@ class SlotSolver(WholeEulerSolver):
         c, u = self.pool.rows(self.pool.scratch)
         st.rows = torch.tensor([c] * Bb + [u] * Bb, device=device, dtype=torch.int32)
         st.pos = torch.arange(Q, device=device, dtype=torch.int32).repeat(R, 1)
-        st.mask = torch.zeros(R, Q, F, device=device, dtype=torch.bool)
-        st.mask[:, :, :Q] = True
+        # one key row per batch row; every query of the row reads it (a stride-0 mask view)
+        keys = torch.zeros(R, F, device=device, dtype=torch.bool)
+        keys[:, :Q] = True
+        st.mask = keys[:, None, :].expand(R, Q, F)
+        st.extra["keys"] = keys
+        st.extra["rows64"] = st.rows.long()
         return st
+
+    def _program(self, st: _Static) -> None:
+        # The pool's CNN caches in and out are part of the program (captured with it).
+        rows64 = st.extra["rows64"]
+        rows64.copy_(st.rows)
+        torch.index_select(self.pool.cnn, 2, rows64, out=st.cnn_in)
+        super()._program(st)
+        # Padded batch rows write the scratch slot's rows (several times; never read by a stream).
+        self.pool.cnn.index_copy_(2, rows64, st.cnn_out)
+
+    def _stage(self, Bb: int, Q: int, device) -> "_Staging":
+        key = (Bb, Q, self.pool.frames, device)
+        stg = self._staging.get(key)
+        if stg is None:
+            stg = self._staging[key] = _Staging(Bb, Q, self.pool.frames, device)
+        return stg
 
     @torch.inference_mode()
     def solve_slots(self, handles: list[SlotHandle], mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
@@ -140,60 +180,120 @@ class SlotSolver(WholeEulerSolver):
         Bb, Q, F = key.batch, key.query, self.pool.frames
         device = mu.device
         want_graph = graph and device.type == "cuda" and self._graphs_off_reason is None
-        with torch.no_grad():
-            rows = torch.empty(2 * Bb, dtype=torch.int32)
-            pos = torch.empty(2 * Bb, Q, dtype=torch.int32)
-            mask = torch.zeros(2 * Bb, Q, F, dtype=torch.bool)
-            z = torch.zeros(Bb, Q, self.n_mel, device=device)
-            for i in range(Bb):
-                if i < B:
-                    h = handles[i]
-                    used = set(h.frames)
-                    free = [f for f in range(F) if f not in used][:Q]
-                    if len(free) < Q:
-                        raise RuntimeError(f"slot {h.slot} has {F - len(used)} free frames, {Q} needed")
-                    keys = torch.zeros(F, dtype=torch.bool)
-                    keys[h.frames] = True
-                    keys[free[:T]] = True
-                    c, u = self.pool.rows(h.slot)
-                    z[i, :T] = self.cfm.noise(h.length, T, temperature).to(mu.dtype)[0].t()
-                else:   # padded batch row: scratch slot, attends to its own new frames only
-                    free, c, u = list(range(Q)), *self.pool.rows(self.pool.scratch)
-                    keys = torch.zeros(F, dtype=torch.bool)
-                    keys[:T] = True
-                rows[i], rows[Bb + i] = c, u
-                pos[i] = pos[Bb + i] = torch.tensor(free, dtype=torch.int32)
-                mask[i] = mask[Bb + i] = keys[None, :].expand(Q, F)
-            with_rows = torch.cat([rows[:B], rows[Bb:Bb + B]]).long().to(device)
-            from .precision import matmul_tf32
-            with matmul_tf32(self.tf32):
-                st = self._static_for(key, device, want_graph)
-                st.z.copy_(z)
-                st.mu[:B, :T].copy_(mu.transpose(1, 2))
-                st.cond[:B, :T].copy_(cond.transpose(1, 2))
-                if T < Q:
-                    st.mu[:B, T:].copy_(st.mu[:B, T - 1:T].expand(-1, Q - T, -1))
-                    st.cond[:B, T:].copy_(st.cond[:B, T - 1:T].expand(-1, Q - T, -1))
-                st.spk[:B].copy_(spks)
-                st.rows.copy_(rows)
-                st.pos.copy_(pos)
-                st.mask.copy_(mask)
-                st.cnn_idx.copy_(torch.arange(T, T + self.K1))
-                cnn_rows = torch.cat([rows[:Bb], rows[Bb:]]).long().to(device)
-                st.cnn_in.copy_(self.pool.cnn.index_select(2, cnn_rows))
-                if st.graph is not None and want_graph:
-                    st.graph.replay()
-                else:
-                    self._program(st)
-                # CNN caches back into the pool (small); attention caches are already in place
-                out_rows = torch.cat([torch.arange(B), torch.arange(Bb, Bb + B)]).to(device)
-                self.pool.cnn.index_copy_(2, with_rows, st.cnn_out.index_select(2, out_rows))
-            for i, h in enumerate(handles):
-                h.frames = [int(f) for f in pos[i, :T]] + h.frames
-                limit = h.prompt_frames + self.pool.keep
-                if len(h.frames) > limit:     # the dense trim's rule, on the frame list only
-                    h.frames = h.frames[:h.prompt_frames] + h.frames[-self.pool.keep:]
-            return st.x[:B, :T].transpose(1, 2).clone()
+        n_noise = self.cfm.rand_noise.shape[2]
+
+        # ---- host: indices and key masks of this chunk (numpy, no device round trip)
+        stg = self._stage(Bb, Q, device)
+        rows, pos, keys, nidx = stg.begin(B, T)
+        new_frames = []
+        for i in range(Bb):
+            if i < B:
+                h = handles[i]
+                kr = keys[i]
+                kr[h._frames_array()] = 1
+                free = (kr == 0).nonzero()[0][:Q]
+                if len(free) < Q:
+                    raise RuntimeError(f"slot {h.slot} has {F - len(h.frames)} free frames, {Q} needed")
+                if h.length + T > n_noise:
+                    raise ValueError(f"noise buffer holds {n_noise} frames; "
+                                     f"frames {h.length}..{h.length + T} requested (utterance or cache too long)")
+                kr[free[:T]] = 1
+                pos[i] = free
+                nidx[i] = stg.arange[:T] + h.length
+                c, u = self.pool.rows(h.slot)
+                new_frames.append(free[:T])
+            else:   # padded batch row: scratch slot, attends to its own new frames only
+                c, u = self.pool.rows(self.pool.scratch)
+                pos[i] = stg.arange[:Q]
+                keys[i, :T] = 1
+            rows[i], rows[Bb + i] = c, u
+
+        with matmul_tf32(self.tf32):
+            st = self._static_for(key, device, want_graph)
+            d_rows, d_pos, d_keys, d_nidx = stg.upload(B, T)
+            # noise: row i reads the fixed noise at its own offset (zeros in padded rows / frames)
+            z = self.cfm.rand_noise[0].index_select(1, d_nidx)                    # (80, B*T)
+            if temperature != 1.0:
+                z = z * temperature
+            st.z[:B, :T].copy_(z.to(mu.dtype).view(-1, B, T).permute(1, 2, 0))
+            if B < Bb:
+                st.z[B:].zero_()
+            if T < Q:
+                st.z[:B, T:].zero_()
+            st.mu[:B, :T].copy_(mu.transpose(1, 2))
+            st.cond[:B, :T].copy_(cond.transpose(1, 2))
+            if T < Q:
+                st.mu[:B, T:].copy_(st.mu[:B, T - 1:T].expand(-1, Q - T, -1))
+                st.cond[:B, T:].copy_(st.cond[:B, T - 1:T].expand(-1, Q - T, -1))
+            st.spk[:B].copy_(spks)
+            st.rows.copy_(d_rows)
+            st.pos.view(2, Bb, Q).copy_(d_pos[None].expand(2, Bb, Q))
+            st.extra["keys"].view(2, Bb, F).copy_(d_keys[None].expand(2, Bb, F))
+            if st.extra.get("cnn_T") != T:
+                st.cnn_idx.copy_(torch.arange(T, T + self.K1, device=device))
+                st.extra["cnn_T"] = T
+            if st.graph is not None and want_graph:
+                st.graph.replay()
+            else:
+                self._program(st)
+        keep = self.pool.keep
+        for h, new in zip(handles, new_frames):
+            frames, arr = new.tolist() + h.frames, np.concatenate((new, h._frames_array()))
+            p = h.prompt_frames
+            if len(frames) > p + keep:     # the dense trim's rule, on the frame list only
+                frames, arr = frames[:p] + frames[-keep:], np.concatenate((arr[:p], arr[-keep:]))
+            h.frames, h._arr, h._arr_of = frames, arr, frames
+        return st.x[:B, :T].transpose(1, 2).clone()
+
+
+class _Staging:
+    """Host-side index buffers of one (batch bucket, query bucket): int32
+    ``[rows (2Bb) | frames (Bb, Q) | keys (Bb, F) | noise columns (Bb*Q)]``.
+
+    On CUDA two pinned buffers alternate and each upload is one non-blocking copy; a buffer is
+    rewritten only after its previous copy has run (an event, normally long complete). On the
+    CPU the host buffer is the device buffer.
+    """
+
+    def __init__(self, Bb: int, Q: int, F: int, device):
+        device = torch.device(device)
+        self.Bb, self.Q, self.F = Bb, Q, F
+        self.o_pos = 2 * Bb
+        self.o_keys = self.o_pos + Bb * Q
+        self.o_noise = self.o_keys + Bb * F
+        self.n = self.o_noise + Bb * Q
+        self.arange = np.arange(max(Q, 1), dtype=np.int32)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.host = [torch.empty(self.n, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self.events = [torch.cuda.Event() for _ in range(2)]
+            self.dev = torch.empty(self.n, dtype=torch.int32, device=device)
+        else:
+            self.host = [torch.empty(self.n, dtype=torch.int32)]
+            self.dev = self.host[0]
+        self.np = [h.numpy() for h in self.host]
+        self.k = 0
+
+    def begin(self, B: int, T: int):
+        """Views (rows, frames, keys, noise columns) of the next host buffer, keys cleared."""
+        if self.cuda:
+            self.k ^= 1
+            self.events[self.k].synchronize()
+        a = self.np[self.k]
+        keys = a[self.o_keys:self.o_noise].reshape(self.Bb, self.F)
+        keys[:] = 0
+        return (a[:self.o_pos], a[self.o_pos:self.o_keys].reshape(self.Bb, self.Q), keys,
+                a[self.o_noise:self.o_noise + B * T].reshape(B, T))
+
+    def upload(self, B: int, T: int):
+        """Device views (rows, frames, keys, noise columns) of the buffer filled since ``begin``."""
+        if self.cuda:
+            n = self.o_noise + B * T
+            self.dev[:n].copy_(self.host[self.k][:n], non_blocking=True)
+            self.events[self.k].record()
+        d = self.dev
+        return (d[:self.o_pos], d[self.o_pos:self.o_keys].view(self.Bb, self.Q),
+                d[self.o_keys:self.o_noise].view(self.Bb, self.F), d[self.o_noise:self.o_noise + B * T])
 
 
 def default_pool_frames(prompt_frames: int, keep: int = 100, query: int = 50) -> int:
