@@ -84,6 +84,26 @@ def build_factory(tiny: bool, out: Path, device: torch.device, dtype: torch.dtyp
     return factory, info, sum(p.numel() for p in thinker.parameters())
 
 
+def write_torch_profile(prof, path: Path, wall_s: float) -> None:
+    """Named ranges (wall time on the host, kernel time under them) and the top kernels."""
+    ev = prof.key_averages()
+    dev = lambda e: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)  # noqa: E731
+    named = [e for e in ev if e.key.split(".")[0] in ("session", "partial", "native", "audit", "inputs")]
+    kernels = [e for e in ev if getattr(e, "device_type", None) is not None and "cuda" in str(e.device_type).lower()
+               and dev(e) > 0 and e.key not in {n.key for n in named}]
+    busy = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in kernels)
+    lines = [f"run wall {wall_s:.3f} s (profiled); GPU kernel busy {busy / 1e6:.3f} s", "",
+             "| range | calls | host ms total | host ms/call | GPU ms under it |", "|---|---:|---:|---:|---:|"]
+    for e in sorted(named, key=lambda e: -e.cpu_time_total):
+        lines.append(f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.1f} | {e.cpu_time_total / 1e3 / e.count:.2f} "
+                     f"| {dev(e) / 1e3:.1f} |")
+    lines += ["", "| kernel | calls | GPU ms |", "|---|---:|---:|"]
+    for e in sorted(kernels, key=lambda e: -(getattr(e, "self_device_time_total", 0) or 0))[:40]:
+        lines.append(f"| `{e.key[:90]}` | {e.count} | {(getattr(e, 'self_device_time_total', 0) or 0) / 1e3:.1f} |")
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:30]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -100,6 +120,9 @@ def main() -> None:
                     "extractor's default there is every fast path: static-cache Triton prefill from graphs, GPU "
                     "frame preprocessing, vision and audio graphs, pooled decoders)")
     ap.add_argument("--profile", action="store_true", help="cProfile each timed run; top functions to OUT/profile_*.txt")
+    ap.add_argument("--torch-profile", action="store_true",
+                    help="torch.profiler (CPU + CUDA) around each timed run; the named stage ranges "
+                    "(session.*, partial.*, native.*) and top kernels to OUT/torch_profile_*.txt")
     ap.add_argument("--modes", default="native-1hz-hold,cached-partial-5hz")
     ap.add_argument("--cadences", default=None, help="comma list; 0 = default cadence, N = --verify-every N ... "
                     "(default: 0 and --periodic)")
@@ -151,7 +174,16 @@ def main() -> None:
                 import pstats
                 prof = cProfile.Profile()
                 prof.enable()
+            tprof = None
+            if args.torch_profile:
+                from torch.profiler import ProfilerActivity, profile
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                tprof = profile(activities=acts)
+                tprof.__enter__()
             art = ex.run(opts(mode, every, None, out), factory=factory, model_info=info, echo=print)
+            if tprof is not None:
+                tprof.__exit__(None, None, None)
+                write_torch_profile(tprof, args.out / f"torch_profile_{mode}_{every}.txt", art.provenance["wall_time_s"])
             if args.profile:
                 prof.disable()
                 buf = io.StringIO()

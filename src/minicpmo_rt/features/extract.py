@@ -65,6 +65,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from ..errors import InputError, MiniCPMORTError
 from .artifact import (MODE_UNVERIFIED, MODE_VERIFIED, FeatureArtifact, grid_times, held_alignment,
@@ -175,6 +176,7 @@ class Inputs:
         a, b = int(round(start * SAMPLE_RATE)), int(round(end * SAMPLE_RATE))
         return self._audio[a:b]
 
+    @record_function("inputs.frame_at")
     def frame_at(self, t: float) -> np.ndarray:
         idx = frame_index_at(t)
         img = self.media.frame(idx)
@@ -366,15 +368,17 @@ def extract_native(factory: SessionFactory, inputs: Inputs, rows: int, *, verify
         t = row_time(k)
         if native[k]:
             sec = (k + 1) // 5
-            _commit(session, inputs, sec)
-            held = session.read_state().float().clone()
+            with record_function("native.commit"):
+                _commit(session, inputs, sec)
+                held = session.read_state().float().clone()
             seen, new = _pruning_rows(session, seen, k, t)
             pruning += new
             if states is None:
                 states = torch.zeros(rows, held.shape[-1], dtype=torch.float32)
             do_r, do_f = c_replay.due(k), c_future.due(k)
             if do_r or do_f:
-                _run_replays(factory, inputs, k, t, held, do_r, do_f, replay, future)
+                with record_function("audit.replays"):
+                    _run_replays(factory, inputs, k, t, held, do_r, do_f, replay, future)
         if held is not None:
             states[k] = held
         if tick:
@@ -434,13 +438,14 @@ def extract_partial(factory: SessionFactory, inputs: Inputs, rows: int, *, verif
         if frac == 0:
             audio, frame = inputs.audio(sec - 1, sec), inputs.frame_at(float(sec))
             before = fingerprint_before()
-            with session.transaction():
+            with record_function("partial.boundary_check"), session.transaction():
                 session.commit(audio, frame)
                 temp = session.read_state().float().clone()
             check_restored(k, t, before)
-            session.commit(audio, frame)
-            known = None
-            h = session.read_state().float().clone()
+            with record_function("partial.commit"):
+                session.commit(audio, frame)
+                known = None
+                h = session.read_state().float().clone()
             n_before = seen
             seen, new = _pruning_rows(session, seen, k, t)
             pruning += new
@@ -450,13 +455,14 @@ def extract_partial(factory: SessionFactory, inputs: Inputs, rows: int, *, verif
         else:
             audio, frame = inputs.audio(sec, t), inputs.frame_at(t)
             before = fingerprint_before()
-            with session.transaction():
+            with record_function("partial.tail"), session.transaction():
                 session.append_tail(audio, frame)
                 h = session.read_state().float().clone()
             check_restored(k, t, before)
             do_r, do_f = c_replay.due(k), c_future.due(k)
             if do_r or do_f:
-                _run_replays(factory, inputs, k, t, h, do_r, do_f, replay, future)
+                with record_function("audit.replays"):
+                    _run_replays(factory, inputs, k, t, h, do_r, do_f, replay, future)
                 known = None  # replays touch process-wide state (RNG, allocator): read it afresh
         if states is None:
             states = torch.zeros(rows, h.shape[-1], dtype=torch.float32)

@@ -66,6 +66,7 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from ..errors import InputError, MiniCPMORTError
 from .audio import AudioEncoderCache
@@ -360,6 +361,7 @@ class StreamingSession:
             committed_chunks=self.committed_chunks, prune_count=len(self.pruning_events),
             last_hidden=self._last_hidden)
 
+    @record_function("session.restore")
     def restore(self, snap: SessionSnapshot) -> None:
         if snap.prune_count != len(self.pruning_events):
             raise SnapshotError(f"restore: the snapshot was taken before {len(self.pruning_events) - snap.prune_count} "
@@ -385,6 +387,7 @@ class StreamingSession:
         if snap.llm_checksum is not None and self.llm_cache.checksum() != snap.llm_checksum:
             raise SnapshotError("restore: the LLM cache checksum differs from the snapshot's after truncation")
 
+    @record_function("session.fingerprint")
     def fingerprint(self) -> SessionFingerprint:
         carry = hashlib.sha1(np.ascontiguousarray(self.carry).tobytes()).hexdigest()
         return SessionFingerprint(
@@ -430,6 +433,7 @@ class StreamingSession:
         return self.llm_cache.store
 
     # -- internals --------------------------------------------------------------------------
+    @record_function("session.preprocess_frame")
     def _check_frame(self, frame, where: str) -> ProcessedImage | None:
         if frame is None:
             return None
@@ -457,11 +461,15 @@ class StreamingSession:
     def _feed_unit(self, chunk: np.ndarray, rest: np.ndarray, processed: ProcessedImage | None,
                    last_chunk: bool) -> None:
         th = self.thinker
-        mel = self.mel.process(chunk, last_chunk=last_chunk)
+        # named ranges for torch.profiler (benchmarks/features_bench.py --torch-profile); ~1 us each otherwise
+        with record_function("session.mel"):
+            mel = self.mel.process(chunk, last_chunk=last_chunk)
         embed_audio = self.audio_graphs.embed_chunk if self.audio_graphs is not None else th.embed_audio_chunk
-        audio = embed_audio(mel.features, self.audio_cache, mel.prefix_extra, mel.suffix_extra)
+        with record_function("session.audio_encoder"):
+            audio = embed_audio(mel.features, self.audio_cache, mel.prefix_extra, mel.suffix_extra)
         embed_image = self.vision if self.vision is not None else th.embed_image
-        images = [embed_image(processed)] if processed is not None else []
+        with record_function("session.vision"):
+            images = [embed_image(processed)] if processed is not None else []
         closing = self.prompts.duplex_unit_end(None) if self.open_unit is not None else PromptPiece(())
         unit = self.prompts.duplex_unit([processed] if processed is not None else [],
                                         audio_embeds=int(audio.embeds.shape[0]))
@@ -477,8 +485,9 @@ class StreamingSession:
                 f"commit {self.committed_chunks}: the context would reach {start + len(piece)} positions, past the "
                 f"model's {self.max_positions} (window {self.window.name!r}, pruning "
                 f"{'suspended' if self._suspended else 'active'}); use a bounded WindowPolicy or shorter sessions")
-        embeds = self._assemble(piece, images, audio.embeds)
-        step = self.llm_cache.feed(embeds)
+        with record_function("session.llm_feed"):
+            embeds = self._assemble(piece, images, audio.embeds)
+            step = self.llm_cache.feed(embeds)
         # Commit the bookkeeping only after the forward succeeded.
         self._last_hidden = step.last
         self.audio_cache = audio.cache
