@@ -297,5 +297,11 @@ class _Staging:
 
 
 def default_pool_frames(prompt_frames: int, keep: int = 100, query: int = 50) -> int:
-    """Slot capacity: steady cache plus one chunk's frames, aligned to 16."""
-    return int(math.ceil((prompt_frames + keep + max(query, 2 * keep)) / 16) * 16)
+    """Slot capacity: steady cache plus one chunk's frames, aligned to 16.
+
+    A stream's frame list is trimmed to ``prompt_frames + keep`` after every chunk, and a chunk
+    needs ``query`` (the query bucket) free frames, so this is all a slot ever uses when the
+    admitted cache is at most the steady length. The attention walks every frame of the slot
+    (masked ones too), so extra capacity costs attention time on every chunk.
+    """
+    return int(math.ceil((prompt_frames + keep + query) / 16) * 16)
