@@ -11,12 +11,22 @@ at its steady length prompt + 100 = 400 frames, batch 1, 4, 8, 16. Rows:
   upstream inference_chunk  minicpmo-utils 1.0.7 flow (encoder + CFM, batch 1 only: its
                             buffers hold 2 rows), FP32 and TF32, same weights
   ours flow.inference_chunk reference flow (encoder + CFM, eager), batch 1
+  fused + graph TF32 on, slot pool
+                            opt-in slot pool (caches resident, prompt 300 + keep 100), all
+                            streams at the steady length 400
+  fused + graph TF32 on, row merging
+                            the slot pool with B streams at DIFFERENT cache lengths (prompt 300
+                            + keep 60..100; B=1: one stream at 360) in one merged replay
 
 Graph rows report ``solve`` (input staging + cache copy into the arena + replay) and the
-replay alone. Weights are random (timings do not depend on values). Writes
-``code2wav_bench.json`` and ``code2wav_bench.md`` into --out.
+replay alone. Weights are random (timings do not depend on values). The slot-pool rows report
+errors (mel, cnn, att) vs per-stream original-body IEEE solves with the dense trim, and the
+merged row also vs separate per-stream solves of the same fused path and, for its IEEE twin
+(triton-ieee, TF32 off; untimed), vs the IEEE reference. Writes ``code2wav_bench.json`` and
+``code2wav_bench.md`` into --out.
 
     PYTHONPATH=src python benchmarks/code2wav_bench.py --out benchmarks/results [--upstream DIR]
+    PYTHONPATH=src python benchmarks/code2wav_bench.py --out DIR --only slot,merge
 """
 
 from __future__ import annotations
@@ -55,10 +65,16 @@ def randomize_(module: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.02 * torch.randn(p.shape, generator=g))
 
 
-def timed(fn, budget_s: float = 2.0, max_reps: int = 30, min_reps: int = 3) -> list[float]:
-    """Milliseconds per call (CUDA events), after warm-up; reps fit the time budget."""
+def timed(fn, budget_s: float = 2.0, max_reps: int = 30, min_reps: int = 3, before=None) -> list[float]:
+    """Milliseconds per call (CUDA events), after warm-up; reps fit the time budget.
+
+    ``before`` (untimed) runs before every call, e.g. to rewind state the call advances.
+    """
+    before = before or (lambda: None)
+    before()
     fn()
     torch.cuda.synchronize()
+    before()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
@@ -66,6 +82,7 @@ def timed(fn, budget_s: float = 2.0, max_reps: int = 30, min_reps: int = 3) -> l
     reps = int(max(min_reps, min(max_reps, budget_s / max(one, 1e-4))))
     out = []
     for _ in range(reps):
+        before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -193,14 +210,159 @@ class ieee_cudnn:
         torch.backends.cudnn.allow_tf32 = self.prev
 
 
+SLOT_ROW = "fused + graph TF32 on, slot pool"
+MERGE_ROW = "fused + graph TF32 on, row merging"
+
+
+def _stream(cache: torch.Tensor, i: int, B: int) -> torch.Tensor:
+    """Stream i's (cond, uncond) rows of a (S, depth, 2B, ...) cache: (S, depth, 2, ...)."""
+    return torch.cat([cache[:, :, i:i + 1], cache[:, :, B + i:B + i + 1]], 2)
+
+
+class _Errs:
+    """Relative L2 over all streams (sqrt(sum |a-b|^2 / sum |b|^2)) and the largest per-stream one."""
+
+    def __init__(self):
+        self.num, self.den, self.worst = {}, {}, {}
+
+    def add(self, name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if got.shape != want.shape:
+            raise ValueError(f"{name}: shape {tuple(got.shape)} vs reference {tuple(want.shape)}")
+        d, w = (got.double() - want.double()).norm() ** 2, want.double().norm() ** 2
+        self.num[name] = self.num.get(name, 0.0) + float(d)
+        self.den[name] = self.den.get(name, 0.0) + float(w)
+        self.worst[name] = max(self.worst.get(name, 0.0), math.sqrt(float(d) / max(float(w), 1e-30)))
+
+    def result(self) -> dict:
+        out = {k: math.sqrt(self.num[k] / max(self.den[k], 1e-30)) for k in self.num}
+        out["max_stream"] = dict(self.worst)
+        return out
+
+
+def merge_lengths(B: int, prompt: int, keep: int) -> list[int]:
+    """Cache lengths of the merged row: prompt + keep spread over [0.6 keep, keep] (B=1: 0.6 keep)."""
+    lo = keep * 6 // 10
+    if B == 1:
+        return [prompt + lo]
+    return [prompt + lo + round((keep - lo) * i / (B - 1)) for i in range(B)]
+
+
+def _slot_solver(cfm, cfg, n_steps: int, slots: int, prompt: int, keep: int, query: int, device,
+                 attention: str, tf32: bool, use_triton=None):
+    from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver, default_pool_frames
+    solver = SlotSolver(cfm, pool=None, attention=attention, tf32=tf32, n_timesteps=n_steps, config=cfg,
+                        use_triton=use_triton)
+    solver.pool = SlotPool(solver, slots=slots, frames=default_pool_frames(prompt, keep, query), keep=keep,
+                           device=device)
+    return solver
+
+
+def slot_row(cfm, cfg, B, cnn, att, mu, spk, cond, ref, row, budget, prompt, keep=100, timer=timed,
+             attention="triton-tf32", tf32=True, use_triton=None):
+    """Slot pool, all B streams at the bench's cache length (att.shape[4]); errors vs the batched
+    IEEE reference ``ref`` (mel, cnn, untrimmed att) with the dense trim applied per stream."""
+    from minicpmo_rt.code2wav.flow import trim_estimator_att
+    solver = _slot_solver(cfm, cfg, cnn.shape[0], B, prompt, keep, mu.shape[2], mu.device, attention, tf32,
+                          use_triton)
+    pool = solver.pool
+    handles = [pool.admit(_stream(cnn, i, B), _stream(att, i, B), prompt) for i in range(B)]
+    mel = solver.solve_slots(handles, mu, spk, cond)
+    errs = _Errs()
+    errs.add("mel", mel, ref[0])
+    for i, h in enumerate(handles):
+        c, a = h.dense()
+        errs.add("cnn", c, _stream(ref[1], i, B))
+        errs.add("att", a, trim_estimator_att(_stream(ref[2], i, B), prompt, keep))
+    ms = timer(lambda: solver.solve_slots(handles, mu, spk, cond), budget)
+    st = next(iter(solver._statics.values()))
+    rep = timer(st.graph.replay, budget) if st.graph is not None else None
+    row(SLOT_ROW, B, ms, rep, {"rel_err_vs_original_ieee": errs.result(), "graph": st.graph is not None,
+                               "pool_frames": pool.frames, "lengths": [att.shape[4]] * B})
+
+
+def merge_row(cfm, cfg, B, cnn, att, mu, spk, cond, row, budget, prompt, keep=100, timer=timed,
+              attention="triton-tf32", tf32=True, use_triton=None, ieee_attention="triton-ieee"):
+    """Row merging: B streams whose caches differ in length (``merge_lengths``; the first frames of
+    ``att``) solved in ONE replay per chunk, timed at those lengths (before every call the frame lists
+    are rewound, untimed; a chunk only writes frames outside them, so the rewound caches are intact).
+
+    Errors (mel, cnn, att; relative L2 over all streams and the worst stream) vs per-stream
+    original-body IEEE solves with the dense trim, vs separate per-stream solves of the same fused
+    path (a one-slot pool, batch 1), and of the merged IEEE twin (``ieee_attention``, TF32 off;
+    untimed; None skips it) vs the IEEE reference.
+    """
+    from minicpmo_rt.code2wav.flow import trim_estimator_att
+    n, T, dev = cnn.shape[0], mu.shape[2], mu.device
+    lengths = merge_lengths(B, prompt, keep)
+    if max(lengths) > att.shape[4]:
+        raise ValueError(f"merged row needs caches of {max(lengths)} frames, the bench has {att.shape[4]}")
+    dense = lambda i: (_stream(cnn, i, B), _stream(att, i, B)[..., :lengths[i], :])  # noqa: E731
+    paths = {"tf32": (attention, tf32)}
+    if ieee_attention:
+        paths["ieee"] = (ieee_attention, False)
+    solvers, handles, mels, admitted = {}, {}, {}, None
+    for k, (attn, tf) in paths.items():
+        solvers[k] = sv = _slot_solver(cfm, cfg, n, B, prompt, keep, T, dev, attn, tf, use_triton)
+        handles[k] = [sv.pool.admit(*dense(i), prompt) for i in range(B)]
+        if k == "tf32":   # the admitted frame lists (and their numpy mirrors) to rewind to
+            admitted = [(h.frames, h._frames_array()) for h in handles[k]]
+        mels[k] = sv.solve_slots(handles[k], mu, spk, cond)
+        assert [h.length for h in handles[k]] == [min(L + T, prompt + keep) for L in lengths]
+    sep = _slot_solver(cfm, cfg, n, 1, prompt, keep, T, dev, attention, tf32, use_triton)
+    vs_ieee, vs_sep, twin = _Errs(), _Errs(), _Errs()
+    for i in range(B):
+        c0, a0 = dense(i)
+        with torch.inference_mode(), matmul_tf32(False), ieee_cudnn():
+            r_mel, r_cnn, r_att = cfm.forward_chunk(mu[i:i + 1], spk[i:i + 1], cond[i:i + 1], n_timesteps=n,
+                                                    cnn_cache=c0, att_cache=a0)
+        ref = (r_mel, r_cnn, trim_estimator_att(r_att, prompt, keep))
+        hs = sep.pool.admit(c0, a0, prompt)
+        alone = (sep.solve_slots([hs], mu[i:i + 1], spk[i:i + 1], cond[i:i + 1]), *hs.dense())
+        hs.release()
+        for k, pairs in (("tf32", ((vs_ieee, ref), (vs_sep, alone))), ("ieee", ((twin, ref),))):
+            if k not in handles:
+                continue
+            got = (mels[k][i:i + 1], *handles[k][i].dense())
+            for errs, want in pairs:
+                for name, g, w in zip(("mel", "cnn", "att"), got, want):
+                    errs.add(name, g, w)
+        del c0, a0, r_att, ref, alone, got
+    del sep
+    solvers.pop("ieee", None)
+    handles.pop("ieee", None)
+    solver, hs_ = solvers["tf32"], handles["tf32"]
+
+    def rewind():   # the handles' numpy mirrors too, so the timed call does not rebuild them
+        for h, (f, arr) in zip(hs_, admitted):
+            h.frames, h._arr, h._arr_of = f, arr, f
+
+    ms = timer(lambda: solver.solve_slots(hs_, mu, spk, cond), budget, before=rewind)
+    st = next(iter(solver._statics.values()))
+    rep = timer(st.graph.replay, budget) if st.graph is not None else None
+    extra = {"rel_err_vs_original_ieee": vs_ieee.result(), "rel_err_vs_separate_fused": vs_sep.result(),
+             "graph": st.graph is not None, "pool_frames": solver.pool.frames, "lengths": lengths}
+    if ieee_attention:
+        extra["rel_err_ieee_merged_vs_original_ieee"] = twin.result()
+    row(MERGE_ROW, B, ms, rep, extra)
+
+
+ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batches", default="1,16,4,8")
     ap.add_argument("--upstream", type=Path, default=None, help="folder holding the stepaudio2 package source")
     ap.add_argument("--budget", type=float, default=0.5, help="seconds of timing per cell")
+    ap.add_argument("--only", default="", help="comma list of row groups to run (default: all): "
+                    + ", ".join(ROW_GROUPS) + "; e.g. --only slot,merge")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    only = {w.strip() for w in args.only.split(",") if w.strip()}
+    if only - set(ROW_GROUPS):
+        ap.error(f"unknown row group(s) {sorted(only - set(ROW_GROUPS))}; choose from {', '.join(ROW_GROUPS)}")
+    on = lambda group: not only or group in only  # noqa: E731
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
     gpu = torch.cuda.get_device_name(dev)
@@ -220,36 +382,37 @@ def main(argv=None) -> int:
     res["peak_fp32_tflops"] = peak_tflops(False)
     print(f"{gpu}: TF32 mm peak {res['peak_tf32_tflops']:.0f} TFLOP/s, FP32 {res['peak_fp32_tflops']:.0f}", flush=True)
 
-    # kernels per block: one estimator evaluation at batch 1, divided by depth
-    g = torch.Generator().manual_seed(1)
-    cnn, att = caches(1, g)
-    x = torch.randn(2, 80, T, device=dev)
-    mu, spk, cond = torch.randn(2, 80, T, device=dev), torch.randn(2, 80, device=dev), torch.zeros(2, 80, T, device=dev)
-    tt = torch.full((2,), 0.5, device=dev)
-    with torch.inference_mode():
-        k_orig = count_kernels(lambda: cfm.estimator.forward_chunk(x, mu, tt, spk, cond, cnn[0], att[0]))
-        fused = FusedDiT(cfm.estimator, attention="triton-tf32")
-        xin = torch.cat([x, mu, spk[:, :, None].expand(-1, -1, T), cond], 1).transpose(1, 2).contiguous()
-        kv = torch.empty(16, 2, 8, T + L, 128, device=dev)
-        kv[:, :, :, T:] = att[0]
-        hist = fused.new_hist(2, T, dev).zero_()
-        ws = fused.workspace(2, T, dev)
-        out = torch.empty(2, T, 80, device=dev)
-        with matmul_tf32(True):
-            mod = fused.modulation(tt[:1])
-            body = lambda: fused.body(xin, mod, hist, kv, None, ws, out)  # noqa: E731
-            k_fused = count_kernels(body)
-            res["fused_eval_kernels_b1_tf32"] = kernel_profile(body)
-        res["original_eval_kernels_b1"] = kernel_profile(
-            lambda: cfm.estimator.forward_chunk(x, mu, tt, spk, cond, cnn[0], att[0]))
-    res["kernels_per_block"] = {"original": k_orig / 16, "fused": k_fused / 16,
-                                "note": "CUDA kernels (incl. copies) of one estimator evaluation / depth"}
-    print(f"kernels per block: original {k_orig / 16:.1f}, fused {k_fused / 16:.1f}", flush=True)
-    for r in res["fused_eval_kernels_b1_tf32"]:
-        print(f"    {r['count']:4d} {r['total_us']:9.1f} us  {r['kernel']}", flush=True)
-    del kv, hist, ws, fused
-    res["attention_us"] = attention_micro()
-    print(f"attention micro-bench (us): {res['attention_us']}", flush=True)
+    if on("kernels"):
+        # kernels per block: one estimator evaluation at batch 1, divided by depth
+        g = torch.Generator().manual_seed(1)
+        cnn, att = caches(1, g)
+        x = torch.randn(2, 80, T, device=dev)
+        mu, spk, cond = torch.randn(2, 80, T, device=dev), torch.randn(2, 80, device=dev), torch.zeros(2, 80, T, device=dev)
+        tt = torch.full((2,), 0.5, device=dev)
+        with torch.inference_mode():
+            k_orig = count_kernels(lambda: cfm.estimator.forward_chunk(x, mu, tt, spk, cond, cnn[0], att[0]))
+            fused = FusedDiT(cfm.estimator, attention="triton-tf32")
+            xin = torch.cat([x, mu, spk[:, :, None].expand(-1, -1, T), cond], 1).transpose(1, 2).contiguous()
+            kv = torch.empty(16, 2, 8, T + L, 128, device=dev)
+            kv[:, :, :, T:] = att[0]
+            hist = fused.new_hist(2, T, dev).zero_()
+            ws = fused.workspace(2, T, dev)
+            out = torch.empty(2, T, 80, device=dev)
+            with matmul_tf32(True):
+                mod = fused.modulation(tt[:1])
+                body = lambda: fused.body(xin, mod, hist, kv, None, ws, out)  # noqa: E731
+                k_fused = count_kernels(body)
+                res["fused_eval_kernels_b1_tf32"] = kernel_profile(body)
+            res["original_eval_kernels_b1"] = kernel_profile(
+                lambda: cfm.estimator.forward_chunk(x, mu, tt, spk, cond, cnn[0], att[0]))
+        res["kernels_per_block"] = {"original": k_orig / 16, "fused": k_fused / 16,
+                                    "note": "CUDA kernels (incl. copies) of one estimator evaluation / depth"}
+        print(f"kernels per block: original {k_orig / 16:.1f}, fused {k_fused / 16:.1f}", flush=True)
+        for r in res["fused_eval_kernels_b1_tf32"]:
+            print(f"    {r['count']:4d} {r['total_us']:9.1f} us  {r['kernel']}", flush=True)
+        del kv, hist, ws, fused
+        res["attention_us"] = attention_micro()
+        print(f"attention micro-bench (us): {res['attention_us']}", flush=True)
     save()
 
     def row(name, B, ms, replay=None, extra=None):
@@ -278,14 +441,17 @@ def main(argv=None) -> int:
         spk = torch.randn(B, 80, generator=g).cuda()
         cond = torch.zeros(B, 80, T, device=dev)
         eager = lambda: cfm.forward_chunk(mu, spk, cond, n_timesteps=S, cnn_cache=cnn, att_cache=att)  # noqa: E731
-        with matmul_tf32(False), ieee_cudnn():
-            ref = eager()
-        with matmul_tf32(False):
-            row("original eager", B, timed(eager, args.budget))
-        if B == 1:
-            with matmul_tf32(True):
-                row("original eager TF32", B, timed(eager, args.budget))
-        for name, kw in variants:
+        ref = None
+        if on("graphs") or on("slot"):
+            with matmul_tf32(False), ieee_cudnn():
+                ref = eager()
+        if on("original"):
+            with matmul_tf32(False):
+                row("original eager", B, timed(eager, args.budget))
+            if B == 1:
+                with matmul_tf32(True):
+                    row("original eager TF32", B, timed(eager, args.budget))
+        for name, kw in (variants if on("graphs") else []):
             solver = WholeEulerSolver(cfm, n_timesteps=S, config=cfg, **kw)
             got = solver.solve(mu, spk, cond, cnn, att, copy_out=False)
             errs = [_rel(a, b) for a, b in zip(got, ref)]
@@ -297,62 +463,57 @@ def main(argv=None) -> int:
             del solver, st, got
             gc.collect()
             torch.cuda.empty_cache()
-        slot_row(B, cnn, att, mu, spk, cond, ref)
+        # opt-in slot pool (prompt 300 + keep 100): equal lengths, then merged different lengths
+        for group, what, fn, args_ in (("slot", "slot pool", slot_row, (ref,)), ("merge", "row merging", merge_row, ())):
+            if not on(group):
+                continue
+            try:
+                fn(cfm, cfg, B, cnn, att, mu, spk, cond, *args_, row, args.budget, L - 100)
+            except Exception as exc:  # noqa: BLE001 - opt-in rows
+                res["notes"].append(f"{what} row B={B} failed: {exc!r}")
+                print(f"{what} row B={B} failed: {exc!r}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
         del cnn, att, ref
         gc.collect()
         torch.cuda.empty_cache()
 
-    def slot_row(B, cnn, att, mu, spk, cond, ref):
-        """Opt-in slot pool: caches resident, no per-chunk cache copy (prompt 300 + keep 100)."""
-        try:
-            from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver, default_pool_frames
-            solver = SlotSolver(cfm, pool=None, attention="triton-tf32", tf32=True, n_timesteps=S, config=cfg)
-            solver.pool = pool = SlotPool(solver, slots=B, frames=default_pool_frames(L - 100), device=dev)
-            handles = [pool.admit(cnn[:, :, [i, B + i]], att[:, :, [i, B + i]], L - 100) for i in range(B)]
-            mel = solver.solve_slots(handles, mu, spk, cond)
-            err = _rel(mel, ref[0])
-            ms = timed(lambda: solver.solve_slots(handles, mu, spk, cond), args.budget)
-            row("fused + graph TF32 on, slot pool", B, ms, extra={"rel_err_vs_original_ieee": {
-                "mel": err, "cnn": float("nan"), "att": float("nan")}})
-            del solver, pool, handles
-        except Exception as exc:  # noqa: BLE001 - opt-in row
-            res["notes"].append(f"slot pool row B={B} failed: {exc!r}")
-            print(f"slot pool row failed: {exc!r}", flush=True)
-
     cfm_rows(batches[0])
 
-    # whole flow chunk (encoder + CFM), batch 1: upstream's inference_chunk vs ours (eager)
-    g = torch.Generator().manual_seed(99)
-    prompt = torch.randint(0, 6561, (1, L // 2 + 3), generator=g).cuda()
-    pmel = torch.randn(1, L, 80, generator=g).cuda()
-    spk192 = torch.randn(1, 192, generator=g).cuda()
-    toks = torch.randint(0, 6561, (1, 28), generator=g).cuda()
-    with matmul_tf32(False):
-        cache = flow.setup_cache(prompt, pmel, spk192)
-        row("ours flow.inference_chunk eager", 1, timed(lambda: flow.inference_chunk(toks, spk192, cache), args.budget))
-    if args.upstream is not None:
-        try:
-            up = upstream_flow(args.upstream, flow)
-            with matmul_tf32(False):   # parity first: its caches are views of buffers each call rewrites
-                ucache = {k: v.clone() for k, v in up.setup_cache(prompt, pmel, spk192).items()}
-                m_up, _ = up.inference_chunk(toks, spk192, ucache)
-                m_ours, _ = flow.inference_chunk(toks, spk192, cache)
-            res["notes"].append(f"upstream vs ours flow chunk mel rel err {_rel(m_ours, m_up):.2e} (same weights, "
-                                "same noise, matmul IEEE)")
-            for tf32 in (False, True):
-                with matmul_tf32(tf32):
-                    ucache = up.setup_cache(prompt, pmel, spk192)
-                    row(f"upstream inference_chunk {'TF32' if tf32 else 'FP32'}", 1,
-                        timed(lambda: up.inference_chunk(toks, spk192, ucache), args.budget))
-            del up, ucache
-            gc.collect()
-            torch.cuda.empty_cache()
-        except Exception as exc:  # noqa: BLE001 - the baseline row is optional
-            res["notes"].append(f"upstream baseline failed: {exc!r}")
-            print(f"upstream baseline failed: {exc!r}", flush=True)
-        save()
+    if on("flow"):
+        # whole flow chunk (encoder + CFM), batch 1: upstream's inference_chunk vs ours (eager)
+        g = torch.Generator().manual_seed(99)
+        prompt = torch.randint(0, 6561, (1, L // 2 + 3), generator=g).cuda()
+        pmel = torch.randn(1, L, 80, generator=g).cuda()
+        spk192 = torch.randn(1, 192, generator=g).cuda()
+        toks = torch.randint(0, 6561, (1, 28), generator=g).cuda()
+        with matmul_tf32(False):
+            cache = flow.setup_cache(prompt, pmel, spk192)
+            row("ours flow.inference_chunk eager", 1, timed(lambda: flow.inference_chunk(toks, spk192, cache), args.budget))
+        if args.upstream is not None:
+            try:
+                up = upstream_flow(args.upstream, flow)
+                with matmul_tf32(False):   # parity first: its caches are views of buffers each call rewrites
+                    ucache = {k: v.clone() for k, v in up.setup_cache(prompt, pmel, spk192).items()}
+                    m_up, _ = up.inference_chunk(toks, spk192, ucache)
+                    m_ours, _ = flow.inference_chunk(toks, spk192, cache)
+                res["notes"].append(f"upstream vs ours flow chunk mel rel err {_rel(m_ours, m_up):.2e} (same weights, "
+                                    "same noise, matmul IEEE)")
+                for tf32 in (False, True):
+                    with matmul_tf32(tf32):
+                        ucache = up.setup_cache(prompt, pmel, spk192)
+                        row(f"upstream inference_chunk {'TF32' if tf32 else 'FP32'}", 1,
+                            timed(lambda: up.inference_chunk(toks, spk192, ucache), args.budget))
+                del up, ucache
+                gc.collect()
+                torch.cuda.empty_cache()
+            except Exception as exc:  # noqa: BLE001 - the baseline row is optional
+                res["notes"].append(f"upstream baseline failed: {exc!r}")
+                print(f"upstream baseline failed: {exc!r}", flush=True)
+            save()
 
-    hift_rows(res, row, args.budget)
+    if on("hift"):
+        hift_rows(res, row, args.budget)
     for B in batches[1:]:
         cfm_rows(B)
     print(markdown(res))
@@ -401,9 +562,11 @@ def markdown(res: dict) -> str:
     lines = [f"# Code2Wav CFM chunk benchmark on {res['gpu']}", "",
              f"torch {res['torch']}, triton {res['triton']}; per steady 1-s chunk: query {res['query']} mel frames, "
              f"{res['steps']} Euler steps with CFG, estimator cache {res['cache']} frames. Medians of CUDA-event timings.",
-             f"Measured matmul peak: TF32 {res['peak_tf32_tflops']:.0f} TFLOP/s, FP32 {res['peak_fp32_tflops']:.0f} TFLOP/s.",
-             f"Kernels per DiT block: original {res['kernels_per_block']['original']:.1f}, "
-             f"fused {res['kernels_per_block']['fused']:.1f}.", ""]
+             f"Measured matmul peak: TF32 {res['peak_tf32_tflops']:.0f} TFLOP/s, FP32 {res['peak_fp32_tflops']:.0f} TFLOP/s."]
+    if "kernels_per_block" in res:
+        lines.append(f"Kernels per DiT block: original {res['kernels_per_block']['original']:.1f}, "
+                     f"fused {res['kernels_per_block']['fused']:.1f}.")
+    lines.append("")
     batches = sorted({r["batch"] for r in res["rows"]})
     names = list(dict.fromkeys(r["row"] for r in res["rows"]))
     cell = {(r["row"], r["batch"]): r for r in res["rows"]}
@@ -429,10 +592,26 @@ def markdown(res: dict) -> str:
         if "rel_err_vs_original_ieee" in r and r["batch"] == 1:
             e = r["rel_err_vs_original_ieee"]
             lines.append(f"- {r['row']}: {e['mel']:.1e}, {e['cnn']:.1e}, {e['att']:.1e}")
+    pooled = [r for r in res["rows"] if r["row"] in (SLOT_ROW, MERGE_ROW)]
+    if pooled:
+        lines += ["", "Slot pool / row merging, every batch (relative L2 over all streams, worst stream in "
+                  "brackets; mel, cnn cache, att cache after the trim):", ""]
+        fmt = lambda e: ", ".join(f"{e[k]:.1e} [{e['max_stream'][k]:.1e}]" for k in ("mel", "cnn", "att"))  # noqa: E731
+        for r in pooled:
+            ls = r.get("lengths") or [0]
+            span = f"{min(ls)}" if min(ls) == max(ls) else f"{min(ls)}..{max(ls)}"
+            lines.append(f"- {r['row']} B={r['batch']} (cache {span} frames, slot {r.get('pool_frames')}): "
+                         f"vs original IEEE {fmt(r['rel_err_vs_original_ieee'])}")
+            if "rel_err_vs_separate_fused" in r:
+                lines.append(f"  - merged vs separate per-stream solves (same fused TF32 path): "
+                             f"{fmt(r['rel_err_vs_separate_fused'])}")
+            if "rel_err_ieee_merged_vs_original_ieee" in r:
+                lines.append(f"  - IEEE twin (triton-ieee, TF32 off), merged vs original IEEE: "
+                             f"{fmt(r['rel_err_ieee_merged_vs_original_ieee'])}")
     lines += ["", "Fraction of the measured TF32 matmul peak (useful FLOPs / time):", ""]
     for r in res["rows"]:
         if r["row"].startswith("fused + graph TF32 on"):
-            lines.append(f"- B={r['batch']}: {100 * r['tf32_peak_fraction']:.2f}% "
+            lines.append(f"- {r['row']} B={r['batch']}: {100 * r['tf32_peak_fraction']:.2f}% "
                          f"({chunk_flops(r['batch']) / 1e9:.1f} GFLOP per chunk)")
     for key, title in (("fused_eval_kernels_b1_tf32", "fused body, TF32"),
                        ("original_eval_kernels_b1", "original body")):
