@@ -156,10 +156,10 @@ def main() -> None:
     # per chunk/prefill shape: one-time costs of a process, reported as warmup_s)
     t0 = time.perf_counter()
     for mode in ("native-1hz-hold", "cached-partial-5hz"):
-        ex.run(opts(mode, 0, min(3.0, seconds), args.out / "warmup.pt"), factory=factory,
+        ex.run(opts(mode, 0, min(6.0, seconds), args.out / "warmup.pt"), factory=factory,
                model_info=info, echo=lambda s: None)
     warmup_s = time.perf_counter() - t0
-    print(f"warm-up (both modes, 3 s each): {warmup_s:.1f}s", flush=True)
+    print(f"warm-up (both modes, 6 s each): {warmup_s:.1f}s", flush=True)
     rows = []
     for mode in args.modes.split(","):
         for every in (int(c) for c in (args.cadences or f"0,{args.periodic}").split(",")):
@@ -216,7 +216,7 @@ def main() -> None:
              f"Synthetic {seconds:.0f}-s {width}x{height} 20 fps session; decoder {args.decoder} "
              f"(threads {args.decoder_threads or 'auto'}); torch {torch.__version__}; session fast paths "
              f"{'on' if info.get('session_fast_paths') else 'off'}; prefetch workers "
-             f"{env.get('prefetch_workers', '?')}; one-time warm-up (both modes, 3 s each, graph captures "
+             f"{env.get('prefetch_workers', '?')}; one-time warm-up (both modes, 6 s each, graph captures "
              f"included) {warmup_s:.1f} s, outside the timings.",
              "", "| mode | audit cadence | session s | wall s | x real time | goal | audits | peak GPU GiB |",
              "|---|---|---:|---:|---:|---:|---|---:|"]

@@ -192,3 +192,35 @@ def test_structured_targets_stored_as_matrix(syn, tmp_path):
     assert art.target_info["columns"] == ["time", "valid", "event"] and art.targets.shape == (20, 3)
     assert art.targets[:, 0].tolist() == pytest.approx(art.times.tolist())
     assert art.targets[:2, 1].tolist() == [1.0, 0.0] and art.provenance["target_shape"] == [20]
+
+
+class _Embedder:
+    """Stands in for StreamingSession.embed_frames: records each batch of frames it embeds."""
+
+    def __init__(self):
+        self.batches: list[int] = []
+
+    def embed_frames(self, frames):
+        self.batches.append(len(frames))
+        return [("emb", int(np.asarray(f, dtype=np.int64).sum())) for f in frames]
+
+
+def test_frame_groups_embed_each_group_once_and_views_apart(syn, monkeypatch):
+    assert ex.native_frame_group(6.0, 7.0) == [5.0, 6.0, 7.0]
+    assert ex.native_frame_group(4.0, 60.0) == [1.0, 2.0, 3.0, 4.0]
+    assert ex.partial_frame_group(1.4, 4.0) == [1.2, 1.4, 1.6, 1.8, 2.0]
+    assert ex.partial_frame_group(2.0, 4.0) == [1.2, 1.4, 1.6, 1.8, 2.0]
+    with EasyComSession(syn, frame_cache_size=32) as media:
+        inp = ex.Inputs(media, 4.0, frame_group=ex.partial_frame_group)
+        s = _Embedder()
+        got = {t: inp.frame_for(s, t) for t in (1.2, 1.4, 1.6, 1.8, 2.0)}
+        assert s.batches == [5]  # one batch for the whole second
+        assert got[1.4] == ("emb", int(inp.frame_at(1.4).astype(np.int64).sum()))
+        pert = inp.perturbed_after(1.4)
+        assert pert.frame_for(s, 1.2) == got[1.2] and s.batches == [5, 5]  # its own batch, same value
+        assert pert.frame_for(s, 1.6) != got[1.6]  # a changed (future) frame
+        # evicted groups are recomputed from the same group (identical batches)
+        monkeypatch.setattr(ex, "EMBEDDED_FRAMES_KEPT", 5)
+        inp.frame_for(s, 2.2)
+        assert inp.frame_for(s, 1.4) == got[1.4] and s.batches == [5, 5, 5, 5]
+        assert inp.frame_for(ToySession(), 1.4).shape == inp.frame_at(1.4).shape  # no embed_frames: raw

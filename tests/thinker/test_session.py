@@ -296,3 +296,26 @@ def test_cuda_bf16_session_is_exact_and_mel_runs_on_device(tok):
     assert torch.equal(a.read_state(), b.read_state())
     x = _audio(6, 21)
     assert rel_err(log_mel(x, True, device="cuda").cpu(), log_mel(x, True)) <= 1e-5
+
+
+def test_embedded_frames_feed_like_raw_frames(thinker, tok):
+    """A frame embedded ahead (alone) commits bit-identically to the raw frame; frames embedded
+    in one batch match their one-by-one embeddings (the vision tower is per frame)."""
+    audio = _audio(3, 5)
+    raw, pre = StreamingSession(thinker, tok), StreamingSession(thinker, tok)
+    frames = [_frame(k) for k in range(3)]
+    batch = pre.embed_frames(frames + [None])
+    assert batch[3] is None and all(b.embeds.shape[0] == 1 for b in batch[:3])
+    for k in range(3):
+        alone = pre.embed_frames([frames[k]])[0]
+        assert rel_err(batch[k].embeds, alone.embeds) <= 1e-5
+        chunk = audio[16000 * k:16000 * (k + 1)]
+        raw.commit(chunk, frames[k])
+        pre.commit(chunk, alone)
+        assert torch.equal(raw.read_state(), pre.read_state())
+    with raw.transaction(), pre.transaction():
+        raw.append_tail(audio[:3200], frames[0])
+        pre.append_tail(audio[:3200], batch[0])
+        assert rel_err(pre.read_state(), raw.read_state()) <= 1e-5
+    with pytest.raises(InputError, match="embed_frames: frame 0"):
+        pre.embed_frames([np.zeros((4, 4, 5), np.uint8)])

@@ -79,6 +79,22 @@ ROW_MS = 200
 # cache layout, so half precisions get a few ulps of headroom.
 REPLAY_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 MAX_LISTED = 64  # per-check entries kept in `verification` (plus every failure)
+NATIVE_FRAME_GROUP = 4   # native mode embeds the frames of 4 consecutive seconds in one vision batch
+EMBEDDED_FRAMES_KEPT = 64  # embedded frames a view keeps (older groups are recomputed, identically)
+
+
+def native_frame_group(t: float, end: float) -> list[float]:
+    """The commit times embedded together with the commit at second ``t``."""
+    s = int(round(t))
+    first = NATIVE_FRAME_GROUP * ((s - 1) // NATIVE_FRAME_GROUP) + 1
+    return [float(u) for u in range(first, first + NATIVE_FRAME_GROUP) if u <= end + 1e-9]
+
+
+def partial_frame_group(t: float, end: float) -> list[float]:
+    """The row times of the second that row time ``t`` falls in (its 4 tails and its boundary)."""
+    s = math.ceil(round(t, 6))
+    return [u for u in (round(s - 1 + ROW_MS * j / 1000.0, 9) for j in range(1, 1000 // ROW_MS + 1))
+            if u <= end + 1e-9]
 
 
 # ----------------------------------------------------------------------------- options
@@ -151,16 +167,22 @@ def parse_options(argv: Sequence[str] | None, prog: str = "streaming_minicpmo_fe
 class Inputs:
     """Audio and frames by media time; ``perturbed_after`` builds the future-intervention view."""
 
-    def __init__(self, media: EasyComSession, end: float):
+    def __init__(self, media: EasyComSession, end: float,
+                 frame_group: Callable[[float, float], list[float]] | None = None):
         self.media = media
         self.end = end
         self._audio = media.audio(0.0, end)
         self._cutoff: float | None = None
         self._fake: np.ndarray | None = None
+        self.frame_group = frame_group
+        self._embedded: dict[int, Any] = {}
 
     def perturbed_after(self, cutoff: float) -> "Inputs":
+        """The future-intervention view. It embeds its own frames (same groups), so a frame's
+        embedding leaking from the changed frames of its batch would show in the audit."""
         twin = Inputs.__new__(Inputs)
         twin.media, twin.end, twin._cutoff = self.media, self.end, cutoff
+        twin.frame_group, twin._embedded = self.frame_group, {}
         k = int(round(cutoff * SAMPLE_RATE))
         rng = np.random.default_rng(12345)
         audio = self._audio.copy()
@@ -183,6 +205,33 @@ class Inputs:
         if self._cutoff is not None and idx / FPS >= self._cutoff - 1e-9:
             img = 255 - img  # a frame that starts at/after the cutoff: changed, must not matter
         return img
+
+
+    def frame_for(self, session: Any, t: float):
+        """The frame at ``t`` as ``session`` takes it: embedded through the vision tower in this
+        view's fixed groups (``frame_group``) when the session offers ``embed_frames``, else raw.
+
+        Groups are a fixed function of time, so every session reading this view (the main
+        session and the clean replays) gets bit-identical embeddings, recomputed or not."""
+        embed = getattr(session, "embed_frames", None)
+        if embed is None or self.frame_group is None:
+            return self.frame_at(t)
+        idx = frame_index_at(t)
+        hit = self._embedded.get(idx)
+        if hit is None:
+            times = self.frame_group(t, self.end)
+            idxs = [frame_index_at(u) for u in times]
+            if idx not in idxs:  # not on the grid the groups cover: embed it alone
+                times, idxs = [t], [idx]
+            keep = sorted({i: u for u, i in zip(times, idxs)}.items())
+            with record_function("inputs.embed_frames"):
+                embedded = embed([self.frame_at(u) for _, u in keep])
+            for (i, _), e in zip(keep, embedded):
+                self._embedded[i] = e
+            while len(self._embedded) > EMBEDDED_FRAMES_KEPT:
+                self._embedded.pop(next(iter(self._embedded)))
+            hit = self._embedded[idx]
+        return hit
 
 
 def row_time(k: int) -> float:
@@ -269,7 +318,7 @@ SessionFactory = Callable[[], Any]
 
 
 def _commit(session: Any, inputs: Inputs, sec: int) -> None:
-    session.commit(inputs.audio(sec - 1, sec), inputs.frame_at(float(sec)))
+    session.commit(inputs.audio(sec - 1, sec), inputs.frame_for(session, float(sec)))
 
 
 def replay_states(factory: SessionFactory, views: Sequence[Inputs], row: int) -> list[torch.Tensor]:
@@ -292,7 +341,7 @@ def replay_states(factory: SessionFactory, views: Sequence[Inputs], row: int) ->
         out = []
         for s, view in zip(sessions, views):
             with s.transaction():
-                s.append_tail(view.audio(sec, t), view.frame_at(t))
+                s.append_tail(view.audio(sec, t), view.frame_for(s, t))
                 out.append(s.read_state().float().clone())
         return out
     finally:
@@ -436,7 +485,7 @@ def extract_partial(factory: SessionFactory, inputs: Inputs, rows: int, *, verif
         t = row_time(k)
         sec, frac = divmod(ROW_MS * (k + 1), 1000)
         if frac == 0:
-            audio, frame = inputs.audio(sec - 1, sec), inputs.frame_at(float(sec))
+            audio, frame = inputs.audio(sec - 1, sec), inputs.frame_for(session, float(sec))
             before = fingerprint_before()
             with record_function("partial.boundary_check"), session.transaction():
                 session.commit(audio, frame)
@@ -453,7 +502,7 @@ def extract_partial(factory: SessionFactory, inputs: Inputs, rows: int, *, verif
             # still comparable; the entry says it pruned.
             boundary.compare(k, t, temp, h, pruned=seen > n_before)
         else:
-            audio, frame = inputs.audio(sec, t), inputs.frame_at(t)
+            audio, frame = inputs.audio(sec, t), inputs.frame_for(session, t)
             before = fingerprint_before()
             with record_function("partial.tail"), session.transaction():
                 session.append_tail(audio, frame)
@@ -620,7 +669,8 @@ def run(opts: ExtractOptions, factory: SessionFactory | None = None,
                 echo(line)
             echo(f"--end {end:.1f}s -> {rows} rows at 5 Hz of {full_rows}; mode {opts.mode}; media OK (no model loaded)")
             return None
-        inputs = Inputs(media, end)
+        group = native_frame_group if opts.mode == "native-1hz-hold" else partial_frame_group
+        inputs = Inputs(media, end, frame_group=group)
         if factory is None:
             factory, model_info = load_session_factory(opts)
         # the main loop's frames, decoded ahead on a worker thread while the model runs
@@ -669,6 +719,9 @@ def run(opts: ExtractOptions, factory: SessionFactory | None = None,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "allow_unverified_partial_tail": opts.allow_unverified_partial_tail,
         "reader_stats": reader_stats,
+        "frame_batches": ("the 4 commit frames of seconds 4m+1..4m+4 in one vision batch"
+                          if opts.mode == "native-1hz-hold" else
+                          "the 5 frames of one second's rows (4 tails + boundary) in one vision batch"),
     })
     art = FeatureArtifact(
         mode=MODE_VERIFIED if ok else MODE_UNVERIFIED, extractor_mode=opts.mode, states=res.states,

@@ -111,8 +111,10 @@ class Thinker(nn.Module):
 
     @torch.no_grad()
     def embed_image(self, image, max_slice_nums: int = 1) -> torch.Tensor:
-        """One image -> [n_sub, 64, H] (source image first, then slices)."""
-        processed = image if hasattr(image, "patches") else process_image(image, max_slice_nums)
+        """One image -> [n_sub, 64, H] (source image first, then slices); a list of processed
+        images -> their sub-images in order, in one batch."""
+        processed = image if hasattr(image, "patches") or isinstance(image, list) else \
+            process_image(image, max_slice_nums)
         batch = pack_patches(processed)
         feats = self.vpm(batch.pixel_values.to(self.device, self.vpm.embeddings.patch_embedding.weight.dtype),
                          batch.patch_attention_mask.to(self.device), batch.tgt_sizes)

@@ -241,6 +241,18 @@ def _check_audio(audio, sample_rate: int, where: str) -> np.ndarray:
     return audio
 
 
+@dataclass(frozen=True)
+class EmbeddedFrame:
+    """A frame already preprocessed and through the vision tower (``StreamingSession.embed_frames``).
+
+    ``commit`` / ``append_tail`` accept it in place of the raw frame, so a caller can embed
+    several frames in one batch (one vision pass instead of one per frame). The vision tower
+    is per frame: a frame's embedding does not depend on the other frames of its batch."""
+
+    processed: ProcessedImage
+    embeds: torch.Tensor  # [n_sub, 64, H] on the model's device
+
+
 class StreamingSession:
     """One causal input-only stream (see the module docstring for the exact layout)."""
 
@@ -345,6 +357,26 @@ class StreamingSession:
 
         self._atomically(run)
 
+    @torch.no_grad()
+    def embed_frames(self, frames) -> list[EmbeddedFrame | None]:
+        """Preprocess ``frames`` (None entries stay None) and embed them in one vision batch.
+
+        Frames of one size share one batch (a stream's frames all do); frames of other sizes
+        are embedded in their own batches. The result feeds ``commit`` / ``append_tail``."""
+        processed = [self._check_frame(f, f"embed_frames: frame {i}") for i, f in enumerate(frames)]
+        out: list[EmbeddedFrame | None] = [None] * len(processed)
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(processed):
+            if p is not None:
+                groups.setdefault(tuple(map(tuple, p.tgt_sizes.tolist())), []).append(i)
+        embed = self.vision if self.vision is not None else self.thinker.embed_image
+        for members in groups.values():
+            with record_function("session.vision"):
+                rows = embed([processed[i] for i in members])
+            for i, e in zip(members, rows.split([processed[i].num_sub_images for i in members])):
+                out[i] = EmbeddedFrame(processed[i], e)
+        return out
+
     def read_state(self) -> torch.Tensor:
         """[hidden] float32 CPU: the final-norm hidden state at the last fed position."""
         return self._last_hidden.detach().to(device="cpu", dtype=torch.float32).clone()
@@ -434,9 +466,9 @@ class StreamingSession:
 
     # -- internals --------------------------------------------------------------------------
     @record_function("session.preprocess_frame")
-    def _check_frame(self, frame, where: str) -> ProcessedImage | None:
-        if frame is None:
-            return None
+    def _check_frame(self, frame, where: str) -> ProcessedImage | EmbeddedFrame | None:
+        if frame is None or isinstance(frame, EmbeddedFrame):
+            return frame
         if self.image_preprocess == "torch":
             return process_frame_torch(frame, device=self.thinker.device, where=f"{where}: frame")
         return process_image(frame, max_slice_nums=1, where=f"{where}: frame")
@@ -458,7 +490,7 @@ class StreamingSession:
                 self.restore(snap)
             raise
 
-    def _feed_unit(self, chunk: np.ndarray, rest: np.ndarray, processed: ProcessedImage | None,
+    def _feed_unit(self, chunk: np.ndarray, rest: np.ndarray, processed: ProcessedImage | EmbeddedFrame | None,
                    last_chunk: bool) -> None:
         th = self.thinker
         # named ranges for torch.profiler (benchmarks/features_bench.py --torch-profile); ~1 us each otherwise
@@ -467,9 +499,12 @@ class StreamingSession:
         embed_audio = self.audio_graphs.embed_chunk if self.audio_graphs is not None else th.embed_audio_chunk
         with record_function("session.audio_encoder"):
             audio = embed_audio(mel.features, self.audio_cache, mel.prefix_extra, mel.suffix_extra)
-        embed_image = self.vision if self.vision is not None else th.embed_image
-        with record_function("session.vision"):
-            images = [embed_image(processed)] if processed is not None else []
+        if isinstance(processed, EmbeddedFrame):
+            images, processed = [processed.embeds], processed.processed
+        else:
+            embed_image = self.vision if self.vision is not None else th.embed_image
+            with record_function("session.vision"):
+                images = [embed_image(processed)] if processed is not None else []
         closing = self.prompts.duplex_unit_end(None) if self.open_unit is not None else PromptPiece(())
         unit = self.prompts.duplex_unit([processed] if processed is not None else [],
                                         audio_embeds=int(audio.embeds.shape[0]))

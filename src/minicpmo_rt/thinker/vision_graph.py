@@ -30,7 +30,8 @@ def embed_body(thinker: Thinker, pixels: torch.Tensor, pos_ids: torch.Tensor, ke
 
 
 class VisionGraphs:
-    """``__call__(processed) -> [n_sub, 64, H]``, replayed from a CUDA graph per frame shape
+    """``__call__(processed) -> [n_sub, 64, H]`` (a list of frames: their sub-images in one batch),
+    replayed from a CUDA graph per frame shape and batch
     (eager through ``embed_body`` on other devices or where capture failed)."""
 
     def __init__(self, thinker: Thinker):
@@ -38,7 +39,7 @@ class VisionGraphs:
         self._graphs: dict[tuple, tuple] = {}
         self.failures: dict[tuple, str] = {}
 
-    def _inputs(self, processed: ProcessedImage):
+    def _inputs(self, processed: ProcessedImage | list[ProcessedImage]):
         th = self.thinker
         batch = pack_patches(processed)
         valid = batch.patch_attention_mask.reshape(batch.pixel_values.shape[0], -1)
@@ -49,7 +50,7 @@ class VisionGraphs:
         return key, pixels, pos, mask, batch.tgt_sizes
 
     @torch.no_grad()
-    def __call__(self, processed: ProcessedImage) -> torch.Tensor:
+    def __call__(self, processed: ProcessedImage | list[ProcessedImage]) -> torch.Tensor:
         th = self.thinker
         dev = th.device
         key, pixels, pos, mask, tgt = self._inputs(processed)
