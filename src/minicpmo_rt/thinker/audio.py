@@ -46,7 +46,16 @@ class AudioEncoderCache:
 
     def checksum(self) -> float:
         """float64 sum of every layer's K and V (an audit figure, not a hash)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.keys[0].device if self.keys else "cpu")
+        if not self.keys:
+            return 0.0
+        tensors = self.keys + self.values
+        base = tensors[0]._base
+        if base is not None and all(t._base is base for t in tensors) and \
+                sum(t.numel() for t in tensors) == base.numel():
+            # every layer is a view of one buffer (the graphed step's clone): one reduction
+            # instead of 2 x layers of them
+            return float(base.sum(dtype=torch.float64))
+        total = torch.zeros((), dtype=torch.float64, device=self.keys[0].device)
         for k, v in zip(self.keys, self.values):
             total = total + k.sum(dtype=torch.float64) + v.sum(dtype=torch.float64)
         return float(total)

@@ -158,7 +158,11 @@ class StaticLLMCache:
         if not n:
             return 0.0
         k, v = self.store.k_cache[:, :, :, :n], self.store.v_cache[:, :, :, :n]
-        return float(k.sum(dtype=torch.float64) + v.sum(dtype=torch.float64))
+        # Row sums over the contiguous head dim in fp32 first, then one fp64 total: a direct
+        # fp64 sum of this strided bf16 view took ~2.8 ms per call on the H200 (5 calls per
+        # second of cached-partial extraction); deterministic either way.
+        rows = torch.stack([k.sum(dim=-1, dtype=torch.float32), v.sum(dim=-1, dtype=torch.float32)])
+        return float(rows.sum(dtype=torch.float64))
 
     @torch.no_grad()
     def drop_rows(self, start: int, length: int, inv_freq: torch.Tensor) -> None:
