@@ -29,6 +29,7 @@ from typing import Any, Generator, Optional, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from .precision import ieee_fp32
@@ -101,16 +102,116 @@ class Snake(nn.Module):
         return x + (1.0 / (a + 1e-9)) * torch.sin(x * a).pow(2)
 
 
+# ----------------------------------------------------------------------------- frozen weights
+#
+# Weight norm (torch's parametrization) recomputes a conv's weight from g and v on every access,
+# so every forward (and every CUDA-graph replay) launches one ``weight_norm`` kernel per conv.
+# ``freeze_weight_norm`` computes each weight once, with the very op the parametrization runs
+# (``torch._weight_norm`` on the same g and v), and keeps it beside the module, outside the
+# state_dict; the forwards read it through ``frozen`` / ``conv_weight``. A frozen copy is used
+# only while grad is off and while every parameter of its module is still the tensor it was
+# computed from (same storage, dtype, device and in-place version): loading new weights,
+# moving or casting the model, or editing a parameter in place makes the module compute its
+# weights per call again until it is frozen anew, so a frozen model never serves stale weights.
+
+_FROZEN = "_hift_frozen"
+
+
+def _param_stamp(m: nn.Module) -> tuple:
+    """What a module's frozen tensors were computed from: each parameter's identity and version."""
+    return tuple((p.device, p.dtype, p.data_ptr(), -1 if p.is_inference() else p._version)
+                 for p in m.parameters())
+
+
+def frozen(m: nn.Module, key: Any) -> Optional[torch.Tensor]:
+    """Module ``m``'s frozen tensor ``key`` if it has one that is still valid and grad is off."""
+    entry = m.__dict__.get(_FROZEN)
+    if entry is None or torch.is_grad_enabled() or entry[0] != _param_stamp(m):
+        return None
+    return entry[1].get(key)
+
+
+def conv_weight(m: nn.Module) -> torch.Tensor:
+    """The weight a conv's forward uses: its frozen copy while valid, else ``m.weight``."""
+    w = frozen(m, "weight")
+    return m.weight if w is None else w
+
+
+def freeze_tensors(m: nn.Module, tensors: dict) -> None:
+    """Keep ``tensors`` (computed now from ``m``'s parameters) as ``m``'s frozen tensors. A key
+    frozen before with the same shape, dtype, device and layout is overwritten in place, so a
+    CUDA graph captured while reading it reads the new values."""
+    entry = m.__dict__.get(_FROZEN)
+    old = entry[1] if entry is not None else {}
+    table = {}
+    for k, t in tensors.items():
+        t = t.detach()
+        o = old.get(k)
+        if (o is not None and o is not t and o.shape == t.shape and o.dtype == t.dtype and o.device == t.device
+                and o.stride() == t.stride()):
+            o.copy_(t)
+            t = o
+        table[k] = t
+    object.__setattr__(m, _FROZEN, (_param_stamp(m), table))
+
+
+def freeze_weight_norm(model: nn.Module) -> int:
+    """Compute every weight-normed module's weight once and use it in forward (see above).
+
+    The values are those ``torch._weight_norm`` gives per call (same op, same inputs, same
+    device), so outputs are bit-identical; the parametrization, hence the state_dict and strict
+    loading, is unchanged. Modules may add more frozen tensors (``_freeze_extra(table)``, e.g.
+    the causal F0 predictor's float64 copies). Freeze again after changing the weights; returns
+    the number of modules frozen."""
+    n = 0
+    with torch.inference_mode(False), torch.no_grad():
+        for m in model.modules():
+            table: dict = {}
+            if parametrize.is_parametrized(m, "weight"):
+                table["weight"] = m.weight  # the parametrization's own forward, run once
+            extra = getattr(m, "_freeze_extra", None)
+            if extra is not None:
+                extra(table)
+            if table:
+                freeze_tensors(m, table)
+                n += 1
+    return n
+
+
+def unfreeze_weight_norm(model: nn.Module) -> None:
+    """Drop every frozen tensor: weights are computed per call again."""
+    for m in model.modules():
+        m.__dict__.pop(_FROZEN, None)
+
+
+class Conv1d(nn.Conv1d):
+    """``nn.Conv1d`` that reads its frozen weight when it has one (``freeze_weight_norm``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x, conv_weight(self), self.bias)
+
+
+class ConvTranspose1d(nn.ConvTranspose1d):
+    """``nn.ConvTranspose1d`` that reads its frozen weight when it has one."""
+
+    def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
+        if output_size is not None:
+            return super().forward(x, output_size)
+        return F.conv_transpose1d(x, conv_weight(self), self.bias, self.stride, self.padding,
+                                  self.output_padding, self.groups, self.dilation)
+
+
 def causal_padding(kernel_size: int, dilation: int = 1) -> int:
     """Upstream ``CausalConv1d.causal_padding`` (== (k-1)*d for the sizes in use)."""
     return (kernel_size * dilation - dilation) // 2 * 2 + (kernel_size + 1) % 2
 
 
-class PaddedConv1d(nn.Conv1d):
+class PaddedConv1d(Conv1d):
     """Stride-1 conv that pads ``left`` / ``right`` zeros itself.
 
     ``right_context`` replaces the right zeros with real future frames (causal
     streaming: the conv then only produces outputs whose look-ahead is known).
+    ``conv_padded`` is the conv alone, on an input that already carries its padding.
     """
 
     def __init__(self, cin: int, cout: int, kernel_size: int, dilation: int = 1,
@@ -118,13 +219,16 @@ class PaddedConv1d(nn.Conv1d):
         super().__init__(cin, cout, kernel_size, 1, padding=0, dilation=dilation)
         self.left, self.right = left, right
 
+    def conv_padded(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x, conv_weight(self), self.bias)
+
     def forward(self, x: torch.Tensor, right_context: Optional[torch.Tensor] = None) -> torch.Tensor:
         if right_context is not None:
             x = torch.cat([x, right_context], dim=2)
-            return super().forward(F.pad(x, (self.left, 0)) if self.left else x)
+            return self.conv_padded(F.pad(x, (self.left, 0)) if self.left else x)
         if self.left or self.right:
             x = F.pad(x, (self.left, self.right))
-        return super().forward(x)
+        return self.conv_padded(x)
 
 
 class ResBlock(nn.Module):
@@ -165,7 +269,7 @@ class F0Predictor(nn.Module):
         super().__init__()
         layers: list[nn.Module] = []
         for i in range(5):
-            layers += [weight_norm(nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1)),
+            layers += [weight_norm(Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1)),
                        nn.ELU()]
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cond_channels, 1)
@@ -266,6 +370,14 @@ class _HiFTBody(nn.Module):
         # host-to-device copy cannot be captured into a CUDA graph).
         self.register_buffer("stft_window", window, persistent=False)
 
+    def freeze_weight_norm(self) -> int:
+        """Compute the weight-normed weights once for every later forward (``freeze_weight_norm``);
+        ``GraphedHiFT`` does this when it is built. Bit-identical outputs, unchanged state_dict."""
+        return freeze_weight_norm(self)
+
+    def unfreeze_weight_norm(self) -> None:
+        unfreeze_weight_norm(self)
+
     def _source_down_rates(self) -> list[int]:
         """Excitation-STFT downsampling per stage: cumulative products of the reversed rates."""
         rates = [1] + list(self.cfg.upsample_rates[::-1][:-1])
@@ -316,21 +428,21 @@ class HiFTGenerator(_HiFTBody):
         self.cfg = cfg
         base = cfg.base_channels
         self.m_source = SourceModule(cfg.nb_harmonics)
-        self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, base, 7, 1, padding=3))
+        self.conv_pre = weight_norm(Conv1d(cfg.in_channels, base, 7, 1, padding=3))
         self.ups = nn.ModuleList()
         for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes)):
-            self.ups.append(weight_norm(nn.ConvTranspose1d(base // 2 ** i, base // 2 ** (i + 1), k, u,
-                                                           padding=(k - u) // 2)))
+            self.ups.append(weight_norm(ConvTranspose1d(base // 2 ** i, base // 2 ** (i + 1), k, u,
+                                                        padding=(k - u) // 2)))
         self.source_downs = nn.ModuleList()
         for i, u in enumerate(self._source_down_rates()):
             ch = base // 2 ** (i + 1)
             if u == 1:
-                self.source_downs.append(nn.Conv1d(cfg.n_fft + 2, ch, 1, 1))
+                self.source_downs.append(Conv1d(cfg.n_fft + 2, ch, 1, 1))
             else:
-                self.source_downs.append(nn.Conv1d(cfg.n_fft + 2, ch, u * 2, u, padding=u // 2))
+                self.source_downs.append(Conv1d(cfg.n_fft + 2, ch, u * 2, u, padding=u // 2))
         self._build_resblocks(cfg, causal=False)
         ch = base // 2 ** len(cfg.upsample_rates)
-        self.conv_post = weight_norm(nn.Conv1d(ch, cfg.n_fft + 2, 7, 1, padding=3))
+        self.conv_post = weight_norm(Conv1d(ch, cfg.n_fft + 2, 7, 1, padding=3))
         self.f0_predictor = F0Predictor(cfg.in_channels, cfg.f0_channels)
 
     def excitation(self, f0: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:

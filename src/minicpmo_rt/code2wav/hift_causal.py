@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from .hift import (DECODE, EXCITE, F0, FULL_SIZE, MEL_BINS, HiFTConfig, PaddedConv1d, SourceModule, StageCall,
-                   StageRunner, Steps, _HiFTBody, causal_padding, drive)
+from .hift import (DECODE, EXCITE, F0, FULL_SIZE, MEL_BINS, Conv1d, HiFTConfig, PaddedConv1d, SourceModule,
+                   StageCall, StageRunner, Steps, _HiFTBody, causal_padding, conv_weight, drive, frozen)
 
 # Upstream's noise tables cover 300 s of 24 kHz audio; positions wrap beyond that.
 NOISE_TABLE_SECONDS = 300
@@ -40,7 +40,11 @@ NOISE_TABLE_SECONDS = 300
 def _weight_norm_weight(conv: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """A weight-normed conv's weight computed in ``dtype`` from g and v (as a module cast to it would).
 
-    After ``fuse_weight_norm`` the float64 weight computed at fusion time is used."""
+    After ``fuse_weight_norm`` the float64 weight computed at fusion time is used; after
+    ``freeze_weight_norm`` the one computed at freezing (same op, same inputs as per call)."""
+    w = frozen(conv, ("weight", dtype))
+    if w is not None:
+        return w
     fused = getattr(conv, "weight64", None)
     if fused is not None and fused.dtype == dtype:
         return fused
@@ -48,6 +52,23 @@ def _weight_norm_weight(conv: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         return conv.weight.to(dtype)
     p = conv.parametrizations.weight
     return torch._weight_norm(p.original1.to(dtype), p.original0.to(dtype), 0)
+
+
+def _cast(m: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """Parameter ``name`` of ``m`` in ``dtype``: its frozen copy while valid, else cast now."""
+    t = frozen(m, (name, dtype))
+    return getattr(m, name).to(dtype) if t is None else t
+
+
+def _freeze_float64(m: nn.Module, table: dict) -> None:
+    """``freeze_weight_norm`` hook of the float64 F0 layers: the float64 weight and bias they
+    compute per call (``_weight_norm_weight`` / ``.to``), computed once."""
+    if not getattr(m, "float64_weight", False):
+        return
+    f64 = torch.float64
+    table[("weight", f64)] = _weight_norm_weight(m, f64)
+    if m.bias is not None:
+        table[("bias", f64)] = m.bias.to(f64)
 
 
 @functools.lru_cache(maxsize=2)
@@ -60,19 +81,30 @@ def _seeded_noise_tables(seed: int, harmonics: int, length: int) -> tuple[torch.
     return rand_ini, torch.rand(1, length, harmonics, generator=g)
 
 
+class _Float64Linear(nn.Linear):
+    _freeze_extra = _freeze_float64
+
+
+class _Float64PaddedConv1d(PaddedConv1d):
+    _freeze_extra = _freeze_float64
+
+
 class CausalF0Predictor(nn.Module):
     """``CausalConvRNNF0Predictor``: conv k4 with 3 frames look-ahead, 4 x causal conv k3, ELU, Linear, |.|."""
 
     def __init__(self, in_channels: int = MEL_BINS, cond_channels: int = 512):
         super().__init__()
-        layers: list[nn.Module] = [weight_norm(PaddedConv1d(in_channels, cond_channels, 4, right=causal_padding(4))),
-                                   nn.ELU()]
+        layers: list[nn.Module] = [
+            weight_norm(_Float64PaddedConv1d(in_channels, cond_channels, 4, right=causal_padding(4))), nn.ELU()]
         for _ in range(4):
-            layers += [weight_norm(PaddedConv1d(cond_channels, cond_channels, 3, left=causal_padding(3))), nn.ELU()]
+            layers += [weight_norm(_Float64PaddedConv1d(cond_channels, cond_channels, 3, left=causal_padding(3))),
+                       nn.ELU()]
         self.condnet = nn.Sequential(*layers)
-        self.classifier = nn.Linear(cond_channels, 1)
-        for conv in self.condnet[0::2]:
-            conv.float64_weight = True  # tells fuse_weight_norm to keep a float64 copy
+        self.classifier = _Float64Linear(cond_channels, 1)
+        # tells fuse_weight_norm (float64 weight) and freeze_weight_norm (float64 weight and bias)
+        # to keep float64 copies
+        for m in (*self.condnet[0::2], self.classifier):
+            m.float64_weight = True
 
     @property
     def look_ahead(self) -> int:
@@ -90,17 +122,18 @@ class CausalF0Predictor(nn.Module):
         x = mel.to(dtype)
         for i, conv in enumerate(self.condnet[0::2]):
             w = _weight_norm_weight(conv, dtype)
-            b = conv.bias.to(dtype)
+            b = _cast(conv, "bias", dtype)
             if i == 0 and not finalize:
                 x = F.conv1d(x, w, b)  # the right "padding" is the real look-ahead frames
             else:
                 x = F.conv1d(F.pad(x, (conv.left, conv.right)), w, b)
             x = F.elu(x)
         h = x.transpose(1, 2)
-        return F.linear(h, self.classifier.weight.to(dtype), self.classifier.bias.to(dtype)).squeeze(-1).abs()
+        c = self.classifier
+        return F.linear(h, _weight_norm_weight(c, dtype), _cast(c, "bias", dtype)).squeeze(-1).abs()
 
 
-class UpsampleConv1d(nn.Conv1d):
+class UpsampleConv1d(Conv1d):
     """Nearest-repeat by ``stride``, then a causal conv (upstream ``CausalConv1dUpsample``)."""
 
     def __init__(self, cin: int, cout: int, kernel_size: int, stride: int):
@@ -110,10 +143,10 @@ class UpsampleConv1d(nn.Conv1d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.repeat_interleave(self.stride_up, dim=2)
-        return super().forward(F.pad(x, (self.left, 0)))
+        return self._conv_forward(F.pad(x, (self.left, 0)), conv_weight(self), self.bias)
 
 
-class DownsampleConv1d(nn.Conv1d):
+class DownsampleConv1d(Conv1d):
     """Strided conv left-padded by stride-1 (upstream ``CausalConv1dDownSample``)."""
 
     def __init__(self, cin: int, cout: int, kernel_size: int, stride: int):
@@ -121,7 +154,7 @@ class DownsampleConv1d(nn.Conv1d):
         self.left = stride - 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(F.pad(x, (self.left, 0)))
+        return self._conv_forward(F.pad(x, (self.left, 0)), conv_weight(self), self.bias)
 
 
 class CausalHiFTGenerator(_HiFTBody):

@@ -142,6 +142,9 @@ class GraphedHiFT:
                  capture_after: int = 1):
         self.model = model
         self.causal = isinstance(model, CausalHiFTGenerator)
+        # weight norm computed once here instead of in every forward and replay (bit-identical;
+        # the state_dict is unchanged). Freeze the model again after loading other weights.
+        model.freeze_weight_norm()
         # finalize=False: the causal HiFT's look-ahead form (the original ignores the flag)
         self.f0 = ShapeGraphs(functools.partial(model.run_f0, finalize=False), "HiFT f0", max_graphs,
                               capture_after=capture_after)

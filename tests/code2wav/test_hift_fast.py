@@ -1,0 +1,141 @@
+"""HiFT fast path on the CPU: frozen weight norm (bit-identical to computing it per call), the
+causal F0 predictor's float64 convs as GEMMs, and the fused activation/pad structure of the
+resblocks. The Triton Snake kernel itself is tested in test_hift_snake_kernel.py."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minicpmo_rt.code2wav.hift import TINY, HiFTGenerator, freeze_weight_norm, frozen, fuse_weight_norm
+from minicpmo_rt.code2wav.hift_causal import CausalHiFTGenerator
+from minicpmo_rt.code2wav.hift_graph import GraphedHiFT
+
+from test_fused_dit import randomize
+from test_hift_graph import OpLog
+
+
+def build(variant: str, seed: int = 3) -> torch.nn.Module:
+    model = HiFTGenerator(TINY) if variant == "original" else CausalHiFTGenerator(TINY)
+    model = randomize(model, seed=seed)
+    with torch.no_grad():  # voiced F0, so the F0 stage reaches the samples
+        model.f0_predictor.classifier.bias += 150.0
+    return model
+
+
+def stages(model, mel, source):
+    """F0 (in the F0 predictor's own dtype) and decode, both without look-ahead."""
+    with torch.inference_mode():
+        return model.run_f0(mel, finalize=False), model.run_decode(mel, source, finalize=False)
+
+
+def inputs(batch=2, frames=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 80, frames, generator=g) - 5, 0.01 * torch.randn(batch, 1, frames * 480, generator=g)
+
+
+WEIGHT_NORM_OPS = ("aten._weight_norm", "aten._weight_norm_interface", "aten.norm", "aten.linalg_vector_norm")
+
+
+def weight_norm_ops(fn) -> int:
+    with torch.inference_mode(), OpLog() as log:
+        fn()
+    return sum(op.startswith(WEIGHT_NORM_OPS) for op in log.ops)
+
+
+# ----------------------------------------------------------------------------- 1. frozen weight norm
+
+@pytest.mark.parametrize("variant", ["original", "causal"])
+def test_frozen_weights_are_bit_identical_and_skip_the_norm(variant):
+    model = build(variant)
+    mel, source = inputs()
+    keys = list(model.state_dict())
+    want = stages(model, mel, source)
+    assert weight_norm_ops(lambda: stages(model, mel, source)) > 0
+    n = model.freeze_weight_norm()
+    assert n >= 80  # every weight-normed conv (and the causal F0's float64 layers)
+    got = stages(model, mel, source)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert weight_norm_ops(lambda: stages(model, mel, source)) == 0
+    # the frozen tensors are exactly what the parametrization computes per call
+    with torch.no_grad():
+        for m in model.modules():
+            w = frozen(m, "weight")
+            if w is not None:
+                assert torch.equal(w, m.weight)
+    # the state_dict (keys, hence strict loading) is unchanged
+    assert list(model.state_dict()) == keys
+    model.load_state_dict(build(variant, seed=4).state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("variant", ["original", "causal"])
+def test_frozen_weights_never_go_stale(variant):
+    """New weights (strict load), in-place edits, a dtype cast or a copy make a module compute its
+    weights per call again: outputs always equal those of an unfrozen model with the same weights."""
+    model = build(variant)
+    model.freeze_weight_norm()
+    mel, source = inputs(batch=1, frames=20, seed=1)
+    other = build(variant, seed=9)
+    model.load_state_dict(other.state_dict(), strict=True)
+    want = stages(other, mel, source)
+    assert all(torch.equal(a, b) for a, b in zip(stages(model, mel, source), want))
+    with torch.no_grad():  # edit one weight-normed conv's g in place
+        model.conv_post.parametrizations.weight.original0.mul_(0.5)
+        other.conv_post.parametrizations.weight.original0.mul_(0.5)
+    want = stages(other, mel, source)
+    assert all(torch.equal(a, b) for a, b in zip(stages(model, mel, source), want))
+    model.freeze_weight_norm()  # frozen anew: the same values again
+    assert all(torch.equal(a, b) for a, b in zip(stages(model, mel, source), want))
+    twin = copy.deepcopy(model)
+    assert all(torch.equal(a, b) for a, b in zip(stages(twin, mel, source), want))
+    m64 = copy.deepcopy(model).double()
+    o64 = copy.deepcopy(other).double()
+    got, want = stages(m64, mel.double(), source.double()), stages(o64, mel.double(), source.double())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_refreezing_writes_in_place():
+    """A CUDA graph captured while reading a frozen weight keeps reading the same memory: freezing
+    again after new weights overwrites that memory instead of replacing it."""
+    model = build("original")
+    model.freeze_weight_norm()
+    with torch.no_grad():
+        before = frozen(model.conv_pre, "weight")
+        model.load_state_dict(build("original", seed=8).state_dict())
+        assert frozen(model.conv_pre, "weight") is None      # stale: not served
+        model.freeze_weight_norm()
+        after = frozen(model.conv_pre, "weight")
+        assert before is not None and after is before
+        assert torch.equal(after, model.conv_pre.weight)
+    assert frozen(model.conv_pre, "weight") is None           # grad on: never served
+
+
+def test_frozen_weights_are_not_used_with_grad():
+    model = build("original")
+    model.freeze_weight_norm()
+    mel, source = inputs(batch=1, frames=10)
+    model.decode(mel, source).square().sum().backward()
+    assert model.conv_post.parametrizations.weight.original0.grad is not None
+
+
+@pytest.mark.parametrize("variant", ["original", "causal"])
+def test_fused_model_freezes_float64_copies(variant):
+    """A ``fuse_weight_norm``-ed model (as load_vocoder serves it) has nothing to normalise; the
+    causal F0 predictor's float64 bias/classifier casts are frozen, values unchanged."""
+    model = fuse_weight_norm(build(variant))
+    mel, source = inputs()
+    want = stages(model, mel, source)
+    freeze_weight_norm(model)
+    assert all(torch.equal(a, b) for a, b in zip(stages(model, mel, source), want))
+    if variant == "causal":
+        with torch.no_grad():
+            assert frozen(model.f0_predictor.classifier, ("bias", torch.float64)) is not None
+
+
+def test_graphed_hift_freezes_at_construction():
+    model = build("causal")
+    GraphedHiFT(model)
+    with torch.no_grad():
+        assert frozen(model.conv_pre, "weight") is not None
+        assert frozen(model.f0_predictor.condnet[0], ("weight", torch.float64)) is not None
