@@ -174,6 +174,8 @@ def main() -> None:
                 import pstats
                 prof = cProfile.Profile()
                 prof.enable()
+            census = getattr(factory, "census", lambda: None)
+            before = census()
             tprof = None
             if args.torch_profile:
                 from torch.profiler import ProfilerActivity, profile
@@ -191,6 +193,9 @@ def main() -> None:
                 st.sort_stats("tottime").print_stats(35)
                 st.sort_stats("cumulative").print_stats(45)
                 (args.out / f"profile_{mode}_{every}.txt").write_text(buf.getvalue())
+            after = census()
+            if before is not None:
+                print(f"graphs before: {before}\ngraphs after:  {after}", flush=True)
             wall = art.provenance["wall_time_s"]
             v = art.verification
             rows.append({
@@ -202,6 +207,7 @@ def main() -> None:
                            for k in ("boundary", "clean_replay", "future_intervention", "snapshot_restoration")},
                 "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
                 "pruning_events": len(art.pruning),
+                "graphs_before_after": [before, after],
                 "prefetch_workers": art.provenance.get("reader_stats", {}).get("prefetch_workers"),
                 "prefetch_chunks": art.provenance.get("reader_stats", {}).get("prefetch_chunks"),
             })

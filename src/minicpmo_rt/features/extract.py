@@ -610,7 +610,7 @@ def session_factory(thinker: Any, tok: Any, fast: bool | None = None) -> tuple[S
     MINICPMO_RT_FEATURES_FAST=0. Returns (factory, fast)."""
     import os
 
-    from ..thinker.session import StreamingSession, shared_fast_paths
+    from ..thinker.session import StreamingSession, fast_path_census, shared_fast_paths
 
     if fast is None:
         env = os.environ.get("MINICPMO_RT_FEATURES_FAST", "")
@@ -618,7 +618,12 @@ def session_factory(thinker: Any, tok: Any, fast: bool | None = None) -> tuple[S
             raise InputError(f"MINICPMO_RT_FEATURES_FAST={env!r}: use 1 (fast paths on CUDA) or 0 (plain reference)")
         fast = thinker.device.type == "cuda" and env != "0"
     options = shared_fast_paths(thinker) if fast else {}
-    return (lambda: StreamingSession(thinker, tok, **options)), fast
+
+    def factory():
+        return StreamingSession(thinker, tok, **options)
+
+    factory.census = lambda: fast_path_census(options)  # graph counts, for benchmarks
+    return factory, fast
 
 
 def plan_rows(opts: ExtractOptions, duration: float) -> tuple[int, int, float]:

@@ -92,6 +92,17 @@ def shared_fast_paths(thinker: Thinker) -> dict:
             "llm_pool": StaticDecoderPool(thinker)}
 
 
+def fast_path_census(options: dict) -> dict:
+    """How many CUDA graphs the shared fast paths of ``shared_fast_paths`` hold (to tell, in a
+    benchmark, whether a timed run still captured any)."""
+    pool, vision, audio = options.get("llm_pool"), options.get("vision_graphs"), options.get("audio_graphs")
+    decoders = [] if pool is None else [d for free in pool._free.values() for d in free]
+    return {"decoders_created": 0 if pool is None else pool.created,
+            "free_decoder_prefill_graphs": sorted((len(d._prefill_graphs) for d in decoders), reverse=True),
+            "vision_graphs": len(vision._graphs) if isinstance(vision, VisionGraphs) else 0,
+            "audio_graphs": len(audio._graphs) if isinstance(audio, AudioGraphs) else 0}
+
+
 class ContextLimitError(InputError):
     """The LLM context would pass the model's max_position_embeddings."""
 
