@@ -224,3 +224,25 @@ def test_frame_groups_embed_each_group_once_and_views_apart(syn, monkeypatch):
         inp.frame_for(s, 2.2)
         assert inp.frame_for(s, 1.4) == got[1.4] and s.batches == [5, 5, 5, 5]
         assert inp.frame_for(ToySession(), 1.4).shape == inp.frame_at(1.4).shape  # no embed_frames: raw
+
+
+@pytest.mark.parametrize("mode", ["native-1hz-hold", "cached-partial-5hz"])
+def test_every_session_opened_is_closed(syn, tmp_path, mode):
+    """Pooled resources go back: the main session too (no reference to it is kept here, so a
+    weak-reference safety net alone would lose it)."""
+    made, closed = [0], set()
+
+    class Closing(ToySession):
+        def __init__(self, serial):
+            super().__init__()
+            self.serial = serial
+
+        def close(self):
+            closed.add(self.serial)
+
+    def factory():
+        made[0] += 1
+        return Closing(made[0])
+
+    ex.run(opts(syn, tmp_path / "p.pt", mode), factory=factory, model_info={}, echo=lambda s: None)
+    assert made[0] >= 3 and closed == set(range(1, made[0] + 1))

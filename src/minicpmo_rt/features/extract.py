@@ -403,8 +403,16 @@ def _window_dict(session: Any) -> dict[str, Any]:
 
 def extract_native(factory: SessionFactory, inputs: Inputs, rows: int, *, verify_every: int = 0,
                    future_every: int = 0, tick: Callable[[float], None] | None = None) -> ExtractResult:
-    src, native, init = held_alignment(rows)
     session = factory()
+    try:   # the main session is closed here: its pooled decoder (and graphs) go to the next run
+        return _native(session, factory, inputs, rows, verify_every, future_every, tick)
+    finally:
+        _close(session)
+
+
+def _native(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, verify_every: int,
+            future_every: int, tick: Callable[[float], None] | None) -> ExtractResult:
+    src, native, init = held_alignment(rows)
     seconds = sum(1 for k in range(rows) if (k + 1) % 5 == 0)
     first = 9 if seconds >= 2 else 4  # row of t = 2.0 s (a cache exists), else 1.0 s
     replay, future = Audit("clean_replay", exact=False, rtol=_rtol(session)), Audit("future_intervention", True, 0.0)
@@ -455,6 +463,14 @@ def _rtol(session: Any) -> float:
 def extract_partial(factory: SessionFactory, inputs: Inputs, rows: int, *, verify_every: int = 0,
                     future_every: int = 0, tick: Callable[[float], None] | None = None) -> ExtractResult:
     session = factory()
+    try:
+        return _partial(session, factory, inputs, rows, verify_every, future_every, tick)
+    finally:
+        _close(session)
+
+
+def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, verify_every: int,
+             future_every: int, tick: Callable[[float], None] | None) -> ExtractResult:
     rtol = _rtol(session)
     boundary = Audit("boundary", exact=False, rtol=rtol)
     replay = Audit("clean_replay", exact=False, rtol=rtol)
