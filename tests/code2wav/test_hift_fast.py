@@ -139,3 +139,20 @@ def test_graphed_hift_freezes_at_construction():
     with torch.no_grad():
         assert frozen(model.conv_pre, "weight") is not None
         assert frozen(model.f0_predictor.condnet[0], ("weight", torch.float64)) is not None
+
+
+# ----------------------------------------------------------------------------- 2. resblock structure
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_resblock_fused_structure_is_the_plain_formula(causal):
+    """ResBlock.forward writes each conv's padding in the activation before it and folds the
+    residual add into the next activation: on the torch path that is exactly
+    x = x + c2(a2(c1(a1(x)))) per unit, bit for bit."""
+    from minicpmo_rt.code2wav.hift import ResBlock, snake_reference
+    block = randomize(ResBlock(8, 7, (1, 3, 5), causal=causal), seed=1)
+    x = torch.randn(2, 8, 50)
+    with torch.inference_mode():
+        want = x
+        for c1, c2, a1, a2 in zip(block.convs1, block.convs2, block.activations1, block.activations2):
+            want = want + c2(snake_reference(c1(snake_reference(want, a1.alpha)), a2.alpha))
+        assert torch.equal(block(x), want)

@@ -90,6 +90,45 @@ FULL_SIZE = HiFTConfig()
 TINY = dataclasses.replace(FULL_SIZE, base_channels=16, f0_channels=16)
 
 
+# Where Snake runs as one fused Triton kernel (``kernels.snake``): None = on CUDA tensors when
+# Triton is available; True = wherever a Triton kernel can run (also on the CPU under
+# TRITON_INTERPRET=1, for tests); False = never (always the torch formula).
+SNAKE_KERNEL: Optional[bool] = None
+
+
+def snake_reference(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """The Snake formula in torch ops, as upstream writes it (the reference for the kernel)."""
+    a = alpha[None, :, None]
+    return x + (1.0 / (a + 1e-9)) * torch.sin(x * a).pow(2)
+
+
+def _snake_kernel_for(x: torch.Tensor, alpha: torch.Tensor) -> bool:
+    if SNAKE_KERNEL is False or x.ndim != 3 or x.dtype != torch.float32 or alpha.dtype != torch.float32:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or alpha.requires_grad):
+        return False  # the kernel has no backward
+    from .kernels import AVAILABLE, usable_on
+
+    return AVAILABLE and (x.is_cuda if SNAKE_KERNEL is None else usable_on(x))
+
+
+def snake(x: torch.Tensor, alpha: torch.Tensor, left: int = 0, right: int = 0,
+          residual: Optional[torch.Tensor] = None) -> Any:
+    """Snake of ``x`` (or of ``x + residual``), then ``left`` / ``right`` zero frames of padding;
+    with ``residual`` returns (activation, sum). One fused kernel where ``SNAKE_KERNEL`` allows
+    (see ``kernels.snake``), else the same ops in torch."""
+    if _snake_kernel_for(x, alpha):
+        from .kernels import snake as snake_kernel
+
+        return snake_kernel.snake(x, alpha, left, right, residual)
+    if residual is not None:
+        x = x + residual
+    y = snake_reference(x, alpha)
+    if left or right:
+        y = F.pad(y, (left, right))
+    return y if residual is None else (y, x)
+
+
 class Snake(nn.Module):
     """x + sin^2(alpha x) / alpha, per channel (BigVGAN's periodic activation)."""
 
@@ -98,8 +137,11 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.alpha[None, :, None]
-        return x + (1.0 / (a + 1e-9)) * torch.sin(x * a).pow(2)
+        return snake(x, self.alpha)
+
+    def padded(self, x: torch.Tensor, left: int, right: int, residual: Optional[torch.Tensor] = None) -> Any:
+        """``F.pad(self(x [+ residual]), (left, right))`` [and the sum], fused on the kernel path."""
+        return snake(x, self.alpha, left, right, residual)
 
 
 # ----------------------------------------------------------------------------- frozen weights
@@ -253,9 +295,17 @@ class ResBlock(nn.Module):
         self.activations2 = nn.ModuleList([Snake(channels) for _ in dilations])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x = x + c2(a2(c1(a1(x)))) per unit, with each conv's zero padding written by the
+        # activation before it and each residual add done by the next unit's first activation
+        # (one kernel each on the fused Snake path; the same torch ops otherwise)
+        h = None
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = x + c2(a2(c1(a1(x))))
-        return x
+            if h is None:
+                xp = a1.padded(x, c1.left, c1.right)
+            else:
+                xp, x = a1.padded(x, c1.left, c1.right, residual=h)
+            h = c2.conv_padded(a2.padded(c1.conv_padded(xp), c2.left, c2.right))
+        return x if h is None else x + h
 
     def history(self) -> int:
         """Left context (frames at this rate) one causal block needs."""
