@@ -156,3 +156,45 @@ def test_resblock_fused_structure_is_the_plain_formula(causal):
         for c1, c2, a1, a2 in zip(block.convs1, block.convs2, block.activations1, block.activations2):
             want = want + c2(snake_reference(c1(snake_reference(want, a1.alpha)), a2.alpha))
         assert torch.equal(block(x), want)
+
+
+# ----------------------------------------------------------------------------- 3. float64 F0 convs as GEMMs
+
+@pytest.mark.parametrize("left,right,k", [(0, 0, 4), (0, 3, 4), (2, 0, 3), (1, 1, 3)])
+def test_conv1d_gemm_matches_conv1d_float64(left, right, k):
+    from minicpmo_rt.code2wav.hift_causal import conv1d_gemm
+    g = torch.Generator().manual_seed(k + left)
+    x = torch.randn(3, 40, 17, generator=g, dtype=torch.float64)
+    w = torch.randn(24, 40, k, generator=g, dtype=torch.float64)
+    b = torch.randn(24, generator=g, dtype=torch.float64)
+    want = F.conv1d(F.pad(x, (left, right)), w, b)
+    got = conv1d_gemm(x.transpose(1, 2), w, b, left, right).transpose(1, 2)
+    assert got.shape == want.shape
+    assert float((got - want).norm() / want.norm()) <= 1e-14
+    nob = conv1d_gemm(x.transpose(1, 2), w, None, left, right).transpose(1, 2)
+    assert float((nob + b[:, None] - want).norm() / want.norm()) <= 1e-14
+
+
+@pytest.mark.parametrize("finalize", [True, False])
+@pytest.mark.parametrize("frozen_weights", [False, True])
+def test_causal_f0_gemm_matches_conv_path(finalize, frozen_weights):
+    """The float64 F0 predictor (GEMM convs) vs its F.conv1d formulation: same look-ahead and
+    causal padding semantics (shapes), values ~1e-15 apart."""
+    from minicpmo_rt.code2wav.hift import FULL_SIZE
+    model = build("causal")
+    f0p = model.f0_predictor
+    if frozen_weights:
+        model.freeze_weight_norm()
+    mel, _ = inputs(batch=3, frames=27)
+    with torch.inference_mode():
+        got, want = f0p(mel, finalize=finalize), f0p.forward_conv(mel, finalize=finalize)
+    assert got.dtype == torch.float64 and got.shape == want.shape == (3, 27 if finalize else 24)
+    assert float((got - want).norm() / want.norm()) <= 1e-13
+    # full-size channels (512): the GEMM's K is 1536
+    from minicpmo_rt.code2wav.hift_causal import CausalF0Predictor
+    big = randomize(CausalF0Predictor(80, FULL_SIZE.f0_channels), seed=1)
+    with torch.no_grad():
+        big.classifier.bias += 150.0
+    with torch.inference_mode():
+        got, want = big(mel, finalize=finalize), big.forward_conv(mel, finalize=finalize)
+    assert float((got - want).norm() / want.norm()) <= 1e-13

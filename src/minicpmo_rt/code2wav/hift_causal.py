@@ -81,6 +81,24 @@ def _seeded_noise_tables(seed: int, harmonics: int, length: int) -> tuple[torch.
     return rand_ini, torch.rand(1, length, harmonics, generator=g)
 
 
+def conv1d_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], left: int = 0,
+                right: int = 0) -> torch.Tensor:
+    """Stride-1, dilation-1 ``conv1d`` of a time-major input x [B, T, Cin] zero-padded by ``left`` /
+    ``right`` frames, as one GEMM: the padded input's k-frame windows (im2col) [B*T', Cin*k] times
+    the weight [Cout, Cin, k] flattened -> time-major [B, T', Cout], T' = T + left + right - k + 1.
+    The same products as the convolution, summed in the GEMM's order (float64: ~1e-16 apart)."""
+    if left or right:
+        x = F.pad(x, (0, 0, left, right))
+    b, _, cin = x.shape
+    cout, _, k = weight.shape
+    cols = x.unfold(1, k, 1)  # [B, T', Cin, k]: window t, channel c, tap j = x[t + j, c]
+    t_out = cols.shape[1]
+    w = weight.reshape(cout, cin * k).t()
+    y = torch.mm(cols.reshape(b * t_out, cin * k), w) if bias is None else torch.addmm(
+        bias, cols.reshape(b * t_out, cin * k), w)
+    return y.view(b, t_out, cout)
+
+
 class _Float64Linear(nn.Linear):
     _freeze_extra = _freeze_float64
 
@@ -117,8 +135,21 @@ class CausalF0Predictor(nn.Module):
     def forward(self, mel: torch.Tensor, finalize: bool = True, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """mel [B, 80, T] -> F0 [B, T] (finalize: zero look-ahead) or [B, T-3] (the last 3 frames are look-ahead only).
 
-        Computed in ``dtype`` (float64 as upstream), returned in ``dtype``.
+        Computed in ``dtype`` (float64 as upstream), returned in ``dtype``. In float64 the convs
+        run as GEMMs (``conv1d_gemm``; cuDNN's float64 convolution is a slow generic kernel),
+        other dtypes through ``F.conv1d`` (``forward_conv``, also the float64 reference).
         """
+        if dtype != torch.float64:
+            return self.forward_conv(mel, finalize, dtype)
+        x = mel.transpose(1, 2).to(dtype)  # time-major [B, T, C] throughout
+        for i, conv in enumerate(self.condnet[0::2]):
+            right = 0 if i == 0 and not finalize else conv.right  # look-ahead frames are real frames
+            x = F.elu(conv1d_gemm(x, _weight_norm_weight(conv, dtype), _cast(conv, "bias", dtype), conv.left, right))
+        c = self.classifier
+        return F.linear(x, _weight_norm_weight(c, dtype), _cast(c, "bias", dtype)).squeeze(-1).abs()
+
+    def forward_conv(self, mel: torch.Tensor, finalize: bool = True, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``forward`` through ``F.conv1d`` (upstream's formulation)."""
         x = mel.to(dtype)
         for i, conv in enumerate(self.condnet[0::2]):
             w = _weight_norm_weight(conv, dtype)
