@@ -94,7 +94,8 @@ def test_partial_artifact_all_four_audits(smoke):
     v = art.verification
     for name in ("boundary", "clean_replay", "future_intervention", "snapshot_restoration"):
         assert v[name]["passed"] and v[name]["failed"] == 0, (name, v[name])
-    assert v["boundary"]["runs"] == 3 and v["snapshot_restoration"]["runs"] == 15
+    # the real session forks each second's 5 rows off one state: one restoration check per second
+    assert v["boundary"]["runs"] == 3 and v["snapshot_restoration"]["runs"] == 3
     assert v["clean_replay"]["runs"] == 8 and v["future_intervention"]["runs"] == 8  # rows 1.2-1.8, 2.2-2.8
     assert v["future_intervention"]["max_abs_diff"] == 0.0
     assert v["clean_replay"]["max_rel_err"] <= 1e-5 and v["boundary"]["max_rel_err"] <= 1e-5
@@ -148,3 +149,31 @@ def test_hub_id_resolved_from_local_cache_only(tiny_ckpt, session_dir, tmp_path,
     assert ex.main(["--model-id", "openbmb/Not-Cached", "--easycom-session-dir", str(session_dir), "--end", "1",
                     "--mode", "native-1hz-hold", "--device", "cpu", "--output", str(tmp_path / "m.pt")]) == 2
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_partial_with_batched_forks_matches_transactions(smoke, tiny_ckpt, session_dir, tmp_path):
+    """The fast path's forks (a static LLM cache: each second's rows prefilled as one batch on a
+    fork of the cache) against the smoke run's one-transaction-per-row artifact."""
+    from minicpmo_rt.checkpoint.tokenizer import load_tokenizer
+    from minicpmo_rt.thinker.model import Thinker
+    from minicpmo_rt.thinker.session import StreamingSession
+
+    th = Thinker.from_snapshot(tiny_ckpt, dtype=torch.float32, device="cpu")
+    tok = load_tokenizer(tiny_ckpt)
+    opened = []
+
+    def factory():
+        opened.append(StreamingSession(th, tok, llm_cache="static", static_capacity=2048))
+        return opened[-1]
+
+    o = ex.ExtractOptions(easycom_session_dir=session_dir, mode="cached-partial-5hz", end=3.0,
+                          output=tmp_path / "p.pt", progress=False, verify_every=1, future_intervention_every=1,
+                          decoder="pyav", decoder_threads=1, max_open_readers=1)
+    art = ex.run(o, factory=factory, model_info={}, echo=lambda s: None)
+    ref = load_artifact(smoke / "Session_4_partial_3s.pt")
+    assert opened[0].llm_cache.store is None and all(s.llm_cache.store is None for s in opened)  # all closed
+    v = art.verification
+    assert v["all_passed"] and v["future_intervention"]["max_abs_diff"] == 0.0
+    assert v["snapshot_restoration"]["runs"] == 3 and v["boundary"]["runs"] == 3
+    err = ((art.states - ref.states).norm(dim=1) / ref.states.norm(dim=1)).max()
+    assert err <= 1e-5, err

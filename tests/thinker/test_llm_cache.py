@@ -156,6 +156,14 @@ def test_static_session_with_triton_kernels_equals_dynamic(thinker, tok):
     with s.transaction():
         s.append_tail(audio[:4800], None)
     assert s.fingerprint() == fp and torch.equal(s.read_state(), state)
+    # forked units: one batched prefill through the Triton kernels (rows at different lengths)
+    tails = [(audio[:1600 * j], _frame(j), False) for j in (1, 3, 5)]
+    got = s.evaluate_forks(tails)
+    assert s.fingerprint() == fp and s.llm_cache.fork_batch == 3
+    for (a, f, _), g in zip(tails, got):
+        with d.transaction():
+            d.append_tail(a, f)
+            assert rel_err(g, d.read_state()) <= 1e-5
 
 
 def test_audio_graph_body_and_session_option(thinker, tok):
@@ -247,6 +255,20 @@ def test_cuda_fast_session_matches_plain_and_restores_exactly(tok):
     for k in range(3):   # the cache grows by one chunk per commit; no new capture
         a.commit(audio[32000:48000], _frame(k))
     assert a.audio_graphs.captures <= 3
+    # forks: batched prefill from a graph on a fork decoder == one transaction per unit (bf16:
+    # batch-5 vs batch-1 GEMMs), the session untouched
+    units = [(audio[32000:32000 + 3200 * j], _frame(j), False) for j in (1, 2, 3, 4)] + \
+        [(audio[32000:48000], _frame(5), True)]
+    fp = a.fingerprint()
+    got = a.evaluate_forks(units)
+    got2 = a.evaluate_forks(units)
+    assert a.fingerprint() == fp and all(torch.equal(x, y) for x, y in zip(got, got2))
+    for (au, f, whole), g in zip(units, got):
+        with a.transaction():
+            (a.commit if whole else a.append_tail)(au, f)
+            err = rel_err(g, a.read_state())
+        print(f"fork vs transaction (bf16, CUDA graphs): {err:.2e}")
+        assert err <= 2e-2
 
 
 @requires_cuda
@@ -303,7 +325,7 @@ def test_decoder_pool_shares_weights_and_reuses_released_decoders(thinker, tok):
     with pytest.raises(ValueError, match="released already"):
         pool.release(store)
     b.close()
-    rich = next(d for d in pool._free[256] if d is not store)    # mark one free decoder as graph-rich
+    rich = next(d for d in pool._free[(256, 1)] if d is not store)    # mark one free decoder as graph-rich
     rich._prefill_graphs[(1, 99)] = None
     assert pool.acquire(256) is rich                             # the richest goes first
 

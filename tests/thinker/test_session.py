@@ -319,3 +319,42 @@ def test_embedded_frames_feed_like_raw_frames(thinker, tok):
         assert rel_err(pre.read_state(), raw.read_state()) <= 1e-5
     with pytest.raises(InputError, match="embed_frames: frame 0"):
         pre.embed_frames([np.zeros((4, 4, 5), np.uint8)])
+
+
+@pytest.mark.parametrize("llm_cache", ["dynamic", "static"])
+def test_evaluate_forks_equal_one_transaction_per_unit(thinker, tok, llm_cache):
+    """Forked units (batched on a static cache's fork, transactions on a dynamic one) read the
+    same states as one transaction per unit, and leave the session exactly as it was; the
+    fork's incremental row copy stays right across commits, restores and pruning."""
+    audio = _audio(6, 7)
+    kw = dict(llm_cache=llm_cache, window=WindowPolicy.input_only(high_tokens=250, low_tokens=150),
+              static_capacity=1024)
+    s, ref = StreamingSession(thinker, tok, **kw), StreamingSession(thinker, tok, **kw)
+
+    def units(sec):
+        base = 16000 * sec
+        tails = [(audio[base:base + 3200 * j], _frame(10 * sec + j), False) for j in (1, 2, 3, 4)]
+        return tails + [(audio[base:base + 16000], _frame(10 * sec + 5), True)]
+
+    for sec in range(5):
+        us = units(sec)
+        before = s.fingerprint()
+        got = s.evaluate_forks(us)
+        assert s.fingerprint() == before
+        want = []
+        for a, f, whole in us:
+            with ref.transaction():
+                (ref.commit if whole else ref.append_tail)(a, f)
+                want.append(ref.read_state())
+        for g, w in zip(got, want):
+            assert rel_err(g, w) <= 1e-5
+        for x in (s, ref):
+            x.commit(us[-1][0], us[-1][1])
+        assert torch.equal(s.read_state(), ref.read_state())
+        assert rel_err(got[-1], s.read_state()) <= 1e-5   # the forked whole chunk = the native commit
+    assert s.pruning_events and len(s.pruning_events) == len(ref.pruning_events)
+    if llm_cache == "static":
+        assert s.llm_cache.fork_batch == 5
+    with pytest.raises(InputError, match="is a whole chunk"):
+        s.evaluate_forks([(audio[:16000], None, False)])
+    s.close()

@@ -497,43 +497,80 @@ def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, v
         last_fp = a
         known = after
 
-    for k in range(rows):
+    forks = getattr(session, "evaluate_forks", None)
+
+    def unit(k: int) -> tuple[float, bool, np.ndarray, Any]:
+        """Row k's input: the second ending at it (whole) or the tail since the last second."""
         t = row_time(k)
         sec, frac = divmod(ROW_MS * (k + 1), 1000)
         if frac == 0:
-            audio, frame = inputs.audio(sec - 1, sec), inputs.frame_for(session, float(sec))
+            return t, True, inputs.audio(sec - 1, sec), inputs.frame_for(session, float(sec))
+        return t, False, inputs.audio(sec, t), inputs.frame_for(session, t)
+
+    def commit_boundary(k: int, t: float, audio, frame, temp: torch.Tensor) -> torch.Tensor:
+        nonlocal seen, pruning, known
+        with record_function("partial.commit"):
+            session.commit(audio, frame)
+            known = None
+            h = session.read_state().float().clone()
+        n_before = seen
+        seen, new = _pruning_rows(session, seen, k, t)
+        pruning += new
+        # The session reads a commit's state out before it prunes, so a pruning commit is
+        # still comparable; the entry says it pruned.
+        boundary.compare(k, t, temp, h, pruned=seen > n_before)
+        return h
+
+    def audit_replays(k: int, t: float, h: torch.Tensor) -> None:
+        nonlocal known
+        do_r, do_f = c_replay.due(k), c_future.due(k)
+        if do_r or do_f:
+            with record_function("audit.replays"):
+                _run_replays(factory, inputs, k, t, h, do_r, do_f, replay, future)
+            known = None  # replays touch process-wide state (RNG, allocator): read it afresh
+
+    for first_row in range(0, rows, 5):
+        group = range(first_row, min(first_row + 5, rows))
+        if forks is not None:
+            # One second's rows (its 4 tails and the temporary full chunk of its boundary) forked
+            # off the same committed state in one batch; then the native commit.
+            units = [unit(k) for k in group]
             before = fingerprint_before()
-            with record_function("partial.boundary_check"), session.transaction():
-                session.commit(audio, frame)
-                temp = session.read_state().float().clone()
-            check_restored(k, t, before)
-            with record_function("partial.commit"):
-                session.commit(audio, frame)
-                known = None
-                h = session.read_state().float().clone()
-            n_before = seen
-            seen, new = _pruning_rows(session, seen, k, t)
-            pruning += new
-            # The session reads a commit's state out before it prunes, so a pruning commit is
-            # still comparable; the entry says it pruned.
-            boundary.compare(k, t, temp, h, pruned=seen > n_before)
-        else:
-            audio, frame = inputs.audio(sec, t), inputs.frame_for(session, t)
+            with record_function("partial.forks"):
+                hs = forks([(a, f, whole) for _, whole, a, f in units])
+            check_restored(group[-1], units[-1][0], before)
+            for k, (t, whole, a, f), h in zip(group, units, hs):
+                h = h.float().clone()
+                if whole:
+                    h = commit_boundary(k, t, a, f, h)
+                else:
+                    audit_replays(k, t, h)
+                if states is None:
+                    states = torch.zeros(rows, h.shape[-1], dtype=torch.float32)
+                states[k] = h
+                if tick:
+                    tick(0.2)
+            continue
+        for k in group:   # a session without forks: one transaction per row
+            t, whole, audio, frame = unit(k)
             before = fingerprint_before()
-            with record_function("partial.tail"), session.transaction():
-                session.append_tail(audio, frame)
-                h = session.read_state().float().clone()
-            check_restored(k, t, before)
-            do_r, do_f = c_replay.due(k), c_future.due(k)
-            if do_r or do_f:
-                with record_function("audit.replays"):
-                    _run_replays(factory, inputs, k, t, h, do_r, do_f, replay, future)
-                known = None  # replays touch process-wide state (RNG, allocator): read it afresh
-        if states is None:
-            states = torch.zeros(rows, h.shape[-1], dtype=torch.float32)
-        states[k] = h
-        if tick:
-            tick(0.2)
+            if whole:
+                with record_function("partial.boundary_check"), session.transaction():
+                    session.commit(audio, frame)
+                    temp = session.read_state().float().clone()
+                check_restored(k, t, before)
+                h = commit_boundary(k, t, audio, frame, temp)
+            else:
+                with record_function("partial.tail"), session.transaction():
+                    session.append_tail(audio, frame)
+                    h = session.read_state().float().clone()
+                check_restored(k, t, before)
+                audit_replays(k, t, h)
+            if states is None:
+                states = torch.zeros(rows, h.shape[-1], dtype=torch.float32)
+            states[k] = h
+            if tick:
+                tick(0.2)
     assert states is not None
     times = grid_times(rows)
     native = torch.tensor([(k + 1) % 5 == 0 for k in range(rows)], dtype=torch.bool)

@@ -84,26 +84,28 @@ class StaticDecoderPool:
 
     def __init__(self, thinker: Thinker, kernels: str = "auto"):
         self.thinker, self.kernels = thinker, kernels
-        self._free: dict[int, list[StaticDecoder]] = {}
+        self._free: dict[tuple[int, int], list[StaticDecoder]] = {}   # (capacity, batch) -> free decoders
         self._donor: StaticDecoder | None = None
         self.created = 0
 
-    def acquire(self, capacity: int) -> StaticDecoder:
-        free = self._free.get(capacity)
+    def acquire(self, capacity: int, batch: int = 1) -> StaticDecoder:
+        free = self._free.get((capacity, batch))
         if free:
             # the decoder with the most prefill graphs: a run's first session (its main one, which
             # feeds the most shapes) then captures least
             best = max(range(len(free)), key=lambda i: len(free[i]._prefill_graphs))
             return free.pop(best)
-        dec = StaticDecoder(self.thinker.llm, max_len=capacity, kernels=self.kernels, share_weights=self._donor)
+        dec = StaticDecoder(self.thinker.llm, max_len=capacity, batch=batch, kernels=self.kernels,
+                            share_weights=self._donor)
         self._donor = self._donor or dec
         self.created += 1
         return dec
 
     def release(self, dec: StaticDecoder) -> None:
-        if any(d is dec for d in self._free.get(dec.max_len, [])):
+        key = (dec.max_len, dec.batch)
+        if any(d is dec for d in self._free.get(key, [])):
             raise ValueError("StaticDecoderPool.release: this decoder was released already")
-        self._free.setdefault(dec.max_len, []).append(dec)
+        self._free.setdefault(key, []).append(dec)
 
 
 class StaticLLMCache:
@@ -122,6 +124,12 @@ class StaticLLMCache:
                              "pass graphs=False")
         self.graphs = graphs
         self._length = 0
+        self._fork: StaticDecoder | None = None   # batch decoder of fork_feed, held until close()
+        self._synced = 0   # rows [0, _synced) of every fork row equal this cache's rows
+
+    @property
+    def fork_batch(self) -> int:
+        return self._fork.batch if self._fork is not None else 0
 
     @property
     def length(self) -> int:
@@ -131,7 +139,9 @@ class StaticLLMCache:
         """Hand a pooled decoder back; the cache is unusable afterwards."""
         if self.pool is not None and self.store is not None:
             self.pool.release(self.store)
-        self.store = None
+            if self._fork is not None:
+                self.pool.release(self._fork)
+        self.store = self._fork = None
 
     @torch.no_grad()
     def feed(self, embeds: torch.Tensor) -> LLMStep:
@@ -152,6 +162,46 @@ class StaticLLMCache:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a {self._length}-row cache to {length} rows")
         self._length = int(length)
+        self._synced = min(self._synced, self._length)   # rows past it will be rewritten
+
+    @torch.no_grad()
+    def fork_feed(self, units: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each unit ``[L_i, H]`` fed ALONE after the live rows: its final-norm hidden at its last
+        position, as ``feed`` then ``truncate`` back would give. The live cache is not touched.
+
+        The units run as one batch (rows right-padded to the longest; causal attention keeps the
+        padding out of every real position) on a fork decoder whose rows hold a copy of the live
+        rows: one prefill instead of one per unit, so the packed weights are read once. Only
+        rows changed since the last fork are copied. The batch grows to the largest count
+        seen (extra rows repeat unit 0), so one graph per unit length serves every call."""
+        if self.store is None:
+            raise InputError("static LLM cache: used after close(); open a new session")
+        if not units:
+            return []
+        n, T = self._length, max(int(u.shape[0]) for u in units)
+        if n + T > self.capacity:
+            raise InputError(f"static LLM cache: {n} + {T} positions pass its capacity of {self.capacity}; "
+                             "build the session with a larger static_capacity (or a tighter window)")
+        B = max(len(units), self.fork_batch)
+        if self._fork is None or self._fork.batch < B:
+            if self._fork is not None and self.pool is not None:
+                self.pool.release(self._fork)
+            self._fork = self.pool.acquire(self.capacity, B) if self.pool is not None else \
+                StaticDecoder(self.thinker.llm, max_len=self.capacity, batch=B, kernels=self.store.kernels,
+                              share_weights=self.store)
+            self._synced = 0
+        fork, lo = self._fork, self._synced
+        if lo < n:
+            for src, dst in ((self.store.k_cache, fork.k_cache), (self.store.v_cache, fork.v_cache)):
+                dst[:, :, :, lo:n].copy_(src[:, :1, :, lo:n].expand(-1, fork.batch, -1, -1, -1))
+            self._synced = n
+        x = torch.zeros(fork.batch, T, units[0].shape[-1], dtype=fork.dtype, device=fork.device)
+        for i in range(fork.batch):
+            u = units[i] if i < len(units) else units[0]
+            x[i, :u.shape[0]] = u.to(fork.dtype)
+        run = fork.prefill_graph if self.graphs else fork.prefill
+        hidden = run(x, n)
+        return [hidden[i, int(u.shape[0]) - 1] for i, u in enumerate(units)]
 
     def checksum(self) -> float:
         n = self._length
@@ -172,6 +222,7 @@ class StaticLLMCache:
         if start < 0 or start + length > total:
             raise ValueError(f"cannot drop rows [{start}, {start + length}) of a {total}-row cache")
         suffix = total - start - length
+        self._synced = min(self._synced, start)
         if suffix:
             kc, vc = self.store.k_cache, self.store.v_cache
             dev = kc.device

@@ -369,6 +369,58 @@ class StreamingSession:
         self._atomically(run)
 
     @torch.no_grad()
+    def evaluate_forks(self, units, *, sample_rate: int = SAMPLE_RATE) -> list[torch.Tensor]:
+        """The read-out state after each of ``units``, each fed ALONE on the current state and
+        undone; the session is unchanged afterwards.
+
+        A unit is ``(audio, frame, whole)``: ``whole=True`` a complete 1-s chunk as ``commit``
+        feeds it, ``False`` a partial tail as ``append_tail`` does. Per unit this is
+        ``with transaction(): commit/append_tail(...); read_state()``, which is exactly what runs
+        when the LLM cache cannot fork. A static LLM cache forks instead: every unit's encoders
+        run on the current state (whose mel is put back after each), then their prefills run as
+        ONE batch on a copy of the live cache rows (``StaticLLMCache.fork_feed``), so the 8B
+        weights are read once per batch instead of once per unit. Values equal the per-unit
+        transactions up to the batch's floating-point summation order.
+        """
+        if self._tail_appended:
+            raise InputError("evaluate_forks: a tail was appended in this transaction; restore it first")
+        fork = getattr(self.llm_cache, "fork_feed", None)
+        if fork is None:
+            out = []
+            for audio, frame, whole in units:
+                with self.transaction():
+                    if whole:
+                        self.commit(audio, frame, sample_rate=sample_rate)
+                    else:
+                        self.append_tail(audio, frame, sample_rate=sample_rate)
+                    out.append(self.read_state())
+            return out
+        rows = []
+        mel_state = self.mel.snapshot()
+        try:
+            with self.pruning_suspended():
+                for i, (audio, frame, whole) in enumerate(units):
+                    where = f"evaluate_forks: unit {i}"
+                    audio = _check_audio(audio, sample_rate, where)
+                    processed = self._check_frame(frame, where)
+                    pending = self._pending_with(audio)
+                    need = self.mel.chunk_size() if whole else self.mel.chunk_samples
+                    if whole and pending.shape[0] < need:
+                        raise InputError(f"{where}: a whole chunk needs {need} samples here but only "
+                                         f"{pending.shape[0]} are available; pass 1 s per whole unit")
+                    if not whole and audio.shape[0] >= need:
+                        raise InputError(f"{where}: {audio.shape[0]} samples is a whole chunk; a tail must be "
+                                         f"shorter than {need} samples")
+                    chunk = pending[:need] if whole else pending
+                    rows.append(self._unit_embeds(chunk, processed, last_chunk=not whole)[0])
+                    self.mel.restore(mel_state)
+            with record_function("session.llm_fork_feed"):
+                hidden = fork(rows)
+        finally:
+            self.mel.restore(mel_state)
+        return list(torch.stack(hidden).to(device="cpu", dtype=torch.float32).unbind(0))
+
+    @torch.no_grad()
     def embed_frames(self, frames) -> list[EmbeddedFrame | None]:
         """Preprocess ``frames`` (None entries stay None) and embed them in one vision batch.
 
@@ -503,6 +555,26 @@ class StreamingSession:
 
     def _feed_unit(self, chunk: np.ndarray, rest: np.ndarray, processed: ProcessedImage | EmbeddedFrame | None,
                    last_chunk: bool) -> None:
+        embeds, audio, closing, unit = self._unit_embeds(chunk, processed, last_chunk)
+        with record_function("session.llm_feed"):
+            step = self.llm_cache.feed(embeds)
+        # Commit the bookkeeping only after the forward succeeded.
+        self._last_hidden = step.last
+        self.audio_cache = audio.cache
+        self.audio_resets += int(audio.reset)
+        self.carry = _frozen(np.array(rest, dtype=np.float32))
+        if self.open_unit is not None:
+            self.history.append(replace(self.open_unit, piece=self.open_unit.piece + closing, closed=True))
+        self.open_unit = UnitRecord(self.next_unit_id, unit)
+        self.next_unit_id += 1
+        if not last_chunk:
+            self.audio_chunk_idx += 1
+            self.committed_chunks += 1
+            self._enforce_window()
+
+    def _unit_embeds(self, chunk: np.ndarray, processed: ProcessedImage | EmbeddedFrame | None,
+                     last_chunk: bool):
+        """A unit's LLM input rows (closing piece + unit) and its audio step; advances the mel."""
         th = self.thinker
         # named ranges for torch.profiler (benchmarks/features_bench.py --torch-profile); ~1 us each otherwise
         with record_function("session.mel"):
@@ -533,20 +605,7 @@ class StreamingSession:
                 f"{'suspended' if self._suspended else 'active'}); use a bounded WindowPolicy or shorter sessions")
         with record_function("session.llm_feed"):
             embeds = self._assemble(piece, images, audio.embeds)
-            step = self.llm_cache.feed(embeds)
-        # Commit the bookkeeping only after the forward succeeded.
-        self._last_hidden = step.last
-        self.audio_cache = audio.cache
-        self.audio_resets += int(audio.reset)
-        self.carry = _frozen(np.array(rest, dtype=np.float32))
-        if self.open_unit is not None:
-            self.history.append(replace(self.open_unit, piece=self.open_unit.piece + closing, closed=True))
-        self.open_unit = UnitRecord(self.next_unit_id, unit)
-        self.next_unit_id += 1
-        if not last_chunk:
-            self.audio_chunk_idx += 1
-            self.committed_chunks += 1
-            self._enforce_window()
+        return embeds, audio, closing, unit
 
     def _assemble(self, piece: PromptPiece, images: list[torch.Tensor], audio: torch.Tensor) -> torch.Tensor:
         th = self.thinker
