@@ -106,8 +106,18 @@ class Thinker(nn.Module):
     # -- embeddings ---------------------------------------------------------------------------
     @torch.no_grad()
     def embed_tokens(self, ids) -> torch.Tensor:
-        ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
-        return self.llm.model.embed_tokens(ids)
+        ids = tuple(ids)
+        if self.device.type != "cuda":
+            return self.llm.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
+        # A pageable host->device copy waits for the whole stream first; streaming units repeat
+        # a few id sequences, so their device copies are kept (bounded) and reused.
+        cache = self.__dict__.setdefault("_device_ids", {})
+        dev = cache.get(ids)
+        if dev is None:
+            if len(cache) >= 256:
+                cache.pop(next(iter(cache)))
+            dev = cache[ids] = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return self.llm.model.embed_tokens(dev)
 
     @torch.no_grad()
     def embed_image(self, image, max_slice_nums: int = 1) -> torch.Tensor:
