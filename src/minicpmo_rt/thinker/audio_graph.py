@@ -65,12 +65,14 @@ class AudioGraphs:
         self._buf: torch.Tensor | None = None     # [layers, 2, 1, heads, P, head_dim]
         self._mask: torch.Tensor | None = None    # [1, 1, 1, P] bool
         self._arange: torch.Tensor | None = None  # [P] long
-        self._resident: AudioEncoderCache | None = None  # the cache whose rows the buffer holds
+        # caches whose rows the buffer holds: the last step's output and, as its prefix, its input
+        # (forked units all start from one input cache: no re-copy between them)
+        self._resident: tuple[AudioEncoderCache | None, ...] = ()
         self.failures: dict[tuple, str] = {}
         self.captures = 0
 
     def _eager(self, x, cache, prefix_extra, suffix_extra, reset) -> AudioChunkEmbedding:
-        self._resident = None
+        self._resident = ()
         embeds, cache = stream_body(self.thinker, x, cache, prefix_extra, suffix_extra)
         return AudioChunkEmbedding(embeds, cache, reset)
 
@@ -91,7 +93,7 @@ class AudioGraphs:
         n_mel = int(mel.shape[-1])
         n_conv = chunk_conv_frames(n_mel, prefix_extra, suffix_extra)
         if n_conv < th.audio_pool_step or th.device.type != "cuda":
-            self._resident = None
+            self._resident = ()
             return th.embed_audio_chunk(mel, cache, prefix_extra, suffix_extra)
         reset = th.apm.needs_reset(cache, n_mel)
         if reset:
@@ -102,7 +104,7 @@ class AudioGraphs:
             return self._eager(x, cache, prefix_extra, suffix_extra, reset)
         self._buffers()
         past = cache.length if cache is not None else 0
-        if cache is not None and cache is not self._resident:
+        if cache is not None and not any(cache is r for r in self._resident):
             torch._foreach_copy_([self._buf[i, j, :, :, :past] for i in range(len(cache.keys)) for j in (0, 1)],
                                  [t for kv in zip(cache.keys, cache.values) for t in kv])
         torch.lt(self._arange, past + n_conv, out=self._mask[0, 0, 0])
@@ -119,7 +121,7 @@ class AudioGraphs:
         g.replay()
         kv = self._buf[:, :, :, :, :past + n_conv].clone()
         new = AudioEncoderCache(tuple(kv[:, 0].unbind(0)), tuple(kv[:, 1].unbind(0)))
-        self._resident = new
+        self._resident = (new, cache) if cache is not None else (new,)
         return AudioChunkEmbedding(out.clone(), new, reset)
 
     def _capture(self, x, n_conv, prefix_extra, suffix_extra):
