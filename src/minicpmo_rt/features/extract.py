@@ -16,6 +16,20 @@ cached-partial-5hz
     and the snapshot restored. At a boundary the complete chunk is committed natively (with
     the normal window policy). ``state_source_times`` == ``times``.
 
+    A session that offers ``evaluate_forks`` (``StreamingSession``) gets one second's rows at
+    once: its 4 tails and the boundary's temporary full chunk all start from the same committed
+    state, so they are evaluated as 5 forks of it (each unit's encoders on that state, then one
+    batched LLM prefill on a copy of the live cache rows; with a cache that cannot fork, one
+    transaction per unit) before the native commit. Same values as one transaction per row up
+    to the batch's floating-point summation order (bit-identical on CPU).
+
+Frames (sessions with ``embed_frames``)
+    The vision tower runs per frame, so frames are embedded in fixed groups: native mode the 4
+    commit frames of seconds 4m+1..4m+4, cached-partial the 5 frames of one second's rows. A
+    group is a fixed function of time, so the main session and the clean replays read
+    bit-identical embeddings; the future-intervention view embeds its own groups (its changed
+    frames share a batch with unchanged ones, so any leak across a batch would show).
+
 Audits (cached-partial-5hz; their figures go to ``verification``)
     boundary             every boundary: the same chunk committed temporarily inside a
                          transaction (pruning suspended) vs the native commit that follows (the
@@ -25,9 +39,9 @@ Audits (cached-partial-5hz; their figures go to ``verification``)
                          must match the cached state (rel. error <= the dtype's tolerance).
     future_intervention  a fresh replay whose audio after t (and frames that start at or after
                          t) are replaced must equal the clean replay *exactly*.
-    snapshot_restoration every transaction: ``session.fingerprint()`` (LLM/audio cache lengths
-                         and checksums, mel state, chunk index, history, position offset, RNG)
-                         before == after.
+    snapshot_restoration every transaction (with forks: every second's fork batch):
+                         ``session.fingerprint()`` (LLM/audio cache lengths and checksums, mel
+                         state, chunk index, history, position offset, RNG) before == after.
     Cadence: the first clean replay and future intervention run at the first non-boundary row
     after the first commit (t = 1.2 s); then, with ``--verify-every N`` /
     ``--future-intervention-every N`` (N rows, 250 = 50 s), at the first non-boundary row at or
