@@ -12,6 +12,7 @@ from minicpmo_rt.code2wav.hift import TINY, HiFTGenerator, freeze_weight_norm, f
 from minicpmo_rt.code2wav.hift_causal import CausalHiFTGenerator
 from minicpmo_rt.code2wav.hift_graph import GraphedHiFT
 
+from conftest import ieee_cudnn, rel_err, requires_cuda
 from test_fused_dit import randomize
 from test_hift_graph import OpLog
 
@@ -198,3 +199,78 @@ def test_causal_f0_gemm_matches_conv_path(finalize, frozen_weights):
     with torch.inference_mode():
         got, want = big(mel, finalize=finalize), big.forward_conv(mel, finalize=finalize)
     assert float((got - want).norm() / want.norm()) <= 1e-13
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+def full(variant: str, seed: int = 11) -> torch.nn.Module:
+    from minicpmo_rt.code2wav.hift import FULL_SIZE
+    model = HiFTGenerator(FULL_SIZE) if variant == "original" else CausalHiFTGenerator(FULL_SIZE)
+    model = randomize(model, seed=seed, mild=True)
+    with torch.no_grad():
+        model.f0_predictor.classifier.bias += 150.0
+    return model.cuda().eval()
+
+
+def plain(fn):
+    """``fn()`` on the reference path: torch ops only (no fused kernels), weights as they are."""
+    from minicpmo_rt.code2wav import hift
+    prev = hift.SNAKE_KERNEL
+    hift.SNAKE_KERNEL = False
+    try:
+        return fn()
+    finally:
+        hift.SNAKE_KERNEL = prev
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", ["original", "causal"])
+def test_cuda_frozen_weight_norm_is_bit_identical(variant):
+    """On the GPU too: frozen (NCHW) weights give exactly the per-call weight norm's outputs."""
+    model = full(variant)
+    mel = torch.randn(1, 80, 58, device="cuda") - 5
+    source = 0.01 * torch.randn(1, 1, 58 * 480, device="cuda")
+    with ieee_cudnn():
+        want = plain(lambda: stages(model, mel, source))
+        model.freeze_weight_norm(channels_last=False)
+        got = plain(lambda: stages(model, mel, source))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", ["original", "causal"])
+def test_cuda_fast_path_matches_the_torch_path(variant):
+    """The whole fast path (frozen time-major weights, NHWC convs, fused kernels, CUDA graphs) vs
+    the plain eager torch path of the same weights, both IEEE (cuDNN TF32 off, test-local)."""
+    model = full(variant)
+    mel = torch.randn(2, 80, 58, device="cuda") - 5
+    source = 0.01 * torch.randn(2, 1, 58 * 480, device="cuda")
+    with ieee_cudnn():
+        f0_ref, wav_ref = plain(lambda: stages(model, mel, source))
+        # fused kernels, NCHW weights: only the kernels differ from the reference
+        model.freeze_weight_norm(channels_last=False)
+        f0_k, wav_k = stages(model, mel, source)
+        graphed = GraphedHiFT(model)           # freezes time-major on CUDA
+        assert model.time_major()
+        with torch.inference_mode():
+            for _ in range(2):                 # first call eager, then captured and replayed
+                f0_g = graphed.run_f0(mel, finalize=False)
+                wav_g = graphed.run_decode(mel, source, finalize=False)
+        assert graphed.decode.graphs and graphed.decode.off is None and graphed.f0.off is None
+    e_k, e_g = rel_err(wav_k, wav_ref), rel_err(wav_g, wav_ref)
+    print(f"{variant}: kernels (NCHW) vs torch {e_k:.2e} (bit-identical: {torch.equal(wav_k, wav_ref)}); "
+          f"graphs (NHWC) vs torch {e_g:.2e}; F0 {rel_err(f0_g, f0_ref):.2e}")
+    assert e_k <= 1e-6 and e_g <= 1e-5
+    assert rel_err(f0_g, f0_ref) <= (1e-13 if variant == "causal" else 1e-5)
+
+
+@requires_cuda
+def test_cuda_causal_f0_gemm_matches_cudnn_float64():
+    model = full("causal")
+    f0p = model.f0_predictor
+    mel = torch.randn(3, 80, 27, device="cuda") - 5
+    with torch.inference_mode():
+        for finalize in (False, True):
+            got, want = f0p(mel, finalize=finalize), f0p.forward_conv(mel, finalize=finalize)
+            assert got.shape == want.shape
+            assert rel_err(got, want) <= 1e-13

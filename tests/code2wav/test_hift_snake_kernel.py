@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernel import
@@ -75,6 +76,33 @@ def test_padding_and_residual(left, right, time_major):
         assert out.stride(1) == 1 and total.stride(1) == 1
 
 
+@pytest.mark.parametrize("time_major", [False, True])
+def test_act_pad_variants(time_major):
+    """LeakyReLU + nearest repeat + padding; bias and residual folding; exact where torch is."""
+    from minicpmo_rt.code2wav.kernels.snake import act_pad, snake
+    x, alpha, res = case(2, 12, 33, seed=3, time_major=time_major)
+    bias = torch.randn(12, generator=torch.Generator().manual_seed(1)).to(x.device)
+    # leaky relu, repeat 5, left pad 4: the causal upsampler's input (all exact ops)
+    got = act_pad(x, "leaky", slope=0.1, left=4, repeat=5)
+    want = F.pad(F.leaky_relu(x, 0.1).repeat_interleave(5, dim=2), (4, 0))
+    assert torch.equal(got, want)
+    assert torch.equal(act_pad(x, "leaky", slope=0.01, left=6, right=1),
+                       F.pad(F.leaky_relu(x, 0.01), (6, 1)))
+    # x + (res + bias), no activation, no second output: a resblock's last residual add
+    got = act_pad(x, "none", residual=res, bias=bias, return_sum=False)
+    assert torch.equal(got, x + (res + bias[None, :, None]))
+    # snake of (conv output + bias): the bias of the conv before it
+    check(snake(x, alpha, 2, 2, bias=bias), F.pad(hift.snake_reference(x + bias[None, :, None], alpha), (2, 2)))
+    out, total = snake(x, alpha, 3, 0, residual=res, bias=bias)
+    assert torch.equal(total, x + (res + bias[None, :, None]))
+    check(out, F.pad(hift.snake_reference(total, alpha), (3, 0)))
+    # layout: as the input unless asked
+    assert hift.is_time_major(act_pad(x, "none", left=1)) == time_major
+    assert hift.is_time_major(act_pad(x, "none", left=1, tm=True))
+    with pytest.raises(ValueError):
+        act_pad(x, "none", residual=res, repeat=2)
+
+
 def test_strided_input_and_input_checks():
     from minicpmo_rt.code2wav.kernels.snake import snake
     x, alpha, _ = case(2, 8, 200, seed=5)
@@ -86,39 +114,130 @@ def test_strided_input_and_input_checks():
         snake(x, alpha[:3])
 
 
-def test_resblocks_with_the_kernel_match_the_torch_path():
-    """A TINY HiFT decode with SNAKE_KERNEL forced on (the interpreter on CPU) vs the torch path."""
+@pytest.mark.parametrize("variant", ["original", "causal"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_decode_with_the_kernels_matches_the_torch_path(variant, channels_last):
+    """A TINY HiFT decode with the fused kernels forced on (the interpreter on CPU), with or
+    without time-major conv weights, vs the plain torch path of the same model."""
     from minicpmo_rt.code2wav.hift import TINY, HiFTGenerator
+    from minicpmo_rt.code2wav.hift_causal import CausalHiFTGenerator
     from test_fused_dit import randomize
-    model = randomize(HiFTGenerator(TINY), seed=2).to(device())
+    model = randomize(HiFTGenerator(TINY) if variant == "original" else CausalHiFTGenerator(TINY), seed=2)
+    model = model.to(device())
     g = torch.Generator().manual_seed(0)
-    mel = (torch.randn(1, 80, 6, generator=g) - 5).to(device())
-    source = (0.01 * torch.randn(1, 1, 6 * 480, generator=g)).to(device())
+    mel = (torch.randn(2, 80, 14, generator=g) - 5).to(device())
+    source = (0.01 * torch.randn(2, 1, 14 * 480, generator=g)).to(device())
     prev = hift.SNAKE_KERNEL
     try:
         with torch.inference_mode():
             hift.SNAKE_KERNEL = False
-            want = model.decode(mel, source)
+            want = [model.run_decode(mel, source, finalize=f) for f in (False, True)]
+            model.freeze_weight_norm(channels_last=channels_last)
+            assert model.time_major() == channels_last
             hift.SNAKE_KERNEL = True
-            got = model.decode(mel, source)
+            got = [model.run_decode(mel, source, finalize=f) for f in (False, True)]
     finally:
         hift.SNAKE_KERNEL = prev
-    assert rel_err(got, want) <= 1e-5
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        assert rel_err(a, b) <= 1e-5
+
+
+class NHWCConvs(TorchDispatchMode):
+    """Logs the layout of every conv's input; a conv given a time-major input or weight returns a
+    time-major output, as cuDNN does (the CPU backends may return a contiguous one)."""
+
+    CONVS = ("aten::convolution", "aten::conv1d", "aten::conv_transpose1d")
+
+    def __init__(self):
+        super().__init__()
+        self.inputs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.name in self.CONVS:
+            self.inputs.append((tuple(args[0].shape), hift.is_time_major(args[0])))
+            if hift.is_time_major(args[0]) or hift.is_time_major(args[1]):
+                out = hift.to_time_major(out)
+        return out
+
+
+@pytest.mark.parametrize("variant", ["original", "causal"])
+def test_time_major_layout_reaches_every_conv(variant):
+    """With time-major conv weights and the fused kernels, every conv after conv_pre (whose input
+    is the caller's mel) reads a time-major input: cuDNN then needs no NCHW<->NHWC conversion."""
+    from minicpmo_rt.code2wav.hift import TINY, HiFTGenerator
+    from minicpmo_rt.code2wav.hift_causal import CausalHiFTGenerator
+    from test_fused_dit import randomize
+    model = randomize(HiFTGenerator(TINY) if variant == "original" else CausalHiFTGenerator(TINY), seed=2)
+    model.freeze_weight_norm(channels_last=True)
+    mel, source = torch.randn(1, 80, 12) - 5, 0.01 * torch.randn(1, 1, 12 * 480)
+    prev = hift.SNAKE_KERNEL
+    try:
+        hift.SNAKE_KERNEL = True
+        with torch.inference_mode(), NHWCConvs() as log:
+            model.run_decode(mel, source, finalize=False)
+    finally:
+        hift.SNAKE_KERNEL = prev
+    assert len(log.inputs) == 80
+    assert log.inputs[0] == ((1, 80, 12), False)                 # conv_pre: the caller's mel
+    assert all(tm for _, tm in log.inputs[1:]), [s for s, tm in log.inputs if not tm]
 
 
 def test_kernel_only_where_allowed():
     x, alpha, _ = case(1, 4, 10, seed=1, dev="cpu")
-    assert not hift._snake_kernel_for(x.double(), alpha.double())
     prev = hift.SNAKE_KERNEL
     try:
-        hift.SNAKE_KERNEL = None                     # default: CUDA tensors only
-        assert hift._snake_kernel_for(x, alpha) is False
-        hift.SNAKE_KERNEL = False
-        assert hift._snake_kernel_for(x.to(device()), alpha.to(device())) is False
+        with torch.no_grad():
+            hift.SNAKE_KERNEL = True
+            assert hift.fused_kernels_for(x) and not hift.fused_kernels_for(x.double())
+            hift.SNAKE_KERNEL = None                     # default: CUDA tensors only
+            assert hift.fused_kernels_for(x) is False
+            hift.SNAKE_KERNEL = False
+            assert hift.fused_kernels_for(x.to(device())) is False
+        hift.SNAKE_KERNEL = True
+        assert not hift.fused_kernels_for(x)             # grad on: the kernels have no backward
     finally:
         hift.SNAKE_KERNEL = prev
-    a = torch.nn.Parameter(alpha)
-    assert not hift._snake_kernel_for(x, a)          # grad on: no backward in the kernel
+
+
+# every kernel variant the HiFT launches: (ACT, HAS_RES, HAS_BIAS, HAS_SUM, REPEAT)
+VARIANTS = [(0, 0, 0, False, 1), (0, 1, 1, True, 1), (0, 0, 1, False, 1), (1, 0, 0, False, 8),
+            (1, 0, 0, False, 1), (2, 1, 1, False, 1)]
+
+
+def test_kernels_compile_for_sm90_with_exact_math():
+    """No GPU needed: each variant compiles to H200 (sm_90) PTX with the IEEE division, no
+    approximate sine/cosine/division/exp and no flush-to-zero; only the Snake variants contain
+    FMAs (libdevice's own, inside its sinf), so nothing of the formula itself is contracted."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+    from minicpmo_rt.code2wav.kernels import snake as kernels
+    fn = kernels._act_pad
+    fn = JITFunction(getattr(fn, "fn", fn))     # the interpreter wraps the same function
+    types = ["*fp32"] * 6 + ["i32"] * 4 + ["fp32"] + ["i32"] * 12 + ["constexpr"] * 9
+    for act, res, bias, keep, rep in VARIANTS:
+        for tm in (False, True):
+            sig = dict(zip(fn.arg_names, types))
+            consts = dict(ACT=act, HAS_RES=res, HAS_BIAS=bias, HAS_SUM=keep, REPEAT=rep, LIBDEVICE_SIN=True,
+                          BLOCK_C=64 if tm else 2, BLOCK_T=16 if tm else 512)
+            for k in (("sxc", "src", "soc", "ssc") if tm else ("sxt", "srt", "sot", "sst")):
+                sig[k], consts[k] = "constexpr", 1
+            try:
+                compiled = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                          options={"num_warps": 4, "enable_fp_fusion": False,
+                                                   "enable_reflect_ftz": False})
+            except Exception as exc:  # noqa: BLE001 - no CUDA toolchain in this Triton build
+                pytest.skip(f"cannot compile for sm_90 here: {exc!r}")
+            ptx = compiled.asm["ptx"]
+            for approx in ("sin.approx", "cos.approx", "div.full", "div.approx", "ex2.approx", ".ftz"):
+                assert approx not in ptx, (act, res, bias, rep, tm, approx)
+            assert ("div.rn.f32" in ptx) == (act == 0)
+            assert (re.search(r"\bfma\.", ptx) is not None) == (act == 0)
 
 
 @requires_cuda

@@ -17,6 +17,13 @@ written as a coroutine (``steps``) that yields each deterministic generator stag
 runs one stream's steps with batch-1 calls; ``drive_many`` runs several streams' steps in
 lockstep and batches calls of equal shapes into one generator call (rows = streams). Both run
 the calls through a *runner*: the generator itself (eager) or a ``hift_graph.GraphedHiFT``.
+
+Fast path (CUDA, FP32, grad off), same formulas: ``freeze_weight_norm`` computes each weight-normed
+conv's weight once (``GraphedHiFT`` does it when built) and on CUDA keeps every conv weight
+time-major, so cuDNN runs the 1-D convs as NHWC without converting layouts and the whole trunk
+stays time-major; each Snake is one Triton kernel (``kernels.snake``) that also adds the bias of
+the conv before it, the residual, and writes the next conv's zero padding; LeakyReLU + the causal
+upsampler's repeat + padding are one kernel too. On the CPU the forward runs the plain torch ops.
 """
 
 from __future__ import annotations
@@ -90,10 +97,27 @@ FULL_SIZE = HiFTConfig()
 TINY = dataclasses.replace(FULL_SIZE, base_channels=16, f0_channels=16)
 
 
-# Where Snake runs as one fused Triton kernel (``kernels.snake``): None = on CUDA tensors when
-# Triton is available; True = wherever a Triton kernel can run (also on the CPU under
-# TRITON_INTERPRET=1, for tests); False = never (always the torch formula).
+# Where the fused element-wise kernels of ``kernels.snake`` run (Snake, and the LeakyReLU, conv
+# bias, residual add, nearest upsampling and zero padding around the convs, folded into single
+# launches): None = on CUDA tensors when Triton is available; True = wherever a Triton kernel can
+# run (also on the CPU under TRITON_INTERPRET=1, for tests); False = never (the torch ops).
 SNAKE_KERNEL: Optional[bool] = None
+
+
+def fused_kernels_for(x: torch.Tensor) -> bool:
+    """Whether the HiFT forward on ``x`` takes the fused-kernel path (FP32, grad off: the kernels
+    have no backward)."""
+    if SNAKE_KERNEL is False or x.dtype != torch.float32 or torch.is_grad_enabled():
+        return False
+    from .kernels import AVAILABLE, usable_on
+
+    return AVAILABLE and (x.is_cuda if SNAKE_KERNEL is None else usable_on(x))
+
+
+def _kernels():
+    from .kernels import snake as kernels
+
+    return kernels
 
 
 def snake_reference(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -102,25 +126,13 @@ def snake_reference(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return x + (1.0 / (a + 1e-9)) * torch.sin(x * a).pow(2)
 
 
-def _snake_kernel_for(x: torch.Tensor, alpha: torch.Tensor) -> bool:
-    if SNAKE_KERNEL is False or x.ndim != 3 or x.dtype != torch.float32 or alpha.dtype != torch.float32:
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or alpha.requires_grad):
-        return False  # the kernel has no backward
-    from .kernels import AVAILABLE, usable_on
-
-    return AVAILABLE and (x.is_cuda if SNAKE_KERNEL is None else usable_on(x))
-
-
 def snake(x: torch.Tensor, alpha: torch.Tensor, left: int = 0, right: int = 0,
           residual: Optional[torch.Tensor] = None) -> Any:
     """Snake of ``x`` (or of ``x + residual``), then ``left`` / ``right`` zero frames of padding;
-    with ``residual`` returns (activation, sum). One fused kernel where ``SNAKE_KERNEL`` allows
-    (see ``kernels.snake``), else the same ops in torch."""
-    if _snake_kernel_for(x, alpha):
-        from .kernels import snake as snake_kernel
-
-        return snake_kernel.snake(x, alpha, left, right, residual)
+    with ``residual`` returns (activation, sum). One fused kernel where ``fused_kernels_for``
+    allows (see ``kernels.snake``), else the same ops in torch."""
+    if alpha.dtype == torch.float32 and fused_kernels_for(x):
+        return _kernels().snake(x, alpha, left, right, residual)
     if residual is not None:
         x = x + residual
     y = snake_reference(x, alpha)
@@ -142,6 +154,29 @@ class Snake(nn.Module):
     def padded(self, x: torch.Tensor, left: int, right: int, residual: Optional[torch.Tensor] = None) -> Any:
         """``F.pad(self(x [+ residual]), (left, right))`` [and the sum], fused on the kernel path."""
         return snake(x, self.alpha, left, right, residual)
+
+
+def is_time_major(t: torch.Tensor) -> bool:
+    """A 3-D tensor [N, C, T] whose channels are contiguous in memory ([N, T, C] order): how the
+    convs' NHWC (channels-last) kernels read and write 1-D signals."""
+    return t.ndim == 3 and t.shape[1] > 1 and t.stride(1) == 1 and (t.shape[2] == 1 or t.stride(2) == t.shape[1])
+
+
+def to_time_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values [N, C, T], laid out time-major."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def reflect_pad_left1(x: torch.Tensor) -> torch.Tensor:
+    """``F.pad(x, (1, 0), mode="reflect")`` that keeps a time-major input time-major (torch's
+    reflection pad returns a contiguous tensor, which the next conv would convert back)."""
+    if not is_time_major(x) or x.shape[2] < 2:
+        return F.pad(x, (1, 0), mode="reflect")
+    b, c, t = x.shape
+    out = x.new_empty(b, t + 1, c).transpose(1, 2)
+    out[:, :, 1:].copy_(x)
+    out[:, :, :1].copy_(x[:, :, 1:2])
+    return out
 
 
 # ----------------------------------------------------------------------------- frozen weights
@@ -197,20 +232,29 @@ def freeze_tensors(m: nn.Module, tensors: dict) -> None:
     object.__setattr__(m, _FROZEN, (_param_stamp(m), table))
 
 
-def freeze_weight_norm(model: nn.Module) -> int:
+def freeze_weight_norm(model: nn.Module, channels_last: Optional[bool] = None) -> int:
     """Compute every weight-normed module's weight once and use it in forward (see above).
 
     The values are those ``torch._weight_norm`` gives per call (same op, same inputs, same
-    device), so outputs are bit-identical; the parametrization, hence the state_dict and strict
-    loading, is unchanged. Modules may add more frozen tensors (``_freeze_extra(table)``, e.g.
-    the causal F0 predictor's float64 copies). Freeze again after changing the weights; returns
-    the number of modules frozen."""
+    device); the parametrization, hence the state_dict and strict loading, is unchanged. Modules
+    may add more frozen tensors (``_freeze_extra(table)``, e.g. the causal F0 predictor's float64
+    copies). Freeze again after changing the weights; returns the number of modules frozen.
+
+    ``channels_last`` (default: for modules on CUDA) also keeps every conv's weight, weight-normed
+    or not, time-major (``to_time_major``: same values, NHWC order). cuDNN then runs the convs on
+    NHWC data without converting input, weight and output around each one, and every activation
+    of the trunk stays time-major. Without it (the CPU default) outputs are bit-identical to the
+    unfrozen model; with it, only cuDNN's choice of kernels (hence rounding) changes."""
     n = 0
     with torch.inference_mode(False), torch.no_grad():
         for m in model.modules():
             table: dict = {}
             if parametrize.is_parametrized(m, "weight"):
                 table["weight"] = m.weight  # the parametrization's own forward, run once
+            if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)):
+                cl = m.bias.is_cuda if channels_last is None and m.bias is not None else bool(channels_last)
+                if cl:
+                    table["weight"] = to_time_major(table.get("weight", m.weight))
             extra = getattr(m, "_freeze_extra", None)
             if extra is not None:
                 extra(table)
@@ -232,6 +276,15 @@ class Conv1d(nn.Conv1d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(x, conv_weight(self), self.bias)
 
+    def conv_padded(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """The conv on an input that already carries the module's explicit padding (the
+        ``PaddedConv1d`` kind); ``bias=False`` leaves the bias to a fused kernel after it."""
+        return self._conv_forward(x, conv_weight(self), self.bias if bias else None)
+
+    def act_forward(self, x: torch.Tensor, slope: float) -> torch.Tensor:
+        """``self(F.leaky_relu(x, slope))``."""
+        return self(F.leaky_relu(x, slope))
+
 
 class ConvTranspose1d(nn.ConvTranspose1d):
     """``nn.ConvTranspose1d`` that reads its frozen weight when it has one."""
@@ -241,6 +294,10 @@ class ConvTranspose1d(nn.ConvTranspose1d):
             return super().forward(x, output_size)
         return F.conv_transpose1d(x, conv_weight(self), self.bias, self.stride, self.padding,
                                   self.output_padding, self.groups, self.dilation)
+
+    def act_forward(self, x: torch.Tensor, slope: float) -> torch.Tensor:
+        """``self(F.leaky_relu(x, slope))``."""
+        return self(F.leaky_relu(x, slope))
 
 
 def causal_padding(kernel_size: int, dilation: int = 1) -> int:
@@ -261,8 +318,11 @@ class PaddedConv1d(Conv1d):
         super().__init__(cin, cout, kernel_size, 1, padding=0, dilation=dilation)
         self.left, self.right = left, right
 
-    def conv_padded(self, x: torch.Tensor) -> torch.Tensor:
-        return self._conv_forward(x, conv_weight(self), self.bias)
+    def act_forward(self, x: torch.Tensor, slope: float) -> torch.Tensor:
+        """``self(F.leaky_relu(x, slope))``; on the fused path the activation writes the padding."""
+        if fused_kernels_for(x):
+            return self.conv_padded(_kernels().act_pad(x, "leaky", slope=slope, left=self.left, right=self.right))
+        return self(F.leaky_relu(x, slope))
 
     def forward(self, x: torch.Tensor, right_context: Optional[torch.Tensor] = None) -> torch.Tensor:
         if right_context is not None:
@@ -297,7 +357,8 @@ class ResBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x = x + c2(a2(c1(a1(x)))) per unit, with each conv's zero padding written by the
         # activation before it and each residual add done by the next unit's first activation
-        # (one kernel each on the fused Snake path; the same torch ops otherwise)
+        if fused_kernels_for(x):
+            return self._forward_fused(x)
         h = None
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
             if h is None:
@@ -306,6 +367,22 @@ class ResBlock(nn.Module):
                 xp, x = a1.padded(x, c1.left, c1.right, residual=h)
             h = c2.conv_padded(a2.padded(c1.conv_padded(xp), c2.left, c2.right))
         return x if h is None else x + h
+
+    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` as one kernel per activation and per conv: each Snake also adds the bias of
+        the conv before it (run without bias), the residual, and writes the next conv's padding."""
+        k = _kernels()
+        h = hb = None
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            if h is None:
+                xp = k.snake(x, a1.alpha, c1.left, c1.right)
+            else:
+                xp, x = k.snake(x, a1.alpha, c1.left, c1.right, residual=h, bias=hb)
+            yp = k.snake(c1.conv_padded(xp, bias=False), a2.alpha, c2.left, c2.right, bias=c1.bias)
+            h, hb = c2.conv_padded(yp, bias=False), c2.bias
+        if h is None:
+            return x
+        return k.act_pad(x, "none", residual=h, bias=hb, return_sum=False)  # x + (h + bias)
 
     def history(self) -> int:
         """Left context (frames at this rate) one causal block needs."""
@@ -420,10 +497,11 @@ class _HiFTBody(nn.Module):
         # host-to-device copy cannot be captured into a CUDA graph).
         self.register_buffer("stft_window", window, persistent=False)
 
-    def freeze_weight_norm(self) -> int:
-        """Compute the weight-normed weights once for every later forward (``freeze_weight_norm``);
-        ``GraphedHiFT`` does this when it is built. Bit-identical outputs, unchanged state_dict."""
-        return freeze_weight_norm(self)
+    def freeze_weight_norm(self, channels_last: Optional[bool] = None) -> int:
+        """Compute the weight-normed weights once for every later forward (``freeze_weight_norm``;
+        on CUDA also time-major conv weights); ``GraphedHiFT`` does this when it is built.
+        Unchanged state_dict."""
+        return freeze_weight_norm(self, channels_last)
 
     def unfreeze_weight_norm(self) -> None:
         unfreeze_weight_norm(self)
@@ -434,28 +512,55 @@ class _HiFTBody(nn.Module):
         cum = [int(math.prod(rates[: i + 1])) for i in range(len(rates))]
         return cum[::-1]
 
-    def source_stft(self, source: torch.Tensor) -> torch.Tensor:
-        """[B, 1, L] excitation -> [B, n_fft + 2, L / hop_len + 1] (real | imag)."""
+    def time_major(self) -> bool:
+        """Whether the convs run time-major (``freeze_weight_norm(channels_last=True)``, the CUDA
+        default): then the excitation STFT is built time-major too."""
+        w = frozen(self.conv_pre, "weight")
+        return w is not None and is_time_major(w)
+
+    def stft_margin(self, time_major: bool) -> int:
+        """Zero frames the time-major excitation STFT carries on its left: the most any causal
+        source downsampler pads, so each reads a view instead of padding a copy."""
+        return max((getattr(d, "left", 0) for d in self.source_downs), default=0) if time_major else 0
+
+    def source_stft(self, source: torch.Tensor, margin: int = 0, time_major: bool = False) -> torch.Tensor:
+        """[B, 1, L] excitation -> [B, n_fft + 2, margin + L / hop_len + 1] (real | imag), after
+        ``margin`` zero frames; time-major if asked (same values)."""
         c = self.cfg
         spec = torch.stft(source.squeeze(1), c.n_fft, c.hop_len, c.n_fft, window=self.stft_window,
                           return_complex=True)
         spec = torch.view_as_real(spec)
-        return torch.cat([spec[..., 0], spec[..., 1]], dim=1)
+        if not time_major:
+            s_stft = torch.cat([spec[..., 0], spec[..., 1]], dim=1)
+            return F.pad(s_stft, (margin, 0)) if margin else s_stft
+        b, bins, frames, _ = spec.shape
+        out = spec.new_empty(b, margin + frames, 2, bins)
+        if margin:
+            out[:, :margin].zero_()
+        out[:, margin:].copy_(spec.permute(0, 2, 3, 1))
+        return out.view(b, margin + frames, 2 * bins).transpose(1, 2)
 
-    def trunk(self, x: torch.Tensor, s_stft: torch.Tensor) -> torch.Tensor:
-        """conv_pre output + excitation STFT -> waveform (before any trimming / clamp)."""
+    def _source_down(self, i: int, s_stft: torch.Tensor, margin: int) -> torch.Tensor:
+        down = self.source_downs[i]
+        if margin:  # the causal downsamplers' left padding is already in s_stft
+            return down.conv_padded(s_stft[:, :, margin - down.left:])
+        return down(s_stft)
+
+    def trunk(self, x: torch.Tensor, s_stft: torch.Tensor, margin: int = 0) -> torch.Tensor:
+        """conv_pre output + excitation STFT (after ``margin`` zero frames) -> waveform (before any
+        trimming / clamp)."""
         c = self.cfg
         n = len(c.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, c.lrelu_slope))
+            x = up.act_forward(x, c.lrelu_slope)  # up(F.leaky_relu(x, slope))
             if i == len(self.ups) - 1:
-                x = F.pad(x, (1, 0), mode="reflect")
-            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+                x = reflect_pad_left1(x)
+            x = x + self.source_resblocks[i](self._source_down(i, s_stft, margin))
             acc = self.resblocks[i * n](x)
             for j in range(1, n):
                 acc = acc + self.resblocks[i * n + j](x)
             x = acc / n
-        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01, as upstream
+        x = self.conv_post.act_forward(x, 0.01)  # F.leaky_relu's default slope, as upstream
         half = c.n_fft // 2 + 1
         magnitude = torch.exp(x[:, :half]).clamp(max=1e2)
         phase = torch.sin(x[:, half:])  # upstream's sin() of the phase logits, kept for fidelity
@@ -526,7 +631,7 @@ class HiFTGenerator(_HiFTBody):
         return self.m_source(harmonics).transpose(1, 2)
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        wav = self.trunk(self.conv_pre(mel), self.source_stft(source))
+        wav = self.trunk(self.conv_pre(mel), self.source_stft(source, 0, self.time_major()))
         return wav.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
 
     # The deterministic stages as a stream runner calls them (``StageCall``); ``finalize`` is

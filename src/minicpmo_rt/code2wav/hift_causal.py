@@ -10,7 +10,8 @@ Differences from the original HiFT (``hift.py``), all for streaming:
   module is built; here from ``noise_seed``, or copied in with ``set_noise_tables``),
   and the integrated phase is repeated (nearest), not interpolated, back to samples.
 - the F0 predictor runs in float64 (upstream: "precision is crucial for causal
-  inference"), since pitch errors integrate into phase drift.
+  inference"), since pitch errors integrate into phase drift. Its convs run as im2col +
+  DGEMM (``conv1d_gemm``): cuDNN has no fast float64 convolution.
 
 ``BoundedStream`` is upstream ``BoundedVocoder``: it keeps only the mel/excitation
 history the receptive field needs, carries the harmonic phase in float64 modulo 1,
@@ -31,7 +32,8 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from .hift import (DECODE, EXCITE, F0, FULL_SIZE, MEL_BINS, Conv1d, HiFTConfig, PaddedConv1d, SourceModule,
-                   StageCall, StageRunner, Steps, _HiFTBody, causal_padding, conv_weight, drive, frozen)
+                   StageCall, StageRunner, Steps, _HiFTBody, _kernels, causal_padding, drive, frozen,
+                   fused_kernels_for)
 
 # Upstream's noise tables cover 300 s of 24 kHz audio; positions wrap beyond that.
 NOISE_TABLE_SECONDS = 300
@@ -174,7 +176,15 @@ class UpsampleConv1d(Conv1d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.repeat_interleave(self.stride_up, dim=2)
-        return self._conv_forward(F.pad(x, (self.left, 0)), conv_weight(self), self.bias)
+        return self.conv_padded(F.pad(x, (self.left, 0)))
+
+    def act_forward(self, x: torch.Tensor, slope: float) -> torch.Tensor:
+        """``self(F.leaky_relu(x, slope))``; on the fused path LeakyReLU, the repeat and the
+        padding are one kernel that writes the conv's input (in x's layout)."""
+        if fused_kernels_for(x):
+            return self.conv_padded(_kernels().act_pad(x, "leaky", slope=slope, left=self.left,
+                                                       repeat=self.stride_up))
+        return self(F.leaky_relu(x, slope))
 
 
 class DownsampleConv1d(Conv1d):
@@ -185,7 +195,7 @@ class DownsampleConv1d(Conv1d):
         self.left = stride - 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._conv_forward(F.pad(x, (self.left, 0)), conv_weight(self), self.bias)
+        return self.conv_padded(F.pad(x, (self.left, 0)))
 
 
 class CausalHiFTGenerator(_HiFTBody):
@@ -282,14 +292,19 @@ class CausalHiFTGenerator(_HiFTBody):
         comes from the last 4 mel frames and the last frame of audio (whose iSTFT
         overlap is incomplete) is dropped: [B, (T-5)*hop]."""
         c = self.cfg
-        s_stft = self.source_stft(source)
+        tm = self.time_major()
+        margin = self.stft_margin(tm)
+        s_stft = self.source_stft(source, margin, tm)
         if finalize:
             x = self.conv_pre(mel)
         else:
+            # the last r frames are conv_pre's look-ahead: its right "padding" is real frames
+            # (== self.conv_pre(mel[..., :-r], right_context=mel[..., -r:]), without the cat)
             r = c.conv_pre_look_right
-            x = self.conv_pre(mel[:, :, :-r], right_context=mel[:, :, -r:])
+            pre = self.conv_pre
+            x = pre.conv_padded(F.pad(mel, (pre.left, 0)) if pre.left else mel)
             s_stft = s_stft[:, :, :-int(math.prod(c.upsample_rates)) * r]
-        wav = self.trunk(x, s_stft)
+        wav = self.trunk(x, s_stft, margin)
         if not finalize:
             wav = wav[:, :-c.hop]
         return wav.clamp(-c.audio_limit, c.audio_limit)

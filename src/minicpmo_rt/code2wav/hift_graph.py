@@ -14,6 +14,11 @@ generator -> wav, source) and splits it at the random excitation:
 host-to-device copy) and its iSTFT is ``hift.istft``, which drops ``torch.istft``'s per-call
 host read-back of the window-envelope check (checked once at build time instead).
 
+Building a ``GraphedHiFT`` freezes the model's weight norm (``hift.freeze_weight_norm``: each
+conv's weight computed once instead of per forward and replay, time-major on CUDA so cuDNN runs
+NHWC convs without layout conversions); on CUDA the forward's element-wise work around the convs
+runs as fused Triton kernels (``kernels.snake``), in the graphs and eagerly alike.
+
 A steady 1-s stream chunk (8 cached + 50 new mel frames, 3840 cached excitation samples)
 therefore costs two replays plus the excitation's few kernels; batch rows of equal length run
 together. Matmuls run with TF32 off (``precision.ieee_fp32``) during capture and replay; cuDNN's
@@ -139,12 +144,13 @@ class GraphedHiFT:
     the graph's own buffers, so one caller at a time (as with the flow's graphs)."""
 
     def __init__(self, model: Union[HiFTGenerator, CausalHiFTGenerator], max_graphs: int = 8,
-                 capture_after: int = 1):
+                 capture_after: int = 1, channels_last: Optional[bool] = None):
         self.model = model
         self.causal = isinstance(model, CausalHiFTGenerator)
-        # weight norm computed once here instead of in every forward and replay (bit-identical;
-        # the state_dict is unchanged). Freeze the model again after loading other weights.
-        model.freeze_weight_norm()
+        # Weight norm computed once here instead of in every forward and replay (the state_dict is
+        # unchanged; freeze the model again after loading other weights). On CUDA (by default)
+        # the conv weights are kept time-major, so the convs run NHWC without layout conversions.
+        model.freeze_weight_norm(channels_last)
         # finalize=False: the causal HiFT's look-ahead form (the original ignores the flag)
         self.f0 = ShapeGraphs(functools.partial(model.run_f0, finalize=False), "HiFT f0", max_graphs,
                               capture_after=capture_after)
