@@ -201,6 +201,26 @@ def test_causal_f0_gemm_matches_conv_path(finalize, frozen_weights):
     assert float((got - want).norm() / want.norm()) <= 1e-13
 
 
+# ----------------------------------------------------------------------------- graph safety
+
+def test_causal_excitation_and_f0_are_capture_safe():
+    """GraphedHiFT now also captures the causal block excitation, and the F0 predictor's GEMM
+    convs: on ``meta`` (no values, so any host read fails) every op stays on the device."""
+    from test_hift_graph import HOST_READS
+    model = CausalHiFTGenerator(TINY).to("meta")
+    model.set_noise_tables(torch.rand(1, 9), torch.rand(1, 1000, 9))
+    f0 = torch.rand(2, 16, device="meta")
+    phase = torch.zeros(2, 1, 9, dtype=torch.float64, device="meta")
+    noise = torch.rand(2, 16 * 480, 9, device="meta")
+    mel = torch.rand(2, 80, 27, device="meta")
+    with torch.no_grad(), OpLog() as log:
+        source, phase = model.run_excite(f0, phase, noise)
+        f0 = model.run_f0(mel, finalize=False)
+    assert source.shape == (2, 1, 16 * 480) and phase.shape == (2, 1, 9) and f0.shape == (2, 24)
+    assert {dev for _, dev in log.devices} == {"meta"}
+    assert not HOST_READS & set(log.ops)
+
+
 # ----------------------------------------------------------------------------- on the GPU
 
 def full(variant: str, seed: int = 11) -> torch.nn.Module:

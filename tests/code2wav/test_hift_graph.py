@@ -56,7 +56,9 @@ class FakeGraphs(ShapeGraphs):
 
         class Replay:
             def replay(self):
-                out.copy_(fn(*static_in))
+                new = fn(*static_in)
+                for o, n in zip(out, new) if isinstance(out, tuple) else ((out, new),):
+                    o.copy_(n)
 
         return Replay(), static_in, out
 
@@ -103,11 +105,16 @@ def test_graph_runner_replays_through_streams_equal_eager(variant):
     graphed.runner = runner = GraphedHiFT(model, max_graphs=8, capture_after=2)
     runner.f0 = FakeGraphs(runner.f0.fn, "f0", 8, capture_after=2)
     runner.decode = FakeGraphs(runner.decode.fn, "decode", 8, capture_after=2)
+    if variant == "causal":  # the block excitation (tuple output: source, phase) replays too
+        runner.excite = FakeGraphs(runner.excite.fn, "excite", 8, capture_after=2)
+    else:
+        assert runner.excite is None
     # max_batch=1: equal-key rows replay one graph back to back before any stream resumes
     for many, cap in ((False, None), (True, None), (True, 1)):
         want, got = run(eager, many, cap), run(graphed, many, cap)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert runner.decode.replays > 0 and runner.f0.replays > 0 and runner.decode.graphs
+    assert variant == "original" or (runner.excite.replays > 0 and runner.excite.graphs)
 
 
 # Ops that read a device value back to the host: each synchronizes, which a CUDA graph

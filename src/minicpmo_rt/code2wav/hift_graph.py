@@ -27,7 +27,8 @@ spent graph budget falls back to the eager model (logged once).
 
 Streams use it as their *runner* (``hift.StageCall``): ``run_f0`` / ``run_decode`` replay the
 graphs for either HiFT variant (the causal one's look-ahead calls, ``finalize=False``; its one
-final call per utterance runs eagerly), ``run_excite`` is the causal block excitation, eager.
+final call per utterance runs eagerly), ``run_excite`` replays the causal block excitation's
+graphs (deterministic: its noise-table rows are an input).
 One ``GraphedHiFT`` per model serves every stream of it; ``capture_after=2`` keeps one-off
 lengths (a final chunk) from spending the graph budget.
 """
@@ -156,13 +157,20 @@ class GraphedHiFT:
                               capture_after=capture_after)
         self.decode = ShapeGraphs(functools.partial(model.run_decode, finalize=False), "HiFT decode", max_graphs,
                                   capture_after=capture_after)
+        # the causal HiFT's block excitation has no randomness (fixed noise-table rows come in as
+        # an input): graphed like F0 and decode, keyed by block length
+        self.excite = (ShapeGraphs(model.run_excite, "HiFT excite", max_graphs, capture_after=capture_after)
+                       if self.causal else None)
 
     def describe(self) -> str:
         """Which path ran, for logs and benchmarks."""
-        d, f = self.decode, self.f0
-        state = f"off ({d.off or f.off})" if d.off or f.off else "on"
-        return (f"CUDA graphs {state}: {len(f.graphs)} F0 + {len(d.graphs)} decode graphs, "
-                f"{f.replays + d.replays} replays")
+        d, f, e = self.decode, self.f0, self.excite
+        sets = [f, d] + ([e] if e is not None else [])
+        off = next((g.off for g in sets if g.off), None)
+        state = f"off ({off})" if off else "on"
+        excite = f" + {len(e.graphs)} excitation" if e is not None else ""
+        return (f"CUDA graphs {state}: {len(f.graphs)} F0{excite} + {len(d.graphs)} decode graphs, "
+                f"{sum(g.replays for g in sets)} replays")
 
     def _eager(self, finalize: bool) -> bool:
         # The causal HiFT's final call (zero look-ahead) comes once per utterance at a length
@@ -190,7 +198,7 @@ class GraphedHiFT:
             raise TypeError("GraphedHiFT.run_excite: only the causal HiFT has a stage excitation; the original "
                             "HiFT draws its excitation from the stream's generator")
         with ieee_fp32():
-            return self.model.run_excite(f0, phase, noise)
+            return self.excite(f0, phase, noise, copy_out=True)
 
     @torch.inference_mode()
     def __call__(self, mel: torch.Tensor, cache_source: Optional[torch.Tensor] = None,
