@@ -14,7 +14,9 @@ if [[ $part == tests || $part == all ]]; then
     tests/code2wav/test_fused_dit.py tests/code2wav/test_tiled_attention.py tests/code2wav/test_small_gemm.py \
     tests/code2wav/test_euler_graph.py tests/code2wav/test_hift_graph.py tests/code2wav/test_pipeline_batched.py \
     tests/code2wav/test_vocoder_batched.py tests/code2wav/test_slot_pool.py tests/code2wav/test_precision.py \
+    tests/code2wav/test_hift_fast.py tests/code2wav/test_hift_snake_kernel.py \
     tests/thinker/test_llm_cache.py tests/thinker/test_session.py tests/thinker/test_decode.py \
+    tests/thinker/test_kernels.py \
     2>&1 | grep -vE "^(tests/|\s*$)" | tee "$OUT/cuda_tests.txt" | grep -E "rel err|passed|failed|FAIL|Error" | tail -40
 fi
 if [[ $part == features || $part == all ]]; then
@@ -26,5 +28,6 @@ if [[ $part == code2wav || $part == all ]]; then
   timeout 240 python3 benchmarks/code2wav_bench.py --out "$OUT/c" --batches 1,16,4,8 --budget 0.3 \
     --upstream .upstream_ref 2>&1 | grep -vE "^\|" | tail -30
   timeout 200 python3 benchmarks/code2wav_pipeline_bench.py --out "$OUT/p" 2>&1 | tail -30
+  timeout 120 python3 benchmarks/hift_profile.py "$OUT/h" 2>&1 | grep -v "^|" | tail -12
 fi
 ls -R "$OUT"
