@@ -294,3 +294,22 @@ def test_cuda_causal_f0_gemm_matches_cudnn_float64():
             got, want = f0p(mel, finalize=finalize), f0p.forward_conv(mel, finalize=finalize)
             assert got.shape == want.shape
             assert rel_err(got, want) <= 1e-13
+
+
+def test_replaced_frozen_tensors_stay_allocated():
+    """A layout change (or unfreezing) replaces frozen tensors; the old ones stay referenced by
+    their module, since a captured CUDA graph may still read their memory."""
+    import weakref
+    from minicpmo_rt.code2wav.hift import unfreeze_weight_norm
+    model = build("original")
+    model.freeze_weight_norm(channels_last=False)
+    with torch.no_grad():
+        nchw = weakref.ref(frozen(model.conv_pre, "weight"))
+        model.freeze_weight_norm(channels_last=True)
+        assert model.time_major() and frozen(model.conv_pre, "weight") is not nchw()
+        nhwc = weakref.ref(frozen(model.conv_pre, "weight"))
+        unfreeze_weight_norm(model)
+        assert frozen(model.conv_pre, "weight") is None and not model.time_major()
+    import gc
+    gc.collect()
+    assert nchw() is not None and nhwc() is not None

@@ -217,19 +217,23 @@ def conv_weight(m: nn.Module) -> torch.Tensor:
 def freeze_tensors(m: nn.Module, tensors: dict) -> None:
     """Keep ``tensors`` (computed now from ``m``'s parameters) as ``m``'s frozen tensors. A key
     frozen before with the same shape, dtype, device and layout is overwritten in place, so a
-    CUDA graph captured while reading it reads the new values."""
+    CUDA graph captured while reading it reads the new values; a frozen tensor that is replaced
+    (other layout or device) stays allocated with the module, so no captured graph ever reads
+    freed memory."""
     entry = m.__dict__.get(_FROZEN)
-    old = entry[1] if entry is not None else {}
+    old, retired = (entry[1], entry[2]) if entry is not None else ({}, [])
     table = {}
     for k, t in tensors.items():
         t = t.detach()
         o = old.get(k)
-        if (o is not None and o is not t and o.shape == t.shape and o.dtype == t.dtype and o.device == t.device
-                and o.stride() == t.stride()):
-            o.copy_(t)
-            t = o
+        if o is not None and o is not t:
+            if o.shape == t.shape and o.dtype == t.dtype and o.device == t.device and o.stride() == t.stride():
+                o.copy_(t)
+                t = o
+            else:
+                retired = retired + [o]
         table[k] = t
-    object.__setattr__(m, _FROZEN, (_param_stamp(m), table))
+    object.__setattr__(m, _FROZEN, (_param_stamp(m), table, retired))
 
 
 def freeze_weight_norm(model: nn.Module, channels_last: Optional[bool] = None) -> int:
@@ -265,9 +269,12 @@ def freeze_weight_norm(model: nn.Module, channels_last: Optional[bool] = None) -
 
 
 def unfreeze_weight_norm(model: nn.Module) -> None:
-    """Drop every frozen tensor: weights are computed per call again."""
+    """Stop using frozen tensors: weights are computed per call again (the tensors stay allocated
+    with their modules, for graphs captured while they were in use)."""
     for m in model.modules():
-        m.__dict__.pop(_FROZEN, None)
+        entry = m.__dict__.get(_FROZEN)
+        if entry is not None:
+            object.__setattr__(m, _FROZEN, (None, {}, entry[2] + list(entry[1].values())))
 
 
 class Conv1d(nn.Conv1d):
