@@ -1,6 +1,7 @@
-"""HiFT fast path on the CPU: frozen weight norm (bit-identical to computing it per call), the
-causal F0 predictor's float64 convs as GEMMs, and the fused activation/pad structure of the
-resblocks. The Triton Snake kernel itself is tested in test_hift_snake_kernel.py."""
+"""HiFT fast path: frozen weight norm (bit-identical to computing it per call), the causal F0
+predictor's float64 convs as GEMMs, the fused activation/pad structure of the resblocks, graph
+safety; and on CUDA the whole fast path against the plain torch path. The Triton kernels
+themselves (and the time-major layout) are tested in test_hift_snake_kernel.py."""
 
 import copy
 
@@ -280,7 +281,7 @@ def test_cuda_fast_path_matches_the_torch_path(variant):
     e_k, e_g = rel_err(wav_k, wav_ref), rel_err(wav_g, wav_ref)
     print(f"{variant}: kernels (NCHW) vs torch {e_k:.2e} (bit-identical: {torch.equal(wav_k, wav_ref)}); "
           f"graphs (NHWC) vs torch {e_g:.2e}; F0 {rel_err(f0_g, f0_ref):.2e}")
-    assert e_k <= 1e-6 and e_g <= 1e-5
+    assert e_k <= 1e-5 and e_g <= 1e-5
     assert rel_err(f0_g, f0_ref) <= (1e-13 if variant == "causal" else 1e-5)
 
 
