@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from minicpmo_rt.code2wav import hift  # noqa: E402
 from minicpmo_rt.code2wav.kernels import AVAILABLE  # noqa: E402
 
-from conftest import rel_err, requires_cuda  # noqa: E402
+from conftest import ieee_cudnn, rel_err, requires_cuda  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="needs triton")
 
@@ -129,7 +129,7 @@ def test_decode_with_the_kernels_matches_the_torch_path(variant, channels_last):
     source = (0.01 * torch.randn(2, 1, 14 * 480, generator=g)).to(device())
     prev = hift.SNAKE_KERNEL
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), ieee_cudnn():   # on a GPU: IEEE convs on both sides
             hift.SNAKE_KERNEL = False
             want = [model.run_decode(mel, source, finalize=f) for f in (False, True)]
             model.freeze_weight_norm(channels_last=channels_last)
