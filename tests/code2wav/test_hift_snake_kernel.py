@@ -169,9 +169,11 @@ def test_time_major_layout_reaches_every_conv(variant):
     from minicpmo_rt.code2wav.hift import TINY, HiFTGenerator
     from minicpmo_rt.code2wav.hift_causal import CausalHiFTGenerator
     from test_fused_dit import randomize
-    model = randomize(HiFTGenerator(TINY) if variant == "original" else CausalHiFTGenerator(TINY), seed=2)
+    # on the machine's device: the kernels run on CUDA, or on the CPU only under the interpreter
+    dev = device()
+    model = randomize(HiFTGenerator(TINY) if variant == "original" else CausalHiFTGenerator(TINY), seed=2).to(dev)
     model.freeze_weight_norm(channels_last=True)
-    mel, source = torch.randn(1, 80, 12) - 5, 0.01 * torch.randn(1, 1, 12 * 480)
+    mel, source = torch.randn(1, 80, 12, device=dev) - 5, 0.01 * torch.randn(1, 1, 12 * 480, device=dev)
     prev = hift.SNAKE_KERNEL
     try:
         hift.SNAKE_KERNEL = True
@@ -185,16 +187,16 @@ def test_time_major_layout_reaches_every_conv(variant):
 
 
 def test_kernel_only_where_allowed():
-    x, alpha, _ = case(1, 4, 10, seed=1, dev="cpu")
+    x, alpha, _ = case(1, 4, 10, seed=1, dev=device())   # CUDA, or the CPU under the interpreter
     prev = hift.SNAKE_KERNEL
     try:
         with torch.no_grad():
             hift.SNAKE_KERNEL = True
             assert hift.fused_kernels_for(x) and not hift.fused_kernels_for(x.double())
             hift.SNAKE_KERNEL = None                     # default: CUDA tensors only
-            assert hift.fused_kernels_for(x) is False
+            assert hift.fused_kernels_for(x) is x.is_cuda
             hift.SNAKE_KERNEL = False
-            assert hift.fused_kernels_for(x.to(device())) is False
+            assert hift.fused_kernels_for(x) is False
         hift.SNAKE_KERNEL = True
         assert not hift.fused_kernels_for(x)             # grad on: the kernels have no backward
     finally:
@@ -253,4 +255,5 @@ def test_cuda_snake_within_1e6_of_torch():
         same = float((out == want).float().mean())
         print(f"snake {b}x{c}x{t} time_major={tm}: rel err {err:.2e}, bit-identical {same:.4%}")
         assert torch.equal(total, x + res)
-    assert hift._snake_kernel_for(x, alpha)
+    with torch.no_grad():
+        assert hift.fused_kernels_for(x)   # the HiFT forward takes this kernel on CUDA by default
