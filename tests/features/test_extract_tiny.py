@@ -94,8 +94,9 @@ def test_partial_artifact_all_four_audits(smoke):
     v = art.verification
     for name in ("boundary", "clean_replay", "future_intervention", "snapshot_restoration"):
         assert v[name]["passed"] and v[name]["failed"] == 0, (name, v[name])
-    # the real session forks each second's 5 rows off one state: one restoration check per second
-    assert v["boundary"]["runs"] == 3 and v["snapshot_restoration"]["runs"] == 3
+    # the real session forks each second's 4 tails off one state (one restoration check), then
+    # checks its boundary in a transaction (another): two per second
+    assert v["boundary"]["runs"] == 3 and v["snapshot_restoration"]["runs"] == 6
     assert v["clean_replay"]["runs"] == 8 and v["future_intervention"]["runs"] == 8  # rows 1.2-1.8, 2.2-2.8
     assert v["future_intervention"]["max_abs_diff"] == 0.0
     assert v["clean_replay"]["max_rel_err"] <= 1e-5 and v["boundary"]["max_rel_err"] <= 1e-5
@@ -174,6 +175,8 @@ def test_partial_with_batched_forks_matches_transactions(smoke, tiny_ckpt, sessi
     assert opened[0].llm_cache.store is None and all(s.llm_cache.store is None for s in opened)  # all closed
     v = art.verification
     assert v["all_passed"] and v["future_intervention"]["max_abs_diff"] == 0.0
-    assert v["snapshot_restoration"]["runs"] == 3 and v["boundary"]["runs"] == 3
+    assert v["snapshot_restoration"]["runs"] == 6 and v["boundary"]["runs"] == 3
+    # the replays read their tail through the same fork batch: bit-identical to the cached rows
+    assert v["clean_replay"]["max_abs_diff"] == 0.0 and v["boundary"]["max_abs_diff"] == 0.0
     err = ((art.states - ref.states).norm(dim=1) / ref.states.norm(dim=1)).max()
     assert err <= 1e-5, err

@@ -16,12 +16,16 @@ cached-partial-5hz
     and the snapshot restored. At a boundary the complete chunk is committed natively (with
     the normal window policy). ``state_source_times`` == ``times``.
 
-    A session that offers ``evaluate_forks`` (``StreamingSession``) gets one second's rows at
-    once: its 4 tails and the boundary's temporary full chunk all start from the same committed
-    state, so they are evaluated as 5 forks of it (each unit's encoders on that state, then one
-    batched LLM prefill on a copy of the live cache rows; with a cache that cannot fork, one
-    transaction per unit) before the native commit. Same values as one transaction per row up
-    to the batch's floating-point summation order (bit-identical on CPU).
+    A session that offers ``evaluate_forks`` (``StreamingSession``) gets one second's 4 tails
+    at once: they all start from the same committed state, so they are evaluated as 4 forks of
+    it (each unit's encoders on that state, then one batched LLM prefill on a copy of the live
+    cache rows; with a cache that cannot fork, one transaction per unit). Same values as one
+    transaction per tail up to the batch's floating-point summation order (bit-identical on
+    CPU; ~1e-2 relative in bf16 at full size with random weights). The boundary's temporary
+    full chunk stays a transaction, the same computation as the native commit it is checked
+    against, and the replays read their tail row through the same 4-tail batch, so boundary
+    and clean-replay checks stay bit-identical; the perturbed replay's later tails carry audio
+    past the cutoff, so the future intervention also checks that a batch leaks nothing.
 
 Frames (sessions with ``embed_frames``)
     The vision tower runs per frame, so frames are embedded in fixed groups: native mode the 4
@@ -39,7 +43,7 @@ Audits (cached-partial-5hz; their figures go to ``verification``)
                          must match the cached state (rel. error <= the dtype's tolerance).
     future_intervention  a fresh replay whose audio after t (and frames that start at or after
                          t) are replaced must equal the clean replay *exactly*.
-    snapshot_restoration every transaction (with forks: every second's fork batch):
+    snapshot_restoration every transaction and every second's fork batch:
                          ``session.fingerprint()`` (LLM/audio cache lengths and checksums, mel
                          state, chunk index, history, position offset, RNG) before == after.
     Cadence: the first clean replay and future intervention run at the first non-boundary row
@@ -335,12 +339,29 @@ def _commit(session: Any, inputs: Inputs, sec: int) -> None:
     session.commit(inputs.audio(sec - 1, sec), inputs.frame_for(session, float(sec)))
 
 
-def replay_states(factory: SessionFactory, views: Sequence[Inputs], row: int) -> list[torch.Tensor]:
+def tail_rows(row: int, rows: int) -> list[int]:
+    """The tail rows (not on a whole second) of the second that row ``row`` falls in: the rows a
+    session with ``evaluate_forks`` evaluates in one batch."""
+    first = 5 * (row // 5)
+    return [k for k in range(first, min(first + 5, rows)) if ROW_MS * (k + 1) % 1000]
+
+
+def _tail_unit(view: Inputs, session: Any, k: int) -> tuple[np.ndarray, Any, bool]:
+    t = row_time(k)
+    return view.audio(ROW_MS * (k + 1) // 1000, t), view.frame_for(session, t), False
+
+
+def replay_states(factory: SessionFactory, views: Sequence[Inputs], row: int,
+                  batch_rows: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Fresh sessions, one per input view, from the session start up to row ``row``'s cutoff.
 
     The views are stepped together, second by second, so each frame is decoded once and
     served to the other views from the frame cache (a replay far into a session would
-    otherwise decode the prefix once per view).
+    otherwise decode the prefix once per view). A tail row is read as the cached run read it:
+    with ``batch_rows`` (its second's tail rows) through the same fork batch when the session
+    forks (so the clean replay can match bit for bit, and a perturbed view's later tails in
+    the batch, whose audio lies past the cutoff, must not change this row), else alone in a
+    transaction.
     """
     t_ms = ROW_MS * (row + 1)
     sec, frac = divmod(t_ms, 1000)
@@ -354,6 +375,11 @@ def replay_states(factory: SessionFactory, views: Sequence[Inputs], row: int) ->
         t = t_ms / 1000.0
         out = []
         for s, view in zip(sessions, views):
+            forks = getattr(s, "evaluate_forks", None)
+            if forks is not None and batch_rows and row in batch_rows:
+                hs = forks([_tail_unit(view, s, k) for k in batch_rows])
+                out.append(hs[list(batch_rows).index(row)].float().clone())
+                continue
             with s.transaction():
                 s.append_tail(view.audio(sec, t), view.frame_for(s, t))
                 out.append(s.read_state().float().clone())
@@ -375,11 +401,12 @@ def replay_state(factory: SessionFactory, inputs: Inputs, row: int) -> torch.Ten
 
 
 def _run_replays(factory: SessionFactory, inputs: Inputs, k: int, t: float, cached: torch.Tensor,
-                 do_r: bool, do_f: bool, replay: Audit, future: Audit) -> None:
+                 do_r: bool, do_f: bool, replay: Audit, future: Audit,
+                 batch_rows: Sequence[int] | None = None) -> None:
     """The clean replay (always needed: it is also the future intervention's reference) and,
     when due, the perturbed replay, stepped together."""
     pert = inputs.perturbed_after(t) if do_f else None
-    states = replay_states(factory, [inputs] + ([pert] if pert is not None else []), k)
+    states = replay_states(factory, [inputs] + ([pert] if pert is not None else []), k, batch_rows)
     if do_r:
         replay.compare(k, t, cached, states[0])
     if pert is not None:
@@ -535,38 +562,38 @@ def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, v
         boundary.compare(k, t, temp, h, pruned=seen > n_before)
         return h
 
-    def audit_replays(k: int, t: float, h: torch.Tensor) -> None:
+    def audit_replays(k: int, t: float, h: torch.Tensor, batch_rows: Sequence[int] | None = None) -> None:
         nonlocal known
         do_r, do_f = c_replay.due(k), c_future.due(k)
         if do_r or do_f:
             with record_function("audit.replays"):
-                _run_replays(factory, inputs, k, t, h, do_r, do_f, replay, future)
+                _run_replays(factory, inputs, k, t, h, do_r, do_f, replay, future, batch_rows)
             known = None  # replays touch process-wide state (RNG, allocator): read it afresh
 
+    forked: dict[int, torch.Tensor] = {}
     for first_row in range(0, rows, 5):
         group = range(first_row, min(first_row + 5, rows))
-        if forks is not None:
-            # One second's rows (its 4 tails and the temporary full chunk of its boundary) forked
-            # off the same committed state in one batch; then the native commit.
-            units = [unit(k) for k in group]
+        batch = tail_rows(first_row, rows) if forks is not None else []
+        if batch:
+            # The second's tails, all forked off the same committed state, in one batch (the
+            # boundary's temporary full chunk stays a transaction: the same B=1 computation as
+            # the native commit it is checked against).
             before = fingerprint_before()
             with record_function("partial.forks"):
-                hs = forks([(a, f, whole) for _, whole, a, f in units])
-            check_restored(group[-1], units[-1][0], before)
-            for k, (t, whole, a, f), h in zip(group, units, hs):
-                h = h.float().clone()
-                if whole:
-                    h = commit_boundary(k, t, a, f, h)
-                else:
-                    audit_replays(k, t, h)
+                hs = forks([_tail_unit(inputs, session, k) for k in batch])
+            check_restored(batch[-1], row_time(batch[-1]), before)
+            forked = dict(zip(batch, hs))
+        for k in group:
+            t, whole, audio, frame = unit(k)
+            if k in forked:
+                h = forked.pop(k).float().clone()
+                audit_replays(k, t, h, batch)
                 if states is None:
                     states = torch.zeros(rows, h.shape[-1], dtype=torch.float32)
                 states[k] = h
                 if tick:
                     tick(0.2)
-            continue
-        for k in group:   # a session without forks: one transaction per row
-            t, whole, audio, frame = unit(k)
+                continue
             before = fingerprint_before()
             if whole:
                 with record_function("partial.boundary_check"), session.transaction():
