@@ -246,3 +246,11 @@ def test_every_session_opened_is_closed(syn, tmp_path, mode):
 
     ex.run(opts(syn, tmp_path / "p.pt", mode), factory=factory, model_info={}, echo=lambda s: None)
     assert made[0] >= 3 and closed == set(range(1, made[0] + 1))
+
+
+def test_tail_rows_are_the_seconds_non_boundary_rows():
+    assert ex.tail_rows(0, 20) == [0, 1, 2, 3] and ex.tail_rows(3, 20) == [0, 1, 2, 3]
+    assert ex.tail_rows(4, 20) == [0, 1, 2, 3]          # a boundary row belongs to its second too
+    assert ex.tail_rows(7, 9) == [5, 6, 7, 8]
+    assert ex.tail_rows(12, 13) == [10, 11, 12]        # the session's last, partial second
+    assert ex.tail_rows(14, 15) == [10, 11, 12, 13]
