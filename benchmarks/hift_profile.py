@@ -62,12 +62,15 @@ def kernel_table(fn, top: int = 25) -> list[dict]:
     return rows[:top] + [{"kernel": "TOTAL", "count": sum(r["count"] for r in rows), "us": round(sum(r["us"] for r in rows), 1)}]
 
 
+def fused_mode(config: str):
+    return None if config in ("kernels", "fast") else False
+
+
 def configure(config: str, model):
-    """A GraphedHiFT for ``model`` in the given fast-path configuration."""
-    from minicpmo_rt.code2wav import hift
+    """A GraphedHiFT for ``model`` in the given fast-path configuration (run it inside
+    ``hift.fused_kernels(fused_mode(config))``)."""
     from minicpmo_rt.code2wav.hift_graph import GraphedHiFT
 
-    hift.SNAKE_KERNEL = None if config in ("kernels", "fast") else False
     g = GraphedHiFT(model, channels_last=config == "fast")
     if config == "plain":
         model.unfreeze_weight_norm()
@@ -77,12 +80,8 @@ def configure(config: str, model):
 def plain_eager(fn):
     """``fn()`` on the reference path: torch ops, per-call weight norm, NCHW convs."""
     from minicpmo_rt.code2wav import hift
-    prev = hift.SNAKE_KERNEL
-    hift.SNAKE_KERNEL = False
-    try:
+    with hift.fused_kernels(False):
         return fn()
-    finally:
-        hift.SNAKE_KERNEL = prev
 
 
 def original_rows(config: str, args, tables: bool) -> dict:
@@ -173,6 +172,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ieee_cudnn:
         torch.backends.cudnn.allow_tf32 = False
+    from minicpmo_rt.code2wav import hift
     from minicpmo_rt.code2wav.kernels import AVAILABLE as TRITON
 
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": TRITON,
@@ -183,7 +183,8 @@ def main() -> int:
         row: dict = {}
         for variant, fn in (("original", original_rows), ("causal", causal_rows)):
             try:
-                row[variant] = fn(config, args, tables)
+                with hift.fused_kernels(fused_mode(config)):
+                    row[variant] = fn(config, args, tables)
             except Exception as exc:  # noqa: BLE001
                 row[variant] = {"error": repr(exc)}
                 print(f"[{config}] {variant} HiFT failed: {exc!r}", flush=True)

@@ -236,12 +236,8 @@ def full(variant: str, seed: int = 11) -> torch.nn.Module:
 def plain(fn):
     """``fn()`` on the reference path: torch ops only (no fused kernels), weights as they are."""
     from minicpmo_rt.code2wav import hift
-    prev = hift.SNAKE_KERNEL
-    hift.SNAKE_KERNEL = False
-    try:
+    with hift.fused_kernels(False):
         return fn()
-    finally:
-        hift.SNAKE_KERNEL = prev
 
 
 @requires_cuda

@@ -127,17 +127,13 @@ def test_decode_with_the_kernels_matches_the_torch_path(variant, channels_last):
     g = torch.Generator().manual_seed(0)
     mel = (torch.randn(2, 80, 14, generator=g) - 5).to(device())
     source = (0.01 * torch.randn(2, 1, 14 * 480, generator=g)).to(device())
-    prev = hift.SNAKE_KERNEL
-    try:
-        with torch.inference_mode(), ieee_cudnn():   # on a GPU: IEEE convs on both sides
-            hift.SNAKE_KERNEL = False
+    with torch.inference_mode(), ieee_cudnn():   # on a GPU: IEEE convs on both sides
+        with hift.fused_kernels(False):
             want = [model.run_decode(mel, source, finalize=f) for f in (False, True)]
-            model.freeze_weight_norm(channels_last=channels_last)
-            assert model.time_major() == channels_last
-            hift.SNAKE_KERNEL = True
+        model.freeze_weight_norm(channels_last=channels_last)
+        assert model.time_major() == channels_last
+        with hift.fused_kernels(True):
             got = [model.run_decode(mel, source, finalize=f) for f in (False, True)]
-    finally:
-        hift.SNAKE_KERNEL = prev
     for a, b in zip(got, want):
         assert a.shape == b.shape
         assert rel_err(a, b) <= 1e-5
@@ -174,13 +170,8 @@ def test_time_major_layout_reaches_every_conv(variant):
     model = randomize(HiFTGenerator(TINY) if variant == "original" else CausalHiFTGenerator(TINY), seed=2).to(dev)
     model.freeze_weight_norm(channels_last=True)
     mel, source = torch.randn(1, 80, 12, device=dev) - 5, 0.01 * torch.randn(1, 1, 12 * 480, device=dev)
-    prev = hift.SNAKE_KERNEL
-    try:
-        hift.SNAKE_KERNEL = True
-        with torch.inference_mode(), NHWCConvs() as log:
-            model.run_decode(mel, source, finalize=False)
-    finally:
-        hift.SNAKE_KERNEL = prev
+    with hift.fused_kernels(True), torch.inference_mode(), NHWCConvs() as log:
+        model.run_decode(mel, source, finalize=False)
     assert len(log.inputs) == 80
     assert log.inputs[0] == ((1, 80, 12), False)                 # conv_pre: the caller's mel
     assert all(tm for _, tm in log.inputs[1:]), [s for s, tm in log.inputs if not tm]
@@ -188,19 +179,17 @@ def test_time_major_layout_reaches_every_conv(variant):
 
 def test_kernel_only_where_allowed():
     x, alpha, _ = case(1, 4, 10, seed=1, dev=device())   # CUDA, or the CPU under the interpreter
-    prev = hift.SNAKE_KERNEL
-    try:
-        with torch.no_grad():
-            hift.SNAKE_KERNEL = True
+    with torch.no_grad():
+        with hift.fused_kernels(True):
             assert hift.fused_kernels_for(x) and not hift.fused_kernels_for(x.double())
-            hift.SNAKE_KERNEL = None                     # default: CUDA tensors only
-            assert hift.fused_kernels_for(x) is x.is_cuda
-            hift.SNAKE_KERNEL = False
-            assert hift.fused_kernels_for(x) is False
-        hift.SNAKE_KERNEL = True
+            with hift.fused_kernels(None):               # default: CUDA tensors only
+                assert hift.fused_kernels_for(x) is x.is_cuda
+            with hift.fused_kernels(False):
+                assert hift.fused_kernels_for(x) is False
+            assert hift.fused_kernels_for(x)             # the outer mode is back
+        assert hift.fused_kernels_for(x) is x.is_cuda    # and the default after the block
+    with hift.fused_kernels(True):
         assert not hift.fused_kernels_for(x)             # grad on: the kernels have no backward
-    finally:
-        hift.SNAKE_KERNEL = prev
 
 
 # every kernel variant the HiFT launches: (ACT, HAS_RES, HAS_BIAS, HAS_SUM, REPEAT)

@@ -28,6 +28,7 @@ upsampler's repeat + padding are one kernel too. On the CPU the forward runs the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -99,19 +100,32 @@ TINY = dataclasses.replace(FULL_SIZE, base_channels=16, f0_channels=16)
 
 # Where the fused element-wise kernels of ``kernels.snake`` run (Snake, and the LeakyReLU, conv
 # bias, residual add, nearest upsampling and zero padding around the convs, folded into single
-# launches): None = on CUDA tensors when Triton is available; True = wherever a Triton kernel can
-# run (also on the CPU under TRITON_INTERPRET=1, for tests); False = never (the torch ops).
-SNAKE_KERNEL: Optional[bool] = None
+# launches). Changed only through ``fused_kernels`` (which restores it).
+_fused_mode: Optional[bool] = None
+
+
+@contextlib.contextmanager
+def fused_kernels(mode: Optional[bool]):
+    """Inside the block the HiFT forward takes the fused kernels: ``None`` (the default outside)
+    on CUDA tensors when Triton is available; ``True`` wherever a Triton kernel can run (also on
+    the CPU under TRITON_INTERPRET=1, for tests); ``False`` never (the torch reference ops).
+    CUDA graphs keep the path that was active when they were captured."""
+    global _fused_mode
+    prev, _fused_mode = _fused_mode, mode
+    try:
+        yield
+    finally:
+        _fused_mode = prev
 
 
 def fused_kernels_for(x: torch.Tensor) -> bool:
     """Whether the HiFT forward on ``x`` takes the fused-kernel path (FP32, grad off: the kernels
     have no backward)."""
-    if SNAKE_KERNEL is False or x.dtype != torch.float32 or torch.is_grad_enabled():
+    if _fused_mode is False or x.dtype != torch.float32 or torch.is_grad_enabled():
         return False
     from .kernels import AVAILABLE, usable_on
 
-    return AVAILABLE and (x.is_cuda if SNAKE_KERNEL is None else usable_on(x))
+    return AVAILABLE and (x.is_cuda if _fused_mode is None else usable_on(x))
 
 
 def _kernels():
