@@ -584,16 +584,16 @@ def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, v
             check_restored(batch[-1], row_time(batch[-1]), before)
             forked = dict(zip(batch, hs))
         for k in group:
-            t, whole, audio, frame = unit(k)
             if k in forked:
                 h = forked.pop(k).float().clone()
-                audit_replays(k, t, h, batch)
+                audit_replays(k, row_time(k), h, batch)
                 if states is None:
                     states = torch.zeros(rows, h.shape[-1], dtype=torch.float32)
                 states[k] = h
                 if tick:
                     tick(0.2)
                 continue
+            t, whole, audio, frame = unit(k)
             before = fingerprint_before()
             if whole:
                 with record_function("partial.boundary_check"), session.transaction():

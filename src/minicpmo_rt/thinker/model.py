@@ -55,6 +55,7 @@ class Thinker(nn.Module):
         self.apm = build_audio_encoder(config)
         self.audio_projection_layer = build_audio_projection(config)
         self.audio_pool_step = config.audio_pool_step
+        self._device_ids: dict[tuple, torch.Tensor] = {}  # (device, ids) -> ids on it (embed_tokens)
         self.eval()
 
     # -- loading ---------------------------------------------------------------------------
@@ -111,12 +112,12 @@ class Thinker(nn.Module):
             return self.llm.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
         # A pageable host->device copy waits for the whole stream first; streaming units repeat
         # a few id sequences, so their device copies are kept (bounded) and reused.
-        cache = self.__dict__.setdefault("_device_ids", {})
-        dev = cache.get(ids)
+        cache, key = self._device_ids, (self.device, ids)
+        dev = cache.get(key)
         if dev is None:
             if len(cache) >= 256:
                 cache.pop(next(iter(cache)))
-            dev = cache[ids] = torch.tensor(ids, dtype=torch.long, device=self.device)
+            dev = cache[key] = torch.tensor(ids, dtype=torch.long, device=self.device)
         return self.llm.model.embed_tokens(dev)
 
     @torch.no_grad()

@@ -338,15 +338,8 @@ class StreamingSession:
         if self._tail_appended:
             raise InputError("commit: a tail was appended in this transaction; leave the transaction (restore) "
                              "before committing")
-        audio = _check_audio(audio, sample_rate, "commit")
-        processed = self._check_frame(frame, "commit")
-        pending = self._pending_with(audio)
-        need = self.mel.chunk_size()
-        if pending.shape[0] < need:
-            raise InputError(f"commit: a native chunk needs {need} samples here but only {pending.shape[0]} are "
-                             f"available ({audio.shape[0]} new + {self.carry.shape[0]} carried); pass 1 s "
-                             f"({SAMPLE_RATE} samples) per commit, or use append_tail for a partial chunk")
-        self._atomically(lambda: self._feed_unit(pending[:need], pending[need:], processed, last_chunk=False))
+        chunk, rest, processed = self._unit_input(audio, frame, True, "commit", sample_rate)
+        self._atomically(lambda: self._feed_unit(chunk, rest, processed, last_chunk=False))
 
     def append_tail(self, audio: np.ndarray, frame, *, sample_rate: int = SAMPLE_RATE) -> None:
         """A half-open partial (< 1 s) chunk, mel in last-chunk mode; only inside ``transaction()``."""
@@ -355,15 +348,10 @@ class StreamingSession:
                              "(it must be restored away before the next native commit)")
         if self._tail_appended:
             raise InputError("append_tail: this transaction already holds a tail; open a new transaction")
-        audio = _check_audio(audio, sample_rate, "append_tail")
-        if audio.shape[0] >= self.mel.chunk_samples:
-            raise InputError(f"append_tail: {audio.shape[0]} samples is a whole chunk; a tail must be shorter than "
-                             f"{self.mel.chunk_samples} samples (use commit for complete seconds)")
-        processed = self._check_frame(frame, "append_tail")
-        pending = self._pending_with(audio)
+        chunk, rest, processed = self._unit_input(audio, frame, False, "append_tail", sample_rate)
 
         def run():
-            self._feed_unit(pending, pending[:0], processed, last_chunk=True)
+            self._feed_unit(chunk, rest, processed, last_chunk=True)
             self._tail_appended = True
 
         self._atomically(run)
@@ -400,18 +388,8 @@ class StreamingSession:
         try:
             with self.pruning_suspended():
                 for i, (audio, frame, whole) in enumerate(units):
-                    where = f"evaluate_forks: unit {i}"
-                    audio = _check_audio(audio, sample_rate, where)
-                    processed = self._check_frame(frame, where)
-                    pending = self._pending_with(audio)
-                    need = self.mel.chunk_size() if whole else self.mel.chunk_samples
-                    if whole and pending.shape[0] < need:
-                        raise InputError(f"{where}: a whole chunk needs {need} samples here but only "
-                                         f"{pending.shape[0]} are available; pass 1 s per whole unit")
-                    if not whole and audio.shape[0] >= need:
-                        raise InputError(f"{where}: {audio.shape[0]} samples is a whole chunk; a tail must be "
-                                         f"shorter than {need} samples")
-                    chunk = pending[:need] if whole else pending
+                    chunk, _, processed = self._unit_input(audio, frame, whole, f"evaluate_forks: unit {i}",
+                                                           sample_rate)
                     rows.append(self._unit_embeds(chunk, processed, last_chunk=not whole)[0])
                     self.mel.restore(mel_state)
             with record_function("session.llm_fork_feed"):
@@ -535,6 +513,24 @@ class StreamingSession:
         if self.image_preprocess == "torch":
             return process_frame_torch(frame, device=self.thinker.device, where=f"{where}: frame")
         return process_image(frame, max_slice_nums=1, where=f"{where}: frame")
+
+    def _unit_input(self, audio, frame, whole: bool, where: str, sample_rate: int):
+        """One unit's checked inputs: (the mel's chunk, samples carried on, processed frame).
+        A whole unit is a native chunk as ``commit`` feeds it; otherwise a partial tail."""
+        audio = _check_audio(audio, sample_rate, where)
+        if not whole and audio.shape[0] >= self.mel.chunk_samples:
+            raise InputError(f"{where}: {audio.shape[0]} samples is a whole chunk; a tail must be shorter than "
+                             f"{self.mel.chunk_samples} samples (use commit for complete seconds)")
+        processed = self._check_frame(frame, where)
+        pending = self._pending_with(audio)
+        if not whole:
+            return pending, pending[:0], processed
+        need = self.mel.chunk_size()
+        if pending.shape[0] < need:
+            raise InputError(f"{where}: a native chunk needs {need} samples here but only {pending.shape[0]} are "
+                             f"available ({audio.shape[0]} new + {self.carry.shape[0]} carried); pass 1 s "
+                             f"({SAMPLE_RATE} samples) per commit, or use append_tail for a partial chunk")
+        return pending[:need], pending[need:], processed
 
     def _pending_with(self, audio: np.ndarray) -> np.ndarray:
         pending = np.concatenate([self.carry, audio]) if self.carry.size else audio
