@@ -327,6 +327,7 @@ def test_decoder_pool_shares_weights_and_reuses_released_decoders(thinker, tok):
     b.close()
     rich = next(d for d in pool._free[(256, 1)] if d is not store)    # mark one free decoder as graph-rich
     rich._prefill_graphs[(1, 99)] = None
+    assert pool.free_prefill_graphs()[0] == len(rich._prefill_graphs)
     assert pool.acquire(256) is rich                             # the richest goes first
 
 

@@ -101,6 +101,10 @@ class StaticDecoderPool:
         self.created += 1
         return dec
 
+    def free_prefill_graphs(self) -> list[int]:
+        """Prefill graphs held by each free decoder, most first (for benchmarks' census)."""
+        return sorted((len(d._prefill_graphs) for free in self._free.values() for d in free), reverse=True)
+
     def release(self, dec: StaticDecoder) -> None:
         key = (dec.max_len, dec.batch)
         if any(d is dec for d in self._free.get(key, [])):

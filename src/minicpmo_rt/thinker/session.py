@@ -96,9 +96,8 @@ def fast_path_census(options: dict) -> dict:
     """How many CUDA graphs the shared fast paths of ``shared_fast_paths`` hold (to tell, in a
     benchmark, whether a timed run still captured any)."""
     pool, vision, audio = options.get("llm_pool"), options.get("vision_graphs"), options.get("audio_graphs")
-    decoders = [] if pool is None else [d for free in pool._free.values() for d in free]
     return {"decoders_created": 0 if pool is None else pool.created,
-            "free_decoder_prefill_graphs": sorted((len(d._prefill_graphs) for d in decoders), reverse=True),
+            "free_decoder_prefill_graphs": [] if pool is None else pool.free_prefill_graphs(),
             "vision_graphs": len(vision._graphs) if isinstance(vision, VisionGraphs) else 0,
             "audio_graphs": len(audio._graphs) if isinstance(audio, AudioGraphs) else 0}
 
