@@ -546,7 +546,8 @@ def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, v
         sec, frac = divmod(ROW_MS * (k + 1), 1000)
         if frac == 0:
             return t, True, inputs.audio(sec - 1, sec), inputs.frame_for(session, float(sec))
-        return t, False, inputs.audio(sec, t), inputs.frame_for(session, t)
+        audio, frame, _ = _tail_unit(inputs, session, k)
+        return t, False, audio, frame
 
     def commit_boundary(k: int, t: float, audio, frame, temp: torch.Tensor) -> torch.Tensor:
         nonlocal seen, pruning, known
