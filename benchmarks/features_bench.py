@@ -104,6 +104,53 @@ def write_torch_profile(prof, path: Path, wall_s: float) -> None:
     print("\n".join(lines[:30]), flush=True)
 
 
+class SyncCensus:
+    """Counts host-device synchronisations by call site (``torch.cuda.set_sync_debug_mode``).
+
+    Each synchronising call raises a warning; the hook keys it by the innermost frames inside
+    this project, so the table says which line of ours waited for the GPU and how often."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.sites: dict[tuple[str, ...], int] = {}
+
+    def __enter__(self) -> "SyncCensus":
+        if not self.enabled:
+            return self
+        import traceback
+        import warnings
+
+        self._old_mode = torch.cuda.get_sync_debug_mode()
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+
+        def hook(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return
+            frames = [f for f in traceback.extract_stack()[:-1] if "minicpmo_rt" in f.filename][-3:]
+            key = tuple(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)) or ("(outside)",)
+            self.sites[key] = self.sites.get(key, 0) + 1
+
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            torch.cuda.set_sync_debug_mode(self._old_mode)
+            self._catch.__exit__(*exc)
+
+    def write(self, path: Path, seconds: float) -> None:
+        total = sum(self.sites.values())
+        lines = [f"host-device synchronisations: {total} in {seconds:.0f} session s ({total / seconds:.1f} per s)", "",
+                 "| count | per session s | call site (innermost first) |", "|---:|---:|---|"]
+        for key, n in sorted(self.sites.items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {n} | {n / seconds:.2f} | {' <- '.join(key)} |")
+        path.write_text("\n".join(lines) + "\n")
+        print("\n".join(lines[:25]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -123,6 +170,9 @@ def main() -> None:
     ap.add_argument("--torch-profile", action="store_true",
                     help="torch.profiler (CPU + CUDA) around each timed run; the named stage ranges "
                     "(session.*, partial.*, native.*) and top kernels to OUT/torch_profile_*.txt")
+    ap.add_argument("--sync-census", action="store_true",
+                    help="torch.cuda sync debug mode around each timed run: every host-device synchronisation "
+                    "counted by its call site to OUT/sync_census_*.txt (slows the run; a diagnostic)")
     ap.add_argument("--modes", default="native-1hz-hold,cached-partial-5hz")
     ap.add_argument("--cadences", default=None, help="comma list; 0 = default cadence, N = --verify-every N ... "
                     "(default: 0 and --periodic)")
@@ -182,7 +232,10 @@ def main() -> None:
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                 tprof = profile(activities=acts)
                 tprof.__enter__()
-            art = ex.run(opts(mode, every, None, out), factory=factory, model_info=info, echo=print)
+            with SyncCensus(args.sync_census and device.type == "cuda") as syncs:
+                art = ex.run(opts(mode, every, None, out), factory=factory, model_info=info, echo=print)
+            if syncs.enabled:
+                syncs.write(args.out / f"sync_census_{mode}_{every}.txt", art.num_rows / 5)
             if tprof is not None:
                 tprof.__exit__(None, None, None)
                 write_torch_profile(tprof, args.out / f"torch_profile_{mode}_{every}.txt", art.provenance["wall_time_s"])

@@ -91,7 +91,7 @@ class ToySession:
             acc = torch.tanh(0.7 * acc + tok)
         return acc.float()
 
-    def read_state(self) -> torch.Tensor:
+    def read_state(self, *, on_device: bool = False) -> torch.Tensor:  # CPU: already 'on device'
         return self._last.clone()
 
     def snapshot(self):
@@ -103,7 +103,7 @@ class ToySession:
         if self.broken_restore and self.cache:
             self.cache[-1] = self.cache[-1] + 1e-9
 
-    def fingerprint(self) -> ToyFingerprint:
+    def fingerprint(self, *, lazy: bool = False) -> ToyFingerprint:
         return ToyFingerprint(len(self.cache), float(sum(float(t.sum()) for t in self.cache)),
                               self.chunk_idx, self.committed_chunks)
 

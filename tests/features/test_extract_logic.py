@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -254,3 +256,36 @@ def test_tail_rows_are_the_seconds_non_boundary_rows():
     assert ex.tail_rows(7, 9) == [5, 6, 7, 8]
     assert ex.tail_rows(12, 13) == [10, 11, 12]        # the session's last, partial second
     assert ex.tail_rows(14, 15) == [10, 11, 12, 13]
+
+
+def test_deferred_audit_checks_equal_immediate_ones():
+    """compare_later / restoration_later judge exactly as compare / record would, in order,
+    once resolved (the extractor defers them so the host never waits for the device)."""
+    from dataclasses import dataclass
+
+    now, later = ex.Audit("x", False, 1e-3), ex.Audit("x", False, 1e-3)
+    ref = torch.linspace(1, 2, 16)
+    cases = [(ref.clone(), 1), (ref * (1 + 1e-4), 2), (ref * 1.1, 3), (ref + float("nan"), 4)]
+    for got, row in cases:
+        now.compare(row, 0.2 * row, got, ref)
+        later.compare_later(row, 0.2 * row, got, ref)
+    assert later.runs == 0  # nothing judged yet
+    assert json.dumps(later.to_dict()) == json.dumps(now.to_dict())  # (NaN != NaN in a dict compare)
+    assert later.failed == 2 and not later.passed
+    assert ex.Audit("y", True, 0.0).compare(0, 0.0, ref, ref) is True
+
+    @dataclass(frozen=True)
+    class FP:
+        llm_checksum: object
+        n: int
+
+    restore = ex.Audit("snapshot_restoration", True, 0.0)
+    last = []
+    restore.restoration_later(1, 0.2, FP(torch.tensor(1.5, dtype=torch.float64), 3), FP(1.5, 3), done=last.append)
+    restore.restoration_later(2, 0.4, FP(torch.tensor(1.5, dtype=torch.float64), 3),
+                              FP(torch.tensor(1.5 + 1e-12, dtype=torch.float64), 3), done=last.append)
+    restore.restoration_later(3, 0.6, FP(2.0, 3), FP(2.0, 4), done=last.append)
+    d = restore.to_dict()
+    assert (d["runs"], d["failed"]) == (3, 2)
+    assert [c.get("changed") for c in d["checks"]] == [None, ["llm_checksum"], ["n"]]
+    assert last[-1] == {"llm_checksum": 2.0, "n": 4} and last[1]["llm_checksum"] == 1.5 + 1e-12

@@ -260,6 +260,13 @@ def row_time(k: int) -> float:
 
 @dataclass
 class Audit:
+    """One audit's checks and figures.
+
+    ``compare`` judges at once (one read of the device); the extractor uses ``compare_later``
+    and ``restoration_later``, whose figures stay on the device until ``resolve`` (called by
+    ``passed`` / ``to_dict``) reads them all in one transfer, so the host keeps queueing work
+    while the GPU runs. Entries are judged in the order they were made either way."""
+
     name: str
     exact: bool
     rtol: float
@@ -269,19 +276,67 @@ class Audit:
     skipped: int = 0
     max_abs_diff: float = 0.0
     max_rel_err: float = 0.0
+    _pending: list[tuple[list[torch.Tensor], Callable[[list[float]], None]]] = field(default_factory=list,
+                                                                                      repr=False)
+    _last_ok: bool = field(default=True, repr=False)
 
     def compare(self, row: int, t: float, got: torch.Tensor, ref: torch.Tensor, **extra) -> bool:
-        diff = (got.double() - ref.double()).abs()
-        max_abs = float(diff.max()) if diff.numel() else 0.0
-        rel = float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
-        ok = max_abs == 0.0 if self.exact else (rel <= self.rtol and math.isfinite(rel))
-        self._record(dict(row=row, t=t, max_abs_diff=max_abs, rel_err=rel, bit_identical=max_abs == 0.0,
-                          passed=ok, **extra), ok)
-        self.max_abs_diff = max(self.max_abs_diff, max_abs)
-        self.max_rel_err = max(self.max_rel_err, rel)
-        return ok
+        self.compare_later(row, t, got, ref, **extra)
+        self.resolve()
+        return self._last_ok
+
+    def compare_later(self, row: int, t: float, got: torch.Tensor, ref: torch.Tensor, **extra) -> None:
+        g = got.detach().double()
+        r = ref.detach().to(g.device).double()
+        diff = g - r
+        max_abs = diff.abs().max() if diff.numel() else torch.zeros((), dtype=torch.float64, device=g.device)
+        rel = diff.norm() / r.norm().clamp_min(1e-30)
+
+        def judge(values: list[float]) -> None:
+            max_abs, rel = values
+            ok = max_abs == 0.0 if self.exact else (rel <= self.rtol and math.isfinite(rel))
+            self._record(dict(row=row, t=t, max_abs_diff=max_abs, rel_err=rel, bit_identical=max_abs == 0.0,
+                              passed=ok, **extra), ok)
+            self.max_abs_diff = max(self.max_abs_diff, max_abs)
+            self.max_rel_err = max(self.max_rel_err, rel)
+
+        self._pending.append(([max_abs, rel], judge))
+
+    def restoration_later(self, row: int, t: float, before: Any, after: Any,
+                          done: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Snapshot restoration: every fingerprint field equal before and after (checksums may be
+        lazy device tensors); ``done`` gets the resolved ``after`` as a dict."""
+        b, a = _fingerprint_dict(before), _fingerprint_dict(after)
+        lazy = [(d, key) for d in (b, a) for key, v in d.items() if torch.is_tensor(v)]
+
+        def judge(values: list[float]) -> None:
+            for (d, key), v in zip(lazy, values):
+                d[key] = v
+            diff = sorted(key for key in b if b[key] != a.get(key))
+            self.record({"row": row, "t": t, "changed": diff} if diff else {"row": row, "t": t}, not diff)
+            if done is not None:
+                done(a)
+
+        self._pending.append(([d[key] for d, key in lazy], judge))
+
+    def resolve(self) -> None:
+        """Judge every deferred check (one device read for all of them)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        flat = [x for xs, _ in pending for x in xs]
+        if flat:
+            dev = next((x.device for x in flat if x.device.type != "cpu"), torch.device("cpu"))
+            values = torch.stack([x.to(dev, torch.float64) for x in flat]).cpu().tolist()
+        else:
+            values = []
+        i = 0
+        for xs, judge in pending:
+            judge(values[i:i + len(xs)])
+            i += len(xs)
 
     def _record(self, entry: dict[str, Any], ok: bool) -> None:
+        self._last_ok = ok
         self.runs += 1
         self.failed += 0 if ok else 1
         if len(self.checks) < MAX_LISTED or not ok:
@@ -297,9 +352,11 @@ class Audit:
 
     @property
     def passed(self) -> bool:
+        self.resolve()
         return self.runs > 0 and self.failed == 0
 
     def to_dict(self) -> dict[str, Any]:
+        self.resolve()
         return {"passed": self.passed, "runs": self.runs, "failed": self.failed, "skipped": self.skipped,
                 "criterion": "bit-identical" if self.exact else f"rel_err <= {self.rtol:g}",
                 "max_abs_diff": self.max_abs_diff, "max_rel_err": self.max_rel_err,
@@ -307,7 +364,9 @@ class Audit:
 
 
 def _fingerprint_dict(fp: Any) -> dict[str, Any]:
-    d = dataclasses.asdict(fp) if dataclasses.is_dataclass(fp) else dict(vars(fp))
+    # fields one level deep (asdict would deep-copy a lazy checksum tensor)
+    d = {f.name: getattr(fp, f.name) for f in dataclasses.fields(fp)} if dataclasses.is_dataclass(fp) \
+        else dict(vars(fp))
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
 
@@ -371,22 +430,28 @@ def replay_states(factory: SessionFactory, views: Sequence[Inputs], row: int,
             for s, view in zip(sessions, views):
                 _commit(s, view, k)
         if frac == 0:
-            return [s.read_state().float().clone() for s in sessions]
+            return [_read(s) for s in sessions]
         t = t_ms / 1000.0
         out = []
         for s, view in zip(sessions, views):
             forks = getattr(s, "evaluate_forks", None)
             if forks is not None and batch_rows and row in batch_rows:
-                hs = forks([_tail_unit(view, s, k) for k in batch_rows])
-                out.append(hs[list(batch_rows).index(row)].float().clone())
+                hs = forks([_tail_unit(view, s, k) for k in batch_rows], on_device=True)
+                out.append(hs[list(batch_rows).index(row)])
                 continue
             with s.transaction():
                 s.append_tail(view.audio(sec, t), view.frame_for(s, t))
-                out.append(s.read_state().float().clone())
+                out.append(_read(s))
         return out
     finally:
         for s in sessions:   # pooled resources (a fast session's static cache) go back for the next replay
             _close(s)
+
+
+def _read(session: Any) -> torch.Tensor:
+    """The session's read-out state, float32, left on the model's device (no wait for the GPU;
+    rows reach the host once, at the end of the run)."""
+    return session.read_state(on_device=True)
 
 
 def _close(session: Any) -> None:
@@ -408,9 +473,9 @@ def _run_replays(factory: SessionFactory, inputs: Inputs, k: int, t: float, cach
     pert = inputs.perturbed_after(t) if do_f else None
     states = replay_states(factory, [inputs] + ([pert] if pert is not None else []), k, batch_rows)
     if do_r:
-        replay.compare(k, t, cached, states[0])
+        replay.compare_later(k, t, cached, states[0])
     if pert is not None:
-        future.compare(k, t, states[1], states[0], perturbed_samples=pert.perturbed_samples)
+        future.compare_later(k, t, states[1], states[0], perturbed_samples=pert.perturbed_samples)
 
 
 @dataclass
@@ -468,11 +533,11 @@ def _native(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, ve
             sec = (k + 1) // 5
             with record_function("native.commit"):
                 _commit(session, inputs, sec)
-                held = session.read_state().float().clone()
+                held = _read(session)
             seen, new = _pruning_rows(session, seen, k, t)
             pruning += new
             if states is None:
-                states = torch.zeros(rows, held.shape[-1], dtype=torch.float32)
+                states = torch.zeros(rows, held.shape[-1], dtype=torch.float32, device=held.device)
             do_r, do_f = c_replay.due(k), c_future.due(k)
             if do_r or do_f:
                 with record_function("audit.replays"):
@@ -483,6 +548,7 @@ def _native(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, ve
             tick(0.2)
     if states is None:  # fewer than 5 rows: every row is initialisation; D from a probe commit-free read
         raise InputError(f"--end {rows / 5:.1f}: native-1hz-hold needs at least one completed second (--end >= 1)")
+    states = states.cpu()
     checks = {
         "clean_replay": replay.to_dict(), "future_intervention": future.to_dict(),
         "boundary": {"passed": None, "not_applicable": "native mode opens no transaction; every row is a native commit"},
@@ -527,15 +593,16 @@ def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, v
     known: Any = None  # the session's fingerprint while nothing has changed it since (saves a cache read)
 
     def fingerprint_before() -> Any:
-        return known if known is not None else session.fingerprint()
+        return known if known is not None else session.fingerprint(lazy=True)
+
+    def keep_last(fp: dict[str, Any]) -> None:
+        nonlocal last_fp
+        last_fp = fp
 
     def check_restored(k: int, t: float, before: Any) -> None:
-        nonlocal last_fp, known
-        after = session.fingerprint()
-        b, a = _fingerprint_dict(before), _fingerprint_dict(after)
-        diff = sorted(key for key in b if b[key] != a.get(key))
-        restore.record({"row": k, "t": t, "changed": diff} if diff else {"row": k, "t": t}, not diff)
-        last_fp = a
+        nonlocal known
+        after = session.fingerprint(lazy=True)
+        restore.restoration_later(k, t, before, after, done=keep_last)
         known = after
 
     forks = getattr(session, "evaluate_forks", None)
@@ -554,13 +621,13 @@ def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, v
         with record_function("partial.commit"):
             session.commit(audio, frame)
             known = None
-            h = session.read_state().float().clone()
+            h = _read(session)
         n_before = seen
         seen, new = _pruning_rows(session, seen, k, t)
         pruning += new
         # The session reads a commit's state out before it prunes, so a pruning commit is
         # still comparable; the entry says it pruned.
-        boundary.compare(k, t, temp, h, pruned=seen > n_before)
+        boundary.compare_later(k, t, temp, h, pruned=seen > n_before)
         return h
 
     def audit_replays(k: int, t: float, h: torch.Tensor, batch_rows: Sequence[int] | None = None) -> None:
@@ -581,15 +648,15 @@ def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, v
             # the native commit it is checked against).
             before = fingerprint_before()
             with record_function("partial.forks"):
-                hs = forks([_tail_unit(inputs, session, k) for k in batch])
+                hs = forks([_tail_unit(inputs, session, k) for k in batch], on_device=True)
             check_restored(batch[-1], row_time(batch[-1]), before)
             forked = dict(zip(batch, hs))
         for k in group:
             if k in forked:
-                h = forked.pop(k).float().clone()
+                h = forked.pop(k)
                 audit_replays(k, row_time(k), h, batch)
                 if states is None:
-                    states = torch.zeros(rows, h.shape[-1], dtype=torch.float32)
+                    states = torch.zeros(rows, h.shape[-1], dtype=torch.float32, device=h.device)
                 states[k] = h
                 if tick:
                     tick(0.2)
@@ -599,21 +666,24 @@ def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, v
             if whole:
                 with record_function("partial.boundary_check"), session.transaction():
                     session.commit(audio, frame)
-                    temp = session.read_state().float().clone()
+                    temp = _read(session)
                 check_restored(k, t, before)
                 h = commit_boundary(k, t, audio, frame, temp)
             else:
                 with record_function("partial.tail"), session.transaction():
                     session.append_tail(audio, frame)
-                    h = session.read_state().float().clone()
+                    h = _read(session)
                 check_restored(k, t, before)
                 audit_replays(k, t, h)
             if states is None:
-                states = torch.zeros(rows, h.shape[-1], dtype=torch.float32)
+                states = torch.zeros(rows, h.shape[-1], dtype=torch.float32, device=h.device)
             states[k] = h
             if tick:
                 tick(0.2)
     assert states is not None
+    states = states.cpu()
+    for audit in (boundary, replay, future, restore):
+        audit.resolve()
     times = grid_times(rows)
     native = torch.tensor([(k + 1) % 5 == 0 for k in range(rows)], dtype=torch.bool)
     too_short = not (c_replay.first_done and c_future.first_done and boundary.runs > 0)

@@ -44,21 +44,23 @@ class AudioEncoderCache:
     def clone(self) -> "AudioEncoderCache":
         return AudioEncoderCache(tuple(k.clone() for k in self.keys), tuple(v.clone() for v in self.values))
 
-    def checksum(self) -> float:
-        """float64 sum of every layer's K and V (an audit figure, not a hash)."""
+    def checksum(self, *, as_tensor: bool = False) -> float | torch.Tensor:
+        """float64 sum of every layer's K and V (an audit figure, not a hash); ``as_tensor``: a
+        0-d tensor on the cache's device, read without waiting for the device."""
         if not self.keys:
-            return 0.0
+            return torch.zeros((), dtype=torch.float64) if as_tensor else 0.0
         tensors = self.keys + self.values
         base = tensors[0]._base
         if base is not None and all(t._base is base for t in tensors) and \
                 sum(t.numel() for t in tensors) == base.numel():
             # every layer is a view of one buffer (the graphed step's clone): one reduction
             # instead of 2 x layers of them
-            return float(base.sum(dtype=torch.float64))
-        total = torch.zeros((), dtype=torch.float64, device=self.keys[0].device)
-        for k, v in zip(self.keys, self.values):
-            total = total + k.sum(dtype=torch.float64) + v.sum(dtype=torch.float64)
-        return float(total)
+            total = base.sum(dtype=torch.float64)
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=self.keys[0].device)
+            for k, v in zip(self.keys, self.values):
+                total = total + k.sum(dtype=torch.float64) + v.sum(dtype=torch.float64)
+        return total if as_tensor else float(total)
 
 
 def conv_output_length(n_mel: int) -> int:

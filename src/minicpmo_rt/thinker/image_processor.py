@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from PIL import Image
 
 from ..errors import InputError
+
+if TYPE_CHECKING:
+    from .staging import HostStaging
 
 PATCH = 14
 SCALE_RESOLUTION = 448
@@ -196,7 +200,8 @@ def process_image(image, max_slice_nums: int = 1, scale_resolution: int = SCALE_
 
 
 def process_frame_torch(image, device: str | torch.device | None = None, scale_resolution: int = SCALE_RESOLUTION,
-                        patch_size: int = PATCH, where: str = "image") -> ProcessedImage:
+                        patch_size: int = PATCH, where: str = "image",
+                        staging: HostStaging | None = None) -> ProcessedImage:
     """The streaming preprocess (``max_slice_nums=1``: one unsliced source image) in torch, on
     ``device`` (the fast path beside ``process_image``; opt-in, PIL stays the reference).
 
@@ -206,7 +211,8 @@ def process_frame_torch(image, device: str | torch.device | None = None, scale_r
     differ from PIL by one or two levels; ``tests/thinker/test_image_torch.py`` measures
     the pixel and feature cost.
     A uint8 HxWx3 array or tensor goes to the device as is (no PIL copy); anything else
-    passes through ``to_rgb_image`` first.
+    passes through ``to_rgb_image`` first. ``staging`` uploads a numpy frame without waiting for
+    the device (``staging.HostStaging``).
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     x = image
@@ -214,11 +220,15 @@ def process_frame_torch(image, device: str | torch.device | None = None, scale_r
         and x.shape[-1] == 3 and x.shape[0] > 0 and x.shape[1] > 0
     if not fast:
         x = np.array(to_rgb_image(image, where), dtype=np.uint8)  # a writable copy of the PIL buffer
-    if isinstance(x, np.ndarray):
-        x = torch.from_numpy(np.ascontiguousarray(x))
     height, width = int(x.shape[0]), int(x.shape[1])
     w, h = find_best_resize((width, height), scale_resolution, patch_size, allow_upscale=True)
-    x = x.to(dev, non_blocking=True).permute(2, 0, 1)[None].float()
+    if isinstance(x, np.ndarray) and staging is not None and dev.type == "cuda":
+        x = staging.upload(np.ascontiguousarray(x))
+    else:
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(np.ascontiguousarray(x))
+        x = x.to(dev, non_blocking=True)
+    x = x.permute(2, 0, 1)[None].float()
     # Two passes, horizontal first, each rounded to 8 bits: PIL's order and intermediate
     # rounding (a single 2-D pass differs by up to ~20 levels where bicubic overshoot clips).
     for size in ((height, w), (h, w)):

@@ -11,7 +11,7 @@
 Contract (what the session relies on): ``feed(embeds [L,H])`` appends L positions and
 returns the final-norm hidden of each; ``length``; ``truncate(n)`` keeps rows [0, n);
 ``checksum()`` is a float64 sum of K and V over the live rows (comparable within one
-backend only); ``drop_rows(start, n, inv_freq)`` removes rows and re-rotates the kept
+backend only; ``checksum(as_tensor=True)`` the same as a 0-d device tensor, without a sync); ``drop_rows(start, n, inv_freq)`` removes rows and re-rotates the kept
 suffix's keys exactly as ``model.drop_rows`` does (same fp32 element-wise arithmetic).
 """
 
@@ -38,7 +38,7 @@ class LLMCache(Protocol):
 
     def truncate(self, length: int) -> None: ...
 
-    def checksum(self) -> float: ...
+    def checksum(self, *, as_tensor: bool = False) -> float | torch.Tensor: ...
 
     def close(self) -> None: ...
 
@@ -65,8 +65,8 @@ class DynamicLLMCache:
     def truncate(self, length: int) -> None:
         truncate_cache(self.store, length)
 
-    def checksum(self) -> float:
-        return cache_checksum(self.store)
+    def checksum(self, *, as_tensor: bool = False) -> float | torch.Tensor:
+        return cache_checksum(self.store, as_tensor=as_tensor)
 
     def drop_rows(self, start: int, length: int, inv_freq: torch.Tensor) -> None:
         drop_rows(self.store, start, length, inv_freq)
@@ -207,16 +207,17 @@ class StaticLLMCache:
         hidden = run(x, n)
         return [hidden[i, int(u.shape[0]) - 1] for i, u in enumerate(units)]
 
-    def checksum(self) -> float:
+    def checksum(self, *, as_tensor: bool = False) -> float | torch.Tensor:
         n = self._length
         if not n:
-            return 0.0
+            return torch.zeros((), dtype=torch.float64) if as_tensor else 0.0
         k, v = self.store.k_cache[:, :, :, :n], self.store.v_cache[:, :, :, :n]
         # Row sums over the contiguous head dim in fp32 first, then one fp64 total: a direct
         # fp64 sum of this strided bf16 view took ~2.8 ms per call on the H200 (5 calls per
         # second of cached-partial extraction); deterministic either way.
         rows = torch.stack([k.sum(dim=-1, dtype=torch.float32), v.sum(dim=-1, dtype=torch.float32)])
-        return float(rows.sum(dtype=torch.float64))
+        total = rows.sum(dtype=torch.float64)
+        return total if as_tensor else float(total)
 
     @torch.no_grad()
     def drop_rows(self, start: int, length: int, inv_freq: torch.Tensor) -> None:

@@ -24,6 +24,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from .staging import HostStaging
+
 SAMPLE_RATE = 16000
 N_FFT = 400
 HOP = 160
@@ -43,18 +45,27 @@ def mel_filters(n_mels: int = N_MELS, n_fft: int = N_FFT, sample_rate: int = SAM
     return torch.from_numpy(bank).to(torch.float32).T.contiguous()
 
 
+@lru_cache(maxsize=8)
+def _filters_on(n_mels: int, device: torch.device) -> torch.Tensor:
+    # one upload per device: a per-call .to(device) of the CPU bank is a blocking copy
+    return mel_filters(n_mels).to(device)
+
+
 def log_mel(waveform: np.ndarray | torch.Tensor, dynamic: bool, n_mels: int = N_MELS,
-            device: str | torch.device | None = None) -> torch.Tensor:
+            device: str | torch.device | None = None, staging: HostStaging | None = None) -> torch.Tensor:
     """Whisper log-mel of a mono 16 kHz waveform: [n_mels, len // 160] float32.
 
     ``dynamic`` selects the max-8 floor (upstream from 5 s of buffer on) instead of -10.
     ``device`` (default CPU, upstream's path) may name an accelerator: the result then
     differs from the CPU one only by FFT rounding, and a 30-s buffer costs well under a
-    millisecond instead of tens of milliseconds.
+    millisecond instead of tens of milliseconds. ``staging`` uploads a numpy waveform without
+    waiting for the device (see ``staging.HostStaging``).
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     if torch.is_tensor(waveform):
         wave = waveform.detach().to(device=device, dtype=torch.float32)
+    elif staging is not None and device.type != "cpu":
+        wave = staging.upload(np.asarray(waveform, dtype=np.float32))
     else:
         # A copy: buffers are read-only numpy arrays, which torch cannot wrap safely.
         wave = torch.tensor(np.asarray(waveform, dtype=np.float32), device=device)
@@ -63,10 +74,11 @@ def log_mel(waveform: np.ndarray | torch.Tensor, dynamic: bool, n_mels: int = N_
     window = torch.hann_window(N_FFT, device=device)
     stft = torch.stft(wave, N_FFT, HOP, window=window, return_complex=True)
     power = (stft[..., :-1].abs() ** 2).contiguous()
-    spec = torch.clamp(mel_filters(n_mels).to(device) @ power, min=1e-10).log10()
-    floor = spec.max() - DYNAMIC_RANGE_DB if dynamic else torch.tensor(FIXED_FLOOR_DB, dtype=spec.dtype,
-                                                                       device=device)
-    return (torch.maximum(spec, floor) + 4.0) / 4.0
+    bank = mel_filters(n_mels) if device.type == "cpu" else _filters_on(n_mels, device)
+    spec = torch.clamp(bank @ power, min=1e-10).log10()
+    # the fixed floor as a clamp (equal to a maximum with a -10 tensor, without uploading one)
+    floored = torch.maximum(spec, spec.max() - DYNAMIC_RANGE_DB) if dynamic else spec.clamp(min=FIXED_FLOOR_DB)
+    return (floored + 4.0) / 4.0
 
 
 def uses_dynamic_floor(buffer_len: int, sample_rate: int = SAMPLE_RATE) -> bool:
@@ -143,8 +155,9 @@ class StreamingMel:
     def __init__(self, chunk_ms: int = 1000, first_chunk_ms: int = 1035, cnn_redundancy_ms: int = 20,
                  sample_rate: int = SAMPLE_RATE, sliding_window: bool = True, slide_trigger_seconds: float = 30.0,
                  slide_stride_seconds: float = 10.0, n_mels: int = N_MELS,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, staging: HostStaging | None = None):
         self.device = device  # where the mel is computed (None: CPU, as upstream)
+        self.staging = staging  # uploads of the waveform buffer that do not wait for the device
         self.sample_rate = sample_rate
         self.n_mels = n_mels
         self.chunk_samples = int(round(chunk_ms * sample_rate / 1000))
@@ -204,7 +217,7 @@ class StreamingMel:
         st = replace(st, buffer=buf, chunk_count=st.chunk_count + 1)
         st = self._slide(st)
         n = int(st.buffer.shape[0])
-        mel = log_mel(st.buffer, uses_dynamic_floor(n, self.sample_rate), self.n_mels, self.device)
+        mel = log_mel(st.buffer, uses_dynamic_floor(n, self.sample_rate), self.n_mels, self.device, self.staging)
         t_full = int(mel.shape[-1])
         stable_global = st.base_T + min(t_full, self.stable_frames(n))
         core_start = st.last_emitted_T
@@ -228,7 +241,7 @@ class StreamingMel:
         n = int(st.buffer.shape[0])
         if n == 0:
             return torch.zeros(self.n_mels, 0, device=self.device)
-        mel = log_mel(st.buffer, uses_dynamic_floor(n, self.sample_rate), self.n_mels, self.device)
+        mel = log_mel(st.buffer, uses_dynamic_floor(n, self.sample_rate), self.n_mels, self.device, self.staging)
         t_global = st.base_T + int(mel.shape[-1])
         if st.last_emitted_T >= t_global:
             return mel[:, 0:0]

@@ -191,15 +191,15 @@ def truncate_cache(cache: DynamicCache, length: int) -> None:
         layer.values = layer.values[..., :length, :]
 
 
-def cache_checksum(cache: DynamicCache | None) -> float:
-    """float64 sum of every layer's K and V."""
+def cache_checksum(cache: DynamicCache | None, *, as_tensor: bool = False) -> float | torch.Tensor:
+    """float64 sum of every layer's K and V (``as_tensor``: a 0-d tensor on the cache's device)."""
     layers = _layers(cache) if cache is not None else []
     if not layers:
-        return 0.0
+        return torch.zeros((), dtype=torch.float64) if as_tensor else 0.0
     total = torch.zeros((), dtype=torch.float64, device=layers[0].keys.device)
     for layer in layers:
         total = total + layer.keys.sum(dtype=torch.float64) + layer.values.sum(dtype=torch.float64)
-    return float(total)
+    return total if as_tensor else float(total)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,7 @@ from .mel import SAMPLE_RATE, MelState, StreamingMel
 from .llm_cache import LLM_CACHES, StaticDecoderPool, make_llm_cache
 from .model import Thinker
 from .audio_graph import AudioGraphs
+from .staging import HostStaging
 from .vision_graph import VisionGraphs
 from .prompt import PromptBuilder, PromptPiece
 
@@ -82,14 +83,14 @@ FIRST_CHUNK_PAD_SAMPLES = int(1035 * SAMPLE_RATE / 1000)  # upstream pads chunk 
 STATIC_HEADROOM = 2048  # static-cache rows above the window's high watermark (~26 units inside a transaction)
 # Every fast path at once, for a CUDA model: ``StreamingSession(thinker, tok, **FAST_PATH_OPTIONS)``.
 FAST_PATH_OPTIONS = MappingProxyType({"llm_cache": "static", "image_preprocess": "torch", "vision_graphs": True,
-                                      "audio_graphs": True})
+                                      "audio_graphs": True, "staging": True})
 
 
 def shared_fast_paths(thinker: Thinker) -> dict:
     """FAST_PATH_OPTIONS with one vision-graph holder, one audio-graph holder and one decoder
     pool, to pass to every session of ``thinker`` (fresh sessions then reuse the captures)."""
     return {**FAST_PATH_OPTIONS, "vision_graphs": VisionGraphs(thinker), "audio_graphs": AudioGraphs(thinker),
-            "llm_pool": StaticDecoderPool(thinker)}
+            "llm_pool": StaticDecoderPool(thinker), "staging": HostStaging(thinker.device)}
 
 
 def fast_path_census(options: dict) -> dict:
@@ -170,6 +171,22 @@ class SessionFingerprint:
     history_len: int
     position_offset: int
     rng_digest: str
+
+
+def resolve_fingerprints(fps: list[SessionFingerprint]) -> list[SessionFingerprint]:
+    """``fps`` with every tensor checksum (``fingerprint(lazy=True)``) as a float, read from
+    the device in one transfer."""
+    fields = ("llm_checksum", "audio_checksum")
+    lazy = [(i, f) for i, fp in enumerate(fps) for f in fields if torch.is_tensor(getattr(fp, f))]
+    if not lazy:
+        return list(fps)
+    dev = next((getattr(fps[i], f).device for i, f in lazy if getattr(fps[i], f).device.type != "cpu"),
+               torch.device("cpu"))
+    values = torch.stack([getattr(fps[i], f).to(dev, torch.float64) for i, f in lazy]).cpu().tolist()
+    out = list(fps)
+    for (i, f), v in zip(lazy, values):
+        out[i] = replace(out[i], **{f: v})
+    return out
 
 
 @dataclass(frozen=True)
@@ -271,7 +288,7 @@ class StreamingSession:
                  llm_cache: str = "dynamic", static_capacity: int | None = None, llm_kernels: str = "auto",
                  llm_graphs: bool | None = None, image_preprocess: str = "pil",
                  vision_graphs: bool | VisionGraphs = False, audio_graphs: bool | AudioGraphs = False,
-                 llm_pool: StaticDecoderPool | None = None):
+                 llm_pool: StaticDecoderPool | None = None, staging: bool | HostStaging = False):
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -283,7 +300,11 @@ class StreamingSession:
         # The mel runs where the model runs (on CPU exactly upstream's path; on an
         # accelerator the 30-s recomputation per call costs well under a millisecond).
         dev = thinker.device
-        self.mel = mel if mel is not None else StreamingMel(device=None if dev.type == "cpu" else dev)
+        # pinned uploads of frames and the mel's waveform (shared by the sessions of a thinker)
+        self.staging = staging if isinstance(staging, HostStaging) else \
+            HostStaging(dev) if staging and dev.type == "cuda" else None
+        self.mel = mel if mel is not None else StreamingMel(device=None if dev.type == "cpu" else dev,
+                                                            staging=self.staging)
         if image_preprocess not in ("pil", "torch"):
             raise InputError(f"image_preprocess={image_preprocess!r}: choose 'pil' (the reference) or 'torch' "
                              "(resize + normalise on the model's device)")
@@ -356,7 +377,7 @@ class StreamingSession:
         self._atomically(run)
 
     @torch.no_grad()
-    def evaluate_forks(self, units, *, sample_rate: int = SAMPLE_RATE) -> list[torch.Tensor]:
+    def evaluate_forks(self, units, *, sample_rate: int = SAMPLE_RATE, on_device: bool = False) -> list[torch.Tensor]:
         """The read-out state after each of ``units``, each fed ALONE on the current state and
         undone; the session is unchanged afterwards.
 
@@ -367,7 +388,8 @@ class StreamingSession:
         run on the current state (whose mel is put back after each), then their prefills run as
         ONE batch on a copy of the live cache rows (``StaticLLMCache.fork_feed``), so the 8B
         weights are read once per batch instead of once per unit. Values equal the per-unit
-        transactions up to the batch's floating-point summation order.
+        transactions up to the batch's floating-point summation order. The states are float32 on
+        the CPU, or with ``on_device`` on the model's device (see ``read_state``).
         """
         if self._tail_appended:
             raise InputError("evaluate_forks: a tail was appended in this transaction; restore it first")
@@ -380,7 +402,7 @@ class StreamingSession:
                         self.commit(audio, frame, sample_rate=sample_rate)
                     else:
                         self.append_tail(audio, frame, sample_rate=sample_rate)
-                    out.append(self.read_state())
+                    out.append(self.read_state(on_device=on_device))
             return out
         rows = []
         mel_state = self.mel.snapshot()
@@ -395,7 +417,8 @@ class StreamingSession:
                 hidden = fork(rows)
         finally:
             self.mel.restore(mel_state)
-        return list(torch.stack(hidden).to(device="cpu", dtype=torch.float32).unbind(0))
+        states = torch.stack(hidden).to(dtype=torch.float32)
+        return list((states if on_device else states.cpu()).unbind(0))
 
     @torch.no_grad()
     def embed_frames(self, frames) -> list[EmbeddedFrame | None]:
@@ -417,9 +440,16 @@ class StreamingSession:
                 out[i] = EmbeddedFrame(processed[i], e)
         return out
 
-    def read_state(self) -> torch.Tensor:
-        """[hidden] float32 CPU: the final-norm hidden state at the last fed position."""
-        return self._last_hidden.detach().to(device="cpu", dtype=torch.float32).clone()
+    def read_state(self, *, on_device: bool = False) -> torch.Tensor:
+        """[hidden] float32 CPU: the final-norm hidden state at the last fed position.
+
+        ``on_device=True`` keeps the copy on the model's device: the read does not wait for the
+        GPU, so a caller that moves its rows to the host later lets the host queue the next
+        units meanwhile."""
+        h = self._last_hidden.detach()
+        if on_device:
+            return h.to(dtype=torch.float32, copy=True)
+        return h.to(device="cpu", dtype=torch.float32).clone()
 
     def snapshot(self, checksum: bool = False) -> SessionSnapshot:
         """Capture everything ``restore`` needs; ``checksum=True`` also records the LLM cache
@@ -460,12 +490,14 @@ class StreamingSession:
             raise SnapshotError("restore: the LLM cache checksum differs from the snapshot's after truncation")
 
     @record_function("session.fingerprint")
-    def fingerprint(self) -> SessionFingerprint:
+    def fingerprint(self, *, lazy: bool = False) -> SessionFingerprint:
+        """What a restore must leave unchanged. ``lazy``: the two checksums stay 0-d device
+        tensors (``resolve_fingerprints`` turns many fingerprints into floats with one sync)."""
         carry = hashlib.sha1(np.ascontiguousarray(self.carry).tobytes()).hexdigest()
         return SessionFingerprint(
-            llm_cache_len=self.llm_cache.length, llm_checksum=self.llm_cache.checksum(),
+            llm_cache_len=self.llm_cache.length, llm_checksum=self.llm_cache.checksum(as_tensor=lazy),
             audio_cache_len=self.audio_cache.length if self.audio_cache is not None else 0,
-            audio_checksum=self.audio_cache.checksum() if self.audio_cache is not None else 0.0,
+            audio_checksum=self.audio_cache.checksum(as_tensor=lazy) if self.audio_cache is not None else 0.0,
             mel_state=self.mel.state.digest() + (int(self.carry.shape[0]), carry),
             audio_chunk_idx=self.audio_chunk_idx, history_len=self.history_len,
             position_offset=self.position_offset, rng_digest=RNGState.capture().digest())
@@ -510,7 +542,8 @@ class StreamingSession:
         if frame is None or isinstance(frame, EmbeddedFrame):
             return frame
         if self.image_preprocess == "torch":
-            return process_frame_torch(frame, device=self.thinker.device, where=f"{where}: frame")
+            return process_frame_torch(frame, device=self.thinker.device, where=f"{where}: frame",
+                                       staging=self.staging)
         return process_image(frame, max_slice_nums=1, where=f"{where}: frame")
 
     def _unit_input(self, audio, frame, whole: bool, where: str, sample_rate: int):

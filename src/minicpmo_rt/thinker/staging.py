@@ -1,0 +1,88 @@
+"""Host->device uploads that never wait for the device (``HostStaging``).
+
+An upload from pageable host memory (a decoded frame, the mel's waveform buffer) goes
+through the driver's small staging area: a frame of 6 MB does not fit, so the copy call
+returns only once the stream has reached it, i.e. after every kernel queued before it. The
+host then cannot queue the next second's work while the GPU runs this one. Copying into a
+pinned buffer first makes the upload truly asynchronous.
+
+Pinned buffers are kept in a ring and reused, never allocated per call: allocating pinned
+memory per upload (``Tensor.pin_memory()``) grew the host allocator and cost more than it
+saved (features benchmark, session 2). A slot is rewritten only after its previous copy
+finished (one event per slot), so a host far ahead of the GPU waits there at the latest.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor | None = None   # pinned uint8
+    done: torch.cuda.Event | None = None  # recorded after the slot's last upload
+
+
+class HostStaging:
+    """Uploads to ``device`` through ``slots`` reusable pinned buffers (CUDA); a plain copy elsewhere."""
+
+    def __init__(self, device: torch.device | str, slots: int = 16):
+        if slots < 1:
+            raise ValueError(f"HostStaging: slots={slots} must be >= 1")
+        self.device = torch.device(device)
+        self._slots = [_Slot() for _ in range(slots)]
+        self._next = 0
+        self._lock = threading.Lock()
+        self.uploads = 0
+        self.waits = 0   # uploads that found their slot's previous copy still running
+
+    def upload(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """A new device tensor holding ``array`` (same dtype and shape); returns at once."""
+        if isinstance(array, np.ndarray):
+            dtype, shape = _TORCH_DTYPES.get(array.dtype), array.shape
+            if dtype is None:
+                raise TypeError(f"HostStaging.upload: numpy dtype {array.dtype} is not supported")
+        else:
+            dtype, shape = array.dtype, array.shape
+            if self.device.type != "cuda" or array.device.type != "cpu":
+                return array.to(self.device, copy=True)
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.array(array, copy=True)).to(self.device)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        nbytes = out.numel() * out.element_size()
+        if nbytes == 0:
+            return out
+        with self._lock:
+            slot = self._slots[self._next]
+            self._next = (self._next + 1) % len(self._slots)
+            if slot.done is not None and not slot.done.query():
+                self.waits += 1
+                slot.done.synchronize()
+            if slot.buffer is None or slot.buffer.numel() < nbytes:
+                slot.buffer = torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
+            host = slot.buffer[:nbytes].view(dtype).view(shape)
+            if isinstance(array, np.ndarray):
+                np.copyto(host.numpy(), array, casting="no")  # read-only arrays are fine as a source
+            else:
+                host.copy_(array)
+            out.copy_(host, non_blocking=True)
+            if slot.done is None:
+                slot.done = torch.cuda.Event()
+            slot.done.record()
+            self.uploads += 1
+        return out
+
+
+_TORCH_DTYPES = {np.dtype(k): v for k, v in ((np.uint8, torch.uint8), (np.float32, torch.float32),
+                                             (np.float64, torch.float64), (np.int64, torch.int64),
+                                             (np.int32, torch.int32), (np.bool_, torch.bool))}
+
+
+def _round_up(nbytes: int, quantum: int = 1 << 20) -> int:
+    """Slots grow in whole MiB so a slightly larger frame or buffer does not reallocate."""
+    return (nbytes + quantum - 1) // quantum * quantum
+

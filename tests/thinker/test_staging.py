@@ -1,0 +1,68 @@
+"""HostStaging: pinned-ring uploads (values, dtypes, slot reuse) and the session's device read-outs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minicpmo_rt.thinker.mel import FIXED_FLOOR_DB, log_mel, mel_filters
+from minicpmo_rt.thinker.staging import HostStaging
+
+from conftest import requires_cuda
+
+
+def test_cpu_staging_returns_an_independent_copy_of_any_array():
+    st = HostStaging("cpu", slots=2)
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    a.setflags(write=False)  # the mel's buffers are read-only numpy arrays
+    out = st.upload(a)
+    assert out.dtype == torch.float32 and out.shape == (3, 4) and torch.equal(out, torch.from_numpy(a.copy()))
+    t = torch.ones(5, dtype=torch.int64)
+    u = st.upload(t)
+    u += 1
+    assert torch.equal(t, torch.ones(5, dtype=torch.int64))  # a copy, never the caller's tensor
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="slots=0"):
+        HostStaging("cpu", slots=0)
+    with pytest.raises(TypeError, match="complex64"):
+        HostStaging("cuda", slots=1).upload(np.zeros(3, np.complex64))
+
+
+def test_fixed_floor_clamp_equals_the_maximum_with_a_floor_tensor():
+    """log_mel's fixed floor is a clamp now (no scalar upload); the old form was a maximum with
+    a -10 tensor. Same values bit for bit, including rows sitting exactly on the floor."""
+    x = (np.random.default_rng(3).standard_normal(16000) * np.r_[np.zeros(4000), np.ones(12000)]).astype(np.float32)
+    got = log_mel(x, False)
+    wave = torch.tensor(x)
+    stft = torch.stft(wave, 400, 160, window=torch.hann_window(400), return_complex=True)
+    spec = torch.clamp(mel_filters(80) @ (stft[..., :-1].abs() ** 2), min=1e-10).log10()
+    ref = (torch.maximum(spec, torch.tensor(FIXED_FLOOR_DB)) + 4.0) / 4.0
+    assert torch.equal(got, ref) and bool((got == (FIXED_FLOOR_DB + 4.0) / 4.0).any())
+
+
+@requires_cuda
+def test_cuda_uploads_keep_their_values_while_slots_are_reused():
+    """One slot, many uploads: each waits for the previous copy out of the pinned buffer
+    before rewriting it, so no earlier upload is corrupted."""
+    st = HostStaging("cuda", slots=1)
+    big = torch.empty(1 << 24, device="cuda")
+    arrays = [np.full((1080, 1920, 3), i, np.uint8) for i in range(4)]
+    outs = []
+    for a in arrays:
+        big.mul_(1.0001)  # queue GPU work ahead of each copy, so the copies are still pending
+        outs.append(st.upload(a))
+    torch.cuda.synchronize()
+    assert all(int(o.min()) == i == int(o.max()) for i, o in enumerate(outs))
+    assert st.uploads == 4 and outs[0].dtype == torch.uint8 and outs[0].shape == (1080, 1920, 3)
+    f = np.linspace(-1, 1, 48000, dtype=np.float32)
+    assert torch.equal(st.upload(f).cpu(), torch.from_numpy(f))
+
+
+@requires_cuda
+def test_cuda_log_mel_through_staging_equals_the_plain_upload():
+    x = np.random.default_rng(4).standard_normal(80000).astype(np.float32)
+    st = HostStaging("cuda", slots=2)
+    assert torch.equal(log_mel(x, True, device="cuda", staging=st), log_mel(x, True, device="cuda"))
