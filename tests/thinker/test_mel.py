@@ -138,3 +138,16 @@ def test_snapshot_restore_is_bit_exact():
 def test_too_short_buffer_is_an_error():
     with pytest.raises(ValueError, match="at least 400 samples"):
         StreamingMel().process(np.zeros(100, np.float32), last_chunk=True)
+
+
+@pytest.mark.parametrize("n", [400, 401, 16000, 16480, 48123, 480000, 499999])
+def test_bucketed_stft_equals_the_plain_centered_stft(n):
+    """The accelerator path pads the FFT batch to whole seconds of frames (few cuFFT plans);
+    every kept frame reads the same samples, so on the CPU it is bit-identical."""
+    from minicpmo_rt.thinker.mel import STFT_BUCKET_FRAMES, _bucketed_stft
+
+    w = torch.from_numpy(np.random.default_rng(n).standard_normal(n).astype(np.float32))
+    ref = torch.stft(w, 400, 160, window=torch.hann_window(400), return_complex=True)
+    got = _bucketed_stft(w)
+    assert got.shape == ref.shape and torch.equal(got, ref)
+    assert STFT_BUCKET_FRAMES == 100

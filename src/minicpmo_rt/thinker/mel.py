@@ -51,6 +51,48 @@ def _filters_on(n_mels: int, device: torch.device) -> torch.Tensor:
     return mel_filters(n_mels).to(device)
 
 
+@lru_cache(maxsize=8)
+def _window_on(device: torch.device) -> torch.Tensor:
+    return torch.hann_window(N_FFT, device=device)
+
+
+STFT_BUCKET_FRAMES = 100  # 1 s of frames
+
+
+def _bucketed_stft(wave: torch.Tensor) -> torch.Tensor:
+    """``torch.stft(wave, center=True)`` with the FFT batch rounded up to whole seconds of frames.
+
+    cuFFT plans are cached per batch size, and the streaming buffer has a new length at
+    almost every call (it grows by each chunk or tail until it slides), so the exact batch
+    made a new plan (milliseconds of host time) per call. Here the reflect padding of
+    ``center=True`` is applied first, zeros are appended until the frame count reaches the
+    next multiple of ``STFT_BUCKET_FRAMES``, and the extra frames are cut off: each kept
+    frame reads exactly the samples it reads in the plain call, and ~31 plans cover a 30-s
+    buffer. (The plain call is kept on the CPU, upstream's path.)
+    """
+    n = wave.numel()
+    frames = 1 + n // HOP
+    bucket = -(-frames // STFT_BUCKET_FRAMES) * STFT_BUCKET_FRAMES
+    half = N_FFT // 2
+    padded = torch.nn.functional.pad(wave[None, None], (half, half), mode="reflect")[0, 0]
+    padded = torch.nn.functional.pad(padded, (0, (bucket - 1) * HOP + N_FFT - padded.numel()))
+    return torch.stft(padded, N_FFT, HOP, window=_window_on(wave.device), center=False,
+                      return_complex=True)[:, :frames]
+
+
+def warm_stft_plans(device: torch.device | str, max_seconds: float = 32.0, sample_rate: int = SAMPLE_RATE) -> int:
+    """Make the cuFFT plan of every ``_bucketed_stft`` batch a buffer of up to ``max_seconds``
+    can use (the streaming buffer slides at 30 s), so no plan is made mid-stream; returns the
+    number of buckets. A no-op off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    buckets = int(max_seconds * sample_rate / HOP) // STFT_BUCKET_FRAMES + 1
+    for b in range(1, buckets + 1):
+        _bucketed_stft(torch.zeros((b * STFT_BUCKET_FRAMES - 1) * HOP, device=device))
+    return buckets
+
+
 def log_mel(waveform: np.ndarray | torch.Tensor, dynamic: bool, n_mels: int = N_MELS,
             device: str | torch.device | None = None, staging: HostStaging | None = None) -> torch.Tensor:
     """Whisper log-mel of a mono 16 kHz waveform: [n_mels, len // 160] float32.
@@ -71,10 +113,13 @@ def log_mel(waveform: np.ndarray | torch.Tensor, dynamic: bool, n_mels: int = N_
         wave = torch.tensor(np.asarray(waveform, dtype=np.float32), device=device)
     if wave.numel() < N_FFT:
         raise ValueError(f"log_mel needs at least {N_FFT} samples, got {wave.numel()}")
-    window = torch.hann_window(N_FFT, device=device)
-    stft = torch.stft(wave, N_FFT, HOP, window=window, return_complex=True)
+    if device.type == "cpu":
+        stft = torch.stft(wave, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)
+        bank = mel_filters(n_mels)
+    else:
+        stft = _bucketed_stft(wave)
+        bank = _filters_on(n_mels, device)
     power = (stft[..., :-1].abs() ** 2).contiguous()
-    bank = mel_filters(n_mels) if device.type == "cpu" else _filters_on(n_mels, device)
     spec = torch.clamp(bank @ power, min=1e-10).log10()
     # the fixed floor as a clamp (equal to a maximum with a -10 tensor, without uploading one)
     floored = torch.maximum(spec, spec.max() - DYNAMIC_RANGE_DB) if dynamic else spec.clamp(min=FIXED_FLOOR_DB)
@@ -105,7 +150,7 @@ class MelState:
     def buffer_sha1(self) -> str:
         # The buffer is read-only, so one hash per state value: a restored snapshot state (the
         # same object) is not hashed again (up to 1.9 MB of buffer per fingerprint otherwise).
-        return hashlib.sha1(np.ascontiguousarray(self.buffer).tobytes()).hexdigest()
+        return hashlib.sha1(np.ascontiguousarray(self.buffer).data).hexdigest()  # no bytes copy
 
     def digest(self) -> tuple:
         """Counters plus a SHA-1 of the buffer bytes (for fingerprints)."""

@@ -82,7 +82,8 @@ _TORCH_DTYPES = {np.dtype(k): v for k, v in ((np.uint8, torch.uint8), (np.float3
                                              (np.int32, torch.int32), (np.bool_, torch.bool))}
 
 
-def _round_up(nbytes: int, quantum: int = 1 << 20) -> int:
-    """Slots grow in whole MiB so a slightly larger frame or buffer does not reallocate."""
-    return (nbytes + quantum - 1) // quantum * quantum
+def _round_up(nbytes: int, least: int = 1 << 20) -> int:
+    """Slots grow to powers of two (at least 1 MiB): the mel's buffer grows a little at every
+    chunk, and frames and buffers share the ring, so slots settle after a few reallocations."""
+    return max(least, 1 << (nbytes - 1).bit_length())
 
