@@ -138,3 +138,25 @@ def test_projection_and_pool(config):
     assert rel_err(y[0, 3], ref[0, 15:20].mean(0)) <= 1e-6
     # 52 frames pool to 10 (the remainder is dropped, as AvgPool1d(5) does)
     assert avg_pool(torch.randn(1, 52, 4), 5).shape == (1, 10, 4)
+
+
+def test_checksum_paths_agree_for_one_buffer_trimmed_slices_and_separate_layers():
+    """The three layouts a cache takes (every layer a view of one buffer; layers trimmed to a
+    window, i.e. slices of it; separate tensors) give the same float64 sum up to rounding,
+    and any changed element shows."""
+    from minicpmo_rt.thinker.audio import AudioEncoderCache
+
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(3, 2, 1, 4, 40, 8, generator=g)
+    whole = AudioEncoderCache(tuple(kv[:, 0].unbind(0)), tuple(kv[:, 1].unbind(0)))
+    trimmed = AudioEncoderCache(tuple(k[..., 10:, :] for k in whole.keys), tuple(v[..., 10:, :] for v in whole.values))
+    separate = AudioEncoderCache(tuple(k.clone() for k in trimmed.keys), tuple(v.clone() for v in trimmed.values))
+    ref = sum(float(t.double().sum()) for t in whole.keys + whole.values)
+    ref_trim = sum(float(t.double().sum()) for t in trimmed.keys + trimmed.values)
+    assert abs(whole.checksum() - ref) <= 1e-9 * abs(kv).sum().item()
+    assert abs(trimmed.checksum() - ref_trim) <= 1e-9 * abs(kv).sum().item()
+    assert abs(separate.checksum() - ref_trim) <= 1e-9 * abs(kv).sum().item()
+    assert torch.is_tensor(trimmed.checksum(as_tensor=True)) and trimmed.checksum(as_tensor=True).item() == \
+        trimmed.checksum()
+    changed = AudioEncoderCache(trimmed.keys[:2] + (trimmed.keys[2] + 1e-3,), trimmed.values)
+    assert changed.checksum() != trimmed.checksum()

@@ -839,14 +839,15 @@ def run(opts: ExtractOptions, factory: SessionFactory | None = None,
                 echo(line)
             echo(f"--end {end:.1f}s -> {rows} rows at 5 Hz of {full_rows}; mode {opts.mode}; media OK (no model loaded)")
             return None
+        # The main loop's frames, decoded ahead on worker threads while the audio and the model
+        # load and then while the model runs (closing ``media`` stops them if a later step fails).
+        # depth: wanted frames a worker may decode ahead per chunk (1080p RGB ~6 MB each)
+        wanted = range(rows) if opts.mode == "cached-partial-5hz" else range(4, rows, 5)
+        media.prefetch([frame_index_at(row_time(k)) for k in wanted], depth=16)
         group = native_frame_group if opts.mode == "native-1hz-hold" else partial_frame_group
         inputs = Inputs(media, end, frame_group=group)
         if factory is None:
             factory, model_info = load_session_factory(opts)
-        # the main loop's frames, decoded ahead on a worker thread while the model runs
-        wanted = range(rows) if opts.mode == "cached-partial-5hz" else range(4, rows, 5)
-        # depth: wanted frames a worker may decode ahead per chunk (1080p RGB ~6 MB each)
-        media.prefetch([frame_index_at(row_time(k)) for k in wanted], depth=16)
         bar = _progress(end, opts.progress)
         t0 = time.perf_counter()
         opened = weakref.WeakSet()
