@@ -321,15 +321,22 @@ def test_embedded_frames_feed_like_raw_frames(thinker, tok):
         pre.embed_frames([np.zeros((4, 4, 5), np.uint8)])
 
 
-@pytest.mark.parametrize("llm_cache", ["dynamic", "static"])
-def test_evaluate_forks_equal_one_transaction_per_unit(thinker, tok, llm_cache):
-    """Forked units (batched on a static cache's fork, transactions on a dynamic one) read the
-    same states as one transaction per unit, and leave the session exactly as it was; the
-    fork's incremental row copy stays right across commits, restores and pruning."""
+@pytest.mark.parametrize("llm_cache,audio_graphs", [("dynamic", False), ("static", False), ("static", True)])
+def test_evaluate_forks_equal_one_transaction_per_unit(thinker, tok, llm_cache, audio_graphs):
+    """Forked units (batched on a static cache's fork, transactions on a dynamic one; with
+    audio graphs, the units' audio steps batched too: eager on the CPU, as
+    ``AudioGraphs.embed_forks`` runs off CUDA) read the same states as one transaction per
+    unit, and leave the session exactly as it was; the fork's incremental row copy stays
+    right across commits, restores and pruning."""
     audio = _audio(6, 7)
     kw = dict(llm_cache=llm_cache, window=WindowPolicy.input_only(high_tokens=250, low_tokens=150),
               static_capacity=1024)
-    s, ref = StreamingSession(thinker, tok, **kw), StreamingSession(thinker, tok, **kw)
+    s = StreamingSession(thinker, tok, audio_graphs=audio_graphs, **kw)
+    ref = StreamingSession(thinker, tok, **kw)
+    if audio_graphs:
+        calls = []
+        inner = s.audio_graphs.embed_forks
+        s.audio_graphs.embed_forks = lambda *a: calls.append(inner(*a)) or calls[-1]
 
     def units(sec):
         base = 16000 * sec
@@ -355,6 +362,8 @@ def test_evaluate_forks_equal_one_transaction_per_unit(thinker, tok, llm_cache):
     assert s.pruning_events and len(s.pruning_events) == len(ref.pruning_events)
     if llm_cache == "static":
         assert s.llm_cache.fork_batch == 5
+    if audio_graphs:  # every second's 5 units went through one batched audio step
+        assert len(calls) == 5 and all(c is not None and len(c) == 5 for c in calls)
     with pytest.raises(InputError, match="is a whole chunk"):
         s.evaluate_forks([(audio[:16000], None, False)])
     s.close()

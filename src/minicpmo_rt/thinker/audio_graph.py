@@ -20,8 +20,9 @@ and after it the new cache is cloned out. A shape whose capture fails stays eage
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from .audio import AudioEncoderCache, avg_pool, chunk_conv_frames
+from .audio import AudioEncoderCache, avg_pool, chunk_conv_frames, extra_conv_frames
 from .model import AudioChunkEmbedding, Thinker
 
 
@@ -54,6 +55,71 @@ def buffered_stream_body(thinker: Thinker, mel: torch.Tensor, buf: torch.Tensor,
     return avg_pool(thinker.audio_projection_layer(hidden), thinker.audio_pool_step)[0].to(thinker.dtype)
 
 
+@torch.no_grad()
+def forked_stream_body(thinker: Thinker, mels: torch.Tensor, mel_valid: torch.Tensor, buf: torch.Tensor,
+                       rows: torch.Tensor, mask: torch.Tensor, prefix_extra: int) -> torch.Tensor:
+    """Several chunks that each continue ONE cache, in one batch (capture-safe).
+
+    mels [B, n_mels, T] are the chunks' mel frames, zero-padded at the end; ``mel_valid``
+    [B, 1, T] (float, 1 on a row's real frames) zeroes conv1's output past each row's end,
+    which is exactly the zero padding conv2 sees in the row's own step. buf [layers, 2, B,
+    heads, P, head_dim] holds the shared cache at rows [0, past) in every batch row; the new
+    K/V of frame j go to row ``rows[j]`` (= past + j) and batch row b attends where
+    ``mask[b]`` [1, 1, P] is True (rows < past + n_b). Frames past a row's n_b are computed
+    but never attended to by its real frames, so each row's first n_b // pool embeddings equal
+    its own step's. Returns [B, n // pool, H]; every row has the same prefix trim.
+    """
+    apm = thinker.apm
+    mels = mels.to(dtype=apm.conv1.weight.dtype)
+    h = F.gelu(apm.conv1(mels)) * mel_valid.to(mels.dtype)
+    h = F.gelu(apm.conv2(h)).transpose(1, 2)
+    front = extra_conv_frames(prefix_extra)
+    h = h[:, front:front + rows.shape[0]]
+    table = apm.embed_positions.weight
+    h = h + table.index_select(0, rows.clamp_max(table.shape[0] - 1)).to(h.dtype)
+    for i, layer in enumerate(apm.layers):
+        h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), mask, rows)
+    hidden = apm.layer_norm(h)
+    return avg_pool(thinker.audio_projection_layer(hidden), thinker.audio_pool_step).to(thinker.dtype)
+
+
+def fork_batch_inputs(mels: list[torch.Tensor], prefix_extras: list[int], suffix_extras: list[int],
+                      width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Padded mels [B, n_mels, width], their valid-frame mask [B, 1, width] and each row's conv
+    frames after the trims (``chunk_conv_frames``)."""
+    width = width or max(int(m.shape[-1]) for m in mels)
+    x = mels[0].new_zeros(len(mels), mels[0].shape[0], width)
+    valid = mels[0].new_zeros(len(mels), 1, width)
+    for b, m in enumerate(mels):
+        x[b, :, :m.shape[-1]] = m
+        valid[b, :, :m.shape[-1]] = 1
+    n = [chunk_conv_frames(int(m.shape[-1]), p, s) for m, p, s in zip(mels, prefix_extras, suffix_extras)]
+    return x, valid, n
+
+
+@torch.no_grad()
+def embed_forks_eager(thinker: Thinker, mels: list[torch.Tensor], cache: AudioEncoderCache | None,
+                      prefix_extra: int, suffix_extras: list[int]) -> list[torch.Tensor]:
+    """``forked_stream_body`` on freshly built buffers (any device; the reference the graphed
+    ``AudioGraphs.embed_forks`` is tested against, and its fallback)."""
+    apm = thinker.apm
+    a = apm.layers[0].self_attn
+    x, valid, n = fork_batch_inputs([m.to(thinker.device) for m in mels], [prefix_extra] * len(mels), suffix_extras)
+    past = cache.length if cache is not None else 0
+    P = past + max(n)
+    B = len(mels)
+    buf = torch.zeros(len(apm.layers), 2, B, a.num_heads, P, a.head_dim, dtype=thinker.dtype, device=thinker.device)
+    if past:
+        for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+            buf[i, 0, :, :, :past] = k
+            buf[i, 1, :, :, :past] = v
+    rows = torch.arange(past, P, device=thinker.device)
+    mask = torch.arange(P, device=thinker.device)[None] < torch.tensor([past + k for k in n],
+                                                                        device=thinker.device)[:, None]
+    out = forked_stream_body(thinker, x, valid, buf, rows, mask[:, None, None, :], prefix_extra)
+    return [out[b, :n[b] // thinker.audio_pool_step] for b in range(B)]
+
+
 class AudioGraphs:
     """``embed_chunk(mel, cache, prefix_extra, suffix_extra)`` with ``Thinker.embed_audio_chunk``'s contract."""
 
@@ -70,6 +136,9 @@ class AudioGraphs:
         self._resident: tuple[AudioEncoderCache | None, ...] = ()
         self.failures: dict[tuple, str] = {}
         self.captures = 0
+        # forks (``embed_forks``): one buffer per batch size, graphs keyed by (B, width, n, prefix)
+        self._fork_bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # B -> (buf, mask)
+        self._fork_graphs: dict[tuple, tuple] = {}
 
     def _eager(self, x, cache, prefix_extra, suffix_extra, reset) -> AudioChunkEmbedding:
         self._resident = ()
@@ -123,6 +192,77 @@ class AudioGraphs:
         new = AudioEncoderCache(tuple(kv[:, 0].unbind(0)), tuple(kv[:, 1].unbind(0)))
         self._resident = (new, cache) if cache is not None else (new,)
         return AudioChunkEmbedding(out.clone(), new, reset)
+
+    @torch.no_grad()
+    def embed_forks(self, mels: list[torch.Tensor], cache: AudioEncoderCache | None, prefix_extra: int,
+                    suffix_extras: list[int]) -> list[torch.Tensor] | None:
+        """The embeddings of several chunks that each continue ``cache`` (forks: none is kept), in
+        one batch (``forked_stream_body``): a graph replay on CUDA, eager elsewhere. None when
+        they cannot share one: fewer than two, a chunk too short for one embedding, or one that
+        would reset the cache (the caller then runs one step each)."""
+        th = self.thinker
+        B = len(mels)
+        if B < 2 or (cache is not None and cache.keys[0].dtype != th.dtype):
+            return None
+        if any(th.apm.needs_reset(cache, int(m.shape[-1])) for m in mels):
+            return None
+        x, valid, n = fork_batch_inputs(mels, [prefix_extra] * B, suffix_extras)
+        if min(n) < th.audio_pool_step:
+            return None
+        if th.device.type != "cuda":
+            return embed_forks_eager(th, mels, cache, prefix_extra, suffix_extras)
+        width, n_max = int(x.shape[-1]), max(n)
+        key = (B, width, n_max, int(prefix_extra))
+        if key in self.failures:
+            return None
+        apm = th.apm
+        P = apm.max_source_positions
+        if B not in self._fork_bufs:
+            a = apm.layers[0].self_attn
+            self._fork_bufs[B] = (
+                torch.zeros(len(apm.layers), 2, B, a.num_heads, P, a.head_dim, dtype=th.dtype, device=th.device),
+                torch.zeros(B, 1, 1, P, dtype=torch.bool, device=th.device))
+        buf, mask = self._fork_bufs[B]
+        self._buffers()
+        try:
+            if key not in self._fork_graphs:
+                self._fork_graphs[key] = self._capture_forks(buf, mask, x, valid, n_max, prefix_extra)
+        except Exception as e:  # an op that syncs with the host: these forks run eagerly
+            self.failures[key] = f"{type(e).__name__}: {e}"
+            torch.cuda.synchronize()
+            return None
+        g, sx, svalid, rows, out = self._fork_graphs[key]
+        past = cache.length if cache is not None else 0
+        if past:
+            kv = torch.stack([torch.stack([k, v]) for k, v in zip(cache.keys, cache.values)])  # [L, 2, 1, h, past, d]
+            buf[:, :, :, :, :past].copy_(kv)  # broadcast over the batch rows
+        sx.copy_(x)
+        svalid.copy_(valid)
+        torch.add(self._arange[:n_max], past, out=rows)
+        ends = torch.tensor([past + k for k in n], dtype=torch.long).to(th.device, non_blocking=True)
+        torch.lt(self._arange[None], ends[:, None], out=mask[:, 0, 0])
+        g.replay()
+        return [out[b, :n[b] // th.audio_pool_step].clone() for b in range(B)]
+
+    def _capture_forks(self, buf, mask, x, valid, n_max, prefix_extra):
+        th = self.thinker
+        sx, svalid = x.clone(), valid.clone()
+        P = buf.shape[4]
+        rows = self._arange[P - n_max:].clone()  # warm-up and capture write past every real cache
+        mask.copy_((self._arange >= P - n_max).expand_as(mask[:, 0, 0])[:, None, None])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forked_stream_body(th, sx, svalid, buf, rows, mask, prefix_extra)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            out = forked_stream_body(th, sx, svalid, buf, rows, mask, prefix_extra)
+        if self._pool is None:
+            self._pool = g.pool()
+        self.captures += 1
+        return g, sx, svalid, rows, out
 
     def _capture(self, x, n_conv, prefix_extra, suffix_extra):
         th = self.thinker

@@ -73,7 +73,7 @@ from .audio import AudioEncoderCache
 from .image_processor import ProcessedImage, process_frame_torch, process_image
 from .mel import SAMPLE_RATE, MelState, StreamingMel, warm_stft_plans
 from .llm_cache import LLM_CACHES, StaticDecoderPool, make_llm_cache
-from .model import Thinker
+from .model import AudioChunkEmbedding, Thinker
 from .audio_graph import AudioGraphs
 from .staging import HostStaging
 from .vision_graph import VisionGraphs
@@ -406,15 +406,18 @@ class StreamingSession:
                         self.append_tail(audio, frame, sample_rate=sample_rate)
                     out.append(self.read_state(on_device=on_device))
             return out
-        rows = []
         mel_state = self.mel.snapshot()
         try:
             with self.pruning_suspended():
+                mels, frames = [], []
                 for i, (audio, frame, whole) in enumerate(units):
                     chunk, _, processed = self._unit_input(audio, frame, whole, f"evaluate_forks: unit {i}",
                                                            sample_rate)
-                    rows.append(self._unit_embeds(chunk, processed, last_chunk=not whole)[0])
+                    mels.append(self._mel_step(chunk, last_chunk=not whole))
+                    frames.append(processed)
                     self.mel.restore(mel_state)
+                audios = self._fork_audio_steps(mels)
+                rows = [self._unit_rows(a, p)[0] for a, p in zip(audios, frames)]
             with record_function("session.llm_fork_feed"):
                 hidden = fork(rows)
         finally:
@@ -605,13 +608,35 @@ class StreamingSession:
     def _unit_embeds(self, chunk: np.ndarray, processed: ProcessedImage | EmbeddedFrame | None,
                      last_chunk: bool):
         """A unit's LLM input rows (closing piece + unit) and its audio step; advances the mel."""
-        th = self.thinker
+        return self._unit_rows(self._audio_step(self._mel_step(chunk, last_chunk)), processed)
+
+    def _mel_step(self, chunk: np.ndarray, last_chunk: bool):
         # named ranges for torch.profiler (benchmarks/features_bench.py --torch-profile); ~1 us each otherwise
         with record_function("session.mel"):
-            mel = self.mel.process(chunk, last_chunk=last_chunk)
-        embed_audio = self.audio_graphs.embed_chunk if self.audio_graphs is not None else th.embed_audio_chunk
+            return self.mel.process(chunk, last_chunk=last_chunk)
+
+    def _audio_step(self, mel) -> AudioChunkEmbedding:
+        embed_audio = self.audio_graphs.embed_chunk if self.audio_graphs is not None else \
+            self.thinker.embed_audio_chunk
         with record_function("session.audio_encoder"):
-            audio = embed_audio(mel.features, self.audio_cache, mel.prefix_extra, mel.suffix_extra)
+            return embed_audio(mel.features, self.audio_cache, mel.prefix_extra, mel.suffix_extra)
+
+    def _fork_audio_steps(self, mels: list) -> list[AudioChunkEmbedding]:
+        """Each mel chunk's audio step on the current cache, for units that are not kept: in one
+        batched graph replay when the chunks can share one (same prefix trim, no cache reset),
+        else one step each. Only the embeddings are returned (the cache stays None)."""
+        batch = getattr(self.audio_graphs, "embed_forks", None)
+        if batch is not None and len(mels) > 1 and len({m.prefix_extra for m in mels}) == 1:
+            with record_function("session.audio_encoder_forks"):
+                embeds = batch([m.features for m in mels], self.audio_cache, mels[0].prefix_extra,
+                               [m.suffix_extra for m in mels])
+            if embeds is not None:
+                return [AudioChunkEmbedding(e, None, False) for e in embeds]
+        return [self._audio_step(m) for m in mels]
+
+    def _unit_rows(self, audio: AudioChunkEmbedding, processed: ProcessedImage | EmbeddedFrame | None):
+        """The LLM input rows of a unit whose audio step is ``audio``: closing piece + unit."""
+        th = self.thinker
         if isinstance(processed, EmbeddedFrame):
             images, processed = [processed.embeds], processed.processed
         else:

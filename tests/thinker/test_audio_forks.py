@@ -1,0 +1,109 @@
+"""Batched audio steps of forked units (``audio_graph.embed_forks_eager`` / ``AudioGraphs.embed_forks``)
+against one streaming step per unit (``Thinker.embed_audio_chunk``, the reference)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minicpmo_rt.thinker.audio_graph import AudioGraphs, embed_forks_eager
+from minicpmo_rt.thinker.mel import StreamingMel
+
+from conftest import make_tiny_thinker, rel_err, requires_cuda
+
+
+def _audio(seconds: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = int(round(seconds * 16000))
+    t = np.arange(n) / 16000
+    return (0.3 * np.sin(2 * np.pi * 180 * t) + 0.05 * rng.standard_normal(n)).astype(np.float32)
+
+
+def _state_and_units(thinker, seconds: int, tails=(3200, 6400, 9600, 12800), whole=True, device=None):
+    """The audio cache after ``seconds`` committed chunks, and the mel chunks of the next
+    second's tails (last-chunk mode) and, with ``whole``, of the full next chunk."""
+    audio = _audio(seconds + 1.2, 3)
+    mel = StreamingMel(device=device)
+    cache = None
+    pending = np.zeros(int(1035 * 16) - 16000, np.float32)  # upstream's first-chunk left pad
+    pos = 0
+    for _ in range(seconds):
+        need = mel.chunk_size()
+        buf = np.concatenate([pending, audio[pos:pos + 16000]])
+        pos += 16000
+        c = mel.process(buf[:need])
+        pending = buf[need:]
+        cache = thinker.embed_audio_chunk(c.features, cache, c.prefix_extra, c.suffix_extra).cache
+    snap = mel.snapshot()
+    units = []
+    for n in tails:
+        units.append(mel.process(np.concatenate([pending, audio[pos:pos + n]]), last_chunk=True))
+        mel.restore(snap)
+    if whole:
+        buf = np.concatenate([pending, audio[pos:pos + 16000]])
+        units.append(mel.process(buf[:mel.chunk_size()]))
+        mel.restore(snap)
+    return cache, units
+
+
+@pytest.mark.parametrize("seconds", [0, 2])
+def test_eager_batch_equals_one_step_per_unit(seconds):
+    """Tails of four lengths plus a whole chunk (its own suffix trim), on no cache and on a
+    2-s cache: every unit's embeddings as its own step's (fp32: 1e-5)."""
+    th = make_tiny_thinker(seed=5)
+    cache, units = _state_and_units(th, seconds)
+    assert len({u.prefix_extra for u in units}) == 1 and len({u.suffix_extra for u in units}) > 1
+    got = embed_forks_eager(th, [u.features for u in units], cache, units[0].prefix_extra,
+                            [u.suffix_extra for u in units])
+    for u, g in zip(units, got):
+        ref = th.embed_audio_chunk(u.features, cache, u.prefix_extra, u.suffix_extra).embeds
+        assert g.shape == ref.shape and rel_err(g, ref) <= 1e-5
+
+
+def test_a_unit_is_independent_of_the_other_units_of_its_batch():
+    """Changing one unit's mel changes no other unit's embeddings (bit for bit): the padded
+    frames and the other rows' new keys are masked out."""
+    th = make_tiny_thinker(seed=6)
+    cache, units = _state_and_units(th, 1, whole=False)
+    mels = [u.features for u in units]
+    args = (cache, units[0].prefix_extra, [u.suffix_extra for u in units])
+    a = embed_forks_eager(th, mels, *args)
+    b = embed_forks_eager(th, mels[:3] + [mels[3] + 0.5], *args)
+    assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3])) and not torch.equal(a[3], b[3])
+
+
+def test_ineligible_batches_are_refused():
+    """A single unit, or a unit whose step would reset the cache, is not batched (None: the
+    session then runs one step each)."""
+    th = make_tiny_thinker(seed=7)
+    cache, units = _state_and_units(th, 1, whole=False)
+    g = AudioGraphs(th)
+    mels = [u.features for u in units]
+    assert g.embed_forks(mels[:1], cache, units[0].prefix_extra, [0]) is None
+    real = th.apm.max_source_positions
+    th.apm.max_source_positions = cache.length + 10  # any chunk would now reset the cache
+    try:
+        assert g.embed_forks(mels, cache, units[0].prefix_extra, [u.suffix_extra for u in units]) is None
+    finally:
+        th.apm.max_source_positions = real
+    assert g.embed_forks(mels, cache, units[0].prefix_extra, [u.suffix_extra for u in units]) is not None
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cuda_graphed_forks_equal_one_step_per_unit(dtype, tol):
+    """The graphed batch (cache copied into a fixed per-batch buffer, row masks) vs one eager
+    step per unit; a second call with another cache length replays the same graph."""
+    th = make_tiny_thinker(seed=8).to(device="cuda", dtype=dtype)
+    th.rebuild_buffers()
+    g = AudioGraphs(th)
+    for seconds in (1, 3):
+        cache, units = _state_and_units(th, seconds, device="cuda")
+        got = g.embed_forks([u.features for u in units], cache, units[0].prefix_extra,
+                            [u.suffix_extra for u in units])
+        assert got is not None
+        for u, x in zip(units, got):
+            ref = th.embed_audio_chunk(u.features, cache, u.prefix_extra, u.suffix_extra).embeds
+            assert x.shape == ref.shape and rel_err(x.float(), ref.float()) <= tol
+    assert len(g._fork_graphs) == 1 and not g.failures
