@@ -268,7 +268,7 @@ def qk_norm_rope_cache(qkv, q_w, k_w, cos, sin, pos, k_cache, v_cache, n_heads: 
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-              split: int | None = None) -> torch.Tensor:
+              split: int | None = None, block_m: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Split-KV causal attention off the cache; q [B,T,H,D] contiguous, pos [B,T] -> [B,T,H,D].
 
     The number of splits depends only on the cache size (and ``split``), never on the
@@ -278,12 +278,16 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     KV, S = k_cache.shape[1], k_cache.shape[2]
     G = H // KV
     rows = T * G
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    if block_m is None:
+        block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     block_n = 64 if D >= 64 else 32
     if split is None:
         # Short splits spread one token's keys over many SMs; splits past every position
         # exit at once, so the count (fixed by the cache size, as a CUDA graph needs) is cheap.
-        split = 128 if rows <= 16 else 256
+        # A batch of prefills (the extractor's forked tails: B=4 x ~80 rows) already has
+        # enough row tiles: longer splits then write and reduce fewer partials
+        # (benchmarks/results/llm_attention_h200.md: 214 -> 162 us at 3000 cached rows).
+        split = 128 if rows <= 16 else (256 if B * KV * math.ceil(rows / block_m) < 128 else 1024)
     split = max(block_n, (split // block_n) * block_n)
     nsplit = math.ceil(S / split)
     op = torch.empty(B, T, H, nsplit, D, dtype=torch.float32, device=q.device)
@@ -296,7 +300,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         _LOG2E / math.sqrt(D),
         G=G, KV=KV, HD=D, SPLIT=split, NSPLIT=nsplit, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=prec,
-        num_warps=4)
+        num_warps=num_warps)
     o = torch.empty_like(q)
     _attn_reduce_kernel[(B * T * H,)](op, mp, lp, o, pos, H, NSPLIT=nsplit, NS_P2=max(2, _pow2(nsplit)),
                                       SPLIT=split, HD=D, num_warps=4)

@@ -102,7 +102,8 @@ def fast_path_census(options: dict) -> dict:
     return {"decoders_created": 0 if pool is None else pool.created,
             "free_decoder_prefill_graphs": [] if pool is None else pool.free_prefill_graphs(),
             "vision_graphs": len(vision._graphs) if isinstance(vision, VisionGraphs) else 0,
-            "audio_graphs": len(audio._graphs) if isinstance(audio, AudioGraphs) else 0}
+            "audio_graphs": len(audio._graphs) if isinstance(audio, AudioGraphs) else 0,
+            "audio_fork_graphs": len(audio._fork_graphs) if isinstance(audio, AudioGraphs) else 0}
 
 
 class ContextLimitError(InputError):
