@@ -16,7 +16,8 @@ if [[ $part == tests || $part == all ]]; then
     tests/code2wav/test_vocoder_batched.py tests/code2wav/test_slot_pool.py tests/code2wav/test_precision.py \
     tests/code2wav/test_hift_fast.py tests/code2wav/test_hift_snake_kernel.py \
     tests/thinker/test_llm_cache.py tests/thinker/test_session.py tests/thinker/test_decode.py \
-    tests/thinker/test_kernels.py \
+    tests/thinker/test_kernels.py tests/thinker/test_audio_forks.py tests/thinker/test_staging.py tests/thinker/test_mel.py \
+    tests/thinker/test_audio.py tests/features/test_extract_logic.py \
     2>&1 | grep -vE "^(tests/|\s*$)" | tee "$OUT/cuda_tests.txt" | grep -E "rel err|passed|failed|FAIL|Error" | tail -40
 fi
 if [[ $part == features || $part == all ]]; then
