@@ -14,6 +14,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from transformers import LlamaConfig, LlamaModel
 
 from ..checkpoint.config import TTSConfig
+from ..hf_compat import cache_kwarg, output_cache
 
 
 class Projector(nn.Module):
@@ -91,9 +92,9 @@ class MiniCPMTTS(nn.Module):
 
     def forward_reference(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, past_key_values=None):
         """Plain transformers forward: (final hidden [B,T,H], cache). The oracle of the fast step."""
-        kwargs = {} if past_key_values is None else {"past_key_values": past_key_values}
+        kwargs = {} if past_key_values is None else {cache_kwarg(type(self.model)): past_key_values}
         out = self.model(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=True, **kwargs)
-        return out.last_hidden_state, out.past_key_values
+        return out.last_hidden_state, output_cache(out)
 
 
 def rebuild_rotary_(module: nn.Module) -> nn.Module:

@@ -8,13 +8,11 @@ config fields are used (they exist in transformers 5.17 and 5.24 alike).
 
 from __future__ import annotations
 
-import inspect
-from functools import lru_cache
-
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ..checkpoint.config import MiniCPMOConfig
+from ..hf_compat import cache_kwarg, output_cache  # noqa: F401 (re-exported for thinker modules)
 
 
 def qwen3_config(config: MiniCPMOConfig, attn_implementation: str = "sdpa") -> Qwen3Config:
@@ -67,16 +65,3 @@ def final_norm_hidden(model: Qwen3ForCausalLM, inputs_embeds: torch.Tensor,
     kwargs = {} if past_key_values is None else {cache_kwarg(type(model.model)): past_key_values}
     out = model.model(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=True, **kwargs)
     return out.last_hidden_state, output_cache(out)
-
-
-def output_cache(out):
-    """The KV cache of a model output (``cache`` in transformers 5.24, ``past_key_values`` before)."""
-    cache = out.get("cache") if "cache" in out else None
-    return cache if cache is not None else out.past_key_values
-
-
-@lru_cache(maxsize=None)
-def cache_kwarg(model_cls: type) -> str:
-    """Name of the KV-cache argument of ``model_cls.forward``: transformers 5.24 renamed
-    ``past_key_values`` to ``cache`` (the old name still works there, with a warning)."""
-    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
