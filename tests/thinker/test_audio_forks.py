@@ -107,3 +107,17 @@ def test_cuda_graphed_forks_equal_one_step_per_unit(dtype, tol):
             ref = th.embed_audio_chunk(u.features, cache, u.prefix_extra, u.suffix_extra).embeds
             assert x.shape == ref.shape and rel_err(x.float(), ref.float()) <= tol
     assert len(g._fork_graphs) == 1 and not g.failures
+
+
+def test_buffer_rows_are_mask_aligned_and_the_additive_mask_is_sdpa_own_form():
+    """The fixed K/V buffer has a multiple of 16 rows (no padded mask copy per layer), and the
+    float mask made once per step gives SDPA's result for the boolean mask bit for bit."""
+    from minicpmo_rt.thinker.audio_graph import MASK_ALIGN, additive_mask, buffer_rows
+
+    assert buffer_rows(1500) == 1504 and buffer_rows(1504) == 1504 and buffer_rows(1) == MASK_ALIGN
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 7, 16, generator=g) for _ in range(3))
+    mask = torch.arange(7)[None, None, None, :] < torch.tensor([5, 7])[:, None, None, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(mask, q.dtype))
+    assert torch.equal(got, ref)

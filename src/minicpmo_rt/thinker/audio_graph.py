@@ -5,7 +5,8 @@ One 1-s chunk is only ~50 encoder frames through 24 Whisper layers: the eager st
 launch-bound. The eager step concatenates the new K/V onto the cache, so its shapes change
 with the cache length every chunk; a graph per cache length would need ~30 captures per
 stream (~90 ms each on the H200, more than the whole stream's replays save). Here the cache
-lives in ONE fixed buffer of ``max_source_positions`` rows per layer: a step writes its n
+lives in ONE fixed buffer of ``max_source_positions`` rows per layer (rounded up to a
+multiple of 16, ``buffer_rows``): a step writes its n
 new K/V rows at ``past + arange(n)`` and attends over the whole buffer under a row mask
 (rows < past + n), so one graph per (mel shape, redundancy frames) serves every cache
 length. Masked rows get exactly zero weight; the unmasked sum runs over the same keys, so
@@ -24,6 +25,22 @@ import torch.nn.functional as F
 
 from .audio import AudioEncoderCache, avg_pool, chunk_conv_frames, extra_conv_frames
 from .model import AudioChunkEmbedding, Thinker
+
+
+MASK_ALIGN = 16  # keys per row of an SDPA mask that the fused kernels take without a padded copy
+
+
+def buffer_rows(max_source_positions: int) -> int:
+    """Rows of the fixed K/V buffer: the encoder's positions rounded up to ``MASK_ALIGN``. With
+    1500 rows, SDPA padded the (broadcast) mask to a multiple of 16 in every layer, i.e.
+    materialised [B, heads, n, 1504] twice per layer; the extra rows are never unmasked."""
+    return -(-max_source_positions // MASK_ALIGN) * MASK_ALIGN
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float form SDPA makes of a boolean mask (0 where True, -inf elsewhere), made once
+    per step instead of once per layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 @torch.no_grad()
@@ -49,8 +66,9 @@ def buffered_stream_body(thinker: Thinker, mel: torch.Tensor, buf: torch.Tensor,
     table = apm.embed_positions.weight
     # upstream repeats the last learned position past the table (unreachable before a reset)
     h = h + table.index_select(0, rows.clamp_max(table.shape[0] - 1)).to(h.dtype)
+    bias = additive_mask(mask, h.dtype)
     for i, layer in enumerate(apm.layers):
-        h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), mask, rows)
+        h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), bias, rows)
     hidden = apm.layer_norm(h)
     return avg_pool(thinker.audio_projection_layer(hidden), thinker.audio_pool_step)[0].to(thinker.dtype)
 
@@ -77,8 +95,9 @@ def forked_stream_body(thinker: Thinker, mels: torch.Tensor, mel_valid: torch.Te
     h = h[:, front:front + rows.shape[0]]
     table = apm.embed_positions.weight
     h = h + table.index_select(0, rows.clamp_max(table.shape[0] - 1)).to(h.dtype)
+    bias = additive_mask(mask, h.dtype)
     for i, layer in enumerate(apm.layers):
-        h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), mask, rows)
+        h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), bias, rows)
     hidden = apm.layer_norm(h)
     return avg_pool(thinker.audio_projection_layer(hidden), thinker.audio_pool_step).to(thinker.dtype)
 
@@ -150,7 +169,7 @@ class AudioGraphs:
             return
         apm, th = self.thinker.apm, self.thinker
         a = apm.layers[0].self_attn
-        P = apm.max_source_positions
+        P = buffer_rows(apm.max_source_positions)
         self._buf = torch.zeros(len(apm.layers), 2, 1, a.num_heads, P, a.head_dim, dtype=th.dtype, device=th.device)
         self._mask = torch.zeros(1, 1, 1, P, dtype=torch.bool, device=th.device)
         self._arange = torch.arange(P, device=th.device)
@@ -216,7 +235,7 @@ class AudioGraphs:
         if key in self.failures:
             return None
         apm = th.apm
-        P = apm.max_source_positions
+        P = buffer_rows(apm.max_source_positions)
         if B not in self._fork_bufs:
             a = apm.layers[0].self_attn
             self._fork_bufs[B] = (
