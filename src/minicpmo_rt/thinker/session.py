@@ -176,22 +176,6 @@ class SessionFingerprint:
     rng_digest: str
 
 
-def resolve_fingerprints(fps: list[SessionFingerprint]) -> list[SessionFingerprint]:
-    """``fps`` with every tensor checksum (``fingerprint(lazy=True)``) as a float, read from
-    the device in one transfer."""
-    fields = ("llm_checksum", "audio_checksum")
-    lazy = [(i, f) for i, fp in enumerate(fps) for f in fields if torch.is_tensor(getattr(fp, f))]
-    if not lazy:
-        return list(fps)
-    dev = next((getattr(fps[i], f).device for i, f in lazy if getattr(fps[i], f).device.type != "cpu"),
-               torch.device("cpu"))
-    values = torch.stack([getattr(fps[i], f).to(dev, torch.float64) for i, f in lazy]).cpu().tolist()
-    out = list(fps)
-    for (i, f), v in zip(lazy, values):
-        out[i] = replace(out[i], **{f: v})
-    return out
-
-
 @dataclass(frozen=True)
 class RNGState:
     cpu: torch.Tensor
@@ -387,10 +371,11 @@ class StreamingSession:
         A unit is ``(audio, frame, whole)``: ``whole=True`` a complete 1-s chunk as ``commit``
         feeds it, ``False`` a partial tail as ``append_tail`` does. Per unit this is
         ``with transaction(): commit/append_tail(...); read_state()``, which is exactly what runs
-        when the LLM cache cannot fork. A static LLM cache forks instead: every unit's encoders
-        run on the current state (whose mel is put back after each), then their prefills run as
-        ONE batch on a copy of the live cache rows (``StaticLLMCache.fork_feed``), so the 8B
-        weights are read once per batch instead of once per unit. Values equal the per-unit
+        when the LLM cache cannot fork. A static LLM cache forks instead: every unit's mel runs
+        on the current state (put back after each), their audio steps run as one batch where
+        the audio graphs can (``AudioGraphs.embed_forks``, else one step each), then their
+        prefills run as ONE batch on a copy of the live cache rows (``StaticLLMCache.fork_feed``),
+        so the 8B weights are read once per batch instead of once per unit. Values equal the per-unit
         transactions up to the batch's floating-point summation order. The states are float32 on
         the CPU, or with ``on_device`` on the model's device (see ``read_state``).
         """
@@ -498,7 +483,7 @@ class StreamingSession:
     @record_function("session.fingerprint")
     def fingerprint(self, *, lazy: bool = False) -> SessionFingerprint:
         """What a restore must leave unchanged. ``lazy``: the two checksums stay 0-d device
-        tensors (``resolve_fingerprints`` turns many fingerprints into floats with one sync)."""
+        tensors, read later (the extractor reads all of a run's at once, ``Audit.resolve``)."""
         carry = hashlib.sha1(np.ascontiguousarray(self.carry).tobytes()).hexdigest()
         return SessionFingerprint(
             llm_cache_len=self.llm_cache.length, llm_checksum=self.llm_cache.checksum(as_tensor=lazy),
