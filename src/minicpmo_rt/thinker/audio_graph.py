@@ -62,7 +62,16 @@ def buffered_stream_body(thinker: Thinker, mel: torch.Tensor, buf: torch.Tensor,
     where ``mask`` [1, 1, 1, P] (bool) is True, i.e. rows < past + n. Returns the embeddings.
     """
     apm = thinker.apm
-    h = apm.trim_extra(apm.conv_frames(mel), prefix_extra, suffix_extra)
+    return _buffered_layers(thinker, apm.trim_extra(apm.conv_frames(mel), prefix_extra, suffix_extra),
+                            buf, rows, mask)[0]
+
+
+def _buffered_layers(thinker: Thinker, h: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """Conv frames h [B, n, d] at positions ``rows`` through the layers over the fixed buffer
+    (new K/V written at ``rows``, attention where ``mask``), then the final LayerNorm, the
+    projection and the pooling: [B, n // pool, H]."""
+    apm = thinker.apm
     table = apm.embed_positions.weight
     # upstream repeats the last learned position past the table (unreachable before a reset)
     h = h + table.index_select(0, rows.clamp_max(table.shape[0] - 1)).to(h.dtype)
@@ -70,7 +79,7 @@ def buffered_stream_body(thinker: Thinker, mel: torch.Tensor, buf: torch.Tensor,
     for i, layer in enumerate(apm.layers):
         h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), bias, rows)
     hidden = apm.layer_norm(h)
-    return avg_pool(thinker.audio_projection_layer(hidden), thinker.audio_pool_step)[0].to(thinker.dtype)
+    return avg_pool(thinker.audio_projection_layer(hidden), thinker.audio_pool_step).to(thinker.dtype)
 
 
 @torch.no_grad()
@@ -92,14 +101,7 @@ def forked_stream_body(thinker: Thinker, mels: torch.Tensor, mel_valid: torch.Te
     h = F.gelu(apm.conv1(mels)) * mel_valid.to(mels.dtype)
     h = F.gelu(apm.conv2(h)).transpose(1, 2)
     front = extra_conv_frames(prefix_extra)
-    h = h[:, front:front + rows.shape[0]]
-    table = apm.embed_positions.weight
-    h = h + table.index_select(0, rows.clamp_max(table.shape[0] - 1)).to(h.dtype)
-    bias = additive_mask(mask, h.dtype)
-    for i, layer in enumerate(apm.layers):
-        h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), bias, rows)
-    hidden = apm.layer_norm(h)
-    return avg_pool(thinker.audio_projection_layer(hidden), thinker.audio_pool_step).to(thinker.dtype)
+    return _buffered_layers(thinker, h[:, front:front + rows.shape[0]], buf, rows, mask)
 
 
 def fork_batch_inputs(mels: list[torch.Tensor], prefix_extras: list[int], suffix_extras: list[int],
@@ -269,18 +271,7 @@ class AudioGraphs:
         P = buf.shape[4]
         rows = self._arange[P - n_max:].clone()  # warm-up and capture write past every real cache
         mask.copy_((self._arange >= P - n_max).expand_as(mask[:, 0, 0])[:, None, None])
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forked_stream_body(th, sx, svalid, buf, rows, mask, prefix_extra)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool):
-            out = forked_stream_body(th, sx, svalid, buf, rows, mask, prefix_extra)
-        if self._pool is None:
-            self._pool = g.pool()
-        self.captures += 1
+        g, out = self._graph(lambda: forked_stream_body(th, sx, svalid, buf, rows, mask, prefix_extra))
         return g, sx, svalid, rows, out
 
     def _capture(self, x, n_conv, prefix_extra, suffix_extra):
@@ -293,19 +284,25 @@ class AudioGraphs:
         rows.copy_(self._arange[P - n_conv:])
         saved = self._mask.clone()
         self._mask.copy_(self._arange >= P - n_conv)
+        g, out = self._graph(lambda: buffered_stream_body(th, sx, self._buf, rows, self._mask, prefix_extra,
+                                                          suffix_extra))
+        self._mask.copy_(saved)
+        return g, sx, rows, out
+
+    def _graph(self, body):
+        """Warm ``body`` up on a side stream, then capture it; returns (graph, its output)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                buffered_stream_body(th, sx, self._buf, rows, self._mask, prefix_extra, suffix_extra)
+                body()
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        # One pool for every chunk shape: outputs are cloned right after each replay, so a
-        # later graph may reuse an earlier one's memory.
+        # One pool for every shape: outputs are cloned right after each replay, so a later
+        # graph may reuse an earlier one's memory.
         with torch.cuda.graph(g, pool=self._pool):
-            out = buffered_stream_body(th, sx, self._buf, rows, self._mask, prefix_extra, suffix_extra)
+            out = body()
         if self._pool is None:
             self._pool = g.pool()
-        self._mask.copy_(saved)
         self.captures += 1
-        return g, sx, rows, out
+        return g, out
