@@ -230,8 +230,8 @@ def test_frame_groups_embed_each_group_once_and_views_apart(syn, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["native-1hz-hold", "cached-partial-5hz"])
 def test_every_session_opened_is_closed(syn, tmp_path, mode):
-    """Pooled resources go back: the main session too (no reference to it is kept here, so a
-    weak-reference safety net alone would lose it)."""
+    """Pooled resources go back: every session is closed where it is opened, the main one
+    included (no reference to it is kept here)."""
     made, closed = [0], set()
 
     class Closing(ToySession):

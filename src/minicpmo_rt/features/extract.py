@@ -73,10 +73,10 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import os
 import shlex
 import sys
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -191,7 +191,6 @@ class Inputs:
         self.end = end
         self._audio = media.audio(0.0, end)
         self._cutoff: float | None = None
-        self._fake: np.ndarray | None = None
         self.frame_group = frame_group
         self._embedded: dict[int, Any] = {}
 
@@ -223,7 +222,6 @@ class Inputs:
         if self._cutoff is not None and idx / FPS >= self._cutoff - 1e-9:
             img = 255 - img  # a frame that starts at/after the cutoff: changed, must not matter
         return img
-
 
     def frame_for(self, session: Any, t: float):
         """The frame at ``t`` as ``session`` takes it: embedded through the vision tower in this
@@ -424,8 +422,10 @@ def replay_states(factory: SessionFactory, views: Sequence[Inputs], row: int,
     """
     t_ms = ROW_MS * (row + 1)
     sec, frac = divmod(t_ms, 1000)
-    sessions = [factory() for _ in views]
+    sessions: list[Any] = []
     try:
+        for _ in views:   # opened inside the try: a failing second factory call still closes the first
+            sessions.append(factory())
         for k in range(1, sec + 1):
             for s, view in zip(sessions, views):
                 _commit(s, view, k)
@@ -638,6 +638,14 @@ def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, v
                 _run_replays(factory, inputs, k, t, h, do_r, do_f, replay, future, batch_rows)
             known = None  # replays touch process-wide state (RNG, allocator): read it afresh
 
+    def store(k: int, h: torch.Tensor) -> None:
+        nonlocal states
+        if states is None:
+            states = torch.zeros(rows, h.shape[-1], dtype=torch.float32, device=h.device)
+        states[k] = h
+        if tick:
+            tick(0.2)
+
     forked: dict[int, torch.Tensor] = {}
     for first_row in range(0, rows, 5):
         group = range(first_row, min(first_row + 5, rows))
@@ -655,11 +663,7 @@ def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, v
             if k in forked:
                 h = forked.pop(k)
                 audit_replays(k, row_time(k), h, batch)
-                if states is None:
-                    states = torch.zeros(rows, h.shape[-1], dtype=torch.float32, device=h.device)
-                states[k] = h
-                if tick:
-                    tick(0.2)
+                store(k, h)
                 continue
             t, whole, audio, frame = unit(k)
             before = fingerprint_before()
@@ -675,11 +679,7 @@ def _partial(session: Any, factory: SessionFactory, inputs: Inputs, rows: int, v
                     h = _read(session)
                 check_restored(k, t, before)
                 audit_replays(k, t, h)
-            if states is None:
-                states = torch.zeros(rows, h.shape[-1], dtype=torch.float32, device=h.device)
-            states[k] = h
-            if tick:
-                tick(0.2)
+            store(k, h)
     assert states is not None
     states = states.cpu()
     for audit in (boundary, replay, future, restore):
@@ -773,8 +773,6 @@ def session_factory(thinker: Any, tok: Any, fast: bool | None = None) -> tuple[S
     graphs, GPU frame preprocessing, vision and audio graphs), built once and shared by all the
     sessions (main and audit replays); the plain reference path elsewhere or when
     MINICPMO_RT_FEATURES_FAST=0. Returns (factory, fast)."""
-    import os
-
     from ..thinker.session import StreamingSession, fast_path_census, shared_fast_paths
 
     if fast is None:
@@ -850,23 +848,15 @@ def run(opts: ExtractOptions, factory: SessionFactory | None = None,
             factory, model_info = load_session_factory(opts)
         bar = _progress(end, opts.progress)
         t0 = time.perf_counter()
-        opened = weakref.WeakSet()
-
-        def tracked():
-            s = factory()
-            opened.add(s)
-            return s
-        try:
+        try:   # every session is closed where it is opened (extract_*, replay_states), also on failure
             fn = extract_native if opts.mode == "native-1hz-hold" else extract_partial
             with torch.inference_mode():
-                res = fn(tracked, inputs, rows, verify_every=opts.verify_every,
+                res = fn(factory, inputs, rows, verify_every=opts.verify_every,
                          future_every=opts.future_intervention_every,
                          tick=(lambda _dt: bar.update(1)) if bar else None)
         finally:
             if bar:
                 bar.close()
-            for s in list(opened):   # pooled resources back, also after a failure
-                _close(s)
         wall = time.perf_counter() - t0
         reader_stats = dataclasses.asdict(media.stats)
     ok = res.verification["all_passed"]

@@ -11,8 +11,9 @@
 Contract (what the session relies on): ``feed(embeds [L,H])`` appends L positions and
 returns the final-norm hidden of each; ``length``; ``truncate(n)`` keeps rows [0, n);
 ``checksum()`` is a float64 sum of K and V over the live rows (comparable within one
-backend only; ``checksum(as_tensor=True)`` the same as a 0-d device tensor, without a sync); ``drop_rows(start, n, inv_freq)`` removes rows and re-rotates the kept
-suffix's keys exactly as ``model.drop_rows`` does (same fp32 element-wise arithmetic).
+backend only; ``checksum(as_tensor=True)`` the same as a 0-d device tensor, without a
+sync); ``drop_rows(start, n, inv_freq)`` removes rows and re-rotates the kept suffix's keys
+exactly as ``model.drop_rows`` does (same fp32 element-wise arithmetic).
 """
 
 from __future__ import annotations

@@ -438,9 +438,7 @@ class StreamingSession:
         GPU, so a caller that moves its rows to the host later lets the host queue the next
         units meanwhile."""
         h = self._last_hidden.detach()
-        if on_device:
-            return h.to(dtype=torch.float32, copy=True)
-        return h.to(device="cpu", dtype=torch.float32).clone()
+        return h.to(device=h.device if on_device else "cpu", dtype=torch.float32, copy=True)
 
     def snapshot(self, checksum: bool = False) -> SessionSnapshot:
         """Capture everything ``restore`` needs; ``checksum=True`` also records the LLM cache
