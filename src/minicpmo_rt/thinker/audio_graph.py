@@ -31,9 +31,9 @@ MASK_ALIGN = 16  # keys per row of an SDPA mask that the fused kernels take with
 
 
 def buffer_rows(max_source_positions: int) -> int:
-    """Rows of the fixed K/V buffer: the encoder's positions rounded up to ``MASK_ALIGN``. With
-    1500 rows, SDPA padded the (broadcast) mask to a multiple of 16 in every layer, i.e.
-    materialised [B, heads, n, 1504] twice per layer; the extra rows are never unmasked."""
+    """Rows of the fixed K/V buffer: the encoder's positions rounded up to ``MASK_ALIGN``. SDPA's
+    fused kernels pad a mask whose key count is not a multiple of 16 (a copy of the broadcast
+    mask in every layer); the extra rows are never unmasked."""
     return -(-max_source_positions // MASK_ALIGN) * MASK_ALIGN
 
 
