@@ -99,9 +99,38 @@ def write_torch_profile(prof, path: Path, wall_s: float) -> None:
                      f"| {dev(e) / 1e3:.1f} |")
     lines += ["", "| kernel | calls | GPU ms |", "|---|---:|---:|"]
     for e in sorted(kernels, key=lambda e: -(getattr(e, "self_device_time_total", 0) or 0))[:40]:
-        lines.append(f"| `{e.key[:90]}` | {e.count} | {(getattr(e, 'self_device_time_total', 0) or 0) / 1e3:.1f} |")
+        lines.append(f"| `{e.key[:160]}` | {e.count} | {(getattr(e, 'self_device_time_total', 0) or 0) / 1e3:.1f} |")
+    lines += kernels_by_range(prof)
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:30]), flush=True)
+
+
+def kernels_by_range(prof, top: int = 12) -> list[str]:
+    """The top kernels launched under each named range (CUDA-graph replays included: their
+    kernels hang off the graph launch), so a kernel name says which stage spends it."""
+    per: dict[str, dict[str, list[float]]] = {}
+
+    def walk(evt, into):
+        for k in getattr(evt, "kernels", []) or []:
+            slot = into.setdefault(k.name, [0, 0.0])
+            slot[0] += 1
+            slot[1] += k.duration
+        for c in evt.cpu_children:
+            walk(c, into)
+
+    for evt in prof.events():
+        if evt.name.split(".")[0] in ("session", "partial", "native", "audit", "inputs"):
+            walk(evt, per.setdefault(evt.name, {}))
+    lines = []
+    for name, ks in sorted(per.items(), key=lambda kv: -sum(v[1] for v in kv[1].values())):
+        total = sum(v[1] for v in ks.values())
+        if total <= 0:
+            continue
+        lines += ["", f"### kernels under {name}: {total / 1e3:.1f} GPU ms", "",
+                  "| kernel | calls | GPU ms |", "|---|---:|---:|"]
+        for k, (n, us) in sorted(ks.items(), key=lambda kv: -kv[1][1])[:top]:
+            lines.append(f"| `{k[:160]}` | {n} | {us / 1e3:.1f} |")
+    return lines
 
 
 class SyncCensus:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from minicpmo_rt.thinker import kernels
 from minicpmo_rt.thinker.audio_graph import AudioGraphs, embed_forks_eager
 from minicpmo_rt.thinker.mel import StreamingMel
 
@@ -47,15 +48,19 @@ def _state_and_units(thinker, seconds: int, tails=(3200, 6400, 9600, 12800), who
     return cache, units
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["sdpa", "split-attention"])
 @pytest.mark.parametrize("seconds", [0, 2])
-def test_eager_batch_equals_one_step_per_unit(seconds):
+def test_eager_batch_equals_one_step_per_unit(seconds, split):
     """Tails of four lengths plus a whole chunk (its own suffix trim), on no cache and on a
-    2-s cache: every unit's embeddings as its own step's (fp32: 1e-5)."""
+    2-s cache: every unit's embeddings as its own step's (fp32: 1e-5); also with the split-key
+    Triton attention of the CUDA graphs (per-row key ends; here in Triton's interpreter)."""
+    if split and not kernels.usable_on(torch.zeros(1)):
+        pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1 (scripts/test.sh sets it)")
     th = make_tiny_thinker(seed=5)
     cache, units = _state_and_units(th, seconds)
     assert len({u.prefix_extra for u in units}) == 1 and len({u.suffix_extra for u in units}) > 1
     got = embed_forks_eager(th, [u.features for u in units], cache, units[0].prefix_extra,
-                            [u.suffix_extra for u in units])
+                            [u.suffix_extra for u in units], split_attention=split)
     for u, g in zip(units, got):
         ref = th.embed_audio_chunk(u.features, cache, u.prefix_extra, u.suffix_extra).embeds
         assert g.shape == ref.shape and rel_err(g, ref) <= 1e-5

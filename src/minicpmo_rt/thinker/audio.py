@@ -162,7 +162,8 @@ class WhisperAudioEncoder(nn.Module):
         """mel [B, n_mels, T] -> conv features [B, ceil(T/2), d]."""
         mel = mel.to(dtype=self.conv1.weight.dtype, device=self.conv1.weight.device)
         x = F.gelu(self.conv2(F.gelu(self.conv1(mel))))
-        return x.transpose(1, 2)
+        # contiguous, so the residual stream is not a strided view through all the layers
+        return x.transpose(1, 2).contiguous()
 
     def positions(self, past: int, n: int) -> torch.Tensor:
         table = self.embed_positions.weight

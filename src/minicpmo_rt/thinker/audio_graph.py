@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .audio import AudioEncoderCache, avg_pool, chunk_conv_frames, extra_conv_frames
+from . import kernels
+from .audio import AudioEncoderCache, WhisperEncoderLayer, avg_pool, chunk_conv_frames, extra_conv_frames
 from .model import AudioChunkEmbedding, Thinker
 
 
@@ -52,22 +53,47 @@ def stream_body(thinker: Thinker, mel: torch.Tensor, cache: AudioEncoderCache | 
     return embeds.to(thinker.dtype), cache
 
 
+def split_attention_usable(thinker: Thinker) -> bool:
+    """The graphed steps attend through ``kernels.attention`` (split keys) on CUDA with Triton."""
+    return thinker.device.type == "cuda" and kernels.usable_on(thinker.apm.conv1.weight)
+
+
 @torch.no_grad()
 def buffered_stream_body(thinker: Thinker, mel: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
-                         mask: torch.Tensor, prefix_extra: int, suffix_extra: int) -> torch.Tensor:
+                         mask: torch.Tensor, prefix_extra: int, suffix_extra: int,
+                         split_attention: bool = False) -> torch.Tensor:
     """``stream_body`` over a fixed cache buffer (capture-safe: no shape depends on the cache).
 
     buf [layers, 2, 1, heads, P, head_dim] holds the cached K/V at rows [0, past); this step's
     n new rows go to ``rows`` (= past + arange(n), long) and every query attends to the rows
     where ``mask`` [1, 1, 1, P] (bool) is True, i.e. rows < past + n. Returns the embeddings.
+    ``split_attention``: attend through ``kernels.attention`` instead of SDPA (same keys).
     """
     apm = thinker.apm
     return _buffered_layers(thinker, apm.trim_extra(apm.conv_frames(mel), prefix_extra, suffix_extra),
-                            buf, rows, mask)[0]
+                            buf, rows, mask, split_attention)[0]
+
+
+def _split_layer(layer: WhisperEncoderLayer, h: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
+                 rows: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """``WhisperEncoderLayer.forward`` over the fixed buffer with split-key attention: every query
+    of batch row b attends to buffer rows <= ``last[b, t]`` (the mask is a prefix). SDPA's fused
+    kernels give a 50-query step only one program per head and walk the 1504 keys serially (~28 us
+    per layer on the H200); the split kernel spreads the keys over the SMs and takes q in [B, n,
+    heads, d] as the projection writes it, with no transposed copy on either side."""
+    a = layer.self_attn
+    B, n, d = h.shape
+    x = layer.self_attn_layer_norm(h)
+    q = a.q_proj(x).view(B, n, a.num_heads, a.head_dim)
+    kb.index_copy_(2, rows, a._heads(a.k_proj(x)))
+    vb.index_copy_(2, rows, a._heads(a.v_proj(x)))
+    o = kernels.attention(q, kb, vb, last)
+    h = h + a.out_proj(o.reshape(B, n, d))
+    return h + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(h))))
 
 
 def _buffered_layers(thinker: Thinker, h: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
+                     mask: torch.Tensor, split_attention: bool = False) -> torch.Tensor:
     """Conv frames h [B, n, d] at positions ``rows`` through the layers over the fixed buffer
     (new K/V written at ``rows``, attention where ``mask``), then the final LayerNorm, the
     projection and the pooling: [B, n // pool, H]."""
@@ -75,16 +101,24 @@ def _buffered_layers(thinker: Thinker, h: torch.Tensor, buf: torch.Tensor, rows:
     table = apm.embed_positions.weight
     # upstream repeats the last learned position past the table (unreachable before a reset)
     h = h + table.index_select(0, rows.clamp_max(table.shape[0] - 1)).to(h.dtype)
-    bias = additive_mask(mask, h.dtype)
-    for i, layer in enumerate(apm.layers):
-        h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), bias, rows)
+    if split_attention:
+        B, n = h.shape[0], h.shape[1]
+        # the mask is a prefix of rows per batch row: its last live row, for every query
+        last = (mask.reshape(B, -1).sum(-1) - 1).to(torch.int32)[:, None].expand(B, n).contiguous()
+        for i, layer in enumerate(apm.layers):
+            h = _split_layer(layer, h, buf[i, 0], buf[i, 1], rows, last)
+    else:
+        bias = additive_mask(mask, h.dtype)
+        for i, layer in enumerate(apm.layers):
+            h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), bias, rows)
     hidden = apm.layer_norm(h)
     return avg_pool(thinker.audio_projection_layer(hidden), thinker.audio_pool_step).to(thinker.dtype)
 
 
 @torch.no_grad()
 def forked_stream_body(thinker: Thinker, mels: torch.Tensor, mel_valid: torch.Tensor, buf: torch.Tensor,
-                       rows: torch.Tensor, mask: torch.Tensor, prefix_extra: int) -> torch.Tensor:
+                       rows: torch.Tensor, mask: torch.Tensor, prefix_extra: int,
+                       split_attention: bool = False) -> torch.Tensor:
     """Several chunks that each continue ONE cache, in one batch (capture-safe).
 
     mels [B, n_mels, T] are the chunks' mel frames, zero-padded at the end; ``mel_valid``
@@ -99,9 +133,9 @@ def forked_stream_body(thinker: Thinker, mels: torch.Tensor, mel_valid: torch.Te
     apm = thinker.apm
     mels = mels.to(dtype=apm.conv1.weight.dtype)
     h = F.gelu(apm.conv1(mels)) * mel_valid.to(mels.dtype)
-    h = F.gelu(apm.conv2(h)).transpose(1, 2)
+    h = F.gelu(apm.conv2(h)).transpose(1, 2).contiguous()
     front = extra_conv_frames(prefix_extra)
-    return _buffered_layers(thinker, h[:, front:front + rows.shape[0]], buf, rows, mask)
+    return _buffered_layers(thinker, h[:, front:front + rows.shape[0]], buf, rows, mask, split_attention)
 
 
 def fork_batch_inputs(mels: list[torch.Tensor], prefix_extras: list[int], suffix_extras: list[int],
@@ -120,7 +154,7 @@ def fork_batch_inputs(mels: list[torch.Tensor], prefix_extras: list[int], suffix
 
 @torch.no_grad()
 def embed_forks_eager(thinker: Thinker, mels: list[torch.Tensor], cache: AudioEncoderCache | None,
-                      prefix_extra: int, suffix_extras: list[int]) -> list[torch.Tensor]:
+                      prefix_extra: int, suffix_extras: list[int], split_attention: bool = False) -> list[torch.Tensor]:
     """``forked_stream_body`` on freshly built buffers (any device; the reference the graphed
     ``AudioGraphs.embed_forks`` is tested against, and its fallback)."""
     apm = thinker.apm
@@ -137,7 +171,7 @@ def embed_forks_eager(thinker: Thinker, mels: list[torch.Tensor], cache: AudioEn
     rows = torch.arange(past, P, device=thinker.device)
     mask = torch.arange(P, device=thinker.device)[None] < torch.tensor([past + k for k in n],
                                                                         device=thinker.device)[:, None]
-    out = forked_stream_body(thinker, x, valid, buf, rows, mask[:, None, None, :], prefix_extra)
+    out = forked_stream_body(thinker, x, valid, buf, rows, mask[:, None, None, :], prefix_extra, split_attention)
     return [out[b, :n[b] // thinker.audio_pool_step] for b in range(B)]
 
 
@@ -160,6 +194,7 @@ class AudioGraphs:
         # forks (``embed_forks``): one buffer per batch size, graphs keyed by (B, width, n, prefix)
         self._fork_bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # B -> (buf, mask)
         self._fork_graphs: dict[tuple, tuple] = {}
+        self.split_attention = split_attention_usable(thinker)
 
     def _eager(self, x, cache, prefix_extra, suffix_extra, reset) -> AudioChunkEmbedding:
         self._resident = ()
@@ -271,7 +306,8 @@ class AudioGraphs:
         P = buf.shape[4]
         rows = self._arange[P - n_max:].clone()  # warm-up and capture write past every real cache
         mask.copy_((self._arange >= P - n_max).expand_as(mask[:, 0, 0])[:, None, None])
-        g, out = self._graph(lambda: forked_stream_body(th, sx, svalid, buf, rows, mask, prefix_extra))
+        g, out = self._graph(lambda: forked_stream_body(th, sx, svalid, buf, rows, mask, prefix_extra,
+                                                        self.split_attention))
         return g, sx, svalid, rows, out
 
     def _capture(self, x, n_conv, prefix_extra, suffix_extra):
@@ -285,7 +321,7 @@ class AudioGraphs:
         saved = self._mask.clone()
         self._mask.copy_(self._arange >= P - n_conv)
         g, out = self._graph(lambda: buffered_stream_body(th, sx, self._buf, rows, self._mask, prefix_extra,
-                                                          suffix_extra))
+                                                          suffix_extra, self.split_attention))
         self._mask.copy_(saved)
         return g, sx, rows, out
 

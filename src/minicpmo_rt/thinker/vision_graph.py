@@ -24,7 +24,7 @@ def embed_body(thinker: Thinker, pixels: torch.Tensor, pos_ids: torch.Tensor, ke
     """``Thinker.embed_image`` after packing, given device ``pixels``, ``pos_ids`` and ``key_mask``."""
     vpm = thinker.vpm
     emb = vpm.embeddings
-    x = emb.patch_embedding(pixels).flatten(2).transpose(1, 2) + emb.position_embedding(pos_ids)
+    x = emb.patch_embedding(pixels).flatten(2).transpose(1, 2).contiguous() + emb.position_embedding(pos_ids)
     x = vpm.post_layernorm(vpm.encoder(x, key_mask))
     return thinker.resampler(x, tgt_sizes).to(thinker.dtype)
 
