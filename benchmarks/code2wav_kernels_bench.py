@@ -7,7 +7,7 @@ with each fast stage switched on and off, side by side in one run (CUDA only).
 * attention: 50 queries over 450 keys, 8 heads x 64, at 2 and 32 rows: query/key tiles,
   warps, stages and key splits.
 * solve: one steady 1-s chunk (10 Euler steps, CFG, cache 400) from the Whole-Euler graph,
-  fused body, TF32, with {cuBLAS, few-row GEMM} x {one program per query block, key splits};
+  fused body, TF32, with {cuBLAS, few-row GEMM, cuBLAS split-K} x {one program per query block, key splits};
   plus the kernel profile of one estimator evaluation.
 
 Times are medians of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), so they
@@ -130,7 +130,9 @@ def solve_rows(cfm, batches: list[int], budget: float) -> tuple[list[dict], dict
     variants = [("cuBLAS GEMMs, attention bm32 unsplit (session-1 fast path)",
                  dict(gemm="cublas", attn_splits=1, attn_block_m=32)),
                 ("cuBLAS GEMMs, attention by grid fill (default)", dict(gemm="cublas")),
-                ("few-row Triton GEMMs, attention by grid fill", dict(gemm="triton"))]
+                ("few-row Triton GEMMs, attention by grid fill", dict(gemm="triton")),
+                ("cuBLAS split-K GEMMs (partials summed in the fused stages), attention by grid fill",
+                 dict(gemm="cublas-split"))]
     for B in batches:
         g = torch.Generator().manual_seed(10 + B)
         cnn, att = caches(B, g)
@@ -155,7 +157,7 @@ def solve_rows(cfm, batches: list[int], budget: float) -> tuple[list[dict], dict
             rows.append(r)
             print(f"  solve B={B:2d} {name:60s} {r['solve_ms']:7.2f} ms (replay {r['replay_ms']:7.2f}) "
                   f"err {err:.1e}", flush=True)
-            if "(default)" in name or "session-1" in name:
+            if "(default)" in name or "session-1" in name or "split-K" in name:
                 fused = solver.fused
                 R = 2 * B
                 xin = torch.randn(R, T, 320, device="cuda")

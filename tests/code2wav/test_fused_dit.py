@@ -134,6 +134,37 @@ def test_few_row_gemm_and_split_attention_match_original_tiny():
         FusedDiT(dit, attn_splits=0)
 
 
+def test_split_k_rule_for_the_full_size_gemms():
+    """Batch 1 (100 rows, 104 conv history rows): each GEMM split until ~256 64x64 tiles with
+    >= 128 of K per slice; from batch 8 on (800 rows) nothing is split."""
+    from minicpmo_rt.code2wav.fused_dit import split_k_for
+    assert [split_k_for(100, n, k) for n, k in ((1536, 512), (512, 512), (2048, 2048))] == [4, 4, 4]
+    assert split_k_for(100, 512, 2048) == 16 and split_k_for(104, 1536, 512) == 4
+    assert split_k_for(400, 512, 2048) == 4 and split_k_for(800, 512, 2048) == 1
+    from minicpmo_rt.code2wav.flow_config import FULL_SIZE
+    fused = FusedDiT(our_dit(FULL_SIZE.dit, seed=1), gemm="cublas-split")
+    assert fused.gemm_splits(2, 50) == {"qkv": 4, "proj": 4, "conv": 4, "fc2": 16}
+    assert set(fused.gemm_splits(32, 50).values()) == {1}
+    assert set(FusedDiT(our_dit(seed=1)).gemm_splits(2, 50).values()) == {1}   # default: cuBLAS, unsplit
+    with pytest.raises(ValueError, match="split_k"):
+        FusedDiT(our_dit(seed=1), gemm="cublas-split", split_k=3)
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch-stages", "triton-stages"])
+def test_split_k_partials_match_original(use_triton):
+    """gemm="cublas-split" with 2 partials per GEMM (forced: the tiny K is below the rule's
+    minimum): the stages sum the partials and add the bias the split GEMM left out (fp32: 1e-5).
+    The Triton stages run in Triton's interpreter on CPU."""
+    if use_triton and not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    dit = our_dit(seed=9)
+    fused = FusedDiT(dit, attention="triton-ieee" if use_triton else "sdpa", use_triton=use_triton,
+                     gemm="cublas-split", split_k=2)
+    assert set(fused.gemm_splits(2, 5).values()) == {2}
+    errs = check(dit, fused, R=2, T=5, Lc=6, tol=1e-5, seed=10)
+    assert max(errs) > 0
+
+
 def test_attention_launch_shape_by_grid_fill():
     fused = FusedDiT(our_dit(seed=1))
     assert fused._attn_shape(2, 8, 50) == (16, 8)       # batch 1: 64 programs -> keys split 8 ways
@@ -166,7 +197,8 @@ def test_matches_upstream_original_dit_full_width():
 
 
 @requires_cuda
-@pytest.mark.parametrize("R,gemm", [(8, "cublas"), (2, "cublas"), (32, "cublas")])
+@pytest.mark.parametrize("R,gemm", [(8, "cublas"), (2, "cublas"), (32, "cublas"), (2, "cublas-split"),
+                                    (8, "cublas-split")])
 @pytest.mark.parametrize("tf32,tol", [(False, 1e-5), (True, 1e-3)])
 def test_cuda_fused_vs_original_full_size(tf32, tol, R, gemm):
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE

@@ -46,13 +46,21 @@ from .kernels.tiled_attention import sdpa_attention, tiled_attention
 __all__ = ["supports_fused_body", "FusedDiT", "DiTLayout", "Modulation"]
 
 AttentionKind = Literal["triton-tf32", "triton-ieee", "sdpa"]
-GemmKind = Literal["cublas", "triton"]
+GemmKind = Literal["cublas", "triton", "cublas-split"]
 
 # Attention launch shape by grid fill (H200 sweep, benchmarks/code2wav_kernels_bench.py): with
 # rows x heads >= 128 there are enough programs (32-query blocks, no key split); below that,
 # 16-query blocks and keys split until ~512 programs (2 rows x 8 heads: 18.3 -> 8.6 us).
 ATTN_FULL_GRID_ROWS_HEADS = 128
 ATTN_TARGET_PROGRAMS = 512
+
+# Split-K for few rows ("cublas-split"): at ~100 rows cuBLAS tiles a DiT GEMM into 16-48 CTAs
+# that each stream a long weight stripe. Split over K as one strided-batched cuBLAS GEMM until
+# there are ~SPLIT_TARGET_CTAS (64x64 tiles), with >= SPLIT_MIN_K per slice; the fused stage that
+# consumes the output sums the partials (plus the bias) while loading, so no reduction kernel.
+SPLIT_MAX_ROWS = 512
+SPLIT_TARGET_CTAS = 256
+SPLIT_MIN_K = 128
 
 # adaLN chunk order of the original block
 SH_MSA, SC_MSA, G_MSA, SH_MLP, SC_MLP, G_MLP, SH_CONV, SC_CONV, G_CONV = range(9)
@@ -129,6 +137,17 @@ def supports_fused_body(dit: nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
+def split_k_for(M: int, N: int, K: int) -> int:
+    """Split-K partials for an (M x K) @ (K x N) GEMM of the "cublas-split" kind (1: no split)."""
+    if M > SPLIT_MAX_ROWS:
+        return 1
+    tiles = -(-M // 64) * -(-N // 64)
+    s = 1
+    while 2 * s * tiles <= SPLIT_TARGET_CTAS and K % (2 * s) == 0 and K // (2 * s) >= SPLIT_MIN_K:
+        s *= 2
+    return s
+
+
 def layout_of(dit: nn.Module) -> DiTLayout:
     b0 = dit.blocks[0]
     return DiTLayout(depth=len(dit.blocks), hidden=dit.in_proj.out_features, heads=b0.attn.num_heads,
@@ -148,39 +167,47 @@ class Modulation:
 
 @dataclass
 class Workspace:
-    """Per-call buffers for R rows, T frames (reused by a captured graph)."""
+    """Per-call buffers for R rows, T frames (reused by a captured graph). GEMM outputs carry a
+    leading split-K axis (1 unless the "cublas-split" GEMMs split them; ``splits`` says how)."""
 
     h: torch.Tensor        # (R, T, C) residual stream
     norm: torch.Tensor     # (R, T, C) modulated-LN output
-    qkv: torch.Tensor      # (R, T, 3*H*D)
+    qkv: torch.Tensor      # (Sq, R, T, 3*H*D)
     q: torch.Tensor        # (R, T, H, D)
     o: torch.Tensor        # (R, T, H, D)
-    y: torch.Tensor        # (R, T, C)
-    taps: torch.Tensor     # (R, T+K-1, K*C)
+    y: torch.Tensor        # (Sp, R, T, C) attention out-projection
+    taps: torch.Tensor     # (Sc, R, T+K-1, K*C)
     mlp: torch.Tensor      # (R, T, 4C)
+    y2: torch.Tensor       # (Sf, R, T, C) fc2
+    splits: dict           # "qkv" / "proj" / "conv" / "fc2" -> partials
 
 
 class FusedDiT:
     """Fused forward over an original DiT's parameters (the module is not modified)."""
 
     def __init__(self, dit: nn.Module, attention: AttentionKind = "sdpa", use_triton: bool | None = None,
-                 gemm: GemmKind = "cublas", attn_splits: int | None = None, attn_block_m: int | None = None):
+                 gemm: GemmKind = "cublas", attn_splits: int | None = None, attn_block_m: int | None = None,
+                 split_k: int | None = None):
         """``gemm="triton"`` runs every GEMM through the few-row Triton kernel while TF32 is on
         (opt-in: on the H200 it made a batch-1 solve slower, 15.3 vs 13.1 ms, and its TF32
         rounding costs ~2x cuBLAS's error; see benchmarks/results/code2wav_kernels_h200.md).
-        ``attn_splits`` / ``attn_block_m``: Triton attention launch shape (None: by grid fill)."""
+        ``attn_splits`` / ``attn_block_m``: Triton attention launch shape (None: by grid fill).
+        ``gemm="cublas-split"``: few-row GEMMs split over K (``split_k`` partials, None: by
+        ``split_k_for``) as strided-batched cuBLAS GEMMs, summed by the fused stage after them."""
         ok, why = supports_fused_body(dit)
         if not ok:
             raise ValueError(f"DiT layout not supported by the fused body: {why}")
-        if gemm not in ("cublas", "triton"):
-            raise ValueError(f"gemm must be 'cublas' or 'triton', got {gemm!r}")
+        if gemm not in ("cublas", "triton", "cublas-split"):
+            raise ValueError(f"gemm must be 'cublas', 'triton' or 'cublas-split', got {gemm!r}")
+        if split_k is not None and (split_k < 1 or split_k & (split_k - 1)):
+            raise ValueError(f"split_k must be a power of two >= 1 or None, got {split_k}")
         if attn_splits is not None and attn_splits < 1:
             raise ValueError(f"attn_splits must be >= 1 or None, got {attn_splits}")
         self.dit = dit
         self.L = layout_of(dit)
         self.attention = attention
         self.use_triton = TRITON_AVAILABLE if use_triton is None else use_triton
-        self.gemm, self.attn_splits, self.attn_block_m = gemm, attn_splits, attn_block_m
+        self.gemm, self.attn_splits, self.attn_block_m, self.split_k = gemm, attn_splits, attn_block_m, split_k
         self.refresh()
 
     @torch.no_grad()
@@ -209,19 +236,34 @@ class FusedDiT:
         return Modulation(blocks.contiguous(), fin.contiguous())
 
     # ------------------------------------------------------------------ buffers
+    def gemm_splits(self, R: int, T: int) -> dict:
+        """Split-K partials per GEMM role for R rows x T frames (all 1 unless gemm="cublas-split")."""
+        L = self.L
+        roles = {"qkv": (R * T, 3 * L.heads * L.head_dim, L.hidden), "proj": (R * T, L.hidden, L.heads * L.head_dim),
+                 "conv": (R * (T + L.taps - 1), L.taps * L.hidden, L.hidden), "fc2": (R * T, L.hidden, L.mlp_hidden)}
+        if self.gemm != "cublas-split":
+            return {k: 1 for k in roles}
+        if self.split_k is not None:
+            return {k: (self.split_k if K % self.split_k == 0 else 1) for k, (_, _, K) in roles.items()}
+        return {k: split_k_for(*mnk) for k, mnk in roles.items()}
+
     def workspace(self, R: int, T: int, device, dtype=torch.float32) -> Workspace:
         L = self.L
         e = lambda *s: torch.empty(*s, device=device, dtype=dtype)  # noqa: E731
-        return Workspace(h=e(R, T, L.hidden), norm=e(R, T, L.hidden), qkv=e(R, T, 3 * L.heads * L.head_dim),
-                         q=e(R, T, L.heads, L.head_dim), o=e(R, T, L.heads, L.head_dim), y=e(R, T, L.hidden),
-                         taps=e(R, T + L.taps - 1, L.taps * L.hidden), mlp=e(R, T, L.mlp_hidden))
+        sp = self.gemm_splits(R, T)
+        return Workspace(h=e(R, T, L.hidden), norm=e(R, T, L.hidden),
+                         qkv=e(sp["qkv"], R, T, 3 * L.heads * L.head_dim),
+                         q=e(R, T, L.heads, L.head_dim), o=e(R, T, L.heads, L.head_dim), y=e(sp["proj"], R, T, L.hidden),
+                         taps=e(sp["conv"], R, T + L.taps - 1, L.taps * L.hidden), mlp=e(R, T, L.mlp_hidden),
+                         y2=e(sp["fc2"], R, T, L.hidden), splits=sp)
 
     def _triton(self, t: torch.Tensor) -> bool:
         return self.use_triton and usable_on(t)
 
     # ------------------------------------------------------------------ fused stages
     def _res_ln(self, ws: Workspace, y, bias, mods: torch.Tensor, gate_i, shift_i, scale_i, out, eps, taps=0):
-        """x += gate*y (y plain or tap sum); out = LN(x)*(1+scale)+shift.  mods (Rm, 9 or 2, C)."""
+        """x += gate*y (y: S partials (S, R, T', N), plain or tap sum, + bias); out = LN(x)*(1+scale)+shift.
+        mods (Rm, 9 or 2, C)."""
         x = ws.h
         gate = mods[:, gate_i] if gate_i is not None else None
         shift, scale = mods[:, shift_i], mods[:, scale_i]
@@ -229,22 +271,28 @@ class FusedDiT:
             dit_ops.residual_mod_ln(x, y, bias, gate, shift, scale, out, eps, taps)
             return
         if y is not None:
+            y = _sum_partials(y)
             if taps:
                 T = x.shape[1]
                 C = x.shape[2]
-                y = sum(y[:, k:k + T, k * C:(k + 1) * C] for k in range(taps)) + bias
+                y = sum(y[:, k:k + T, k * C:(k + 1) * C] for k in range(taps))
+            if bias is not None:
+                y = y + bias
             x.add_(gate[:, None] * y)
         out.copy_(F.layer_norm(x, (x.shape[-1],), eps=eps) * scale[:, None] + shift[:, None])
 
-    def _qkv_ln(self, ws: Workspace, blk, kv_cur: torch.Tensor, rows=None, pos=None):
+    def _qkv_ln(self, ws: Workspace, blk, kv_cur: torch.Tensor, rows=None, pos=None, bias=None):
         a = blk.attn
         if self._triton(ws.qkv):
             dit_ops.qkv_head_ln(ws.qkv, a.q_norm.weight, a.q_norm.bias, a.k_norm.weight, a.k_norm.bias,
-                                ws.q, kv_cur, self.L.qk_eps, rows, pos)
+                                ws.q, kv_cur, self.L.qk_eps, rows, pos, bias)
             return
-        R, T, _ = ws.qkv.shape
+        qkv = _sum_partials(ws.qkv)
+        if bias is not None:
+            qkv = qkv + bias
+        R, T, _ = qkv.shape
         H, D = self.L.heads, self.L.head_dim
-        q, k, v = ws.qkv.view(R, T, 3, H, D).unbind(2)
+        q, k, v = qkv.reshape(R, T, 3, H, D).unbind(2)
         ws.q.copy_(F.layer_norm(q, (D,), a.q_norm.weight, a.q_norm.bias, self.L.qk_eps))
         k = F.layer_norm(k, (D,), a.k_norm.weight, a.k_norm.bias, self.L.qk_eps)
         if pos is None:
@@ -260,6 +308,7 @@ class FusedDiT:
             dit_ops.taps_ln_mish(taps_out, conv.bias, ln.weight, ln.bias, out, ln.eps, K)
             return
         T, C = out.shape[1], out.shape[2]
+        taps_out = _sum_partials(taps_out)
         y = sum(taps_out[:, k:k + T, k * C:(k + 1) * C] for k in range(K)) + conv.bias
         out.copy_(F.mish(F.layer_norm(y, (C,), ln.weight, ln.bias, ln.eps)))
 
@@ -306,6 +355,19 @@ class FusedDiT:
         if gelu:
             torch._C._nn.gelu_(out2d, approximate="tanh")
 
+    def _gemm(self, x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor):
+        """``out`` (S, ..., N) = x2d @ w.T (+ b) as S split-K partials. S == 1: one GEMM with its bias,
+        returns None. S > 1: partial s = x2d[:, slice s] @ w[:, slice s].T, one strided-batched
+        GEMM (no copies: both slicings are strides cuBLAS takes); returns the bias left to the
+        stage that sums the partials."""
+        S, M, N = out.shape[0], x2d.shape[0], w.shape[0]
+        if S == 1:
+            self._linear(x2d, w, b, out.view(M, N))
+            return None
+        Ks = x2d.shape[1] // S
+        torch.bmm(x2d.view(M, S, Ks).transpose(0, 1), w.view(N, S, Ks).permute(1, 2, 0), out=out.view(S, M, N))
+        return b
+
     # ------------------------------------------------------------------ the body
     def body(self, xin: torch.Tensor, mod: Modulation, hist: torch.Tensor, kv: torch.Tensor,
              mask: torch.Tensor | None, ws: Workspace, out: torch.Tensor,
@@ -329,51 +391,43 @@ class FusedDiT:
         self._res_ln(ws, None, None, mb[:, 0], None, SH_MSA, SC_MSA, ws.norm, L.norm_eps)
         for i, blk in enumerate(dit.blocks):
             m = mb[:, i]
-            self._linear(ws.norm.view(N, C), self.w_qkv[i], self.b_qkv[i], ws.qkv.view(N, -1))
+            b = self._gemm(ws.norm.view(N, C), self.w_qkv[i], self.b_qkv[i], ws.qkv)
             if pos is None:
-                self._qkv_ln(ws, blk, kv[i][:, :, :T])
+                self._qkv_ln(ws, blk, kv[i][:, :, :T], bias=b)
             else:
-                self._qkv_ln(ws, blk, kv[i], rows, pos)
+                self._qkv_ln(ws, blk, kv[i], rows, pos, bias=b)
             self._attend(ws, kv[i], mask, rows)
             a = blk.attn
-            self._linear(ws.o.view(N, -1), a.proj.weight, a.proj.bias, ws.y.view(N, C))
+            b = self._gemm(ws.o.view(N, -1), a.proj.weight, a.proj.bias, ws.y)
             h1, h2 = hist[i, 0], hist[i, 1]
-            self._res_ln(ws, ws.y, None, m, G_MSA, SH_CONV, SC_CONV, h1[:, K - 1:], L.norm_eps)
+            self._res_ln(ws, ws.y, b, m, G_MSA, SH_CONV, SC_CONV, h1[:, K - 1:], L.norm_eps)
             conv1, ln, conv2 = blk.conv.block[1], blk.conv.block[3], blk.conv.block[6]
-            self._linear(h1.reshape(-1, C), self.w_taps1[i], None, ws.taps.view(-1, K * C))
+            self._gemm(h1.reshape(-1, C), self.w_taps1[i], None, ws.taps)
             self._taps_ln_mish(ws.taps, conv1, ln, h2[:, K - 1:])
-            self._linear(h2.reshape(-1, C), self.w_taps2[i], None, ws.taps.view(-1, K * C))
+            self._gemm(h2.reshape(-1, C), self.w_taps2[i], None, ws.taps)
             self._res_ln(ws, ws.taps, conv2.bias, m, G_CONV, SH_MLP, SC_MLP, ws.norm, L.norm_eps, taps=K)
             self._linear(ws.norm.view(N, C), blk.mlp.fc1.weight, blk.mlp.fc1.bias, ws.mlp.view(N, -1), gelu=True)
-            self._linear(ws.mlp.view(N, -1), blk.mlp.fc2.weight, blk.mlp.fc2.bias, ws.y.view(N, C))
-            if i + 1 < L.depth:
-                nxt = mb[:, i + 1]
-                # this block's MLP residual fused with the next block's attention-input LN
-                self._res_ln_split(ws, m, nxt, ws.norm, L.norm_eps)
-            else:
-                self._res_ln_final(ws, m, mod.final, ws.norm, L.norm_eps)
+            b = self._gemm(ws.mlp.view(N, -1), blk.mlp.fc2.weight, blk.mlp.fc2.bias, ws.y2)
+            # this block's MLP residual fused with the next block's attention-input LN (or the final one)
+            nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
+            self._res_ln_mlp(ws, m, *nxt, b, L.norm_eps)
         fl = dit.final_layer.linear
         self._linear(ws.norm.view(N, C), fl.weight, fl.bias, out.view(N, -1))
         return out
 
-    def _res_ln_split(self, ws, m_cur, m_next, out, eps):
-        """x += gate_mlp(cur) * y; out = LN(x) * (1+scale_msa(next)) + shift_msa(next)."""
+    def _res_ln_mlp(self, ws, m_cur, shift, scale, bias, eps):
+        """x += gate_mlp(cur) * (fc2 partials + bias); ws.norm = LN(x) * scale + shift, with the
+        next block's attention-input modulation (or the final layer's)."""
         x = ws.h
-        gate, shift, scale = m_cur[:, G_MLP], m_next[:, SH_MSA], m_next[:, SC_MSA]
+        gate = m_cur[:, G_MLP]
         if self._triton(x):
-            dit_ops.residual_mod_ln(x, ws.y, None, gate, shift, scale, out, eps)
+            dit_ops.residual_mod_ln(x, ws.y2, bias, gate, shift, scale, ws.norm, eps)
             return
-        x.add_(gate[:, None] * ws.y)
-        out.copy_(F.layer_norm(x, (x.shape[-1],), eps=eps) * scale[:, None] + shift[:, None])
-
-    def _res_ln_final(self, ws, m_cur, fin, out, eps):
-        x = ws.h
-        gate, shift, scale = m_cur[:, G_MLP], fin[:, 0], fin[:, 1]
-        if self._triton(x):
-            dit_ops.residual_mod_ln(x, ws.y, None, gate, shift, scale, out, eps)
-            return
-        x.add_(gate[:, None] * ws.y)
-        out.copy_(F.layer_norm(x, (x.shape[-1],), eps=eps) * scale[:, None] + shift[:, None])
+        y = _sum_partials(ws.y2)
+        if bias is not None:
+            y = y + bias
+        x.add_(gate[:, None] * y)
+        ws.norm.copy_(F.layer_norm(x, (x.shape[-1],), eps=eps) * scale[:, None] + shift[:, None])
 
     # ------------------------------------------------------------------ original-compatible API
     @torch.no_grad()
@@ -409,6 +463,11 @@ class FusedDiT:
     def new_hist(self, R: int, T: int, device, dtype=torch.float32) -> torch.Tensor:
         L = self.L
         return torch.empty(L.depth, 2, R, T + L.taps - 1, L.hidden, device=device, dtype=dtype)
+
+
+def _sum_partials(y: torch.Tensor) -> torch.Tensor:
+    """(S, ...) split-K partials -> their sum (the one partial itself when S == 1)."""
+    return y[0] if y.shape[0] == 1 else y.sum(0)
 
 
 def load_cnn_cache(hist: torch.Tensor, cnn_cache: torch.Tensor | None, k1: int) -> None:

@@ -8,6 +8,10 @@
 * ``taps_ln_mish``: the tap sum of a conv-as-GEMM output + bias, LayerNorm
   (affine) and Mish, written into the next conv's history buffer.
 
+Each stage can read a GEMM output given as split-K partials (S, ...): it sums the S partials
+(and the bias the split GEMM left out) while loading, so a few-row GEMM can be split over K for
+more CTAs without a reduction kernel of its own.
+
 Statistics are FP32 two-pass (mean, then centred variance), like torch's LayerNorm.
 Row r of the modulation tables is ``row // T`` scaled by a row stride that is 0
 when one table serves every row.
@@ -23,9 +27,10 @@ if AVAILABLE:
 
     @triton.jit
     def _residual_mod_ln(X, Y, BIAS, GATE, SHIFT, SCALE, OUT,
-                         sxr, sxt, syr, syt, sor, sot, s_gate, s_mod,
+                         sxr, sxt, syr, syt, sor, sot, s_gate, s_mod, s_split,
                          T, C, eps,
-                         TAPS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_C: tl.constexpr):
+                         TAPS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         SPLITS: tl.constexpr, BLOCK_C: tl.constexpr):
         n = tl.program_id(0)
         r = n // T
         t = n % T
@@ -34,13 +39,19 @@ if AVAILABLE:
         xp = X + r * sxr + t * sxt + offs
         x = tl.load(xp, mask=ok, other=0.0)
         if HAS_RES:
-            if TAPS > 0:
-                # conv output at t = sum_k Y[t + k, k*C + c] (+ bias): Y rows are history frames
+            # conv output at t = sum_k Y[t + k, k*C + c] (+ bias): Y rows are history frames;
+            # each of the SPLITS partials adds its share of the K sum
+            if HAS_BIAS:   # bias first: the unsplit sum keeps its order (bias + taps)
                 y = tl.load(BIAS + offs, mask=ok, other=0.0)
-                for k in tl.static_range(TAPS):
-                    y += tl.load(Y + r * syr + (t + k) * syt + k * C + offs, mask=ok, other=0.0)
             else:
-                y = tl.load(Y + r * syr + t * syt + offs, mask=ok, other=0.0)
+                y = tl.zeros([BLOCK_C], tl.float32)
+            for sp in tl.static_range(SPLITS):
+                ys = Y + sp * s_split + r * syr
+                if TAPS > 0:
+                    for k in tl.static_range(TAPS):
+                        y += tl.load(ys + (t + k) * syt + k * C + offs, mask=ok, other=0.0)
+                else:
+                    y += tl.load(ys + t * syt + offs, mask=ok, other=0.0)
             g = tl.load(GATE + r * s_gate + offs, mask=ok, other=0.0)
             x = x + g * y
             tl.store(xp, x, mask=ok)
@@ -53,10 +64,11 @@ if AVAILABLE:
         tl.store(OUT + r * sor + t * sot + offs, xn * sc + sh, mask=ok)
 
     @triton.jit
-    def _qkv_head_ln(QKV, QW, QB, KW, KB, QOUT, KV, ROWS, POS,
-                     s_in_r, s_in_t, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t,
+    def _qkv_head_ln(QKV, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS,
+                     s_in_r, s_in_t, s_split, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t,
                      T, H, D, eps,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_POS: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_POS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr):
         n = tl.program_id(0)
         r = n // T
         t = n % T
@@ -74,31 +86,41 @@ if AVAILABLE:
         bq = tl.load(QB + od, mask=od < D, other=0.0)
         wk = tl.load(KW + od, mask=od < D, other=0.0)
         bk = tl.load(KB + od, mask=od < D, other=0.0)
-        q = tl.load(base, mask=ok, other=0.0)
+        cols = oh[:, None] * D + od[None, :]
+        q = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        k = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        v = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for sp in tl.static_range(SPLITS):
+            q += tl.load(base + sp * s_split, mask=ok, other=0.0)
+            k += tl.load(base + sp * s_split + inner, mask=ok, other=0.0)
+            v += tl.load(base + sp * s_split + 2 * inner, mask=ok, other=0.0)
+        if HAS_BIAS:
+            q += tl.load(BIAS + cols, mask=ok, other=0.0)
+            k += tl.load(BIAS + inner + cols, mask=ok, other=0.0)
+            v += tl.load(BIAS + 2 * inner + cols, mask=ok, other=0.0)
         mq = tl.sum(q, axis=1) / D
         dq = tl.where(ok, q - mq[:, None], 0.0)
         q = dq / tl.sqrt(tl.sum(dq * dq, axis=1) / D + eps)[:, None] * wq[None, :] + bq[None, :]
         tl.store(QOUT + r * sq_r + t * sq_t + oh[:, None] * sq_h + od[None, :], q, mask=ok)
-        k = tl.load(base + inner, mask=ok, other=0.0)
         mk = tl.sum(k, axis=1) / D
         dk = tl.where(ok, k - mk[:, None], 0.0)
         k = dk / tl.sqrt(tl.sum(dk * dk, axis=1) / D + eps)[:, None] * wk[None, :] + bk[None, :]
         dst = KV + kr.to(tl.int64) * skv_r + oh[:, None] * skv_h + kt * skv_t + od[None, :]
         tl.store(dst, k, mask=ok)
-        v = tl.load(base + 2 * inner, mask=ok, other=0.0)
         tl.store(dst + D, v, mask=ok)
 
     @triton.jit
-    def _taps_ln_mish(Y, BIAS, W, B, OUT, syr, syt, sor, sot, T, C, eps,
-                      TAPS: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _taps_ln_mish(Y, BIAS, W, B, OUT, syr, syt, sor, sot, s_split, T, C, eps,
+                      TAPS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr):
         n = tl.program_id(0)
         r = n // T
         t = n % T
         offs = tl.arange(0, BLOCK_C)
         ok = offs < C
         y = tl.load(BIAS + offs, mask=ok, other=0.0)
-        for k in tl.static_range(TAPS):
-            y += tl.load(Y + r * syr + (t + k) * syt + k * C + offs, mask=ok, other=0.0)
+        for sp in tl.static_range(SPLITS):
+            for k in tl.static_range(TAPS):
+                y += tl.load(Y + sp * s_split + r * syr + (t + k) * syt + k * C + offs, mask=ok, other=0.0)
         mean = tl.sum(y, axis=0) / C
         d = tl.where(ok, y - mean, 0.0)
         var = tl.sum(d * d, axis=0) / C
@@ -114,40 +136,53 @@ def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def _splits_of(y, dims: int):
+    """(partials S, split stride, y as its first partial) for y with ``dims`` dims or S partials of it."""
+    if y.dim() == dims + 1:
+        return y.shape[0], y.stride(0), y[0]
+    return 1, 0, y
+
+
 def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int = 0) -> None:
-    """x (R,T,C) in place; y (R,T,C) or taps output (R,T+taps-1,taps*C); mods (Rm,C); out (R,T,C) view."""
+    """x (R,T,C) in place; y (R,T,C) or taps output (R,T+taps-1,taps*C), or S split-K partials of
+    either (S,...); bias (C,) or None; mods (Rm,C); out (R,T,C) view."""
     R, T, C = x.shape
     if shift.stride(0) != scale1p.stride(0):
         raise ValueError("shift and scale tables must share their row stride")
     s_mod = shift.stride(0) if shift.shape[0] > 1 else 0
     has_res = y is not None
     s_gate = gate.stride(0) if has_res and gate.shape[0] > 1 else 0
-    yy = y if has_res else x
+    splits, s_split, yy = _splits_of(y, 3) if has_res else (1, 0, x)
     _residual_mod_ln[(R * T,)](
-        x, yy, bias if bias is not None else x, gate if has_res else shift, shift, scale1p, out,
-        x.stride(0), x.stride(1), yy.stride(0), yy.stride(1), out.stride(0), out.stride(1), s_gate, s_mod,
-        T, C, eps, TAPS=taps if has_res else 0, HAS_RES=has_res, BLOCK_C=_pow2(C), num_warps=4)
+        x, y if has_res else x, bias if bias is not None else x, gate if has_res else shift, shift, scale1p, out,
+        x.stride(0), x.stride(1), yy.stride(0), yy.stride(1), out.stride(0), out.stride(1), s_gate, s_mod, s_split,
+        T, C, eps, TAPS=taps if has_res else 0, HAS_RES=has_res, HAS_BIAS=has_res and bias is not None,
+        SPLITS=splits, BLOCK_C=_pow2(C), num_warps=4)
 
 
-def qkv_head_ln(qkv, q_w, q_b, k_w, k_b, q_out, kv, eps: float, rows=None, pos=None) -> None:
-    """qkv (R,T,3*H*D); q_out (R,T,H,D) view; kv (R,H,>=T,2D) view whose frames 0..T-1 get [k|v].
+def qkv_head_ln(qkv, q_w, q_b, k_w, k_b, q_out, kv, eps: float, rows=None, pos=None, bias=None) -> None:
+    """qkv (R,T,3*H*D) or S split-K partials (S,R,T,3*H*D) with the GEMM's ``bias`` (3*H*D,) added
+    here; q_out (R,T,H,D) view; kv (R,H,>=T,2D) view whose frames 0..T-1 get [k|v].
 
     With ``rows`` (R,) and ``pos`` (R,T) int32, kv is a pool (P,H,F,2D) and row r's frame t goes
     to pool row rows[r], frame pos[r, t].
     """
-    R, T, _ = qkv.shape
+    splits, s_split, q0 = _splits_of(qkv, 3)
+    R, T, _ = q0.shape
     _, H, _, D2 = kv.shape
     D = D2 // 2
     has_pos = pos is not None
     _qkv_head_ln[(R * T,)](
-        qkv, q_w, q_b, k_w, k_b, q_out, kv, rows if has_pos else qkv, pos if has_pos else qkv,
-        qkv.stride(0), qkv.stride(1), q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        kv.stride(0), kv.stride(1), kv.stride(2), T, H, D, eps,
-        BLOCK_H=_pow2(H), BLOCK_D=_pow2(D), HAS_POS=has_pos, num_warps=4)
+        qkv, bias if bias is not None else qkv, q_w, q_b, k_w, k_b, q_out, kv, rows if has_pos else qkv,
+        pos if has_pos else qkv, q0.stride(0), q0.stride(1), s_split, q_out.stride(0), q_out.stride(1),
+        q_out.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), T, H, D, eps,
+        BLOCK_H=_pow2(H), BLOCK_D=_pow2(D), HAS_POS=has_pos, HAS_BIAS=bias is not None, SPLITS=splits,
+        num_warps=4)
 
 
 def taps_ln_mish(y, bias, w, b, out, eps: float, taps: int) -> None:
-    """y (R,T+taps-1,taps*C) conv-as-GEMM output; out (R,T,C) view."""
+    """y (R,T+taps-1,taps*C) conv-as-GEMM output or S split-K partials of it; out (R,T,C) view."""
     R, T, C = out.shape
-    _taps_ln_mish[(R * T,)](y, bias, w, b, out, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-                            T, C, eps, TAPS=taps, BLOCK_C=_pow2(C), num_warps=4)
+    splits, s_split, y0 = _splits_of(y, 3)
+    _taps_ln_mish[(R * T,)](y, bias, w, b, out, y0.stride(0), y0.stride(1), out.stride(0), out.stride(1),
+                            s_split, T, C, eps, TAPS=taps, SPLITS=splits, BLOCK_C=_pow2(C), num_warps=4)
