@@ -135,17 +135,19 @@ def test_few_row_gemm_and_split_attention_match_original_tiny():
 
 
 def test_split_k_rule_for_the_full_size_gemms():
-    """Batch 1 (100 rows, 104 conv history rows): each GEMM split until ~256 64x64 tiles with
-    >= 128 of K per slice; from batch 8 on (800 rows) nothing is split."""
+    """Up to 512 rows (batch 5 with CFG) every GEMM runs as 2 K-slice partials (>= 128 of K each);
+    from batch 8 on (800 rows) nothing is split; gemm="cublas" never splits."""
     from minicpmo_rt.code2wav.fused_dit import split_k_for
-    assert [split_k_for(100, n, k) for n, k in ((1536, 512), (512, 512), (2048, 2048))] == [4, 4, 4]
-    assert split_k_for(100, 512, 2048) == 16 and split_k_for(104, 1536, 512) == 4
-    assert split_k_for(400, 512, 2048) == 4 and split_k_for(800, 512, 2048) == 1
+    assert [split_k_for(100, n, k) for n, k in ((1536, 512), (512, 512), (512, 2048))] == [2, 2, 2]
+    assert split_k_for(104, 1536, 512) == 2 and split_k_for(500, 512, 2048) == 2
+    assert split_k_for(800, 512, 2048) == 1 and split_k_for(100, 512, 200) == 1
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE
-    fused = FusedDiT(our_dit(FULL_SIZE.dit, seed=1), gemm="cublas-split")
-    assert fused.gemm_splits(2, 50) == {"qkv": 4, "proj": 4, "conv": 4, "fc2": 16}
+    fused = FusedDiT(our_dit(FULL_SIZE.dit, seed=1))              # the default kind
+    assert fused.gemm == "cublas-split"
+    assert fused.gemm_splits(2, 50) == {"qkv": 2, "proj": 2, "conv": 2, "fc2": 2}
     assert set(fused.gemm_splits(32, 50).values()) == {1}
-    assert set(FusedDiT(our_dit(seed=1)).gemm_splits(2, 50).values()) == {1}   # default: cuBLAS, unsplit
+    assert set(FusedDiT(our_dit(FULL_SIZE.dit, seed=1), gemm="cublas").gemm_splits(2, 50).values()) == {1}
+    assert FusedDiT(our_dit(seed=1), split_k=8).gemm_splits(2, 50)["fc2"] == 8
     with pytest.raises(ValueError, match="split_k"):
         FusedDiT(our_dit(seed=1), gemm="cublas-split", split_k=3)
 

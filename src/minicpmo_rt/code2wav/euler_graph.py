@@ -91,8 +91,8 @@ class WholeEulerSolver:
 
     def __init__(self, cfm, body: Literal["original", "fused"] = "fused", attention: str = "triton-tf32",
                  tf32: bool = False, n_timesteps: int = 10, config: GraphConfig = GraphConfig(),
-                 use_triton: bool | None = None, gemm: str = "cublas", attn_splits: int | None = None,
-                 attn_block_m: int | None = None):
+                 use_triton: bool | None = None, gemm: str = "cublas-split", attn_splits: int | None = None,
+                 attn_block_m: int | None = None, split_k: int | None = None):
         self.cfm = cfm
         self.dit = cfm.estimator
         self.body = body
@@ -101,7 +101,8 @@ class WholeEulerSolver:
         self.cfg_rate = float(cfm.inference_cfg_rate)
         self.config = config
         self.fused = (FusedDiT(self.dit, attention=attention, use_triton=use_triton, gemm=gemm,
-                               attn_splits=attn_splits, attn_block_m=attn_block_m) if body == "fused" else None)
+                               attn_splits=attn_splits, attn_block_m=attn_block_m,
+                               split_k=split_k) if body == "fused" else None)
         b0 = self.dit.blocks[0]
         self.depth, self.C = len(self.dit.blocks), self.dit.in_proj.out_features
         self.H, self.D = b0.attn.num_heads, b0.attn.head_dim

@@ -54,12 +54,15 @@ GemmKind = Literal["cublas", "triton", "cublas-split"]
 ATTN_FULL_GRID_ROWS_HEADS = 128
 ATTN_TARGET_PROGRAMS = 512
 
-# Split-K for few rows ("cublas-split"): at ~100 rows cuBLAS tiles a DiT GEMM into 16-48 CTAs
-# that each stream a long weight stripe. Split over K as one strided-batched cuBLAS GEMM until
-# there are ~SPLIT_TARGET_CTAS (64x64 tiles), with >= SPLIT_MIN_K per slice; the fused stage that
-# consumes the output sums the partials (plus the bias) while loading, so no reduction kernel.
+# Split-K for few rows ("cublas-split", the default): at ~100 rows cuBLAS tiles a DiT GEMM into
+# 16-48 CTAs that each stream a long weight stripe. Each GEMM of <= SPLIT_MAX_ROWS rows runs as
+# one strided-batched cuBLAS GEMM over SPLIT_K_FEW_ROWS K slices (>= SPLIT_MIN_K each); the fused
+# stage that consumes the output sums the partials (plus the bias) while loading, so there is no
+# reduction kernel. H200 sweep (benchmarks/results/code2wav_split_k_h200.md), solve per 1-s chunk:
+# B=1 12.97 ms unsplit, 12.22 with 2 partials, 12.92 with ~256 CTAs (4-16 partials), 13.45 with
+# 8; B=4 18.04 unsplit, 17.73 with 2; from ~10 rows x 50 frames on nothing is split.
 SPLIT_MAX_ROWS = 512
-SPLIT_TARGET_CTAS = 256
+SPLIT_K_FEW_ROWS = 2
 SPLIT_MIN_K = 128
 
 # adaLN chunk order of the original block
@@ -139,12 +142,9 @@ def supports_fused_body(dit: nn.Module) -> tuple[bool, str]:
 
 def split_k_for(M: int, N: int, K: int) -> int:
     """Split-K partials for an (M x K) @ (K x N) GEMM of the "cublas-split" kind (1: no split)."""
-    if M > SPLIT_MAX_ROWS:
+    s = SPLIT_K_FEW_ROWS
+    if M > SPLIT_MAX_ROWS or K % s or K // s < SPLIT_MIN_K:
         return 1
-    tiles = -(-M // 64) * -(-N // 64)
-    s = 1
-    while 2 * s * tiles <= SPLIT_TARGET_CTAS and K % (2 * s) == 0 and K // (2 * s) >= SPLIT_MIN_K:
-        s *= 2
     return s
 
 
@@ -186,7 +186,7 @@ class FusedDiT:
     """Fused forward over an original DiT's parameters (the module is not modified)."""
 
     def __init__(self, dit: nn.Module, attention: AttentionKind = "sdpa", use_triton: bool | None = None,
-                 gemm: GemmKind = "cublas", attn_splits: int | None = None, attn_block_m: int | None = None,
+                 gemm: GemmKind = "cublas-split", attn_splits: int | None = None, attn_block_m: int | None = None,
                  split_k: int | None = None):
         """``gemm="triton"`` runs every GEMM through the few-row Triton kernel while TF32 is on
         (opt-in: on the H200 it made a batch-1 solve slower, 15.3 vs 13.1 ms, and its TF32
