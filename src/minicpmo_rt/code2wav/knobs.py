@@ -59,7 +59,12 @@ class Code2WavChoice:
 
     def describe(self) -> str:
         att = f", attention {self.attention}" if self.attention else ""
-        return f"Code2Wav CFM body {self.body}{att}, DiT GEMM TF32 {'on' if self.tf32 else 'off'} ({self.reason})"
+        gemm = ""
+        if self.body == "fused":   # the GEMM kind the pipeline's FusedDiT runs with (its default)
+            from .fused_dit import SPLIT_K_FEW_ROWS, SPLIT_MAX_ROWS
+            gemm = f", GEMMs cuBLAS ({SPLIT_K_FEW_ROWS} K-slice partials up to {SPLIT_MAX_ROWS} rows)"
+        return (f"Code2Wav CFM body {self.body}{att}{gemm}, DiT GEMM TF32 {'on' if self.tf32 else 'off'} "
+                f"({self.reason})")
 
 
 def _parse_bool(value: Any, key: str) -> bool | None:
