@@ -106,8 +106,10 @@ def write_torch_profile(prof, path: Path, wall_s: float) -> None:
 
 
 def kernels_by_range(prof, top: int = 12) -> list[str]:
-    """The top kernels launched under each named range (CUDA-graph replays included: their
-    kernels hang off the graph launch), so a kernel name says which stage spends it."""
+    """The top kernels launched under each named range, so a kernel name says which stage spends
+    it. Kernels replayed from a CUDA graph are not attributed (torch 2.11's profiler does not tie
+    them to the graph launch): they appear in the run's kernel totals only, and
+    ``stage_ops_profile.py`` names them by running the graphed bodies eagerly."""
     per: dict[str, dict[str, list[float]]] = {}
 
     def walk(evt, into):
