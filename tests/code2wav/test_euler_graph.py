@@ -47,12 +47,15 @@ def assert_close(got, ref, tol):
 
 
 @pytest.mark.parametrize("B,T,L", [(2, 6, 8), (3, 5, 7), (1, 6, 0)])
-@pytest.mark.parametrize("body", ["fused", "original"])
-def test_eager_solver_matches_reference(body, B, T, L):
-    """(2,6,8) is an exact bucket; (3,5,7) pads batch 3->4, width 5->6 and offset 7->8 (masked)."""
+@pytest.mark.parametrize("body,split_k", [("fused", None), ("fused", 2), ("original", None)])
+def test_eager_solver_matches_reference(body, split_k, B, T, L):
+    """(2,6,8) is an exact bucket; (3,5,7) pads batch 3->4, width 5->6 and offset 7->8 (masked).
+    ``split_k=2``: every GEMM of the fused body as 2 K-slice partials (the tiny K is below the
+    default rule's minimum, so it is forced here)."""
     cfm = tiny_cfm()
     cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
-    solver = WholeEulerSolver(cfm, body=body, attention="sdpa", n_timesteps=S, config=cfg, use_triton=False)
+    solver = WholeEulerSolver(cfm, body=body, attention="sdpa", n_timesteps=S, config=cfg, use_triton=False,
+                              split_k=split_k)
     kw = chunk(B, T, L, seed=B * 10 + T)
     got = solver.solve(**kw, graph=False)
     assert_close(got, reference(cfm, kw), 1e-5)

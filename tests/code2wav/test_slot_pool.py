@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -79,16 +80,18 @@ def test_padded_rows_narrow_chunk_and_frame_list_restore():
         c2, a2 = h.dense()
         assert torch.equal(c2, c) and torch.equal(a2, a)
 
-def test_triton_pooled_writes_and_reads_match_reference():
-    """The QKV kernel's (row, frame) scatter and the attention's kv_rows under Triton (or the interpreter)."""
-    import pytest
+@pytest.mark.parametrize("split_k", [1, 2], ids=["unsplit", "split-k-2"])
+def test_triton_pooled_writes_and_reads_match_reference(split_k):
+    """The QKV kernel's (row, frame) scatter and the attention's kv_rows under Triton (or the
+    interpreter); also with the GEMMs as 2 K-slice partials summed by the Triton stages."""
     from minicpmo_rt.code2wav import kernels
     if not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())):
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
     cfm = tiny_cfm(seed=7)
     prompt, keep, T = 3, 2, 4
     solver = SlotSolver(cfm, pool=None, attention="triton-ieee", n_timesteps=S, use_triton=True,
-                        config=GraphConfig(batch_buckets=(2,), query_buckets=(4,)))
+                        config=GraphConfig(batch_buckets=(2,), query_buckets=(4,)), split_k=split_k)
+    assert set(solver.fused.gemm_splits(4, T).values()) == {split_k}
     solver.pool = pool = SlotPool(solver, slots=2, frames=12, keep=keep, device="cpu")
     g = torch.Generator().manual_seed(2)
     dense = [(torch.randn(S, 2, 2, 128, 2, generator=g), torch.randn(S, 2, 2, 2, L, 64, generator=g)) for L in (3, 5)]
