@@ -17,7 +17,10 @@ Per block (R rows = CFG-doubled batch, T query frames, C hidden):
   7  conv1 GEMM           8  tap sum + bias + LN + Mish into conv2's history buffer
   9  conv2 GEMM           10 tap sum + bias + residual + modulated LN (MLP input)
   11 fc1 GEMM with tanh-GELU in the cuBLASLt epilogue          12 fc2 GEMM
-The original body launches ~47 kernels per block (see benchmarks/results).
+The original body launches ~47 kernels per block (see benchmarks/results). With few rows
+(<= SPLIT_MAX_ROWS, i.e. up to batch 5 with CFG) the QKV, out-proj, conv and fc2 GEMMs each
+write split-K partials from one strided-batched cuBLAS call, and stages 3, 6, 8, 10 and the
+next block's 1 sum them (with the bias) while loading: more CTAs per GEMM, no extra kernel.
 
 Without Triton (CPU CI, pre-SM80 CUDA, HIP) every fused stage runs as its torch
 formulation on the same buffers and attention goes through SDPA: the "SDPA
