@@ -171,7 +171,7 @@ class Modulation:
 @dataclass
 class Workspace:
     """Per-call buffers for R rows, T frames (reused by a captured graph). GEMM outputs carry a
-    leading split-K axis (1 unless the "cublas-split" GEMMs split them; ``splits`` says how)."""
+    leading split-K axis: its length is the GEMM's partial count (``FusedDiT.gemm_splits``)."""
 
     h: torch.Tensor        # (R, T, C) residual stream
     norm: torch.Tensor     # (R, T, C) modulated-LN output
@@ -182,7 +182,6 @@ class Workspace:
     taps: torch.Tensor     # (Sc, R, T+K-1, K*C)
     mlp: torch.Tensor      # (R, T, 4C)
     y2: torch.Tensor       # (Sf, R, T, C) fc2
-    splits: dict           # "qkv" / "proj" / "conv" / "fc2" -> partials
 
 
 class FusedDiT:
@@ -258,18 +257,16 @@ class FusedDiT:
                          qkv=e(sp["qkv"], R, T, 3 * L.heads * L.head_dim),
                          q=e(R, T, L.heads, L.head_dim), o=e(R, T, L.heads, L.head_dim), y=e(sp["proj"], R, T, L.hidden),
                          taps=e(sp["conv"], R, T + L.taps - 1, L.taps * L.hidden), mlp=e(R, T, L.mlp_hidden),
-                         y2=e(sp["fc2"], R, T, L.hidden), splits=sp)
+                         y2=e(sp["fc2"], R, T, L.hidden))
 
     def _triton(self, t: torch.Tensor) -> bool:
         return self.use_triton and usable_on(t)
 
     # ------------------------------------------------------------------ fused stages
-    def _res_ln(self, ws: Workspace, y, bias, mods: torch.Tensor, gate_i, shift_i, scale_i, out, eps, taps=0):
-        """x += gate*y (y: S partials (S, R, T', N), plain or tap sum, + bias); out = LN(x)*(1+scale)+shift.
-        mods (Rm, 9 or 2, C)."""
+    def _res_ln(self, ws: Workspace, y, bias, gate, shift, scale, out, eps, taps=0):
+        """x += gate*y (y: S partials (S, R, T', N), plain or tap sum, + bias; None: no residual);
+        out = LN(x)*scale+shift. gate/shift/scale (Rm, C) rows of the modulation tables."""
         x = ws.h
-        gate = mods[:, gate_i] if gate_i is not None else None
-        shift, scale = mods[:, shift_i], mods[:, scale_i]
         if self._triton(x):
             dit_ops.residual_mod_ln(x, y, bias, gate, shift, scale, out, eps, taps)
             return
@@ -391,7 +388,7 @@ class FusedDiT:
         self._linear(xin.reshape(N, -1), dit.in_proj.weight, dit.in_proj.bias, ws.h.view(N, C))
         mb = mod.blocks
         # block 0 input: plain modulated LN
-        self._res_ln(ws, None, None, mb[:, 0], None, SH_MSA, SC_MSA, ws.norm, L.norm_eps)
+        self._res_ln(ws, None, None, None, mb[:, 0, SH_MSA], mb[:, 0, SC_MSA], ws.norm, L.norm_eps)
         for i, blk in enumerate(dit.blocks):
             m = mb[:, i]
             b = self._gemm(ws.norm.view(N, C), self.w_qkv[i], self.b_qkv[i], ws.qkv)
@@ -403,34 +400,21 @@ class FusedDiT:
             a = blk.attn
             b = self._gemm(ws.o.view(N, -1), a.proj.weight, a.proj.bias, ws.y)
             h1, h2 = hist[i, 0], hist[i, 1]
-            self._res_ln(ws, ws.y, b, m, G_MSA, SH_CONV, SC_CONV, h1[:, K - 1:], L.norm_eps)
+            self._res_ln(ws, ws.y, b, m[:, G_MSA], m[:, SH_CONV], m[:, SC_CONV], h1[:, K - 1:], L.norm_eps)
             conv1, ln, conv2 = blk.conv.block[1], blk.conv.block[3], blk.conv.block[6]
             self._gemm(h1.reshape(-1, C), self.w_taps1[i], None, ws.taps)
             self._taps_ln_mish(ws.taps, conv1, ln, h2[:, K - 1:])
             self._gemm(h2.reshape(-1, C), self.w_taps2[i], None, ws.taps)
-            self._res_ln(ws, ws.taps, conv2.bias, m, G_CONV, SH_MLP, SC_MLP, ws.norm, L.norm_eps, taps=K)
+            self._res_ln(ws, ws.taps, conv2.bias, m[:, G_CONV], m[:, SH_MLP], m[:, SC_MLP], ws.norm, L.norm_eps,
+                         taps=K)
             self._linear(ws.norm.view(N, C), blk.mlp.fc1.weight, blk.mlp.fc1.bias, ws.mlp.view(N, -1), gelu=True)
             b = self._gemm(ws.mlp.view(N, -1), blk.mlp.fc2.weight, blk.mlp.fc2.bias, ws.y2)
             # this block's MLP residual fused with the next block's attention-input LN (or the final one)
             nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
-            self._res_ln_mlp(ws, m, *nxt, b, L.norm_eps)
+            self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps)
         fl = dit.final_layer.linear
         self._linear(ws.norm.view(N, C), fl.weight, fl.bias, out.view(N, -1))
         return out
-
-    def _res_ln_mlp(self, ws, m_cur, shift, scale, bias, eps):
-        """x += gate_mlp(cur) * (fc2 partials + bias); ws.norm = LN(x) * scale + shift, with the
-        next block's attention-input modulation (or the final layer's)."""
-        x = ws.h
-        gate = m_cur[:, G_MLP]
-        if self._triton(x):
-            dit_ops.residual_mod_ln(x, ws.y2, bias, gate, shift, scale, ws.norm, eps)
-            return
-        y = _sum_partials(ws.y2)
-        if bias is not None:
-            y = y + bias
-        x.add_(gate[:, None] * y)
-        ws.norm.copy_(F.layer_norm(x, (x.shape[-1],), eps=eps) * scale[:, None] + shift[:, None])
 
     # ------------------------------------------------------------------ original-compatible API
     @torch.no_grad()

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint.config import AudioConfig
+from . import kernels
 
 
 @dataclass(frozen=True)
@@ -104,10 +105,23 @@ class WhisperSelfAttention(nn.Module):
         return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None = None,
-                attn_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None):
+                attn_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                last_key: torch.Tensor | None = None):
         """``past`` (K, V) [B, heads, L, head_dim]: the cache, concatenated before the new frames;
         or, with ``rows`` (long [n]), fixed buffers the new K/V are written into at those rows
-        (the capture-safe form of ``audio_graph``: ``attn_mask`` then selects the live rows)."""
+        (the capture-safe form of ``audio_graph``: ``attn_mask`` then selects the live rows).
+        ``last_key`` (int32 [B, n], with ``rows``): attend to buffer rows <= it through the
+        split-key Triton kernel instead of SDPA under ``attn_mask``. SDPA's fused kernels give a
+        50-query step one program per head walking the 1504 buffer rows serially (~28 us per
+        layer on the H200); the split kernel spreads the keys over the SMs and takes q as
+        [B, n, heads, d], as the projection writes it (no transposed copies)."""
+        if last_key is not None:
+            b, t, _ = x.shape
+            past[0].index_copy_(2, rows, self._heads(self.k_proj(x)))
+            past[1].index_copy_(2, rows, self._heads(self.v_proj(x)))
+            q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+            o = kernels.attention(q, past[0], past[1], last_key)
+            return self.out_proj(o.reshape(b, t, -1)), past[0], past[1]
         q = self._heads(self.q_proj(x))
         k = self._heads(self.k_proj(x))
         v = self._heads(self.v_proj(x))
@@ -136,8 +150,8 @@ class WhisperEncoderLayer(nn.Module):
         if config.activation_function != "gelu":
             raise ValueError(f"audio activation {config.activation_function!r} is not supported (Whisper uses gelu)")
 
-    def forward(self, x: torch.Tensor, past=None, attn_mask=None, rows=None):
-        h, k, v = self.self_attn(self.self_attn_layer_norm(x), past, attn_mask, rows)
+    def forward(self, x: torch.Tensor, past=None, attn_mask=None, rows=None, last_key=None):
+        h, k, v = self.self_attn(self.self_attn_layer_norm(x), past, attn_mask, rows, last_key)
         x = x + h
         x = x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
         return x, k, v
@@ -158,10 +172,15 @@ class WhisperAudioEncoder(nn.Module):
         self.layer_norm = nn.LayerNorm(d)
 
     # -- pieces -------------------------------------------------------------------------
-    def conv_frames(self, mel: torch.Tensor) -> torch.Tensor:
-        """mel [B, n_mels, T] -> conv features [B, ceil(T/2), d]."""
+    def conv_frames(self, mel: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """mel [B, n_mels, T] -> conv features [B, ceil(T/2), d]. ``valid`` [B, 1, T] (1 on a row's
+        real frames) zeroes conv1's output past each row's end: the zero padding conv2 sees in
+        that row's own unpadded step (batches of chunks of different lengths)."""
         mel = mel.to(dtype=self.conv1.weight.dtype, device=self.conv1.weight.device)
-        x = F.gelu(self.conv2(F.gelu(self.conv1(mel))))
+        h = F.gelu(self.conv1(mel))
+        if valid is not None:
+            h = h * valid.to(h.dtype)
+        x = F.gelu(self.conv2(h))
         # contiguous, so the residual stream is not a strided view through all the layers
         return x.transpose(1, 2).contiguous()
 

@@ -21,10 +21,9 @@ and after it the new cache is cloned out. A shape whose capture fails stays eage
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import kernels
-from .audio import AudioEncoderCache, WhisperEncoderLayer, avg_pool, chunk_conv_frames, extra_conv_frames
+from .audio import AudioEncoderCache, avg_pool, chunk_conv_frames, extra_conv_frames
 from .model import AudioChunkEmbedding, Thinker
 
 
@@ -74,24 +73,6 @@ def buffered_stream_body(thinker: Thinker, mel: torch.Tensor, buf: torch.Tensor,
                             buf, rows, mask, split_attention)[0]
 
 
-def _split_layer(layer: WhisperEncoderLayer, h: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
-                 rows: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """``WhisperEncoderLayer.forward`` over the fixed buffer with split-key attention: every query
-    of batch row b attends to buffer rows <= ``last[b, t]`` (the mask is a prefix). SDPA's fused
-    kernels give a 50-query step only one program per head and walk the 1504 keys serially (~28 us
-    per layer on the H200); the split kernel spreads the keys over the SMs and takes q in [B, n,
-    heads, d] as the projection writes it, with no transposed copy on either side."""
-    a = layer.self_attn
-    B, n, d = h.shape
-    x = layer.self_attn_layer_norm(h)
-    q = a.q_proj(x).view(B, n, a.num_heads, a.head_dim)
-    kb.index_copy_(2, rows, a._heads(a.k_proj(x)))
-    vb.index_copy_(2, rows, a._heads(a.v_proj(x)))
-    o = kernels.attention(q, kb, vb, last)
-    h = h + a.out_proj(o.reshape(B, n, d))
-    return h + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(h))))
-
-
 def _buffered_layers(thinker: Thinker, h: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
                      mask: torch.Tensor, split_attention: bool = False) -> torch.Tensor:
     """Conv frames h [B, n, d] at positions ``rows`` through the layers over the fixed buffer
@@ -101,16 +82,15 @@ def _buffered_layers(thinker: Thinker, h: torch.Tensor, buf: torch.Tensor, rows:
     table = apm.embed_positions.weight
     # upstream repeats the last learned position past the table (unreachable before a reset)
     h = h + table.index_select(0, rows.clamp_max(table.shape[0] - 1)).to(h.dtype)
+    bias = last = None
     if split_attention:
         B, n = h.shape[0], h.shape[1]
         # the mask is a prefix of rows per batch row: its last live row, for every query
         last = (mask.reshape(B, -1).sum(-1) - 1).to(torch.int32)[:, None].expand(B, n).contiguous()
-        for i, layer in enumerate(apm.layers):
-            h = _split_layer(layer, h, buf[i, 0], buf[i, 1], rows, last)
     else:
         bias = additive_mask(mask, h.dtype)
-        for i, layer in enumerate(apm.layers):
-            h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), bias, rows)
+    for i, layer in enumerate(apm.layers):
+        h, _, _ = layer(h, (buf[i, 0], buf[i, 1]), bias, rows, last)
     hidden = apm.layer_norm(h)
     return avg_pool(thinker.audio_projection_layer(hidden), thinker.audio_pool_step).to(thinker.dtype)
 
@@ -131,9 +111,7 @@ def forked_stream_body(thinker: Thinker, mels: torch.Tensor, mel_valid: torch.Te
     its own step's. Returns [B, n // pool, H]; every row has the same prefix trim.
     """
     apm = thinker.apm
-    mels = mels.to(dtype=apm.conv1.weight.dtype)
-    h = F.gelu(apm.conv1(mels)) * mel_valid.to(mels.dtype)
-    h = F.gelu(apm.conv2(h)).transpose(1, 2).contiguous()
+    h = apm.conv_frames(mels, mel_valid)
     front = extra_conv_frames(prefix_extra)
     return _buffered_layers(thinker, h[:, front:front + rows.shape[0]], buf, rows, mask, split_attention)
 

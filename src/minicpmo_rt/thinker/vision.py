@@ -46,13 +46,17 @@ class SiglipVisionEmbeddings(nn.Module):
             out[b][valid[b]] = (bh[:, None] * side + bw).flatten()
         return out
 
-    def forward(self, pixel_values: torch.Tensor, patch_attention_mask: torch.Tensor,
-                tgt_sizes: torch.Tensor) -> torch.Tensor:
+    def embed(self, pixel_values: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
+        """Patch embeddings + learned positions ``pos_ids`` [B, L] (on the device) -> [B, L, D]."""
         # contiguous: a transposed residual stream would keep its strides through every layer's
         # adds, and each LayerNorm would first copy it (strided kernels, ~4 ms per 5-frame batch)
-        x = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2).contiguous()  # [B, L, D]
-        pos = self.position_ids(patch_attention_mask, tgt_sizes).to(x.device)
-        return x + self.position_embedding(pos)
+        x = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2).contiguous()
+        return x + self.position_embedding(pos_ids)
+
+    def forward(self, pixel_values: torch.Tensor, patch_attention_mask: torch.Tensor,
+                tgt_sizes: torch.Tensor) -> torch.Tensor:
+        pos = self.position_ids(patch_attention_mask, tgt_sizes).to(pixel_values.device)
+        return self.embed(pixel_values, pos)
 
 
 class SiglipAttention(nn.Module):

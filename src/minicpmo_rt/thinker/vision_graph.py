@@ -23,9 +23,7 @@ def embed_body(thinker: Thinker, pixels: torch.Tensor, pos_ids: torch.Tensor, ke
                tgt_sizes: torch.Tensor) -> torch.Tensor:
     """``Thinker.embed_image`` after packing, given device ``pixels``, ``pos_ids`` and ``key_mask``."""
     vpm = thinker.vpm
-    emb = vpm.embeddings
-    x = emb.patch_embedding(pixels).flatten(2).transpose(1, 2).contiguous() + emb.position_embedding(pos_ids)
-    x = vpm.post_layernorm(vpm.encoder(x, key_mask))
+    x = vpm.post_layernorm(vpm.encoder(vpm.embeddings.embed(pixels, pos_ids), key_mask))
     return thinker.resampler(x, tgt_sizes).to(thinker.dtype)
 
 
