@@ -6,6 +6,9 @@ at its steady length prompt + 100 = 400 frames, batch 1, 4, 8, 16. Rows:
   original eager            reference ``CausalConditionalCFM.forward_chunk`` (IEEE FP32)
   original + graph          Whole-Euler graph over the original body (IEEE FP32)
   fused + graph TF32 on     fused body, TF32 GEMMs, Triton tiled TF32 attention
+  fused + graph TF32 on, staged body
+                            the same without the persistent block kernel (kernels/dit_block.py,
+                            the default up to 256 rows, i.e. batch 1-2): ~14 kernels per block
   fused + graph TF32 off    IEEE GEMMs; attention per the knobs (explicit fused => triton-tf32)
   fused + graph IEEE        IEEE GEMMs and IEEE Triton attention (the <=1e-5 configuration)
   upstream inference_chunk  minicpmo-utils 1.0.7 flow (encoder + CFM, batch 1 only: its
@@ -431,6 +434,8 @@ def main(argv=None) -> int:
                       offset_anchor=L, max_graphs=32)
     variants = [("original + graph", dict(body="original", tf32=False)),
                 ("fused + graph TF32 on", dict(body="fused", attention="triton-tf32", tf32=True)),
+                ("fused + graph TF32 on, staged body", dict(body="fused", attention="triton-tf32", tf32=True,
+                                                            block_kernel=False)),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 

@@ -36,6 +36,7 @@ from code2wav_bench import S, T, L, caches, kernel_profile, randomize_, timed  #
 from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver  # noqa: E402
 from minicpmo_rt.code2wav.flow import Flow  # noqa: E402
 from minicpmo_rt.code2wav.flow_config import FULL_SIZE  # noqa: E402
+from minicpmo_rt.code2wav.kernels import dit_block  # noqa: E402
 from minicpmo_rt.code2wav.kernels.small_gemm import GemmConfig, default_config, small_gemm  # noqa: E402
 from minicpmo_rt.code2wav.kernels.tiled_attention import tiled_attention  # noqa: E402
 from minicpmo_rt.code2wav.precision import matmul_tf32  # noqa: E402
@@ -125,7 +126,8 @@ def attention_sweep(quick: bool) -> list[dict]:
     return rows
 
 
-def solve_rows(cfm, batches: list[int], budget: float) -> tuple[list[dict], dict]:
+def solve_rows(cfm, batches: list[int], budget: float, keys=()) -> tuple[list[dict], dict]:
+    """``keys``: substrings selecting variants by name (empty: all)."""
     rows, profiles = [], {}
     variants = [("cuBLAS GEMMs, attention bm32 unsplit (session-1 fast path)",
                  dict(gemm="cublas", attn_splits=1, attn_block_m=32)),
@@ -134,7 +136,10 @@ def solve_rows(cfm, batches: list[int], budget: float) -> tuple[list[dict], dict
                 ("cuBLAS split-K GEMMs (partials summed in the fused stages), attention by grid fill (default)",
                  dict(gemm="cublas-split")),
                 ("cuBLAS split-K GEMMs, 2 partials each", dict(gemm="cublas-split", split_k=2)),
-                ("cuBLAS split-K GEMMs, 8 partials each", dict(gemm="cublas-split", split_k=8))]
+                ("cuBLAS split-K GEMMs, 8 partials each", dict(gemm="cublas-split", split_k=8)),
+                ("persistent block kernel (one launch per block, <= 256 rows)", dict(block_kernel=True)),
+                ("persistent block kernel up to 512 rows", dict(block_kernel=True, _max_rows=512))]
+    variants = [(n, kw) for n, kw in variants if not keys or any(k in n for k in keys)]
     for B in batches:
         g = torch.Generator().manual_seed(10 + B)
         cnn, att = caches(B, g)
@@ -146,6 +151,8 @@ def solve_rows(cfm, batches: list[int], budget: float) -> tuple[list[dict], dict
         for name, kw in variants:
             if "partials each" in name and B > 4:
                 continue   # fixed splits: a sweep for the few-row batches only
+            kw = dict(kw)
+            dit_block.MAX_ROWS = kw.pop("_max_rows", 256)     # a sweep knob of this script only
             solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
                                       config=cfg, **kw)
             got = solver.solve(mu, spk, cond, cnn, att, copy_out=False)
@@ -161,7 +168,7 @@ def solve_rows(cfm, batches: list[int], budget: float) -> tuple[list[dict], dict
             rows.append(r)
             print(f"  solve B={B:2d} {name:60s} {r['solve_ms']:7.2f} ms (replay {r['replay_ms']:7.2f}) "
                   f"err {err:.1e}", flush=True)
-            if "(default)" in name or "session-1" in name:
+            if "(default)" in name or "session-1" in name or "<= 256" in name:
                 fused = solver.fused
                 R = 2 * B
                 xin = torch.randn(R, T, 320, device="cuda")
@@ -217,6 +224,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sweeps")
     ap.add_argument("--budget", type=float, default=0.5)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: gemm,attention,solve")
+    ap.add_argument("--variants", default="", help="'|'-separated substrings of solve variant names to run "
+                    "(default: all), e.g. 'default|persistent'")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     skip = set(filter(None, args.skip.split(",")))
@@ -234,7 +243,8 @@ def main(argv=None) -> int:
     cfm = flow.to("cuda").eval().decoder
     if "solve" not in skip:
         with torch.inference_mode():
-            res["solve"], res["profiles"] = solve_rows(cfm, batches, args.budget)
+            res["solve"], res["profiles"] = solve_rows(cfm, batches, args.budget,
+                                                       tuple(filter(None, args.variants.split("|"))))
         save()
         print(f"solve rows done at {time.time() - t0:.0f}s", flush=True)
     if "attention" not in skip:

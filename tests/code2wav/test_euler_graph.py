@@ -9,6 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernel import
 
+from minicpmo_rt.code2wav import kernels  # noqa: E402
 from minicpmo_rt.code2wav.cfm import CausalConditionalCFM  # noqa: E402
 from minicpmo_rt.code2wav.euler_graph import GraphConfig, SolveKey, WholeEulerSolver  # noqa: E402
 from minicpmo_rt.code2wav.flow_config import CFMConfig, DiTConfig  # noqa: E402
@@ -63,6 +64,25 @@ def test_eager_solver_matches_reference(body, split_k, B, T, L):
         assert list(solver._statics) == [SolveKey(4, 6, 8, True)]
 
 
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_block_kernel_solver_with_masks_matches_reference():
+    """The persistent block kernel inside the Euler solver, on the padded (masked) bucket: batch 3
+    -> 4, width 5 -> 6, offset 7 -> 8. CPU: Triton's interpreter, one phase per launch, FP32 dots;
+    CUDA: the one-launch kernel with IEEE dots."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfm = tiny_cfm(seed=7).to(dev)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
+    solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", n_timesteps=S, config=cfg,
+                              use_triton=True, block_kernel=True)      # TF32 off: IEEE dots on CUDA
+    kw = chunk(3, 5, 7, seed=8, device=dev)
+    got = solver.solve(**kw, graph=False)
+    st = solver._statics[SolveKey(4, 6, 8, True)]
+    assert st.ws.ctr is not None and st.mask is not None      # the block kernel ran, masked
+    with ieee_cudnn():
+        assert_close(got, reference(cfm, kw), 1e-5)
+
+
 def test_batches_beyond_the_largest_bucket_run_in_groups():
     cfm = tiny_cfm(seed=2)
     solver = WholeEulerSolver(cfm, body="fused", attention="sdpa", n_timesteps=S, use_triton=False,
@@ -96,8 +116,13 @@ def test_tf32_scope_is_restored_after_solve_and_on_error():
 
 
 @requires_cuda
-@pytest.mark.parametrize("body,tf32", [("fused", False), ("fused", True), ("original", False), ("original", True)])
+@pytest.mark.parametrize("body,tf32", [("fused", False), ("fused", True), ("original", False), ("original", True),
+                                       ("fused-block", False), ("fused-block", True)])
 def test_cuda_graph_matches_eager(body, tf32):
+    """``fused-block``: the persistent block kernel (batch 2 = 200 rows; the padded batch 4 is past
+    its row limit and runs the staged body)."""
+    block = body == "fused-block"
+    body = "fused" if block else body
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE
     torch.backends.cuda.matmul.allow_tf32 = False
     cfm = tiny_cfm(seed=4, cfg=FULL_SIZE.dit, mild=True).cuda()
@@ -108,7 +133,7 @@ def test_cuda_graph_matches_eager(body, tf32):
         stack.enter_context(ieee_cudnn())   # the original body's Conv1d is cuDNN; IEEE reference throughout
         cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(50,), offset_bucket=50, offset_anchor=400)
         solver = WholeEulerSolver(cfm, body=body, attention="triton-tf32" if tf32 else "triton-ieee", tf32=tf32,
-                                  n_timesteps=10, config=cfg)
+                                  n_timesteps=10, config=cfg, block_kernel=block)
         for B, T, L in ((2, 50, 400), (3, 45, 380)):
             if body == "original" and T != 50:
                 continue
@@ -118,7 +143,8 @@ def test_cuda_graph_matches_eager(body, tf32):
             assert tf32_enabled() is False              # the process flag is restored after capture/replay
             assert solver.graphs(), "no graph was captured"
             errs = [rel_err(g, e) for g, e in zip(graphed, eager)]
-            print(f"graph vs eager {body} tf32={tf32} B={B} T={T} L={L}: {max(errs):.2e}")
+            print(f"graph vs eager {body}{' block kernel' if block else ''} tf32={tf32} B={B} T={T} L={L}: "
+                  f"{max(errs):.2e}")
             assert max(errs) <= 1e-6
             if not tf32:
                 assert_close(graphed, reference(cfm, kw), 1e-5)

@@ -109,7 +109,7 @@ def test_few_row_gemm_and_split_attention_match_original_tiny():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dit = our_dit(seed=5).to(dev)
     fused = FusedDiT(dit, attention="triton-tf32", use_triton=True, gemm="triton", attn_splits=2,
-                     attn_block_m=16)
+                     attn_block_m=16, block_kernel=False)     # the staged body (CUDA's default is the block kernel)
     calls = []
     import minicpmo_rt.code2wav.fused_dit as fd
     real = fd.small_gemm
@@ -215,3 +215,117 @@ def test_cuda_fused_vs_original_full_size(tf32, tol, R, gemm):
     errs = [rel_err(g, r) for g, r in zip(got, ref)]
     print(f"fused vs original (tf32={tf32}, R={R}, gemm={gemm}): velocity {errs[0]:.2e}, cnn cache {errs[1]:.2e}, att cache {errs[2]:.2e}")
     assert max(errs) <= tol
+
+
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("R,T,Lc,nprog", [(2, 5, 6, None), (4, 17, 40, None), (4, 17, 150, 64)])
+def test_block_kernel_matches_original_tiny(R, T, Lc, nprog, monkeypatch):
+    """The persistent block kernel (kernels/dit_block.py): on CPU it runs in Triton's interpreter one
+    phase per launch (the barrier is the launch boundary), its TF32 dots computed in FP32, so the
+    IEEE tolerance applies; T=17 leaves partial query blocks, and 64 programs over 167 keys split
+    them 3 ways (ragged last split) so the combine phase runs."""
+    from minicpmo_rt.code2wav.kernels import dit_block
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if nprog is not None:
+        monkeypatch.setattr(dit_block, "programs", lambda device: nprog)
+    dit = our_dit(seed=11).to(dev)
+    fused = FusedDiT(dit, attention="triton-tf32", use_triton=True, block_kernel=True)
+    assert fused.uses_block_kernel(R, T, dev)
+    sp = fused.gemm_splits(R, T, dev)
+    assert sp == {"qkv": 2, "proj": 2, "conv": 2, "fc2": 4}         # tiny K limits the splits
+    calls = []
+    real = dit_block.dit_block
+
+    def spy(**kw):
+        calls.append(kw["attn_splits"])
+        return real(**kw)
+    dit_block.dit_block = spy
+    try:
+        errs = check(dit, fused, R=R, T=T, Lc=Lc, tol=1e-5 if kernels.interpreting() else 2e-3, seed=12, device=dev)
+    finally:
+        dit_block.dit_block = real
+    assert len(calls) == len(dit.blocks) and max(errs) > 0
+    assert calls[0] == (3 if nprog else 1)
+    assert not fused.uses_block_kernel(32, 50, dev)             # many rows: the staged body
+    auto = FusedDiT(dit, attention="triton-tf32", use_triton=True)   # default: CUDA (+ TF32) only
+    assert auto.uses_block_kernel(R, T, "cuda") and not auto.uses_block_kernel(R, T, "cpu")
+    assert not FusedDiT(dit, attention="triton-ieee", use_triton=True).uses_block_kernel(R, T, "cuda")
+
+
+def test_block_kernel_shape_rules():
+    from minicpmo_rt.code2wav.kernels import dit_block
+    assert dit_block.gemm_splits(512, "qkv") == 4 and dit_block.gemm_splits(2048, "fc2") == 8
+    assert dit_block.gemm_splits(64, "qkv") == 2 and dit_block.gemm_splits(96, "fc2") == 1
+    assert dit_block.supported(512, 8, 64, 2048) == (True, "")
+    assert "hidden" in dit_block.supported(48, 2, 32, 192)[1]
+    assert dit_block.attention_splits(2, 8, 50, 450, 132) == (2, 256)   # 64 units -> 2 key splits
+    assert dit_block.attention_splits(8, 8, 50, 450, 132)[0] == 1
+    assert dit_block.tile("fc1", 512) == (64, 32, 1, 64) and dit_block.tile("fc2", 96)[2:] == (1, 32)
+    cfg = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=3.0, depth=1, num_heads=2, head_dim=32,
+                    hidden_size=48)
+    with pytest.raises(ValueError, match="block_kernel"):
+        FusedDiT(our_dit(cfg), block_kernel=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("tf32,tol", [(False, 1e-5), (True, 1e-3)])
+def test_cuda_block_kernel_vs_original_full_size(tf32, tol):
+    """The persistent kernel at full size, batch 1 with CFG (100 rows), cache 400: vs the original
+    body in IEEE, and the one-launch (barrier) form vs one launch per phase (same arithmetic)."""
+    from minicpmo_rt.code2wav.flow_config import FULL_SIZE
+    from minicpmo_rt.code2wav.kernels import dit_block
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    dit = our_dit(FULL_SIZE.dit, seed=7).cuda()
+    fused = FusedDiT(dit, attention="triton-tf32" if tf32 else "triton-ieee", block_kernel=True)
+    kw = inputs(2, 50, 400, 16, 512, 8, 64, seed=8, device="cuda")
+    with matmul_tf32(False), ieee_cudnn():
+        ref = dit.forward_chunk(**kw)
+    with matmul_tf32(tf32):
+        got = fused.forward_chunk(**kw)
+    errs = [rel_err(g, r) for g, r in zip(got, ref)]
+    print(f"block kernel vs original (tf32={tf32}): velocity {errs[0]:.2e}, cnn cache {errs[1]:.2e}, "
+          f"att cache {errs[2]:.2e}")
+    assert max(errs) <= tol
+    real = dit_block.dit_block
+    try:
+        dit_block.dit_block = lambda **k: real(**k, phase_by_phase=True)
+        with matmul_tf32(tf32):
+            staged = fused.forward_chunk(**kw)
+    finally:
+        dit_block.dit_block = real
+    errs = [rel_err(g, s) for g, s in zip(got, staged)]
+    print(f"block kernel one launch vs per phase: {max(errs):.2e}")
+    assert max(errs) <= 1e-6
+
+
+if kernels.AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    from minicpmo_rt.code2wav.kernels.dit_ops import round_tf32
+
+    @triton.jit
+    def _round_kernel(X, Y, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(Y + o, round_tf32(tl.load(X + o, mask=o < n), True), mask=o < n)
+
+
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_round_tf32_is_round_to_nearest_ties_away():
+    """The block kernel's operand rounding (Triton, in-kernel) and the weights' (torch) agree and
+    round to nearest with ties away from zero at TF32's 10-bit mantissa."""
+    from minicpmo_rt.code2wav.kernels import dit_block
+
+    ulp = 2.0 ** -10
+    x = torch.tensor([1 + ulp / 2, 1 + ulp / 2 - 2.0 ** -23, -(1 + ulp / 2), 3 * ulp, 1.0, 0.0, -2.5 + 0.3 * ulp])
+    want = torch.tensor([1 + ulp, 1.0, -(1 + ulp), 3 * ulp, 1.0, 0.0, -2.5])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = torch.empty_like(x, device=dev)
+    _round_kernel[(1,)](x.to(dev), got, x.numel(), BLOCK=8)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(dit_block.round_tf32_(x.clone()), want)
+    r = torch.randn(10000)
+    q = dit_block.round_tf32_(r.clone())
+    assert ((q - r).abs() <= r.abs() * 2.0 ** -11 + 1e-30).all() and (q.view(torch.int32) & 0x1FFF).eq(0).all()

@@ -92,7 +92,7 @@ class WholeEulerSolver:
     def __init__(self, cfm, body: Literal["original", "fused"] = "fused", attention: str = "triton-tf32",
                  tf32: bool = False, n_timesteps: int = 10, config: GraphConfig = GraphConfig(),
                  use_triton: bool | None = None, gemm: str = "cublas-split", attn_splits: int | None = None,
-                 attn_block_m: int | None = None, split_k: int | None = None):
+                 attn_block_m: int | None = None, split_k: int | None = None, block_kernel: bool | None = None):
         self.cfm = cfm
         self.dit = cfm.estimator
         self.body = body
@@ -102,7 +102,7 @@ class WholeEulerSolver:
         self.config = config
         self.fused = (FusedDiT(self.dit, attention=attention, use_triton=use_triton, gemm=gemm,
                                attn_splits=attn_splits, attn_block_m=attn_block_m,
-                               split_k=split_k) if body == "fused" else None)
+                               split_k=split_k, block_kernel=block_kernel) if body == "fused" else None)
         b0 = self.dit.blocks[0]
         self.depth, self.C = len(self.dit.blocks), self.dit.in_proj.out_features
         self.H, self.D = b0.attn.num_heads, b0.attn.head_dim

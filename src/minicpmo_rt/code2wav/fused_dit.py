@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import AVAILABLE as TRITON_AVAILABLE, usable_on
-from .kernels import dit_ops
+from .kernels import AVAILABLE as TRITON_AVAILABLE, interpreting, usable_on
+from .kernels import dit_block, dit_ops
 from .kernels.small_gemm import small_gemm
 from .kernels.tiled_attention import sdpa_attention, tiled_attention
 
@@ -182,6 +182,10 @@ class Workspace:
     taps: torch.Tensor     # (Sc, R, T+K-1, K*C)
     mlp: torch.Tensor      # (R, T, 4C)
     y2: torch.Tensor       # (Sf, R, T, C) fc2
+    # persistent block kernel only (None otherwise): attention split scratch and barrier counters
+    attn_acc: torch.Tensor | None = None   # flat, R*H*8*T*D
+    attn_ml: torch.Tensor | None = None    # flat, R*H*8*T*2
+    ctr: torch.Tensor | None = None        # (depth,) int32, zeroed per evaluation
 
 
 class FusedDiT:
@@ -189,13 +193,18 @@ class FusedDiT:
 
     def __init__(self, dit: nn.Module, attention: AttentionKind = "sdpa", use_triton: bool | None = None,
                  gemm: GemmKind = "cublas-split", attn_splits: int | None = None, attn_block_m: int | None = None,
-                 split_k: int | None = None):
+                 split_k: int | None = None, block_kernel: bool | None = None):
         """``gemm="triton"`` runs every GEMM through the few-row Triton kernel while TF32 is on
         (opt-in: on the H200 it made a batch-1 solve slower, 15.3 vs 13.1 ms, and its TF32
         rounding costs ~2x cuBLAS's error; see benchmarks/results/code2wav_kernels_h200.md).
         ``attn_splits`` / ``attn_block_m``: Triton attention launch shape (None: by grid fill).
         ``gemm="cublas-split"``: few-row GEMMs split over K (``split_k`` partials, None: by
-        ``split_k_for``) as strided-batched cuBLAS GEMMs, summed by the fused stage after them."""
+        ``split_k_for``) as strided-batched cuBLAS GEMMs, summed by the fused stage after them.
+        ``block_kernel``: run each block as ONE persistent Triton kernel (``kernels/dit_block.py``)
+        when the rows are few (R*T <= dit_block.MAX_ROWS), Triton runs on the device and the caches
+        are not pooled; otherwise the staged body. None (default): on CUDA with TF32 attention, while
+        TF32 matmuls are on (H200, batch 1: 9.97 vs 11.66 ms per chunk); True: also with IEEE dots and
+        on CPU under Triton's interpreter (the tests); False: never."""
         ok, why = supports_fused_body(dit)
         if not ok:
             raise ValueError(f"DiT layout not supported by the fused body: {why}")
@@ -210,6 +219,11 @@ class FusedDiT:
         self.attention = attention
         self.use_triton = TRITON_AVAILABLE if use_triton is None else use_triton
         self.gemm, self.attn_splits, self.attn_block_m, self.split_k = gemm, attn_splits, attn_block_m, split_k
+        ok, why = dit_block.supported(self.L.hidden, self.L.heads, self.L.head_dim, self.L.mlp_hidden)
+        if block_kernel and not ok:
+            raise ValueError(f"block_kernel: this DiT's shapes do not fit the persistent kernel: {why}")
+        self.block_kernel = (attention == "triton-tf32" and ok) if block_kernel is None else bool(block_kernel)
+        self._block_auto = block_kernel is None
         self.refresh()
 
     @torch.no_grad()
@@ -223,6 +237,15 @@ class FusedDiT:
             for conv, dst in ((blk.conv.block[1], self.w_taps1), (blk.conv.block[6], self.w_taps2)):
                 w = conv.weight                                   # (Cout, Cin, K)
                 dst.append(w.permute(2, 0, 1).reshape(-1, w.shape[1]).contiguous())   # (K*Cout, Cin)
+        self.block_weights = []
+        for i, blk in enumerate(self.dit.blocks):
+            a, seq, mlp = blk.attn, blk.conv.block, blk.mlp
+            self.block_weights.append(dit_block.BlockWeights(
+                self.w_qkv[i], self.b_qkv[i], a.q_norm.weight, a.q_norm.bias, a.k_norm.weight, a.k_norm.bias,
+                a.proj.weight, a.proj.bias, self.w_taps1[i], seq[1].bias, seq[3].weight, seq[3].bias,
+                self.w_taps2[i], seq[6].bias, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias))
+        # compiled TF32 reads weights pre-rounded to nearest TF32 (a copy: the module is not modified)
+        self.block_weights_tf32 = [w.rounded() for w in self.block_weights] if self.block_kernel else []
 
     # ------------------------------------------------------------------ modulation
     @torch.no_grad()
@@ -238,11 +261,22 @@ class FusedDiT:
         return Modulation(blocks.contiguous(), fin.contiguous())
 
     # ------------------------------------------------------------------ buffers
-    def gemm_splits(self, R: int, T: int) -> dict:
-        """Split-K partials per GEMM role for R rows x T frames (all 1 unless gemm="cublas-split")."""
+    def uses_block_kernel(self, R: int, T: int, device) -> bool:
+        """Does ``body`` run the persistent block kernel for R rows x T frames (unpooled caches)?"""
+        dev = torch.device(device)
+        if self._block_auto and dev.type != "cuda":
+            return False
+        on_device = dev.type == "cuda" or (dev.type == "cpu" and interpreting())
+        return self.block_kernel and R * T <= dit_block.MAX_ROWS and self.use_triton and on_device
+
+    def gemm_splits(self, R: int, T: int, device=None) -> dict:
+        """Split-K partials per GEMM role for R rows x T frames (all 1 unless gemm="cublas-split"
+        or the block kernel runs, whose tiles fix them)."""
         L = self.L
         roles = {"qkv": (R * T, 3 * L.heads * L.head_dim, L.hidden), "proj": (R * T, L.hidden, L.heads * L.head_dim),
                  "conv": (R * (T + L.taps - 1), L.taps * L.hidden, L.hidden), "fc2": (R * T, L.hidden, L.mlp_hidden)}
+        if device is not None and self.uses_block_kernel(R, T, device):
+            return {k: dit_block.gemm_splits(K, k) for k, (_, _, K) in roles.items()}
         if self.gemm != "cublas-split":
             return {k: 1 for k in roles}
         if self.split_k is not None:
@@ -252,12 +286,17 @@ class FusedDiT:
     def workspace(self, R: int, T: int, device, dtype=torch.float32) -> Workspace:
         L = self.L
         e = lambda *s: torch.empty(*s, device=device, dtype=dtype)  # noqa: E731
-        sp = self.gemm_splits(R, T)
-        return Workspace(h=e(R, T, L.hidden), norm=e(R, T, L.hidden),
-                         qkv=e(sp["qkv"], R, T, 3 * L.heads * L.head_dim),
-                         q=e(R, T, L.heads, L.head_dim), o=e(R, T, L.heads, L.head_dim), y=e(sp["proj"], R, T, L.hidden),
-                         taps=e(sp["conv"], R, T + L.taps - 1, L.taps * L.hidden), mlp=e(R, T, L.mlp_hidden),
-                         y2=e(sp["fc2"], R, T, L.hidden))
+        sp = self.gemm_splits(R, T, device)
+        ws = Workspace(h=e(R, T, L.hidden), norm=e(R, T, L.hidden),
+                       qkv=e(sp["qkv"], R, T, 3 * L.heads * L.head_dim),
+                       q=e(R, T, L.heads, L.head_dim), o=e(R, T, L.heads, L.head_dim), y=e(sp["proj"], R, T, L.hidden),
+                       taps=e(sp["conv"], R, T + L.taps - 1, L.taps * L.hidden), mlp=e(R, T, L.mlp_hidden),
+                       y2=e(sp["fc2"], R, T, L.hidden))
+        if self.uses_block_kernel(R, T, device):
+            ws.attn_acc = e(R * L.heads * 8 * T * L.head_dim)
+            ws.attn_ml = e(R * L.heads * 8 * T * 2)
+            ws.ctr = torch.zeros(L.depth, device=device, dtype=torch.int32)
+        return ws
 
     def _triton(self, t: torch.Tensor) -> bool:
         return self.use_triton and usable_on(t)
@@ -389,8 +428,27 @@ class FusedDiT:
         mb = mod.blocks
         # block 0 input: plain modulated LN
         self._res_ln(ws, None, None, None, mb[:, 0, SH_MSA], mb[:, 0, SC_MSA], ws.norm, L.norm_eps)
+        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 or not xin.is_cuda else "ieee"
+        # auto: only while TF32 is on (its IEEE dots would trail cuBLAS FP32); the workspace's split
+        # counts then serve the staged body as well
+        persistent = pos is None and ws.ctr is not None and (precision == "tf32" or not self._block_auto)
+        if persistent:
+            ws.ctr.zero_()
+            weights = self.block_weights_tf32 if dit_block.rounds(precision, xin.device) else self.block_weights
+            nprog = dit_block.programs(xin.device)
+            nk = kv.shape[3]
+            a_splits, per_split = dit_block.attention_splits(R, L.heads, T, nk, nprog)
         for i, blk in enumerate(dit.blocks):
             m = mb[:, i]
+            nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
+            if persistent:
+                dit_block.dit_block(
+                    h=ws.h, norm=ws.norm, qkv=ws.qkv, q=ws.q, kv=kv[i], mask=mask, o=ws.o, attn_acc=ws.attn_acc,
+                    attn_ml=ws.attn_ml, y=ws.y, hist1=hist[i, 0], hist2=hist[i, 1], taps=ws.taps, mlp=ws.mlp,
+                    y2=ws.y2, ctr=ws.ctr[i:i + 1], w=weights[i], mod=m, next_shift=nxt[0],
+                    next_scale=nxt[1], eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps,
+                    attn_splits=a_splits, keys_per_split=per_split, nprog=nprog, precision=precision)
+                continue
             b = self._gemm(ws.norm.view(N, C), self.w_qkv[i], self.b_qkv[i], ws.qkv)
             if pos is None:
                 self._qkv_ln(ws, blk, kv[i][:, :, :T], bias=b)
@@ -410,7 +468,6 @@ class FusedDiT:
             self._linear(ws.norm.view(N, C), blk.mlp.fc1.weight, blk.mlp.fc1.bias, ws.mlp.view(N, -1), gelu=True)
             b = self._gemm(ws.mlp.view(N, -1), blk.mlp.fc2.weight, blk.mlp.fc2.bias, ws.y2)
             # this block's MLP residual fused with the next block's attention-input LN (or the final one)
-            nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
             self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps)
         fl = dit.final_layer.linear
         self._linear(ws.norm.view(N, C), fl.weight, fl.bias, out.view(N, -1))

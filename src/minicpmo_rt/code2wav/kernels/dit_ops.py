@@ -26,12 +26,20 @@ if AVAILABLE:
     import triton.language as tl
 
     @triton.jit
-    def _residual_mod_ln(X, Y, BIAS, GATE, SHIFT, SCALE, OUT,
-                         sxr, sxt, syr, syt, sor, sot, s_gate, s_mod, s_split,
-                         T, C, eps,
-                         TAPS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         SPLITS: tl.constexpr, BLOCK_C: tl.constexpr):
-        n = tl.program_id(0)
+    def round_tf32(x, ROUND: tl.constexpr):
+        """x rounded to nearest TF32 (10-bit mantissa, ties away from zero) when ROUND: a GEMM operand
+        stored pre-rounded so the tensor core's truncation is exact (the persistent block kernel)."""
+        if ROUND:
+            x = ((x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
+        return x
+
+    @triton.jit
+    def res_ln_row(n, X, Y, BIAS, GATE, SHIFT, SCALE, OUT,
+                   sxr, sxt, syr, syt, sor, sot, s_gate, s_mod, s_split,
+                   T, C, eps,
+                   TAPS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, ROUND_OUT: tl.constexpr = False):
+        """Token row ``n`` of ``residual_mod_ln`` (also a phase of the persistent block kernel)."""
         r = n // T
         t = n % T
         offs = tl.arange(0, BLOCK_C)
@@ -61,15 +69,24 @@ if AVAILABLE:
         xn = d / tl.sqrt(var + eps)
         sh = tl.load(SHIFT + r * s_mod + offs, mask=ok, other=0.0)
         sc = tl.load(SCALE + r * s_mod + offs, mask=ok, other=0.0)
-        tl.store(OUT + r * sor + t * sot + offs, xn * sc + sh, mask=ok)
+        tl.store(OUT + r * sor + t * sot + offs, round_tf32(xn * sc + sh, ROUND_OUT), mask=ok)
 
     @triton.jit
-    def _qkv_head_ln(QKV, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS,
-                     s_in_r, s_in_t, s_split, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t,
-                     T, H, D, eps,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_POS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr):
-        n = tl.program_id(0)
+    def _residual_mod_ln(X, Y, BIAS, GATE, SHIFT, SCALE, OUT,
+                         sxr, sxt, syr, syt, sor, sot, s_gate, s_mod, s_split,
+                         T, C, eps,
+                         TAPS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         SPLITS: tl.constexpr, BLOCK_C: tl.constexpr):
+        res_ln_row(tl.program_id(0), X, Y, BIAS, GATE, SHIFT, SCALE, OUT, sxr, sxt, syr, syt, sor, sot,
+                   s_gate, s_mod, s_split, T, C, eps, TAPS, HAS_RES, HAS_BIAS, SPLITS, BLOCK_C)
+
+    @triton.jit
+    def qkv_head_ln_row(n, QKV, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS,
+                        s_in_r, s_in_t, s_split, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t,
+                        T, H, D, eps,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_POS: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr):
+        """Token row ``n`` of ``qkv_head_ln`` (also a phase of the persistent block kernel)."""
         r = n // T
         t = n % T
         kr = r
@@ -110,9 +127,20 @@ if AVAILABLE:
         tl.store(dst + D, v, mask=ok)
 
     @triton.jit
-    def _taps_ln_mish(Y, BIAS, W, B, OUT, syr, syt, sor, sot, s_split, T, C, eps,
-                      TAPS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr):
-        n = tl.program_id(0)
+    def _qkv_head_ln(QKV, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS,
+                     s_in_r, s_in_t, s_split, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t,
+                     T, H, D, eps,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_POS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr):
+        qkv_head_ln_row(tl.program_id(0), QKV, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS,
+                        s_in_r, s_in_t, s_split, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t, T, H, D, eps,
+                        BLOCK_H, BLOCK_D, HAS_POS, HAS_BIAS, SPLITS)
+
+    @triton.jit
+    def taps_ln_mish_row(n, Y, BIAS, W, B, OUT, syr, syt, sor, sot, s_split, T, C, eps,
+                         TAPS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr,
+                         ROUND_OUT: tl.constexpr = False):
+        """Token row ``n`` of ``taps_ln_mish`` (also a phase of the persistent block kernel)."""
         r = n // T
         t = n % T
         offs = tl.arange(0, BLOCK_C)
@@ -129,7 +157,13 @@ if AVAILABLE:
         e = tl.exp(tl.minimum(h, 20.0))
         nn_ = e * (e + 2.0)
         m = tl.where(h > 20.0, h, h * nn_ / (nn_ + 2.0))
-        tl.store(OUT + r * sor + t * sot + offs, m, mask=ok)
+        tl.store(OUT + r * sor + t * sot + offs, round_tf32(m, ROUND_OUT), mask=ok)
+
+    @triton.jit
+    def _taps_ln_mish(Y, BIAS, W, B, OUT, syr, syt, sor, sot, s_split, T, C, eps,
+                      TAPS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr):
+        taps_ln_mish_row(tl.program_id(0), Y, BIAS, W, B, OUT, syr, syt, sor, sot, s_split, T, C, eps,
+                         TAPS, SPLITS, BLOCK_C)
 
 
 def _pow2(n: int) -> int:

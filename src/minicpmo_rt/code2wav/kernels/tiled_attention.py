@@ -23,8 +23,10 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
+    from .dit_ops import round_tf32
+
     @triton.jit
-    def _attn_fwd(Q, K, V, O, M, KVR, PACC, PML,
+    def attn_tile(b, h, mblk, split, H, Q, K, V, O, M, KVR, PACC, PML,
                   sqb, sqh, sqm, sqd,
                   skb, skh, skn, skd,
                   svb, svh, svn, svd,
@@ -33,11 +35,9 @@ if AVAILABLE:
                   nq, nk, scale, keys_per_split,
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
-                  SPLITS: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        mblk = tl.program_id(2) // SPLITS
-        split = tl.program_id(2) % SPLITS
+                  SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr = False):
+        """Query block ``mblk`` x key split ``split`` of (row b, head h) of H heads (also a phase
+        of the persistent block kernel)."""
         kvb = b
         if HAS_KVR:
             kvb = tl.load(KVR + b)
@@ -73,23 +73,39 @@ if AVAILABLE:
             m_i = m_new
         if SPLITS == 1:
             denom = tl.where(l_i > 0, l_i, 1.0)
-            out = tl.where((l_i > 0)[:, None], acc / denom[:, None], 0.0)
+            out = round_tf32(tl.where((l_i > 0)[:, None], acc / denom[:, None], 0.0), ROUND_OUT)
             tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out,
                      mask=row_ok[:, None])
         else:
             # partial (unnormalised acc, running max, denominator) of this key range; contiguous
             # scratch (B, H, SPLITS, nq, D) and (B, H, SPLITS, nq, 2), combined by _attn_combine
-            part = ((b * tl.num_programs(1) + h) * SPLITS + split).to(tl.int64) * nq
+            part = ((b * H + h) * SPLITS + split).to(tl.int64) * nq
             tl.store(PACC + (part + offs_m[:, None]) * HEAD_D + offs_d[None, :], acc, mask=row_ok[:, None])
             tl.store(PML + (part + offs_m) * 2, m_i, mask=row_ok)
             tl.store(PML + (part + offs_m) * 2 + 1, l_i, mask=row_ok)
 
     @triton.jit
-    def _attn_combine(PACC, PML, O, sob, soh, som, sod, H, nq,
-                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    def _attn_fwd(Q, K, V, O, M, KVR, PACC, PML,
+                  sqb, sqh, sqm, sqd,
+                  skb, skh, skn, skd,
+                  svb, svh, svn, svd,
+                  sob, soh, som, sod,
+                  smb, smm, smn,
+                  nq, nk, scale, keys_per_split,
+                  HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
+                  SPLITS: tl.constexpr):
+        attn_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
+                  tl.num_programs(1), Q, K, V, O, M, KVR, PACC, PML, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+                  svb, svh, svn, svd, sob, soh, som, sod, smb, smm, smn, nq, nk, scale, keys_per_split,
+                  HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS)
+
+    @triton.jit
+    def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
+                          HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+                          ROUND_OUT: tl.constexpr = False):
+        """Merge the SPLITS partials of query block ``mblk`` of (row b, head h)."""
+        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_D)
         row_ok = offs_m < nq
         base = (b * H + h) * SPLITS
@@ -104,8 +120,23 @@ if AVAILABLE:
             l_sum += w * tl.load(PML + row * 2 + 1, mask=row_ok, other=0.0)
             acc += w[:, None] * tl.load(PACC + row[:, None] * HEAD_D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         denom = tl.where(l_sum > 0, l_sum, 1.0)
-        out = tl.where((l_sum > 0)[:, None], acc / denom[:, None], 0.0)
+        out = round_tf32(tl.where((l_sum > 0)[:, None], acc / denom[:, None], 0.0), ROUND_OUT)
         tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out, mask=row_ok[:, None])
+
+    @triton.jit
+    def _attn_combine(PACC, PML, O, sob, soh, som, sod, H, nq,
+                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+        attn_combine_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), PACC, PML, O, sob, soh, som, sod,
+                          H, nq, HEAD_D, BLOCK_M, SPLITS)
+
+
+def key_splits(nk: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(splits, keys per split) with each split walking a whole number of key tiles
+    (fewer splits when the keys run out)."""
+    tiles = -(-nk // block_n)
+    splits = max(1, min(splits, tiles))
+    per_split = -(-tiles // splits) * block_n
+    return -(-nk // per_split), per_split
 
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -139,11 +170,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     kvr = kv_rows.to(torch.int32) if kv_rows is not None else q
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    # each split walks a whole number of key tiles; fewer splits when the keys run out
-    tiles = triton.cdiv(nk, block_n)
-    splits = max(1, min(splits, tiles))
-    per_split = triton.cdiv(tiles, splits) * block_n
-    splits = triton.cdiv(nk, per_split)
+    splits, per_split = key_splits(nk, splits, block_n)
     mblocks = triton.cdiv(nq, block_m)
     if splits > 1:
         pacc = torch.empty(B, H, splits, nq, D, device=q.device, dtype=torch.float32)

@@ -1,0 +1,132 @@
+"""Where the time of the persistent DiT block kernel goes (GPU), batch 1 with CFG at full size.
+
+For each launch configuration: program 0's clock at every grid barrier of one launch (per-phase
+time incl. the wait at the barrier), the block as one launch and as one launch per phase (each
+replayed from a CUDA graph), and the compiled kernel's registers / spills.
+
+    PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from code2wav_bench import L, T, randomize_  # noqa: E402
+
+from minicpmo_rt.code2wav.flow import Flow  # noqa: E402
+from minicpmo_rt.code2wav.flow_config import FULL_SIZE  # noqa: E402
+from minicpmo_rt.code2wav.fused_dit import FusedDiT  # noqa: E402
+from minicpmo_rt.code2wav.kernels import dit_block  # noqa: E402
+from minicpmo_rt.code2wav.precision import matmul_tf32  # noqa: E402
+
+PHASES = ["QKV GEMM", "q/k head LN + cache write", "attention", "split combine", "out-proj GEMM",
+          "residual + LN -> conv1 history", "conv1 taps GEMM", "tap sum + LN + Mish", "conv2 taps GEMM",
+          "tap sum + residual + LN", "fc1 GEMM + GELU", "fc2 GEMM", "residual + next LN"]
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ts = []
+    for _ in range(reps):
+        ev[0].record()
+        g.replay()
+        ev[1].record()
+        torch.cuda.synchronize()
+        ts.append(ev[0].elapsed_time(ev[1]) * 1e3)
+    return statistics.median(ts)
+
+
+def main(out_dir: str, configs=None) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = "cuda"
+    flow = Flow(FULL_SIZE)
+    randomize_(flow, 0)
+    dit = flow.decoder.estimator.to(dev).eval()
+    R = 2
+    res = {"gpu": torch.cuda.get_device_name(), "rows": R * T, "cache": L, "configs": []}
+    configs = configs or [{"num_warps": 4}, {"num_warps": 8},
+                          {"num_warps": 8, "att_bm": 16},
+                          {"num_warps": 8, "tiles": {"qkv": (128, 64, 4, 64), "conv": (128, 64, 4, 64),
+                                                     "fc2": (64, 64, 4, 64)}}]
+    with torch.inference_mode(), matmul_tf32(True):
+        fused = FusedDiT(dit, attention="triton-tf32", block_kernel=True)
+        xin = torch.randn(R, T, 320, device=dev)
+        kv = torch.randn(16, R, 8, T + L, 128, device=dev)
+        hist = fused.new_hist(R, T, dev).zero_()
+        ws = fused.workspace(R, T, dev)
+        out_t = torch.empty(R, T, 80, device=dev)
+        mod = fused.modulation(torch.full((1,), 0.5, device=dev))
+        fused.body(xin, mod, hist, kv, None, ws, out_t)      # compile + fill the buffers
+        nprog = dit_block.programs(torch.device(dev))
+        m = mod.blocks
+
+        for cfg in configs:
+            saved = dict(dit_block.TILES)
+            saved_att = dit_block.ATT_BM
+            dit_block.TILES.update(cfg.get("tiles", {}))
+            dit_block.ATT_BM = cfg.get("att_bm", saved_att)
+            a_splits, per_split = dit_block.attention_splits(R, 8, T, T + L, nprog)
+            names = [p for p in PHASES if a_splits > 1 or p != "split combine"]
+            nw = cfg.get("num_warps", 4)
+            ws = fused.workspace(R, T, dev)          # split counts follow the tiles
+            ws.h.normal_()
+            ws.norm.normal_()
+
+            def block(i=0, times=None, phase_by_phase=False, zero=True):
+                if zero:
+                    ws.ctr.zero_()
+                nxt = (m[:, i + 1, 0], m[:, i + 1, 1])
+                return dit_block.dit_block(
+                    h=ws.h, norm=ws.norm, qkv=ws.qkv, q=ws.q, kv=kv[i], mask=None, o=ws.o, attn_acc=ws.attn_acc,
+                    attn_ml=ws.attn_ml, y=ws.y, hist1=hist[i, 0], hist2=hist[i, 1], taps=ws.taps, mlp=ws.mlp,
+                    y2=ws.y2, ctr=ws.ctr[i:i + 1], w=fused.block_weights_tf32[i], mod=m[:, i], next_shift=nxt[0],
+                    next_scale=nxt[1], eps=1e-6, qk_eps=1e-6, conv_eps=1e-5, attn_splits=a_splits,
+                    keys_per_split=per_split, nprog=nprog, phase_by_phase=phase_by_phase, num_warps=nw,
+                    times=times)
+
+            try:
+                k = block()
+                times = torch.zeros(len(names) + 1, dtype=torch.int64, device=dev)
+                per_phase = []
+                for _ in range(15):
+                    block(times=times)
+                    torch.cuda.synchronize()
+                    per_phase.append((times[1:] - times[:-1]).double().cpu() / 1e3)
+                med = torch.stack(per_phase).median(0).values.tolist()
+                one = graph_us(lambda: (ws.ctr.zero_(), [block(i, zero=False) for i in range(15)])) / 15
+                staged = graph_us(lambda: [block(i, phase_by_phase=True, zero=False) for i in range(15)]) / 15
+                row = {"config": {k_: v for k_, v in cfg.items() if k_ != "tiles"} | {"tiles": dict(dit_block.TILES)},
+                       "attention": {"block_m": dit_block.ATT_BM, "splits": a_splits},
+                       "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+                       "block_us_one_launch": one, "block_us_launch_per_phase": staged,
+                       "phase_us": dict(zip(names, med)), "phase_sum_us": sum(med)}
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported
+                row = {"config": str(cfg), "error": repr(exc)[:300]}
+            finally:
+                dit_block.TILES.clear()
+                dit_block.TILES.update(saved)
+                dit_block.ATT_BM = saved_att
+            res["configs"].append(row)
+            print(json.dumps(row, indent=1), flush=True)
+    (out / "dit_block_profile.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/dit_block_profile")

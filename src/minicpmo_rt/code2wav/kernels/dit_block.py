@@ -1,0 +1,409 @@
+"""One persistent Triton kernel per DiT block, for few rows (batch 1-2 with CFG).
+
+At batch 1 a block is ~100 token rows, and each of the ~14 kernels the staged fused body launches
+per block sits near a 3-6 us floor (launch gap, ramp, drain) whatever its work. Here one kernel
+with one program per SM runs the whole block as a sequence of phases separated by grid-wide
+barriers (an atomic arrival counter, ~0.9 us on the H200 against ~3 us per kernel boundary):
+
+  0 QKV GEMM -> split-K partials      1 q/k head LN, [k|v] into the cache
+  2 attention (key splits)            3 split combine
+  4 out-proj GEMM -> partials         5 residual + modulated LN into conv1's history
+  6 conv1 taps GEMM -> partials       7 tap sum + bias + LN + Mish into conv2's history
+  8 conv2 taps GEMM -> partials       9 tap sum + residual + modulated LN (MLP input)
+  10 fc1 GEMM + bias + tanh-GELU      11 fc2 GEMM -> partials
+  12 residual + the next block's modulated LN
+
+The row phases and the attention are the staged body's own Triton functions (``dit_ops``,
+``tiled_attention``), called per work unit instead of per program; only the GEMM phase is new:
+TF32 tensor-core tiles whose operands are rounded to nearest TF32 (the tensor core truncates the
+13 low mantissa bits, which would double the error). The weights are rounded once (``BlockWeights.rounded``) and
+each phase stores the operand it produces for the next GEMM already rounded; loads stay plain, so
+Triton's asynchronous copy pipelining of the K loop is kept (an in-loop rounding of the loaded
+tiles serialised every K step, ~1 us each, in the first H200 profile).
+
+All programs must be resident at once for the barriers (one per SM, launched as a plain grid of
+``multi_processor_count`` programs). Triton's CPU interpreter runs programs one after another,
+so there (and with ``phase_by_phase=True``) the same kernel is launched once per phase: the same
+code, the kernel boundary standing in for the barrier. That is what the CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import AVAILABLE, interpreting
+from .tiled_attention import key_splits
+
+# GEMM tiles (rows BM x columns BN, K split S ways) per role at ~100 rows; H200 probe
+# (benchmarks/results/persistent_probe_h200.json): us per phase incl. the barrier, vs the same GEMM
+# as a graph-replayed cuBLAS call split 2 ways: qkv 4.56 vs 5.48, proj 2.58 vs 4.99, conv 4.53 vs
+# 5.89, fc2 5.83 vs 7.34. fc1 keeps K whole so its bias + GELU run in the epilogue.
+# Each tuple: (BM, BN, K splits, BK); BK 64 halves the serial K steps of the long-K phases.
+TILES = {"qkv": (128, 64, 4, 32), "proj": (64, 32, 4, 32), "conv": (128, 64, 4, 32), "fc1": (64, 32, 1, 64),
+         "fc2": (64, 64, 8, 64)}
+BK = 32                 # the smallest K step: every GEMM's K must be a multiple of it
+# Attention: 16-query blocks, keys split until there is about one unit per program (batch 1: 64
+# blocks x 2 splits). H200 profile (dit_block_profile_h200.json): 64-query blocks x 8 splits of one
+# key tile each were no faster (attention 7.0 us either way) and cost 0.5 us more in the combine.
+ATT_BM, ATT_BN, COMBINE_BM = 16, 64, 16
+MAX_ROWS = 256          # R*T above which the staged body (more CTAs per GEMM) is used
+N_PHASES = 13
+
+if AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    from .dit_ops import qkv_head_ln_row, res_ln_row, round_tf32, taps_ln_mish_row
+    from .tiled_attention import attn_combine_tile, attn_tile
+
+    @triton.jit
+    def _grid_sync(CTR, target):
+        # every warp's stores of the phase are issued before the program publishes its arrival
+        tl.debug_barrier()
+        tl.atomic_add(CTR, 1, sem="release", scope="gpu")
+        while tl.atomic_add(CTR, 0, sem="acquire", scope="gpu") < target:
+            pass
+        tl.debug_barrier()
+
+    @triton.jit
+    def _stamp(TIMES, j, pid, TIMED: tl.constexpr):
+        # profiling only (benchmarks/dit_block_profile.py): program 0's clock after barrier j
+        if TIMED:
+            if pid == 0:
+                tl.store(TIMES + j, tl.extra.cuda.globaltimer())
+
+    @triton.jit
+    def _gemm_phase(pid, nprog, A, W, OUT, BIAS, M, N, K,
+                    S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK_: tl.constexpr,
+                    GELU: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr):
+        """OUT (S, M, N) = split-K partials of A (M, K) @ W (N, K)^T; GELU: S == 1, + bias, tanh-GELU."""
+        mt = tl.cdiv(M, BM)
+        nt = tl.cdiv(N, BN)
+        klen = K // S
+        for u in range(pid, mt * nt * S, nprog):
+            sp = u % S
+            tile = u // S
+            offs_m = (tile % mt) * BM + tl.arange(0, BM)
+            offs_n = (tile // mt) * BN + tl.arange(0, BN)
+            offs_k = tl.arange(0, BK_)
+            row_ok = offs_m < M
+            col_ok = offs_n < N
+            acc = tl.zeros([BM, BN], tl.float32)
+            for k in range(sp * klen, sp * klen + klen, BK_):
+                a = tl.load(A + offs_m[:, None] * K + (k + offs_k)[None, :], mask=row_ok[:, None], other=0.0)
+                w = tl.load(W + offs_n[None, :] * K + (k + offs_k)[:, None], mask=col_ok[None, :], other=0.0)
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            if GELU:
+                acc += tl.load(BIAS + offs_n, mask=col_ok, other=0.0)[None, :]
+                # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+                u2 = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
+                acc = round_tf32(acc / (1.0 + tl.exp(-u2)), ROUND)    # fc2's operand
+            tl.store(OUT + sp * M * N + offs_m[:, None] * N + offs_n[None, :], acc,
+                     mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _dit_block(HX, NORM, QKV, Q, KV, MASK, O, PACC, PML, Y, HIST1, HIST2, TAPSB, MLP, Y2, CTR,
+                   WQKV, BQKV, QNW, QNB, KNW, KNB, WPROJ, BPROJ, WT1, BC1, LNW, LNB, WT2, BC2, W1, B1, W2, B2,
+                   MOD, NSH, NSC, s_mod, s_next, TIMES,
+                   R, T, nk, skv_r, skv_h, skv_t, smb, smm, smn,
+                   eps, qk_eps, conv_eps, attn_scale, keys_per_split,
+                   C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, MLPH: tl.constexpr, TAPS: tl.constexpr,
+                   BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                   S_QKV: tl.constexpr, BM_QKV: tl.constexpr, BN_QKV: tl.constexpr, BK_QKV: tl.constexpr,
+                   S_PROJ: tl.constexpr, BM_PROJ: tl.constexpr, BN_PROJ: tl.constexpr, BK_PROJ: tl.constexpr,
+                   S_CONV: tl.constexpr, BM_CONV: tl.constexpr, BN_CONV: tl.constexpr, BK_CONV: tl.constexpr,
+                   BM_FC1: tl.constexpr, BN_FC1: tl.constexpr, BK_FC1: tl.constexpr,
+                   S_FC2: tl.constexpr, BM_FC2: tl.constexpr, BN_FC2: tl.constexpr, BK_FC2: tl.constexpr,
+                   A_BM: tl.constexpr, A_BN: tl.constexpr, A_SPLITS: tl.constexpr, C_BM: tl.constexpr,
+                   HAS_MASK: tl.constexpr,
+                   PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        M = R * T
+        Th = T + TAPS - 1          # conv history frames per row
+        Mh = R * Th
+        HD = H * D
+        NT = TAPS * C              # taps GEMM width
+        n_mblk = tl.cdiv(T, A_BM)
+        # modulation rows of this block: shift/scale/gate for msa, mlp, conv (fused_dit order)
+        G_MSA = MOD + 2 * C
+        SH_MLP = MOD + 3 * C
+        SC_MLP = MOD + 4 * C
+        G_MLP = MOD + 5 * C
+        SH_CONV = MOD + 6 * C
+        SC_CONV = MOD + 7 * C
+        G_CONV = MOD + 8 * C
+        nb = 0                     # barriers passed: barrier j waits for j arrivals per program
+        _stamp(TIMES, 0, pid, TIMED)
+
+        if PHASE < 0 or PHASE == 0:
+            _gemm_phase(pid, nprog, NORM, WQKV, QKV, BQKV, M, 3 * HD, C, S_QKV, BM_QKV, BN_QKV, BK_QKV,
+                        False, ROUND, PRECISION)
+        if PHASE < 0:
+            nb += 1
+            _grid_sync(CTR, nb * nprog)
+            _stamp(TIMES, nb, pid, TIMED)
+        if PHASE < 0 or PHASE == 1:
+            for n in range(pid, M, nprog):
+                qkv_head_ln_row(n, QKV, BQKV, QNW, QNB, KNW, KNB, Q, KV, KV, KV,
+                                T * 3 * HD, 3 * HD, M * 3 * HD, T * HD, HD, D, skv_r, skv_h, skv_t,
+                                T, H, D, qk_eps, BLOCK_H, D, False, True, S_QKV)
+        if PHASE < 0:
+            nb += 1
+            _grid_sync(CTR, nb * nprog)
+            _stamp(TIMES, nb, pid, TIMED)
+        if PHASE < 0 or PHASE == 2:
+            for u in range(pid, R * H * n_mblk * A_SPLITS, nprog):
+                split = u % A_SPLITS
+                rest = u // A_SPLITS
+                mblk = rest % n_mblk
+                bh = rest // n_mblk
+                attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, KV, PACC, PML,
+                          T * HD, D, HD, 1, skv_r, skv_h, skv_t, 1, skv_r, skv_h, skv_t, 1,
+                          T * HD, D, HD, 1, smb, smm, smn, T, nk, attn_scale, keys_per_split,
+                          D, A_BM, A_BN, HAS_MASK, False, PRECISION, A_SPLITS, ROUND)
+        if PHASE < 0:
+            nb += 1
+            _grid_sync(CTR, nb * nprog)
+            _stamp(TIMES, nb, pid, TIMED)
+        if A_SPLITS > 1:
+            if PHASE < 0 or PHASE == 3:
+                n_cblk = tl.cdiv(T, C_BM)
+                for u in range(pid, R * H * n_cblk, nprog):
+                    bh = u // n_cblk
+                    attn_combine_tile(bh // H, bh % H, u % n_cblk, PACC, PML, O, T * HD, D, HD, 1, H, T,
+                                      D, C_BM, A_SPLITS, ROUND)
+            if PHASE < 0:
+                nb += 1
+                _grid_sync(CTR, nb * nprog)
+                _stamp(TIMES, nb, pid, TIMED)
+        if PHASE < 0 or PHASE == 4:
+            _gemm_phase(pid, nprog, O, WPROJ, Y, BPROJ, M, C, HD, S_PROJ, BM_PROJ, BN_PROJ, BK_PROJ,
+                        False, ROUND, PRECISION)
+        if PHASE < 0:
+            nb += 1
+            _grid_sync(CTR, nb * nprog)
+            _stamp(TIMES, nb, pid, TIMED)
+        if PHASE < 0 or PHASE == 5:
+            for n in range(pid, M, nprog):
+                res_ln_row(n, HX, Y, BPROJ, G_MSA, SH_CONV, SC_CONV, HIST1 + (TAPS - 1) * C,
+                           T * C, C, T * C, C, Th * C, C, s_mod, s_mod, M * C, T, C, eps,
+                           0, True, True, S_PROJ, BLOCK_C, ROUND)
+        if PHASE < 0:
+            nb += 1
+            _grid_sync(CTR, nb * nprog)
+            _stamp(TIMES, nb, pid, TIMED)
+        if PHASE < 0 or PHASE == 6:
+            _gemm_phase(pid, nprog, HIST1, WT1, TAPSB, BC1, Mh, NT, C, S_CONV, BM_CONV, BN_CONV, BK_CONV,
+                        False, ROUND, PRECISION)
+        if PHASE < 0:
+            nb += 1
+            _grid_sync(CTR, nb * nprog)
+            _stamp(TIMES, nb, pid, TIMED)
+        if PHASE < 0 or PHASE == 7:
+            for n in range(pid, M, nprog):
+                taps_ln_mish_row(n, TAPSB, BC1, LNW, LNB, HIST2 + (TAPS - 1) * C, Th * NT, NT, Th * C, C,
+                                 Mh * NT, T, C, conv_eps, TAPS, S_CONV, BLOCK_C, ROUND)
+        if PHASE < 0:
+            nb += 1
+            _grid_sync(CTR, nb * nprog)
+            _stamp(TIMES, nb, pid, TIMED)
+        if PHASE < 0 or PHASE == 8:
+            _gemm_phase(pid, nprog, HIST2, WT2, TAPSB, BC2, Mh, NT, C, S_CONV, BM_CONV, BN_CONV, BK_CONV,
+                        False, ROUND, PRECISION)
+        if PHASE < 0:
+            nb += 1
+            _grid_sync(CTR, nb * nprog)
+            _stamp(TIMES, nb, pid, TIMED)
+        if PHASE < 0 or PHASE == 9:
+            for n in range(pid, M, nprog):
+                res_ln_row(n, HX, TAPSB, BC2, G_CONV, SH_MLP, SC_MLP, NORM,
+                           T * C, C, Th * NT, NT, T * C, C, s_mod, s_mod, Mh * NT, T, C, eps,
+                           TAPS, True, True, S_CONV, BLOCK_C, ROUND)
+        if PHASE < 0:
+            nb += 1
+            _grid_sync(CTR, nb * nprog)
+            _stamp(TIMES, nb, pid, TIMED)
+        if PHASE < 0 or PHASE == 10:
+            _gemm_phase(pid, nprog, NORM, W1, MLP, B1, M, MLPH, C, 1, BM_FC1, BN_FC1, BK_FC1,
+                        True, ROUND, PRECISION)
+        if PHASE < 0:
+            nb += 1
+            _grid_sync(CTR, nb * nprog)
+            _stamp(TIMES, nb, pid, TIMED)
+        if PHASE < 0 or PHASE == 11:
+            _gemm_phase(pid, nprog, MLP, W2, Y2, B2, M, C, MLPH, S_FC2, BM_FC2, BN_FC2, BK_FC2,
+                        False, ROUND, PRECISION)
+        if PHASE < 0:
+            nb += 1
+            _grid_sync(CTR, nb * nprog)
+            _stamp(TIMES, nb, pid, TIMED)
+        if PHASE < 0 or PHASE == 12:
+            for n in range(pid, M, nprog):
+                res_ln_row(n, HX, Y2, B2, G_MLP, NSH, NSC, NORM,
+                           T * C, C, T * C, C, T * C, C, s_mod, s_next, M * C, T, C, eps,
+                           0, True, True, S_FC2, BLOCK_C, ROUND)
+        if PHASE < 0:
+            _stamp(TIMES, nb + 1, pid, TIMED)
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """One DiT block's parameters as the kernel reads them (packed QKV and conv taps, the rest
+    the original module's own tensors)."""
+
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor
+    qn_w: torch.Tensor
+    qn_b: torch.Tensor
+    kn_w: torch.Tensor
+    kn_b: torch.Tensor
+    w_proj: torch.Tensor
+    b_proj: torch.Tensor
+    w_taps1: torch.Tensor
+    b_conv1: torch.Tensor
+    ln_w: torch.Tensor
+    ln_b: torch.Tensor
+    w_taps2: torch.Tensor
+    b_conv2: torch.Tensor
+    w_fc1: torch.Tensor
+    b_fc1: torch.Tensor
+    w_fc2: torch.Tensor
+    b_fc2: torch.Tensor
+
+    def rounded(self) -> "BlockWeights":
+        """A copy whose GEMM weights are rounded to nearest TF32 (biases and norms stay FP32): the
+        tensor core truncates operands, so pre-rounded operands give cuBLAS-like TF32 error."""
+        gemm = {"w_qkv", "w_proj", "w_taps1", "w_taps2", "w_fc1", "w_fc2"}
+        return BlockWeights(**{k: round_tf32_(v.detach().clone()) if k in gemm else v
+                               for k, v in self.__dict__.items()})
+
+
+def rounds(precision: str, device: torch.device) -> bool:
+    """Does the kernel store its GEMM operands rounded to TF32 (and expect ``BlockWeights.rounded``)?
+    Compiled TF32 only: the interpreter computes its dots in FP32, where rounding would only add error."""
+    return precision == "tf32" and torch.device(device).type == "cuda" and not interpreting()
+
+
+def round_tf32_(t: torch.Tensor) -> torch.Tensor:
+    """t rounded in place to nearest TF32 (ties away from zero): add half an ulp of the 13 dropped
+    mantissa bits to the magnitude's bit pattern, then clear them (the kernels' ``round_tf32``)."""
+    if t.dtype != torch.float32:
+        raise TypeError(f"round_tf32_: float32 only, got {t.dtype}")
+    bits = t.view(torch.int32)
+    bits.add_(0x1000).bitwise_and_(-8192)
+    return t
+
+
+def tile(role: str, K: int) -> tuple[int, int, int, int]:
+    """(BM, BN, K splits, BK) of ``role``'s GEMM phase over inner size K: the role's tile with its
+    splits halved (and BK dropped to 32) until every K slice is a whole number of K steps."""
+    bm, bn, s, bk = TILES[role]
+    if K % bk:
+        bk = BK
+    while s > 1 and (K % s or (K // s) % bk):
+        s //= 2
+    return bm, bn, s, bk
+
+
+def gemm_splits(K: int, role: str) -> int:
+    """K-split count of ``role``'s GEMM phase over inner size K."""
+    return tile(role, K)[2]
+
+
+def supported(hidden: int, heads: int, head_dim: int, mlp_hidden: int) -> tuple[bool, str]:
+    """The kernel's shape requirements (every GEMM's K a multiple of BK, power-of-two head dim)."""
+    for name, k in (("hidden", hidden), ("heads*head_dim", heads * head_dim), ("mlp_hidden", mlp_hidden)):
+        if k % BK:
+            return False, f"{name} {k} is not a multiple of {BK}"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return False, f"head_dim {head_dim} is not a power of two >= 16"
+    return True, ""
+
+
+def attention_splits(R: int, H: int, T: int, nk: int, nprog: int) -> tuple[int, int]:
+    """(key splits, keys per split) so the attention phase has about one unit per program."""
+    units = R * H * -(-T // ATT_BM)
+    return key_splits(nk, max(1, min(8, nprog // max(units, 1))), ATT_BN)
+
+
+def programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (all resident, as the barriers need)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 3     # interpreter: a few programs, so the unit loops are exercised
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def dit_block(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist1, hist2, taps, mlp, y2, ctr,
+              w: BlockWeights, mod, next_shift, next_scale, eps: float, qk_eps: float, conv_eps: float,
+              attn_splits: int, keys_per_split: int, nprog: int, precision: str = "tf32",
+              phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None):
+    """One DiT block in place (see the module docstring). Shapes as ``fused_dit.Workspace``:
+    h, norm (R,T,C); qkv (Sq,R,T,3HD); q, o (R,T,H,D); kv (R,H,nk,2D) view of block i's cache, frames
+    [0,T) receive this chunk's [k|v]; mask (R,T,nk) bool or None; attn_acc (R,H,splits,T,D) and
+    attn_ml (R,H,splits,T,2) scratch; y (Sp,R,T,C); hist1/hist2 (R,T+K-1,C) with the CNN cache in
+    frames [0,K-1); taps (Sc,R,T+K-1,K*C); mlp (R,T,4C); y2 (Sf,R,T,C); ctr an int32 counter that is
+    0 on entry; mod (Rm,9,C) rows of this block (scales hold 1+scale); next_shift/next_scale (Rm,C).
+    precision "tf32" (operands rounded to nearest TF32 on CUDA) or "ieee" for every dot.
+    ``times`` (int64, >= 14; profiling, one launch only): program 0's clock (ns) at the start, after
+    each barrier and at the end. Returns the compiled kernel (registers, spills) of the last launch.
+    """
+    if precision not in ("tf32", "ieee"):
+        raise ValueError(f"dit_block: precision must be 'tf32' or 'ieee', got {precision!r}")
+    if not AVAILABLE:
+        raise RuntimeError("dit_block needs Triton")
+    R, T, C = h.shape
+    _, H, nk, D2 = kv.shape
+    D = D2 // 2
+    K = hist1.shape[1] - T + 1
+    for name, t in (("h", h), ("norm", norm), ("qkv", qkv), ("q", q), ("o", o), ("y", y), ("hist1", hist1),
+                    ("hist2", hist2), ("taps", taps), ("mlp", mlp), ("y2", y2), ("attn_acc", attn_acc)):
+        if not t.is_contiguous():
+            raise ValueError(f"dit_block: {name} must be contiguous, got strides {t.stride()}")
+    if kv.stride(3) != 1:
+        raise ValueError(f"dit_block: kv's last dim must be contiguous, got strides {kv.stride()}")
+    tiles = {r: tile(r, k) for r, k in (("qkv", C), ("proj", H * D), ("conv", C), ("fc1", C),
+                                        ("fc2", mlp.shape[-1]))}
+    expect = {"qkv": (qkv, tiles["qkv"][2]), "y": (y, tiles["proj"][2]), "taps": (taps, tiles["conv"][2]),
+              "y2": (y2, tiles["fc2"][2])}
+    for name, (t, s) in expect.items():
+        if t.shape[0] != s:
+            raise ValueError(f"dit_block: {name} holds {t.shape[0]} split-K partials, the kernel writes {s}")
+    s_mod = mod.stride(0) if mod.shape[0] > 1 else 0
+    if next_shift.stride(0) != next_scale.stride(0):
+        raise ValueError("dit_block: next shift and scale tables must share their row stride")
+    s_next = next_shift.stride(0) if next_shift.shape[0] > 1 else 0
+    if mask is not None:
+        m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        ms = m.stride()
+    else:
+        m, ms = h, (0, 0, 0)
+    if phase_by_phase is None:
+        phase_by_phase = interpreting() or h.device.type != "cuda"
+    round_tf32 = rounds(precision, h.device)
+    (bq, nq_, _, kq), (bp, np_, _, kp), (bc, nc, _, kc), (b1, n1, _, k1), (b2, n2, _, k2) = (
+        tiles[r] for r in ("qkv", "proj", "conv", "fc1", "fc2"))
+    args = (h, norm, qkv, q, kv, m, o, attn_acc, attn_ml, y, hist1, hist2, taps, mlp, y2, ctr,
+            w.w_qkv, w.b_qkv, w.qn_w, w.qn_b, w.kn_w, w.kn_b, w.w_proj, w.b_proj, w.w_taps1, w.b_conv1,
+            w.ln_w, w.ln_b, w.w_taps2, w.b_conv2, w.w_fc1, w.b_fc1, w.w_fc2, w.b_fc2,
+            mod, next_shift, next_scale, s_mod, s_next, times if times is not None else ctr,
+            R, T, nk, kv.stride(0), kv.stride(1), kv.stride(2), *ms,
+            eps, qk_eps, conv_eps, float(D) ** -0.5, keys_per_split)
+    meta = dict(C=C, H=H, D=D, MLPH=mlp.shape[-1], TAPS=K, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H),
+                S_QKV=qkv.shape[0], BM_QKV=bq, BN_QKV=nq_, BK_QKV=kq, S_PROJ=y.shape[0], BM_PROJ=bp,
+                BN_PROJ=np_, BK_PROJ=kp, S_CONV=taps.shape[0], BM_CONV=bc, BN_CONV=nc, BK_CONV=kc,
+                BM_FC1=b1, BN_FC1=n1, BK_FC1=k1, S_FC2=y2.shape[0], BM_FC2=b2, BN_FC2=n2, BK_FC2=k2,
+                A_BM=ATT_BM, A_BN=ATT_BN, C_BM=COMBINE_BM,
+                A_SPLITS=attn_splits, HAS_MASK=mask is not None, ROUND=round_tf32, PRECISION=precision,
+                TIMED=times is not None and not phase_by_phase, num_warps=num_warps)
+    if phase_by_phase:
+        for p in range(N_PHASES):
+            k = _dit_block[(nprog,)](*args, PHASE=p, **meta)
+        return k
+    return _dit_block[(nprog,)](*args, PHASE=-1, num_stages=3, **meta)
