@@ -26,6 +26,7 @@ if [[ $part == features || $part == all ]]; then
 fi
 if [[ $part == code2wav || $part == all ]]; then
   timeout 150 python3 benchmarks/code2wav_kernels_bench.py --out "$OUT/k" --quick --skip gemm 2>&1 | grep -E "solve|attn R|done" 
+  timeout 200 python3 benchmarks/dit_block_profile.py "$OUT/b" 2>&1 | grep -E "block_us|phase_sum|error" 
   timeout 240 python3 benchmarks/code2wav_bench.py --out "$OUT/c" --batches 1,16,4,8 --budget 0.3 \
     --upstream .upstream_ref 2>&1 | grep -vE "^\|" | tail -30
   timeout 200 python3 benchmarks/code2wav_pipeline_bench.py --out "$OUT/p" 2>&1 | tail -30
