@@ -4,7 +4,7 @@ For each launch configuration: program 0's clock at every grid barrier of one la
 time incl. the wait at the barrier), the block as one launch and as one launch per phase (each
 replayed from a CUDA graph), and the compiled kernel's registers / spills.
 
-    PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR
+    PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR [--default-only]
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ def main(out_dir: str, configs=None) -> None:
         mod = fused.modulation(torch.full((1,), 0.5, device=dev))
         fused.body(xin, mod, hist, kv, None, ws, out_t)      # compile + fill the buffers
         nprog = dit_block.programs(torch.device(dev))
-        m = mod.blocks
 
         for cfg in configs:
             saved = dict(dit_block.TILES)
@@ -89,17 +88,17 @@ def main(out_dir: str, configs=None) -> None:
             ws.h.normal_()
             ws.norm.normal_()
 
-            def block(i=0, times=None, phase_by_phase=False, zero=True):
+            weights = fused.stacked_weights(True)
+
+            def block(i=0, times=None, phase_by_phase=False, zero=True, n=1, j=0):
                 if zero:
                     ws.ctr.zero_()
-                nxt = (m[:, i + 1, 0], m[:, i + 1, 1])
-                return dit_block.dit_block(
-                    h=ws.h, norm=ws.norm, qkv=ws.qkv, q=ws.q, kv=kv[i], mask=None, o=ws.o, attn_acc=ws.attn_acc,
-                    attn_ml=ws.attn_ml, y=ws.y, hist1=hist[i, 0], hist2=hist[i, 1], taps=ws.taps, mlp=ws.mlp,
-                    y2=ws.y2, ctr=ws.ctr[i:i + 1], w=fused.block_weights_tf32[i], mod=m[:, i], next_shift=nxt[0],
-                    next_scale=nxt[1], eps=1e-6, qk_eps=1e-6, conv_eps=1e-5, attn_splits=a_splits,
-                    keys_per_split=per_split, nprog=nprog, phase_by_phase=phase_by_phase, num_warps=nw,
-                    times=times)
+                return dit_block.dit_blocks(
+                    h=ws.h, norm=ws.norm, qkv=ws.qkv, q=ws.q, kv=kv, mask=None, o=ws.o, attn_acc=ws.attn_acc,
+                    attn_ml=ws.attn_ml, y=ws.y, hist=hist, taps=ws.taps, mlp=ws.mlp, y2=ws.y2,
+                    ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=i, n_blocks=n, eps=1e-6,
+                    qk_eps=1e-6, conv_eps=1e-5, attn_splits=a_splits, keys_per_split=per_split, nprog=nprog,
+                    phase_by_phase=phase_by_phase, num_warps=nw, times=times)
 
             try:
                 k = block()
@@ -110,12 +109,14 @@ def main(out_dir: str, configs=None) -> None:
                     torch.cuda.synchronize()
                     per_phase.append((times[1:] - times[:-1]).double().cpu() / 1e3)
                 med = torch.stack(per_phase).median(0).values.tolist()
-                one = graph_us(lambda: (ws.ctr.zero_(), [block(i, zero=False) for i in range(15)])) / 15
-                staged = graph_us(lambda: [block(i, phase_by_phase=True, zero=False) for i in range(15)]) / 15
+                one = graph_us(lambda: (ws.ctr.zero_(), [block(i, zero=False, j=i) for i in range(16)])) / 16
+                whole = graph_us(lambda: block(0, n=16)) / 16
+                staged = graph_us(lambda: [block(i, phase_by_phase=True, zero=False) for i in range(16)]) / 16
                 row = {"config": {k_: v for k_, v in cfg.items() if k_ != "tiles"} | {"tiles": dict(dit_block.TILES)},
                        "attention": {"block_m": dit_block.ATT_BM, "splits": a_splits},
                        "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
-                       "block_us_one_launch": one, "block_us_launch_per_phase": staged,
+                       "block_us_one_launch": one, "block_us_all_blocks_one_launch": whole,
+                       "block_us_launch_per_phase": staged,
                        "phase_us": dict(zip(names, med)), "phase_sum_us": sum(med)}
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported
                 row = {"config": str(cfg), "error": repr(exc)[:300]}
@@ -129,4 +130,6 @@ def main(out_dir: str, configs=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/dit_block_profile")
+    args = [a for a in sys.argv[1:] if a != "--default-only"]
+    main(args[0] if args else "/tmp/dit_block_profile",
+         [{"num_warps": 8}] if "--default-only" in sys.argv else None)

@@ -219,12 +219,15 @@ def test_cuda_fused_vs_original_full_size(tf32, tol, R, gemm):
 
 @pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
                     reason="Triton needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("R,T,Lc,nprog", [(2, 5, 6, None), (4, 17, 40, None), (4, 17, 150, 64)])
-def test_block_kernel_matches_original_tiny(R, T, Lc, nprog, monkeypatch):
+@pytest.mark.parametrize("R,T,Lc,nprog,one_launch", [(2, 5, 6, None, False), (4, 17, 40, None, False),
+                                                     (4, 17, 150, 64, False), (2, 5, 70, 1, True)])
+def test_block_kernel_matches_original_tiny(R, T, Lc, nprog, one_launch, monkeypatch):
     """The persistent block kernel (kernels/dit_block.py): on CPU it runs in Triton's interpreter one
     phase per launch (the barrier is the launch boundary), its TF32 dots computed in FP32, so the
     IEEE tolerance applies; T=17 leaves partial query blocks, and 64 programs over 167 keys split
-    them 3 ways (ragged last split) so the combine phase runs."""
+    them 3 ways (ragged last split) so the combine phase runs. ``one_launch``: the GPU form itself
+    (every block and phase in one launch behind the grid barriers), which the interpreter can run
+    with a single program (its barriers then pass on its own arrivals)."""
     from minicpmo_rt.code2wav.kernels import dit_block
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if nprog is not None:
@@ -235,18 +238,14 @@ def test_block_kernel_matches_original_tiny(R, T, Lc, nprog, monkeypatch):
     sp = fused.gemm_splits(R, T, dev)
     assert sp == {"qkv": 2, "proj": 2, "conv": 2, "fc2": 4}         # tiny K limits the splits
     calls = []
-    real = dit_block.dit_block
+    real = dit_block.dit_blocks
 
     def spy(**kw):
-        calls.append(kw["attn_splits"])
-        return real(**kw)
-    dit_block.dit_block = spy
-    try:
-        errs = check(dit, fused, R=R, T=T, Lc=Lc, tol=1e-5 if kernels.interpreting() else 2e-3, seed=12, device=dev)
-    finally:
-        dit_block.dit_block = real
-    assert len(calls) == len(dit.blocks) and max(errs) > 0
-    assert calls[0] == (3 if nprog else 1)
+        calls.append((kw["attn_splits"], kw["first"], kw["n_blocks"]))
+        return real(**kw, phase_by_phase=False) if one_launch else real(**kw)
+    monkeypatch.setattr(dit_block, "dit_blocks", spy)
+    errs = check(dit, fused, R=R, T=T, Lc=Lc, tol=1e-5 if kernels.interpreting() else 2e-3, seed=12, device=dev)
+    assert calls == [(3 if nprog == 64 else 1, 0, len(dit.blocks))] and max(errs) > 0   # every block at once
     assert not fused.uses_block_kernel(32, 50, dev)             # many rows: the staged body
     auto = FusedDiT(dit, attention="triton-tf32", use_triton=True)   # default: CUDA (+ TF32) only
     assert auto.uses_block_kernel(R, T, "cuda") and not auto.uses_block_kernel(R, T, "cpu")
@@ -272,7 +271,7 @@ def test_block_kernel_shape_rules():
 @pytest.mark.parametrize("tf32,tol", [(False, 1e-5), (True, 1e-3)])
 def test_cuda_block_kernel_vs_original_full_size(tf32, tol):
     """The persistent kernel at full size, batch 1 with CFG (100 rows), cache 400: vs the original
-    body in IEEE, and the one-launch (barrier) form vs one launch per phase (same arithmetic)."""
+    body in IEEE, and the one-launch (barrier) form vs one launch per block and per phase (same arithmetic)."""
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE
     from minicpmo_rt.code2wav.kernels import dit_block
     from minicpmo_rt.code2wav.precision import matmul_tf32
@@ -287,13 +286,19 @@ def test_cuda_block_kernel_vs_original_full_size(tf32, tol):
     print(f"block kernel vs original (tf32={tf32}): velocity {errs[0]:.2e}, cnn cache {errs[1]:.2e}, "
           f"att cache {errs[2]:.2e}")
     assert max(errs) <= tol
-    real = dit_block.dit_block
+    real = dit_block.dit_blocks
     try:
-        dit_block.dit_block = lambda **k: real(**k, phase_by_phase=True)
+        dit_block.dit_blocks = lambda **k: real(**k, phase_by_phase=True)
         with matmul_tf32(tf32):
             staged = fused.forward_chunk(**kw)
+        dit_block.dit_blocks = real
+        dit_block.BLOCKS_PER_LAUNCH = 1
+        with matmul_tf32(tf32):
+            per_block = fused.forward_chunk(**kw)
     finally:
-        dit_block.dit_block = real
+        dit_block.dit_blocks = real
+        dit_block.BLOCKS_PER_LAUNCH = None
+    assert max(rel_err(g, s) for g, s in zip(got, per_block)) == 0.0     # 16 launches vs one: same arithmetic
     errs = [rel_err(g, s) for g, s in zip(got, staged)]
     print(f"block kernel one launch vs per phase: {max(errs):.2e}")
     assert max(errs) <= 1e-6

@@ -164,8 +164,9 @@ def layout_of(dit: nn.Module) -> DiTLayout:
 class Modulation:
     """adaLN tables for Rm rows (Rm = 1 when every row shares the timestep)."""
 
-    blocks: torch.Tensor   # (Rm, depth, 9, C), scale entries hold 1 + scale
-    final: torch.Tensor    # (Rm, 2, C): shift, 1 + scale
+    blocks: torch.Tensor   # (Rm, depth, 9, C), scale entries hold 1 + scale (a view of chain)
+    final: torch.Tensor    # (Rm, 2, C): shift, 1 + scale (a view of chain)
+    chain: torch.Tensor    # (Rm, depth+1, 9, C): blocks, then a row whose slots 0/1 hold final
 
 
 @dataclass
@@ -244,8 +245,16 @@ class FusedDiT:
                 self.w_qkv[i], self.b_qkv[i], a.q_norm.weight, a.q_norm.bias, a.k_norm.weight, a.k_norm.bias,
                 a.proj.weight, a.proj.bias, self.w_taps1[i], seq[1].bias, seq[3].weight, seq[3].bias,
                 self.w_taps2[i], seq[6].bias, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias))
-        # compiled TF32 reads weights pre-rounded to nearest TF32 (a copy: the module is not modified)
-        self.block_weights_tf32 = [w.rounded() for w in self.block_weights] if self.block_kernel else []
+        self._stacked: dict[tuple, dit_block.BlockWeights] = {}    # built on the block kernel's first use
+
+    def stacked_weights(self, rounded: bool) -> dit_block.BlockWeights:
+        """The blocks' weights stacked over depth for ``dit_blocks`` (one copy, made once; the module is
+        not modified). ``rounded``: the GEMM weights rounded to nearest TF32, as compiled TF32 reads them."""
+        key = (rounded, self.w_qkv[0].device)
+        if key not in self._stacked:
+            w = dit_block.stack_weights(self.block_weights)
+            self._stacked[key] = w.rounded_() if rounded else w
+        return self._stacked[key]
 
     # ------------------------------------------------------------------ modulation
     @torch.no_grad()
@@ -258,7 +267,13 @@ class FusedDiT:
             blocks[:, :, i] = 1 + blocks[:, :, i]
         fin = self.dit.final_layer.adaLN_modulation(c).view(-1, 2, self.L.hidden).clone()
         fin[:, 1] = 1 + fin[:, 1]
-        return Modulation(blocks.contiguous(), fin.contiguous())
+        # one chain (Rm, depth+1, 9, C): row depth holds the final layer's shift/scale in slots 0/1, so
+        # "the next block's shift/scale" of the last block needs no special case (dit_blocks)
+        Rm, depth, C = blocks.shape[0], self.L.depth, self.L.hidden
+        chain = torch.zeros(Rm, depth + 1, 9, C, device=blocks.device, dtype=blocks.dtype)
+        chain[:, :depth] = blocks
+        chain[:, depth, :2] = fin
+        return Modulation(chain[:, :depth], chain[:, depth, :2], chain)
 
     # ------------------------------------------------------------------ buffers
     def uses_block_kernel(self, R: int, T: int, device) -> bool:
@@ -434,21 +449,22 @@ class FusedDiT:
         persistent = pos is None and ws.ctr is not None and (precision == "tf32" or not self._block_auto)
         if persistent:
             ws.ctr.zero_()
-            weights = self.block_weights_tf32 if dit_block.rounds(precision, xin.device) else self.block_weights
+            weights = self.stacked_weights(dit_block.rounds(precision, xin.device))
             nprog = dit_block.programs(xin.device)
-            nk = kv.shape[3]
-            a_splits, per_split = dit_block.attention_splits(R, L.heads, T, nk, nprog)
+            a_splits, per_split = dit_block.attention_splits(R, L.heads, T, kv.shape[3], nprog)
+            per = dit_block.BLOCKS_PER_LAUNCH or L.depth
+            for j, b0 in enumerate(range(0, L.depth, per)):
+                dit_block.dit_blocks(
+                    h=ws.h, norm=ws.norm, qkv=ws.qkv, q=ws.q, kv=kv, mask=mask, o=ws.o, attn_acc=ws.attn_acc,
+                    attn_ml=ws.attn_ml, y=ws.y, hist=hist, taps=ws.taps, mlp=ws.mlp, y2=ws.y2,
+                    ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=b0, n_blocks=min(per, L.depth - b0),
+                    eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps, attn_splits=a_splits,
+                    keys_per_split=per_split, nprog=nprog, precision=precision)
         for i, blk in enumerate(dit.blocks):
+            if persistent:
+                break
             m = mb[:, i]
             nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
-            if persistent:
-                dit_block.dit_block(
-                    h=ws.h, norm=ws.norm, qkv=ws.qkv, q=ws.q, kv=kv[i], mask=mask, o=ws.o, attn_acc=ws.attn_acc,
-                    attn_ml=ws.attn_ml, y=ws.y, hist1=hist[i, 0], hist2=hist[i, 1], taps=ws.taps, mlp=ws.mlp,
-                    y2=ws.y2, ctr=ws.ctr[i:i + 1], w=weights[i], mod=m, next_shift=nxt[0],
-                    next_scale=nxt[1], eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps,
-                    attn_splits=a_splits, keys_per_split=per_split, nprog=nprog, precision=precision)
-                continue
             b = self._gemm(ws.norm.view(N, C), self.w_qkv[i], self.b_qkv[i], ws.qkv)
             if pos is None:
                 self._qkv_ln(ws, blk, kv[i][:, :, :T], bias=b)

@@ -49,6 +49,7 @@ BK = 32                 # the smallest K step: every GEMM's K must be a multiple
 # key tile each were no faster (attention 7.0 us either way) and cost 0.5 us more in the combine.
 ATT_BM, ATT_BN, COMBINE_BM = 16, 64, 16
 MAX_ROWS = 256          # R*T above which the staged body (more CTAs per GEMM) is used
+BLOCKS_PER_LAUNCH: int | None = None    # None: every block of an evaluation in one launch
 N_PHASES = 13
 
 if AVAILABLE:
@@ -104,10 +105,11 @@ if AVAILABLE:
                      mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _dit_block(HX, NORM, QKV, Q, KV, MASK, O, PACC, PML, Y, HIST1, HIST2, TAPSB, MLP, Y2, CTR,
-                   WQKV, BQKV, QNW, QNB, KNW, KNB, WPROJ, BPROJ, WT1, BC1, LNW, LNB, WT2, BC2, W1, B1, W2, B2,
-                   MOD, NSH, NSC, s_mod, s_next, TIMES,
-                   R, T, nk, skv_r, skv_h, skv_t, smb, smm, smn,
+    def _dit_block(HX, NORM, QKV, Q, KV_ALL, MASK, O, PACC, PML, Y, HIST, TAPSB, MLP, Y2, CTR,
+                   WQKV_ALL, BQKV_ALL, QNW_ALL, QNB_ALL, KNW_ALL, KNB_ALL, WPROJ_ALL, BPROJ_ALL, WT1_ALL, BC1_ALL,
+                   LNW_ALL, LNB_ALL, WT2_ALL, BC2_ALL, W1_ALL, B1_ALL, W2_ALL, B2_ALL,
+                   MOD_ALL, s_mod, TIMES, first, n_blocks,
+                   R, T, nk, s_kv_blk, skv_r, skv_h, skv_t, smb, smm, smn,
                    eps, qk_eps, conv_eps, attn_scale, keys_per_split,
                    C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, MLPH: tl.constexpr, TAPS: tl.constexpr,
                    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -126,8 +128,72 @@ if AVAILABLE:
         Mh = R * Th
         HD = H * D
         NT = TAPS * C              # taps GEMM width
+        s_mod = s_mod + 0 * pid    # (a runtime value even when 0, for the block loop)
+        nb = 0 * pid               # barriers passed: barrier j waits for j arrivals per program
+        _stamp(TIMES, 0, pid, TIMED)
+        for i in range(first, first + n_blocks):
+            # block i's slices of the stacked weights, caches and modulation chain
+            WQKV = WQKV_ALL + i * (3 * HD * C)
+            BQKV = BQKV_ALL + i * (3 * HD)
+            QNW = QNW_ALL + i * D
+            QNB = QNB_ALL + i * D
+            KNW = KNW_ALL + i * D
+            KNB = KNB_ALL + i * D
+            WPROJ = WPROJ_ALL + i * (C * HD)
+            BPROJ = BPROJ_ALL + i * C
+            WT1 = WT1_ALL + i * (NT * C)
+            BC1 = BC1_ALL + i * C
+            LNW = LNW_ALL + i * C
+            LNB = LNB_ALL + i * C
+            WT2 = WT2_ALL + i * (NT * C)
+            BC2 = BC2_ALL + i * C
+            W1 = W1_ALL + i * (MLPH * C)
+            B1 = B1_ALL + i * MLPH
+            W2 = W2_ALL + i * (C * MLPH)
+            B2 = B2_ALL + i * C
+            KV = KV_ALL + i * s_kv_blk
+            HIST1 = HIST + i * (2 * Mh * C)
+            HIST2 = HIST1 + Mh * C
+            MOD = MOD_ALL + i * (9 * C)
+            nb = _block(pid, nprog, nb, HX, NORM, QKV, Q, KV, MASK, O, PACC, PML, Y, HIST1, HIST2, TAPSB, MLP, Y2,
+                        CTR, WQKV, BQKV, QNW, QNB, KNW, KNB, WPROJ, BPROJ, WT1, BC1, LNW, LNB, WT2, BC2,
+                        W1, B1, W2, B2, MOD, s_mod, TIMES, R, T, nk, skv_r, skv_h, skv_t, smb, smm, smn,
+                        eps, qk_eps, conv_eps, attn_scale, keys_per_split,
+                        C, H, D, MLPH, TAPS, BLOCK_C, BLOCK_H, S_QKV, BM_QKV, BN_QKV, BK_QKV,
+                        S_PROJ, BM_PROJ, BN_PROJ, BK_PROJ, S_CONV, BM_CONV, BN_CONV, BK_CONV,
+                        BM_FC1, BN_FC1, BK_FC1, S_FC2, BM_FC2, BN_FC2, BK_FC2, A_BM, A_BN, A_SPLITS, C_BM,
+                        HAS_MASK, PHASE, ROUND, PRECISION, TIMED)
+            if PHASE < 0:
+                if i + 1 < first + n_blocks:     # block i+1 reads the residual stream block i wrote
+                    nb += 1
+                    _grid_sync(CTR, nb * nprog)
+        if PHASE < 0:
+            _stamp(TIMES, nb + 1, pid, TIMED)
+
+    @triton.jit
+    def _block(pid, nprog, nb, HX, NORM, QKV, Q, KV, MASK, O, PACC, PML, Y, HIST1, HIST2, TAPSB, MLP, Y2, CTR,
+               WQKV, BQKV, QNW, QNB, KNW, KNB, WPROJ, BPROJ, WT1, BC1, LNW, LNB, WT2, BC2, W1, B1, W2, B2,
+               MOD, s_mod, TIMES, R, T, nk, skv_r, skv_h, skv_t, smb, smm, smn,
+               eps, qk_eps, conv_eps, attn_scale, keys_per_split,
+               C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, MLPH: tl.constexpr, TAPS: tl.constexpr,
+               BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+               S_QKV: tl.constexpr, BM_QKV: tl.constexpr, BN_QKV: tl.constexpr, BK_QKV: tl.constexpr,
+               S_PROJ: tl.constexpr, BM_PROJ: tl.constexpr, BN_PROJ: tl.constexpr, BK_PROJ: tl.constexpr,
+               S_CONV: tl.constexpr, BM_CONV: tl.constexpr, BN_CONV: tl.constexpr, BK_CONV: tl.constexpr,
+               BM_FC1: tl.constexpr, BN_FC1: tl.constexpr, BK_FC1: tl.constexpr,
+               S_FC2: tl.constexpr, BM_FC2: tl.constexpr, BN_FC2: tl.constexpr, BK_FC2: tl.constexpr,
+               A_BM: tl.constexpr, A_BN: tl.constexpr, A_SPLITS: tl.constexpr, C_BM: tl.constexpr,
+               HAS_MASK: tl.constexpr,
+               PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr):
+        """One block's 13 phases; ``nb`` barriers passed so far in this launch -> after this block."""
+        M = R * T
+        Th = T + TAPS - 1
+        Mh = R * Th
+        HD = H * D
+        NT = TAPS * C
         n_mblk = tl.cdiv(T, A_BM)
-        # modulation rows of this block: shift/scale/gate for msa, mlp, conv (fused_dit order)
+        # modulation rows of this block: shift/scale/gate for msa, mlp, conv (fused_dit order); the
+        # next block's (or, past the last block, the final layer's) shift and scale follow them
         G_MSA = MOD + 2 * C
         SH_MLP = MOD + 3 * C
         SC_MLP = MOD + 4 * C
@@ -135,8 +201,8 @@ if AVAILABLE:
         SH_CONV = MOD + 6 * C
         SC_CONV = MOD + 7 * C
         G_CONV = MOD + 8 * C
-        nb = 0                     # barriers passed: barrier j waits for j arrivals per program
-        _stamp(TIMES, 0, pid, TIMED)
+        NSH = MOD + 9 * C
+        NSC = MOD + 10 * C
 
         if PHASE < 0 or PHASE == 0:
             _gemm_phase(pid, nprog, NORM, WQKV, QKV, BQKV, M, 3 * HD, C, S_QKV, BM_QKV, BN_QKV, BK_QKV,
@@ -243,10 +309,9 @@ if AVAILABLE:
         if PHASE < 0 or PHASE == 12:
             for n in range(pid, M, nprog):
                 res_ln_row(n, HX, Y2, B2, G_MLP, NSH, NSC, NORM,
-                           T * C, C, T * C, C, T * C, C, s_mod, s_next, M * C, T, C, eps,
+                           T * C, C, T * C, C, T * C, C, s_mod, s_mod, M * C, T, C, eps,
                            0, True, True, S_FC2, BLOCK_C, ROUND)
-        if PHASE < 0:
-            _stamp(TIMES, nb + 1, pid, TIMED)
+        return nb
 
 
 @dataclass(frozen=True)
@@ -273,12 +338,13 @@ class BlockWeights:
     w_fc2: torch.Tensor
     b_fc2: torch.Tensor
 
-    def rounded(self) -> "BlockWeights":
-        """A copy whose GEMM weights are rounded to nearest TF32 (biases and norms stay FP32): the
-        tensor core truncates operands, so pre-rounded operands give cuBLAS-like TF32 error."""
-        gemm = {"w_qkv", "w_proj", "w_taps1", "w_taps2", "w_fc1", "w_fc2"}
-        return BlockWeights(**{k: round_tf32_(v.detach().clone()) if k in gemm else v
-                               for k, v in self.__dict__.items()})
+    def rounded_(self) -> "BlockWeights":
+        """The GEMM weights rounded in place to nearest TF32 (biases and norms stay FP32): the tensor
+        core truncates operands, so pre-rounded operands give cuBLAS-like TF32 error. Only for copies
+        (``stack_weights``), never the module's own parameters."""
+        for k in ("w_qkv", "w_proj", "w_taps1", "w_taps2", "w_fc1", "w_fc2"):
+            round_tf32_(getattr(self, k))
+        return self
 
 
 def rounds(precision: str, device: torch.device) -> bool:
@@ -340,45 +406,52 @@ def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
-def dit_block(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist1, hist2, taps, mlp, y2, ctr,
-              w: BlockWeights, mod, next_shift, next_scale, eps: float, qk_eps: float, conv_eps: float,
-              attn_splits: int, keys_per_split: int, nprog: int, precision: str = "tf32",
-              phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None):
-    """One DiT block in place (see the module docstring). Shapes as ``fused_dit.Workspace``:
-    h, norm (R,T,C); qkv (Sq,R,T,3HD); q, o (R,T,H,D); kv (R,H,nk,2D) view of block i's cache, frames
-    [0,T) receive this chunk's [k|v]; mask (R,T,nk) bool or None; attn_acc (R,H,splits,T,D) and
-    attn_ml (R,H,splits,T,2) scratch; y (Sp,R,T,C); hist1/hist2 (R,T+K-1,C) with the CNN cache in
-    frames [0,K-1); taps (Sc,R,T+K-1,K*C); mlp (R,T,4C); y2 (Sf,R,T,C); ctr an int32 counter that is
-    0 on entry; mod (Rm,9,C) rows of this block (scales hold 1+scale); next_shift/next_scale (Rm,C).
-    precision "tf32" (operands rounded to nearest TF32 on CUDA) or "ieee" for every dot.
-    ``times`` (int64, >= 14; profiling, one launch only): program 0's clock (ns) at the start, after
-    each barrier and at the end. Returns the compiled kernel (registers, spills) of the last launch.
+def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps, mlp, y2, ctr,
+               w: BlockWeights, mod_chain, first: int, n_blocks: int, eps: float, qk_eps: float,
+               conv_eps: float, attn_splits: int, keys_per_split: int, nprog: int, precision: str = "tf32",
+               phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None):
+    """Blocks [first, first + n_blocks) in place, in ONE launch (see the module docstring).
+
+    Shapes as ``fused_dit.Workspace``: h, norm (R,T,C); qkv (Sq,R,T,3HD); q, o (R,T,H,D); kv
+    (depth,R,H,nk,2D), each block's frames [0,T) receive this chunk's [k|v]; mask (R,T,nk) bool or
+    None; attn_acc (R*H*8*T*D,) and attn_ml (R*H*8*T*2,) scratch; y (Sp,R,T,C); hist (depth,2,R,T+K-1,C)
+    conv histories with the CNN cache in frames [0,K-1); taps (Sc,R,T+K-1,K*C); mlp (R,T,4C); y2
+    (Sf,R,T,C); ctr an int32 counter that is 0 on entry; w the blocks' weights stacked over depth
+    (``stack_weights``); mod_chain (Rm,depth+1,9,C) modulation rows (scales hold 1+scale; row depth
+    holds the final layer's shift and scale in slots 0 and 1). precision "tf32" (operands stored
+    rounded to nearest TF32 on CUDA; ``w`` rounded too) or "ieee" for every dot.
+    ``times`` (int64; profiling, one launch only): program 0's clock (ns) at the start, after each
+    barrier and at the end. Returns the compiled kernel (registers, spills) of the last launch.
     """
     if precision not in ("tf32", "ieee"):
-        raise ValueError(f"dit_block: precision must be 'tf32' or 'ieee', got {precision!r}")
+        raise ValueError(f"dit_blocks: precision must be 'tf32' or 'ieee', got {precision!r}")
     if not AVAILABLE:
-        raise RuntimeError("dit_block needs Triton")
+        raise RuntimeError("dit_blocks needs Triton")
     R, T, C = h.shape
-    _, H, nk, D2 = kv.shape
+    depth, _, H, nk, D2 = kv.shape
     D = D2 // 2
-    K = hist1.shape[1] - T + 1
-    for name, t in (("h", h), ("norm", norm), ("qkv", qkv), ("q", q), ("o", o), ("y", y), ("hist1", hist1),
-                    ("hist2", hist2), ("taps", taps), ("mlp", mlp), ("y2", y2), ("attn_acc", attn_acc)):
+    K = hist.shape[3] - T + 1
+    if not 0 <= first < first + n_blocks <= depth:
+        raise ValueError(f"dit_blocks: blocks [{first}, {first + n_blocks}) outside the depth {depth}")
+    for name, t in (("h", h), ("norm", norm), ("qkv", qkv), ("q", q), ("o", o), ("y", y), ("hist", hist),
+                    ("taps", taps), ("mlp", mlp), ("y2", y2), ("attn_acc", attn_acc)):
         if not t.is_contiguous():
-            raise ValueError(f"dit_block: {name} must be contiguous, got strides {t.stride()}")
-    if kv.stride(3) != 1:
-        raise ValueError(f"dit_block: kv's last dim must be contiguous, got strides {kv.stride()}")
+            raise ValueError(f"dit_blocks: {name} must be contiguous, got strides {t.stride()}")
+    if kv.stride(4) != 1:
+        raise ValueError(f"dit_blocks: kv's last dim must be contiguous, got strides {kv.stride()}")
+    if mod_chain.shape[1:] != (depth + 1, 9, C) or not mod_chain[0].is_contiguous():
+        raise ValueError(f"dit_blocks: mod_chain must be (Rm, {depth + 1}, 9, {C}) with contiguous rows, "
+                         f"got {tuple(mod_chain.shape)}")
+    if w.w_qkv.shape[0] != depth:
+        raise ValueError(f"dit_blocks: weights stacked over {w.w_qkv.shape[0]} blocks, the caches hold {depth}")
     tiles = {r: tile(r, k) for r, k in (("qkv", C), ("proj", H * D), ("conv", C), ("fc1", C),
                                         ("fc2", mlp.shape[-1]))}
     expect = {"qkv": (qkv, tiles["qkv"][2]), "y": (y, tiles["proj"][2]), "taps": (taps, tiles["conv"][2]),
               "y2": (y2, tiles["fc2"][2])}
     for name, (t, s) in expect.items():
         if t.shape[0] != s:
-            raise ValueError(f"dit_block: {name} holds {t.shape[0]} split-K partials, the kernel writes {s}")
-    s_mod = mod.stride(0) if mod.shape[0] > 1 else 0
-    if next_shift.stride(0) != next_scale.stride(0):
-        raise ValueError("dit_block: next shift and scale tables must share their row stride")
-    s_next = next_shift.stride(0) if next_shift.shape[0] > 1 else 0
+            raise ValueError(f"dit_blocks: {name} holds {t.shape[0]} split-K partials, the kernel writes {s}")
+    s_mod = mod_chain.stride(0) if mod_chain.shape[0] > 1 else 0
     if mask is not None:
         m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         ms = m.stride()
@@ -389,12 +462,13 @@ def dit_block(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist1, hist
     round_tf32 = rounds(precision, h.device)
     (bq, nq_, _, kq), (bp, np_, _, kp), (bc, nc, _, kc), (b1, n1, _, k1), (b2, n2, _, k2) = (
         tiles[r] for r in ("qkv", "proj", "conv", "fc1", "fc2"))
-    args = (h, norm, qkv, q, kv, m, o, attn_acc, attn_ml, y, hist1, hist2, taps, mlp, y2, ctr,
-            w.w_qkv, w.b_qkv, w.qn_w, w.qn_b, w.kn_w, w.kn_b, w.w_proj, w.b_proj, w.w_taps1, w.b_conv1,
-            w.ln_w, w.ln_b, w.w_taps2, w.b_conv2, w.w_fc1, w.b_fc1, w.w_fc2, w.b_fc2,
-            mod, next_shift, next_scale, s_mod, s_next, times if times is not None else ctr,
-            R, T, nk, kv.stride(0), kv.stride(1), kv.stride(2), *ms,
-            eps, qk_eps, conv_eps, float(D) ** -0.5, keys_per_split)
+    def args(b0: int, nb: int) -> tuple:
+        return (h, norm, qkv, q, kv, m, o, attn_acc, attn_ml, y, hist, taps, mlp, y2, ctr,
+                w.w_qkv, w.b_qkv, w.qn_w, w.qn_b, w.kn_w, w.kn_b, w.w_proj, w.b_proj, w.w_taps1, w.b_conv1,
+                w.ln_w, w.ln_b, w.w_taps2, w.b_conv2, w.w_fc1, w.b_fc1, w.w_fc2, w.b_fc2,
+                mod_chain, s_mod, times if times is not None else ctr, b0, nb,
+                R, T, nk, kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), *ms,
+                eps, qk_eps, conv_eps, float(D) ** -0.5, keys_per_split)
     meta = dict(C=C, H=H, D=D, MLPH=mlp.shape[-1], TAPS=K, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H),
                 S_QKV=qkv.shape[0], BM_QKV=bq, BN_QKV=nq_, BK_QKV=kq, S_PROJ=y.shape[0], BM_PROJ=bp,
                 BN_PROJ=np_, BK_PROJ=kp, S_CONV=taps.shape[0], BM_CONV=bc, BN_CONV=nc, BK_CONV=kc,
@@ -402,8 +476,15 @@ def dit_block(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist1, hist
                 A_BM=ATT_BM, A_BN=ATT_BN, C_BM=COMBINE_BM,
                 A_SPLITS=attn_splits, HAS_MASK=mask is not None, ROUND=round_tf32, PRECISION=precision,
                 TIMED=times is not None and not phase_by_phase, num_warps=num_warps)
-    if phase_by_phase:
-        for p in range(N_PHASES):
-            k = _dit_block[(nprog,)](*args, PHASE=p, **meta)
+    if phase_by_phase:     # one launch per block and phase: the launch boundary is the barrier
+        for b in range(first, first + n_blocks):
+            for p in range(N_PHASES):
+                k = _dit_block[(nprog,)](*args(b, 1), PHASE=p, **meta)
         return k
-    return _dit_block[(nprog,)](*args, PHASE=-1, num_stages=3, **meta)
+    return _dit_block[(nprog,)](*args(first, n_blocks), PHASE=-1, num_stages=3, **meta)
+
+
+def stack_weights(blocks: list[BlockWeights]) -> BlockWeights:
+    """The blocks' weights as one BlockWeights of (depth, ...) tensors (copies), as ``dit_blocks`` reads them."""
+    return BlockWeights(**{k: torch.stack([getattr(b, k).detach() for b in blocks]).contiguous()
+                           for k in blocks[0].__dict__})
