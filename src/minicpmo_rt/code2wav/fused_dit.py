@@ -201,10 +201,10 @@ class FusedDiT:
         ``attn_splits`` / ``attn_block_m``: Triton attention launch shape (None: by grid fill).
         ``gemm="cublas-split"``: few-row GEMMs split over K (``split_k`` partials, None: by
         ``split_k_for``) as strided-batched cuBLAS GEMMs, summed by the fused stage after them.
-        ``block_kernel``: run each block as ONE persistent Triton kernel (``kernels/dit_block.py``)
+        ``block_kernel``: run every block as ONE persistent Triton launch (``kernels/dit_block.py``)
         when the rows are few (R*T <= dit_block.MAX_ROWS), Triton runs on the device and the caches
         are not pooled; otherwise the staged body. None (default): on CUDA with TF32 attention, while
-        TF32 matmuls are on (H200, batch 1: 9.97 vs 11.66 ms per chunk); True: also with IEEE dots and
+        TF32 matmuls are on (H200, batch 1: 9.03 vs 11.22 ms per chunk); True: also with IEEE dots and
         on CPU under Triton's interpreter (the tests); False: never."""
         ok, why = supports_fused_body(dit)
         if not ok:

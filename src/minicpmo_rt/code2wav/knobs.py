@@ -65,7 +65,7 @@ class Code2WavChoice:
             from .kernels.dit_block import MAX_ROWS
             gemm = f", GEMMs cuBLAS ({SPLIT_K_FEW_ROWS} K-slice partials up to {SPLIT_MAX_ROWS} rows)"
             if self.tf32 and self.attention == "triton-tf32":
-                gemm += f", one persistent Triton kernel per DiT block on CUDA up to {MAX_ROWS} rows"
+                gemm += f", one persistent Triton launch for all DiT blocks on CUDA up to {MAX_ROWS} rows"
         return (f"Code2Wav CFM body {self.body}{att}{gemm}, DiT GEMM TF32 {'on' if self.tf32 else 'off'} "
                 f"({self.reason})")
 

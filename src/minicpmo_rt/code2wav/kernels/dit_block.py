@@ -1,9 +1,10 @@
-"""One persistent Triton kernel per DiT block, for few rows (batch 1-2 with CFG).
+"""One persistent Triton kernel for the DiT blocks of an evaluation, for few rows (batch 1-2 with CFG).
 
 At batch 1 a block is ~100 token rows, and each of the ~14 kernels the staged fused body launches
 per block sits near a 3-6 us floor (launch gap, ramp, drain) whatever its work. Here one kernel
-with one program per SM runs the whole block as a sequence of phases separated by grid-wide
-barriers (an atomic arrival counter, ~0.9 us on the H200 against ~3 us per kernel boundary):
+with one program per SM runs every block (weights stacked over depth, ``stack_weights``) as a
+sequence of phases separated by grid-wide barriers (an atomic arrival counter, ~0.9 us on the
+H200 against ~3 us per kernel boundary), with one more barrier between blocks:
 
   0 QKV GEMM -> split-K partials      1 q/k head LN, [k|v] into the cache
   2 attention (key splits)            3 split combine
