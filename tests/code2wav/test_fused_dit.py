@@ -247,9 +247,25 @@ def test_block_kernel_matches_original_tiny(R, T, Lc, nprog, one_launch, monkeyp
     errs = check(dit, fused, R=R, T=T, Lc=Lc, tol=1e-5 if kernels.interpreting() else 2e-3, seed=12, device=dev)
     assert calls == [(3 if nprog == 64 else 1, 0, len(dit.blocks))] and max(errs) > 0   # every block at once
     assert not fused.uses_block_kernel(32, 50, dev)             # many rows: the staged body
+    assert not fused.uses_block_kernel(R, T, dev, pooled=True)   # pooled caches: the staged body
+    assert fused.workspace(R, T, dev, pooled=True).ctr is None
     auto = FusedDiT(dit, attention="triton-tf32", use_triton=True)   # default: CUDA (+ TF32) only
     assert auto.uses_block_kernel(R, T, "cuda") and not auto.uses_block_kernel(R, T, "cpu")
     assert not FusedDiT(dit, attention="triton-ieee", use_triton=True).uses_block_kernel(R, T, "cuda")
+
+
+def test_stacked_weights_are_copies_and_rounded_copies_leave_the_module_alone():
+    from minicpmo_rt.code2wav.kernels import dit_block
+    dit = our_dit(seed=13)
+    before = {k: v.clone() for k, v in dit.state_dict().items()}
+    fused = FusedDiT(dit, attention="triton-tf32", use_triton=False, block_kernel=False)
+    plain, rounded = fused.stacked_weights(False), fused.stacked_weights(True)
+    assert fused.stacked_weights(True) is rounded                      # built once
+    assert all(torch.equal(v, dit.state_dict()[k]) for k, v in before.items())
+    assert torch.equal(plain.w_fc1[1], dit.blocks[1].mlp.fc1.weight)
+    assert torch.equal(plain.w_qkv[0], fused.w_qkv[0]) and plain.w_taps2.shape[0] == len(dit.blocks)
+    assert torch.equal(rounded.w_fc1, dit_block.round_tf32_(plain.w_fc1.clone()))
+    assert not torch.equal(rounded.w_fc1, plain.w_fc1) and torch.equal(rounded.b_fc1, plain.b_fc1)
 
 
 def test_block_kernel_shape_rules():

@@ -276,21 +276,22 @@ class FusedDiT:
         return Modulation(chain[:, :depth], chain[:, depth, :2], chain)
 
     # ------------------------------------------------------------------ buffers
-    def uses_block_kernel(self, R: int, T: int, device) -> bool:
-        """Does ``body`` run the persistent block kernel for R rows x T frames (unpooled caches)?"""
+    def uses_block_kernel(self, R: int, T: int, device, pooled: bool = False) -> bool:
+        """Does ``body`` run the persistent block kernel for R rows x T frames? Never for pooled
+        caches (``slot_pool``: the kernel writes K/V to frames [0, T) of each row's own cache)."""
         dev = torch.device(device)
-        if self._block_auto and dev.type != "cuda":
+        if pooled or (self._block_auto and dev.type != "cuda"):
             return False
         on_device = dev.type == "cuda" or (dev.type == "cpu" and interpreting())
         return self.block_kernel and R * T <= dit_block.MAX_ROWS and self.use_triton and on_device
 
-    def gemm_splits(self, R: int, T: int, device=None) -> dict:
+    def gemm_splits(self, R: int, T: int, device=None, pooled: bool = False) -> dict:
         """Split-K partials per GEMM role for R rows x T frames (all 1 unless gemm="cublas-split"
         or the block kernel runs, whose tiles fix them)."""
         L = self.L
         roles = {"qkv": (R * T, 3 * L.heads * L.head_dim, L.hidden), "proj": (R * T, L.hidden, L.heads * L.head_dim),
                  "conv": (R * (T + L.taps - 1), L.taps * L.hidden, L.hidden), "fc2": (R * T, L.hidden, L.mlp_hidden)}
-        if device is not None and self.uses_block_kernel(R, T, device):
+        if device is not None and self.uses_block_kernel(R, T, device, pooled):
             return {k: dit_block.gemm_splits(K, k) for k, (_, _, K) in roles.items()}
         if self.gemm != "cublas-split":
             return {k: 1 for k in roles}
@@ -298,16 +299,17 @@ class FusedDiT:
             return {k: (self.split_k if K % self.split_k == 0 else 1) for k, (_, _, K) in roles.items()}
         return {k: split_k_for(*mnk) for k, mnk in roles.items()}
 
-    def workspace(self, R: int, T: int, device, dtype=torch.float32) -> Workspace:
+    def workspace(self, R: int, T: int, device, dtype=torch.float32, pooled: bool = False) -> Workspace:
+        """Buffers for R rows x T frames; ``pooled``: for pooled caches (the staged body only)."""
         L = self.L
         e = lambda *s: torch.empty(*s, device=device, dtype=dtype)  # noqa: E731
-        sp = self.gemm_splits(R, T, device)
+        sp = self.gemm_splits(R, T, device, pooled)
         ws = Workspace(h=e(R, T, L.hidden), norm=e(R, T, L.hidden),
                        qkv=e(sp["qkv"], R, T, 3 * L.heads * L.head_dim),
                        q=e(R, T, L.heads, L.head_dim), o=e(R, T, L.heads, L.head_dim), y=e(sp["proj"], R, T, L.hidden),
                        taps=e(sp["conv"], R, T + L.taps - 1, L.taps * L.hidden), mlp=e(R, T, L.mlp_hidden),
                        y2=e(sp["fc2"], R, T, L.hidden))
-        if self.uses_block_kernel(R, T, device):
+        if self.uses_block_kernel(R, T, device, pooled):
             ws.attn_acc = e(R * L.heads * 8 * T * L.head_dim)
             ws.attn_ml = e(R * L.heads * 8 * T * 2)
             ws.ctr = torch.zeros(L.depth, device=device, dtype=torch.int32)

@@ -136,7 +136,7 @@ class SlotSolver(WholeEulerSolver):
         st.kv = self.pool.kv
         st.xin = z(R, Q, 4 * self.n_mel)
         st.hist = self.fused.new_hist(R, Q, device).zero_()
-        st.ws = self.fused.workspace(R, Q, device)
+        st.ws = self.fused.workspace(R, Q, device, pooled=True)
         st.out = z(R, Q, self.n_mel)
         st.cnn_idx = torch.arange(Q, Q + self.K1, device=device)
         # Until the first fill (capture warm-ups run before it) every row points at the scratch
