@@ -4,7 +4,8 @@ At batch 1 a block is ~100 token rows, and each of the ~14 kernels the staged fu
 per block sits near a 3-6 us floor (launch gap, ramp, drain) whatever its work. Here one kernel
 with one program per SM runs every block (weights stacked over depth, ``stack_weights``) as a
 sequence of phases separated by grid-wide barriers (an atomic arrival counter, ~0.9 us on the
-H200 against ~3 us per kernel boundary), with one more barrier between blocks:
+H200 against ~3 us per kernel boundary), with one more barrier between blocks (one launch per
+block measured 51.2 vs 50.5 us per block for one launch in all, so the launch itself was cheap):
 
   0 QKV GEMM -> split-K partials      1 q/k head LN, [k|v] into the cache
   2 attention (key splits)            3 split combine
@@ -17,15 +18,18 @@ H200 against ~3 us per kernel boundary), with one more barrier between blocks:
 The row phases and the attention are the staged body's own Triton functions (``dit_ops``,
 ``tiled_attention``), called per work unit instead of per program; only the GEMM phase is new:
 TF32 tensor-core tiles whose operands are rounded to nearest TF32 (the tensor core truncates the
-13 low mantissa bits, which would double the error). The weights are rounded once (``BlockWeights.rounded``) and
-each phase stores the operand it produces for the next GEMM already rounded; loads stay plain, so
+13 low mantissa bits, which would double the error). The weights are rounded once (a stacked copy,
+``BlockWeights.rounded_``) and each phase stores the operand it produces for the next GEMM already
+rounded (the first block's input comes from the staged LN and is truncated); loads stay plain, so
 Triton's asynchronous copy pipelining of the K loop is kept (an in-loop rounding of the loaded
 tiles serialised every K step, ~1 us each, in the first H200 profile).
 
 All programs must be resident at once for the barriers (one per SM, launched as a plain grid of
 ``multi_processor_count`` programs). Triton's CPU interpreter runs programs one after another,
-so there (and with ``phase_by_phase=True``) the same kernel is launched once per phase: the same
-code, the kernel boundary standing in for the barrier. That is what the CPU tests exercise.
+so there (and with ``phase_by_phase=True``) the same kernel is launched once per block and phase:
+the same code, the kernel boundary standing in for the barrier. With a single program the
+interpreter also runs the one-launch form (its barriers pass on its own arrivals). Both are what
+the CPU tests exercise; the GPU tests compare the one-launch form with them (bit-identical).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from .tiled_attention import key_splits
 # (benchmarks/results/persistent_probe_h200.json): us per phase incl. the barrier, vs the same GEMM
 # as a graph-replayed cuBLAS call split 2 ways: qkv 4.56 vs 5.48, proj 2.58 vs 4.99, conv 4.53 vs
 # 5.89, fc2 5.83 vs 7.34. fc1 keeps K whole so its bias + GELU run in the epilogue.
-# Each tuple: (BM, BN, K splits, BK); BK 64 halves the serial K steps of the long-K phases.
+# Each tuple: (BM, BN, K splits, BK); BK 64 halves the serial K steps of the long-K phases
+# (fc1 7.3 -> 5.7-6.9 us in dit_block_profile_h200.json).
 TILES = {"qkv": (128, 64, 4, 32), "proj": (64, 32, 4, 32), "conv": (128, 64, 4, 32), "fc1": (64, 32, 1, 64),
          "fc2": (64, 64, 8, 64)}
 BK = 32                 # the smallest K step: every GEMM's K must be a multiple of it
@@ -317,8 +322,9 @@ if AVAILABLE:
 
 @dataclass(frozen=True)
 class BlockWeights:
-    """One DiT block's parameters as the kernel reads them (packed QKV and conv taps, the rest
-    the original module's own tensors)."""
+    """A DiT block's parameters as the kernel reads them: per block (packed QKV and conv taps, the
+    rest the original module's own tensors), or every block stacked over depth (``stack_weights``),
+    which is what ``dit_blocks`` takes."""
 
     w_qkv: torch.Tensor
     b_qkv: torch.Tensor
