@@ -18,22 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-@triton.jit
-def _grid_barrier(CTR, target):
-    # every warp's stores of the phase are issued before thread 0 publishes the arrival
-    tl.debug_barrier()
-    tl.atomic_add(CTR, 1, sem="release", scope="gpu")
-    while tl.atomic_add(CTR, 0, sem="acquire", scope="gpu") < target:
-        pass
-    tl.debug_barrier()
+from minicpmo_rt.code2wav.kernels.dit_block import _grid_sync  # noqa: E402  (the kernel's own barrier)
 
 
 @triton.jit
 def _barriers(CTR, n):
     nprog = tl.num_programs(0)
     for i in range(n):
-        _grid_barrier(CTR, (i + 1) * nprog)
+        _grid_sync(CTR, (i + 1) * nprog)
 
 
 @triton.jit
@@ -62,7 +56,7 @@ def _gemm_phases(A, W, OUT, CTR, M, N, K, reps, S: tl.constexpr, BM: tl.constexp
                 acc = tl.dot(a, w, acc, input_precision="tf32")
             tl.store(OUT + sp * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=offs_m[:, None] < M)
         if BARRIER:
-            _grid_barrier(CTR, (rep + 1) * nprog)
+            _grid_sync(CTR, (rep + 1) * nprog)
 
 
 def _time(fn, iters=20):

@@ -238,13 +238,6 @@ class FusedDiT:
             for conv, dst in ((blk.conv.block[1], self.w_taps1), (blk.conv.block[6], self.w_taps2)):
                 w = conv.weight                                   # (Cout, Cin, K)
                 dst.append(w.permute(2, 0, 1).reshape(-1, w.shape[1]).contiguous())   # (K*Cout, Cin)
-        self.block_weights = []
-        for i, blk in enumerate(self.dit.blocks):
-            a, seq, mlp = blk.attn, blk.conv.block, blk.mlp
-            self.block_weights.append(dit_block.BlockWeights(
-                self.w_qkv[i], self.b_qkv[i], a.q_norm.weight, a.q_norm.bias, a.k_norm.weight, a.k_norm.bias,
-                a.proj.weight, a.proj.bias, self.w_taps1[i], seq[1].bias, seq[3].weight, seq[3].bias,
-                self.w_taps2[i], seq[6].bias, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias))
         self._stacked: dict[tuple, dit_block.BlockWeights] = {}    # built on the block kernel's first use
 
     def stacked_weights(self, rounded: bool) -> dit_block.BlockWeights:
@@ -252,7 +245,14 @@ class FusedDiT:
         not modified). ``rounded``: the GEMM weights rounded to nearest TF32, as compiled TF32 reads them."""
         key = (rounded, self.w_qkv[0].device)
         if key not in self._stacked:
-            w = dit_block.stack_weights(self.block_weights)
+            per_block = []
+            for i, blk in enumerate(self.dit.blocks):
+                a, seq, mlp = blk.attn, blk.conv.block, blk.mlp
+                per_block.append(dit_block.BlockWeights(
+                    self.w_qkv[i], self.b_qkv[i], a.q_norm.weight, a.q_norm.bias, a.k_norm.weight, a.k_norm.bias,
+                    a.proj.weight, a.proj.bias, self.w_taps1[i], seq[1].bias, seq[3].weight, seq[3].bias,
+                    self.w_taps2[i], seq[6].bias, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias))
+            w = dit_block.stack_weights(per_block)
             self._stacked[key] = w.rounded_() if rounded else w
         return self._stacked[key]
 

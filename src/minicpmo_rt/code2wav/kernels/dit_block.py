@@ -75,6 +75,14 @@ if AVAILABLE:
         tl.debug_barrier()
 
     @triton.jit
+    def _barrier(CTR, nb, nprog, TIMES, pid, TIMED: tl.constexpr):
+        """The end of a phase: barrier nb+1 (nb+1 arrivals per program), stamped; returns nb+1."""
+        nb += 1
+        _grid_sync(CTR, nb * nprog)
+        _stamp(TIMES, nb, pid, TIMED)
+        return nb
+
+    @triton.jit
     def _stamp(TIMES, j, pid, TIMED: tl.constexpr):
         # profiling only (benchmarks/dit_block_profile.py): program 0's clock after barrier j
         if TIMED:
@@ -134,7 +142,7 @@ if AVAILABLE:
         Mh = R * Th
         HD = H * D
         NT = TAPS * C              # taps GEMM width
-        s_mod = s_mod + 0 * pid    # (a runtime value even when 0, for the block loop)
+        n_mblk = tl.cdiv(T, A_BM)
         nb = 0 * pid               # barriers passed: barrier j waits for j arrivals per program
         _stamp(TIMES, 0, pid, TIMED)
         for i in range(first, first + n_blocks):
@@ -161,164 +169,106 @@ if AVAILABLE:
             HIST1 = HIST + i * (2 * Mh * C)
             HIST2 = HIST1 + Mh * C
             MOD = MOD_ALL + i * (9 * C)
-            nb = _block(pid, nprog, nb, HX, NORM, QKV, Q, KV, MASK, O, PACC, PML, Y, HIST1, HIST2, TAPSB, MLP, Y2,
-                        CTR, WQKV, BQKV, QNW, QNB, KNW, KNB, WPROJ, BPROJ, WT1, BC1, LNW, LNB, WT2, BC2,
-                        W1, B1, W2, B2, MOD, s_mod, TIMES, R, T, nk, skv_r, skv_h, skv_t, smb, smm, smn,
-                        eps, qk_eps, conv_eps, attn_scale, keys_per_split,
-                        C, H, D, MLPH, TAPS, BLOCK_C, BLOCK_H, S_QKV, BM_QKV, BN_QKV, BK_QKV,
-                        S_PROJ, BM_PROJ, BN_PROJ, BK_PROJ, S_CONV, BM_CONV, BN_CONV, BK_CONV,
-                        BM_FC1, BN_FC1, BK_FC1, S_FC2, BM_FC2, BN_FC2, BK_FC2, A_BM, A_BN, A_SPLITS, C_BM,
-                        HAS_MASK, PHASE, ROUND, PRECISION, TIMED)
+            # modulation rows of this block: shift/scale/gate for msa, mlp, conv (fused_dit order); the
+            # next block's (or, past the last block, the final layer's) shift and scale follow them
+            G_MSA = MOD + 2 * C
+            SH_MLP = MOD + 3 * C
+            SC_MLP = MOD + 4 * C
+            G_MLP = MOD + 5 * C
+            SH_CONV = MOD + 6 * C
+            SC_CONV = MOD + 7 * C
+            G_CONV = MOD + 8 * C
+            NSH = MOD + 9 * C
+            NSC = MOD + 10 * C
+
+            if PHASE < 0 or PHASE == 0:
+                _gemm_phase(pid, nprog, NORM, WQKV, QKV, BQKV, M, 3 * HD, C, S_QKV, BM_QKV, BN_QKV, BK_QKV,
+                            False, ROUND, PRECISION)
+            if PHASE < 0:
+                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if PHASE < 0 or PHASE == 1:
+                for n in range(pid, M, nprog):
+                    qkv_head_ln_row(n, QKV, BQKV, QNW, QNB, KNW, KNB, Q, KV, KV, KV,
+                                    T * 3 * HD, 3 * HD, M * 3 * HD, T * HD, HD, D, skv_r, skv_h, skv_t,
+                                    T, H, D, qk_eps, BLOCK_H, D, False, True, S_QKV)
+            if PHASE < 0:
+                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if PHASE < 0 or PHASE == 2:
+                for u in range(pid, R * H * n_mblk * A_SPLITS, nprog):
+                    split = u % A_SPLITS
+                    rest = u // A_SPLITS
+                    mblk = rest % n_mblk
+                    bh = rest // n_mblk
+                    attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, KV, PACC, PML,
+                              T * HD, D, HD, 1, skv_r, skv_h, skv_t, 1, skv_r, skv_h, skv_t, 1,
+                              T * HD, D, HD, 1, smb, smm, smn, T, nk, attn_scale, keys_per_split,
+                              D, A_BM, A_BN, HAS_MASK, False, PRECISION, A_SPLITS, ROUND)
+            if PHASE < 0:
+                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if A_SPLITS > 1:
+                if PHASE < 0 or PHASE == 3:
+                    n_cblk = tl.cdiv(T, C_BM)
+                    for u in range(pid, R * H * n_cblk, nprog):
+                        bh = u // n_cblk
+                        attn_combine_tile(bh // H, bh % H, u % n_cblk, PACC, PML, O, T * HD, D, HD, 1, H, T,
+                                          D, C_BM, A_SPLITS, ROUND)
+                if PHASE < 0:
+                    nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if PHASE < 0 or PHASE == 4:
+                _gemm_phase(pid, nprog, O, WPROJ, Y, BPROJ, M, C, HD, S_PROJ, BM_PROJ, BN_PROJ, BK_PROJ,
+                            False, ROUND, PRECISION)
+            if PHASE < 0:
+                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if PHASE < 0 or PHASE == 5:
+                for n in range(pid, M, nprog):
+                    res_ln_row(n, HX, Y, BPROJ, G_MSA, SH_CONV, SC_CONV, HIST1 + (TAPS - 1) * C,
+                               T * C, C, T * C, C, Th * C, C, s_mod, s_mod, M * C, T, C, eps,
+                               0, True, True, S_PROJ, BLOCK_C, ROUND)
+            if PHASE < 0:
+                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if PHASE < 0 or PHASE == 6:
+                _gemm_phase(pid, nprog, HIST1, WT1, TAPSB, BC1, Mh, NT, C, S_CONV, BM_CONV, BN_CONV, BK_CONV,
+                            False, ROUND, PRECISION)
+            if PHASE < 0:
+                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if PHASE < 0 or PHASE == 7:
+                for n in range(pid, M, nprog):
+                    taps_ln_mish_row(n, TAPSB, BC1, LNW, LNB, HIST2 + (TAPS - 1) * C, Th * NT, NT, Th * C, C,
+                                     Mh * NT, T, C, conv_eps, TAPS, S_CONV, BLOCK_C, ROUND)
+            if PHASE < 0:
+                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if PHASE < 0 or PHASE == 8:
+                _gemm_phase(pid, nprog, HIST2, WT2, TAPSB, BC2, Mh, NT, C, S_CONV, BM_CONV, BN_CONV, BK_CONV,
+                            False, ROUND, PRECISION)
+            if PHASE < 0:
+                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if PHASE < 0 or PHASE == 9:
+                for n in range(pid, M, nprog):
+                    res_ln_row(n, HX, TAPSB, BC2, G_CONV, SH_MLP, SC_MLP, NORM,
+                               T * C, C, Th * NT, NT, T * C, C, s_mod, s_mod, Mh * NT, T, C, eps,
+                               TAPS, True, True, S_CONV, BLOCK_C, ROUND)
+            if PHASE < 0:
+                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if PHASE < 0 or PHASE == 10:
+                _gemm_phase(pid, nprog, NORM, W1, MLP, B1, M, MLPH, C, 1, BM_FC1, BN_FC1, BK_FC1,
+                            True, ROUND, PRECISION)
+            if PHASE < 0:
+                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if PHASE < 0 or PHASE == 11:
+                _gemm_phase(pid, nprog, MLP, W2, Y2, B2, M, C, MLPH, S_FC2, BM_FC2, BN_FC2, BK_FC2,
+                            False, ROUND, PRECISION)
+            if PHASE < 0:
+                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+            if PHASE < 0 or PHASE == 12:
+                for n in range(pid, M, nprog):
+                    res_ln_row(n, HX, Y2, B2, G_MLP, NSH, NSC, NORM,
+                               T * C, C, T * C, C, T * C, C, s_mod, s_mod, M * C, T, C, eps,
+                               0, True, True, S_FC2, BLOCK_C, ROUND)
             if PHASE < 0:
                 if i + 1 < first + n_blocks:     # block i+1 reads the residual stream block i wrote
-                    nb += 1
-                    _grid_sync(CTR, nb * nprog)
+                    nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
         if PHASE < 0:
             _stamp(TIMES, nb + 1, pid, TIMED)
-
-    @triton.jit
-    def _block(pid, nprog, nb, HX, NORM, QKV, Q, KV, MASK, O, PACC, PML, Y, HIST1, HIST2, TAPSB, MLP, Y2, CTR,
-               WQKV, BQKV, QNW, QNB, KNW, KNB, WPROJ, BPROJ, WT1, BC1, LNW, LNB, WT2, BC2, W1, B1, W2, B2,
-               MOD, s_mod, TIMES, R, T, nk, skv_r, skv_h, skv_t, smb, smm, smn,
-               eps, qk_eps, conv_eps, attn_scale, keys_per_split,
-               C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, MLPH: tl.constexpr, TAPS: tl.constexpr,
-               BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-               S_QKV: tl.constexpr, BM_QKV: tl.constexpr, BN_QKV: tl.constexpr, BK_QKV: tl.constexpr,
-               S_PROJ: tl.constexpr, BM_PROJ: tl.constexpr, BN_PROJ: tl.constexpr, BK_PROJ: tl.constexpr,
-               S_CONV: tl.constexpr, BM_CONV: tl.constexpr, BN_CONV: tl.constexpr, BK_CONV: tl.constexpr,
-               BM_FC1: tl.constexpr, BN_FC1: tl.constexpr, BK_FC1: tl.constexpr,
-               S_FC2: tl.constexpr, BM_FC2: tl.constexpr, BN_FC2: tl.constexpr, BK_FC2: tl.constexpr,
-               A_BM: tl.constexpr, A_BN: tl.constexpr, A_SPLITS: tl.constexpr, C_BM: tl.constexpr,
-               HAS_MASK: tl.constexpr,
-               PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr):
-        """One block's 13 phases; ``nb`` barriers passed so far in this launch -> after this block."""
-        M = R * T
-        Th = T + TAPS - 1
-        Mh = R * Th
-        HD = H * D
-        NT = TAPS * C
-        n_mblk = tl.cdiv(T, A_BM)
-        # modulation rows of this block: shift/scale/gate for msa, mlp, conv (fused_dit order); the
-        # next block's (or, past the last block, the final layer's) shift and scale follow them
-        G_MSA = MOD + 2 * C
-        SH_MLP = MOD + 3 * C
-        SC_MLP = MOD + 4 * C
-        G_MLP = MOD + 5 * C
-        SH_CONV = MOD + 6 * C
-        SC_CONV = MOD + 7 * C
-        G_CONV = MOD + 8 * C
-        NSH = MOD + 9 * C
-        NSC = MOD + 10 * C
-
-        if PHASE < 0 or PHASE == 0:
-            _gemm_phase(pid, nprog, NORM, WQKV, QKV, BQKV, M, 3 * HD, C, S_QKV, BM_QKV, BN_QKV, BK_QKV,
-                        False, ROUND, PRECISION)
-        if PHASE < 0:
-            nb += 1
-            _grid_sync(CTR, nb * nprog)
-            _stamp(TIMES, nb, pid, TIMED)
-        if PHASE < 0 or PHASE == 1:
-            for n in range(pid, M, nprog):
-                qkv_head_ln_row(n, QKV, BQKV, QNW, QNB, KNW, KNB, Q, KV, KV, KV,
-                                T * 3 * HD, 3 * HD, M * 3 * HD, T * HD, HD, D, skv_r, skv_h, skv_t,
-                                T, H, D, qk_eps, BLOCK_H, D, False, True, S_QKV)
-        if PHASE < 0:
-            nb += 1
-            _grid_sync(CTR, nb * nprog)
-            _stamp(TIMES, nb, pid, TIMED)
-        if PHASE < 0 or PHASE == 2:
-            for u in range(pid, R * H * n_mblk * A_SPLITS, nprog):
-                split = u % A_SPLITS
-                rest = u // A_SPLITS
-                mblk = rest % n_mblk
-                bh = rest // n_mblk
-                attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, KV, PACC, PML,
-                          T * HD, D, HD, 1, skv_r, skv_h, skv_t, 1, skv_r, skv_h, skv_t, 1,
-                          T * HD, D, HD, 1, smb, smm, smn, T, nk, attn_scale, keys_per_split,
-                          D, A_BM, A_BN, HAS_MASK, False, PRECISION, A_SPLITS, ROUND)
-        if PHASE < 0:
-            nb += 1
-            _grid_sync(CTR, nb * nprog)
-            _stamp(TIMES, nb, pid, TIMED)
-        if A_SPLITS > 1:
-            if PHASE < 0 or PHASE == 3:
-                n_cblk = tl.cdiv(T, C_BM)
-                for u in range(pid, R * H * n_cblk, nprog):
-                    bh = u // n_cblk
-                    attn_combine_tile(bh // H, bh % H, u % n_cblk, PACC, PML, O, T * HD, D, HD, 1, H, T,
-                                      D, C_BM, A_SPLITS, ROUND)
-            if PHASE < 0:
-                nb += 1
-                _grid_sync(CTR, nb * nprog)
-                _stamp(TIMES, nb, pid, TIMED)
-        if PHASE < 0 or PHASE == 4:
-            _gemm_phase(pid, nprog, O, WPROJ, Y, BPROJ, M, C, HD, S_PROJ, BM_PROJ, BN_PROJ, BK_PROJ,
-                        False, ROUND, PRECISION)
-        if PHASE < 0:
-            nb += 1
-            _grid_sync(CTR, nb * nprog)
-            _stamp(TIMES, nb, pid, TIMED)
-        if PHASE < 0 or PHASE == 5:
-            for n in range(pid, M, nprog):
-                res_ln_row(n, HX, Y, BPROJ, G_MSA, SH_CONV, SC_CONV, HIST1 + (TAPS - 1) * C,
-                           T * C, C, T * C, C, Th * C, C, s_mod, s_mod, M * C, T, C, eps,
-                           0, True, True, S_PROJ, BLOCK_C, ROUND)
-        if PHASE < 0:
-            nb += 1
-            _grid_sync(CTR, nb * nprog)
-            _stamp(TIMES, nb, pid, TIMED)
-        if PHASE < 0 or PHASE == 6:
-            _gemm_phase(pid, nprog, HIST1, WT1, TAPSB, BC1, Mh, NT, C, S_CONV, BM_CONV, BN_CONV, BK_CONV,
-                        False, ROUND, PRECISION)
-        if PHASE < 0:
-            nb += 1
-            _grid_sync(CTR, nb * nprog)
-            _stamp(TIMES, nb, pid, TIMED)
-        if PHASE < 0 or PHASE == 7:
-            for n in range(pid, M, nprog):
-                taps_ln_mish_row(n, TAPSB, BC1, LNW, LNB, HIST2 + (TAPS - 1) * C, Th * NT, NT, Th * C, C,
-                                 Mh * NT, T, C, conv_eps, TAPS, S_CONV, BLOCK_C, ROUND)
-        if PHASE < 0:
-            nb += 1
-            _grid_sync(CTR, nb * nprog)
-            _stamp(TIMES, nb, pid, TIMED)
-        if PHASE < 0 or PHASE == 8:
-            _gemm_phase(pid, nprog, HIST2, WT2, TAPSB, BC2, Mh, NT, C, S_CONV, BM_CONV, BN_CONV, BK_CONV,
-                        False, ROUND, PRECISION)
-        if PHASE < 0:
-            nb += 1
-            _grid_sync(CTR, nb * nprog)
-            _stamp(TIMES, nb, pid, TIMED)
-        if PHASE < 0 or PHASE == 9:
-            for n in range(pid, M, nprog):
-                res_ln_row(n, HX, TAPSB, BC2, G_CONV, SH_MLP, SC_MLP, NORM,
-                           T * C, C, Th * NT, NT, T * C, C, s_mod, s_mod, Mh * NT, T, C, eps,
-                           TAPS, True, True, S_CONV, BLOCK_C, ROUND)
-        if PHASE < 0:
-            nb += 1
-            _grid_sync(CTR, nb * nprog)
-            _stamp(TIMES, nb, pid, TIMED)
-        if PHASE < 0 or PHASE == 10:
-            _gemm_phase(pid, nprog, NORM, W1, MLP, B1, M, MLPH, C, 1, BM_FC1, BN_FC1, BK_FC1,
-                        True, ROUND, PRECISION)
-        if PHASE < 0:
-            nb += 1
-            _grid_sync(CTR, nb * nprog)
-            _stamp(TIMES, nb, pid, TIMED)
-        if PHASE < 0 or PHASE == 11:
-            _gemm_phase(pid, nprog, MLP, W2, Y2, B2, M, C, MLPH, S_FC2, BM_FC2, BN_FC2, BK_FC2,
-                        False, ROUND, PRECISION)
-        if PHASE < 0:
-            nb += 1
-            _grid_sync(CTR, nb * nprog)
-            _stamp(TIMES, nb, pid, TIMED)
-        if PHASE < 0 or PHASE == 12:
-            for n in range(pid, M, nprog):
-                res_ln_row(n, HX, Y2, B2, G_MLP, NSH, NSC, NORM,
-                           T * C, C, T * C, C, T * C, C, s_mod, s_mod, M * C, T, C, eps,
-                           0, True, True, S_FC2, BLOCK_C, ROUND)
-        return nb
-
 
 @dataclass(frozen=True)
 class BlockWeights:
@@ -427,8 +377,8 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     (``stack_weights``); mod_chain (Rm,depth+1,9,C) modulation rows (scales hold 1+scale; row depth
     holds the final layer's shift and scale in slots 0 and 1). precision "tf32" (operands stored
     rounded to nearest TF32 on CUDA; ``w`` rounded too) or "ieee" for every dot.
-    ``times`` (int64; profiling, one launch only): program 0's clock (ns) at the start, after each
-    barrier and at the end. Returns the compiled kernel (registers, spills) of the last launch.
+    ``times`` (int64, >= 13 * n_blocks + 1; profiling, one launch only): program 0's clock (ns) at the
+    start, after each barrier and at the end. Returns the compiled kernel (registers, spills) of the last launch.
     """
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"dit_blocks: precision must be 'tf32' or 'ieee', got {precision!r}")
@@ -466,6 +416,9 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
         m, ms = h, (0, 0, 0)
     if phase_by_phase is None:
         phase_by_phase = interpreting() or h.device.type != "cuda"
+    if times is not None and times.numel() < N_PHASES * n_blocks + 1:
+        raise ValueError(f"dit_blocks: times holds {times.numel()} stamps, {n_blocks} block(s) may write "
+                         f"{N_PHASES * n_blocks + 1}")
     round_tf32 = rounds(precision, h.device)
     (bq, nq_, _, kq), (bp, np_, _, kp), (bc, nc, _, kc), (b1, n1, _, k1), (b2, n2, _, k2) = (
         tiles[r] for r in ("qkv", "proj", "conv", "fc1", "fc2"))
