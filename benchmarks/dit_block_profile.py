@@ -1,8 +1,9 @@
 """Where the time of the persistent DiT block kernel goes (GPU), batch 1 with CFG at full size.
 
-For each launch configuration: program 0's clock at every grid barrier of one launch (per-phase
-time incl. the wait at the barrier), the block as one launch and as one launch per phase (each
-replayed from a CUDA graph), and the compiled kernel's registers / spills.
+For each launch configuration: program 0's clock at every grid barrier of one launch over all 16
+blocks (per-phase time incl. the wait at the barrier, median over blocks 1-15), the block as one
+launch and as one launch per phase (each replayed from a CUDA graph), and the compiled kernel's
+registers / spills.
 
     PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR [--default-only]
 """
@@ -25,6 +26,7 @@ from minicpmo_rt.code2wav.flow import Flow  # noqa: E402
 from minicpmo_rt.code2wav.flow_config import FULL_SIZE  # noqa: E402
 from minicpmo_rt.code2wav.fused_dit import FusedDiT  # noqa: E402
 from minicpmo_rt.code2wav.kernels import dit_block  # noqa: E402
+from minicpmo_rt.code2wav.kernels.tiled_attention import key_splits  # noqa: E402
 from minicpmo_rt.code2wav.precision import matmul_tf32  # noqa: E402
 
 PHASES = ["QKV GEMM", "q/k head LN + cache write", "attention", "split combine", "out-proj GEMM",
@@ -52,6 +54,31 @@ def graph_us(fn, reps: int = 20) -> float:
     return statistics.median(ts)
 
 
+def per_program_profile(block, names, depth, nprog, dev, reps: int = 10) -> dict:
+    """Every program's clock at each barrier arrival and departure, over all blocks in one launch:
+    per phase (medians over blocks 1-14 and ``reps`` launches) the slowest and the median program's
+    work (departure from the previous barrier to arrival), the wait from the last arrival until the
+    median program leaves (the barrier's own latency), and the phase's span between departures."""
+    n = len(names)
+    P = n * depth
+    t = torch.zeros(2 * (P + 1), nprog, dtype=torch.int64, device=dev)
+    rows = []
+    for _ in range(reps):
+        t.zero_()
+        block(times=t, n=depth, per_program=True)
+        torch.cuda.synchronize()
+        x = t.double().cpu() / 1e3
+        dep, arr = x[0:2 * P - 2:2], x[1:2 * P - 2:2]     # (P-1, nprog): around phases 0..P-2
+        leave = x[2:2 * P - 1:2].median(1).values          # median departure after each of them
+        work = arr - dep
+        stats = torch.stack([work.max(1).values, work.median(1).values, leave - arr.max(1).values,
+                             leave - dep.median(1).values], 1)
+        rows.append(stats[n:(depth - 1) * n].reshape(depth - 2, n, 4))
+    med = torch.cat(rows).median(0).values
+    keys = ("work_max_us", "work_median_us", "last_arrival_to_leave_us", "span_us")
+    return {name: dict(zip(keys, [round(v, 3) for v in med[i].tolist()])) for i, name in enumerate(names)}
+
+
 def main(out_dir: str, configs=None) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,10 +88,7 @@ def main(out_dir: str, configs=None) -> None:
     dit = flow.decoder.estimator.to(dev).eval()
     R = 2
     res = {"gpu": torch.cuda.get_device_name(), "rows": R * T, "cache": L, "configs": []}
-    configs = configs or [{"num_warps": 4}, {"num_warps": 8},
-                          {"num_warps": 8, "att_bm": 16},
-                          {"num_warps": 8, "tiles": {"qkv": (128, 64, 4, 64), "conv": (128, 64, 4, 64),
-                                                     "fc2": (64, 64, 4, 64)}}]
+    configs = configs or [{"num_warps": 8}, {"num_warps": 8, "att_splits": 1}]
     with torch.inference_mode(), matmul_tf32(True):
         fused = FusedDiT(dit, attention="triton-tf32", block_kernel=True)
         xin = torch.randn(R, T, 320, device=dev)
@@ -82,6 +106,8 @@ def main(out_dir: str, configs=None) -> None:
             dit_block.TILES.update(cfg.get("tiles", {}))
             dit_block.ATT_BM = cfg.get("att_bm", saved_att)
             a_splits, per_split = dit_block.attention_splits(R, 8, T, T + L, nprog)
+            if "att_splits" in cfg:          # forced key splits (1: no combine phase)
+                a_splits, per_split = key_splits(T + L, cfg["att_splits"], dit_block.ATT_BN)
             names = [p for p in PHASES if a_splits > 1 or p != "split combine"]
             nw = cfg.get("num_warps", 4)
             ws = fused.workspace(R, T, dev)          # split counts follow the tiles
@@ -90,7 +116,7 @@ def main(out_dir: str, configs=None) -> None:
 
             weights = fused.stacked_weights(True)
 
-            def block(i=0, times=None, phase_by_phase=False, zero=True, n=1, j=0):
+            def block(i=0, times=None, phase_by_phase=False, zero=True, n=1, j=0, per_program=False):
                 if zero:
                     ws.ctr.zero_()
                 return dit_block.dit_blocks(
@@ -98,26 +124,30 @@ def main(out_dir: str, configs=None) -> None:
                     attn_ml=ws.attn_ml, y=ws.y, hist=hist, taps=ws.taps, mlp=ws.mlp, y2=ws.y2,
                     ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=i, n_blocks=n, eps=1e-6,
                     qk_eps=1e-6, conv_eps=1e-5, attn_splits=a_splits, keys_per_split=per_split, nprog=nprog,
-                    phase_by_phase=phase_by_phase, num_warps=nw, times=times)
+                    phase_by_phase=phase_by_phase, num_warps=nw, times=times, per_program=per_program)
 
             try:
                 k = block()
-                times = torch.zeros(len(names) + 1, dtype=torch.int64, device=dev)
+                # stamps of all 16 blocks in one launch, as an evaluation runs them (each block's
+                # weights cold in L2, 18 MB a block); medians over blocks 1-15 and 15 launches
+                depth = kv.shape[0]
+                times = torch.zeros(len(names) * depth + 1, dtype=torch.int64, device=dev)
                 per_phase = []
                 for _ in range(15):
-                    block(times=times)
+                    block(times=times, n=depth)
                     torch.cuda.synchronize()
-                    per_phase.append((times[1:] - times[:-1]).double().cpu() / 1e3)
-                med = torch.stack(per_phase).median(0).values.tolist()
+                    per_phase.append(((times[1:] - times[:-1]).double().cpu() / 1e3).view(depth, -1)[1:])
+                med = torch.cat(per_phase).median(0).values.tolist()
                 one = graph_us(lambda: (ws.ctr.zero_(), [block(i, zero=False, j=i) for i in range(16)])) / 16
                 whole = graph_us(lambda: block(0, n=16)) / 16
                 staged = graph_us(lambda: [block(i, phase_by_phase=True, zero=False) for i in range(16)]) / 16
+                programs = per_program_profile(block, names, depth, nprog, dev)
                 row = {"config": {k_: v for k_, v in cfg.items() if k_ != "tiles"} | {"tiles": dict(dit_block.TILES)},
                        "attention": {"block_m": dit_block.ATT_BM, "splits": a_splits},
                        "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
                        "block_us_one_launch": one, "block_us_all_blocks_one_launch": whole,
                        "block_us_launch_per_phase": staged,
-                       "phase_us": dict(zip(names, med)), "phase_sum_us": sum(med)}
+                       "phase_us": dict(zip(names, med)), "phase_sum_us": sum(med), "per_program": programs}
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported
                 row = {"config": str(cfg), "error": repr(exc)[:300]}
             finally:

@@ -5,7 +5,7 @@ Measures, on the GPU, (1) the cost of a grid-wide barrier between phases of a pe
 (100 rows, the DiT's QKV / conv / fc1 / fc2 shapes) inside such a kernel, next to the same GEMM
 as a cuBLAS call (plain and 2-way split-K) replayed from a CUDA graph.
 
-    python benchmarks/persistent_probe.py OUT_DIR
+    python benchmarks/persistent_probe.py OUT_DIR [--barriers-only]
 """
 
 from __future__ import annotations
@@ -24,10 +24,38 @@ from minicpmo_rt.code2wav.kernels.dit_block import _grid_sync  # noqa: E402  (th
 
 
 @triton.jit
-def _barriers(CTR, n):
+def _ld_acquire(P):
+    # one acquiring load per thread (inline PTX)
+    v = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [P + tl.zeros([1], tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    return tl.max(v, axis=0)
+
+
+@triton.jit
+def _flag_sync(CTR, FLAG, target, LOAD_POLL: tl.constexpr):
+    # the alternative measured against the kernel's _grid_sync (2026-11-30, slower: 1.5 vs 0.9 us):
+    # the last arrival (its acq_rel add reads target - 1) publishes target in a flag on another cache
+    # line, and the others poll the flag (atomics, or acquiring loads), not the counter
+    tl.debug_barrier()
+    if tl.atomic_add(CTR, 1, sem="acq_rel", scope="gpu") == target - 1:
+        tl.atomic_xchg(FLAG, target, sem="release", scope="gpu")
+    if LOAD_POLL:
+        while _ld_acquire(FLAG) < target:
+            pass
+    else:
+        while tl.atomic_add(FLAG, 0, sem="acquire", scope="gpu") < target:
+            pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def _barriers(CTR, n, SYNC: tl.constexpr):
     nprog = tl.num_programs(0)
     for i in range(n):
-        _grid_sync(CTR, (i + 1) * nprog)
+        if SYNC == 0:
+            _grid_sync(CTR, (i + 1) * nprog)
+        else:
+            _flag_sync(CTR, CTR + 32, (i + 1) * nprog, SYNC == 2)
 
 
 @triton.jit
@@ -80,17 +108,25 @@ def main(out_dir: str) -> None:
     dev = "cuda"
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     res = {"gpu": torch.cuda.get_device_name(0), "sms": nsm, "torch": torch.__version__, "triton": triton.__version__}
-    ctr = torch.zeros(1, dtype=torch.int32, device=dev)
+    ctr = torch.zeros(64, dtype=torch.int32, device=dev)      # counter [0], barrier flag [32]
     n = 2000
+    # barrier forms: 0 the kernel's _grid_sync (every program polls the arrival counter with atomics),
+    # 1 atomic polls of a flag the last arrival sets, 2 acquiring-load polls of that flag
+    res["barriers"] = []
+    for sync in (0, 1, 2):
+        for warps in (4, 8):
+            def bar():
+                ctr.zero_()
+                _barriers[(nsm,)](ctr, n, SYNC=sync, num_warps=warps)
 
-    def bar():
-        ctr.zero_()
-        _barriers[(nsm,)](ctr, n, num_warps=4)
-
-    t = _time(bar)
-    res["barrier_us"] = t / n
-    res["barrier_counter_ok"] = int(ctr.item()) == n * nsm
-    print(f"grid barrier x{nsm} CTAs: {t / n:.3f} us each (counter {ctr.item()} vs {n * nsm})", flush=True)
+            t = _time(bar)
+            ok = int(ctr[0].item()) == n * nsm
+            res["barriers"].append({"sync": sync, "num_warps": warps, "us": t / n, "counter_ok": ok})
+            print(f"grid barrier x{nsm} CTAs, sync {sync}, {warps} warps: {t / n:.3f} us each (counter ok: {ok})",
+                  flush=True)
+    if "--barriers-only" in sys.argv:
+        (out / "persistent_probe_barriers.json").write_text(json.dumps(res, indent=1))
+        return
 
     torch.backends.cuda.matmul.allow_tf32 = True
     M = 100
@@ -153,4 +189,5 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/probe")
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    main(args[0] if args else "/tmp/probe")

@@ -78,16 +78,21 @@ if AVAILABLE:
     def _barrier(CTR, nb, nprog, TIMES, pid, TIMED: tl.constexpr):
         """The end of a phase: barrier nb+1 (nb+1 arrivals per program), stamped; returns nb+1."""
         nb += 1
+        if TIMED == 2:      # this program's arrival
+            tl.store(TIMES + (2 * nb - 1) * nprog + pid, tl.extra.cuda.globaltimer())
         _grid_sync(CTR, nb * nprog)
-        _stamp(TIMES, nb, pid, TIMED)
+        _stamp(TIMES, nb, pid, nprog, TIMED)
         return nb
 
     @triton.jit
-    def _stamp(TIMES, j, pid, TIMED: tl.constexpr):
-        # profiling only (benchmarks/dit_block_profile.py): program 0's clock after barrier j
-        if TIMED:
+    def _stamp(TIMES, j, pid, nprog, TIMED: tl.constexpr):
+        # profiling only (benchmarks/dit_block_profile.py), the clock after barrier j (0: the start):
+        # TIMED 1: program 0's at TIMES[j]; 2: every program's at TIMES[2j, pid] (arrivals at [2j-1, pid])
+        if TIMED == 1:
             if pid == 0:
                 tl.store(TIMES + j, tl.extra.cuda.globaltimer())
+        if TIMED == 2:
+            tl.store(TIMES + 2 * j * nprog + pid, tl.extra.cuda.globaltimer())
 
     @triton.jit
     def _gemm_phase(pid, nprog, A, W, OUT, BIAS, M, N, K,
@@ -144,7 +149,7 @@ if AVAILABLE:
         NT = TAPS * C              # taps GEMM width
         n_mblk = tl.cdiv(T, A_BM)
         nb = 0 * pid               # barriers passed: barrier j waits for j arrivals per program
-        _stamp(TIMES, 0, pid, TIMED)
+        _stamp(TIMES, 0, pid, nprog, TIMED)
         for i in range(first, first + n_blocks):
             # block i's slices of the stacked weights, caches and modulation chain
             WQKV = WQKV_ALL + i * (3 * HD * C)
@@ -268,7 +273,10 @@ if AVAILABLE:
                 if i + 1 < first + n_blocks:     # block i+1 reads the residual stream block i wrote
                     nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
         if PHASE < 0:
-            _stamp(TIMES, nb + 1, pid, TIMED)
+            if TIMED == 2:      # the last phase's end, as an arrival
+                tl.store(TIMES + (2 * nb + 1) * nprog + pid, tl.extra.cuda.globaltimer())
+            else:
+                _stamp(TIMES, nb + 1, pid, nprog, TIMED)
 
 @dataclass(frozen=True)
 class BlockWeights:
@@ -366,7 +374,8 @@ def _pow2(n: int) -> int:
 def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps, mlp, y2, ctr,
                w: BlockWeights, mod_chain, first: int, n_blocks: int, eps: float, qk_eps: float,
                conv_eps: float, attn_splits: int, keys_per_split: int, nprog: int, precision: str = "tf32",
-               phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None):
+               phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None,
+               per_program: bool = False):
     """Blocks [first, first + n_blocks) in place, in ONE launch (see the module docstring).
 
     Shapes as ``fused_dit.Workspace``: h, norm (R,T,C); qkv (Sq,R,T,3HD); q, o (R,T,H,D); kv
@@ -377,8 +386,11 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     (``stack_weights``); mod_chain (Rm,depth+1,9,C) modulation rows (scales hold 1+scale; row depth
     holds the final layer's shift and scale in slots 0 and 1). precision "tf32" (operands stored
     rounded to nearest TF32 on CUDA; ``w`` rounded too) or "ieee" for every dot.
-    ``times`` (int64, >= 13 * n_blocks + 1; profiling, one launch only): program 0's clock (ns) at the
-    start, after each barrier and at the end. Returns the compiled kernel (registers, spills) of the last launch.
+    ``times`` (int64, >= 13 * n_blocks + 1, or 12 * n_blocks + 1 with unsplit keys; profiling, one
+    launch only): program 0's clock (ns) at the start, after each barrier and at the end; with
+    ``per_program``, (2 * that, nprog): every program's clock at the start and after each barrier
+    (even rows) and at its arrival at each barrier and at its end (odd rows). Returns the compiled
+    kernel (registers, spills) of the last launch.
     """
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"dit_blocks: precision must be 'tf32' or 'ieee', got {precision!r}")
@@ -416,9 +428,10 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
         m, ms = h, (0, 0, 0)
     if phase_by_phase is None:
         phase_by_phase = interpreting() or h.device.type != "cuda"
-    if times is not None and times.numel() < N_PHASES * n_blocks + 1:
-        raise ValueError(f"dit_blocks: times holds {times.numel()} stamps, {n_blocks} block(s) may write "
-                         f"{N_PHASES * n_blocks + 1}")
+    per_block = N_PHASES - (attn_splits == 1)        # barriers a block passes (no combine phase unsplit)
+    stamps = (per_block * n_blocks + 1) * (2 * nprog if per_program else 1)
+    if times is not None and times.numel() < stamps:
+        raise ValueError(f"dit_blocks: times holds {times.numel()} stamps, {n_blocks} block(s) write {stamps}")
     round_tf32 = rounds(precision, h.device)
     (bq, nq_, _, kq), (bp, np_, _, kp), (bc, nc, _, kc), (b1, n1, _, k1), (b2, n2, _, k2) = (
         tiles[r] for r in ("qkv", "proj", "conv", "fc1", "fc2"))
@@ -435,7 +448,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                 BM_FC1=b1, BN_FC1=n1, BK_FC1=k1, S_FC2=y2.shape[0], BM_FC2=b2, BN_FC2=n2, BK_FC2=k2,
                 A_BM=ATT_BM, A_BN=ATT_BN, C_BM=COMBINE_BM,
                 A_SPLITS=attn_splits, HAS_MASK=mask is not None, ROUND=round_tf32, PRECISION=precision,
-                TIMED=times is not None and not phase_by_phase, num_warps=num_warps)
+                TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps)
     if phase_by_phase:     # one launch per block and phase: the launch boundary is the barrier
         for b in range(first, first + n_blocks):
             for p in range(N_PHASES):
