@@ -9,6 +9,9 @@ at its steady length prompt + 100 = 400 frames, batch 1, 4, 8, 16. Rows:
   fused + graph TF32 on, staged body
                             the same without the persistent block kernel (kernels/dit_block.py,
                             the default up to 256 rows, i.e. batch 1-2): ~14 kernels per block
+  fused + graph TF32 on, torch step glue
+                            the default with the ~12 torch ops between evaluations instead of
+                            the two Euler-step kernels (kernels/euler_step.py)
   fused + graph TF32 off    IEEE GEMMs; attention per the knobs (explicit fused => triton-tf32)
   fused + graph IEEE        IEEE GEMMs and IEEE Triton attention (the <=1e-5 configuration)
   upstream inference_chunk  minicpmo-utils 1.0.7 flow (encoder + CFM, batch 1 only: its
@@ -349,6 +352,7 @@ def merge_row(cfm, cfg, B, cnn, att, mu, spk, cond, row, budget, prompt, keep=10
     row(MERGE_ROW, B, ms, rep, extra)
 
 
+GLUE_ROW = "fused + graph TF32 on, torch step glue"
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -436,6 +440,7 @@ def main(argv=None) -> int:
                 ("fused + graph TF32 on", dict(body="fused", attention="triton-tf32", tf32=True)),
                 ("fused + graph TF32 on, staged body", dict(body="fused", attention="triton-tf32", tf32=True,
                                                             block_kernel=False)),
+                (GLUE_ROW, dict(body="fused", attention="triton-tf32", tf32=True, step_kernels=False)),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 
@@ -463,8 +468,13 @@ def main(argv=None) -> int:
             st = next(iter(solver._statics.values()))
             ms = timed(lambda: solver.solve(mu, spk, cond, cnn, att, copy_out=False), args.budget)
             rep = timed(st.graph.replay, args.budget) if st.graph is not None else None
-            row(name, B, ms, rep, {"rel_err_vs_original_ieee": {"mel": errs[0], "cnn": errs[1], "att": errs[2]},
-                                   "graph": st.graph is not None})
+            extra = {"rel_err_vs_original_ieee": {"mel": errs[0], "cnn": errs[1], "att": errs[2]},
+                     "graph": st.graph is not None}
+            if B == 1 and kw["body"] == "fused":   # what one graph replay launches (the eager solve's kernels)
+                with matmul_tf32(kw["tf32"]):
+                    extra["kernels_per_chunk"] = count_kernels(
+                        lambda: solver.solve(mu, spk, cond, cnn, att, graph=False, copy_out=False))
+            row(name, B, ms, rep, extra)
             del solver, st, got
             gc.collect()
             torch.cuda.empty_cache()
@@ -597,6 +607,10 @@ def markdown(res: dict) -> str:
         if "rel_err_vs_original_ieee" in r and r["batch"] == 1:
             e = r["rel_err_vs_original_ieee"]
             lines.append(f"- {r['row']}: {e['mel']:.1e}, {e['cnn']:.1e}, {e['att']:.1e}")
+    counted = [r for r in res["rows"] if "kernels_per_chunk" in r]
+    if counted:
+        lines += ["", "CUDA kernels one chunk's solve launches (eager, batch 1; a replay runs the same kernels):", ""]
+        lines += [f"- {r['row']}: {r['kernels_per_chunk']}" for r in counted]
     pooled = [r for r in res["rows"] if r["row"] in (SLOT_ROW, MERGE_ROW)]
     if pooled:
         lines += ["", "Slot pool / row merging, every batch (relative L2 over all streams, worst stream in "

@@ -34,7 +34,8 @@ from typing import Literal
 
 import torch
 
-from .fused_dit import FusedDiT, Modulation, load_cnn_cache
+from .fused_dit import SC_MSA, SH_MSA, FusedDiT, Modulation, dot_precision, load_cnn_cache
+from .kernels import dit_block, euler_step
 from .precision import matmul_tf32
 
 __all__ = ["GraphConfig", "SolveKey", "WholeEulerSolver"]
@@ -78,6 +79,7 @@ class _Static:
     cnn_idx: torch.Tensor | None = None  # (K-1,) frames of the new CNN cache
     xin: torch.Tensor | None = None
     hist: torch.Tensor | None = None
+    hc: torch.Tensor | None = None      # fused: (2Bb, Q, C) step-invariant part of the input projection
     ws: object = None
     out: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
@@ -92,8 +94,13 @@ class WholeEulerSolver:
     def __init__(self, cfm, body: Literal["original", "fused"] = "fused", attention: str = "triton-tf32",
                  tf32: bool = False, n_timesteps: int = 10, config: GraphConfig = GraphConfig(),
                  use_triton: bool | None = None, gemm: str = "cublas-split", attn_splits: int | None = None,
-                 attn_block_m: int | None = None, split_k: int | None = None, block_kernel: bool | None = None):
+                 attn_block_m: int | None = None, split_k: int | None = None, block_kernel: bool | None = None,
+                 step_kernels: bool | None = None):
+        """``step_kernels``: the glue between two evaluations as two Triton kernels per step
+        (``kernels/euler_step.py``) instead of ~12 torch ops; None (default) and True: whenever the
+        fused body's Triton stages run; False: the torch ops (the reference the tests compare)."""
         self.cfm = cfm
+        self.step_kernels = step_kernels
         self.dit = cfm.estimator
         self.body = body
         self.tf32 = bool(tf32)
@@ -198,6 +205,7 @@ class WholeEulerSolver:
             st.hist.zero_()
             st.ws = self.fused.workspace(R, Q, device)
             st.out = z(R, Q, self.n_mel)
+            st.hc = z(R, Q, self.C)
             st.cnn_idx = torch.arange(Q, Q + self.K1, device=device)
             if key.masked:
                 st.mask = torch.ones(R, Q, Q + O, device=device, dtype=torch.bool)
@@ -222,6 +230,9 @@ class WholeEulerSolver:
         xin[:Bb, :, 2 * n:3 * n].copy_(st.spk[:, None, :].expand(-1, st.key.query, -1))
         xin[:Bb, :, 3 * n:].copy_(st.cond)          # uncond rows keep zeros there
         st.x.copy_(st.z)
+        if self._uses_step_kernels(st.x):
+            self._steps_with_kernels(st, mods, dts)
+            return
         r = self.cfg_rate
         for s in range(self.S):
             xin[:Bb, :, :n].copy_(st.x)
@@ -233,6 +244,33 @@ class WholeEulerSolver:
             st.cnn_out[s].copy_(new.permute(0, 2, 1, 4, 3).reshape(st.cnn_out[s].shape))
             v = st.out
             st.x.add_(dts[s] * ((1.0 + r) * v[:Bb] - r * v[Bb:]))
+
+    def _uses_step_kernels(self, x: torch.Tensor) -> bool:
+        return self.fused is not None and self.step_kernels is not False and self.fused._triton(x)
+
+    def _steps_with_kernels(self, st: _Static, mods: list[Modulation], dts: list[float]) -> None:
+        """The same program with the glue between evaluations in two kernels per step
+        (``kernels/euler_step.py``): the final linear, CFG, Euler update, next input projection
+        and block-0 LN in one; the CNN-cache roll in the other; the staged x copies are gone."""
+        f, ws, n, S = self.fused, st.ws, self.n_mel, self.S
+        precision = dot_precision(st.x)
+        rounded = dit_block.rounds(precision, st.x.device)
+        fl = self.dit.final_layer.linear
+        ctr = ws.ctr if f.runs_persistent(ws, st.pos is not None) else None
+        f.embed_const(st.xin[..., n:], st.hc)
+
+        def junction(dt: float, has_v: bool, nxt: Modulation | None) -> None:
+            shift, scale = (None, None) if nxt is None else (nxt.blocks[:, 0, SH_MSA], nxt.blocks[:, 0, SC_MSA])
+            euler_step.euler_junction(ws.norm, fl.weight, fl.bias, st.x, f.w_in_x, st.hc, shift, scale, ws.h,
+                                      dt, self.cfg_rate, f.L.norm_eps, has_v=has_v, ctr=ctr,
+                                      precision=precision, rounded=rounded)
+
+        euler_step.cnn_roll(st.hist, None, st.cnn_in[0], st.cnn_idx)
+        junction(0.0, False, mods[0])
+        for s in range(S):
+            f.blocks(mods[s], st.hist, st.kv[s], st.mask, ws, st.rows, st.pos, ctr_zeroed=ctr is not None)
+            euler_step.cnn_roll(st.hist, st.cnn_out[s], st.cnn_in[s + 1] if s + 1 < S else None, st.cnn_idx)
+            junction(dts[s], True, mods[s + 1] if s + 1 < S else None)
 
     def _program_original(self, st: _Static) -> None:
         Bb = st.key.batch

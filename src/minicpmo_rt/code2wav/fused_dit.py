@@ -239,6 +239,10 @@ class FusedDiT:
                 w = conv.weight                                   # (Cout, Cin, K)
                 dst.append(w.permute(2, 0, 1).reshape(-1, w.shape[1]).contiguous())   # (K*Cout, Cin)
         self._stacked: dict[tuple, dit_block.BlockWeights] = {}    # built on the block kernel's first use
+        # the input projection split into x's columns and the step-invariant [mu | spk | cond] ones
+        # (the Euler-step junction projects only x per step; ``embed_const`` the rest once per chunk)
+        w, n = self.dit.in_proj.weight, self.L.out_channels
+        self.w_in_x, self.w_in_rest = w[:, :n].contiguous(), w[:, n:].contiguous()
 
     def stacked_weights(self, rounded: bool) -> dit_block.BlockWeights:
         """The blocks' weights stacked over depth for ``dit_blocks`` (one copy, made once; the module is
@@ -437,22 +441,55 @@ class FusedDiT:
         Pooled caches (``slot_pool``): kv is (depth, P, H, F, 2D), ``rows`` (R,) int32 are the pool
         rows of the batch rows and ``pos`` (R, T) int32 the frames the current K/V go to; mask (R, T, F).
         """
-        L, dit = self.L, self.dit
+        self.embed(xin, mod, ws)
+        self.blocks(mod, hist, kv, mask, ws, rows, pos)
+        self.project(ws, out)
+        return out
+
+    def embed(self, xin: torch.Tensor, mod: Modulation, ws: Workspace) -> None:
+        """ws.h = the input projection of xin; ws.norm = block 0's modulated LayerNorm of it."""
         R, T, _ = xin.shape
-        N = R * T
-        C, K = L.hidden, L.taps
-        self._linear(xin.reshape(N, -1), dit.in_proj.weight, dit.in_proj.bias, ws.h.view(N, C))
+        N, C = R * T, self.L.hidden
+        self._linear(xin.reshape(N, -1), self.dit.in_proj.weight, self.dit.in_proj.bias, ws.h.view(N, C))
         mb = mod.blocks
-        # block 0 input: plain modulated LN
-        self._res_ln(ws, None, None, None, mb[:, 0, SH_MSA], mb[:, 0, SC_MSA], ws.norm, L.norm_eps)
-        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 or not xin.is_cuda else "ieee"
-        # auto: only while TF32 is on (its IEEE dots would trail cuBLAS FP32); the workspace's split
-        # counts then serve the staged body as well
-        persistent = pos is None and ws.ctr is not None and (precision == "tf32" or not self._block_auto)
+        self._res_ln(ws, None, None, None, mb[:, 0, SH_MSA], mb[:, 0, SC_MSA], ws.norm, self.L.norm_eps)
+
+    def embed_const(self, xin_rest: torch.Tensor, hc: torch.Tensor) -> None:
+        """hc (R, T, C) = the input projection's bias plus its step-invariant columns applied to
+        ``xin_rest`` (R, T, in_channels - out_channels): xin without the x columns."""
+        R, T, _ = xin_rest.shape
+        self._linear(xin_rest.reshape(R * T, -1), self.w_in_rest, self.dit.in_proj.bias, hc.view(R * T, -1))
+
+    def project(self, ws: Workspace, out: torch.Tensor) -> None:
+        """out = the final linear of ws.norm (the final layer's modulated LayerNorm, left by ``blocks``)."""
+        R, T, C = ws.norm.shape
+        fl = self.dit.final_layer.linear
+        self._linear(ws.norm.view(R * T, C), fl.weight, fl.bias, out.view(R * T, -1))
+
+    def runs_persistent(self, ws: Workspace, pooled: bool) -> bool:
+        """Does ``blocks`` take the persistent block kernel for this workspace under the current
+        TF32 setting? Auto: only while TF32 is on (its IEEE dots would trail cuBLAS FP32); the
+        workspace's split counts then serve the staged body as well."""
+        return (not pooled and ws.ctr is not None
+                and (dot_precision(ws.h) == "tf32" or not self._block_auto))
+
+    def blocks(self, mod: Modulation, hist: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None,
+               ws: Workspace, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
+               ctr_zeroed: bool = False) -> None:
+        """The DiT blocks from ws.h and its block-0 LN in ws.norm (``embed``); leaves ws.norm = the
+        final layer's modulated LN. ``ctr_zeroed``: the caller already zeroed the block kernel's
+        barrier counters (``kernels.euler_step``)."""
+        L, dit = self.L, self.dit
+        R, T, C = ws.h.shape
+        N, K = R * T, L.taps
+        mb = mod.blocks
+        precision = dot_precision(ws.h)
+        persistent = self.runs_persistent(ws, pos is not None)
         if persistent:
-            ws.ctr.zero_()
-            weights = self.stacked_weights(dit_block.rounds(precision, xin.device))
-            nprog = dit_block.programs(xin.device)
+            if not ctr_zeroed:
+                ws.ctr.zero_()
+            weights = self.stacked_weights(dit_block.rounds(precision, ws.h.device))
+            nprog = dit_block.programs(ws.h.device)
             a_splits, per_split = dit_block.attention_splits(R, L.heads, T, kv.shape[3], nprog)
             per = dit_block.BLOCKS_PER_LAUNCH or L.depth
             for j, b0 in enumerate(range(0, L.depth, per)):
@@ -462,9 +499,8 @@ class FusedDiT:
                     ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=b0, n_blocks=min(per, L.depth - b0),
                     eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps, attn_splits=a_splits,
                     keys_per_split=per_split, nprog=nprog, precision=precision)
+            return
         for i, blk in enumerate(dit.blocks):
-            if persistent:
-                break
             m = mb[:, i]
             nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
             b = self._gemm(ws.norm.view(N, C), self.w_qkv[i], self.b_qkv[i], ws.qkv)
@@ -487,9 +523,6 @@ class FusedDiT:
             b = self._gemm(ws.mlp.view(N, -1), blk.mlp.fc2.weight, blk.mlp.fc2.bias, ws.y2)
             # this block's MLP residual fused with the next block's attention-input LN (or the final one)
             self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps)
-        fl = dit.final_layer.linear
-        self._linear(ws.norm.view(N, C), fl.weight, fl.bias, out.view(N, -1))
-        return out
 
     # ------------------------------------------------------------------ original-compatible API
     @torch.no_grad()
@@ -525,6 +558,12 @@ class FusedDiT:
     def new_hist(self, R: int, T: int, device, dtype=torch.float32) -> torch.Tensor:
         L = self.L
         return torch.empty(L.depth, 2, R, T + L.taps - 1, L.hidden, device=device, dtype=dtype)
+
+
+def dot_precision(t: torch.Tensor) -> str:
+    """The Triton dots' precision for tensors like ``t``: TF32 while TF32 matmuls are on (and on CPU,
+    where the interpreter computes plain FP32 either way), IEEE otherwise."""
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 or not t.is_cuda else "ieee"
 
 
 def _sum_partials(y: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,7 @@ class SlotSolver(WholeEulerSolver):
         st.hist = self.fused.new_hist(R, Q, device).zero_()
         st.ws = self.fused.workspace(R, Q, device, pooled=True)
         st.out = z(R, Q, self.n_mel)
+        st.hc = z(R, Q, self.C)
         st.cnn_idx = torch.arange(Q, Q + self.K1, device=device)
         # Until the first fill (capture warm-ups run before it) every row points at the scratch
         # slot, so warm-up writes never touch a live stream's frames.
