@@ -134,9 +134,13 @@ def main() -> None:
         for _ in range(6):  # steady cache (3 rounds), then HiFT graphs captured (a length on its 2nd call)
             batched_round(c2w_fast, fast, True)
         rnd_v = statistics.median(timed(lambda: batched_round(c2w_fast, fast, True), max(3, args.reps // 3)))
+        for _ in range(3):  # one stream alone: its batch-1 shapes (HiFT graphs on a shape's 2nd call)
+            chunk(fast[0])
+        one_v = statistics.median(timed(lambda: chunk(fast[0]), args.reps))
         add({"path": f"{label}, {args.streams} streams batched + HiFT batched",
              "choice": choice.describe(), "vocoder": voc_fast.describe_stream_path() + ", batched",
-             "whole_chunk_ms_b1": None, "round_ms_16_streams": rnd_v, "rtf_16_streams": rnd_v / 1000.0,
+             "whole_chunk_ms_b1": one_v, "whole_chunk_vocoder_b1": voc_fast.describe_stream_path() + ", per stream",
+             "round_ms_16_streams": rnd_v, "rtf_16_streams": rnd_v / 1000.0,
              "pcm_rel_err_batched_vs_alone": batched_vs_alone(c2w_fast, True)})
         for s in fast:
             s.close()
@@ -150,7 +154,8 @@ def main() -> None:
              "norm not fused). RTF = seconds of compute per second of audio for all streams, one chunk each; "
              f"per 1-s chunk = round / {n}. Vocoder column: the HiFT path that ran (eager per stream = the "
              "old path; batched = Vocoder.push_many, from CUDA graphs where it says so). PCM rel err is "
-             "against each stream pushed alone through the old path.", "",
+             "against each stream pushed alone through the old path. The whole chunk of a '+ HiFT batched' row "
+             "is one stream pushed alone with the graphed vocoder (its batch-1 graphs).", "",
              f"| path | vocoder | whole chunk, 1 stream (ms) | round of {n} streams (ms) | per 1-s chunk (ms) "
              f"| RTF ({n} streams) | PCM rel err batched vs alone |",
              "|---|---|---|---|---|---|---|"]

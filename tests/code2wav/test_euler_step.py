@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 
 from minicpmo_rt.code2wav import kernels  # noqa: E402
 from minicpmo_rt.code2wav.kernels import euler_step  # noqa: E402
+from minicpmo_rt.code2wav.precision import matmul_tf32  # noqa: E402
 
 from conftest import rel_err, requires_cuda  # noqa: E402
 
@@ -105,7 +106,7 @@ def test_junction_cuda_full_size(precision, tol):
     b = {k: (v.clone() if k != "wx" else v) for k, v in kw.items()}
     euler_step.euler_junction(**a, dt=0.137, cfg_rate=0.7, eps=1e-6, precision=precision,
                               rounded=precision == "tf32")
-    with torch.backends.cuda.matmul.flags(allow_tf32=False):
+    with matmul_tf32(False):
         euler_step.euler_junction_ref(**b, dt=0.137, cfg_rate=0.7, eps=1e-6)
     assert rel_err(a["x"], b["x"]) < tol
     assert rel_err(a["h"], b["h"]) < tol
