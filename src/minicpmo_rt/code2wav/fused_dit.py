@@ -204,7 +204,7 @@ class FusedDiT:
         ``block_kernel``: run every block as ONE persistent Triton launch (``kernels/dit_block.py``)
         when the rows are few (R*T <= dit_block.MAX_ROWS), Triton runs on the device and the caches
         are not pooled; otherwise the staged body. None (default): on CUDA with TF32 attention, while
-        TF32 matmuls are on (H200, batch 1: 9.03 vs 11.22 ms per chunk); True: also with IEEE dots and
+        TF32 matmuls are on (H200, batch 1: 8.86 vs 12.04 ms per chunk); True: also with IEEE dots and
         on CPU under Triton's interpreter (the tests); False: never."""
         ok, why = supports_fused_body(dit)
         if not ok:
