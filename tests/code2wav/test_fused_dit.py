@@ -253,8 +253,6 @@ def test_block_kernel_matches_original_tiny(R, T, Lc, nprog, one_launch, monkeyp
     errs = check(dit, fused, R=R, T=T, Lc=Lc, tol=1e-5 if kernels.interpreting() else 2e-3, seed=12, device=dev)
     assert calls == [(3 if nprog == 64 else 1, 0, len(dit.blocks))] and max(errs) > 0   # every block at once
     assert not fused.uses_block_kernel(32, 50, dev)             # many rows: the staged body
-    assert not fused.uses_block_kernel(R, T, dev, pooled=True)   # pooled caches: the staged body
-    assert fused.workspace(R, T, dev, pooled=True).ctr is None
     auto = FusedDiT(dit, attention="triton-tf32", use_triton=True)   # default: CUDA (+ TF32) only
     assert auto.uses_block_kernel(R, T, "cuda") and not auto.uses_block_kernel(R, T, "cpu")
     assert not FusedDiT(dit, attention="triton-ieee", use_triton=True).uses_block_kernel(R, T, "cuda")

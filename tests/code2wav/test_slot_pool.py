@@ -106,28 +106,65 @@ def test_triton_pooled_writes_and_reads_match_reference(split_k):
         assert rel_err(h.dense()[1], trim_estimator_att(ra, prompt, keep)) <= 1e-5
 
 
+def test_block_kernel_over_pooled_caches_matches_reference():
+    """The persistent block kernel over pooled caches (row merging: two streams of different cache
+    lengths in one solve): its [k|v] scatter to (rows, pos) and its attention through pool rows.
+    CPU: the interpreter, one phase per launch; CUDA: one launch, IEEE dots (TF32 off)."""
+    from minicpmo_rt.code2wav import kernels
+    if not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfm = tiny_cfm(seed=9).to(dev)
+    prompt, keep, T = 3, 2, 4
+    solver = SlotSolver(cfm, pool=None, attention="triton-ieee", n_timesteps=S, use_triton=True, block_kernel=True,
+                        config=GraphConfig(batch_buckets=(2,), query_buckets=(4,)))
+    solver.pool = pool = SlotPool(solver, slots=2, frames=12, keep=keep, device=dev)
+    g = torch.Generator().manual_seed(4)
+    dense = [(torch.randn(S, 2, 2, 128, 2, generator=g).to(dev), torch.randn(S, 2, 2, 2, L, 64, generator=g).to(dev))
+             for L in (3, 5)]
+    handles = [pool.admit(c, a, prompt) for c, a in dense]
+    mu, spk, cond = (torch.randn(2, 80, T, generator=g).to(dev), torch.randn(2, 80, generator=g).to(dev),
+                     torch.randn(2, 80, T, generator=g).to(dev))
+    mel = solver.solve_slots(handles, mu, spk, cond, graph=False)
+    st = next(iter(solver._statics.values()))
+    assert st.ws.ctr is not None and solver.fused.runs_persistent(st.ws)     # the block kernel ran
+    for i, h in enumerate(handles):
+        with torch.inference_mode(), ieee_cudnn():
+            ref, rc, ra = cfm.forward_chunk(mu[i:i + 1], spk[i:i + 1], cond[i:i + 1], n_timesteps=S,
+                                            cnn_cache=dense[i][0], att_cache=dense[i][1])
+        assert rel_err(mel[i:i + 1], ref) <= 1e-5
+        assert rel_err(h.dense()[1], trim_estimator_att(ra, prompt, keep)) <= 1e-5
+
+
 @requires_cuda
-def test_cuda_slot_graph_matches_separate_solves():
+@pytest.mark.parametrize("bucket,lengths,block_kernel", [(4, (360, 400, 380), None), (2, (360, 400), True)],
+                         ids=["staged-batch-4", "block-kernel-batch-2"])
+def test_cuda_slot_graph_matches_separate_solves(bucket, lengths, block_kernel):
+    """Full size, IEEE (TF32 off): batch bucket 4 runs the staged body, bucket 2 (200 rows) the
+    persistent block kernel over the pool (forced: its auto rule wants TF32)."""
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE
     torch.backends.cuda.matmul.allow_tf32 = False
     cfm = tiny_cfm(seed=8, cfg=FULL_SIZE.dit, mild=True).cuda()
     prompt, keep, T, n = 300, 100, 50, 10
-    solver = SlotSolver(cfm, pool=None, attention="triton-ieee", n_timesteps=n,
-                        config=GraphConfig(batch_buckets=(4,), query_buckets=(50,)))
+    solver = SlotSolver(cfm, pool=None, attention="triton-ieee", n_timesteps=n, block_kernel=block_kernel,
+                        config=GraphConfig(batch_buckets=(bucket,), query_buckets=(50,)))
     solver.pool = pool = SlotPool(solver, slots=4, frames=512, keep=keep, device="cuda")
     g = torch.Generator().manual_seed(3)
     dense = [(torch.randn(n, 16, 2, 1024, 2, generator=g).cuda(), torch.randn(n, 16, 2, 8, L, 128, generator=g).cuda())
-             for L in (360, 400, 380)]
+             for L in lengths]
     handles = [pool.admit(c, a, prompt) for c, a in dense]
-    mu, spk, cond = (torch.randn(3, 80, T, generator=g).cuda(), torch.randn(3, 80, generator=g).cuda(),
-                     torch.zeros(3, 80, T, device="cuda"))
+    k = len(lengths)
+    mu, spk, cond = (torch.randn(k, 80, T, generator=g).cuda(), torch.randn(k, 80, generator=g).cuda(),
+                     torch.zeros(k, 80, T, device="cuda"))
     mel = solver.solve_slots(handles, mu, spk, cond, graph=True)
     assert solver.graphs()
+    st = next(iter(solver._statics.values()))
+    assert solver.fused.runs_persistent(st.ws) == bool(block_kernel)
     for i, h in enumerate(handles):
         with torch.inference_mode(), ieee_cudnn():
             ref, rc, ra = cfm.forward_chunk(mu[i:i + 1], spk[i:i + 1], cond[i:i + 1], n_timesteps=n,
                                             cnn_cache=dense[i][0], att_cache=dense[i][1])
         errs = [rel_err(mel[i:i + 1], ref), rel_err(h.dense()[1], trim_estimator_att(ra, prompt, keep)),
                 rel_err(h.dense()[0], rc)]
-        print(f"slot pool stream {i}: {errs}")
+        print(f"slot pool ({'block kernel' if block_kernel else 'staged'}) stream {i}: {errs}")
         assert max(errs) <= 1e-5

@@ -256,7 +256,7 @@ class WholeEulerSolver:
         precision = dot_precision(st.x)
         rounded = dit_block.rounds(precision, st.x.device)
         fl = self.dit.final_layer.linear
-        ctr = ws.ctr if f.runs_persistent(ws, st.pos is not None) else None
+        ctr = ws.ctr if f.runs_persistent(ws) else None
         f.embed_const(st.xin[..., n:], st.hc)
 
         def junction(dt: float, has_v: bool, nxt: Modulation | None) -> None:

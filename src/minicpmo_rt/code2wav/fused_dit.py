@@ -202,8 +202,8 @@ class FusedDiT:
         ``gemm="cublas-split"``: few-row GEMMs split over K (``split_k`` partials, None: by
         ``split_k_for``) as strided-batched cuBLAS GEMMs, summed by the fused stage after them.
         ``block_kernel``: run every block as ONE persistent Triton launch (``kernels/dit_block.py``)
-        when the rows are few (R*T <= dit_block.MAX_ROWS), Triton runs on the device and the caches
-        are not pooled; otherwise the staged body. None (default): on CUDA with TF32 attention, while
+        when the rows are few (R*T <= dit_block.MAX_ROWS) and Triton runs on the device (own or
+        pooled caches); otherwise the staged body. None (default): on CUDA with TF32 attention, while
         TF32 matmuls are on (H200, batch 1: 8.86 vs 12.04 ms per chunk); True: also with IEEE dots and
         on CPU under Triton's interpreter (the tests); False: never."""
         ok, why = supports_fused_body(dit)
@@ -280,22 +280,22 @@ class FusedDiT:
         return Modulation(chain[:, :depth], chain[:, depth, :2], chain)
 
     # ------------------------------------------------------------------ buffers
-    def uses_block_kernel(self, R: int, T: int, device, pooled: bool = False) -> bool:
-        """Does ``body`` run the persistent block kernel for R rows x T frames? Never for pooled
-        caches (``slot_pool``: the kernel writes K/V to frames [0, T) of each row's own cache)."""
+    def uses_block_kernel(self, R: int, T: int, device) -> bool:
+        """Can ``body`` run the persistent block kernel for R rows x T frames (own or pooled
+        caches)? ``runs_persistent`` adds the precision rule."""
         dev = torch.device(device)
-        if pooled or (self._block_auto and dev.type != "cuda"):
+        if self._block_auto and dev.type != "cuda":
             return False
         on_device = dev.type == "cuda" or (dev.type == "cpu" and interpreting())
         return self.block_kernel and R * T <= dit_block.MAX_ROWS and self.use_triton and on_device
 
-    def gemm_splits(self, R: int, T: int, device=None, pooled: bool = False) -> dict:
+    def gemm_splits(self, R: int, T: int, device=None) -> dict:
         """Split-K partials per GEMM role for R rows x T frames (all 1 unless gemm="cublas-split"
         or the block kernel runs, whose tiles fix them)."""
         L = self.L
         roles = {"qkv": (R * T, 3 * L.heads * L.head_dim, L.hidden), "proj": (R * T, L.hidden, L.heads * L.head_dim),
                  "conv": (R * (T + L.taps - 1), L.taps * L.hidden, L.hidden), "fc2": (R * T, L.hidden, L.mlp_hidden)}
-        if device is not None and self.uses_block_kernel(R, T, device, pooled):
+        if device is not None and self.uses_block_kernel(R, T, device):
             return {k: dit_block.gemm_splits(K, k) for k, (_, _, K) in roles.items()}
         if self.gemm != "cublas-split":
             return {k: 1 for k in roles}
@@ -303,17 +303,17 @@ class FusedDiT:
             return {k: (self.split_k if K % self.split_k == 0 else 1) for k, (_, _, K) in roles.items()}
         return {k: split_k_for(*mnk) for k, mnk in roles.items()}
 
-    def workspace(self, R: int, T: int, device, dtype=torch.float32, pooled: bool = False) -> Workspace:
-        """Buffers for R rows x T frames; ``pooled``: for pooled caches (the staged body only)."""
+    def workspace(self, R: int, T: int, device, dtype=torch.float32) -> Workspace:
+        """Buffers for R rows x T frames (own or pooled caches)."""
         L = self.L
         e = lambda *s: torch.empty(*s, device=device, dtype=dtype)  # noqa: E731
-        sp = self.gemm_splits(R, T, device, pooled)
+        sp = self.gemm_splits(R, T, device)
         ws = Workspace(h=e(R, T, L.hidden), norm=e(R, T, L.hidden),
                        qkv=e(sp["qkv"], R, T, 3 * L.heads * L.head_dim),
                        q=e(R, T, L.heads, L.head_dim), o=e(R, T, L.heads, L.head_dim), y=e(sp["proj"], R, T, L.hidden),
                        taps=e(sp["conv"], R, T + L.taps - 1, L.taps * L.hidden), mlp=e(R, T, L.mlp_hidden),
                        y2=e(sp["fc2"], R, T, L.hidden))
-        if self.uses_block_kernel(R, T, device, pooled):
+        if self.uses_block_kernel(R, T, device):
             ws.attn_acc = e(R * L.heads * 8 * T * L.head_dim)
             ws.attn_ml = e(R * L.heads * 8 * T * 2)
             ws.ctr = torch.zeros(L.depth, device=device, dtype=torch.int32)
@@ -466,12 +466,11 @@ class FusedDiT:
         fl = self.dit.final_layer.linear
         self._linear(ws.norm.view(R * T, C), fl.weight, fl.bias, out.view(R * T, -1))
 
-    def runs_persistent(self, ws: Workspace, pooled: bool) -> bool:
+    def runs_persistent(self, ws: Workspace) -> bool:
         """Does ``blocks`` take the persistent block kernel for this workspace under the current
         TF32 setting? Auto: only while TF32 is on (its IEEE dots would trail cuBLAS FP32); the
         workspace's split counts then serve the staged body as well."""
-        return (not pooled and ws.ctr is not None
-                and (dot_precision(ws.h) == "tf32" or not self._block_auto))
+        return ws.ctr is not None and (dot_precision(ws.h) == "tf32" or not self._block_auto)
 
     def blocks(self, mod: Modulation, hist: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None,
                ws: Workspace, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
@@ -484,7 +483,7 @@ class FusedDiT:
         N, K = R * T, L.taps
         mb = mod.blocks
         precision = dot_precision(ws.h)
-        persistent = self.runs_persistent(ws, pos is not None)
+        persistent = self.runs_persistent(ws)
         if persistent:
             if not ctr_zeroed:
                 ws.ctr.zero_()
@@ -498,7 +497,7 @@ class FusedDiT:
                     attn_ml=ws.attn_ml, y=ws.y, hist=hist, taps=ws.taps, mlp=ws.mlp, y2=ws.y2,
                     ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=b0, n_blocks=min(per, L.depth - b0),
                     eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps, attn_splits=a_splits,
-                    keys_per_split=per_split, nprog=nprog, precision=precision)
+                    keys_per_split=per_split, nprog=nprog, precision=precision, rows=rows, pos=pos)
             return
         for i, blk in enumerate(dit.blocks):
             m = mb[:, i]

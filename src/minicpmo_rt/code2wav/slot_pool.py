@@ -116,9 +116,9 @@ class SlotSolver(WholeEulerSolver):
 
     def __init__(self, cfm, pool: SlotPool, attention: str = "triton-tf32", tf32: bool = False,
                  n_timesteps: int = 10, config: GraphConfig = GraphConfig(), use_triton: bool | None = None,
-                 split_k: int | None = None):
+                 split_k: int | None = None, block_kernel: bool | None = None):
         super().__init__(cfm, body="fused", attention=attention, tf32=tf32, n_timesteps=n_timesteps,
-                         config=config, use_triton=use_triton, split_k=split_k)
+                         config=config, use_triton=use_triton, split_k=split_k, block_kernel=block_kernel)
         self.pool = pool
         self._staging: dict[tuple, _Staging] = {}
 
@@ -136,7 +136,7 @@ class SlotSolver(WholeEulerSolver):
         st.kv = self.pool.kv
         st.xin = z(R, Q, 4 * self.n_mel)
         st.hist = self.fused.new_hist(R, Q, device).zero_()
-        st.ws = self.fused.workspace(R, Q, device, pooled=True)
+        st.ws = self.fused.workspace(R, Q, device)
         st.out = z(R, Q, self.n_mel)
         st.hc = z(R, Q, self.C)
         st.cnn_idx = torch.arange(Q, Q + self.K1, device=device)

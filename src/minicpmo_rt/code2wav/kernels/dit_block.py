@@ -124,7 +124,7 @@ if AVAILABLE:
                      mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _dit_block(HX, NORM, QKV, Q, KV_ALL, MASK, O, PACC, PML, Y, HIST, TAPSB, MLP, Y2, CTR,
+    def _dit_block(HX, NORM, QKV, Q, KV_ALL, MASK, O, PACC, PML, Y, HIST, TAPSB, MLP, Y2, CTR, ROWS, POS,
                    WQKV_ALL, BQKV_ALL, QNW_ALL, QNB_ALL, KNW_ALL, KNB_ALL, WPROJ_ALL, BPROJ_ALL, WT1_ALL, BC1_ALL,
                    LNW_ALL, LNB_ALL, WT2_ALL, BC2_ALL, W1_ALL, B1_ALL, W2_ALL, B2_ALL,
                    MOD_ALL, s_mod, TIMES, first, n_blocks,
@@ -138,7 +138,7 @@ if AVAILABLE:
                    BM_FC1: tl.constexpr, BN_FC1: tl.constexpr, BK_FC1: tl.constexpr,
                    S_FC2: tl.constexpr, BM_FC2: tl.constexpr, BN_FC2: tl.constexpr, BK_FC2: tl.constexpr,
                    A_BM: tl.constexpr, A_BN: tl.constexpr, A_SPLITS: tl.constexpr, C_BM: tl.constexpr,
-                   HAS_MASK: tl.constexpr,
+                   HAS_MASK: tl.constexpr, POOLED: tl.constexpr,
                    PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -193,9 +193,9 @@ if AVAILABLE:
                 nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
             if PHASE < 0 or PHASE == 1:
                 for n in range(pid, M, nprog):
-                    qkv_head_ln_row(n, QKV, BQKV, QNW, QNB, KNW, KNB, Q, KV, KV, KV,
+                    qkv_head_ln_row(n, QKV, BQKV, QNW, QNB, KNW, KNB, Q, KV, ROWS, POS,
                                     T * 3 * HD, 3 * HD, M * 3 * HD, T * HD, HD, D, skv_r, skv_h, skv_t,
-                                    T, H, D, qk_eps, BLOCK_H, D, False, True, S_QKV)
+                                    T, H, D, qk_eps, BLOCK_H, D, POOLED, True, S_QKV)
             if PHASE < 0:
                 nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
             if PHASE < 0 or PHASE == 2:
@@ -204,10 +204,10 @@ if AVAILABLE:
                     rest = u // A_SPLITS
                     mblk = rest % n_mblk
                     bh = rest // n_mblk
-                    attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, KV, PACC, PML,
+                    attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, ROWS, PACC, PML,
                               T * HD, D, HD, 1, skv_r, skv_h, skv_t, 1, skv_r, skv_h, skv_t, 1,
                               T * HD, D, HD, 1, smb, smm, smn, T, nk, attn_scale, keys_per_split,
-                              D, A_BM, A_BN, HAS_MASK, False, PRECISION, A_SPLITS, ROUND)
+                              D, A_BM, A_BN, HAS_MASK, POOLED, PRECISION, A_SPLITS, ROUND)
             if PHASE < 0:
                 nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
             if A_SPLITS > 1:
@@ -375,11 +375,13 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                w: BlockWeights, mod_chain, first: int, n_blocks: int, eps: float, qk_eps: float,
                conv_eps: float, attn_splits: int, keys_per_split: int, nprog: int, precision: str = "tf32",
                phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None,
-               per_program: bool = False):
+               per_program: bool = False, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None):
     """Blocks [first, first + n_blocks) in place, in ONE launch (see the module docstring).
 
     Shapes as ``fused_dit.Workspace``: h, norm (R,T,C); qkv (Sq,R,T,3HD); q, o (R,T,H,D); kv
-    (depth,R,H,nk,2D), each block's frames [0,T) receive this chunk's [k|v]; mask (R,T,nk) bool or
+    (depth,R,H,nk,2D), each block's frames [0,T) receive this chunk's [k|v] (pooled caches, ``slot_pool``:
+    kv (depth,P,H,nk,2D), row r's frame t goes to pool row ``rows[r]`` (R,) int32, frame ``pos[r, t]``
+    (R,T) int32, and its attention reads pool row rows[r]); mask (R,T,nk) bool or
     None; attn_acc (R*H*8*T*D,) and attn_ml (R*H*8*T*2,) scratch; y (Sp,R,T,C); hist (depth,2,R,T+K-1,C)
     conv histories with the CNN cache in frames [0,K-1); taps (Sc,R,T+K-1,K*C); mlp (R,T,4C); y2
     (Sf,R,T,C); ctr an int32 counter that is 0 on entry; w the blocks' weights stacked over depth
@@ -406,6 +408,12 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                     ("taps", taps), ("mlp", mlp), ("y2", y2), ("attn_acc", attn_acc)):
         if not t.is_contiguous():
             raise ValueError(f"dit_blocks: {name} must be contiguous, got strides {t.stride()}")
+    if (rows is None) != (pos is None):
+        raise ValueError("dit_blocks: pooled caches need both rows and pos (or neither)")
+    if pos is not None and (rows.shape != (R,) or pos.shape != (R, T) or rows.dtype != torch.int32
+                            or pos.dtype != torch.int32 or not pos.is_contiguous()):
+        raise ValueError(f"dit_blocks: rows {tuple(rows.shape)} {rows.dtype} / pos {tuple(pos.shape)} {pos.dtype} "
+                         f"must be int32 ({R},) and contiguous int32 ({R}, {T})")
     if kv.stride(4) != 1:
         raise ValueError(f"dit_blocks: kv's last dim must be contiguous, got strides {kv.stride()}")
     if mod_chain.shape[1:] != (depth + 1, 9, C) or not mod_chain[0].is_contiguous():
@@ -437,6 +445,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
         tiles[r] for r in ("qkv", "proj", "conv", "fc1", "fc2"))
     def args(b0: int, nb: int) -> tuple:
         return (h, norm, qkv, q, kv, m, o, attn_acc, attn_ml, y, hist, taps, mlp, y2, ctr,
+                rows if rows is not None else ctr, pos if pos is not None else ctr,
                 w.w_qkv, w.b_qkv, w.qn_w, w.qn_b, w.kn_w, w.kn_b, w.w_proj, w.b_proj, w.w_taps1, w.b_conv1,
                 w.ln_w, w.ln_b, w.w_taps2, w.b_conv2, w.w_fc1, w.b_fc1, w.w_fc2, w.b_fc2,
                 mod_chain, s_mod, times if times is not None else ctr, b0, nb,
@@ -447,7 +456,8 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                 BN_PROJ=np_, BK_PROJ=kp, S_CONV=taps.shape[0], BM_CONV=bc, BN_CONV=nc, BK_CONV=kc,
                 BM_FC1=b1, BN_FC1=n1, BK_FC1=k1, S_FC2=y2.shape[0], BM_FC2=b2, BN_FC2=n2, BK_FC2=k2,
                 A_BM=ATT_BM, A_BN=ATT_BN, C_BM=COMBINE_BM,
-                A_SPLITS=attn_splits, HAS_MASK=mask is not None, ROUND=round_tf32, PRECISION=precision,
+                A_SPLITS=attn_splits, HAS_MASK=mask is not None, POOLED=pos is not None, ROUND=round_tf32,
+                PRECISION=precision,
                 TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps)
     if phase_by_phase:     # one launch per block and phase: the launch boundary is the barrier
         for b in range(first, first + n_blocks):
