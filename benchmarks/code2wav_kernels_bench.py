@@ -6,6 +6,8 @@ with each fast stage switched on and off, side by side in one run (CUDA only).
   (``kernels.small_gemm``) over a grid of tile shapes and split-K.
 * attention: 50 queries over 450 keys, 8 heads x 64, at 2 and 32 rows: query/key tiles,
   warps, stages and key splits.
+* attention over HBM: the same at 32 rows over 16 distinct caches (one evaluation's, ~1 GB), per
+  block, against the read bandwidth of a torch reduction over the same bytes.
 * solve: one steady 1-s chunk (10 Euler steps, CFG, cache 400) from the Whole-Euler graph,
   fused body, TF32, with {cuBLAS, few-row GEMM, cuBLAS split-K} x {one program per query block, key splits};
   plus the kernel profile of one estimator evaluation.
@@ -126,6 +128,46 @@ def attention_sweep(quick: bool) -> list[dict]:
     return rows
 
 
+HBM_CONFIGS = list(itertools.product([32, 64], [64, 128], [4, 8], [2, 3], [1, 2]))   # bm, bn, warps, stages, splits
+
+
+def attention_hbm_sweep(R: int = 32, depth: int = 16, configs=HBM_CONFIGS, device="cuda") -> dict:
+    """Attention as one evaluation meets it: ``depth`` distinct [k|v] caches (one per block, ~1 GB at
+    R=32, far beyond L2), each attended once per replay, against the read bandwidth a torch
+    reduction reaches over the same bytes (what streaming them from HBM can cost at least)."""
+    q = torch.randn(R, 8, T, 64, device=device)
+    kv = torch.randn(depth, R, 8, T + L, 128, device=device)
+    o = torch.empty(R, T, 8, 64, device=device).transpose(1, 2)
+    kv_bytes = kv.numel() * 4
+    sink = torch.empty(depth, 128, device=device)
+    read_us = bench_us(lambda: torch.sum(kv.view(depth, -1, 128), dim=1, out=sink))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, kv[-1, ..., :64], kv[-1, ..., 64:])   # o's last
+    rows = []
+    for bm, bn, warps, stages, splits in configs:
+        def fn():
+            for i in range(depth):
+                tiled_attention(q, kv[i, ..., :64], kv[i, ..., 64:], None, precision="tf32", out=o, block_m=bm,
+                                block_n=bn, num_warps=warps, num_stages=stages, splits=splits)
+        try:
+            fn()
+            err = float((o - ref).norm() / ref.norm())
+            us = bench_us(fn) / depth
+        except Exception as exc:  # noqa: BLE001 - a shape Triton rejects is just not a candidate
+            print(f"  attn-hbm bm{bm} bn{bn} w{warps} s{stages} x{splits}: {type(exc).__name__}", flush=True)
+            continue
+        rows.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "splits": splits,
+                     "us_per_block": us, "tb_s": kv_bytes / depth / us / 1e6, "rel_err_vs_sdpa": err,
+                     "default": (bm, bn, warps, stages, splits) == (32, 64, 4, 2, 1)})
+    rows.sort(key=lambda r: r["us_per_block"])
+    out = {"R": R, "depth": depth, "cache_mb_per_block": kv_bytes / depth / 1e6,
+           "torch_sum_read_tb_s": kv_bytes / read_us / 1e6, "torch_sum_us_per_block": read_us / depth, "rows": rows}
+    print(f"  attn-hbm R={R}: torch read {out['torch_sum_read_tb_s']:.2f} TB/s ({out['torch_sum_us_per_block']:.1f} us "
+          f"per block); best 6: " + "; ".join(f"bm{r['block_m']} bn{r['block_n']} w{r['warps']} s{r['stages']} "
+                                            f"x{r['splits']} {r['us_per_block']:.1f} us {r['tb_s']:.2f} TB/s"
+                                            for r in rows[:6]), flush=True)
+    return out
+
+
 def solve_rows(cfm, batches: list[int], budget: float, keys=()) -> tuple[list[dict], dict]:
     """``keys``: substrings selecting variants by name (empty: all)."""
     rows, profiles = [], {}
@@ -212,6 +254,18 @@ def markdown(res: dict) -> str:
         for r in rs[:5] + [r for r in rs if r.get("old_config")]:
             out.append(f"| {R} | bm{r['block_m']} bn{r['block_n']} w{r['warps']} s{r['stages']} splits{r['splits']}"
                        f"{' (session-1 config)' if r.get('old_config') else ''} | {r['us']:.1f} |")
+    hbm = res.get("attention_hbm")
+    if hbm:
+        out += ["", f"## Attention over HBM: {hbm['R']} rows, {hbm['depth']} distinct caches "
+                f"({hbm['cache_mb_per_block']:.0f} MB each), us per block", "",
+                f"A torch sum over the same caches reads {hbm['torch_sum_read_tb_s']:.2f} TB/s "
+                f"({hbm['torch_sum_us_per_block']:.1f} us per block).", "",
+                "| config | us per block | TB/s | rel err vs SDPA |", "|---|---:|---:|---:|"]
+        rs = hbm["rows"]
+        for r in rs[:8] + [r for r in rs[8:] if r["default"]]:
+            out.append(f"| bm{r['block_m']} bn{r['block_n']} w{r['warps']} s{r['stages']} splits{r['splits']}"
+                       f"{' (default)' if r['default'] else ''} | {r['us_per_block']:.1f} | {r['tb_s']:.2f} | "
+                       f"{r['rel_err_vs_sdpa']:.1e} |")
     for name, prof in res.get("profiles", {}).items():
         out += ["", f"Kernels of one estimator evaluation, {name}:", "", "| kernel | count | total us |",
                 "|---|---:|---:|"]
@@ -226,7 +280,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--quick", action="store_true", help="smaller sweeps")
     ap.add_argument("--budget", type=float, default=0.5)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: gemm,attention,solve")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: gemm,attention,attention-hbm,solve")
     ap.add_argument("--variants", default="", help="'|'-separated substrings of solve variant names to run "
                     "(default: all), e.g. 'default|persistent'")
     args = ap.parse_args(argv)
@@ -254,6 +308,10 @@ def main(argv=None) -> int:
         res["attention"] = attention_sweep(args.quick)
         save()
         print(f"attention sweep done at {time.time() - t0:.0f}s", flush=True)
+    if "attention-hbm" not in skip:
+        res["attention_hbm"] = attention_hbm_sweep()
+        save()
+        print(f"attention HBM sweep done at {time.time() - t0:.0f}s", flush=True)
     if "gemm" not in skip:
         res["gemm"] = gemm_sweep(batches, args.quick)
         save()
