@@ -12,6 +12,8 @@ at its steady length prompt + 100 = 400 frames, batch 1, 4, 8, 16. Rows:
   fused + graph TF32 on, torch step glue
                             the default with the ~12 torch ops between evaluations instead of
                             the two Euler-step kernels (kernels/euler_step.py)
+  fused + graph TF32 on, TMA attention
+                            the staged body's attention fetching K/V through TMA descriptors (opt-in)
   fused + graph TF32 off    IEEE GEMMs; attention per the knobs (explicit fused => triton-tf32)
   fused + graph IEEE        IEEE GEMMs and IEEE Triton attention (the <=1e-5 configuration)
   upstream inference_chunk  minicpmo-utils 1.0.7 flow (encoder + CFM, batch 1 only: its
@@ -353,6 +355,7 @@ def merge_row(cfm, cfg, B, cnn, att, mu, spk, cond, row, budget, prompt, keep=10
 
 
 GLUE_ROW = "fused + graph TF32 on, torch step glue"
+TMA_ROW = "fused + graph TF32 on, TMA attention"
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -364,6 +367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.5, help="seconds of timing per cell")
     ap.add_argument("--only", default="", help="comma list of row groups to run (default: all): "
                     + ", ".join(ROW_GROUPS) + "; e.g. --only slot,merge")
+    ap.add_argument("--rows", default="", help="'|'-separated substrings: only the graph rows whose names "
+                    "hold one (default: all), e.g. 'TF32 on|TMA'")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     only = {w.strip() for w in args.only.split(",") if w.strip()}
@@ -441,6 +446,7 @@ def main(argv=None) -> int:
                 ("fused + graph TF32 on, staged body", dict(body="fused", attention="triton-tf32", tf32=True,
                                                             block_kernel=False)),
                 (GLUE_ROW, dict(body="fused", attention="triton-tf32", tf32=True, step_kernels=False)),
+                (TMA_ROW, dict(body="fused", attention="triton-tf32", tf32=True, attn_tma=True)),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 
@@ -462,6 +468,8 @@ def main(argv=None) -> int:
                 with matmul_tf32(True):
                     row("original eager TF32", B, timed(eager, args.budget))
         for name, kw in (variants if on("graphs") else []):
+            if args.rows and not any(w in name for w in args.rows.split("|")):
+                continue
             solver = WholeEulerSolver(cfm, n_timesteps=S, config=cfg, **kw)
             got = solver.solve(mu, spk, cond, cnn, att, copy_out=False)
             errs = [_rel(a, b) for a, b in zip(got, ref)]

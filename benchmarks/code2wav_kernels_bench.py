@@ -128,7 +128,9 @@ def attention_sweep(quick: bool) -> list[dict]:
     return rows
 
 
-HBM_CONFIGS = list(itertools.product([32, 64], [64, 128], [4, 8], [2, 3], [1, 2]))   # bm, bn, warps, stages, splits
+# bm, bn, warps, stages, splits, TMA descriptor loads
+HBM_CONFIGS = ([c + (False,) for c in itertools.product([32, 64], [64, 128], [4, 8], [2, 3], [1, 2])]
+               + [c + (1, True) for c in itertools.product([32, 64], [64, 128], [4, 8], [2, 3])])
 
 
 def attention_hbm_sweep(R: int = 32, depth: int = 16, configs=HBM_CONFIGS, device="cuda") -> dict:
@@ -143,27 +145,28 @@ def attention_hbm_sweep(R: int = 32, depth: int = 16, configs=HBM_CONFIGS, devic
     read_us = bench_us(lambda: torch.sum(kv.view(depth, -1, 128), dim=1, out=sink))
     ref = torch.nn.functional.scaled_dot_product_attention(q, kv[-1, ..., :64], kv[-1, ..., 64:])   # o's last
     rows = []
-    for bm, bn, warps, stages, splits in configs:
+    for bm, bn, warps, stages, splits, tma in configs:
         def fn():
             for i in range(depth):
                 tiled_attention(q, kv[i, ..., :64], kv[i, ..., 64:], None, precision="tf32", out=o, block_m=bm,
-                                block_n=bn, num_warps=warps, num_stages=stages, splits=splits)
+                                block_n=bn, num_warps=warps, num_stages=stages, splits=splits, tma=tma)
         try:
             fn()
             err = float((o - ref).norm() / ref.norm())
             us = bench_us(fn) / depth
         except Exception as exc:  # noqa: BLE001 - a shape Triton rejects is just not a candidate
-            print(f"  attn-hbm bm{bm} bn{bn} w{warps} s{stages} x{splits}: {type(exc).__name__}", flush=True)
+            print(f"  attn-hbm bm{bm} bn{bn} w{warps} s{stages} x{splits} tma={tma}: {exc!r}"[:300], flush=True)
             continue
-        rows.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "splits": splits,
+        rows.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "splits": splits, "tma": tma,
                      "us_per_block": us, "tb_s": kv_bytes / depth / us / 1e6, "rel_err_vs_sdpa": err,
-                     "default": (bm, bn, warps, stages, splits) == (32, 64, 4, 2, 1)})
+                     "default": (bm, bn, warps, stages, splits, tma) == (32, 64, 4, 2, 1, False)})
     rows.sort(key=lambda r: r["us_per_block"])
     out = {"R": R, "depth": depth, "cache_mb_per_block": kv_bytes / depth / 1e6,
            "torch_sum_read_tb_s": kv_bytes / read_us / 1e6, "torch_sum_us_per_block": read_us / depth, "rows": rows}
     print(f"  attn-hbm R={R}: torch read {out['torch_sum_read_tb_s']:.2f} TB/s ({out['torch_sum_us_per_block']:.1f} us "
           f"per block); best 6: " + "; ".join(f"bm{r['block_m']} bn{r['block_n']} w{r['warps']} s{r['stages']} "
-                                            f"x{r['splits']} {r['us_per_block']:.1f} us {r['tb_s']:.2f} TB/s"
+                                            f"x{r['splits']}{' TMA' if r['tma'] else ''} {r['us_per_block']:.1f} us "
+                                            f"{r['tb_s']:.2f} TB/s"
                                             for r in rows[:6]), flush=True)
     return out
 
@@ -262,9 +265,11 @@ def markdown(res: dict) -> str:
                 f"({hbm['torch_sum_us_per_block']:.1f} us per block).", "",
                 "| config | us per block | TB/s | rel err vs SDPA |", "|---|---:|---:|---:|"]
         rs = hbm["rows"]
-        for r in rs[:8] + [r for r in rs[8:] if r["default"]]:
+        best_tma = [r for r in rs[8:] if r.get("tma")][:1]
+        for r in rs[:8] + [r for r in rs[8:] if r["default"]] + best_tma:
             out.append(f"| bm{r['block_m']} bn{r['block_n']} w{r['warps']} s{r['stages']} splits{r['splits']}"
-                       f"{' (default)' if r['default'] else ''} | {r['us_per_block']:.1f} | {r['tb_s']:.2f} | "
+                       f"{' TMA' if r.get('tma') else ''}{' (default)' if r['default'] else ''} | "
+                       f"{r['us_per_block']:.1f} | {r['tb_s']:.2f} | "
                        f"{r['rel_err_vs_sdpa']:.1e} |")
     for name, prof in res.get("profiles", {}).items():
         out += ["", f"Kernels of one estimator evaluation, {name}:", "", "| kernel | count | total us |",

@@ -71,11 +71,18 @@ def test_packed_cache_views_kv_rows_and_strided_out():
     if not usable_on(q.to(dev)):
         pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
     ref = reference(q, k, v, mask, kv_rows)
-    for splits in (1, 2):   # split keys: partials through contiguous scratch, output still strided
+    cache = cache.to(dev)
+    for splits, tma in ((1, False), (2, False), (1, True), (2, True)):
+        # split keys: partials through contiguous scratch, output still strided; tma: K/V tiles through a
+        # descriptor over the packed cache (nk=20 is not a multiple of the 16-key tile, so the last tile
+        # reaches into the next head's frames, and past the end of the cache for the last one)
         out_bnhd = torch.full((B, nq, H, D), float("nan"), device=dev)
-        tiled_attention(q.to(dev), k.to(dev), v.to(dev), mask.to(dev), kv_rows=kv_rows.to(dev), precision="ieee",
-                        out=out_bnhd.transpose(1, 2), block_m=16, block_n=16, splits=splits)
-        assert rel_err(out_bnhd.transpose(1, 2), ref) < 1e-5
+        tiled_attention(q.to(dev), cache[..., :D], cache[..., D:], mask.to(dev), kv_rows=kv_rows.to(dev),
+                        precision="ieee", out=out_bnhd.transpose(1, 2), block_m=16, block_n=16, splits=splits,
+                        tma=tma)
+        assert rel_err(out_bnhd.transpose(1, 2), ref) < 1e-5, (splits, tma)
+    with pytest.raises(ValueError, match="packed"):
+        tiled_attention(q.to(dev), k.contiguous().to(dev), v.contiguous().to(dev), tma=True)
     assert rel_err(sdpa_attention(q, k, v, mask, kv_rows), ref) < 1e-5
 
 
@@ -102,15 +109,17 @@ def test_split_keys_one_tile_per_split_and_a_split_past_the_end():
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("precision,tol", [("ieee", 1e-5), ("tf32", 2e-3)])
 def test_cuda_model_shape(precision, tol, splits):
+    """Pointer loads and TMA descriptor loads of the K/V tiles (the latter: Hopper)."""
     torch.manual_seed(0)
     B, H, nq, nk, D = 4, 8, 50, 450, 64
     q = torch.randn(B, H, nq, D, device="cuda")
     cache = torch.randn(B, H, nk, 2 * D, device="cuda")
     mask = torch.rand(B, nq, nk, device="cuda") > 0.1
     mask[1, 3] = False
-    out = tiled_attention(q, cache[..., :D], cache[..., D:], mask, precision=precision, splits=splits)
     ref = reference(q.cpu(), cache[..., :D].cpu(), cache[..., D:].cpu(), mask.cpu())
-    err = rel_err(out, ref)
-    print(f"tiled attention {precision}: rel err {err:.2e}")
-    assert err < tol
-    assert out[1, :, 3].abs().max() == 0
+    for tma in (False, True):
+        out = tiled_attention(q, cache[..., :D], cache[..., D:], mask, precision=precision, splits=splits, tma=tma)
+        err = rel_err(out, ref)
+        print(f"tiled attention {precision}{' TMA' if tma else ''} splits={splits}: rel err {err:.2e}")
+        assert err < tol
+        assert out[1, :, 3].abs().max() == 0

@@ -194,11 +194,13 @@ class FusedDiT:
 
     def __init__(self, dit: nn.Module, attention: AttentionKind = "sdpa", use_triton: bool | None = None,
                  gemm: GemmKind = "cublas-split", attn_splits: int | None = None, attn_block_m: int | None = None,
-                 split_k: int | None = None, block_kernel: bool | None = None):
+                 split_k: int | None = None, block_kernel: bool | None = None, attn_tma: bool = False):
         """``gemm="triton"`` runs every GEMM through the few-row Triton kernel while TF32 is on
         (opt-in: on the H200 it made a batch-1 solve slower, 15.3 vs 13.1 ms, and its TF32
         rounding costs ~2x cuBLAS's error; see benchmarks/results/code2wav_kernels_h200.md).
         ``attn_splits`` / ``attn_block_m``: Triton attention launch shape (None: by grid fill).
+        ``attn_tma``: the staged body's attention fetches K/V tiles through a TMA descriptor (opt-in,
+        CUDA capability >= 9; ``tiled_attention(tma=True)``).
         ``gemm="cublas-split"``: few-row GEMMs split over K (``split_k`` partials, None: by
         ``split_k_for``) as strided-batched cuBLAS GEMMs, summed by the fused stage after them.
         ``block_kernel``: run every block as ONE persistent Triton launch (``kernels/dit_block.py``)
@@ -220,6 +222,7 @@ class FusedDiT:
         self.attention = attention
         self.use_triton = TRITON_AVAILABLE if use_triton is None else use_triton
         self.gemm, self.attn_splits, self.attn_block_m, self.split_k = gemm, attn_splits, attn_block_m, split_k
+        self.attn_tma = bool(attn_tma)
         ok, why = dit_block.supported(self.L.hidden, self.L.heads, self.L.head_dim, self.L.mlp_hidden)
         if block_kernel and not ok:
             raise ValueError(f"block_kernel: this DiT's shapes do not fit the persistent kernel: {why}")
@@ -380,7 +383,8 @@ class FusedDiT:
             bm, splits = self._attn_shape(q.shape[0], q.shape[1], q.shape[2])
             tiled_attention(q, k, v, mask, kv_rows=rows,
                             precision="tf32" if self.attention == "triton-tf32" else "ieee",
-                            out=ws.o.transpose(1, 2), block_m=bm, splits=splits)
+                            out=ws.o.transpose(1, 2), block_m=bm, splits=splits,
+                            tma=self.attn_tma and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9)
         else:
             ws.o.copy_(sdpa_attention(q, k, v, mask, rows).transpose(1, 2))
 

@@ -101,6 +101,65 @@ if AVAILABLE:
                   HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS)
 
     @triton.jit
+    def _attn_fwd_tma(Q, KV_DESC, O, M, KVR, PACC, PML,
+                      sqb, sqh, sqm, sqd, sob, soh, som, sod, smb, smm, smn,
+                      nq, nk, scale, keys_per_split,
+                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
+                      SPLITS: tl.constexpr):
+        """``attn_tile`` with K and V tiles fetched by the tensor-memory accelerator: KV_DESC is a
+        descriptor over the packed cache as a (rows*heads*nk, 2*HEAD_D) matrix with (BLOCK_N, HEAD_D)
+        boxes, so a key tile is box (row0 + start, 0) and its values box (row0 + start, HEAD_D). Keys
+        past this (row, head)'s nk belong to the next head (or are zero past the end): their scores
+        are masked to -inf, so their p is 0 and their values add nothing."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        mblk = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
+        H = tl.num_programs(1)
+        kvb = b
+        if HAS_KVR:
+            kvb = tl.load(KVR + b)
+        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_D)
+        row_ok = offs_m < nq
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                    mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        row0 = (kvb * H + h) * nk
+        k_lo = split * keys_per_split
+        k_hi = tl.minimum(k_lo + keys_per_split, nk)
+        for start in range(k_lo, k_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < k_hi
+            k = KV_DESC.load([row0 + start, 0])
+            v = KV_DESC.load([row0 + start, HEAD_D])
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            keep = row_ok[:, None] & col_ok[None, :]
+            if HAS_MASK:
+                mk = tl.load(M + b * smb + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=keep, other=0)
+                keep = keep & (mk != 0)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            m_i = m_new
+        if SPLITS == 1:
+            denom = tl.where(l_i > 0, l_i, 1.0)
+            out = tl.where((l_i > 0)[:, None], acc / denom[:, None], 0.0)
+            tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out,
+                     mask=row_ok[:, None])
+        else:
+            part = ((b * H + h) * SPLITS + split).to(tl.int64) * nq
+            tl.store(PACC + (part + offs_m[:, None]) * HEAD_D + offs_d[None, :], acc, mask=row_ok[:, None])
+            tl.store(PML + (part + offs_m) * 2, m_i, mask=row_ok)
+            tl.store(PML + (part + offs_m) * 2 + 1, l_i, mask=row_ok)
+
+    @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
                           HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
                           ROUND_OUT: tl.constexpr = False):
@@ -139,14 +198,26 @@ def key_splits(nk: int, splits: int, block_n: int) -> tuple[int, int]:
     return -(-nk // per_split), per_split
 
 
+def packed_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The (Bk*H*nk, 2D) matrix that k and v are the two halves of, when they are views of one
+    contiguous packed ``[k|v]`` cache (Bk, H, nk, 2D) with a 16-byte aligned start (what a TMA
+    descriptor needs); else None."""
+    Bk, H, nk, D = k.shape
+    if (k.stride() != (H * nk * 2 * D, nk * 2 * D, 2 * D, 1) or v.stride() != k.stride()
+            or v.data_ptr() - k.data_ptr() != D * k.element_size() or k.data_ptr() % 16):
+        return None
+    return k.as_strided((Bk * H * nk, 2 * D), (2 * D, 1))
+
+
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                     kv_rows: torch.Tensor | None = None, precision: str = "tf32",
                     out: torch.Tensor | None = None, block_m: int = 32, block_n: int = 64,
-                    num_warps: int = 4, num_stages: int = 2, splits: int = 1) -> torch.Tensor:
+                    num_warps: int = 4, num_stages: int = 2, splits: int = 1, tma: bool = False) -> torch.Tensor:
     """softmax(q k^T D^-0.5, mask) v for fp32 q (B,H,nq,D), k/v (Bk,H,nk,D); mask (B,nq,nk) bool.
 
     ``out`` (B,H,nq,D) may be any strided view (e.g. (B,nq,H,D) transposed) so the
-    caller's projection GEMM reads it without a copy.
+    caller's projection GEMM reads it without a copy. ``tma``: fetch K/V tiles through a tensor
+    descriptor (``_attn_fwd_tma``; needs k and v to be the halves of one packed cache, ``packed_kv``).
     """
     if not AVAILABLE:
         raise RuntimeError("tiled_attention needs Triton; use the SDPA fallback")
@@ -177,13 +248,27 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         pml = torch.empty(B, H, splits, nq, 2, device=q.device, dtype=torch.float32)
     else:
         pacc = pml = q
-    _attn_fwd[(B, H, mblocks * splits)](q, k, v, out, m, kvr, pacc, pml,
-                                        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms,
-                                        nq, nk, float(D) ** -0.5, per_split,
-                                        HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
-                                        HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
-                                        PRECISION=precision, SPLITS=splits,
-                                        num_warps=num_warps, num_stages=num_stages)
+    if tma:
+        kv2d = packed_kv(k, v)
+        if kv2d is None:
+            raise ValueError("tiled_attention(tma=True): k and v must be the two halves of one contiguous packed "
+                             f"[k|v] cache with a 16-byte aligned start; got strides {k.stride()} / {v.stride()}")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        desc = TensorDescriptor.from_tensor(kv2d, block_shape=[block_n, D])
+        _attn_fwd_tma[(B, H, mblocks * splits)](q, desc, out, m, kvr, pacc, pml, *q.stride(), *out.stride(), *ms,
+                                                nq, nk, float(D) ** -0.5, per_split,
+                                                HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
+                                                PRECISION=precision, SPLITS=splits,
+                                                num_warps=num_warps, num_stages=num_stages)
+    else:
+        _attn_fwd[(B, H, mblocks * splits)](q, k, v, out, m, kvr, pacc, pml,
+                                            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms,
+                                            nq, nk, float(D) ** -0.5, per_split,
+                                            HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                                            HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
+                                            PRECISION=precision, SPLITS=splits,
+                                            num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _attn_combine[(B, H, mblocks)](pacc, pml, out, *out.stride(), H, nq,
                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits, num_warps=4)
