@@ -13,7 +13,8 @@ at its steady length prompt + 100 = 400 frames, batch 1, 4, 8, 16. Rows:
                             the default with the ~12 torch ops between evaluations instead of
                             the two Euler-step kernels (kernels/euler_step.py)
   fused + graph TF32 on, TMA attention
-                            the staged body's attention fetching K/V through TMA descriptors (opt-in)
+                            the staged body's attention fetching K/V through TMA descriptors (opt-in),
+                            with its default launch shape and with 64-query blocks, 3 stages
   fused + graph TF32 off    IEEE GEMMs; attention per the knobs (explicit fused => triton-tf32)
   fused + graph IEEE        IEEE GEMMs and IEEE Triton attention (the <=1e-5 configuration)
   upstream inference_chunk  minicpmo-utils 1.0.7 flow (encoder + CFM, batch 1 only: its
@@ -447,6 +448,8 @@ def main(argv=None) -> int:
                                                             block_kernel=False)),
                 (GLUE_ROW, dict(body="fused", attention="triton-tf32", tf32=True, step_kernels=False)),
                 (TMA_ROW, dict(body="fused", attention="triton-tf32", tf32=True, attn_tma=True)),
+                (TMA_ROW + " bm64 s3", dict(body="fused", attention="triton-tf32", tf32=True, attn_tma=True,
+                                            attn_block_m=64, attn_stages=3)),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 

@@ -194,13 +194,17 @@ class FusedDiT:
 
     def __init__(self, dit: nn.Module, attention: AttentionKind = "sdpa", use_triton: bool | None = None,
                  gemm: GemmKind = "cublas-split", attn_splits: int | None = None, attn_block_m: int | None = None,
-                 split_k: int | None = None, block_kernel: bool | None = None, attn_tma: bool = False):
+                 split_k: int | None = None, block_kernel: bool | None = None, attn_tma: bool = False,
+                 attn_stages: int = 2):
         """``gemm="triton"`` runs every GEMM through the few-row Triton kernel while TF32 is on
         (opt-in: on the H200 it made a batch-1 solve slower, 15.3 vs 13.1 ms, and its TF32
         rounding costs ~2x cuBLAS's error; see benchmarks/results/code2wav_kernels_h200.md).
         ``attn_splits`` / ``attn_block_m``: Triton attention launch shape (None: by grid fill).
         ``attn_tma``: the staged body's attention fetches K/V tiles through a TMA descriptor (opt-in,
-        CUDA capability >= 9; ``tiled_attention(tma=True)``).
+        CUDA capability >= 9; ``tiled_attention(tma=True)``). On the H200 at 32 rows it pays only with
+        64-query blocks and 3 stages (``attn_block_m=64, attn_stages=3``: 31.1 vs 36.6 us per block
+        over HBM); with the default 32-query blocks and 2 stages it is slower (50.2 us; solve 34.9 vs
+        32.5 ms at B=16). ``attn_stages``: the attention's software-pipelining depth.
         ``gemm="cublas-split"``: few-row GEMMs split over K (``split_k`` partials, None: by
         ``split_k_for``) as strided-batched cuBLAS GEMMs, summed by the fused stage after them.
         ``block_kernel``: run every block as ONE persistent Triton launch (``kernels/dit_block.py``)
@@ -215,6 +219,8 @@ class FusedDiT:
             raise ValueError(f"gemm must be 'cublas', 'triton' or 'cublas-split', got {gemm!r}")
         if split_k is not None and (split_k < 1 or split_k & (split_k - 1)):
             raise ValueError(f"split_k must be a power of two >= 1 or None, got {split_k}")
+        if attn_stages < 1:
+            raise ValueError(f"attn_stages must be >= 1, got {attn_stages}")
         if attn_splits is not None and attn_splits < 1:
             raise ValueError(f"attn_splits must be >= 1 or None, got {attn_splits}")
         self.dit = dit
@@ -222,7 +228,7 @@ class FusedDiT:
         self.attention = attention
         self.use_triton = TRITON_AVAILABLE if use_triton is None else use_triton
         self.gemm, self.attn_splits, self.attn_block_m, self.split_k = gemm, attn_splits, attn_block_m, split_k
-        self.attn_tma = bool(attn_tma)
+        self.attn_tma, self.attn_stages = bool(attn_tma), int(attn_stages)
         ok, why = dit_block.supported(self.L.hidden, self.L.heads, self.L.head_dim, self.L.mlp_hidden)
         if block_kernel and not ok:
             raise ValueError(f"block_kernel: this DiT's shapes do not fit the persistent kernel: {why}")
@@ -383,7 +389,7 @@ class FusedDiT:
             bm, splits = self._attn_shape(q.shape[0], q.shape[1], q.shape[2])
             tiled_attention(q, k, v, mask, kv_rows=rows,
                             precision="tf32" if self.attention == "triton-tf32" else "ieee",
-                            out=ws.o.transpose(1, 2), block_m=bm, splits=splits,
+                            out=ws.o.transpose(1, 2), block_m=bm, splits=splits, num_stages=self.attn_stages,
                             tma=self.attn_tma and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9)
         else:
             ws.o.copy_(sdpa_attention(q, k, v, mask, rows).transpose(1, 2))
