@@ -14,7 +14,9 @@
 
 Each step stages ``[x | mu | spk | cond]`` for the ``[cond rows | uncond rows]`` batch, runs
 the body (fused, or the original module's ``forward_chunk``), writes that step's caches into
-per-step output slices, then applies CFG and the Euler update with ``dt`` baked in. The
+per-step output slices, then applies CFG and the Euler update with ``dt`` baked in (where Triton
+runs, that glue is two kernels per step, ``kernels/euler_step.py``: 48 instead of 185 kernels per
+batch-1 chunk, 8.86 vs 9.30 ms on the H200). The
 adaLN tables of every step are computed once, outside the graph, under the solver's
 precision. TF32 for the DiT GEMMs is on only inside ``solve``/capture (``precision``), so a
 graph keeps the precision it was captured with.

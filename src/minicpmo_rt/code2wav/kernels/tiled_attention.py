@@ -10,7 +10,9 @@ its partial (acc, max, denominator) and a small second kernel combines them. Sem
 scores are scaled by D^-0.5, and a query row whose keys are all masked returns 0.
 
 K and V may be strided views of a packed ``[k|v]`` cache (last dim 2*D), and
-``kv_rows`` lets query row b read K/V batch row ``kv_rows[b]`` (pooled caches).
+``kv_rows`` lets query row b read K/V batch row ``kv_rows[b]`` (pooled caches). With
+``tma=True`` (Hopper, opt-in) the K/V tiles of a contiguous packed cache arrive through a tensor
+descriptor instead of pointer loads (``_attn_fwd_tma``).
 """
 
 from __future__ import annotations
