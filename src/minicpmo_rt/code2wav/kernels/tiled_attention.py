@@ -37,9 +37,14 @@ if AVAILABLE:
                   nq, nk, scale, keys_per_split,
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
-                  SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr = False):
+                  SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr = False, KV_DESC=None, TMA: tl.constexpr = False):
         """Query block ``mblk`` x key split ``split`` of (row b, head h) of H heads (also a phase
-        of the persistent block kernel)."""
+        of the persistent block kernel).
+
+        TMA: K and V tiles arrive through KV_DESC, a tensor descriptor over the packed cache as a
+        (rows*heads*nk, 2*HEAD_D) matrix with (BLOCK_N, HEAD_D) boxes (key tile = box (row0 + start, 0),
+        its values box (row0 + start, HEAD_D)). Keys past this (row, head)'s nk then belong to the
+        next head (or are zero past the end): their scores are masked to -inf, so their p is 0."""
         kvb = b
         if HAS_KVR:
             kvb = tl.load(KVR + b)
@@ -54,12 +59,16 @@ if AVAILABLE:
         acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
         k_base = K + kvb.to(tl.int64) * skb + h * skh
         v_base = V + kvb.to(tl.int64) * svb + h * svh
+        row0 = (kvb * H + h) * nk
         k_lo = split * keys_per_split
         k_hi = tl.minimum(k_lo + keys_per_split, nk)
         for start in range(k_lo, k_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             col_ok = offs_n < k_hi
-            kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :], other=0.0)
+            if TMA:
+                kt = tl.trans(KV_DESC.load([row0 + start, 0]))
+            else:
+                kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :], other=0.0)
             s = tl.dot(q, kt, input_precision=PRECISION) * scale
             keep = row_ok[:, None] & col_ok[None, :]
             if HAS_MASK:
@@ -70,7 +79,10 @@ if AVAILABLE:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
+            if TMA:
+                v = KV_DESC.load([row0 + start, HEAD_D])
+            else:
+                v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
         if SPLITS == 1:
@@ -109,57 +121,11 @@ if AVAILABLE:
                       HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
                       SPLITS: tl.constexpr):
-        """``attn_tile`` with K and V tiles fetched by the tensor-memory accelerator: KV_DESC is a
-        descriptor over the packed cache as a (rows*heads*nk, 2*HEAD_D) matrix with (BLOCK_N, HEAD_D)
-        boxes, so a key tile is box (row0 + start, 0) and its values box (row0 + start, HEAD_D). Keys
-        past this (row, head)'s nk belong to the next head (or are zero past the end): their scores
-        are masked to -inf, so their p is 0 and their values add nothing."""
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        mblk = tl.program_id(2) // SPLITS
-        split = tl.program_id(2) % SPLITS
-        H = tl.num_programs(1)
-        kvb = b
-        if HAS_KVR:
-            kvb = tl.load(KVR + b)
-        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_D)
-        row_ok = offs_m < nq
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                    mask=row_ok[:, None], other=0.0)
-        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-        row0 = (kvb * H + h) * nk
-        k_lo = split * keys_per_split
-        k_hi = tl.minimum(k_lo + keys_per_split, nk)
-        for start in range(k_lo, k_hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < k_hi
-            k = KV_DESC.load([row0 + start, 0])
-            v = KV_DESC.load([row0 + start, HEAD_D])
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            keep = row_ok[:, None] & col_ok[None, :]
-            if HAS_MASK:
-                mk = tl.load(M + b * smb + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=keep, other=0)
-                keep = keep & (mk != 0)
-            s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-            m_i = m_new
-        if SPLITS == 1:
-            denom = tl.where(l_i > 0, l_i, 1.0)
-            out = tl.where((l_i > 0)[:, None], acc / denom[:, None], 0.0)
-            tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out,
-                     mask=row_ok[:, None])
-        else:
-            part = ((b * H + h) * SPLITS + split).to(tl.int64) * nq
-            tl.store(PACC + (part + offs_m[:, None]) * HEAD_D + offs_d[None, :], acc, mask=row_ok[:, None])
-            tl.store(PML + (part + offs_m) * 2, m_i, mask=row_ok)
-            tl.store(PML + (part + offs_m) * 2 + 1, l_i, mask=row_ok)
+        """``_attn_fwd`` with the K/V tiles from a tensor descriptor (the pointer arguments unused)."""
+        attn_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
+                  tl.num_programs(1), Q, Q, Q, O, M, KVR, PACC, PML, sqb, sqh, sqm, sqd, 0, 0, 0, 0,
+                  0, 0, 0, 0, sob, soh, som, sod, smb, smm, smn, nq, nk, scale, keys_per_split,
+                  HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS, False, KV_DESC, True)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
