@@ -257,6 +257,8 @@ class WholeEulerSolver:
         and block-0 LN in one; the CNN-cache roll in the other; the staged x copies are gone."""
         f, ws, n, S = self.fused, st.ws, self.n_mel, self.S
         precision = dot_precision(st.x)
+        if st.x.is_cuda and torch.cuda.get_device_capability(st.x.device)[0] < 8:
+            precision = "ieee"      # no TF32 tensor cores before SM80: FMA dots
         rounded = dit_block.rounds(precision, st.x.device)
         fl = self.dit.final_layer.linear
         ctr = ws.ctr if f.runs_persistent(ws) else None
