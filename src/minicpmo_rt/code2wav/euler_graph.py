@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from .fused_dit import SC_MSA, SH_MSA, FusedDiT, Modulation, dot_precision, load_cnn_cache
+from .fused_dit import SC_MSA, SH_MSA, FusedDiT, Modulation, dot_precision
 from .kernels import dit_block, euler_step
 from .precision import matmul_tf32
 
@@ -240,11 +240,10 @@ class WholeEulerSolver:
         for s in range(self.S):
             xin[:Bb, :, :n].copy_(st.x)
             xin[Bb:, :, :n].copy_(st.x)
-            load_cnn_cache(st.hist, st.cnn_in[s], self.K1)
+            euler_step.cnn_roll_ref(st.hist, None, st.cnn_in[s], st.cnn_idx)
             self.fused.body(xin, mods[s], st.hist, st.kv[s], st.mask, st.ws, st.out, st.rows, st.pos)
             # new CNN cache = history frames [valid, valid+K-1) (valid = real width, via index)
-            new = st.hist.index_select(3, st.cnn_idx)                      # (depth, 2, R, K-1, C)
-            st.cnn_out[s].copy_(new.permute(0, 2, 1, 4, 3).reshape(st.cnn_out[s].shape))
+            euler_step.cnn_roll_ref(st.hist, st.cnn_out[s], None, st.cnn_idx)
             v = st.out
             st.x.add_(dts[s] * ((1.0 + r) * v[:Bb] - r * v[Bb:]))
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import AVAILABLE as TRITON_AVAILABLE, interpreting, usable_on
-from .kernels import dit_block, dit_ops
+from .kernels import dit_block, dit_ops, euler_step
 from .kernels.small_gemm import small_gemm
 from .kernels.tiled_attention import sdpa_attention, tiled_attention
 
@@ -582,11 +582,10 @@ def _sum_partials(y: torch.Tensor) -> torch.Tensor:
 
 def load_cnn_cache(hist: torch.Tensor, cnn_cache: torch.Tensor | None, k1: int) -> None:
     """Put the original-layout CNN cache (depth, R, 2C, K-1) into history frames [0, K-1); None = zeros."""
-    depth, _, R, _, C = hist.shape
     if cnn_cache is None:
         hist[:, :, :, :k1].zero_()
         return
-    hist[:, :, :, :k1].copy_(cnn_cache.view(depth, R, 2, C, k1).permute(0, 2, 1, 4, 3))
+    euler_step.cnn_roll_ref(hist, None, cnn_cache, None)
 
 
 def read_cnn_cache(hist: torch.Tensor, valid: int, k1: int) -> torch.Tensor:

@@ -238,12 +238,13 @@ def cnn_roll(hist: torch.Tensor, out: torch.Tensor | None, inp: torch.Tensor | N
                              BC=min(256, _pow2(C)), num_warps=4)
 
 
-def cnn_roll_ref(hist: torch.Tensor, out: torch.Tensor | None, inp: torch.Tensor | None, idx: torch.Tensor) -> None:
-    """``cnn_roll`` in torch (reads before writes, as the kernel)."""
+def cnn_roll_ref(hist: torch.Tensor, out: torch.Tensor | None, inp: torch.Tensor | None,
+                 idx: torch.Tensor | None) -> None:
+    """``cnn_roll`` in torch (reads before writes, as the kernel); ``idx`` may be None without ``out``."""
     depth, _, R, _, C = hist.shape
-    K1 = idx.numel()
     if out is not None:
         new = hist.index_select(3, idx)                                   # (depth, 2, R, K-1, C)
         out.copy_(new.permute(0, 2, 1, 4, 3).reshape(out.shape))
     if inp is not None:
+        K1 = inp.shape[-1]
         hist[:, :, :, :K1].copy_(inp.view(depth, R, 2, C, K1).permute(0, 2, 1, 4, 3))

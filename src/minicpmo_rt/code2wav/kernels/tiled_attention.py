@@ -12,7 +12,7 @@ scores are scaled by D^-0.5, and a query row whose keys are all masked returns 0
 K and V may be strided views of a packed ``[k|v]`` cache (last dim 2*D), and
 ``kv_rows`` lets query row b read K/V batch row ``kv_rows[b]`` (pooled caches). With
 ``tma=True`` (Hopper, opt-in) the K/V tiles of a contiguous packed cache arrive through a tensor
-descriptor instead of pointer loads (``_attn_fwd_tma``).
+descriptor instead of pointer loads (``attn_tile``'s TMA branch).
 """
 
 from __future__ import annotations
@@ -105,27 +105,14 @@ if AVAILABLE:
                   svb, svh, svn, svd,
                   sob, soh, som, sod,
                   smb, smm, smn,
-                  nq, nk, scale, keys_per_split,
+                  nq, nk, scale, keys_per_split, KV_DESC,
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
-                  SPLITS: tl.constexpr):
+                  SPLITS: tl.constexpr, TMA: tl.constexpr):
         attn_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                   tl.num_programs(1), Q, K, V, O, M, KVR, PACC, PML, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
                   svb, svh, svn, svd, sob, soh, som, sod, smb, smm, smn, nq, nk, scale, keys_per_split,
-                  HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS)
-
-    @triton.jit
-    def _attn_fwd_tma(Q, KV_DESC, O, M, KVR, PACC, PML,
-                      sqb, sqh, sqm, sqd, sob, soh, som, sod, smb, smm, smn,
-                      nq, nk, scale, keys_per_split,
-                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
-                      SPLITS: tl.constexpr):
-        """``_attn_fwd`` with the K/V tiles from a tensor descriptor (the pointer arguments unused)."""
-        attn_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
-                  tl.num_programs(1), Q, Q, Q, O, M, KVR, PACC, PML, sqb, sqh, sqm, sqd, 0, 0, 0, 0,
-                  0, 0, 0, 0, sob, soh, som, sod, smb, smm, smn, nq, nk, scale, keys_per_split,
-                  HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS, False, KV_DESC, True)
+                  HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS, False, KV_DESC, TMA)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -185,7 +172,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
     ``out`` (B,H,nq,D) may be any strided view (e.g. (B,nq,H,D) transposed) so the
     caller's projection GEMM reads it without a copy. ``tma``: fetch K/V tiles through a tensor
-    descriptor (``_attn_fwd_tma``; needs k and v to be the halves of one packed cache, ``packed_kv``).
+    descriptor (``attn_tile``'s TMA branch; needs k and v to be the halves of one packed cache, ``packed_kv``).
     """
     if not AVAILABLE:
         raise RuntimeError("tiled_attention needs Triton; use the SDPA fallback")
@@ -216,6 +203,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         pml = torch.empty(B, H, splits, nq, 2, device=q.device, dtype=torch.float32)
     else:
         pacc = pml = q
+    desc = None
     if tma:
         kv2d = packed_kv(k, v)
         if kv2d is None:
@@ -223,20 +211,13 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                              f"[k|v] cache with a 16-byte aligned start; got strides {k.stride()} / {v.stride()}")
         from triton.tools.tensor_descriptor import TensorDescriptor
         desc = TensorDescriptor.from_tensor(kv2d, block_shape=[block_n, D])
-        _attn_fwd_tma[(B, H, mblocks * splits)](q, desc, out, m, kvr, pacc, pml, *q.stride(), *out.stride(), *ms,
-                                                nq, nk, float(D) ** -0.5, per_split,
-                                                HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
-                                                PRECISION=precision, SPLITS=splits,
-                                                num_warps=num_warps, num_stages=num_stages)
-    else:
-        _attn_fwd[(B, H, mblocks * splits)](q, k, v, out, m, kvr, pacc, pml,
-                                            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms,
-                                            nq, nk, float(D) ** -0.5, per_split,
-                                            HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
-                                            HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
-                                            PRECISION=precision, SPLITS=splits,
-                                            num_warps=num_warps, num_stages=num_stages)
+    _attn_fwd[(B, H, mblocks * splits)](q, k, v, out, m, kvr, pacc, pml,
+                                        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms,
+                                        nq, nk, float(D) ** -0.5, per_split, desc,
+                                        HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                                        HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
+                                        PRECISION=precision, SPLITS=splits, TMA=tma,
+                                        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _attn_combine[(B, H, mblocks)](pacc, pml, out, *out.stride(), H, nq,
                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits, num_warps=4)
