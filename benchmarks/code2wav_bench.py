@@ -355,6 +355,11 @@ def merge_row(cfm, cfg, B, cnn, att, mu, spk, cond, row, budget, prompt, keep=10
     row(MERGE_ROW, B, ms, rep, extra)
 
 
+def row_selected(name: str, spec: str) -> bool:
+    """``--rows``: '|'-separated words; a word matches a row name it is part of, '=word' only the name itself."""
+    return any(name == w[1:] if w.startswith("=") else w in name for w in spec.split("|") if w)
+
+
 GLUE_ROW = "fused + graph TF32 on, torch step glue"
 TMA_ROW = "fused + graph TF32 on, TMA attention"
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
@@ -369,7 +374,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma list of row groups to run (default: all): "
                     + ", ".join(ROW_GROUPS) + "; e.g. --only slot,merge")
     ap.add_argument("--rows", default="", help="'|'-separated substrings: only the graph rows whose names "
-                    "hold one (default: all), e.g. 'TF32 on|TMA'")
+                    "hold one (default: all), e.g. 'TF32 on|TMA'; '=NAME' matches that whole name only, "
+                    "e.g. '=fused + graph TF32 on|TMA'")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     only = {w.strip() for w in args.only.split(",") if w.strip()}
@@ -471,7 +477,7 @@ def main(argv=None) -> int:
                 with matmul_tf32(True):
                     row("original eager TF32", B, timed(eager, args.budget))
         for name, kw in (variants if on("graphs") else []):
-            if args.rows and not any(w in name for w in args.rows.split("|")):
+            if args.rows and not row_selected(name, args.rows):
                 continue
             solver = WholeEulerSolver(cfm, n_timesteps=S, config=cfg, **kw)
             got = solver.solve(mu, spk, cond, cnn, att, copy_out=False)

@@ -171,6 +171,44 @@ def attention_hbm_sweep(R: int = 32, depth: int = 16, configs=HBM_CONFIGS, devic
     return out
 
 
+def attention_mask_probe(R: int = 32, depth: int = 16, device="cuda") -> list[dict]:
+    """The HBM setup of ``attention_hbm_sweep`` with the masks the solvers pass: none (the steady arena
+    solve), one key row per batch row as a stride-0 view (the slot pool; the kernel loads one key vector
+    per tile) and the same mask materialised per query (a full tile per key tile, what the kernel loaded
+    before it read stride-0 masks as key vectors), and pooled caches (rows read through ``kv_rows`` from a
+    pool with a scratch row, 464 frames as ``default_pool_frames(300)``)."""
+    F = 464
+    q = torch.randn(R, 8, T, 64, device=device)
+    o = torch.empty(R, T, 8, 64, device=device).transpose(1, 2)
+    kv = torch.randn(depth, R, 8, T + L, 128, device=device)
+    pool = torch.randn(depth, R + 2, 8, F, 128, device=device)
+    keys = torch.zeros(R, T + L, dtype=torch.bool, device=device)
+    keys[:, :T] = True
+    keys[:, T:T + L] = torch.rand(R, L, device=device) > 0.05
+    pkeys = torch.zeros(R, F, dtype=torch.bool, device=device)
+    pkeys[:, :T + L] = keys
+    rows = torch.randperm(R + 2, device=device)[:R].to(torch.int32)
+    cases = [("no mask", kv, None, None), ("key mask (stride-0 view)", kv, keys[:, None].expand(R, T, T + L), None),
+             ("same mask materialised", kv, keys[:, None].expand(R, T, T + L).contiguous(), None),
+             ("pooled, key mask view", pool, pkeys[:, None].expand(R, T, F), rows),
+             ("pooled, mask materialised", pool, pkeys[:, None].expand(R, T, F).contiguous(), rows)]
+    out = []
+    for (name, cache, mask, kvr), (bm, stages, tma) in itertools.product(cases, ((32, 2, False), (64, 3, True))):
+        def fn():
+            for i in range(depth):
+                tiled_attention(q, cache[i, ..., :64], cache[i, ..., 64:], mask, kv_rows=kvr, precision="tf32",
+                                out=o, block_m=bm, num_stages=stages, tma=tma)
+        try:
+            us = bench_us(fn) / depth
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(f"  attn-mask {name} bm{bm} tma={tma}: {exc!r}"[:300], flush=True)
+            continue
+        out.append({"case": name, "block_m": bm, "stages": stages, "tma": tma, "us_per_block": us})
+        print(f"  attn-mask R={R} {name:28s} bm{bm} s{stages}{' TMA' if tma else '    '}: {us:6.1f} us per block",
+              flush=True)
+    return out
+
+
 def solve_rows(cfm, batches: list[int], budget: float, keys=()) -> tuple[list[dict], dict]:
     """``keys``: substrings selecting variants by name (empty: all)."""
     rows, profiles = [], {}
@@ -271,6 +309,13 @@ def markdown(res: dict) -> str:
                        f"{' TMA' if r.get('tma') else ''}{' (default)' if r['default'] else ''} | "
                        f"{r['us_per_block']:.1f} | {r['tb_s']:.2f} | "
                        f"{r['rel_err_vs_sdpa']:.1e} |")
+    if res.get("attention_mask"):
+        out += ["", "## Attention masks and pooled caches: 32 rows, 16 distinct caches, us per block", "",
+                "| case | bm32 s2 pointer loads | bm64 s3 TMA |", "|---|---:|---:|"]
+        cases = dict.fromkeys(r["case"] for r in res["attention_mask"])
+        for c in cases:
+            us = {r["tma"]: f"{r['us_per_block']:.1f}" for r in res["attention_mask"] if r["case"] == c}
+            out.append(f"| {c} | {us.get(False, '—')} | {us.get(True, '—')} |")
     for name, prof in res.get("profiles", {}).items():
         out += ["", f"Kernels of one estimator evaluation, {name}:", "", "| kernel | count | total us |",
                 "|---|---:|---:|"]
@@ -285,7 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--quick", action="store_true", help="smaller sweeps")
     ap.add_argument("--budget", type=float, default=0.5)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: gemm,attention,attention-hbm,solve")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: "
+                    "gemm,attention,attention-hbm,attention-mask,solve")
     ap.add_argument("--variants", default="", help="'|'-separated substrings of solve variant names to run "
                     "(default: all), e.g. 'default|persistent'")
     args = ap.parse_args(argv)
@@ -317,6 +363,10 @@ def main(argv=None) -> int:
         res["attention_hbm"] = attention_hbm_sweep()
         save()
         print(f"attention HBM sweep done at {time.time() - t0:.0f}s", flush=True)
+    if "attention-mask" not in skip:
+        res["attention_mask"] = attention_mask_probe()
+        save()
+        print(f"attention mask probe done at {time.time() - t0:.0f}s", flush=True)
     if "gemm" not in skip:
         res["gemm"] = gemm_sweep(batches, args.quick)
         save()

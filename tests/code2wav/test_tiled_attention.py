@@ -86,6 +86,34 @@ def test_packed_cache_views_kv_rows_and_strided_out():
     assert rel_err(sdpa_attention(q, k, v, mask, kv_rows), ref) < 1e-5
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_key_only_mask_view_matches_materialised_mask(splits):
+    """A mask whose query stride is 0 (one key row per batch row, as the slot pool passes it) takes the
+    one-vector-per-tile load; it must give what the same mask materialised per query gives, including
+    a row with every key masked and kv_rows (pooled caches)."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, nq, nk, D = 3, 2, 7, 37, 16
+    q = torch.randn(B, H, nq, D, generator=gen)
+    cache = torch.randn(4, H, nk, 2 * D, generator=gen)
+    kv_rows = torch.tensor([2, 0, 3], dtype=torch.int32)
+    keys = torch.rand(B, nk, generator=gen) > 0.4
+    keys[1] = False                                   # batch row 1 attends to nothing
+    view = keys[:, None, :].expand(B, nq, nk)         # stride 0 over queries
+    assert view.stride(1) == 0
+    dev = device()
+    if not usable_on(q.to(dev)):
+        pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
+    ref = reference(q, cache[..., :D], cache[..., D:], view, kv_rows)
+    cache = cache.to(dev)
+    outs = [tiled_attention(q.to(dev), cache[..., :D], cache[..., D:], m.to(dev), kv_rows=kv_rows.to(dev),
+                            precision="ieee", block_m=16, block_n=16, splits=splits)
+            for m in (view, view.contiguous())]
+    for out in outs:
+        assert rel_err(out, ref) < 1e-5
+        assert out[1].abs().max() == 0
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_split_keys_one_tile_per_split_and_a_split_past_the_end():
     """More splits than key tiles are clamped; a fully masked split contributes nothing."""
     gen = torch.Generator().manual_seed(3)
@@ -123,3 +151,12 @@ def test_cuda_model_shape(precision, tol, splits):
         print(f"tiled attention {precision}{' TMA' if tma else ''} splits={splits}: rel err {err:.2e}")
         assert err < tol
         assert out[1, :, 3].abs().max() == 0
+    # a key-only mask (query stride 0) against the same mask materialised: the same tiles, bit for bit
+    keys = mask[:, 0]
+    keys[2] = False
+    view = keys[:, None, :].expand(B, nq, nk)
+    for tma in (False, True):
+        a, b = (tiled_attention(q, cache[..., :D], cache[..., D:], m, precision=precision, splits=splits, tma=tma)
+                for m in (view, view.contiguous()))
+        assert torch.equal(a, b), tma
+        assert a[2].abs().max() == 0

@@ -37,14 +37,18 @@ if AVAILABLE:
                   nq, nk, scale, keys_per_split,
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
-                  SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr = False, KV_DESC=None, TMA: tl.constexpr = False):
+                  SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr = False, KV_DESC=None, TMA: tl.constexpr = False,
+                  KEY_MASK: tl.constexpr = False):
         """Query block ``mblk`` x key split ``split`` of (row b, head h) of H heads (also a phase
         of the persistent block kernel).
 
         TMA: K and V tiles arrive through KV_DESC, a tensor descriptor over the packed cache as a
         (rows*heads*nk, 2*HEAD_D) matrix with (BLOCK_N, HEAD_D) boxes (key tile = box (row0 + start, 0),
         its values box (row0 + start, HEAD_D)). Keys past this (row, head)'s nk then belong to the
-        next head (or are zero past the end): their scores are masked to -inf, so their p is 0."""
+        next head (or are zero past the end): their scores are masked to -inf, so their p is 0.
+
+        KEY_MASK: the mask does not vary over queries (query stride 0, e.g. the slot pool's one key row
+        per batch row), so each key tile loads one BLOCK_N vector instead of a BLOCK_M x BLOCK_N tile."""
         kvb = b
         if HAS_KVR:
             kvb = tl.load(KVR + b)
@@ -72,8 +76,12 @@ if AVAILABLE:
             s = tl.dot(q, kt, input_precision=PRECISION) * scale
             keep = row_ok[:, None] & col_ok[None, :]
             if HAS_MASK:
-                mk = tl.load(M + b * smb + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=keep, other=0)
-                keep = keep & (mk != 0)
+                if KEY_MASK:
+                    mk = tl.load(M + b * smb + offs_n * smn, mask=col_ok, other=0)
+                    keep = keep & (mk != 0)[None, :]
+                else:
+                    mk = tl.load(M + b * smb + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=keep, other=0)
+                    keep = keep & (mk != 0)
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -108,11 +116,11 @@ if AVAILABLE:
                   nq, nk, scale, keys_per_split, KV_DESC,
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
-                  SPLITS: tl.constexpr, TMA: tl.constexpr):
+                  SPLITS: tl.constexpr, TMA: tl.constexpr, KEY_MASK: tl.constexpr):
         attn_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                   tl.num_programs(1), Q, K, V, O, M, KVR, PACC, PML, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
                   svb, svh, svn, svd, sob, soh, som, sod, smb, smm, smn, nq, nk, scale, keys_per_split,
-                  HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS, False, KV_DESC, TMA)
+                  HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS, False, KV_DESC, TMA, KEY_MASK)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -217,6 +225,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                                         HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
                                         HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
                                         PRECISION=precision, SPLITS=splits, TMA=tma,
+                                        KEY_MASK=mask is not None and ms[1] == 0,
                                         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _attn_combine[(B, H, mblocks)](pacc, pml, out, *out.stride(), H, nq,
