@@ -12,9 +12,10 @@ at its steady length prompt + 100 = 400 frames, batch 1, 4, 8, 16. Rows:
   fused + graph TF32 on, torch step glue
                             the default with the ~12 torch ops between evaluations instead of
                             the two Euler-step kernels (kernels/euler_step.py)
-  fused + graph TF32 on, TMA attention
-                            the staged body's attention fetching K/V through TMA descriptors (opt-in),
-                            with its default launch shape and with 64-query blocks, 3 stages
+  fused + graph TF32 on, pointer-load attention
+                            the default with the staged body's attention always on pointer loads
+                            (``attn_tma=False``; by default, on Hopper with batch >= 8, K/V tiles
+                            arrive through TMA descriptors with 64-query blocks and 3 stages)
   fused + graph TF32 off    IEEE GEMMs; attention per the knobs (explicit fused => triton-tf32)
   fused + graph IEEE        IEEE GEMMs and IEEE Triton attention (the <=1e-5 configuration)
   upstream inference_chunk  minicpmo-utils 1.0.7 flow (encoder + CFM, batch 1 only: its
@@ -41,6 +42,7 @@ merged row also vs separate per-stream solves of the same fused path and, for it
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -220,6 +222,7 @@ class ieee_cudnn:
 
 
 SLOT_ROW = "fused + graph TF32 on, slot pool"
+SLOT_PTR_ROW = "fused + graph TF32 on, slot pool, pointer-load attention"
 MERGE_ROW = "fused + graph TF32 on, row merging"
 
 
@@ -257,22 +260,22 @@ def merge_lengths(B: int, prompt: int, keep: int) -> list[int]:
 
 
 def _slot_solver(cfm, cfg, n_steps: int, slots: int, prompt: int, keep: int, query: int, device,
-                 attention: str, tf32: bool, use_triton=None):
+                 attention: str, tf32: bool, use_triton=None, attn_tma=None):
     from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver, default_pool_frames
     solver = SlotSolver(cfm, pool=None, attention=attention, tf32=tf32, n_timesteps=n_steps, config=cfg,
-                        use_triton=use_triton)
+                        use_triton=use_triton, attn_tma=attn_tma)
     solver.pool = SlotPool(solver, slots=slots, frames=default_pool_frames(prompt, keep, query), keep=keep,
                            device=device)
     return solver
 
 
 def slot_row(cfm, cfg, B, cnn, att, mu, spk, cond, ref, row, budget, prompt, keep=100, timer=timed,
-             attention="triton-tf32", tf32=True, use_triton=None):
+             attention="triton-tf32", tf32=True, use_triton=None, attn_tma=None, name=SLOT_ROW):
     """Slot pool, all B streams at the bench's cache length (att.shape[4]); errors vs the batched
     IEEE reference ``ref`` (mel, cnn, untrimmed att) with the dense trim applied per stream."""
     from minicpmo_rt.code2wav.flow import trim_estimator_att
     solver = _slot_solver(cfm, cfg, cnn.shape[0], B, prompt, keep, mu.shape[2], mu.device, attention, tf32,
-                          use_triton)
+                          use_triton, attn_tma)
     pool = solver.pool
     handles = [pool.admit(_stream(cnn, i, B), _stream(att, i, B), prompt) for i in range(B)]
     mel = solver.solve_slots(handles, mu, spk, cond)
@@ -285,7 +288,7 @@ def slot_row(cfm, cfg, B, cnn, att, mu, spk, cond, ref, row, budget, prompt, kee
     ms = timer(lambda: solver.solve_slots(handles, mu, spk, cond), budget)
     st = next(iter(solver._statics.values()))
     rep = timer(st.graph.replay, budget) if st.graph is not None else None
-    row(SLOT_ROW, B, ms, rep, {"rel_err_vs_original_ieee": errs.result(), "graph": st.graph is not None,
+    row(name, B, ms, rep, {"rel_err_vs_original_ieee": errs.result(), "graph": st.graph is not None,
                                "pool_frames": pool.frames, "lengths": [att.shape[4]] * B})
 
 
@@ -361,7 +364,7 @@ def row_selected(name: str, spec: str) -> bool:
 
 
 GLUE_ROW = "fused + graph TF32 on, torch step glue"
-TMA_ROW = "fused + graph TF32 on, TMA attention"
+PTR_ROW = "fused + graph TF32 on, pointer-load attention"
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -453,9 +456,7 @@ def main(argv=None) -> int:
                 ("fused + graph TF32 on, staged body", dict(body="fused", attention="triton-tf32", tf32=True,
                                                             block_kernel=False)),
                 (GLUE_ROW, dict(body="fused", attention="triton-tf32", tf32=True, step_kernels=False)),
-                (TMA_ROW, dict(body="fused", attention="triton-tf32", tf32=True, attn_tma=True)),
-                (TMA_ROW + " bm64 s3", dict(body="fused", attention="triton-tf32", tf32=True, attn_tma=True,
-                                            attn_block_m=64, attn_stages=3)),
+                (PTR_ROW, dict(body="fused", attention="triton-tf32", tf32=True, attn_tma=False)),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 
@@ -496,7 +497,10 @@ def main(argv=None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
         # opt-in slot pool (prompt 300 + keep 100): equal lengths, then merged different lengths
-        for group, what, fn, args_ in (("slot", "slot pool", slot_row, (ref,)), ("merge", "row merging", merge_row, ())):
+        slot_ptr = functools.partial(slot_row, attn_tma=False, name=SLOT_PTR_ROW)
+        for group, what, fn, args_ in (("slot", "slot pool", slot_row, (ref,)),
+                                       ("slot", "slot pool, pointer loads", slot_ptr, (ref,)),
+                                       ("merge", "row merging", merge_row, ())):
             if not on(group):
                 continue
             try:
@@ -628,7 +632,7 @@ def markdown(res: dict) -> str:
     if counted:
         lines += ["", "CUDA kernels one chunk's solve launches (eager, batch 1; a replay runs the same kernels):", ""]
         lines += [f"- {r['row']}: {r['kernels_per_chunk']}" for r in counted]
-    pooled = [r for r in res["rows"] if r["row"] in (SLOT_ROW, MERGE_ROW)]
+    pooled = [r for r in res["rows"] if r["row"] in (SLOT_ROW, SLOT_PTR_ROW, MERGE_ROW)]
     if pooled:
         lines += ["", "Slot pool / row merging, every batch (relative L2 over all streams, worst stream in "
                   "brackets; mel, cnn cache, att cache after the trim):", ""]

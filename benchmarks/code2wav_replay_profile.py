@@ -107,8 +107,8 @@ def main(argv=None) -> int:
         (args.out / "replay_profile.md").write_text(markdown(res))
 
     variants = [("default (arena)", dict()),
-                ("TMA attention bm64 s3", dict(attn_tma=True, attn_block_m=64, attn_stages=3)),
-                ("slot pool", None)]
+                ("pointer-load attention", dict(attn_tma=False)),
+                ("slot pool", None), ("slot pool, pointer loads", False)]
     variants = [v for v in variants if not args.variants or any(w in v[0] for w in args.variants.split("|"))]
     for B in batches:
         g = torch.Generator().manual_seed(10 + B)
@@ -119,8 +119,9 @@ def main(argv=None) -> int:
         cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
         for name, kw in variants:
             with torch.inference_mode():
-                if kw is None:
-                    solver = _slot_solver(cfm, cfg, S, B, L - 100, 100, T, mu.device, "triton-tf32", True)
+                if not isinstance(kw, dict):     # slot pool; kw: its attn_tma
+                    solver = _slot_solver(cfm, cfg, S, B, L - 100, 100, T, mu.device, "triton-tf32", True,
+                                          attn_tma=kw)
                     hs = [solver.pool.admit(_stream(cnn, i, B), _stream(att, i, B), L - 100) for i in range(B)]
                     solver.solve_slots(hs, mu, spk, cond)
                 else:

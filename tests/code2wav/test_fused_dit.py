@@ -169,10 +169,15 @@ def test_split_k_partials_match_original(use_triton):
 
 def test_attention_launch_shape_by_grid_fill():
     fused = FusedDiT(our_dit(seed=1))
-    assert fused._attn_shape(2, 8, 50) == (16, 8)       # batch 1: 64 programs -> keys split 8 ways
-    assert fused._attn_shape(8, 8, 50) == (16, 2)
-    assert fused._attn_shape(32, 8, 50) == (32, 1)      # batch 16: the grid is full already
-    assert FusedDiT(our_dit(seed=1), attn_splits=3, attn_block_m=64)._attn_shape(2, 8, 50) == (64, 3)
+    assert fused._attn_shape(2, 8, 50) == (16, 8, 2, False)     # batch 1: 64 programs -> keys split 8 ways
+    assert fused._attn_shape(8, 8, 50) == (16, 2, 2, False)
+    assert fused._attn_shape(32, 8, 50) == (32, 1, 2, False)    # batch 16: the grid is full already
+    # where TMA loads can run (Hopper, packed cache) a full grid takes them with 64-query blocks, 3 stages
+    assert fused._attn_shape(32, 8, 50, tma_ok=True) == (64, 1, 3, True)
+    assert fused._attn_shape(8, 8, 50, tma_ok=True) == (16, 2, 2, False)
+    assert FusedDiT(our_dit(seed=1), attn_tma=False)._attn_shape(32, 8, 50, tma_ok=True) == (32, 1, 2, False)
+    assert FusedDiT(our_dit(seed=1), attn_tma=True)._attn_shape(8, 8, 50, tma_ok=True) == (16, 2, 3, True)
+    assert FusedDiT(our_dit(seed=1), attn_splits=3, attn_block_m=64)._attn_shape(2, 8, 50) == (64, 3, 2, False)
 
 
 def test_matches_upstream_original_dit_full_width():

@@ -111,7 +111,7 @@ def test_key_only_mask_view_matches_materialised_mask(splits):
     for out in outs:
         assert rel_err(out, ref) < 1e-5
         assert out[1].abs().max() == 0
-    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], outs[1]) < 1e-6
 
 
 def test_split_keys_one_tile_per_split_and_a_split_past_the_end():
@@ -151,12 +151,14 @@ def test_cuda_model_shape(precision, tol, splits):
         print(f"tiled attention {precision}{' TMA' if tma else ''} splits={splits}: rel err {err:.2e}")
         assert err < tol
         assert out[1, :, 3].abs().max() == 0
-    # a key-only mask (query stride 0) against the same mask materialised: the same tiles, bit for bit
+    # a key-only mask (query stride 0; one key vector per tile) and the same mask materialised (full
+    # tiles); under TF32 the two compiled loops may round differently, so both go against the reference
     keys = mask[:, 0]
     keys[2] = False
     view = keys[:, None, :].expand(B, nq, nk)
+    ref = reference(q.cpu(), cache[..., :D].cpu(), cache[..., D:].cpu(), view.cpu())
     for tma in (False, True):
-        a, b = (tiled_attention(q, cache[..., :D], cache[..., D:], m, precision=precision, splits=splits, tma=tma)
-                for m in (view, view.contiguous()))
-        assert torch.equal(a, b), tma
-        assert a[2].abs().max() == 0
+        for m in (view, view.contiguous()):
+            out = tiled_attention(q, cache[..., :D], cache[..., D:], m, precision=precision, splits=splits, tma=tma)
+            assert rel_err(out, ref) < tol, (tma, m.stride())
+            assert out[2].abs().max() == 0

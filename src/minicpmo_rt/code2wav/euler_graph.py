@@ -97,7 +97,7 @@ class WholeEulerSolver:
                  tf32: bool = False, n_timesteps: int = 10, config: GraphConfig = GraphConfig(),
                  use_triton: bool | None = None, gemm: str = "cublas-split", attn_splits: int | None = None,
                  attn_block_m: int | None = None, split_k: int | None = None, block_kernel: bool | None = None,
-                 step_kernels: bool | None = None, attn_tma: bool = False, attn_stages: int = 2):
+                 step_kernels: bool | None = None, attn_tma: bool | None = None, attn_stages: int | None = None):
         """``step_kernels``: the glue between two evaluations as two Triton kernels per step
         (``kernels/euler_step.py``) instead of ~12 torch ops; None (default) and True: whenever the
         fused body's Triton stages run; False: the torch ops (the reference the tests compare)."""

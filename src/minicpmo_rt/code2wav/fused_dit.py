@@ -44,7 +44,7 @@ from torch import nn
 from .kernels import AVAILABLE as TRITON_AVAILABLE, interpreting, usable_on
 from .kernels import dit_block, dit_ops, euler_step
 from .kernels.small_gemm import small_gemm
-from .kernels.tiled_attention import sdpa_attention, tiled_attention
+from .kernels.tiled_attention import packed_kv, sdpa_attention, tiled_attention
 
 __all__ = ["supports_fused_body", "FusedDiT", "DiTLayout", "Modulation"]
 
@@ -194,17 +194,19 @@ class FusedDiT:
 
     def __init__(self, dit: nn.Module, attention: AttentionKind = "sdpa", use_triton: bool | None = None,
                  gemm: GemmKind = "cublas-split", attn_splits: int | None = None, attn_block_m: int | None = None,
-                 split_k: int | None = None, block_kernel: bool | None = None, attn_tma: bool = False,
-                 attn_stages: int = 2):
+                 split_k: int | None = None, block_kernel: bool | None = None, attn_tma: bool | None = None,
+                 attn_stages: int | None = None):
         """``gemm="triton"`` runs every GEMM through the few-row Triton kernel while TF32 is on
         (opt-in: on the H200 it made a batch-1 solve slower, 15.3 vs 13.1 ms, and its TF32
         rounding costs ~2x cuBLAS's error; see benchmarks/results/code2wav_kernels_h200.md).
         ``attn_splits`` / ``attn_block_m``: Triton attention launch shape (None: by grid fill).
-        ``attn_tma``: the staged body's attention fetches K/V tiles through a TMA descriptor (opt-in,
-        CUDA capability >= 9; ``tiled_attention(tma=True)``). On the H200 at 32 rows it pays only with
-        64-query blocks and 3 stages (``attn_block_m=64, attn_stages=3``: 31.1 vs 36.6 us per block
-        over HBM); with the default 32-query blocks and 2 stages it is slower (50.2 us; solve 34.9 vs
-        32.5 ms at B=16). ``attn_stages``: the attention's software-pipelining depth.
+        ``attn_tma``: the staged body's attention fetches K/V tiles through a TMA descriptor
+        (``tiled_attention(tma=True)``; CUDA capability >= 9, packed contiguous ``[k|v]`` caches). None
+        (default): on such devices when the grid is full (rows x heads >= ATTN_FULL_GRID_ROWS_HEADS, batch
+        >= 8 with CFG), with 64-query blocks and 3 stages (H200: 31.2 vs 36.0 us per block over 32 rows'
+        caches, solve at B=16 31.20 vs 32.43 ms; with a pooled key mask 34.9 vs 56.7 us); True/False:
+        always/never. ``attn_stages``: the attention's software-pipelining depth (None: 3 with TMA, 2
+        otherwise).
         ``gemm="cublas-split"``: few-row GEMMs split over K (``split_k`` partials, None: by
         ``split_k_for``) as strided-batched cuBLAS GEMMs, summed by the fused stage after them.
         ``block_kernel``: run every block as ONE persistent Triton launch (``kernels/dit_block.py``)
@@ -219,7 +221,7 @@ class FusedDiT:
             raise ValueError(f"gemm must be 'cublas', 'triton' or 'cublas-split', got {gemm!r}")
         if split_k is not None and (split_k < 1 or split_k & (split_k - 1)):
             raise ValueError(f"split_k must be a power of two >= 1 or None, got {split_k}")
-        if attn_stages < 1:
+        if attn_stages is not None and attn_stages < 1:
             raise ValueError(f"attn_stages must be >= 1, got {attn_stages}")
         if attn_splits is not None and attn_splits < 1:
             raise ValueError(f"attn_splits must be >= 1 or None, got {attn_splits}")
@@ -228,7 +230,7 @@ class FusedDiT:
         self.attention = attention
         self.use_triton = TRITON_AVAILABLE if use_triton is None else use_triton
         self.gemm, self.attn_splits, self.attn_block_m, self.split_k = gemm, attn_splits, attn_block_m, split_k
-        self.attn_tma, self.attn_stages = bool(attn_tma), int(attn_stages)
+        self.attn_tma, self.attn_stages = attn_tma, attn_stages
         ok, why = dit_block.supported(self.L.hidden, self.L.heads, self.L.head_dim, self.L.mlp_hidden)
         if block_kernel and not ok:
             raise ValueError(f"block_kernel: this DiT's shapes do not fit the persistent kernel: {why}")
@@ -386,23 +388,26 @@ class FusedDiT:
         q = ws.q.transpose(1, 2)                 # (R, H, T, D) view
         k, v = kv[..., :D], kv[..., D:]
         if self.attention != "sdpa" and self._triton(q):
-            bm, splits = self._attn_shape(q.shape[0], q.shape[1], q.shape[2])
+            tma_ok = _has_tma(q.device) and (self.attn_tma or packed_kv(k, v) is not None)
+            bm, splits, stages, tma = self._attn_shape(q.shape[0], q.shape[1], q.shape[2], tma_ok)
             tiled_attention(q, k, v, mask, kv_rows=rows,
                             precision="tf32" if self.attention == "triton-tf32" else "ieee",
-                            out=ws.o.transpose(1, 2), block_m=bm, splits=splits, num_stages=self.attn_stages,
-                            tma=self.attn_tma and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9)
+                            out=ws.o.transpose(1, 2), block_m=bm, splits=splits, num_stages=stages, tma=tma)
         else:
             ws.o.copy_(sdpa_attention(q, k, v, mask, rows).transpose(1, 2))
 
-    def _attn_shape(self, R: int, H: int, T: int) -> tuple[int, int]:
-        """(query block, key splits) for R rows x H heads x T queries."""
+    def _attn_shape(self, R: int, H: int, T: int, tma_ok: bool = False) -> tuple[int, int, int, bool]:
+        """(query block, key splits, pipeline stages, TMA loads) for R rows x H heads x T queries;
+        ``tma_ok``: the device and cache can take TMA descriptor loads."""
         full = R * H >= ATTN_FULL_GRID_ROWS_HEADS
-        bm = self.attn_block_m or (32 if full else 16)
+        tma = tma_ok and (full if self.attn_tma is None else self.attn_tma)
+        bm = self.attn_block_m or (64 if tma and full else 32 if full else 16)
+        stages = self.attn_stages or (3 if tma else 2)
         splits = self.attn_splits
         if splits is None:
             progs = R * H * -(-T // bm)
             splits = 1 if full else max(1, min(8, ATTN_TARGET_PROGRAMS // progs))
-        return bm, splits
+        return bm, splits, stages, tma
 
     def _small_gemm(self, x2d: torch.Tensor) -> bool:
         """Few-row Triton GEMM for this call? Opt-in, and only under TF32 (IEEE stays on cuBLAS)."""
@@ -567,6 +572,18 @@ class FusedDiT:
     def new_hist(self, R: int, T: int, device, dtype=torch.float32) -> torch.Tensor:
         L = self.L
         return torch.empty(L.depth, 2, R, T + L.taps - 1, L.hidden, device=device, dtype=dtype)
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Can the tiled attention fetch K/V through TMA descriptors on ``device`` (Hopper or newer, and a
+    Triton with host tensor descriptors)?"""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def dot_precision(t: torch.Tensor) -> str:

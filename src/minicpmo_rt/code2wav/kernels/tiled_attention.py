@@ -28,6 +28,16 @@ if AVAILABLE:
     from .dit_ops import round_tf32
 
     @triton.jit
+    def _mask_tile(M, b, offs_m, offs_n, row_ok, k_hi, smb, smm, smn, KEY_MASK: tl.constexpr):
+        """Mask bytes of key columns offs_n (0 past k_hi): one (BLOCK_N,) key vector with KEY_MASK,
+        else the (BLOCK_M, BLOCK_N) tile."""
+        col_ok = offs_n < k_hi
+        if KEY_MASK:
+            return tl.load(M + b * smb + offs_n * smn, mask=col_ok, other=0)
+        return tl.load(M + b * smb + offs_m[:, None] * smm + offs_n[None, :] * smn,
+                       mask=row_ok[:, None] & col_ok[None, :], other=0)
+
+    @triton.jit
     def attn_tile(b, h, mblk, split, H, Q, K, V, O, M, KVR, PACC, PML,
                   sqb, sqh, sqm, sqd,
                   skb, skh, skn, skd,
@@ -66,9 +76,17 @@ if AVAILABLE:
         row0 = (kvb * H + h) * nk
         k_lo = split * keys_per_split
         k_hi = tl.minimum(k_lo + keys_per_split, nk)
+        if HAS_MASK:
+            # The mask of key tile j is loaded while tile j-1 is processed: the compiler pipelines
+            # only the K/V loads, so a mask loaded where it is used stalled every tile for a memory
+            # latency (H200, 32 rows: 60 vs 36 us per block with vs without a mask).
+            mk_next = _mask_tile(M, b, offs_m, k_lo + tl.arange(0, BLOCK_N), row_ok, k_hi, smb, smm, smn, KEY_MASK)
         for start in range(k_lo, k_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             col_ok = offs_n < k_hi
+            if HAS_MASK:
+                mk = mk_next
+                mk_next = _mask_tile(M, b, offs_m, offs_n + BLOCK_N, row_ok, k_hi, smb, smm, smn, KEY_MASK)
             if TMA:
                 kt = tl.trans(KV_DESC.load([row0 + start, 0]))
             else:
@@ -77,10 +95,8 @@ if AVAILABLE:
             keep = row_ok[:, None] & col_ok[None, :]
             if HAS_MASK:
                 if KEY_MASK:
-                    mk = tl.load(M + b * smb + offs_n * smn, mask=col_ok, other=0)
                     keep = keep & (mk != 0)[None, :]
                 else:
-                    mk = tl.load(M + b * smb + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=keep, other=0)
                     keep = keep & (mk != 0)
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
