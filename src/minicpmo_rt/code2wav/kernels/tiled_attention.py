@@ -33,9 +33,11 @@ if AVAILABLE:
         else the (BLOCK_M, BLOCK_N) tile."""
         col_ok = offs_n < k_hi
         if KEY_MASK:
-            return tl.load(M + b * smb + offs_n * smn, mask=col_ok, other=0)
-        return tl.load(M + b * smb + offs_m[:, None] * smm + offs_n[None, :] * smn,
-                       mask=row_ok[:, None] & col_ok[None, :], other=0)
+            mk = tl.load(M + b * smb + offs_n * smn, mask=col_ok, other=0)
+        else:
+            mk = tl.load(M + b * smb + offs_m[:, None] * smm + offs_n[None, :] * smn,
+                         mask=row_ok[:, None] & col_ok[None, :], other=0)
+        return mk
 
     @triton.jit
     def attn_tile(b, h, mblk, split, H, Q, K, V, O, M, KVR, PACC, PML,
