@@ -173,10 +173,10 @@ def attention_hbm_sweep(R: int = 32, depth: int = 16, configs=HBM_CONFIGS, devic
 
 def attention_mask_probe(R: int = 32, depth: int = 16, device="cuda") -> list[dict]:
     """The HBM setup of ``attention_hbm_sweep`` with the masks the solvers pass: none (the steady arena
-    solve), one key row per batch row as a stride-0 view (the slot pool; the kernel loads one key vector
-    per tile) and the same mask materialised per query (a full tile per key tile, what the kernel loaded
-    before it read stride-0 masks as key vectors), and pooled caches (rows read through ``kv_rows`` from a
-    pool with a scratch row, 464 frames as ``default_pool_frames(300)``)."""
+    solve), one key row per batch row as a stride-0 view (the slot pool's) read as one key vector per tile
+    or as full tiles (``key_mask=False``), the same mask materialised per query, and pooled caches (rows
+    read through ``kv_rows`` from a pool with a scratch row, 464 frames as ``default_pool_frames(300)``).
+    Launch shapes: the staged body's at batch 16 with pointer loads and with TMA, and at batch 4."""
     F = 464
     q = torch.randn(R, 8, T, 64, device=device)
     o = torch.empty(R, T, 8, 64, device=device).transpose(1, 2)
@@ -188,24 +188,33 @@ def attention_mask_probe(R: int = 32, depth: int = 16, device="cuda") -> list[di
     pkeys = torch.zeros(R, F, dtype=torch.bool, device=device)
     pkeys[:, :T + L] = keys
     rows = torch.randperm(R + 2, device=device)[:R].to(torch.int32)
-    cases = [("no mask", kv, None, None), ("key mask (stride-0 view)", kv, keys[:, None].expand(R, T, T + L), None),
-             ("same mask materialised", kv, keys[:, None].expand(R, T, T + L).contiguous(), None),
-             ("pooled, key mask view", pool, pkeys[:, None].expand(R, T, F), rows),
-             ("pooled, mask materialised", pool, pkeys[:, None].expand(R, T, F).contiguous(), rows)]
+    view, pview = keys[:, None].expand(R, T, T + L), pkeys[:, None].expand(R, T, F)
+    # (name, cache, mask, kv_rows, key_mask): key_mask False reads a stride-0 view as full tiles
+    cases = [("no mask", kv, None, None, None), ("key mask view, key vectors", kv, view, None, None),
+             ("key mask view, full tiles", kv, view, None, False),
+             ("same mask materialised", kv, view.contiguous(), None, None),
+             ("pooled, key mask view, key vectors", pool, pview, rows, None),
+             ("pooled, key mask view, full tiles", pool, pview, rows, False),
+             ("pooled, mask materialised", pool, pview.contiguous(), rows, None)]
+    shapes = {"bm32 s2": dict(block_m=32, num_stages=2), "bm64 s3 TMA": dict(block_m=64, num_stages=3, tma=True),
+              "8 rows bm16 x2 splits": dict(block_m=16, num_stages=2, splits=2)}
     out = []
-    for (name, cache, mask, kvr), (bm, stages, tma) in itertools.product(cases, ((32, 2, False), (64, 3, True))):
+    for (name, cache, mask, kvr, key_mask), (shape, kw) in itertools.product(cases, shapes.items()):
+        r = 8 if shape.startswith("8 rows") else R      # batch 4's staged grid: 8 rows, keys split 2 ways
+        m = None if mask is None else mask[:r]
+        rr = None if kvr is None else kvr[:r]
+
         def fn():
             for i in range(depth):
-                tiled_attention(q, cache[i, ..., :64], cache[i, ..., 64:], mask, kv_rows=kvr, precision="tf32",
-                                out=o, block_m=bm, num_stages=stages, tma=tma)
+                tiled_attention(q[:r], cache[i, ..., :64], cache[i, ..., 64:], m, kv_rows=rr, precision="tf32",
+                                out=o[:r], key_mask=key_mask, **kw)
         try:
             us = bench_us(fn) / depth
         except Exception as exc:  # noqa: BLE001 - report and go on
-            print(f"  attn-mask {name} bm{bm} tma={tma}: {exc!r}"[:300], flush=True)
+            print(f"  attn-mask {name} {shape}: {exc!r}"[:300], flush=True)
             continue
-        out.append({"case": name, "block_m": bm, "stages": stages, "tma": tma, "us_per_block": us})
-        print(f"  attn-mask R={R} {name:28s} bm{bm} s{stages}{' TMA' if tma else '    '}: {us:6.1f} us per block",
-              flush=True)
+        out.append({"case": name, "shape": shape, "us_per_block": us})
+        print(f"  attn-mask {name:36s} {shape:22s}: {us:6.1f} us per block", flush=True)
     return out
 
 
@@ -310,12 +319,12 @@ def markdown(res: dict) -> str:
                        f"{r['us_per_block']:.1f} | {r['tb_s']:.2f} | "
                        f"{r['rel_err_vs_sdpa']:.1e} |")
     if res.get("attention_mask"):
-        out += ["", "## Attention masks and pooled caches: 32 rows, 16 distinct caches, us per block", "",
-                "| case | bm32 s2 pointer loads | bm64 s3 TMA |", "|---|---:|---:|"]
-        cases = dict.fromkeys(r["case"] for r in res["attention_mask"])
-        for c in cases:
-            us = {r["tma"]: f"{r['us_per_block']:.1f}" for r in res["attention_mask"] if r["case"] == c}
-            out.append(f"| {c} | {us.get(False, '—')} | {us.get(True, '—')} |")
+        shapes = list(dict.fromkeys(r["shape"] for r in res["attention_mask"]))
+        out += ["", "## Attention masks and pooled caches: 16 distinct caches, us per block (32 rows unless "
+                "the launch says 8)", "", "| case | " + " | ".join(shapes) + " |", "|---|" + "---:|" * len(shapes)]
+        for c in dict.fromkeys(r["case"] for r in res["attention_mask"]):
+            us = {r["shape"]: f"{r['us_per_block']:.1f}" for r in res["attention_mask"] if r["case"] == c}
+            out.append(f"| {c} | " + " | ".join(us.get(s, "—") for s in shapes) + " |")
     for name, prof in res.get("profiles", {}).items():
         out += ["", f"Kernels of one estimator evaluation, {name}:", "", "| kernel | count | total us |",
                 "|---|---:|---:|"]

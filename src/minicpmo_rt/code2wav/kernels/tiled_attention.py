@@ -193,7 +193,8 @@ def packed_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                     kv_rows: torch.Tensor | None = None, precision: str = "tf32",
                     out: torch.Tensor | None = None, block_m: int = 32, block_n: int = 64,
-                    num_warps: int = 4, num_stages: int = 2, splits: int = 1, tma: bool = False) -> torch.Tensor:
+                    num_warps: int = 4, num_stages: int = 2, splits: int = 1, tma: bool = False,
+                    key_mask: bool | None = None) -> torch.Tensor:
     """softmax(q k^T D^-0.5, mask) v for fp32 q (B,H,nq,D), k/v (Bk,H,nk,D); mask (B,nq,nk) bool.
 
     ``out`` (B,H,nq,D) may be any strided view (e.g. (B,nq,H,D) transposed) so the
@@ -243,7 +244,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                                         HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
                                         HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
                                         PRECISION=precision, SPLITS=splits, TMA=tma,
-                                        KEY_MASK=mask is not None and ms[1] == 0,
+                                        KEY_MASK=mask is not None and ms[1] == 0 and key_mask is not False,
                                         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _attn_combine[(B, H, mblocks)](pacc, pml, out, *out.stride(), H, nq,
