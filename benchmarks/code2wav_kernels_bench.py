@@ -173,8 +173,8 @@ def attention_hbm_sweep(R: int = 32, depth: int = 16, configs=HBM_CONFIGS, devic
 
 def attention_mask_probe(R: int = 32, depth: int = 16, device="cuda") -> list[dict]:
     """The HBM setup of ``attention_hbm_sweep`` with the masks the solvers pass: none (the steady arena
-    solve), one key row per batch row as a stride-0 view (the slot pool's) read as one key vector per tile
-    or as full tiles (``key_mask=False``), the same mask materialised per query, and pooled caches (rows
+    solve), one key row per batch row as a stride-0 view (the slot pool's) read as full tiles (the default)
+    or as one key vector per tile (``key_mask=True``), the same mask materialised per query, and pooled caches (rows
     read through ``kv_rows`` from a pool with a scratch row, 464 frames as ``default_pool_frames(300)``).
     Launch shapes: the staged body's at batch 16 with pointer loads and with TMA, and at batch 4."""
     F = 464
@@ -189,13 +189,13 @@ def attention_mask_probe(R: int = 32, depth: int = 16, device="cuda") -> list[di
     pkeys[:, :T + L] = keys
     rows = torch.randperm(R + 2, device=device)[:R].to(torch.int32)
     view, pview = keys[:, None].expand(R, T, T + L), pkeys[:, None].expand(R, T, F)
-    # (name, cache, mask, kv_rows, key_mask): key_mask False reads a stride-0 view as full tiles
-    cases = [("no mask", kv, None, None, None), ("key mask view, key vectors", kv, view, None, None),
+    # (name, cache, mask, kv_rows, key_mask): key_mask True reads a stride-0 view as one key vector per tile
+    cases = [("no mask", kv, None, None, False), ("key mask view, key vectors", kv, view, None, True),
              ("key mask view, full tiles", kv, view, None, False),
-             ("same mask materialised", kv, view.contiguous(), None, None),
-             ("pooled, key mask view, key vectors", pool, pview, rows, None),
+             ("same mask materialised", kv, view.contiguous(), None, False),
+             ("pooled, key mask view, key vectors", pool, pview, rows, True),
              ("pooled, key mask view, full tiles", pool, pview, rows, False),
-             ("pooled, mask materialised", pool, pview.contiguous(), rows, None)]
+             ("pooled, mask materialised", pool, pview.contiguous(), rows, False)]
     shapes = {"bm32 s2": dict(block_m=32, num_stages=2), "bm64 s3 TMA": dict(block_m=64, num_stages=3, tma=True),
               "8 rows bm16 x2 splits": dict(block_m=16, num_stages=2, splits=2)}
     out = []

@@ -88,9 +88,9 @@ def test_packed_cache_views_kv_rows_and_strided_out():
 
 @pytest.mark.parametrize("splits", [1, 2])
 def test_key_only_mask_view_matches_materialised_mask(splits):
-    """A mask whose query stride is 0 (one key row per batch row, as the slot pool passes it) takes the
-    one-vector-per-tile load; it must give what the same mask materialised per query gives, including
-    a row with every key masked and kv_rows (pooled caches)."""
+    """A mask whose query stride is 0 (one key row per batch row, as the slot pool passes it) read as one
+    key vector per tile (key_mask=True) or as full tiles must give what the same mask materialised per
+    query gives, including a row with every key masked and kv_rows (pooled caches)."""
     gen = torch.Generator().manual_seed(11)
     B, H, nq, nk, D = 3, 2, 7, 37, 16
     q = torch.randn(B, H, nq, D, generator=gen)
@@ -106,12 +106,12 @@ def test_key_only_mask_view_matches_materialised_mask(splits):
     ref = reference(q, cache[..., :D], cache[..., D:], view, kv_rows)
     cache = cache.to(dev)
     outs = [tiled_attention(q.to(dev), cache[..., :D], cache[..., D:], m.to(dev), kv_rows=kv_rows.to(dev),
-                            precision="ieee", block_m=16, block_n=16, splits=splits)
-            for m in (view, view.contiguous())]
+                            precision="ieee", block_m=16, block_n=16, splits=splits, key_mask=km)
+            for m, km in ((view, True), (view, False), (view.contiguous(), True))]
     for out in outs:
         assert rel_err(out, ref) < 1e-5
         assert out[1].abs().max() == 0
-    assert rel_err(outs[0], outs[1]) < 1e-6
+    assert rel_err(outs[0], outs[1]) < 1e-6 and rel_err(outs[0], outs[2]) < 1e-6
 
 
 def test_split_keys_one_tile_per_split_and_a_split_past_the_end():
@@ -151,14 +151,15 @@ def test_cuda_model_shape(precision, tol, splits):
         print(f"tiled attention {precision}{' TMA' if tma else ''} splits={splits}: rel err {err:.2e}")
         assert err < tol
         assert out[1, :, 3].abs().max() == 0
-    # a key-only mask (query stride 0; one key vector per tile) and the same mask materialised (full
-    # tiles); under TF32 the two compiled loops may round differently, so both go against the reference
+    # a key-only mask (query stride 0) read as key vectors and as full tiles, and materialised; under
+    # TF32 the compiled loops may round differently, so each goes against the reference
     keys = mask[:, 0]
     keys[2] = False
     view = keys[:, None, :].expand(B, nq, nk)
     ref = reference(q.cpu(), cache[..., :D].cpu(), cache[..., D:].cpu(), view.cpu())
     for tma in (False, True):
-        for m in (view, view.contiguous()):
-            out = tiled_attention(q, cache[..., :D], cache[..., D:], m, precision=precision, splits=splits, tma=tma)
-            assert rel_err(out, ref) < tol, (tma, m.stride())
+        for m, km in ((view, True), (view, False), (view.contiguous(), False)):
+            out = tiled_attention(q, cache[..., :D], cache[..., D:], m, precision=precision, splits=splits, tma=tma,
+                                  key_mask=km)
+            assert rel_err(out, ref) < tol, (tma, km, m.stride())
             assert out[2].abs().max() == 0

@@ -138,7 +138,7 @@ if AVAILABLE:
                    BM_FC1: tl.constexpr, BN_FC1: tl.constexpr, BK_FC1: tl.constexpr,
                    S_FC2: tl.constexpr, BM_FC2: tl.constexpr, BN_FC2: tl.constexpr, BK_FC2: tl.constexpr,
                    A_BM: tl.constexpr, A_BN: tl.constexpr, A_SPLITS: tl.constexpr, C_BM: tl.constexpr,
-                   HAS_MASK: tl.constexpr, POOLED: tl.constexpr, KEY_MASK: tl.constexpr,
+                   HAS_MASK: tl.constexpr, POOLED: tl.constexpr,
                    PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -207,7 +207,7 @@ if AVAILABLE:
                     attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, ROWS, PACC, PML,
                               T * HD, D, HD, 1, skv_r, skv_h, skv_t, 1, skv_r, skv_h, skv_t, 1,
                               T * HD, D, HD, 1, smb, smm, smn, T, nk, attn_scale, keys_per_split,
-                              D, A_BM, A_BN, HAS_MASK, POOLED, PRECISION, A_SPLITS, ROUND, None, False, KEY_MASK)
+                              D, A_BM, A_BN, HAS_MASK, POOLED, PRECISION, A_SPLITS, ROUND)
             if PHASE < 0:
                 nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
             if A_SPLITS > 1:
@@ -457,7 +457,6 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                 BM_FC1=b1, BN_FC1=n1, BK_FC1=k1, S_FC2=y2.shape[0], BM_FC2=b2, BN_FC2=n2, BK_FC2=k2,
                 A_BM=ATT_BM, A_BN=ATT_BN, C_BM=COMBINE_BM,
                 A_SPLITS=attn_splits, HAS_MASK=mask is not None, POOLED=pos is not None, ROUND=round_tf32,
-                KEY_MASK=mask is not None and ms[1] == 0,
                 PRECISION=precision,
                 TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps)
     if phase_by_phase:     # one launch per block and phase: the launch boundary is the barrier

@@ -60,7 +60,8 @@ if AVAILABLE:
         next head (or are zero past the end): their scores are masked to -inf, so their p is 0.
 
         KEY_MASK: the mask does not vary over queries (query stride 0, e.g. the slot pool's one key row
-        per batch row), so each key tile loads one BLOCK_N vector instead of a BLOCK_M x BLOCK_N tile."""
+        per batch row): each key tile loads one BLOCK_N vector instead of a BLOCK_M x BLOCK_N tile
+        (``tiled_attention(key_mask=True)``)."""
         kvb = b
         if HAS_KVR:
             kvb = tl.load(KVR + b)
@@ -194,7 +195,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                     kv_rows: torch.Tensor | None = None, precision: str = "tf32",
                     out: torch.Tensor | None = None, block_m: int = 32, block_n: int = 64,
                     num_warps: int = 4, num_stages: int = 2, splits: int = 1, tma: bool = False,
-                    key_mask: bool | None = None) -> torch.Tensor:
+                    key_mask: bool = False) -> torch.Tensor:
     """softmax(q k^T D^-0.5, mask) v for fp32 q (B,H,nq,D), k/v (Bk,H,nk,D); mask (B,nq,nk) bool.
 
     ``out`` (B,H,nq,D) may be any strided view (e.g. (B,nq,H,D) transposed) so the
@@ -244,7 +245,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                                         HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
                                         HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
                                         PRECISION=precision, SPLITS=splits, TMA=tma,
-                                        KEY_MASK=mask is not None and ms[1] == 0 and key_mask is not False,
+                                        KEY_MASK=bool(key_mask) and mask is not None and ms[1] == 0,
                                         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _attn_combine[(B, H, mblocks)](pacc, pml, out, *out.stride(), H, nq,
