@@ -1,0 +1,166 @@
+"""Compile every Triton kernel the Code2Wav fast path launches, for real GPU targets, on a CPU.
+
+Run as a script (``python tests/code2wav/compile_gate.py``; the test ``test_kernel_compile.py``
+does, in a subprocess, because the test session imports the kernels under ``TRITON_INTERPRET=1``).
+The Whole-Euler solves (staged body, persistent block kernel, slot pool, TF32 and IEEE, masked and
+unmasked, few rows and a full grid) run on CPU tensors at the full DiT width (depth 2) with
+``JITFunction.run`` replaced: each launch's (kernel, argument types, constexprs, warps, stages) is
+compiled through Triton's code generator and the NVIDIA backend (TTIR -> TTGIR -> LLVM -> PTX) for
+SM90, and the attention for SM80 too, instead of being run. Outputs are never computed, so the
+numbers the solves produce are garbage; only compilation is checked.
+
+Why: the CPU tests run kernels through Triton's interpreter, which executes Python and accepts code
+the compiler rejects (a helper returning from inside a ``constexpr`` branch passed every interpreter
+test and failed to compile on the H200). Exit status: 0 all compiled, 1 a kernel failed to compile,
+3 this Triton's internals differ from what the harness expects (the test then skips).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+import traceback
+
+import torch
+
+DT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+      torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+
+
+class HarnessError(Exception):
+    """The harness cannot describe a launch to this Triton (not a kernel bug)."""
+
+
+def arg_type(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return "*" + DT[v.dtype]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+    if isinstance(v, float):
+        return "fp32"
+    if type(v).__name__ == "TensorDescriptor":
+        return f"tensordesc<{DT[v.base.dtype]}[{','.join(str(b) for b in v.block_shape)}]>"
+    raise HarnessError(f"no Triton type for a launch argument of type {type(v).__name__}")
+
+
+def main() -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    compiled: dict[tuple, float] = {}
+
+    def capture(self, *args, grid, warmup, **kwargs):
+        try:
+            opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+            vals = dict(zip(self.arg_names, args))
+            vals.update(kwargs)
+            sig, consts = {}, {}
+            for i, p in enumerate(self.params):
+                if p.name in vals:
+                    v = vals[p.name]
+                elif p.has_default:
+                    v = p.default
+                else:
+                    raise HarnessError(f"{self.fn.__name__}: no value for {p.name}")
+                if p.is_constexpr or v is None:
+                    sig[p.name], consts[(i,)] = "constexpr", v
+                else:
+                    sig[p.name] = arg_type(v)
+            src = ASTSource(self, signature=sig, constexprs=consts)
+        except (AttributeError, KeyError, TypeError) as exc:
+            raise HarnessError(f"{self.fn.__name__}: {exc!r}") from exc
+        caps = (90, 80) if self.fn.__name__ in ("_attn_fwd", "_attn_combine") else (90,)
+        if any(t.startswith("tensordesc") for t in sig.values()):
+            caps = (90,)
+        key = (self.fn.__name__, tuple(sorted(sig.items())), repr(sorted(consts.items())), tuple(sorted(opts.items())))
+        if key in compiled:
+            return None
+        t0 = time.time()
+        for cap in caps:
+            try:
+                triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
+            except Exception as exc:
+                named = {self.arg_names[i[0]]: v for i, v in consts.items()}
+                raise RuntimeError(f"{self.fn.__name__} does not compile for sm{cap} with {named} {opts}") from exc
+        compiled[key] = time.time() - t0
+        print(f"compiled {self.fn.__name__:18s} sm{'/sm'.join(map(str, caps))} {compiled[key]:5.1f}s", flush=True)
+        return None
+
+    JITFunction.run = capture
+    try:
+        drive()
+    except HarnessError as exc:
+        print(f"HARNESS: {exc}", flush=True)
+        return 3
+    except Exception:  # noqa: BLE001 - report the compile failure
+        traceback.print_exc()
+        return 1
+    print(f"ok: {len(compiled)} kernel specialisations, {sum(compiled.values()):.0f}s", flush=True)
+    return 0
+
+
+def drive() -> None:
+    """The launches of the Whole-Euler solves that CUDA runs, on CPU tensors (kernels only compiled)."""
+    from minicpmo_rt.code2wav import fused_dit
+    from minicpmo_rt.code2wav.cfm import CausalConditionalCFM
+    from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
+    from minicpmo_rt.code2wav.flow_config import FULL_SIZE, CFMConfig
+    from minicpmo_rt.code2wav.kernels import dit_block, tiled_attention as ta
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver
+
+    # CPU tensors take the CUDA code paths: Triton stages "usable", the block kernel allowed, one
+    # launch per evaluation (not one per phase), and TF32 operands rounded as compiled TF32 does
+    fused_dit.usable_on = lambda t: True
+    fused_dit.interpreting = lambda: True
+    fused_dit._has_tma = lambda device: True
+    one_launch = dit_block.dit_blocks
+    dit_block.dit_blocks = lambda **kw: one_launch(**dict(kw, phase_by_phase=False))
+    dit_block.rounds = lambda precision, device: precision == "tf32"
+
+    est = dataclasses.replace(FULL_SIZE.decoder.estimator, depth=2)
+    cfm = CausalConditionalCFM(CFMConfig(estimator=est), noise_frames=1200).eval()
+    S, C, H, D, depth = 2, est.hidden_size, est.num_heads, est.head_dim, est.depth
+
+    def caches(B, L):
+        return (torch.zeros(S, depth, 2 * B, 2 * C, 2), torch.zeros(S, depth, 2 * B, H, L, 2 * D))
+
+    with torch.inference_mode():
+        for B, T, L, tf32 in ((1, 50, 400, True), (1, 45, 380, True), (1, 50, 400, False), (4, 50, 400, True),
+                              (16, 50, 400, True)):
+            cfg = GraphConfig(enabled=False, batch_buckets=(1, 4, 16), query_buckets=(50,), offset_anchor=400)
+            for block_kernel in ((True, False) if B == 1 else (None,)):     # True: CUDA's B=1 default
+                attention = "triton-tf32" if tf32 else "triton-ieee"
+                solver = WholeEulerSolver(cfm, body="fused", attention=attention, tf32=tf32, n_timesteps=S,
+                                          config=cfg, use_triton=True, block_kernel=block_kernel)
+                fused_dit.dot_precision = lambda t, p="tf32" if tf32 else "ieee": p
+                with matmul_tf32(tf32):
+                    solver.solve(torch.zeros(B, 80, T), torch.zeros(B, 80), torch.zeros(B, 80, T), *caches(B, L),
+                                 graph=False)
+        # slot pool: pooled caches (rows/pos), a stride-0 key mask, the block kernel at B=1, TMA at B=16
+        fused_dit.dot_precision = lambda t: "tf32"
+        for B in (1, 4, 16):
+            solver = SlotSolver(cfm, pool=None, attention="triton-tf32", tf32=True, n_timesteps=S,
+                                config=GraphConfig(enabled=False, batch_buckets=(1, 4, 16), query_buckets=(50,)),
+                                use_triton=True, block_kernel=True if B == 1 else None)
+            solver.pool = SlotPool(solver, slots=B, frames=464, device="cpu")
+            handles = [solver.pool.admit(*[c[:, :, [i, B + i]] for c in caches(B, 400)], 300) for i in range(B)]
+            with matmul_tf32(True):
+                solver.solve_slots(handles, torch.zeros(B, 80, 50), torch.zeros(B, 80), torch.zeros(B, 80, 50),
+                                   graph=False)
+        # the attention's other launch variants: TMA descriptors (Hopper, a full grid), key-vector masks
+        q = torch.zeros(32, H, 50, D)
+        kv = torch.zeros(32, H, 450, 2 * D)
+        keys = torch.ones(32, 450, dtype=torch.bool)[:, None].expand(32, 50, 450)
+        for mask, key_mask, tma in ((None, False, True), (keys, False, True), (keys, True, True), (keys, True, False)):
+            ta.tiled_attention(q, kv[..., :D], kv[..., D:], mask, block_m=64, num_stages=3, tma=tma,
+                               key_mask=key_mask)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
