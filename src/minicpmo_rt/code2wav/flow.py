@@ -196,16 +196,10 @@ class Flow(nn.Module):
         again at the start of the next chunk); with ``last_chunk`` all n are decoded. The next
         cache is trimmed to prompt + 100 frames like upstream Token2wav.stream.
         """
-        self._check_tokens(token, "tokens")
         n_timesteps = cache.n_timesteps if n_timesteps is None else n_timesteps
         if n_timesteps != cache.n_timesteps:
             raise InputError(f"n_timesteps={n_timesteps} but the cache was set up with {cache.n_timesteps} steps")
-        if token.shape[1] <= (0 if last_chunk else self.pre_lookahead_len):
-            raise InputError(f"chunk of {token.shape[1]} tokens: a non-final chunk needs new tokens plus "
-                             f"{self.pre_lookahead_len} lookahead, a final one at least 1")
-        spk = self._speaker(spk)
-        h, enc_cache = self.encoder.forward_chunk(self.input_embedding(token.long()), last_chunk, cache.encoder)
-        h = self.encoder_proj(h).transpose(1, 2).contiguous()
+        h, spk, enc_cache = self.encode_chunk(token, spk, cache.encoder, last_chunk)
         if self.chunk_solver is not None and self.chunk_solver.S == n_timesteps:
             # The fast path (fused body / Whole-Euler graphs): same contract as forward_chunk.
             mel, est_cnn, est_att = self.chunk_solver.solve(h, spk, torch.zeros_like(h),
@@ -215,9 +209,24 @@ class Flow(nn.Module):
                 h, spk, torch.zeros_like(h), n_timesteps=n_timesteps,
                 cnn_cache=cache.estimator_cnn, att_cache=cache.estimator_att)
         p = cache.prompt_frames
-        new = FlowCache(enc_cache.cnn, trim_conformer_att(enc_cache.att, p, len(self.encoder.encoders)),
-                        est_cnn, trim_estimator_att(est_att, p), p)
-        return mel, new
+        enc_cache = self.trim_encoder_cache(enc_cache, p)
+        return mel, FlowCache(enc_cache.cnn, enc_cache.att, est_cnn, trim_estimator_att(est_att, p), p)
+
+    @torch.inference_mode()
+    def encode_chunk(self, token: torch.Tensor, spk: torch.Tensor, encoder: EncoderCache, last_chunk: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, EncoderCache]:
+        """The encoder half of ``inference_chunk``: (mu (b, 80, frames), projected speaker (b, 80), next
+        encoder cache, untrimmed: ``trim_encoder_cache``). The opt-in slot pool runs the CFM half itself."""
+        self._check_tokens(token, "tokens")
+        if token.shape[1] <= (0 if last_chunk else self.pre_lookahead_len):
+            raise InputError(f"chunk of {token.shape[1]} tokens: a non-final chunk needs new tokens plus "
+                             f"{self.pre_lookahead_len} lookahead, a final one at least 1")
+        spk = self._speaker(spk)
+        h, enc_cache = self.encoder.forward_chunk(self.input_embedding(token.long()), last_chunk, encoder)
+        return self.encoder_proj(h).transpose(1, 2).contiguous(), spk, enc_cache
+
+    def trim_encoder_cache(self, cache: EncoderCache, prompt_frames: int) -> EncoderCache:
+        return EncoderCache(cache.cnn, trim_conformer_att(cache.att, prompt_frames, len(self.encoder.encoders)))
 
 
 def load_flow(asset_dir: str | Path, device: str | torch.device = "cpu", noise_seed: int = 0) -> Flow:

@@ -106,6 +106,30 @@ def _tf32_allowed(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[boo
     return True, "TF32 default on"
 
 
+def slot_pool_slots(extra: Mapping[str, Any] | None) -> int:
+    """Connector knob ``cfm_slot_pool``: resident stream slots of the opt-in slot pool (0 or unset: off;
+    true: 16, the largest graph batch bucket)."""
+    raw = (extra or {}).get("cfm_slot_pool")
+    if raw is None or raw is False:
+        return 0
+    if raw is True:
+        return 16
+    if isinstance(raw, str):
+        v = raw.strip().lower()
+        if v in ("", "off", "false", "no", "none", "unset"):
+            return 0
+        if v in ("on", "true", "yes"):
+            return 16
+    try:
+        n = int(raw)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0 or (isinstance(raw, float) and raw != n):
+        raise InputError(f"connector extra 'cfm_slot_pool'={raw!r} is not a number of stream slots; "
+                         "use an integer >= 0 (0 or unset: off) or true (16 slots)")
+    return n
+
+
 def resolve_code2wav(extra: Mapping[str, Any] | None, facts: DeviceFacts,
                      env: Mapping[str, str] | None = None) -> Code2WavChoice:
     """Resolve the knobs; ``env`` defaults to ``os.environ``."""

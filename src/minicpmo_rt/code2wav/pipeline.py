@@ -18,10 +18,18 @@ context and all but its last 3 codes (lookahead, sent again as the next payload'
 a final payload is decoded whole. The voice prompt is solved once per voice
 (``Flow.setup_cache`` on ``prompt + 3 x 4218``) and that state is shared read-only by every
 stream of that voice through ``PromptStateCache``.
+
+Opt-in slot pool (connector knob ``cfm_slot_pool: <slots>``, fused CFM body only): each stream's
+estimator cache is copied once into a resident slot of a ``slot_pool.SlotPool`` when the stream
+opens; its chunks then solve through ``SlotSolver`` (new K/V written into free frames, trimming an
+edit of the frame list, streams of different cache lengths in one replay), so no estimator cache
+is stacked, copied into the solver, split or trimmed per chunk. Streams beyond the slots (or with a
+prompt longer than a slot) run the dense path.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
@@ -31,9 +39,10 @@ import torch
 
 from ..checkpoint.snapshot import resolve_snapshot
 from ..errors import CheckpointError, InputError
-from .flow import Flow, FlowCache, load_flow
+from .encoder import EncoderCache
+from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow
 from .frontend import PromptFeatures, VoiceFrontend
-from .knobs import Code2WavChoice
+from .knobs import Code2WavChoice, slot_pool_slots
 from .prompt_state import PromptLease, PromptStateCache
 from .vocoder import VocoderSet, load_vocoders
 
@@ -47,6 +56,8 @@ CONTEXT = 3
 ASSET_FILES = ("flow.yaml", "flow.pt", "hift.pt", "speech_tokenizer_v2_25hz.onnx", "campplus.onnx")
 
 Voice = Union[str, Path, PromptFeatures]
+
+log = logging.getLogger(__name__)
 
 
 def check_codes(codes: Sequence[int], where: str = "codes", allow_empty: bool = False) -> torch.Tensor:
@@ -138,6 +149,34 @@ def _batch_key(cache: FlowCache, spk: torch.Tensor, n_codes: int, last: bool) ->
             but(cache.estimator_att, 2), tuple(spk.shape[1:]))
 
 
+def _encoder_key(enc: EncoderCache, spk: torch.Tensor) -> tuple:
+    """Pooled streams run their encoder halves together when these shapes agree."""
+    return (tuple(enc.cnn.shape[1:]), tuple(enc.att.shape[:1]) + tuple(enc.att.shape[2:]), tuple(spk.shape[1:]))
+
+
+def _stack_encoders(encs: Sequence[EncoderCache]) -> EncoderCache:
+    return EncoderCache(torch.cat([e.cnn for e in encs], 0), torch.cat([e.att for e in encs], 1))
+
+
+def _split_encoder(enc: EncoderCache, n: int) -> list[EncoderCache]:
+    return [EncoderCache(enc.cnn[i:i + 1].contiguous(), enc.att[:, i:i + 1].contiguous()) for i in range(n)]
+
+
+def _setter(obj, name: str, value):
+    return lambda: setattr(obj, name, value)
+
+
+def _readmit(stream: "Code2WavStream", new: FlowCache):
+    """Commit of a pooled stream's dense-path chunk: its new encoder cache, and its new estimator cache
+    copied into a slot (the old one released first, so a slot is always free)."""
+    def commit():
+        stream.encoder = new.encoder
+        pool = stream.handle.pool
+        stream.handle.release()
+        stream.handle = pool.admit(new.estimator_cnn, new.estimator_att, new.prompt_frames)
+    return commit
+
+
 class Code2Wav:
     def __init__(self, flow: Flow, vocoders: VocoderSet, frontend: VoiceFrontend, n_timesteps: int = 10,
                  prompt_cache_size: int = 4):
@@ -145,6 +184,9 @@ class Code2Wav:
         self.n_timesteps = n_timesteps
         self.prompts: PromptStateCache[PromptState] = PromptStateCache(prompt_cache_size)
         self._features: dict[str, PromptFeatures] = {}
+        self.slot_solver = None          # SlotSolver when the opt-in slot pool is on (cfm_slot_pool)
+        self.slot_pool_slots = 0
+        self._logged: set[str] = set()
 
     @classmethod
     def from_snapshot(cls, model: Union[str, Path], device: str | torch.device = "cpu",
@@ -153,7 +195,8 @@ class Code2Wav:
         """Load the assets. ``extra`` is the connector mapping of the deploy profile
         (``cfm_fused_body``, ``token2wav_allow_tf32``; ``MINICPMO_CODE2WAV_TF32=off`` wins):
         on CUDA it selects the fast CFM path (code2wav.knobs); elsewhere the reference path
-        runs unless ``cfm_fused_body: true`` asks for the fused body explicitly.
+        runs unless ``cfm_fused_body: true`` asks for the fused body explicitly. ``cfm_slot_pool``
+        (slots, opt-in) keeps the streams' estimator caches resident (module docstring).
         ``vocoder_graphs``: stream vocoding from CUDA graphs on CUDA (``Vocoder.cuda_graphs``)."""
         asset_dir = token2wav_dir(model)
         c2w = cls(load_flow(asset_dir, device), load_vocoders(asset_dir, device, cuda_graphs=vocoder_graphs),
@@ -173,7 +216,53 @@ class Code2Wav:
         self.choice = choice
         fast = choice.body == "fused" or self.device.type == "cuda"
         self.flow.chunk_solver = solver if fast else None
+        self._configure_slot_pool(slot_pool_slots(extra), choice, solver.config)
         return choice
+
+    def _configure_slot_pool(self, slots: int, choice: Code2WavChoice, config) -> None:
+        """Build the opt-in slot solver (its pool is sized at the first stream, from the voice's prompt)."""
+        from .slot_pool import SlotSolver
+
+        self.slot_solver, self.slot_pool_slots = None, 0
+        if not slots:
+            return
+        if choice.body != "fused":
+            log.warning("cfm_slot_pool=%d ignored: the slot pool needs the fused CFM body, and %s chose the "
+                        "original (%s)", slots, "the knobs", choice.reason)
+            return
+        self.slot_solver = SlotSolver(self.flow.decoder, pool=None, attention=choice.attention or "sdpa",
+                                      tf32=choice.tf32, n_timesteps=self.n_timesteps, config=config)
+        self.slot_pool_slots = slots
+        log.info("Code2Wav slot pool: %d resident stream slots (opt-in cfm_slot_pool)", slots)
+
+    def _log_once(self, what: str, msg: str, *args) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning(msg, *args)
+
+    def _admit(self, state: PromptState):
+        """A slot holding the prompt's estimator cache, or None (pool off or full, prompt too long)."""
+        sv = self.slot_solver
+        if sv is None:
+            return None
+        from .slot_pool import SlotPool, default_pool_frames
+
+        cache = state.flow_cache
+        if sv.pool is None:   # sized for the steady cache of a 6-s reference or this prompt, if longer
+            frames = default_pool_frames(max(cache.prompt_frames, 2 * REF_TOKENS), HISTORY_FRAMES,
+                                         max(sv.config.query_buckets))
+            sv.pool = SlotPool(sv, self.slot_pool_slots, frames, keep=HISTORY_FRAMES, device=self.device)
+        pool = sv.pool
+        need = cache.prompt_frames + HISTORY_FRAMES + max(sv.config.query_buckets)
+        if need > pool.frames:
+            self._log_once(f"long{cache.prompt_frames}", "voice prompt of %d frames needs %d-frame slots, the "
+                           "pool has %d: its streams run the dense path", cache.prompt_frames, need, pool.frames)
+            return None
+        if not pool.free_slots:
+            self._log_once("full", "slot pool full (%d slots): further streams run the dense path until one "
+                           "closes", pool.slots)
+            return None
+        return pool.admit(cache.estimator_cnn, cache.estimator_att, cache.prompt_frames)
 
     @property
     def device(self) -> torch.device:
@@ -239,35 +328,101 @@ class Code2Wav:
         groups: dict[tuple, list[int]] = {}
         for i, ((s, _, last), tok) in enumerate(zip(items, tokens)):
             if tok.shape[1]:
-                groups.setdefault(_batch_key(s.cache, s.spk, tok.shape[1], bool(last)), []).append(i)
+                # pooled streams of one payload length share a CFM solve whatever their cache lengths or
+                # prompts (row-offset merging); their encoder halves group by cache shape inside it
+                key = (("pooled", tok.shape[1], bool(last)) if s.handle is not None
+                       else _batch_key(s.cache, s.spk, tok.shape[1], bool(last)))
+                groups.setdefault(key, []).append(i)
         mels: list[torch.Tensor | None] = [None] * len(items)
-        caches: dict[int, FlowCache] = {}
-        cap = max_batch or len(items)
-        for key, members in groups.items():
-            last = key[1]
-            for k in range(0, len(members), cap):
-                rows = members[k:k + cap]
-                token = torch.cat([tokens[i] for i in rows], 0).to(self.device)
-                spk = torch.cat([streams[i].spk for i in rows], 0)
-                cache = streams[rows[0]].cache if len(rows) == 1 else stack_flow_caches([streams[i].cache for i in rows])
-                mel, new = self.flow.inference_chunk(token, spk, cache, last_chunk=last, n_timesteps=self.n_timesteps)
-                news = [new] if len(rows) == 1 else split_flow_cache(new, [1] * len(rows))
-                for r, i in enumerate(rows):
-                    caches[i] = news[r]
-                    mels[i] = mel[r:r + 1]
-        empty = torch.zeros(1, 80, 0, device=self.device)
-        voc_items = [(s.vocoder, empty if mel is None else mel, bool(last))
-                     for (s, _, last), mel in zip(items, mels)]
-        wavs = self.vocoders.stream.push_many(voc_items, max_batch=max_batch if batch_vocoding else 1)
+        commits: list = []      # applied once every solve and the vocoding succeeded
+        undo: list = []         # restores the slots that pooled solves advanced in place, on failure
+        try:
+            for key, members in groups.items():
+                last = bool(items[members[0]][2])
+                pooled = streams[members[0]].handle is not None
+                cap = max_batch or len(items)
+                if pooled:
+                    cap = min(cap, max(self.slot_solver.config.batch_buckets))
+                for k in range(0, len(members), cap):
+                    rows = members[k:k + cap]
+                    if pooled:
+                        mel, done = self._solve_pooled([streams[i] for i in rows], [tokens[i] for i in rows], last,
+                                                       undo)
+                        commits += done
+                    else:
+                        token = torch.cat([tokens[i] for i in rows], 0).to(self.device)
+                        spk = torch.cat([streams[i].spk for i in rows], 0)
+                        cache = (streams[rows[0]].cache if len(rows) == 1
+                                 else stack_flow_caches([streams[i].cache for i in rows]))
+                        mel, new = self.flow.inference_chunk(token, spk, cache, last_chunk=last,
+                                                             n_timesteps=self.n_timesteps)
+                        news = [new] if len(rows) == 1 else split_flow_cache(new, [1] * len(rows))
+                        commits += [_setter(streams[i], "cache", news[r]) for r, i in enumerate(rows)]
+                    for r, i in enumerate(rows):
+                        mels[i] = mel[r:r + 1]
+            empty = torch.zeros(1, 80, 0, device=self.device)
+            voc_items = [(s.vocoder, empty if mel is None else mel, bool(last))
+                         for (s, _, last), mel in zip(items, mels)]
+            wavs = self.vocoders.stream.push_many(voc_items, max_batch=max_batch if batch_vocoding else 1)
+        except BaseException:
+            for restore in reversed(undo):
+                restore()
+            raise
         # Caches advance only once every solve and the vocoding succeeded.
-        for i, cache in caches.items():
-            streams[i].cache = cache
+        for commit in commits:
+            commit()
         out = []
         for (s, _, last), wav in zip(items, wavs):
             if last:
                 s.close()
             out.append(wav[0].cpu().numpy().astype(np.float32))
         return out
+
+    def _solve_pooled(self, streams: Sequence["Code2WavStream"], tokens: Sequence[torch.Tensor], last: bool,
+                      undo: list) -> tuple[torch.Tensor, list]:
+        """One chunk of pooled streams (payloads of one length) -> (mel, commits): the encoder halves
+        grouped by cache shape, then ONE slot solve over every stream at its own cache length. The solve
+        advances the slots in place (frame lists, CNN cache rows), so their old state is saved first and
+        ``undo`` gets its restore. A chunk wider than the slot solver's query buckets runs the dense path
+        from each slot's dense copy and re-admits the new cache on commit."""
+        sv, pool, flow = self.slot_solver, self.slot_solver.pool, self.flow
+        B, n = len(streams), tokens[0].shape[1]
+        frames = (n if last else n - flow.pre_lookahead_len) * flow.up_rate
+        if sv.key_for(B, frames) is None:
+            mels, commits = [], []
+            for s, tok in zip(streams, tokens):
+                cnn, att = s.handle.dense()
+                mel, new = flow.inference_chunk(tok.to(self.device), s.spk,
+                                                FlowCache(s.encoder.cnn, s.encoder.att, cnn, att, s.prompt_frames),
+                                                last_chunk=last, n_timesteps=self.n_timesteps)
+                mels.append(mel)
+                commits.append(_setter(s, "encoder", new.encoder) if last else _readmit(s, new))
+            return torch.cat(mels, 0), commits
+        mu, spk, encs = [None] * B, [None] * B, [None] * B
+        groups: dict[tuple, list[int]] = {}
+        for r, s in enumerate(streams):
+            groups.setdefault(_encoder_key(s.encoder, s.spk), []).append(r)
+        for rows in groups.values():
+            enc = streams[rows[0]].encoder if len(rows) == 1 else _stack_encoders([streams[r].encoder for r in rows])
+            h, sp, enc = flow.encode_chunk(torch.cat([tokens[r] for r in rows], 0).to(self.device),
+                                           torch.cat([streams[r].spk for r in rows], 0), enc, last)
+            for j, (r, e) in enumerate(zip(rows, [enc] if len(rows) == 1 else _split_encoder(enc, len(rows)))):
+                mu[r], spk[r] = h[j:j + 1], sp[j:j + 1]
+                encs[r] = flow.trim_encoder_cache(e, streams[r].prompt_frames)
+        handles = [s.handle for s in streams]
+        saved = [(h, h.frames, h._arr, h._arr_of) for h in handles]
+        idx = torch.tensor([r for h in handles for r in pool.rows(h.slot)], device=pool.cnn.device)
+        cnn = pool.cnn.index_select(2, idx)
+
+        def restore():
+            for h, frames_, arr, of in saved:
+                h.frames, h._arr, h._arr_of = frames_, arr, of
+            pool.cnn.index_copy_(2, idx, cnn)
+
+        undo.append(restore)
+        mu = torch.cat(mu, 0)
+        mel = sv.solve_slots(handles, mu, torch.cat(spk, 0), torch.zeros_like(mu))
+        return mel, [_setter(s, "encoder", e) for s, e in zip(streams, encs)]
 
     def stream_codes(self, codes: Sequence[int], voice: Voice, window: int = 25,
                      first_window: int | None = None) -> np.ndarray:
@@ -298,7 +453,11 @@ class Code2WavStream:
 
     def __init__(self, owner: Code2Wav, lease: PromptLease[PromptState]):
         self.owner, self.lease = owner, lease
-        self.cache = lease.state.flow_cache
+        self.prompt_frames = lease.state.flow_cache.prompt_frames
+        # opt-in slot pool: the estimator cache lives in a slot (the flow cache is then the encoder's only)
+        self.handle = owner._admit(lease.state)
+        self.cache = lease.state.flow_cache if self.handle is None else None
+        self.encoder = lease.state.flow_cache.encoder if self.handle is not None else None
         self.spk = lease.state.features.spk_embedding.to(owner.device)
         self.vocoder = owner.vocoders.stream.open_stream()
         # Samples of vocoder-inserted leading silence (the causal HiFT's 8-frame alignment pad).
@@ -309,12 +468,25 @@ class Code2WavStream:
     def push(self, payload: Sequence[int], last: bool = False) -> np.ndarray:
         """3 context codes + new codes (fewer allowed for the final payload) -> new PCM samples."""
         token = self._check(payload, last)
-        if token.shape[1]:
+        if not token.shape[1]:
+            return self._vocode(torch.zeros(1, 80, 0, device=self.owner.device), last)
+        if self.handle is None:
             mel, self.cache = self.owner.flow.inference_chunk(token.to(self.owner.device), self.spk, self.cache,
                                                               last_chunk=last, n_timesteps=self.owner.n_timesteps)
-        else:
-            mel = torch.zeros(1, 80, 0, device=self.owner.device)
-        return self._vocode(mel, last)
+            return self._vocode(mel, last)
+        undo: list = []
+        try:
+            mel, commits = self.owner._solve_pooled([self], [token], last, undo)
+            wav = self.vocoder.push(mel, last)
+        except BaseException:
+            for restore in reversed(undo):
+                restore()
+            raise
+        for commit in commits:
+            commit()
+        if last:
+            self.close()
+        return wav[0].cpu().numpy().astype(np.float32)
 
     def _check(self, payload: Sequence[int], last: bool) -> torch.Tensor:
         if self.finished:
@@ -334,4 +506,6 @@ class Code2WavStream:
     def close(self) -> None:
         if not self.finished:
             self.finished = True
+            if self.handle is not None:
+                self.handle.release()
             self.lease.release()

@@ -76,6 +76,10 @@ class SlotPool:
         self._free_slots = list(range(slots))
         self.scratch = slots
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
     def rows(self, slot: int) -> tuple[int, int]:
         return slot, self.slots + 1 + slot
 

@@ -1,0 +1,153 @@
+"""The opt-in slot pool in the streaming pipeline (connector knob ``cfm_slot_pool``): pooled streams
+give what dense streams pushed alone give, several cache lengths share one solve, failures roll back,
+and streams the pool cannot hold run the dense path."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from minicpmo_rt.code2wav.knobs import slot_pool_slots
+from minicpmo_rt.code2wav.pipeline import Code2Wav
+from minicpmo_rt.errors import InputError
+
+from test_pipeline_batched import StageSpy, _payloads, _rel  # noqa: E402
+
+SLOTS = 3
+
+
+def _fast(c2w: Code2Wav) -> Code2Wav:
+    # the fused body's torch formulation + SDPA (the CPU fallback; the Triton stages have their own tests)
+    c2w.flow.chunk_solver.fused.use_triton = False
+    if c2w.slot_solver is not None:
+        c2w.slot_solver.fused.use_triton = False
+    return c2w
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_ckpt):
+    return _fast(Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True}))
+
+
+@pytest.fixture(scope="module")
+def pooled(tiny_ckpt):
+    c2w = _fast(Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2,
+                                       extra={"cfm_fused_body": True, "cfm_slot_pool": SLOTS}))
+    assert c2w.slot_solver is not None and c2w.slot_pool_slots == SLOTS
+    return c2w
+
+
+def _alone(c2w, voice, plan):
+    s = c2w.open_stream(voice)
+    return [s.push(p, last) for p, last in plan]
+
+
+class Spy:
+    def __init__(self, obj, name):
+        self.obj, self.name, self.calls = obj, name, []
+        self.real = getattr(obj, name)
+
+    def __enter__(self):
+        def call(*a, **k):
+            self.calls.append(a)
+            return self.real(*a, **k)
+        setattr(self.obj, self.name, call)
+        return self
+
+    def __exit__(self, *exc):
+        delattr(self.obj, self.name)
+
+
+def test_knob_values():
+    assert [slot_pool_slots(e) for e in (None, {}, {"cfm_slot_pool": 0}, {"cfm_slot_pool": "off"},
+                                          {"cfm_slot_pool": 4}, {"cfm_slot_pool": "8"}, {"cfm_slot_pool": True})] \
+        == [0, 0, 0, 0, 4, 8, 16]
+    for bad in (-1, "many", 2.5):
+        with pytest.raises(InputError, match="cfm_slot_pool"):
+            slot_pool_slots({"cfm_slot_pool": bad})
+
+
+def test_knob_ignored_without_the_fused_body(tiny_ckpt, caplog):
+    with caplog.at_level(logging.WARNING):
+        c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_slot_pool": 2})   # CPU: original body
+    assert c2w.slot_solver is None and "needs the fused CFM body" in caplog.text
+
+
+def test_pooled_streams_equal_dense_streams_pushed_alone(pooled, dense, voice):
+    plans = [_payloads(seed) for seed in (11, 12, 13)]
+    alone = [_alone(dense, voice, plan) for plan in plans]
+    streams = [pooled.open_stream(voice) for _ in plans]
+    assert all(s.handle is not None and s.cache is None for s in streams)
+    assert pooled.slot_solver.pool.free_slots == 0
+    with Spy(pooled.slot_solver, "solve_slots") as solves, Spy(pooled.flow, "inference_chunk") as dense_calls:
+        got = [pooled.push_many([(s, plan[k][0], plan[k][1]) for s, plan in zip(streams, plans)])
+               for k in range(len(plans[0]))]
+    assert [len(c[0]) for c in solves.calls] == [3] * len(plans[0]) and not dense_calls.calls
+    worst = max(_rel(got[k][j], alone[j][k]) for j in range(3) for k in range(len(plans[0])))
+    print(f"worst PCM rel err pooled (batched) vs dense alone: {worst:.3e}")
+    assert worst <= 1e-5
+    assert _rel(got[2][0], got[2][1]) > 1e-2          # rows really differ
+    assert all(s.finished for s in streams) and pooled.slot_solver.pool.free_slots == SLOTS
+
+
+def test_different_cache_lengths_share_one_solve(pooled, dense, voice):
+    plan_a, plan_b = _payloads(21), _payloads(22)
+    ref_a, ref_b = _alone(dense, voice, plan_a), _alone(dense, voice, plan_b)
+    a, b = pooled.open_stream(voice), pooled.open_stream(voice)
+    out_a = [a.push(*plan_a[0])]                       # single-stream pooled push
+    assert _rel(out_a[0], ref_a[0]) <= 1e-5
+    assert a.handle.length == b.handle.length + 50     # a is one chunk ahead
+    with Spy(pooled.slot_solver, "solve_slots") as solves:
+        out = pooled.push_many([(a, *plan_a[1]), (b, *plan_b[0])])
+    assert len(solves.calls) == 1                      # merged: one replay for both lengths
+    assert _rel(out[0], ref_a[1]) <= 1e-5 and _rel(out[1], ref_b[0]) <= 1e-5
+    a.close(), b.close()
+
+
+def test_failed_vocoding_restores_the_slots(pooled, dense, voice):
+    plans = [_payloads(seed, windows=(25, 25, 10)) for seed in (31, 32)]
+    alone = [_alone(dense, voice, plan) for plan in plans]
+    streams = [pooled.open_stream(voice) for _ in plans]
+    pooled.push_many([(s, *plan[0]) for s, plan in zip(streams, plans)])
+    pool = pooled.slot_solver.pool
+    before = [(list(s.handle.frames), s.encoder, pool.cnn[:, :, list(pool.rows(s.handle.slot))].clone())
+              for s in streams]
+    voc = pooled.vocoders.stream
+    voc.runner = StageSpy(voc.model, fail_on=2)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            pooled.push_many([(s, *plan[1]) for s, plan in zip(streams, plans)])
+    finally:
+        voc.runner = voc.model
+    for s, (frames, enc, cnn) in zip(streams, before):
+        assert s.handle.frames == frames and s.encoder is enc and not s.finished
+        assert torch.equal(pool.cnn[:, :, list(pool.rows(s.handle.slot))], cnn)
+    for k in (1, 2):
+        out = pooled.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])
+        for j in range(2):
+            assert _rel(out[j], alone[j][k]) <= 1e-5
+    assert pool.free_slots == SLOTS
+
+
+def test_wide_chunk_and_full_pool_run_the_dense_path(pooled, dense, voice, caplog):
+    """A payload wider than the query bucket (30 new codes: 60 mel frames > 50) solves densely from the
+    slot's dense copy and re-admits the result; a stream beyond the slots runs dense from the start."""
+    plan = _payloads(41, windows=(30, 25, 25, 25, 10))
+    ref = _alone(dense, voice, plan)
+    streams = [pooled.open_stream(voice) for _ in range(SLOTS)]
+    with caplog.at_level(logging.WARNING):
+        extra = pooled.open_stream(voice)
+    assert extra.handle is None and extra.cache is not None and "slot pool full" in caplog.text
+    s = streams[0]
+    out = [s.push(*plan[0])]
+    assert s.handle is not None and s.handle.length == s.prompt_frames + 60
+    out += [s.push(p, last) for p, last in plan[1:]]
+    worst = max(_rel(a, b) for a, b in zip(out, ref))
+    assert worst <= 1e-5, worst
+    assert np.abs(out[-1]).max() > 0
+    got = [extra.push(p, last) for p, last in plan]
+    assert max(_rel(a, b) for a, b in zip(got, ref)) <= 1e-5
+    for t in streams[1:]:
+        t.close()
+    assert pooled.slot_solver.pool.free_slots == SLOTS
