@@ -11,6 +11,8 @@ ONE encoder + flow solve (batch 16) while the vocoding stays per stream and eage
 streams through batched HiFT calls, replayed from CUDA graphs (``GraphedHiFT``; eager off CUDA).
 A vocoder-only table times one steady 1-s chunk (50 mel frames) of every stream: per stream
 eager (the old path), per stream graphed, batched eager, batched graphed.
+The "+ slot pool" path is the fast path with the opt-in slot pool (``cfm_slot_pool``): every stream's
+estimator cache resident in a slot, so a round neither stacks, copies, splits nor trims those caches.
 Every row prints which vocoder path ran. Writes JSON + Markdown to --out.
 ``--tiny --device cpu`` is a smoke run of the script itself.
 """
@@ -56,6 +58,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny flow/HiFT sizes (smoke run of the script)")
+    ap.add_argument("--paths", default="", help="'|'-separated substrings: only the paths whose labels hold one "
+                    "(default: all), e.g. 'fast path'")
+    ap.add_argument("--skip-vocoder", action="store_true", help="skip the HiFT-alone table")
     args = ap.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -107,11 +112,18 @@ def main() -> None:
         row["ms_per_1s_chunk"] = row["round_ms_16_streams"] / args.streams
         res["rows"].append(row)
         print(row, flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)   # after every row, so a cut-off run keeps its numbers
+        (args.out / "code2wav_pipeline_h200.json").write_text(json.dumps(res, indent=2))
 
-    for label, extra in (("reference (original DiT, eager)", None),
-                         ("original DiT + Whole-Euler graph (cfm_fused_body: false)", {"cfm_fused_body": False}),
-                         ("fast path (knobs auto: fused + Whole-Euler graphs, TF32)", {})):
+    paths = (("reference (original DiT, eager)", None),
+             ("original DiT + Whole-Euler graph (cfm_fused_body: false)", {"cfm_fused_body": False}),
+             ("fast path (knobs auto: fused + Whole-Euler graphs, TF32)", {}),
+             (f"fast path + slot pool (cfm_slot_pool: {args.streams})", {"cfm_slot_pool": args.streams}))
+    for label, extra in paths:
+        if args.paths and not any(w in label for w in args.paths.split("|")):
+            continue
         choice = c2w.configure_fast_path(extra or {})
+        c2w_fast.configure_fast_path(extra or {})    # the same knobs (its slot pool, if any, is its own)
         if extra is None:
             c2w.flow.chunk_solver = None
         streams = [c2w.open_stream(feats) for _ in range(args.streams)]
@@ -145,7 +157,8 @@ def main() -> None:
         for s in fast:
             s.close()
 
-    vocoder_rows(res, voc, voc_fast, args, dev)
+    if not args.skip_vocoder:
+        vocoder_rows(res, voc, voc_fast, args, dev)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "code2wav_pipeline_h200.json").write_text(json.dumps(res, indent=2))
     n = args.streams
