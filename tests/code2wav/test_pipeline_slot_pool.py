@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from minicpmo_rt.code2wav.knobs import slot_pool_slots
+from minicpmo_rt.code2wav.knobs import row_offset_merge, slot_pool_slots
 from minicpmo_rt.code2wav.pipeline import Code2Wav
 from minicpmo_rt.errors import InputError
 
@@ -32,9 +32,9 @@ def dense(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def pooled(tiny_ckpt):
-    c2w = _fast(Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2,
-                                       extra={"cfm_fused_body": True, "cfm_slot_pool": SLOTS}))
-    assert c2w.slot_solver is not None and c2w.slot_pool_slots == SLOTS
+    c2w = _fast(Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={
+        "cfm_fused_body": True, "cfm_slot_pool": SLOTS, "cfm_row_offset_merge": True}))
+    assert c2w.slot_solver is not None and c2w.slot_pool_slots == SLOTS and c2w.row_offset_merge
     return c2w
 
 
@@ -62,16 +62,22 @@ class Spy:
 def test_knob_values():
     assert [slot_pool_slots(e) for e in (None, {}, {"cfm_slot_pool": 0}, {"cfm_slot_pool": "off"},
                                           {"cfm_slot_pool": 4}, {"cfm_slot_pool": "8"}, {"cfm_slot_pool": True})] \
-        == [0, 0, 0, 0, 4, 8, 16]
+        == [0, 0, 0, 0, 4, 8, 18]
+    assert [row_offset_merge(e) for e in (None, {"cfm_row_offset_merge": False}, {"cfm_row_offset_merge": "true"})] \
+        == [False, False, True]
+    with pytest.raises(InputError, match="cfm_row_offset_merge"):
+        row_offset_merge({"cfm_row_offset_merge": "sometimes"})
     for bad in (-1, "many", 2.5):
         with pytest.raises(InputError, match="cfm_slot_pool"):
             slot_pool_slots({"cfm_slot_pool": bad})
 
 
-def test_knob_ignored_without_the_fused_body(tiny_ckpt, caplog):
+def test_knobs_ignored_without_the_fused_body_or_the_pool(tiny_ckpt, caplog):
     with caplog.at_level(logging.WARNING):
         c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_slot_pool": 2})   # CPU: original body
-    assert c2w.slot_solver is None and "needs the fused CFM body" in caplog.text
+        assert c2w.slot_solver is None and "needs the fused CFM body" in caplog.text
+        c2w.configure_fast_path({"cfm_fused_body": True, "cfm_row_offset_merge": True})
+    assert c2w.slot_solver is None and not c2w.row_offset_merge and "cfm_slot_pool is off" in caplog.text
 
 
 def test_pooled_streams_equal_dense_streams_pushed_alone(pooled, dense, voice):
@@ -91,17 +97,26 @@ def test_pooled_streams_equal_dense_streams_pushed_alone(pooled, dense, voice):
     assert all(s.finished for s in streams) and pooled.slot_solver.pool.free_slots == SLOTS
 
 
-def test_different_cache_lengths_share_one_solve(pooled, dense, voice):
+def test_different_cache_lengths_share_one_solve_with_row_offset_merging(pooled, dense, voice):
     plan_a, plan_b = _payloads(21), _payloads(22)
     ref_a, ref_b = _alone(dense, voice, plan_a), _alone(dense, voice, plan_b)
     a, b = pooled.open_stream(voice), pooled.open_stream(voice)
     out_a = [a.push(*plan_a[0])]                       # single-stream pooled push
     assert _rel(out_a[0], ref_a[0]) <= 1e-5
     assert a.handle.length == b.handle.length + 50     # a is one chunk ahead
-    with Spy(pooled.slot_solver, "solve_slots") as solves:
+    with Spy(pooled.slot_solver, "solve_slots") as solves, Spy(pooled.flow, "encode_chunk") as encodes:
         out = pooled.push_many([(a, *plan_a[1]), (b, *plan_b[0])])
     assert len(solves.calls) == 1                      # merged: one replay for both lengths
+    assert len(encodes.calls) == 2                     # the conformer caches differ: two encoder halves
     assert _rel(out[0], ref_a[1]) <= 1e-5 and _rel(out[1], ref_b[0]) <= 1e-5
+    pooled.row_offset_merge = False                    # off: one solve per cache length
+    try:
+        with Spy(pooled.slot_solver, "solve_slots") as solves:
+            out = pooled.push_many([(a, *plan_a[2]), (b, *plan_b[1])])
+    finally:
+        pooled.row_offset_merge = True
+    assert len(solves.calls) == 2
+    assert _rel(out[0], ref_a[2]) <= 1e-5 and _rel(out[1], ref_b[1]) <= 1e-5
     a.close(), b.close()
 
 

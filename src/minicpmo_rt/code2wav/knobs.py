@@ -106,28 +106,39 @@ def _tf32_allowed(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[boo
     return True, "TF32 default on"
 
 
+# Slots of ``cfm_slot_pool: true``: upstream sizes the pool micro + max(2, micro // 8) for a micro-batch
+# of ``micro`` streams; ours is the largest Whole-Euler batch bucket, 16.
+DEFAULT_POOL_SLOTS = 16 + max(2, 16 // 8)
+
+
 def slot_pool_slots(extra: Mapping[str, Any] | None) -> int:
-    """Connector knob ``cfm_slot_pool``: resident stream slots of the opt-in slot pool (0 or unset: off;
-    true: 16, the largest graph batch bucket)."""
+    """Connector knob ``cfm_slot_pool`` (opt-in): false/0/unset off; true ``DEFAULT_POOL_SLOTS``
+    resident stream slots; an integer that many."""
     raw = (extra or {}).get("cfm_slot_pool")
     if raw is None or raw is False:
         return 0
     if raw is True:
-        return 16
+        return DEFAULT_POOL_SLOTS
     if isinstance(raw, str):
         v = raw.strip().lower()
         if v in ("", "off", "false", "no", "none", "unset"):
             return 0
         if v in ("on", "true", "yes"):
-            return 16
+            return DEFAULT_POOL_SLOTS
     try:
         n = int(raw)
     except (TypeError, ValueError):
         n = -1
     if n < 0 or (isinstance(raw, float) and raw != n):
         raise InputError(f"connector extra 'cfm_slot_pool'={raw!r} is not a number of stream slots; "
-                         "use an integer >= 0 (0 or unset: off) or true (16 slots)")
+                         f"use true ({DEFAULT_POOL_SLOTS} slots), false, or an integer >= 0")
     return n
+
+
+def row_offset_merge(extra: Mapping[str, Any] | None) -> bool:
+    """Connector knob ``cfm_row_offset_merge`` (opt-in, needs the slot pool): pooled streams whose caches
+    differ only in length solve in one replay instead of one per length."""
+    return bool(_parse_bool((extra or {}).get("cfm_row_offset_merge"), "cfm_row_offset_merge"))
 
 
 def resolve_code2wav(extra: Mapping[str, Any] | None, facts: DeviceFacts,

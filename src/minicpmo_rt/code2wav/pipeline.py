@@ -19,12 +19,14 @@ a final payload is decoded whole. The voice prompt is solved once per voice
 (``Flow.setup_cache`` on ``prompt + 3 x 4218``) and that state is shared read-only by every
 stream of that voice through ``PromptStateCache``.
 
-Opt-in slot pool (connector knob ``cfm_slot_pool: <slots>``, fused CFM body only): each stream's
-estimator cache is copied once into a resident slot of a ``slot_pool.SlotPool`` when the stream
-opens; its chunks then solve through ``SlotSolver`` (new K/V written into free frames, trimming an
-edit of the frame list, streams of different cache lengths in one replay), so no estimator cache
-is stacked, copied into the solver, split or trimmed per chunk. Streams beyond the slots (or with a
-prompt longer than a slot) run the dense path.
+Opt-in slot pool (connector knob ``cfm_slot_pool``: true or a slot count; fused CFM body only): each
+stream's estimator cache is copied once into a resident slot of a ``slot_pool.SlotPool`` when the
+stream opens; its chunks then solve through ``SlotSolver`` (new K/V written into free frames,
+trimming an edit of the frame list), so no estimator cache is stacked, copied into the solver, split
+or trimmed per chunk. With ``cfm_row_offset_merge`` (opt-in) pooled streams whose caches differ in
+length share one solve (each row at its own noise offset; the encoder halves run once per conformer
+cache shape); without it they group by cache length. Streams beyond the slots (or with a prompt
+longer than a slot) run the dense path.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ..errors import CheckpointError, InputError
 from .encoder import EncoderCache
 from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow
 from .frontend import PromptFeatures, VoiceFrontend
-from .knobs import Code2WavChoice, slot_pool_slots
+from .knobs import Code2WavChoice, row_offset_merge, slot_pool_slots
 from .prompt_state import PromptLease, PromptStateCache
 from .vocoder import VocoderSet, load_vocoders
 
@@ -186,6 +188,7 @@ class Code2Wav:
         self._features: dict[str, PromptFeatures] = {}
         self.slot_solver = None          # SlotSolver when the opt-in slot pool is on (cfm_slot_pool)
         self.slot_pool_slots = 0
+        self.row_offset_merge = False    # pooled streams of different cache lengths in one solve
         self._logged: set[str] = set()
 
     @classmethod
@@ -216,14 +219,16 @@ class Code2Wav:
         self.choice = choice
         fast = choice.body == "fused" or self.device.type == "cuda"
         self.flow.chunk_solver = solver if fast else None
-        self._configure_slot_pool(slot_pool_slots(extra), choice, solver.config)
+        self._configure_slot_pool(slot_pool_slots(extra), row_offset_merge(extra), choice, solver.config)
         return choice
 
-    def _configure_slot_pool(self, slots: int, choice: Code2WavChoice, config) -> None:
+    def _configure_slot_pool(self, slots: int, merge: bool, choice: Code2WavChoice, config) -> None:
         """Build the opt-in slot solver (its pool is sized at the first stream, from the voice's prompt)."""
         from .slot_pool import SlotSolver
 
-        self.slot_solver, self.slot_pool_slots = None, 0
+        self.slot_solver, self.slot_pool_slots, self.row_offset_merge = None, 0, False
+        if merge and not slots:
+            log.warning("cfm_row_offset_merge ignored: it merges slot-pool solves and cfm_slot_pool is off")
         if not slots:
             return
         if choice.body != "fused":
@@ -232,8 +237,9 @@ class Code2Wav:
             return
         self.slot_solver = SlotSolver(self.flow.decoder, pool=None, attention=choice.attention or "sdpa",
                                       tf32=choice.tf32, n_timesteps=self.n_timesteps, config=config)
-        self.slot_pool_slots = slots
-        log.info("Code2Wav slot pool: %d resident stream slots (opt-in cfm_slot_pool)", slots)
+        self.slot_pool_slots, self.row_offset_merge = slots, merge
+        log.info("Code2Wav slot pool: %d resident stream slots (opt-in cfm_slot_pool), row-offset merging %s",
+                 slots, "on" if merge else "off")
 
     def _log_once(self, what: str, msg: str, *args) -> None:
         if what not in self._logged:
@@ -328,10 +334,13 @@ class Code2Wav:
         groups: dict[tuple, list[int]] = {}
         for i, ((s, _, last), tok) in enumerate(zip(items, tokens)):
             if tok.shape[1]:
-                # pooled streams of one payload length share a CFM solve whatever their cache lengths or
-                # prompts (row-offset merging); their encoder halves group by cache shape inside it
-                key = (("pooled", tok.shape[1], bool(last)) if s.handle is not None
-                       else _batch_key(s.cache, s.spk, tok.shape[1], bool(last)))
+                # pooled streams of one payload length share a CFM solve; across cache lengths and prompts
+                # only with row-offset merging. Their encoder halves group by cache shape inside it.
+                if s.handle is None:
+                    key = _batch_key(s.cache, s.spk, tok.shape[1], bool(last))
+                else:
+                    key = ("pooled", tok.shape[1], bool(last)) + (
+                        () if self.row_offset_merge else (s.handle.length, s.prompt_frames))
                 groups.setdefault(key, []).append(i)
         mels: list[torch.Tensor | None] = [None] * len(items)
         commits: list = []      # applied once every solve and the vocoding succeeded
