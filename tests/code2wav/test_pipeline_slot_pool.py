@@ -166,3 +166,19 @@ def test_wide_chunk_and_full_pool_run_the_dense_path(pooled, dense, voice, caplo
     for t in streams[1:]:
         t.close()
     assert pooled.slot_solver.pool.free_slots == SLOTS
+
+
+def test_open_streams_keep_their_slot_solver_across_a_reconfiguration(tiny_ckpt, dense, voice):
+    extra = {"cfm_fused_body": True, "cfm_slot_pool": 2}
+    c2w = _fast(Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra=extra))
+    plan = _payloads(51, windows=(25, 25, 10))
+    ref = _alone(dense, voice, plan)
+    s = c2w.open_stream(voice)
+    out = [s.push(*plan[0])]
+    old = c2w.slot_solver
+    c2w.configure_fast_path(extra)
+    _fast(c2w)
+    assert c2w.slot_solver is not old and s.slot_solver is old
+    out += [c2w.push_many([(s, *plan[1])])[0], s.push(*plan[2])]
+    assert max(_rel(a, b) for a, b in zip(out, ref)) <= 1e-5
+    assert old.pool.free_slots == 2

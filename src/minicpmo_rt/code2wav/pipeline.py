@@ -232,8 +232,8 @@ class Code2Wav:
         if not slots:
             return
         if choice.body != "fused":
-            log.warning("cfm_slot_pool=%d ignored: the slot pool needs the fused CFM body, and %s chose the "
-                        "original (%s)", slots, "the knobs", choice.reason)
+            log.warning("cfm_slot_pool=%d ignored: the slot pool needs the fused CFM body; the knobs chose the "
+                        "original body (%s)", slots, choice.reason)
             return
         self.slot_solver = SlotSolver(self.flow.decoder, pool=None, attention=choice.attention or "sdpa",
                                       tf32=choice.tf32, n_timesteps=self.n_timesteps, config=config)
@@ -338,8 +338,8 @@ class Code2Wav:
                 # only with row-offset merging. Their encoder halves group by cache shape inside it.
                 if s.handle is None:
                     key = _batch_key(s.cache, s.spk, tok.shape[1], bool(last))
-                else:
-                    key = ("pooled", tok.shape[1], bool(last)) + (
+                else:   # streams admitted before a reconfiguration keep their own (older) slot solver
+                    key = ("pooled", id(s.slot_solver), tok.shape[1], bool(last)) + (
                         () if self.row_offset_merge else (s.handle.length, s.prompt_frames))
                 groups.setdefault(key, []).append(i)
         mels: list[torch.Tensor | None] = [None] * len(items)
@@ -351,7 +351,7 @@ class Code2Wav:
                 pooled = streams[members[0]].handle is not None
                 cap = max_batch or len(items)
                 if pooled:
-                    cap = min(cap, max(self.slot_solver.config.batch_buckets))
+                    cap = min(cap, max(streams[members[0]].slot_solver.config.batch_buckets))
                 for k in range(0, len(members), cap):
                     rows = members[k:k + cap]
                     if pooled:
@@ -394,7 +394,8 @@ class Code2Wav:
         advances the slots in place (frame lists, CNN cache rows), so their old state is saved first and
         ``undo`` gets its restore. A chunk wider than the slot solver's query buckets runs the dense path
         from each slot's dense copy and re-admits the new cache on commit."""
-        sv, pool, flow = self.slot_solver, self.slot_solver.pool, self.flow
+        sv, flow = streams[0].slot_solver, self.flow
+        pool = sv.pool
         B, n = len(streams), tokens[0].shape[1]
         frames = (n if last else n - flow.pre_lookahead_len) * flow.up_rate
         if sv.key_for(B, frames) is None:
@@ -465,6 +466,7 @@ class Code2WavStream:
         self.prompt_frames = lease.state.flow_cache.prompt_frames
         # opt-in slot pool: the estimator cache lives in a slot (the flow cache is then the encoder's only)
         self.handle = owner._admit(lease.state)
+        self.slot_solver = owner.slot_solver if self.handle is not None else None
         self.cache = lease.state.flow_cache if self.handle is None else None
         self.encoder = lease.state.flow_cache.encoder if self.handle is not None else None
         self.spk = lease.state.features.spk_embedding.to(owner.device)
