@@ -135,6 +135,15 @@ def caches(B: int, g: torch.Generator):
     return cnn, att
 
 
+def chunk_inputs(B: int, device="cuda"):
+    """One steady chunk's solver inputs at batch B, seeded by B: (cnn, att caches, mu, projected spk, cond)."""
+    g = torch.Generator().manual_seed(10 + B)
+    cnn, att = caches(B, g)
+    mu = torch.randn(B, 80, T, generator=g).to(device)
+    spk = torch.randn(B, 80, generator=g).to(device)
+    return cnn, att, mu, spk, torch.zeros(B, 80, T, device=device)
+
+
 def import_upstream(root: Path):
     """Register empty parent packages so stepaudio2's package __init__ (torchaudio, s3tokenizer) never runs."""
     for pkg, rel in (("stepaudio2", ""), ("stepaudio2.cosyvoice2", "cosyvoice2"),
@@ -461,11 +470,7 @@ def main(argv=None) -> int:
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 
     def cfm_rows(B):
-        g = torch.Generator().manual_seed(10 + B)
-        cnn, att = caches(B, g)
-        mu = torch.randn(B, 80, T, generator=g).cuda()
-        spk = torch.randn(B, 80, generator=g).cuda()
-        cond = torch.zeros(B, 80, T, device=dev)
+        cnn, att, mu, spk, cond = chunk_inputs(B, dev)
         eager = lambda: cfm.forward_chunk(mu, spk, cond, n_timesteps=S, cnn_cache=cnn, att_cache=att)  # noqa: E731
         ref = None
         if on("graphs") or on("slot"):

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from code2wav_bench import S, T, L, caches, kernel_profile, randomize_, timed  # noqa: E402
+from code2wav_bench import S, T, L, chunk_inputs, kernel_profile, randomize_, timed  # noqa: E402
 
 from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver  # noqa: E402
 from minicpmo_rt.code2wav.flow import Flow  # noqa: E402
@@ -236,11 +236,7 @@ def solve_rows(cfm, batches: list[int], budget: float, keys=()) -> tuple[list[di
     variants = [(n, kw if "block_kernel" in kw else dict(kw, block_kernel=False)) for n, kw in variants]
     variants = [(n, kw) for n, kw in variants if not keys or any(k in n for k in keys)]
     for B in batches:
-        g = torch.Generator().manual_seed(10 + B)
-        cnn, att = caches(B, g)
-        mu = torch.randn(B, 80, T, generator=g).cuda()
-        spk = torch.randn(B, 80, generator=g).cuda()
-        cond = torch.zeros(B, 80, T, device="cuda")
+        cnn, att, mu, spk, cond = chunk_inputs(B)
         cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
         ref = None
         for name, kw in variants:

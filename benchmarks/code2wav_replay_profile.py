@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from code2wav_bench import L, S, T, _slot_solver, _stream, caches, randomize_, timed  # noqa: E402
+from code2wav_bench import L, S, T, _slot_solver, _stream, chunk_inputs, randomize_, timed  # noqa: E402
 
 from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver  # noqa: E402
 from minicpmo_rt.code2wav.flow import Flow  # noqa: E402
@@ -111,11 +111,7 @@ def main(argv=None) -> int:
                 ("slot pool", None), ("slot pool, pointer loads", False)]
     variants = [v for v in variants if not args.variants or any(w in v[0] for w in args.variants.split("|"))]
     for B in batches:
-        g = torch.Generator().manual_seed(10 + B)
-        cnn, att = caches(B, g)
-        mu = torch.randn(B, 80, T, generator=g).cuda()
-        spk = torch.randn(B, 80, generator=g).cuda()
-        cond = torch.zeros(B, 80, T, device="cuda")
+        cnn, att, mu, spk, cond = chunk_inputs(B)
         cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
         for name, kw in variants:
             with torch.inference_mode():

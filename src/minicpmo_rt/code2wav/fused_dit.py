@@ -34,6 +34,7 @@ original ``t_embedder``/``adaLN_modulation`` modules (outside any graph).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -574,6 +575,7 @@ class FusedDiT:
         return torch.empty(L.depth, 2, R, T + L.taps - 1, L.hidden, device=device, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def _has_tma(device: torch.device) -> bool:
     """Can the tiled attention fetch K/V through TMA descriptors on ``device`` (Hopper or newer, and a
     Triton with host tensor descriptors)?"""

@@ -31,8 +31,9 @@ longer than a slot) run the dense path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
@@ -162,6 +163,27 @@ def _stack_encoders(encs: Sequence[EncoderCache]) -> EncoderCache:
 
 def _split_encoder(enc: EncoderCache, n: int) -> list[EncoderCache]:
     return [EncoderCache(enc.cnn[i:i + 1].contiguous(), enc.att[:, i:i + 1].contiguous()) for i in range(n)]
+
+
+@dataclass
+class _Round:
+    """A chunk round's deferred state changes: ``commits`` run once everything succeeded; ``undo``
+    (restores of slots a pooled solve advanced in place) runs, newest first, if anything raised."""
+    commits: list = field(default_factory=list)
+    undo: list = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _round():
+    r = _Round()
+    try:
+        yield r
+    except BaseException:
+        for restore in reversed(r.undo):
+            restore()
+        raise
+    for commit in r.commits:
+        commit()
 
 
 def _setter(obj, name: str, value):
@@ -343,9 +365,8 @@ class Code2Wav:
                         () if self.row_offset_merge else (s.handle.length, s.prompt_frames))
                 groups.setdefault(key, []).append(i)
         mels: list[torch.Tensor | None] = [None] * len(items)
-        commits: list = []      # applied once every solve and the vocoding succeeded
-        undo: list = []         # restores the slots that pooled solves advanced in place, on failure
-        try:
+        # Caches advance only once every solve and the vocoding succeeded.
+        with _round() as rnd:
             for key, members in groups.items():
                 last = bool(items[members[0]][2])
                 pooled = streams[members[0]].handle is not None
@@ -355,9 +376,7 @@ class Code2Wav:
                 for k in range(0, len(members), cap):
                     rows = members[k:k + cap]
                     if pooled:
-                        mel, done = self._solve_pooled([streams[i] for i in rows], [tokens[i] for i in rows], last,
-                                                       undo)
-                        commits += done
+                        mel = self._solve_pooled([streams[i] for i in rows], [tokens[i] for i in rows], last, rnd)
                     else:
                         token = torch.cat([tokens[i] for i in rows], 0).to(self.device)
                         spk = torch.cat([streams[i].spk for i in rows], 0)
@@ -366,20 +385,13 @@ class Code2Wav:
                         mel, new = self.flow.inference_chunk(token, spk, cache, last_chunk=last,
                                                              n_timesteps=self.n_timesteps)
                         news = [new] if len(rows) == 1 else split_flow_cache(new, [1] * len(rows))
-                        commits += [_setter(streams[i], "cache", news[r]) for r, i in enumerate(rows)]
+                        rnd.commits += [_setter(streams[i], "cache", news[r]) for r, i in enumerate(rows)]
                     for r, i in enumerate(rows):
                         mels[i] = mel[r:r + 1]
             empty = torch.zeros(1, 80, 0, device=self.device)
             voc_items = [(s.vocoder, empty if mel is None else mel, bool(last))
                          for (s, _, last), mel in zip(items, mels)]
             wavs = self.vocoders.stream.push_many(voc_items, max_batch=max_batch if batch_vocoding else 1)
-        except BaseException:
-            for restore in reversed(undo):
-                restore()
-            raise
-        # Caches advance only once every solve and the vocoding succeeded.
-        for commit in commits:
-            commit()
         out = []
         for (s, _, last), wav in zip(items, wavs):
             if last:
@@ -388,26 +400,27 @@ class Code2Wav:
         return out
 
     def _solve_pooled(self, streams: Sequence["Code2WavStream"], tokens: Sequence[torch.Tensor], last: bool,
-                      undo: list) -> tuple[torch.Tensor, list]:
-        """One chunk of pooled streams (payloads of one length) -> (mel, commits): the encoder halves
-        grouped by cache shape, then ONE slot solve over every stream at its own cache length. The solve
-        advances the slots in place (frame lists, CNN cache rows), so their old state is saved first and
-        ``undo`` gets its restore. A chunk wider than the slot solver's query buckets runs the dense path
-        from each slot's dense copy and re-admits the new cache on commit."""
+                      rnd: _Round) -> torch.Tensor:
+        """One chunk of pooled streams (payloads of one length) -> mel, the streams' new state added to
+        ``rnd.commits``: the encoder halves grouped by cache shape, then ONE slot solve over every stream
+        at its own cache length. The solve advances the slots in place (frame lists, CNN cache rows), so
+        their old state is saved first and ``rnd.undo`` gets its restore. A chunk wider than the slot
+        solver's query buckets runs the dense path from each slot's dense copy and re-admits the new
+        cache on commit."""
         sv, flow = streams[0].slot_solver, self.flow
         pool = sv.pool
         B, n = len(streams), tokens[0].shape[1]
         frames = (n if last else n - flow.pre_lookahead_len) * flow.up_rate
         if sv.key_for(B, frames) is None:
-            mels, commits = [], []
+            mels = []
             for s, tok in zip(streams, tokens):
                 cnn, att = s.handle.dense()
                 mel, new = flow.inference_chunk(tok.to(self.device), s.spk,
                                                 FlowCache(s.encoder.cnn, s.encoder.att, cnn, att, s.prompt_frames),
                                                 last_chunk=last, n_timesteps=self.n_timesteps)
                 mels.append(mel)
-                commits.append(_setter(s, "encoder", new.encoder) if last else _readmit(s, new))
-            return torch.cat(mels, 0), commits
+                rnd.commits.append(_setter(s, "encoder", new.encoder) if last else _readmit(s, new))
+            return torch.cat(mels, 0)
         mu, spk, encs = [None] * B, [None] * B, [None] * B
         groups: dict[tuple, list[int]] = {}
         for r, s in enumerate(streams):
@@ -429,10 +442,11 @@ class Code2Wav:
                 h.frames, h._arr, h._arr_of = frames_, arr, of
             pool.cnn.index_copy_(2, idx, cnn)
 
-        undo.append(restore)
+        rnd.undo.append(restore)
         mu = torch.cat(mu, 0)
         mel = sv.solve_slots(handles, mu, torch.cat(spk, 0), torch.zeros_like(mu))
-        return mel, [_setter(s, "encoder", e) for s, e in zip(streams, encs)]
+        rnd.commits += [_setter(s, "encoder", e) for s, e in zip(streams, encs)]
+        return mel
 
     def stream_codes(self, codes: Sequence[int], voice: Voice, window: int = 25,
                      first_window: int | None = None) -> np.ndarray:
@@ -485,16 +499,8 @@ class Code2WavStream:
             mel, self.cache = self.owner.flow.inference_chunk(token.to(self.owner.device), self.spk, self.cache,
                                                               last_chunk=last, n_timesteps=self.owner.n_timesteps)
             return self._vocode(mel, last)
-        undo: list = []
-        try:
-            mel, commits = self.owner._solve_pooled([self], [token], last, undo)
-            wav = self.vocoder.push(mel, last)
-        except BaseException:
-            for restore in reversed(undo):
-                restore()
-            raise
-        for commit in commits:
-            commit()
+        with _round() as rnd:
+            wav = self.vocoder.push(self.owner._solve_pooled([self], [token], last, rnd), last)
         if last:
             self.close()
         return wav[0].cpu().numpy().astype(np.float32)
