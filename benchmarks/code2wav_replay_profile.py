@@ -4,7 +4,8 @@ arena solve and the opt-in slot pool (and the TMA attention), side by side in on
 For each batch and variant: the graph replay's median (CUDA events), then one replay under
 ``torch.profiler`` with every kernel's device time summed by class:
 
-  gemm        cuBLAS / cuBLASLt kernels (nvjet, sm90 xmma, cutlass, split-K reduce)
+  gemm        cuBLAS / cuBLASLt kernels (nvjet, sm90 xmma, cutlass, split-K reduce) and the Triton
+              tile GEMMs (``_wide_gemm``, ``_wide_qkv``)
   attention   the Triton tiled attention (``_attn_fwd``, ``_attn_combine``)
   block       the persistent block kernel (``_dit_block``: GEMMs, attention and LN in one launch)
   fused       the staged body's Triton stages (residual + LN, q/k head LN, tap sum + LN + Mish)
@@ -54,7 +55,7 @@ def kernel_class(name: str) -> str:
         return "step"
     if any(w in n for w in ("residual_mod_ln", "qkv_head_ln", "taps_ln_mish")):
         return "fused"
-    if any(w in n for w in ("gemm", "nvjet", "xmma", "cutlass", "splitk", "sgemm", "cublas")):
+    if any(w in n for w in ("gemm", "wide_qkv", "nvjet", "xmma", "cutlass", "splitk", "sgemm", "cublas")):
         return "gemm"
     return "other"
 
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
 
     variants = [("default (arena)", dict()),
                 ("pointer-load attention", dict(attn_tma=False)),
+                ("cuBLAS GEMMs", dict(wide_gemm=False)),
                 ("slot pool", None), ("slot pool, pointer loads", False)]
     variants = [v for v in variants if not args.variants or any(w in v[0] for w in args.variants.split("|"))]
     for B in batches:

@@ -74,7 +74,7 @@ def main() -> int:
             src = ASTSource(self, signature=sig, constexprs=consts)
         except (AttributeError, KeyError, TypeError) as exc:
             raise HarnessError(f"{self.fn.__name__}: {exc!r}") from exc
-        caps = (90, 80) if self.fn.__name__ in ("_attn_fwd", "_attn_combine") else (90,)
+        caps = (90, 80) if self.fn.__name__ in ("_attn_fwd", "_attn_combine", "_wide_gemm", "_wide_qkv") else (90,)
         if any(t.startswith("tensordesc") for t in sig.values()):
             caps = (90,)
         key = (self.fn.__name__, tuple(sorted(sig.items())), repr(sorted(consts.items())), tuple(sorted(opts.items())))
@@ -131,23 +131,30 @@ def drive() -> None:
         return (torch.zeros(S, depth, 2 * B, 2 * C, 2), torch.zeros(S, depth, 2 * B, H, L, 2 * D))
 
     with torch.inference_mode():
-        for B, T, L, tf32 in ((1, 50, 400, True), (1, 45, 380, True), (1, 50, 400, False), (4, 50, 400, True),
-                              (16, 50, 400, True)):
-            cfg = GraphConfig(enabled=False, batch_buckets=(1, 4, 16), query_buckets=(50,), offset_anchor=400)
+        # (B, T, L, tf32, Triton tile GEMMs (CUDA's default from batch 8 with TF32; the QKV one with its
+        # head LNs up to batch 10), their TMA loads)
+        for B, T, L, tf32, wide, tma in ((1, 50, 400, True, None, True), (1, 45, 380, True, None, True),
+                                         (1, 50, 400, False, None, True), (4, 50, 400, True, False, True),
+                                         (16, 50, 400, True, False, True), (16, 50, 400, True, True, True),
+                                         (16, 45, 380, True, True, False), (16, 50, 400, False, True, True),
+                                         (8, 50, 400, True, True, True), (8, 45, 380, True, True, False)):
+            cfg = GraphConfig(enabled=False, batch_buckets=(1, 4, 8, 16), query_buckets=(50,), offset_anchor=400)
+            fused_dit._has_tma = lambda device, v=tma: v
             for block_kernel in ((True, False) if B == 1 else (None,)):     # True: CUDA's B=1 default
                 attention = "triton-tf32" if tf32 else "triton-ieee"
                 solver = WholeEulerSolver(cfm, body="fused", attention=attention, tf32=tf32, n_timesteps=S,
-                                          config=cfg, use_triton=True, block_kernel=block_kernel)
+                                          config=cfg, use_triton=True, block_kernel=block_kernel, wide_gemm=wide)
                 fused_dit.dot_precision = lambda t, p="tf32" if tf32 else "ieee": p
                 with matmul_tf32(tf32):
                     solver.solve(torch.zeros(B, 80, T), torch.zeros(B, 80), torch.zeros(B, 80, T), *caches(B, L),
                                  graph=False)
+        fused_dit._has_tma = lambda device: True
         # slot pool: pooled caches (rows/pos), a stride-0 key mask, the block kernel at B=1, TMA at B=16
         fused_dit.dot_precision = lambda t: "tf32"
-        for B in (1, 4, 16):
+        for B in (1, 4, 8, 16):
             solver = SlotSolver(cfm, pool=None, attention="triton-tf32", tf32=True, n_timesteps=S,
-                                config=GraphConfig(enabled=False, batch_buckets=(1, 4, 16), query_buckets=(50,)),
-                                use_triton=True, block_kernel=True if B == 1 else None)
+                                config=GraphConfig(enabled=False, batch_buckets=(1, 4, 8, 16), query_buckets=(50,)),
+                                use_triton=True, block_kernel=True if B == 1 else None, wide_gemm=B >= 8)
             solver.pool = SlotPool(solver, slots=B, frames=464, device="cpu")
             handles = [solver.pool.admit(*[c[:, :, [i, B + i]] for c in caches(B, 400)], 300) for i in range(B)]
             with matmul_tf32(True):

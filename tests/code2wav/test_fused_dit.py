@@ -205,13 +205,16 @@ def test_matches_upstream_original_dit_full_width():
 
 @requires_cuda
 @pytest.mark.parametrize("R,gemm", [(8, "cublas"), (2, "cublas"), (32, "cublas"), (2, "cublas-split"),
-                                    (8, "cublas-split")])
+                                    (8, "cublas-split"), (32, "wide"), (16, "wide")])
 @pytest.mark.parametrize("tf32,tol", [(False, 1e-5), (True, 1e-3)])
 def test_cuda_fused_vs_original_full_size(tf32, tol, R, gemm):
+    """gemm "wide": the Triton tile GEMMs forced on (by default they run with TF32 from 768 rows, so
+    R=32 "cublas" with TF32 takes them too); with TF32 off they compute IEEE dots."""
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE
     from minicpmo_rt.code2wav.precision import matmul_tf32
     dit = our_dit(FULL_SIZE.dit, seed=7).cuda()
-    fused = FusedDiT(dit, attention="triton-tf32" if tf32 else "triton-ieee", gemm=gemm)
+    kind = dict(gemm="cublas-split", wide_gemm=True) if gemm == "wide" else dict(gemm=gemm)
+    fused = FusedDiT(dit, attention="triton-tf32" if tf32 else "triton-ieee", **kind)
     kw = inputs(R, 50, 400, 16, 512, 8, 64, seed=8, device="cuda")
     with matmul_tf32(False), ieee_cudnn():   # the reference is always IEEE (its Conv1d runs in cuDNN)
         ref = dit.forward_chunk(**kw)
@@ -261,6 +264,47 @@ def test_block_kernel_matches_original_tiny(R, T, Lc, nprog, one_launch, monkeyp
     auto = FusedDiT(dit, attention="triton-tf32", use_triton=True)   # default: CUDA (+ TF32) only
     assert auto.uses_block_kernel(R, T, "cuda") and not auto.uses_block_kernel(R, T, "cpu")
     assert not FusedDiT(dit, attention="triton-ieee", use_triton=True).uses_block_kernel(R, T, "cuda")
+
+
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("R,T,Lc,qkv_ln", [(4, 6, 7, True), (2, 17, 40, True), (4, 6, 7, False)])
+def test_wide_gemm_body_matches_original_tiny(R, T, Lc, qkv_ln, monkeypatch):
+    """The staged body with Triton tile GEMMs (``wide_gemm=True``): the q/k head LNs in the QKV GEMM's
+    epilogue (or, past ``wide_qkv_ln_max_rows``, the QKV GEMM and the LN stage), conv taps summed
+    inside the GEMM, fc1's GELU in its epilogue, fc2 on torch. Under the interpreter TF32 dots compute
+    in FP32 (and nothing is rounded: ``dit_block.rounds``), so the IEEE tolerance applies."""
+    import minicpmo_rt.code2wav.fused_dit as fd
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dit = our_dit(seed=21).to(dev)
+    fused = FusedDiT(dit, attention="triton-tf32", use_triton=True, block_kernel=False, wide_gemm=True)
+    if not qkv_ln:
+        fused.wide_qkv_ln_max_rows = R * T - 1
+    assert fused.uses_wide(R, T, dev)
+    ws = fused.workspace(R, T, dev)
+    assert ws.wide and ws.taps.shape == (1, R, T + 2, 64)       # C wide: the taps are summed in the GEMM
+    calls = []
+    real, real_qkv = fd._wide_gemm, fd._wide_qkv
+
+    def spy(x, w, b, out, **kw):
+        calls.append((kw.get("taps", 1), kw.get("gelu", False)))
+        return real(x, w, b, out, **kw)
+
+    def spy_qkv(*a, **kw):
+        calls.append("qkv")
+        return real_qkv(*a, **kw)
+    monkeypatch.setattr(fd, "_wide_gemm", spy)
+    monkeypatch.setattr(fd, "_wide_qkv", spy_qkv)
+    errs = check(dit, fused, R=R, T=T, Lc=Lc, tol=1e-5 if kernels.interpreting() else 2e-3, seed=22, device=dev)
+    assert max(errs) > 0
+    qkv = "qkv" if qkv_ln else (1, False)
+    per_block = [qkv, (1, False), (3, False), (3, False), (1, True)]    # qkv (+ head LNs), proj, conv1, conv2, fc1
+    assert calls == per_block * len(dit.blocks)
+    # the rule: explicit off, the block kernel's rows, and auto (CUDA SM80+, TF32, >= WIDE_MIN_ROWS rows)
+    assert not FusedDiT(dit, use_triton=True, wide_gemm=False).uses_wide(R, T, dev)
+    assert not FusedDiT(dit, attention="triton-tf32", use_triton=True, block_kernel=True,
+                        wide_gemm=True).uses_wide(R, T, dev)
+    assert not FusedDiT(dit, use_triton=True).uses_wide(32, 50, "cpu")          # auto: CUDA only
 
 
 def test_stacked_weights_are_copies_and_rounded_copies_leave_the_module_alone():

@@ -80,17 +80,22 @@ def test_padded_rows_narrow_chunk_and_frame_list_restore():
         c2, a2 = h.dense()
         assert torch.equal(c2, c) and torch.equal(a2, a)
 
-@pytest.mark.parametrize("split_k", [1, 2], ids=["unsplit", "split-k-2"])
-def test_triton_pooled_writes_and_reads_match_reference(split_k):
+@pytest.mark.parametrize("split_k,wide", [(1, False), (2, False), (1, True)], ids=["unsplit", "split-k-2", "wide"])
+def test_triton_pooled_writes_and_reads_match_reference(split_k, wide):
     """The QKV kernel's (row, frame) scatter and the attention's kv_rows under Triton (or the
-    interpreter); also with the GEMMs as 2 K-slice partials summed by the Triton stages."""
+    interpreter); also with the GEMMs as 2 K-slice partials summed by the Triton stages, and as
+    Triton tile GEMMs (``wide_gemm``)."""
     from minicpmo_rt.code2wav import kernels
     if not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())):
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    if wide and not kernels.interpreting():
+        pytest.skip("tile GEMMs over CPU tensors need the interpreter "
+                    "(CUDA: test_cuda_slot_graph_matches_separate_solves)")
     cfm = tiny_cfm(seed=7)
     prompt, keep, T = 3, 2, 4
     solver = SlotSolver(cfm, pool=None, attention="triton-ieee", n_timesteps=S, use_triton=True,
-                        config=GraphConfig(batch_buckets=(2,), query_buckets=(4,)), split_k=split_k)
+                        config=GraphConfig(batch_buckets=(2,), query_buckets=(4,)), split_k=split_k,
+                        wide_gemm=wide)
     assert set(solver.fused.gemm_splits(4, T).values()) == {split_k}
     solver.pool = pool = SlotPool(solver, slots=2, frames=12, keep=keep, device="cpu")
     g = torch.Generator().manual_seed(2)
@@ -98,6 +103,7 @@ def test_triton_pooled_writes_and_reads_match_reference(split_k):
     handles = [pool.admit(c, a, prompt) for c, a in dense]
     mu, spk, cond = torch.randn(2, 80, T, generator=g), torch.randn(2, 80, generator=g), torch.randn(2, 80, T, generator=g)
     mel = solver.solve_slots(handles, mu, spk, cond)
+    assert next(iter(solver._statics.values())).ws.wide == wide
     for i, h in enumerate(handles):
         with torch.inference_mode():
             ref, rc, ra = cfm.forward_chunk(mu[i:i + 1], spk[i:i + 1], cond[i:i + 1], n_timesteps=S,
@@ -137,17 +143,20 @@ def test_block_kernel_over_pooled_caches_matches_reference():
 
 
 @requires_cuda
-@pytest.mark.parametrize("bucket,lengths,block_kernel", [(4, (360, 400, 380), None), (2, (360, 400), True)],
-                         ids=["staged-batch-4", "block-kernel-batch-2"])
-def test_cuda_slot_graph_matches_separate_solves(bucket, lengths, block_kernel):
+@pytest.mark.parametrize("bucket,lengths,block_kernel,wide", [(4, (360, 400, 380), None, None),
+                                                              (2, (360, 400), True, None),
+                                                              (8, (360, 400, 380), None, True)],
+                         ids=["staged-batch-4", "block-kernel-batch-2", "staged-wide-batch-8"])
+def test_cuda_slot_graph_matches_separate_solves(bucket, lengths, block_kernel, wide):
     """Full size, IEEE (TF32 off): batch bucket 4 runs the staged body, bucket 2 (200 rows) the
-    persistent block kernel over the pool (forced: its auto rule wants TF32)."""
+    persistent block kernel over the pool (forced: its auto rule wants TF32), bucket 8 the staged
+    body with Triton tile GEMMs (forced, IEEE dots)."""
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE
     torch.backends.cuda.matmul.allow_tf32 = False
     cfm = tiny_cfm(seed=8, cfg=FULL_SIZE.dit, mild=True).cuda()
     prompt, keep, T, n = 300, 100, 50, 10
     solver = SlotSolver(cfm, pool=None, attention="triton-ieee", n_timesteps=n, block_kernel=block_kernel,
-                        config=GraphConfig(batch_buckets=(bucket,), query_buckets=(50,)))
+                        config=GraphConfig(batch_buckets=(bucket,), query_buckets=(50,)), wide_gemm=wide)
     solver.pool = pool = SlotPool(solver, slots=4, frames=512, keep=keep, device="cuda")
     g = torch.Generator().manual_seed(3)
     dense = [(torch.randn(n, 16, 2, 1024, 2, generator=g).cuda(), torch.randn(n, 16, 2, 8, L, 128, generator=g).cuda())
@@ -159,7 +168,7 @@ def test_cuda_slot_graph_matches_separate_solves(bucket, lengths, block_kernel):
     mel = solver.solve_slots(handles, mu, spk, cond, graph=True)
     assert solver.graphs()
     st = next(iter(solver._statics.values()))
-    assert solver.fused.runs_persistent(st.ws) == bool(block_kernel)
+    assert solver.fused.runs_persistent(st.ws) == bool(block_kernel) and st.ws.wide == bool(wide)
     for i, h in enumerate(handles):
         with torch.inference_mode(), ieee_cudnn():
             ref, rc, ra = cfm.forward_chunk(mu[i:i + 1], spk[i:i + 1], cond[i:i + 1], n_timesteps=n,

@@ -97,10 +97,12 @@ class WholeEulerSolver:
                  tf32: bool = False, n_timesteps: int = 10, config: GraphConfig = GraphConfig(),
                  use_triton: bool | None = None, gemm: str = "cublas-split", attn_splits: int | None = None,
                  attn_block_m: int | None = None, split_k: int | None = None, block_kernel: bool | None = None,
-                 step_kernels: bool | None = None, attn_tma: bool | None = None, attn_stages: int | None = None):
+                 step_kernels: bool | None = None, attn_tma: bool | None = None, attn_stages: int | None = None,
+                 wide_gemm: bool | None = None):
         """``step_kernels``: the glue between two evaluations as two Triton kernels per step
         (``kernels/euler_step.py``) instead of ~12 torch ops; None (default) and True: whenever the
-        fused body's Triton stages run; False: the torch ops (the reference the tests compare)."""
+        fused body's Triton stages run; False: the torch ops (the reference the tests compare).
+        ``wide_gemm``: ``FusedDiT``'s (None: Triton tile GEMMs with TF32 from WIDE_MIN_ROWS rows on CUDA)."""
         self.cfm = cfm
         self.step_kernels = step_kernels
         self.dit = cfm.estimator
@@ -111,6 +113,7 @@ class WholeEulerSolver:
         self.config = config
         self.fused = (FusedDiT(self.dit, attention=attention, use_triton=use_triton, gemm=gemm,
                                attn_splits=attn_splits, attn_block_m=attn_block_m, attn_tma=attn_tma,
+                               wide_gemm=wide_gemm,
                                attn_stages=attn_stages,
                                split_k=split_k, block_kernel=block_kernel) if body == "fused" else None)
         b0 = self.dit.blocks[0]

@@ -46,6 +46,7 @@ from .kernels import AVAILABLE as TRITON_AVAILABLE, interpreting, usable_on
 from .kernels import dit_block, dit_ops, euler_step
 from .kernels.small_gemm import small_gemm
 from .kernels.tiled_attention import packed_kv, sdpa_attention, tiled_attention
+from .kernels.wide_gemm import wide_gemm as _wide_gemm, wide_qkv as _wide_qkv
 
 __all__ = ["supports_fused_body", "FusedDiT", "DiTLayout", "Modulation"]
 
@@ -68,6 +69,19 @@ ATTN_TARGET_PROGRAMS = 512
 SPLIT_MAX_ROWS = 512
 SPLIT_K_FEW_ROWS = 2
 SPLIT_MIN_K = 128
+
+# Many rows (batch >= 8 with CFG at 50 frames): the GEMMs run as Triton tile GEMMs (``wide_gemm``)
+# with the conv taps summed inside the GEMM (output C wide, not K*C), fc1's GELU in its epilogue,
+# and every GEMM operand stored rounded to nearest TF32 by the stage that writes it (the tensor
+# core truncates), as in the persistent block kernel. fc2 (K 2048) stays on cuBLAS: no faster there.
+# H200, whole-solve replay per 1-s chunk (code2wav_gemm_probe_session10_h200.md): B=16 23.32 vs 24.69
+# ms with cuBLAS GEMMs, B=8 16.43 vs 17.31; at B=4 (400 rows) the split-K cuBLAS GEMMs stay.
+WIDE_MIN_ROWS = 768
+# Up to this many rows the wide path's QKV GEMM also applies the q/k head LNs in its epilogue and writes
+# [k|v] straight into the cache (``wide_qkv``): H200 B=8 replay 16.01 vs 16.61 ms with the separate LN
+# stage. At B=16 the fused kernel was the slower one (its 3-D epilogue at 128x128 tiles: 24.7 us per
+# call against ~20 for GEMM + LN; replay 23.67 vs 23.43 ms in two runs), so there the stage stays.
+WIDE_QKV_LN_MAX_ROWS = 1024
 
 # adaLN chunk order of the original block
 SH_MSA, SC_MSA, G_MSA, SH_MLP, SC_MLP, G_MLP, SH_CONV, SC_CONV, G_CONV = range(9)
@@ -188,6 +202,7 @@ class Workspace:
     attn_acc: torch.Tensor | None = None   # flat, R*H*8*T*D
     attn_ml: torch.Tensor | None = None    # flat, R*H*8*T*2
     ctr: torch.Tensor | None = None        # (depth,) int32, zeroed per evaluation
+    wide: bool = False                     # Triton tile GEMMs (``FusedDiT.uses_wide``); taps then (1, R, T+K-1, C)
 
 
 class FusedDiT:
@@ -196,7 +211,7 @@ class FusedDiT:
     def __init__(self, dit: nn.Module, attention: AttentionKind = "sdpa", use_triton: bool | None = None,
                  gemm: GemmKind = "cublas-split", attn_splits: int | None = None, attn_block_m: int | None = None,
                  split_k: int | None = None, block_kernel: bool | None = None, attn_tma: bool | None = None,
-                 attn_stages: int | None = None):
+                 attn_stages: int | None = None, wide_gemm: bool | None = None):
         """``gemm="triton"`` runs every GEMM through the few-row Triton kernel while TF32 is on
         (opt-in: on the H200 it made a batch-1 solve slower, 15.3 vs 13.1 ms, and its TF32
         rounding costs ~2x cuBLAS's error; see benchmarks/results/code2wav_kernels_h200.md).
@@ -214,7 +229,12 @@ class FusedDiT:
         when the rows are few (R*T <= dit_block.MAX_ROWS) and Triton runs on the device (own or
         pooled caches); otherwise the staged body. None (default): on CUDA with TF32 attention, while
         TF32 matmuls are on (H200, batch 1: 8.86 vs 12.04 ms per chunk); True: also with IEEE dots and
-        on CPU under Triton's interpreter (the tests); False: never."""
+        on CPU under Triton's interpreter (the tests); False: never.
+        ``wide_gemm``: the staged body's GEMMs (all but fc2) as Triton tile GEMMs (``kernels/wide_gemm.py``:
+        conv taps summed in the GEMM, fc1's GELU in its epilogue, up to WIDE_QKV_LN_MAX_ROWS rows the q/k
+        head LNs in the QKV GEMM's epilogue, operands rounded to TF32 by their producers). None (default):
+        on CUDA SM80+ while TF32 matmuls are on, for R*T >= WIDE_MIN_ROWS (decided when the workspace is made); True: whenever the staged body runs Triton (also on CPU
+        under the interpreter); False: never."""
         ok, why = supports_fused_body(dit)
         if not ok:
             raise ValueError(f"DiT layout not supported by the fused body: {why}")
@@ -232,6 +252,8 @@ class FusedDiT:
         self.use_triton = TRITON_AVAILABLE if use_triton is None else use_triton
         self.gemm, self.attn_splits, self.attn_block_m, self.split_k = gemm, attn_splits, attn_block_m, split_k
         self.attn_tma, self.attn_stages = attn_tma, attn_stages
+        self.wide = wide_gemm
+        self.wide_qkv_ln_max_rows = WIDE_QKV_LN_MAX_ROWS
         ok, why = dit_block.supported(self.L.hidden, self.L.heads, self.L.head_dim, self.L.mlp_hidden)
         if block_kernel and not ok:
             raise ValueError(f"block_kernel: this DiT's shapes do not fit the persistent kernel: {why}")
@@ -301,6 +323,16 @@ class FusedDiT:
         on_device = dev.type == "cuda" or (dev.type == "cpu" and interpreting())
         return self.block_kernel and R * T <= dit_block.MAX_ROWS and self.use_triton and on_device
 
+    def uses_wide(self, R: int, T: int, device) -> bool:
+        """Does a workspace for R rows x T frames take the Triton tile GEMMs (``wide_gemm``)?"""
+        dev = torch.device(device)
+        if self.wide is False or not self.use_triton or self.uses_block_kernel(R, T, dev):
+            return False
+        if self.wide is None:
+            return (dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 8 and R * T >= WIDE_MIN_ROWS
+                    and torch.backends.cuda.matmul.allow_tf32)
+        return dev.type == "cuda" or (dev.type == "cpu" and interpreting())
+
     def gemm_splits(self, R: int, T: int, device=None) -> dict:
         """Split-K partials per GEMM role for R rows x T frames (all 1 unless gemm="cublas-split"
         or the block kernel runs, whose tiles fix them)."""
@@ -309,7 +341,7 @@ class FusedDiT:
                  "conv": (R * (T + L.taps - 1), L.taps * L.hidden, L.hidden), "fc2": (R * T, L.hidden, L.mlp_hidden)}
         if device is not None and self.uses_block_kernel(R, T, device):
             return {k: dit_block.gemm_splits(K, k) for k, (_, _, K) in roles.items()}
-        if self.gemm != "cublas-split":
+        if self.gemm != "cublas-split" or (device is not None and self.uses_wide(R, T, device)):
             return {k: 1 for k in roles}
         if self.split_k is not None:
             return {k: (self.split_k if K % self.split_k == 0 else 1) for k, (_, _, K) in roles.items()}
@@ -320,11 +352,12 @@ class FusedDiT:
         L = self.L
         e = lambda *s: torch.empty(*s, device=device, dtype=dtype)  # noqa: E731
         sp = self.gemm_splits(R, T, device)
+        wide = self.uses_wide(R, T, device)
         ws = Workspace(h=e(R, T, L.hidden), norm=e(R, T, L.hidden),
                        qkv=e(sp["qkv"], R, T, 3 * L.heads * L.head_dim),
                        q=e(R, T, L.heads, L.head_dim), o=e(R, T, L.heads, L.head_dim), y=e(sp["proj"], R, T, L.hidden),
-                       taps=e(sp["conv"], R, T + L.taps - 1, L.taps * L.hidden), mlp=e(R, T, L.mlp_hidden),
-                       y2=e(sp["fc2"], R, T, L.hidden))
+                       taps=e(sp["conv"], R, T + L.taps - 1, (1 if wide else L.taps) * L.hidden),
+                       mlp=e(R, T, L.mlp_hidden), y2=e(sp["fc2"], R, T, L.hidden), wide=wide)
         if self.uses_block_kernel(R, T, device):
             ws.attn_acc = e(R * L.heads * 8 * T * L.head_dim)
             ws.attn_ml = e(R * L.heads * 8 * T * 2)
@@ -335,12 +368,13 @@ class FusedDiT:
         return self.use_triton and usable_on(t)
 
     # ------------------------------------------------------------------ fused stages
-    def _res_ln(self, ws: Workspace, y, bias, gate, shift, scale, out, eps, taps=0):
+    def _res_ln(self, ws: Workspace, y, bias, gate, shift, scale, out, eps, taps=0, round_out=False):
         """x += gate*y (y: S partials (S, R, T', N), plain or tap sum, + bias; None: no residual);
-        out = LN(x)*scale+shift. gate/shift/scale (Rm, C) rows of the modulation tables."""
+        out = LN(x)*scale+shift (rounded to TF32 with ``round_out``). gate/shift/scale (Rm, C) rows of
+        the modulation tables."""
         x = ws.h
         if self._triton(x):
-            dit_ops.residual_mod_ln(x, y, bias, gate, shift, scale, out, eps, taps)
+            dit_ops.residual_mod_ln(x, y, bias, gate, shift, scale, out, eps, taps, round_out)
             return
         if y is not None:
             y = _sum_partials(y)
@@ -352,6 +386,8 @@ class FusedDiT:
                 y = y + bias
             x.add_(gate[:, None] * y)
         out.copy_(F.layer_norm(x, (x.shape[-1],), eps=eps) * scale[:, None] + shift[:, None])
+        if round_out:
+            dit_block.round_tf32_(out)
 
     def _qkv_ln(self, ws: Workspace, blk, kv_cur: torch.Tensor, rows=None, pos=None, bias=None):
         a = blk.attn
@@ -374,17 +410,21 @@ class FusedDiT:
             r_idx, p_idx = rows.long()[:, None].expand(-1, T), pos.long()
             kv_cur[r_idx, :, p_idx] = torch.cat([k, v], -1)
 
-    def _taps_ln_mish(self, taps_out: torch.Tensor, conv, ln, out: torch.Tensor):
-        K = self.L.taps
+    def _taps_ln_mish(self, taps_out: torch.Tensor, conv, ln, out: torch.Tensor, K: int | None = None,
+                      round_out: bool = False):
+        """out = Mish(LN(tap sum of taps_out + bias)); K taps (default the conv's; 1: already summed)."""
+        K = self.L.taps if K is None else K
         if self._triton(taps_out):
-            dit_ops.taps_ln_mish(taps_out, conv.bias, ln.weight, ln.bias, out, ln.eps, K)
+            dit_ops.taps_ln_mish(taps_out, conv.bias, ln.weight, ln.bias, out, ln.eps, K, round_out)
             return
         T, C = out.shape[1], out.shape[2]
         taps_out = _sum_partials(taps_out)
         y = sum(taps_out[:, k:k + T, k * C:(k + 1) * C] for k in range(K)) + conv.bias
         out.copy_(F.mish(F.layer_norm(y, (C,), ln.weight, ln.bias, ln.eps)))
+        if round_out:
+            dit_block.round_tf32_(out)
 
-    def _attend(self, ws: Workspace, kv: torch.Tensor, mask: torch.Tensor | None, rows=None):
+    def _attend(self, ws: Workspace, kv: torch.Tensor, mask: torch.Tensor | None, rows=None, round_out=False):
         D = self.L.head_dim
         q = ws.q.transpose(1, 2)                 # (R, H, T, D) view
         k, v = kv[..., :D], kv[..., D:]
@@ -393,9 +433,12 @@ class FusedDiT:
             bm, splits, stages, tma = self._attn_shape(q.shape[0], q.shape[1], q.shape[2], tma_ok)
             tiled_attention(q, k, v, mask, kv_rows=rows,
                             precision="tf32" if self.attention == "triton-tf32" else "ieee",
-                            out=ws.o.transpose(1, 2), block_m=bm, splits=splits, num_stages=stages, tma=tma)
+                            out=ws.o.transpose(1, 2), block_m=bm, splits=splits, num_stages=stages, tma=tma,
+                            round_out=round_out)
         else:
             ws.o.copy_(sdpa_attention(q, k, v, mask, rows).transpose(1, 2))
+            if round_out:
+                dit_block.round_tf32_(ws.o)
 
     def _attn_shape(self, R: int, H: int, T: int, tma_ok: bool = False) -> tuple[int, int, int, bool]:
         """(query block, key splits, pipeline stages, TMA loads) for R rows x H heads x T queries;
@@ -468,7 +511,8 @@ class FusedDiT:
         N, C = R * T, self.L.hidden
         self._linear(xin.reshape(N, -1), self.dit.in_proj.weight, self.dit.in_proj.bias, ws.h.view(N, C))
         mb = mod.blocks
-        self._res_ln(ws, None, None, None, mb[:, 0, SH_MSA], mb[:, 0, SC_MSA], ws.norm, self.L.norm_eps)
+        rnd = ws.wide and dit_block.rounds(dot_precision(ws.h), ws.h.device)
+        self._res_ln(ws, None, None, None, mb[:, 0, SH_MSA], mb[:, 0, SC_MSA], ws.norm, self.L.norm_eps, round_out=rnd)
 
     def embed_const(self, xin_rest: torch.Tensor, hc: torch.Tensor) -> None:
         """hc (R, T, C) = the input projection's bias plus its step-invariant columns applied to
@@ -515,6 +559,9 @@ class FusedDiT:
                     eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps, attn_splits=a_splits,
                     keys_per_split=per_split, nprog=nprog, precision=precision, rows=rows, pos=pos)
             return
+        if ws.wide:
+            self._blocks_wide(mod, hist, kv, mask, ws, rows, pos)
+            return
         for i, blk in enumerate(dit.blocks):
             m = mb[:, i]
             nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
@@ -538,6 +585,52 @@ class FusedDiT:
             b = self._gemm(ws.mlp.view(N, -1), blk.mlp.fc2.weight, blk.mlp.fc2.bias, ws.y2)
             # this block's MLP residual fused with the next block's attention-input LN (or the final one)
             self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps)
+
+    def _blocks_wide(self, mod: Modulation, hist: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None,
+                     ws: Workspace, rows: torch.Tensor | None, pos: torch.Tensor | None) -> None:
+        """``blocks`` with the Triton tile GEMMs (``ws.wide``): the same stages, the q/k head LNs in the
+        QKV GEMM's epilogue (``wide_qkv``, up to ``wide_qkv_ln_max_rows`` rows), the conv taps summed in
+        the GEMM (``ws.taps`` is (1, R, T+K-1, C), read as one tap), fc1's bias + GELU in its epilogue,
+        and under compiled TF32 every GEMM operand stored rounded by the stage that writes it."""
+        L = self.L
+        R, T, C = ws.h.shape
+        N, K = R * T, L.taps
+        mb = mod.blocks
+        precision = dot_precision(ws.h)
+        rnd = dit_block.rounds(precision, ws.h.device)
+        w = self.stacked_weights(True) if rnd else None
+        tma = _has_tma(ws.h.device)
+
+        def gemm(x2d, wt, b, out2d, **kw):
+            _wide_gemm(x2d, wt, b, out2d, precision=precision, tma=tma, **kw)
+
+        taps2d = ws.taps.view(-1, C)
+        for i, blk in enumerate(self.dit.blocks):
+            a, seq, mlp = blk.attn, blk.conv.block, blk.mlp
+            m = mb[:, i]
+            nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
+            w_qkv, kv_cur = w.w_qkv[i] if rnd else self.w_qkv[i], kv[i][:, :, :T] if pos is None else kv[i]
+            if N <= self.wide_qkv_ln_max_rows:
+                # the q/k head LNs in the QKV GEMM's epilogue, [k|v] straight into the cache (ws.qkv unused)
+                _wide_qkv(ws.norm.view(N, C), w_qkv, self.b_qkv[i], a.q_norm.weight, a.q_norm.bias, a.k_norm.weight,
+                          a.k_norm.bias, ws.q, kv_cur, T, L.qk_eps, rows=rows, pos=pos, precision=precision, tma=tma)
+            else:
+                gemm(ws.norm.view(N, C), w_qkv, self.b_qkv[i], ws.qkv.view(N, -1))
+                self._qkv_ln(ws, blk, kv_cur, rows, pos)
+            self._attend(ws, kv[i], mask, rows, round_out=rnd)
+            gemm(ws.o.view(N, -1), w.w_proj[i] if rnd else a.proj.weight, a.proj.bias, ws.y.view(N, C))
+            h1, h2 = hist[i, 0], hist[i, 1]
+            self._res_ln(ws, ws.y, None, m[:, G_MSA], m[:, SH_CONV], m[:, SC_CONV], h1[:, K - 1:], L.norm_eps,
+                         round_out=rnd)
+            gemm(h1.reshape(-1, C), w.w_taps1[i] if rnd else self.w_taps1[i], None, taps2d, taps=K)
+            self._taps_ln_mish(ws.taps, seq[1], seq[3], h2[:, K - 1:], K=1, round_out=rnd)
+            gemm(h2.reshape(-1, C), w.w_taps2[i] if rnd else self.w_taps2[i], None, taps2d, taps=K)
+            self._res_ln(ws, ws.taps, seq[6].bias, m[:, G_CONV], m[:, SH_MLP], m[:, SC_MLP], ws.norm, L.norm_eps,
+                         taps=1, round_out=rnd)
+            gemm(ws.norm.view(N, C), w.w_fc1[i] if rnd else mlp.fc1.weight, mlp.fc1.bias, ws.mlp.view(N, -1),
+                 gelu=True, round_out=rnd)
+            b = self._gemm(ws.mlp.view(N, -1), mlp.fc2.weight, mlp.fc2.bias, ws.y2)
+            self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps, round_out=rnd)
 
     # ------------------------------------------------------------------ original-compatible API
     @torch.no_grad()

@@ -61,9 +61,11 @@ class Code2WavChoice:
         att = f", attention {self.attention}" if self.attention else ""
         gemm = ""
         if self.body == "fused":   # the GEMM kind the pipeline's FusedDiT runs with (its default)
-            from .fused_dit import SPLIT_K_FEW_ROWS, SPLIT_MAX_ROWS
+            from .fused_dit import SPLIT_K_FEW_ROWS, SPLIT_MAX_ROWS, WIDE_MIN_ROWS
             from .kernels.dit_block import MAX_ROWS
             gemm = f", GEMMs cuBLAS ({SPLIT_K_FEW_ROWS} K-slice partials up to {SPLIT_MAX_ROWS} rows)"
+            if self.tf32:
+                gemm += f", Triton tile GEMMs from {WIDE_MIN_ROWS} rows on CUDA"
             if self.tf32 and self.attention == "triton-tf32":
                 gemm += f", one persistent Triton launch for all DiT blocks on CUDA up to {MAX_ROWS} rows"
         return (f"Code2Wav CFM body {self.body}{att}{gemm}, DiT GEMM TF32 {'on' if self.tf32 else 'off'} "

@@ -76,9 +76,9 @@ if AVAILABLE:
                          sxr, sxt, syr, syt, sor, sot, s_gate, s_mod, s_split,
                          T, C, eps,
                          TAPS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         SPLITS: tl.constexpr, BLOCK_C: tl.constexpr):
+                         SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, ROUND_OUT: tl.constexpr):
         res_ln_row(tl.program_id(0), X, Y, BIAS, GATE, SHIFT, SCALE, OUT, sxr, sxt, syr, syt, sor, sot,
-                   s_gate, s_mod, s_split, T, C, eps, TAPS, HAS_RES, HAS_BIAS, SPLITS, BLOCK_C)
+                   s_gate, s_mod, s_split, T, C, eps, TAPS, HAS_RES, HAS_BIAS, SPLITS, BLOCK_C, ROUND_OUT)
 
     @triton.jit
     def qkv_head_ln_row(n, QKV, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS,
@@ -161,9 +161,9 @@ if AVAILABLE:
 
     @triton.jit
     def _taps_ln_mish(Y, BIAS, W, B, OUT, syr, syt, sor, sot, s_split, T, C, eps,
-                      TAPS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr):
+                      TAPS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, ROUND_OUT: tl.constexpr):
         taps_ln_mish_row(tl.program_id(0), Y, BIAS, W, B, OUT, syr, syt, sor, sot, s_split, T, C, eps,
-                         TAPS, SPLITS, BLOCK_C)
+                         TAPS, SPLITS, BLOCK_C, ROUND_OUT)
 
 
 def _pow2(n: int) -> int:
@@ -177,9 +177,10 @@ def _splits_of(y, dims: int):
     return 1, 0, y
 
 
-def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int = 0) -> None:
+def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int = 0, round_out: bool = False) -> None:
     """x (R,T,C) in place; y (R,T,C) or taps output (R,T+taps-1,taps*C), or S split-K partials of
-    either (S,...); bias (C,) or None; mods (Rm,C); out (R,T,C) view."""
+    either (S,...); bias (C,) or None; mods (Rm,C); out (R,T,C) view, stored rounded to nearest TF32
+    with ``round_out`` (the operand of a TF32 GEMM that truncates)."""
     R, T, C = x.shape
     if shift.stride(0) != scale1p.stride(0):
         raise ValueError("shift and scale tables must share their row stride")
@@ -191,7 +192,7 @@ def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int
         x, y if has_res else x, bias if bias is not None else x, gate if has_res else shift, shift, scale1p, out,
         x.stride(0), x.stride(1), yy.stride(0), yy.stride(1), out.stride(0), out.stride(1), s_gate, s_mod, s_split,
         T, C, eps, TAPS=taps if has_res else 0, HAS_RES=has_res, HAS_BIAS=has_res and bias is not None,
-        SPLITS=splits, BLOCK_C=_pow2(C), num_warps=4)
+        SPLITS=splits, BLOCK_C=_pow2(C), ROUND_OUT=round_out, num_warps=4)
 
 
 def qkv_head_ln(qkv, q_w, q_b, k_w, k_b, q_out, kv, eps: float, rows=None, pos=None, bias=None) -> None:
@@ -214,9 +215,11 @@ def qkv_head_ln(qkv, q_w, q_b, k_w, k_b, q_out, kv, eps: float, rows=None, pos=N
         num_warps=4)
 
 
-def taps_ln_mish(y, bias, w, b, out, eps: float, taps: int) -> None:
-    """y (R,T+taps-1,taps*C) conv-as-GEMM output or S split-K partials of it; out (R,T,C) view."""
+def taps_ln_mish(y, bias, w, b, out, eps: float, taps: int, round_out: bool = False) -> None:
+    """y (R,T+taps-1,taps*C) conv-as-GEMM output or S split-K partials of it; out (R,T,C) view
+    (rounded to nearest TF32 with ``round_out``)."""
     R, T, C = out.shape
     splits, s_split, y0 = _splits_of(y, 3)
     _taps_ln_mish[(R * T,)](y, bias, w, b, out, y0.stride(0), y0.stride(1), out.stride(0), out.stride(1),
-                            s_split, T, C, eps, TAPS=taps, SPLITS=splits, BLOCK_C=_pow2(C), num_warps=4)
+                            s_split, T, C, eps, TAPS=taps, SPLITS=splits, BLOCK_C=_pow2(C), ROUND_OUT=round_out,
+                            num_warps=4)

@@ -135,11 +135,11 @@ if AVAILABLE:
                   nq, nk, scale, keys_per_split, KV_DESC,
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
-                  SPLITS: tl.constexpr, TMA: tl.constexpr, KEY_MASK: tl.constexpr):
+                  SPLITS: tl.constexpr, TMA: tl.constexpr, KEY_MASK: tl.constexpr, ROUND_OUT: tl.constexpr):
         attn_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                   tl.num_programs(1), Q, K, V, O, M, KVR, PACC, PML, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
                   svb, svh, svn, svd, sob, soh, som, sod, smb, smm, smn, nq, nk, scale, keys_per_split,
-                  HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS, False, KV_DESC, TMA, KEY_MASK)
+                  HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS, ROUND_OUT, KV_DESC, TMA, KEY_MASK)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -166,9 +166,9 @@ if AVAILABLE:
 
     @triton.jit
     def _attn_combine(PACC, PML, O, sob, soh, som, sod, H, nq,
-                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr):
         attn_combine_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), PACC, PML, O, sob, soh, som, sod,
-                          H, nq, HEAD_D, BLOCK_M, SPLITS)
+                          H, nq, HEAD_D, BLOCK_M, SPLITS, ROUND_OUT)
 
 
 def key_splits(nk: int, splits: int, block_n: int) -> tuple[int, int]:
@@ -195,12 +195,13 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                     kv_rows: torch.Tensor | None = None, precision: str = "tf32",
                     out: torch.Tensor | None = None, block_m: int = 32, block_n: int = 64,
                     num_warps: int = 4, num_stages: int = 2, splits: int = 1, tma: bool = False,
-                    key_mask: bool = False) -> torch.Tensor:
+                    key_mask: bool = False, round_out: bool = False) -> torch.Tensor:
     """softmax(q k^T D^-0.5, mask) v for fp32 q (B,H,nq,D), k/v (Bk,H,nk,D); mask (B,nq,nk) bool.
 
     ``out`` (B,H,nq,D) may be any strided view (e.g. (B,nq,H,D) transposed) so the
     caller's projection GEMM reads it without a copy. ``tma``: fetch K/V tiles through a tensor
     descriptor (``attn_tile``'s TMA branch; needs k and v to be the halves of one packed cache, ``packed_kv``).
+    ``round_out``: store the output rounded to nearest TF32 (the operand of a TF32 GEMM that truncates).
     """
     if not AVAILABLE:
         raise RuntimeError("tiled_attention needs Triton; use the SDPA fallback")
@@ -246,10 +247,10 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                                         HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
                                         PRECISION=precision, SPLITS=splits, TMA=tma,
                                         KEY_MASK=bool(key_mask) and mask is not None and ms[1] == 0,
-                                        num_warps=num_warps, num_stages=num_stages)
+                                        ROUND_OUT=round_out, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _attn_combine[(B, H, mblocks)](pacc, pml, out, *out.stride(), H, nq,
-                                       HEAD_D=D, BLOCK_M=block_m, SPLITS=splits, num_warps=4)
+                                       HEAD_D=D, BLOCK_M=block_m, SPLITS=splits, ROUND_OUT=round_out, num_warps=4)
     return out
 
 

@@ -1,0 +1,316 @@
+"""H200 probe for the batch 8-16 Code2Wav solve: (1) the DiT's GEMMs at 400-1664 rows, cuBLAS TF32
+against the Triton tile GEMM (``kernels/wide_gemm.py``) over tile shapes, pointer and TMA loads (the
+conv as cuBLAS's taps GEMM, M x 3C x C, against Triton's implicit conv, M x C x 3C: same FLOPs);
+(2) "lanes": a batch-16 chunk as several smaller Whole-Euler graphs replayed side by side on their
+own streams, against one batch-16 replay (do the small graphs' idle SMs and gaps fill each other?).
+
+    python benchmarks/code2wav_gemm_probe.py --out DIR [--skip gemm,lanes,solve] [--gemm-batches 16,8]
+
+(3) "solve": the whole Whole-Euler replay per tile table of the Triton GEMMs (``TABLES``), against
+cuBLAS GEMMs, in one run: the GEMMs in place, with cold weights and their real neighbours.
+
+Every time is the GPU time of CUDA-graph replays (no launch overhead), median of several, in us or ms.
+Writes DIR/code2wav_gemm_probe.json and .md after every section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from code2wav_bench import L, S, T, _triton_version, chunk_inputs, randomize_  # noqa: E402
+
+from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver  # noqa: E402
+from minicpmo_rt.code2wav.flow import Flow  # noqa: E402
+from minicpmo_rt.code2wav.flow_config import FULL_SIZE  # noqa: E402
+from minicpmo_rt.code2wav.kernels.wide_gemm import wide_gemm  # noqa: E402
+from minicpmo_rt.code2wav.precision import matmul_tf32  # noqa: E402
+
+CONFIGS = [(128, 128, 32, 8, 3), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4),
+           (64, 64, 32, 4, 4), (128, 256, 32, 8, 3), (64, 256, 32, 8, 3), (128, 128, 64, 8, 2),
+           (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 4), (256, 128, 32, 8, 3)]
+C, MLP, TAPS = 512, 2048, 3
+
+
+def graph_us(fn, calls: int = 20, reps: int = 7) -> float:
+    """GPU us per call: ``calls`` calls captured in one graph, replayed ``reps`` times (median)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / calls)
+    del g
+    return statistics.median(out)
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def gemm_section(res: dict, save, batches=(16, 8)) -> None:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    shapes = []
+    for B in batches:
+        R = 2 * B
+        # conv: cuBLAS runs the taps GEMM (M x 3C x C, summed later); Triton the implicit conv (M x C x 3C)
+        shapes += [(B, "qkv", R * T, 3 * C, C, False, True, 1), (B, "proj", R * T, C, C, False, True, 1),
+                   (B, "conv", R * (T + TAPS - 1), C, C, False, False, TAPS),
+                   (B, "fc1", R * T, MLP, C, True, True, 1), (B, "fc2", R * T, C, MLP, False, True, 1)]
+    rows = res.setdefault("gemm", [])
+    for B, role, M, N, K, gelu, bias, taps in shapes:
+        x = torch.randn(M, K, device=dev, generator=g)
+        w = torch.randn(taps * N, K, device=dev, generator=g) / K ** 0.5
+        b = 0.02 * torch.randn(N, device=dev, generator=g) if bias else None
+        out = torch.empty(M, N, device=dev)
+        out_taps = torch.empty(M, taps * N, device=dev)
+        with matmul_tf32(False):
+            ref = torch.addmm(b, x, w.t()) if bias else x @ w.t()
+            if taps > 1:    # out[m] = sum_j x[m + j] @ w_j.T
+                ref = sum(torch.cat([ref[j:, j * N:(j + 1) * N], ref.new_zeros(j, N)]) for j in range(taps))
+        if gelu:
+            ref = torch.nn.functional.gelu(ref, approximate="tanh")
+        flop = 2 * M * N * K * taps
+
+        def cublas():
+            if taps > 1:
+                torch.mm(x, w.t(), out=out_taps)
+            elif gelu:
+                torch._addmm_activation(b, x, w.t(), use_gelu=True, out=out)
+            elif bias:
+                torch.addmm(b, x, w.t(), out=out)
+            else:
+                torch.mm(x, w.t(), out=out)
+
+        with matmul_tf32(True):
+            us = graph_us(cublas)
+            cublas()
+            cub_err = float("nan") if taps > 1 else rel(out, ref)
+            r = {"batch": B, "role": role, "M": M, "N": N, "K": K, "taps": taps, "gelu": gelu, "cublas_us": us,
+                 "cublas_tflops": flop / us / 1e6, "cublas_err": cub_err, "triton": []}
+            best = None
+            for tma in (True, False):
+                for cfg in CONFIGS:
+                    if K % cfg[2]:
+                        continue
+                    fn = lambda: wide_gemm(x, w, b, out, gelu=gelu, taps=taps, tma=tma, tile=cfg)  # noqa: E731
+                    try:
+                        out.zero_()
+                        fn()
+                        err = rel(out, ref)
+                        t = graph_us(fn)
+                    except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
+                        r["triton"].append({"tile": cfg, "tma": tma, "error": repr(exc)[:200]})
+                        continue
+                    r["triton"].append({"tile": cfg, "tma": tma, "us": t, "err": err})
+                    if best is None or t < best["us"]:
+                        best = {"tile": cfg, "tma": tma, "us": t, "err": err}
+            r["best"] = best
+        rows.append(r)
+        print(f"B={B:2d} {role:5s} {M}x{N}x{K}: cuBLAS {us:7.2f} us ({r['cublas_tflops']:.0f} TFLOP/s)"
+              + (f", Triton best {best['us']:7.2f} us {best['tile']} tma={best['tma']} err {best['err']:.1e}"
+                 if best else ""), flush=True)
+        save()
+        del x, w, b, out, ref
+
+
+def lanes_section(res: dict, save) -> None:
+    dev = torch.device("cuda")
+    flow = Flow(FULL_SIZE)
+    randomize_(flow, 0)
+    flow = flow.to(dev).eval()
+    cfm = flow.decoder
+    cfg = GraphConfig(batch_buckets=(1, 2, 4, 8, 16), query_buckets=(T,), offset_bucket=50, offset_anchor=L,
+                      max_graphs=32)
+    rows = res.setdefault("lanes", [])
+    for total, lanes in ((16, 1), (16, 2), (16, 4), (8, 1), (8, 2)):
+        b = total // lanes
+        cnn, att, mu, spk, cond = chunk_inputs(b, dev)
+        solvers, graphs = [], []
+        for _ in range(lanes):
+            sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S, config=cfg)
+            sv.solve(mu, spk, cond, cnn, att, copy_out=False)
+            st = next(iter(sv._statics.values()))
+            solvers.append(sv)
+            graphs.append(st.graph)
+        streams = [torch.cuda.Stream() for _ in graphs]
+
+        def seq():
+            for gr in graphs:
+                gr.replay()
+
+        def side_by_side():
+            cur = torch.cuda.current_stream()
+            for gr, s in zip(graphs, streams):
+                s.wait_stream(cur)
+                with torch.cuda.stream(s):
+                    gr.replay()
+            for s in streams:
+                cur.wait_stream(s)
+
+        r = {"batch": total, "lanes": lanes}
+        for name, fn in (("sequential_ms", seq), ("side_by_side_ms", side_by_side)):
+            fn()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(15):
+                a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                e.record()
+                e.synchronize()
+                ts.append(a.elapsed_time(e))
+            r[name] = statistics.median(ts)
+        rows.append(r)
+        print(f"batch {total} as {lanes} lane(s) of {b}: sequential {r['sequential_ms']:.2f} ms, "
+              f"side by side {r['side_by_side_ms']:.2f} ms", flush=True)
+        save()
+        del solvers, graphs, cnn, att
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# Tile tables for the in-solve sweep: (qkv, proj, fc1, conv) tiles, (BM, BN, BK, warps, stages)
+TABLES = {
+    "A": ((64, 128, 32, 4, 4), (64, 128, 64, 4, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 4)),
+    "B": ((128, 128, 32, 8, 3), (64, 64, 64, 4, 4), (128, 256, 32, 8, 3), (64, 128, 64, 4, 3)),
+    "C": ((128, 256, 32, 8, 3), (64, 128, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3)),
+    "D": ((128, 128, 32, 8, 3),) * 4,
+    "E": ((64, 128, 32, 4, 4),) * 4,
+    "F": ((64, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 128, 32, 4, 4), (64, 64, 64, 4, 4)),
+}
+
+
+def solve_section(res: dict, save, batches=(16, 8)) -> None:
+    """The whole solve's replay per tile table (the GEMMs in place: cold weights, real neighbours),
+    against cuBLAS GEMMs, same machine."""
+    from minicpmo_rt.code2wav.kernels import wide_gemm as wg
+    dev = torch.device("cuda")
+    flow = Flow(FULL_SIZE)
+    randomize_(flow, 0)
+    cfm = flow.to(dev).eval().decoder
+    rows = res.setdefault("solve", [])
+    saved = dict(wg.TILES)
+    try:
+        for B in batches:
+            cnn, att, mu, spk, cond = chunk_inputs(B, dev)
+            big = 2 * B * T >= wg.BIG_M
+            cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
+            for name in ["cuBLAS"] + list(TABLES):
+                wg.TILES.clear()
+                wg.TILES.update(saved)
+                if name != "cuBLAS":
+                    for (n, k, taps), tile in zip(((1536, 512, 1), (512, 512, 1), (2048, 512, 1), (512, 512, 3)),
+                                                  TABLES[name]):
+                        wg.TILES[(big, n, k, taps)] = tile
+                sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
+                                      config=cfg, wide_gemm=name != "cuBLAS")
+                sv.solve(mu, spk, cond, cnn, att, copy_out=False)
+                st = next(iter(sv._statics.values()))
+                assert st.ws.wide == (name != "cuBLAS")
+                ts = []
+                st.graph.replay()
+                torch.cuda.synchronize()
+                for _ in range(15):
+                    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    st.graph.replay()
+                    e.record()
+                    e.synchronize()
+                    ts.append(a.elapsed_time(e))
+                rows.append({"batch": B, "table": name, "tiles": None if name == "cuBLAS" else TABLES[name],
+                             "replay_ms": statistics.median(ts)})
+                print(f"solve B={B} {name:6s}: replay {rows[-1]['replay_ms']:.2f} ms", flush=True)
+                save()
+                del sv, st
+                gc.collect()
+                torch.cuda.empty_cache()
+    finally:
+        wg.TILES.clear()
+        wg.TILES.update(saved)
+
+
+def markdown(res: dict) -> str:
+    out = [f"# Code2Wav GEMM and lanes probe ({res['gpu']})", "",
+           f"torch {res['torch']}, triton {res['triton']}; GPU time of graph replays.", ""]
+    if res.get("gemm"):
+        out += ["## DiT GEMMs, cuBLAS TF32 vs Triton tile GEMM (us per call)", "",
+                "conv: cuBLAS runs the taps GEMM (M x 3C x C, its tap sum left to the next stage), Triton the "
+                "implicit conv (M x C x 3C, taps summed in the GEMM); same FLOPs. err: vs FP64 on unrounded "
+                "operands (Triton truncates them; the fused body stores them rounded).", "",
+                "| B | role | M x N x K | cuBLAS us | TFLOP/s | best Triton us | tile (BM,BN,BK,warps,stages) | TMA | "
+                "Triton / cuBLAS | err cuBLAS | err Triton |", "|---|---|---|---:|---:|---:|---|---|---:|---:|---:|"]
+        for r in res["gemm"]:
+            b = r.get("best") or {}
+            out.append(f"| {r['batch']} | {r['role']} | {r['M']}x{r['N']}x{r['K']} | {r['cublas_us']:.2f} | "
+                       f"{r['cublas_tflops']:.0f} | {b.get('us', float('nan')):.2f} | {b.get('tile')} | {b.get('tma')} | "
+                       f"{b.get('us', float('nan')) / r['cublas_us']:.2f} | {r['cublas_err']:.1e} | "
+                       f"{b.get('err', float('nan')):.1e} |")
+        out.append("")
+    if res.get("solve"):
+        out += ["## Whole-Euler solve replay per tile table (ms per chunk; tiles: qkv, proj, fc1, conv)", "",
+                "| batch | GEMMs | replay ms | tiles |", "|---:|---|---:|---|"]
+        for r in res["solve"]:
+            out.append(f"| {r['batch']} | {r['table']} | {r['replay_ms']:.2f} | {r['tiles'] or ''} |")
+        out.append("")
+    if res.get("lanes"):
+        out += ["## One chunk's Whole-Euler solve as lanes (ms per chunk, replay only)", "",
+                "| batch | lanes | sequential | side by side |", "|---:|---:|---:|---:|"]
+        for r in res["lanes"]:
+            out.append(f"| {r['batch']} | {r['lanes']} | {r['sequential_ms']:.2f} | {r['side_by_side_ms']:.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--skip", default="", help="comma list: gemm, lanes, solve")
+    ap.add_argument("--gemm-batches", default="16,8", help="batches whose GEMM shapes to probe")
+    args = ap.parse_args(argv)
+    skip = {w.strip() for w in args.skip.split(",") if w.strip()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version()}
+
+    def save():
+        (args.out / "code2wav_gemm_probe.json").write_text(json.dumps(res, indent=1))
+        (args.out / "code2wav_gemm_probe.md").write_text(markdown(res))
+
+    if "lanes" not in skip:
+        lanes_section(res, save)
+    if "solve" not in skip:
+        solve_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
+    if "gemm" not in skip:
+        gemm_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
+    save()
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
