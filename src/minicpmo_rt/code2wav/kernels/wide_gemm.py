@@ -8,10 +8,13 @@ separate kernel. Here the tile shape is chosen per GEMM shape (``TILES``, from t
 benchmarks/code2wav_gemm_probe.py), bias and tanh-GELU are applied to the accumulator before the
 one store, a causal conv is one GEMM whose K steps walk its taps (``taps``: the output is the conv,
 C wide, not the K*C tap products of cuBLAS's form), and on Hopper the operand tiles arrive through
-TMA descriptors (``tma=True``).
+TMA descriptors (``tma=True``). ``wide_qkv`` is the QKV projection with the per-head q/k LayerNorms
+and the [k|v] cache write in its epilogue.
 
-Operands are loaded as stored and the dot truncates them to TF32 (``input_precision="tf32"``),
-as cuBLAS's TF32 GEMM does. Semantics are those of ``torch.addmm`` (+ tanh-GELU).
+Operands are loaded as stored and the tensor core truncates them to TF32 (``input_precision=
+"tf32"``); the fused body stores them already rounded to nearest (``round_out`` of the stage that
+writes each one, weights from ``FusedDiT.stacked_weights(True)``), which gives cuBLAS TF32's error.
+Semantics are those of ``torch.addmm`` (+ tanh-GELU).
 """
 
 from __future__ import annotations
