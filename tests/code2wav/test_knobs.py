@@ -55,6 +55,8 @@ def test_every_combination(fused, allow, env, dev, layout, cache):
     assert choice.body in text and ("on" if choice.tf32 else "off") in text and choice.reason
     # the persistent DiT kernel is named exactly when FusedDiT's default would take it (TF32 attention + TF32)
     assert ("persistent" in text) == (choice.body == "fused" and choice.attention == "triton-tf32" and choice.tf32)
+    # so are the many-row Triton tile GEMMs (FusedDiT's wide_gemm default: TF32 on)
+    assert ("tile GEMMs" in text) == (choice.body == "fused" and choice.tf32)
 
 
 def test_env_off_wins_over_explicit_allow():
