@@ -22,6 +22,12 @@ The original body launches ~47 kernels per block (see benchmarks/results). With 
 write split-K partials from one strided-batched cuBLAS call, and stages 3, 6, 8, 10 and the
 next block's 1 sum them (with the bias) while loading: more CTAs per GEMM, no extra kernel.
 
+With many rows (>= WIDE_MIN_ROWS: batch 8+ with CFG, TF32 on CUDA) the GEMMs but fc2 are Triton tile
+GEMMs instead (``kernels/wide_gemm.py``, ``_blocks_wide``): conv1/conv2 as implicit GEMMs over their taps
+(stages 8 and 10 then read one C-wide output), fc1's GELU in the GEMM, and up to WIDE_QKV_LN_MAX_ROWS
+rows stage 3 inside the QKV GEMM's epilogue: 11-12 kernels per block, none of them cuBLAS's GELU or
+memset kernels.
+
 Without Triton (CPU CI, pre-SM80 CUDA, HIP) every fused stage runs as its torch
 formulation on the same buffers and attention goes through SDPA: the "SDPA
 fallback", which is what the CPU tests exercise; under ``TRITON_INTERPRET=1`` the
