@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from code2wav_bench import L, S, T, _triton_version, chunk_inputs, randomize_  # noqa: E402
+from code2wav_bench import L, S, T, _triton_version, chunk_inputs, randomize_, timed  # noqa: E402
 
 from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver  # noqa: E402
 from minicpmo_rt.code2wav.flow import Flow  # noqa: E402
@@ -174,17 +174,7 @@ def lanes_section(res: dict, save) -> None:
 
         r = {"batch": total, "lanes": lanes}
         for name, fn in (("sequential_ms", seq), ("side_by_side_ms", side_by_side)):
-            fn()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(15):
-                a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                e.record()
-                e.synchronize()
-                ts.append(a.elapsed_time(e))
-            r[name] = statistics.median(ts)
+            r[name] = statistics.median(timed(fn, min_reps=15, max_reps=15))
         rows.append(r)
         print(f"batch {total} as {lanes} lane(s) of {b}: sequential {r['sequential_ms']:.2f} ms, "
               f"side by side {r['side_by_side_ms']:.2f} ms", flush=True)
@@ -232,18 +222,8 @@ def solve_section(res: dict, save, batches=(16, 8)) -> None:
                 sv.solve(mu, spk, cond, cnn, att, copy_out=False)
                 st = next(iter(sv._statics.values()))
                 assert st.ws.wide == (name != "cuBLAS")
-                ts = []
-                st.graph.replay()
-                torch.cuda.synchronize()
-                for _ in range(15):
-                    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    st.graph.replay()
-                    e.record()
-                    e.synchronize()
-                    ts.append(a.elapsed_time(e))
                 rows.append({"batch": B, "table": name, "tiles": None if name == "cuBLAS" else TABLES[name],
-                             "replay_ms": statistics.median(ts)})
+                             "replay_ms": statistics.median(timed(st.graph.replay, min_reps=15, max_reps=15))})
                 print(f"solve B={B} {name:6s}: replay {rows[-1]['replay_ms']:.2f} ms", flush=True)
                 save()
                 del sv, st

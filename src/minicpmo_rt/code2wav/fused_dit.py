@@ -23,7 +23,7 @@ write split-K partials from one strided-batched cuBLAS call, and stages 3, 6, 8,
 next block's 1 sum them (with the bias) while loading: more CTAs per GEMM, no extra kernel.
 
 With many rows (>= WIDE_MIN_ROWS: batch 8+ with CFG, TF32 on CUDA) the GEMMs but fc2 are Triton tile
-GEMMs instead (``kernels/wide_gemm.py``, ``_blocks_wide``): conv1/conv2 as implicit GEMMs over their taps
+GEMMs instead (``kernels/wide_gemm.py``, ``blocks``): conv1/conv2 as implicit GEMMs over their taps
 (stages 8 and 10 then read one C-wide output), fc1's GELU in the GEMM, and up to WIDE_QKV_LN_MAX_ROWS
 rows stage 3 inside the QKV GEMM's epilogue: 11-12 kernels per block, none of them cuBLAS's GELU or
 memset kernels.
@@ -239,8 +239,8 @@ class FusedDiT:
         ``wide_gemm``: the staged body's GEMMs (all but fc2) as Triton tile GEMMs (``kernels/wide_gemm.py``:
         conv taps summed in the GEMM, fc1's GELU in its epilogue, up to WIDE_QKV_LN_MAX_ROWS rows the q/k
         head LNs in the QKV GEMM's epilogue, operands rounded to TF32 by their producers). None (default):
-        on CUDA SM80+ while TF32 matmuls are on, for R*T >= WIDE_MIN_ROWS (decided when the workspace is made); True: whenever the staged body runs Triton (also on CPU
-        under the interpreter); False: never."""
+        on CUDA SM80+ while TF32 matmuls are on, for R*T >= WIDE_MIN_ROWS (decided when the workspace is
+        made); True: whenever the staged body runs Triton (also on CPU under the interpreter); False: never."""
         ok, why = supports_fused_body(dit)
         if not ok:
             raise ValueError(f"DiT layout not supported by the fused body: {why}")
@@ -480,14 +480,24 @@ class FusedDiT:
         if gelu:
             torch._C._nn.gelu_(out2d, approximate="tanh")
 
-    def _gemm(self, x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor):
-        """``out`` (S, ..., N) = x2d @ w.T (+ b) as S split-K partials. S == 1: one GEMM with its bias,
-        returns None. S > 1: partial s = x2d[:, slice s] @ w[:, slice s].T, one strided-batched
-        GEMM (no copies: both slicings are strides cuBLAS takes); returns the bias left to the
-        stage that sums the partials."""
-        S, M, N = out.shape[0], x2d.shape[0], w.shape[0]
+    def _gemm(self, x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
+              wide: bool = False, taps: int = 1, gelu: bool = False, round_out: bool = False):
+        """``out`` (S, ..., N) = x2d @ w.T (+ b) as S split-K partials. S == 1: one GEMM with its bias
+        (and tanh-GELU), returns None. S > 1: partial s = x2d[:, slice s] @ w[:, slice s].T, one
+        strided-batched GEMM (no copies: both slicings are strides cuBLAS takes); returns the bias
+        left to the stage that sums the partials.
+        ``wide``: a Triton tile GEMM (``wide_gemm``, S == 1) instead, where ``taps`` > 1 makes it the
+        implicit conv (w the taps matrix, out C wide) and ``round_out`` stores the result TF32-rounded;
+        without ``wide`` the taps matrix gives cuBLAS's taps products (out K*C wide) and ``taps`` and
+        ``round_out`` are not used."""
+        M = x2d.shape[0]
+        if wide:
+            _wide_gemm(x2d, w, b, out.view(M, -1), gelu=gelu, taps=taps, round_out=round_out,
+                       precision=dot_precision(x2d), tma=_has_tma(x2d.device))
+            return None
+        S, N = out.shape[0], w.shape[0]
         if S == 1:
-            self._linear(x2d, w, b, out.view(M, N))
+            self._linear(x2d, w, b, out.view(M, N), gelu=gelu)
             return None
         Ks = x2d.shape[1] // S
         torch.bmm(x2d.view(M, S, Ks).transpose(0, 1), w.view(N, S, Ks).permute(1, 2, 0), out=out.view(S, M, N))
@@ -565,77 +575,45 @@ class FusedDiT:
                     eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps, attn_splits=a_splits,
                     keys_per_split=per_split, nprog=nprog, precision=precision, rows=rows, pos=pos)
             return
-        if ws.wide:
-            self._blocks_wide(mod, hist, kv, mask, ws, rows, pos)
-            return
+        # the staged body: cuBLAS GEMMs, or with ``ws.wide`` Triton tile GEMMs (the conv taps summed in the
+        # GEMM, so ``ws.taps`` is (1, R, T+K-1, C) and its readers take one tap; fc1's GELU in its
+        # epilogue; up to ``wide_qkv_ln_max_rows`` rows the q/k head LNs in the QKV GEMM's epilogue) whose
+        # operands, under compiled TF32, the stage that writes each stores rounded (weights: the rounded copy)
+        wide = ws.wide
+        rnd = wide and dit_block.rounds(precision, ws.h.device)
+        wts = self.stacked_weights(True) if rnd else None
+        kt = 1 if wide else K           # taps the conv outputs still hold
+
+        def wt(name: str, i: int, own: torch.Tensor) -> torch.Tensor:   # block i's GEMM weight as read
+            return own if wts is None else getattr(wts, name)[i]
+
         for i, blk in enumerate(dit.blocks):
-            m = mb[:, i]
-            nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
-            b = self._gemm(ws.norm.view(N, C), self.w_qkv[i], self.b_qkv[i], ws.qkv)
-            if pos is None:
-                self._qkv_ln(ws, blk, kv[i][:, :, :T], bias=b)
-            else:
-                self._qkv_ln(ws, blk, kv[i], rows, pos, bias=b)
-            self._attend(ws, kv[i], mask, rows)
-            a = blk.attn
-            b = self._gemm(ws.o.view(N, -1), a.proj.weight, a.proj.bias, ws.y)
-            h1, h2 = hist[i, 0], hist[i, 1]
-            self._res_ln(ws, ws.y, b, m[:, G_MSA], m[:, SH_CONV], m[:, SC_CONV], h1[:, K - 1:], L.norm_eps)
-            conv1, ln, conv2 = blk.conv.block[1], blk.conv.block[3], blk.conv.block[6]
-            self._gemm(h1.reshape(-1, C), self.w_taps1[i], None, ws.taps)
-            self._taps_ln_mish(ws.taps, conv1, ln, h2[:, K - 1:])
-            self._gemm(h2.reshape(-1, C), self.w_taps2[i], None, ws.taps)
-            self._res_ln(ws, ws.taps, conv2.bias, m[:, G_CONV], m[:, SH_MLP], m[:, SC_MLP], ws.norm, L.norm_eps,
-                         taps=K)
-            self._linear(ws.norm.view(N, C), blk.mlp.fc1.weight, blk.mlp.fc1.bias, ws.mlp.view(N, -1), gelu=True)
-            b = self._gemm(ws.mlp.view(N, -1), blk.mlp.fc2.weight, blk.mlp.fc2.bias, ws.y2)
-            # this block's MLP residual fused with the next block's attention-input LN (or the final one)
-            self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps)
-
-    def _blocks_wide(self, mod: Modulation, hist: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None,
-                     ws: Workspace, rows: torch.Tensor | None, pos: torch.Tensor | None) -> None:
-        """``blocks`` with the Triton tile GEMMs (``ws.wide``): the same stages, the q/k head LNs in the
-        QKV GEMM's epilogue (``wide_qkv``, up to ``wide_qkv_ln_max_rows`` rows), the conv taps summed in
-        the GEMM (``ws.taps`` is (1, R, T+K-1, C), read as one tap), fc1's bias + GELU in its epilogue,
-        and under compiled TF32 every GEMM operand stored rounded by the stage that writes it."""
-        L = self.L
-        R, T, C = ws.h.shape
-        N, K = R * T, L.taps
-        mb = mod.blocks
-        precision = dot_precision(ws.h)
-        rnd = dit_block.rounds(precision, ws.h.device)
-        w = self.stacked_weights(True) if rnd else None
-        tma = _has_tma(ws.h.device)
-
-        def gemm(x2d, wt, b, out2d, **kw):
-            _wide_gemm(x2d, wt, b, out2d, precision=precision, tma=tma, **kw)
-
-        taps2d = ws.taps.view(-1, C)
-        for i, blk in enumerate(self.dit.blocks):
             a, seq, mlp = blk.attn, blk.conv.block, blk.mlp
             m = mb[:, i]
             nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
-            w_qkv, kv_cur = w.w_qkv[i] if rnd else self.w_qkv[i], kv[i][:, :, :T] if pos is None else kv[i]
-            if N <= self.wide_qkv_ln_max_rows:
-                # the q/k head LNs in the QKV GEMM's epilogue, [k|v] straight into the cache (ws.qkv unused)
-                _wide_qkv(ws.norm.view(N, C), w_qkv, self.b_qkv[i], a.q_norm.weight, a.q_norm.bias, a.k_norm.weight,
-                          a.k_norm.bias, ws.q, kv_cur, T, L.qk_eps, rows=rows, pos=pos, precision=precision, tma=tma)
+            kv_cur = kv[i][:, :, :T] if pos is None else kv[i]
+            if wide and N <= self.wide_qkv_ln_max_rows:
+                # [k|v] straight into the cache from the GEMM's epilogue (ws.qkv unused)
+                _wide_qkv(ws.norm.view(N, C), wt("w_qkv", i, self.w_qkv[i]), self.b_qkv[i], a.q_norm.weight,
+                          a.q_norm.bias, a.k_norm.weight, a.k_norm.bias, ws.q, kv_cur, T, L.qk_eps, rows=rows,
+                          pos=pos, precision=precision, tma=_has_tma(ws.h.device))
             else:
-                gemm(ws.norm.view(N, C), w_qkv, self.b_qkv[i], ws.qkv.view(N, -1))
-                self._qkv_ln(ws, blk, kv_cur, rows, pos)
+                b = self._gemm(ws.norm.view(N, C), wt("w_qkv", i, self.w_qkv[i]), self.b_qkv[i], ws.qkv, wide)
+                self._qkv_ln(ws, blk, kv_cur, rows, pos, bias=b)
             self._attend(ws, kv[i], mask, rows, round_out=rnd)
-            gemm(ws.o.view(N, -1), w.w_proj[i] if rnd else a.proj.weight, a.proj.bias, ws.y.view(N, C))
+            b = self._gemm(ws.o.view(N, -1), wt("w_proj", i, a.proj.weight), a.proj.bias, ws.y, wide)
             h1, h2 = hist[i, 0], hist[i, 1]
-            self._res_ln(ws, ws.y, None, m[:, G_MSA], m[:, SH_CONV], m[:, SC_CONV], h1[:, K - 1:], L.norm_eps,
+            self._res_ln(ws, ws.y, b, m[:, G_MSA], m[:, SH_CONV], m[:, SC_CONV], h1[:, K - 1:], L.norm_eps,
                          round_out=rnd)
-            gemm(h1.reshape(-1, C), w.w_taps1[i] if rnd else self.w_taps1[i], None, taps2d, taps=K)
-            self._taps_ln_mish(ws.taps, seq[1], seq[3], h2[:, K - 1:], K=1, round_out=rnd)
-            gemm(h2.reshape(-1, C), w.w_taps2[i] if rnd else self.w_taps2[i], None, taps2d, taps=K)
+            self._gemm(h1.reshape(-1, C), wt("w_taps1", i, self.w_taps1[i]), None, ws.taps, wide, taps=K)
+            self._taps_ln_mish(ws.taps, seq[1], seq[3], h2[:, K - 1:], K=kt, round_out=rnd)
+            self._gemm(h2.reshape(-1, C), wt("w_taps2", i, self.w_taps2[i]), None, ws.taps, wide, taps=K)
             self._res_ln(ws, ws.taps, seq[6].bias, m[:, G_CONV], m[:, SH_MLP], m[:, SC_MLP], ws.norm, L.norm_eps,
-                         taps=1, round_out=rnd)
-            gemm(ws.norm.view(N, C), w.w_fc1[i] if rnd else mlp.fc1.weight, mlp.fc1.bias, ws.mlp.view(N, -1),
-                 gelu=True, round_out=rnd)
-            b = self._gemm(ws.mlp.view(N, -1), mlp.fc2.weight, mlp.fc2.bias, ws.y2)
+                         taps=kt, round_out=rnd)
+            self._gemm(ws.norm.view(N, C), wt("w_fc1", i, mlp.fc1.weight), mlp.fc1.bias, ws.mlp.view(1, N, -1), wide,
+                       gelu=True, round_out=rnd)
+            b = self._gemm(ws.mlp.view(N, -1), mlp.fc2.weight, mlp.fc2.bias, ws.y2)    # fc2: cuBLAS either way
+            # this block's MLP residual fused with the next block's attention-input LN (or the final one)
             self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps, round_out=rnd)
 
     # ------------------------------------------------------------------ original-compatible API

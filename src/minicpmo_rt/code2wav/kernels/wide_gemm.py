@@ -149,6 +149,15 @@ def tile_for(M: int, N: int, K: int, taps: int = 1) -> Tile:
     return TILES.get((M >= BIG_M, N, K, taps), DEFAULT_TILE)
 
 
+def _descriptors(x: torch.Tensor, w: torch.Tensor, BM: int, BN: int, BK: int, who: str):
+    """TMA descriptors of x's (BM, BK) and w's (BN, BK) tiles; both need contiguous 16-byte aligned rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    for name, t in (("x", x), ("w", w)):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            raise ValueError(f"{who}(tma=True): {name} needs contiguous 16-byte aligned rows, got strides {t.stride()}")
+    return TensorDescriptor.from_tensor(x, block_shape=[BM, BK]), TensorDescriptor.from_tensor(w, block_shape=[BN, BK])
+
+
 def wide_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor, gelu: bool = False,
               taps: int = 1, round_out: bool = False, precision: str = "tf32", tma: bool = False,
               tile: Tile | None = None, group_m: int = 8) -> torch.Tensor:
@@ -180,15 +189,7 @@ def wide_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: tor
     BM, BN, BK, warps, stages = tile or tile_for(M, N, K, taps)
     if K % BK:
         raise ValueError(f"wide_gemm: K={K} is not a multiple of the K tile {BK}")
-    a_desc = w_desc = None
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        for name, t in (("x", x), ("w", w)):
-            if t.stride(1) != 1 or (t.stride(0) * 4) % 16 or t.data_ptr() % 16:
-                raise ValueError(f"wide_gemm(tma=True): {name} needs contiguous 16-byte aligned rows, "
-                                 f"got strides {t.stride()}")
-        a_desc = TensorDescriptor.from_tensor(x, block_shape=[BM, BK])
-        w_desc = TensorDescriptor.from_tensor(w, block_shape=[BN, BK])
+    a_desc, w_desc = _descriptors(x, w, BM, BN, BK, "wide_gemm") if tma else (None, None)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     _wide_gemm[grid](x, w, b if b is not None else x, out, a_desc, w_desc, M, N, K,
                      *x.stride(), *w.stride(), *out.stride(),
@@ -223,11 +224,7 @@ def wide_qkv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, q_w: torch.Tenso
         raise ValueError(f"wide_qkv: no column tile of whole heads for H={H}, D={D} (tile {BN})")
     if K % BK:
         raise ValueError(f"wide_qkv: K={K} is not a multiple of the K tile {BK}")
-    a_desc = w_desc = None
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        a_desc = TensorDescriptor.from_tensor(x, block_shape=[BM, BK])
-        w_desc = TensorDescriptor.from_tensor(w, block_shape=[BN, BK])
+    a_desc, w_desc = _descriptors(x, w, BM, BN, BK, "wide_qkv") if tma else (None, None)
     has_pos = pos is not None
     grid = (triton.cdiv(M, BM) * (3 * H * D // BN),)
     _wide_qkv[grid](x, w, b, q_w, q_b, k_w, k_b, q_out, kv, rows if has_pos else x, pos if has_pos else x,
