@@ -26,6 +26,7 @@ from torch import nn
 
 from ..checkpoint.weights import load_strict
 from ..errors import CheckpointError, InputError
+from . import bulk_copy
 from .cfm import CausalConditionalCFM
 from .encoder import EncoderCache, UpsampleConformerEncoderV2
 from .flow_config import FlowConfig, read_flow_yaml
@@ -77,7 +78,7 @@ def trim_estimator_att(att: torch.Tensor, prompt_frames: int, keep: int = HISTOR
     along the frame axis (upstream's rule, applied to its newest-first layout as it is)."""
     if att.shape[4] <= prompt_frames + keep:
         return att
-    return torch.cat([att[:, :, :, :, :prompt_frames], att[:, :, :, :, -keep:]], dim=4)
+    return bulk_copy.cat([att[:, :, :, :, :prompt_frames], att[:, :, :, :, -keep:]], dim=4)
 
 
 def trim_conformer_att(att: torch.Tensor, prompt_frames: int, n_token_layers: int,
@@ -201,16 +202,23 @@ class Flow(nn.Module):
             raise InputError(f"n_timesteps={n_timesteps} but the cache was set up with {cache.n_timesteps} steps")
         h, spk, enc_cache = self.encode_chunk(token, spk, cache.encoder, last_chunk)
         if self.chunk_solver is not None and self.chunk_solver.S == n_timesteps:
-            # The fast path (fused body / Whole-Euler graphs): same contract as forward_chunk.
+            # The fast path (fused body / Whole-Euler graphs): same contract as forward_chunk. The
+            # caches come back as views of the solver's buffers: the trim is then the one copy
+            # of the attention cache (not a clone of prompt + 150 frames and a trim of that)
             mel, est_cnn, est_att = self.chunk_solver.solve(h, spk, torch.zeros_like(h),
-                                                            cache.estimator_cnn, cache.estimator_att)
+                                                            cache.estimator_cnn, cache.estimator_att,
+                                                            copy_out=False)
+            trimmed = trim_estimator_att(est_att, cache.prompt_frames)
+            est_att = bulk_copy.clone(est_att) if trimmed is est_att else trimmed
+            est_cnn = est_cnn.clone()
         else:
             mel, est_cnn, est_att = self.decoder.forward_chunk(
                 h, spk, torch.zeros_like(h), n_timesteps=n_timesteps,
                 cnn_cache=cache.estimator_cnn, att_cache=cache.estimator_att)
+            est_att = trim_estimator_att(est_att, cache.prompt_frames)
         p = cache.prompt_frames
         enc_cache = self.trim_encoder_cache(enc_cache, p)
-        return mel, FlowCache(enc_cache.cnn, enc_cache.att, est_cnn, trim_estimator_att(est_att, p), p)
+        return mel, FlowCache(enc_cache.cnn, enc_cache.att, est_cnn, est_att, p)
 
     @torch.inference_mode()
     def encode_chunk(self, token: torch.Tensor, spk: torch.Tensor, encoder: EncoderCache, last_chunk: bool = False

@@ -42,6 +42,7 @@ import torch
 
 from ..checkpoint.snapshot import resolve_snapshot
 from ..errors import CheckpointError, InputError
+from . import bulk_copy
 from .encoder import EncoderCache
 from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow
 from .frontend import PromptFeatures, VoiceFrontend
@@ -120,10 +121,10 @@ def stack_flow_caches(caches: Sequence[FlowCache]) -> FlowCache:
     """
     est_cnn = [_cfg_halves(c.estimator_cnn) for c in caches]
     est_att = [_cfg_halves(c.estimator_att) for c in caches]
-    return FlowCache(torch.cat([c.conformer_cnn for c in caches], 0),
-                     torch.cat([c.conformer_att for c in caches], 1),
-                     torch.cat([h[0] for h in est_cnn] + [h[1] for h in est_cnn], 2),
-                     torch.cat([h[0] for h in est_att] + [h[1] for h in est_att], 2),
+    return FlowCache(bulk_copy.cat([c.conformer_cnn for c in caches], 0),
+                     bulk_copy.cat([c.conformer_att for c in caches], 1),
+                     bulk_copy.cat([h[0] for h in est_cnn] + [h[1] for h in est_cnn], 2),
+                     bulk_copy.cat([h[0] for h in est_att] + [h[1] for h in est_att], 2),
                      caches[0].prompt_frames)
 
 
@@ -135,9 +136,9 @@ def split_flow_cache(cache: FlowCache, sizes: Sequence[int]) -> list[FlowCache]:
     ac, au = _cfg_halves(cache.estimator_att)
     for n in sizes:
         j = i + n
-        out.append(FlowCache(cache.conformer_cnn[i:j].contiguous(), cache.conformer_att[:, i:j].contiguous(),
-                             torch.cat([cc[:, :, i:j], cu[:, :, i:j]], 2),
-                             torch.cat([ac[:, :, i:j], au[:, :, i:j]], 2), cache.prompt_frames))
+        out.append(FlowCache(bulk_copy.clone(cache.conformer_cnn[i:j]), bulk_copy.clone(cache.conformer_att[:, i:j]),
+                             bulk_copy.cat([cc[:, :, i:j], cu[:, :, i:j]], 2),
+                             bulk_copy.cat([ac[:, :, i:j], au[:, :, i:j]], 2), cache.prompt_frames))
         i = j
     return out
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import bulk_copy
 from .euler_graph import GraphConfig, SolveKey, WholeEulerSolver, _Static
 from .precision import matmul_tf32
 
@@ -93,8 +94,8 @@ class SlotPool:
         if L > self.frames:
             raise ValueError(f"cache of {L} frames does not fit a slot of {self.frames}")
         if att_cache is not None:
-            self.kv[:, :, c, :, :L] = att_cache[:, :, 0]
-            self.kv[:, :, u, :, :L] = att_cache[:, :, 1]
+            bulk_copy.copy_(self.kv[:, :, c, :, :L], att_cache[:, :, 0])
+            bulk_copy.copy_(self.kv[:, :, u, :, :L], att_cache[:, :, 1])
         if cnn_cache is None:
             self.cnn[:, :, [c, u]] = 0
         else:

@@ -46,6 +46,10 @@ if AVAILABLE:
         ok = offs < C
         xp = X + r * sxr + t * sxt + offs
         x = tl.load(xp, mask=ok, other=0.0)
+        # every load issued before the first reduction: loads after it wait out its barrier and then
+        # a memory latency of their own (the LN stage is latency-bound: one row per program)
+        sh = tl.load(SHIFT + r * s_mod + offs, mask=ok, other=0.0)
+        sc = tl.load(SCALE + r * s_mod + offs, mask=ok, other=0.0)
         if HAS_RES:
             # conv output at t = sum_k Y[t + k, k*C + c] (+ bias): Y rows are history frames;
             # each of the SPLITS partials adds its share of the K sum
@@ -67,8 +71,6 @@ if AVAILABLE:
         d = tl.where(ok, x - mean, 0.0)
         var = tl.sum(d * d, axis=0) / C
         xn = d / tl.sqrt(var + eps)
-        sh = tl.load(SHIFT + r * s_mod + offs, mask=ok, other=0.0)
-        sc = tl.load(SCALE + r * s_mod + offs, mask=ok, other=0.0)
         tl.store(OUT + r * sor + t * sot + offs, round_tf32(xn * sc + sh, ROUND_OUT), mask=ok)
 
     @triton.jit
@@ -146,13 +148,15 @@ if AVAILABLE:
         offs = tl.arange(0, BLOCK_C)
         ok = offs < C
         y = tl.load(BIAS + offs, mask=ok, other=0.0)
+        w = tl.load(W + offs, mask=ok, other=0.0)     # before the reductions, as in res_ln_row
+        b = tl.load(B + offs, mask=ok, other=0.0)
         for sp in tl.static_range(SPLITS):
             for k in tl.static_range(TAPS):
                 y += tl.load(Y + sp * s_split + r * syr + (t + k) * syt + k * C + offs, mask=ok, other=0.0)
         mean = tl.sum(y, axis=0) / C
         d = tl.where(ok, y - mean, 0.0)
         var = tl.sum(d * d, axis=0) / C
-        h = d / tl.sqrt(var + eps) * tl.load(W + offs, mask=ok, other=0.0) + tl.load(B + offs, mask=ok, other=0.0)
+        h = d / tl.sqrt(var + eps) * w + b
         # mish(h) = h * tanh(softplus(h)) = h * n / (n + 2) with n = e^h (e^h + 2); exact form, no tanh call
         e = tl.exp(tl.minimum(h, 20.0))
         nn_ = e * (e + 2.0)

@@ -1,0 +1,102 @@
+"""How fast can the Whole-Euler solver copy the streams' attention caches into its arena?
+
+The default (non-pooled) solve copies each stream's per-step cache (S, depth, 2B, H, L, 2D) behind the
+current-chunk slot of the arena (S, depth, 2Bb, H, Q+O, 2D): at batch 16 that is 8.4 GB per chunk.
+Variants, side by side on the same tensors (CUDA-event medians):
+
+* ``two copies``: cond rows and uncond rows as two strided ``copy_`` calls (what ``_fill`` did);
+* ``one copy``: both halves in one ``copy_`` when the batch fills its bucket (B == Bb);
+* ``... as 16-byte elements``: the same with both sides viewed as complex128, so each thread moves
+  16 bytes (torch's strided copy does not vectorise 4-byte elements);
+* ``torch clone``: a contiguous clone of the source (the device's plain copy rate, for scale).
+
+    python benchmarks/arena_copy_probe.py --out DIR [--batches 16,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def timed_us(fn, reps: int = 15) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(ts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--batches", default="16,8")
+    args = ap.parse_args()
+    S, depth, H, Q, L, D2 = 10, 16, 8, 50, 400, 128
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    for B in (int(b) for b in args.batches.split(",")):
+        arena = torch.zeros(S, depth, 2 * B, H, Q + L, D2, device="cuda")
+        src = torch.randn(S, depth, 2 * B, H, L, D2, device="cuda")
+        dst = arena[..., Q:Q + L, :]
+        gb = src.numel() * 4 / 1e9
+
+        def two():
+            dst[:, :, :B].copy_(src[:, :, :B])
+            dst[:, :, B:].copy_(src[:, :, B:])
+
+        def one():
+            dst.copy_(src)
+
+        a16 = arena.view(torch.complex128)              # (..., Q+L, D2/4)
+        d16 = a16[..., Q:Q + L, :]
+        s16 = src.view(torch.complex128)
+
+        def one16():
+            d16.copy_(s16)
+
+        def two16():
+            d16[:, :, :B].copy_(s16[:, :, :B])
+            d16[:, :, B:].copy_(s16[:, :, B:])
+
+        def clone():
+            return src.clone()
+
+        for name, fn in (("two copies", two), ("one copy", one), ("two copies as 16-byte elements", two16),
+                         ("one copy as 16-byte elements", one16), ("torch clone (contiguous)", clone)):
+            arena.zero_()
+            us = timed_us(fn)
+            ok = bool(torch.equal(dst, src)) if name != "torch clone (contiguous)" else True
+            res["rows"].append({"batch": B, "variant": name, "us": us, "gb": gb, "tb_s_read_plus_write": 2 * gb / us * 1e3,
+                                "exact": ok})
+            print(f"B={B:2d} {name:34s} {us / 1e3:7.2f} ms {2 * gb / us * 1e3:5.2f} TB/s exact={ok}", flush=True)
+        del arena, src, dst, a16, d16, s16
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "arena_copy_probe.json").write_text(json.dumps(res, indent=1))
+    (args.out / "arena_copy_probe.md").write_text(markdown(res))
+    return 0
+
+
+def markdown(res: dict) -> str:
+    out = [f"# Whole-Euler arena fill: copying the streams' attention caches ({res['gpu']})", "",
+           f"torch {res['torch']}; (S=10, depth=16, 2B, H=8, 400 frames, 128) FP32 caches into the arena's "
+           "(..., 50 + 400, 128) slots; CUDA-event medians of 15.", "",
+           "| B | variant | ms | GB | TB/s (read + write) | bit-exact |", "|---:|---|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        out.append(f"| {r['batch']} | {r['variant']} | {r['us'] / 1e3:.2f} | {r['gb']:.2f} | "
+                   f"{r['tb_s_read_plus_write']:.2f} | {r['exact']} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
