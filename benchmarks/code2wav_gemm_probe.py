@@ -192,6 +192,9 @@ TABLES = {
     "D": ((128, 128, 32, 8, 3),) * 4,
     "E": ((64, 128, 32, 4, 4),) * 4,
     "F": ((64, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 128, 32, 4, 4), (64, 64, 64, 4, 4)),
+    # the isolated best at batch 4 (400 rows; session 10 run 2)
+    "G": ((64, 128, 64, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 64, 64, 4, 4)),
+    "H": ((64, 64, 64, 4, 4), (64, 32, 64, 4, 4), (64, 64, 64, 4, 4), (64, 32, 64, 4, 4)),
 }
 
 
@@ -234,6 +237,52 @@ def solve_section(res: dict, save, batches=(16, 8)) -> None:
         wg.TILES.update(saved)
 
 
+# QKV with the q/k head LNs in its epilogue (``wide_qkv``), per tile, against the GEMM + separate LN stage
+QKV_VARIANTS = (("GEMM + LN stage", None), ("epilogue 128x128 bk32 w8 s3", (128, 128, 32, 8, 3)),
+                ("epilogue 64x128 bk32 w4 s4", (64, 128, 32, 4, 4)), ("epilogue 64x64 bk32 w4 s4", (64, 64, 32, 4, 4)),
+                ("epilogue 128x64 bk32 w4 s4", (128, 64, 32, 4, 4)), ("epilogue 64x128 bk64 w4 s3", (64, 128, 64, 4, 3)),
+                ("epilogue 64x64 bk64 w4 s4", (64, 64, 64, 4, 4)))
+
+
+def qkv_section(res: dict, save, batches=(16,)) -> None:
+    """Whole-solve replays (tile GEMMs) with the QKV GEMM's head-LN epilogue at each candidate tile
+    against the separate LN stage, same machine, alternating nothing else."""
+    from minicpmo_rt.code2wav.kernels import wide_gemm as wg
+    dev = torch.device("cuda")
+    flow = Flow(FULL_SIZE)
+    randomize_(flow, 0)
+    cfm = flow.to(dev).eval().decoder
+    rows = res.setdefault("qkv", [])
+    saved = dict(wg.QKV_TILES)
+    try:
+        for B in batches:
+            cnn, att, mu, spk, cond = chunk_inputs(B, dev)
+            big = 2 * B * T >= wg.BIG_M
+            cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
+            for name, tile in QKV_VARIANTS:
+                wg.QKV_TILES.clear()
+                if tile is not None:
+                    wg.QKV_TILES[big] = tile
+                sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
+                                      config=cfg, wide_gemm=True)
+                sv.fused.wide_qkv_ln_max_rows = 10 ** 9 if tile is not None else 0
+                got = sv.solve(mu, spk, cond, cnn, att, copy_out=False)
+                if not rows or rows[-1]["batch"] != B:
+                    ref = [t.clone() for t in got]
+                st = next(iter(sv._statics.values()))
+                err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
+                rows.append({"batch": B, "variant": name, "tile": tile, "max_rel_diff_vs_first": err,
+                             "replay_ms": statistics.median(timed(st.graph.replay, min_reps=15, max_reps=15))})
+                print(f"qkv B={B} {name:28s}: replay {rows[-1]['replay_ms']:.2f} ms (vs first {err:.1e})", flush=True)
+                save()
+                del sv, st, got
+                gc.collect()
+                torch.cuda.empty_cache()
+    finally:
+        wg.QKV_TILES.clear()
+        wg.QKV_TILES.update(saved)
+
+
 def markdown(res: dict) -> str:
     out = [f"# Code2Wav GEMM and lanes probe ({res['gpu']})", "",
            f"torch {res['torch']}, triton {res['triton']}; GPU time of graph replays.", ""]
@@ -257,6 +306,12 @@ def markdown(res: dict) -> str:
         for r in res["solve"]:
             out.append(f"| {r['batch']} | {r['table']} | {r['replay_ms']:.2f} | {r['tiles'] or ''} |")
         out.append("")
+    if res.get("qkv"):
+        out += ["## QKV head LNs in the GEMM epilogue vs a separate LN stage (whole-solve replay, ms per chunk)", "",
+                "| batch | variant | replay ms | max rel diff vs first row |", "|---:|---|---:|---:|"]
+        for r in res["qkv"]:
+            out.append(f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.2f} | {r['max_rel_diff_vs_first']:.1e} |")
+        out.append("")
     if res.get("lanes"):
         out += ["## One chunk's Whole-Euler solve as lanes (ms per chunk, replay only)", "",
                 "| batch | lanes | sequential | side by side |", "|---:|---:|---:|---:|"]
@@ -269,7 +324,7 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--skip", default="", help="comma list: gemm, lanes, solve")
+    ap.add_argument("--skip", default="", help="comma list: gemm, lanes, solve, qkv")
     ap.add_argument("--gemm-batches", default="16,8", help="batches whose GEMM shapes to probe")
     args = ap.parse_args(argv)
     skip = {w.strip() for w in args.skip.split(",") if w.strip()}
@@ -285,6 +340,8 @@ def main(argv=None) -> int:
         lanes_section(res, save)
     if "solve" not in skip:
         solve_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
+    if "qkv" not in skip:
+        qkv_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
     if "gemm" not in skip:
         gemm_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
     save()

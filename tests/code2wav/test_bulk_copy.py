@@ -80,3 +80,21 @@ def test_clone_is_contiguous_own_memory():
     assert c.is_contiguous() and torch.equal(c, v) and c.data_ptr() != v.data_ptr()
     a.zero_()
     assert torch.count_nonzero(c) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_arena_fill_halves_and_trim_are_bit_exact():
+    """The solver's fill on the device (both CFG halves into a padded batch bucket) and the flow's
+    trim of the result, against torch's copies."""
+    from minicpmo_rt.code2wav.euler_graph import _copy_rows
+    from minicpmo_rt.code2wav.flow import trim_estimator_att
+    g = torch.Generator(device="cuda").manual_seed(0)
+    S, depth, H, Q, L, D2, B, Bb = 2, 3, 4, 50, 400, 128, 3, 4
+    src = torch.randn(S, depth, 2 * B, H, L, D2, device="cuda", generator=g)
+    arena = torch.zeros(S, depth, 2 * Bb, H, Q + L, D2, device="cuda")
+    _copy_rows(arena[..., Q:, :], src, B, Bb)
+    assert torch.equal(arena[:, :, :B, :, Q:], src[:, :, :B]) and torch.equal(arena[:, :, Bb:Bb + B, :, Q:], src[:, :, B:])
+    assert torch.count_nonzero(arena[:, :, B:Bb]) == 0 and torch.count_nonzero(arena[..., :Q, :]) == 0
+    view = arena[..., :Q + L, :]
+    want = torch.cat([view[..., :300, :], view[..., -100:, :]], 4)
+    assert torch.equal(trim_estimator_att(view, 300), want)

@@ -180,10 +180,11 @@ def test_qkv_with_head_norms_in_the_epilogue(pooled, tile):
 
 
 @requires_cuda
-@pytest.mark.parametrize("tma", [False, True])
-def test_cuda_qkv_full_size(tma):
+@pytest.mark.parametrize("tma,tile", [(False, None), (True, None), (True, (64, 128, 32, 4, 4)),
+                                      (True, (64, 64, 32, 4, 4)), (True, (128, 64, 32, 4, 4))])
+def test_cuda_qkv_full_size(tma, tile):
     """wide_qkv at batch 16 with CFG (1600 rows, 8 heads of 64) on TF32-exact operands: FP32-level
-    agreement with the FP64 reference, through TMA or pointer loads."""
+    agreement with the FP64 reference, through TMA or pointer loads, default and candidate tiles."""
     if tma and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper")
     from minicpmo_rt.code2wav.kernels.wide_gemm import wide_qkv
@@ -195,9 +196,9 @@ def test_cuda_qkv_full_size(tma):
     qn, kn = torch.nn.LayerNorm(D, eps=1e-6).cuda(), torch.nn.LayerNorm(D, eps=1e-6).cuda()
     q = torch.empty(R, T, H, D, device="cuda")
     kv = torch.zeros(R, H, T + 400, 2 * D, device="cuda")
-    wide_qkv(x, w, b, qn.weight, qn.bias, kn.weight, kn.bias, q, kv[:, :, :T], T, 1e-6, tma=tma)
+    wide_qkv(x, w, b, qn.weight, qn.bias, kn.weight, kn.bias, q, kv[:, :, :T], T, 1e-6, tma=tma, tile=tile)
     rq, rk, rv = qkv_reference(x, w, b, qn, kn, H, D, T)
     got = kv[:, :, :T].transpose(1, 2)
     errs = [rel_err(q, rq), rel_err(got[..., :D], rk), rel_err(got[..., D:], rv)]
-    print(f"wide_qkv tma={tma}: q {errs[0]:.2e}, k {errs[1]:.2e}, v {errs[2]:.2e}")
+    print(f"wide_qkv tma={tma} tile={tile}: q {errs[0]:.2e}, k {errs[1]:.2e}, v {errs[2]:.2e}")
     assert max(errs) <= 1e-5 and kv[:, :, T:].abs().max() == 0

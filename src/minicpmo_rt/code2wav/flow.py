@@ -92,10 +92,10 @@ def trim_conformer_att(att: torch.Tensor, prompt_frames: int, n_token_layers: in
     if frames <= prompt_frames + keep:
         return att
     tok = att[:n_token_layers, :, :, :frames // 2]
-    tok = torch.cat([tok[:, :, :, :prompt_frames // 2], tok[:, :, :, tok.shape[3] - keep // 2:]], dim=3)
+    tok = bulk_copy.cat([tok[:, :, :, :prompt_frames // 2], tok[:, :, :, tok.shape[3] - keep // 2:]], dim=3)
     mel = att[n_token_layers:]
-    mel = torch.cat([mel[:, :, :, :prompt_frames], mel[:, :, :, frames - keep:]], dim=3)
-    return torch.cat([tok.repeat(1, 1, 1, 2, 1), mel], dim=0)
+    mel = bulk_copy.cat([mel[:, :, :, :prompt_frames], mel[:, :, :, frames - keep:]], dim=3)
+    return bulk_copy.cat([tok.repeat(1, 1, 1, 2, 1), mel], dim=0)
 
 
 class Flow(nn.Module):

@@ -24,8 +24,8 @@ next block's 1 sum them (with the bias) while loading: more CTAs per GEMM, no ex
 
 With many rows (>= WIDE_MIN_ROWS: batch 8+ with CFG, TF32 on CUDA) the GEMMs but fc2 are Triton tile
 GEMMs instead (``kernels/wide_gemm.py``, ``blocks``): conv1/conv2 as implicit GEMMs over their taps
-(stages 8 and 10 then read one C-wide output), fc1's GELU in the GEMM, and up to WIDE_QKV_LN_MAX_ROWS
-rows stage 3 inside the QKV GEMM's epilogue: 11-12 kernels per block, none of them cuBLAS's GELU or
+(stages 8 and 10 then read one C-wide output), fc1's GELU in the GEMM, and stage 3 inside the QKV
+GEMM's epilogue (``WIDE_QKV_LN_MAX_ROWS``): 11 kernels per block, none of them cuBLAS's GELU or
 memset kernels.
 
 Without Triton (CPU CI, pre-SM80 CUDA, HIP) every fused stage runs as its torch
@@ -83,11 +83,12 @@ SPLIT_MIN_K = 128
 # H200, whole-solve replay per 1-s chunk (code2wav_gemm_probe_session10_h200.md): B=16 23.32 vs 24.69
 # ms with cuBLAS GEMMs, B=8 16.43 vs 17.31; at B=4 (400 rows) the split-K cuBLAS GEMMs stay.
 WIDE_MIN_ROWS = 768
-# Up to this many rows the wide path's QKV GEMM also applies the q/k head LNs in its epilogue and writes
-# [k|v] straight into the cache (``wide_qkv``): H200 B=8 replay 16.01 vs 16.61 ms with the separate LN
-# stage. At B=16 the fused kernel was the slower one (its 3-D epilogue at 128x128 tiles: 24.7 us per
-# call against ~20 for GEMM + LN; replay 23.67 vs 23.43 ms in two runs), so there the stage stays.
-WIDE_QKV_LN_MAX_ROWS = 1024
+# Up to this many rows (None: any) the wide path's QKV GEMM also applies the q/k head LNs in its
+# epilogue and writes [k|v] straight into the cache (``wide_qkv``). H200 whole-solve replays, same
+# machine (code2wav_gemm_probe_session11_qkv_h200.md): B=8 16.14 vs 16.45 ms with the separate LN
+# stage; B=16 22.91 vs 23.47 once the epilogue runs on 64x128 tiles (``wide_gemm.QKV_TILES``; at
+# session 10's 128x128 it was the slower one, 23.81).
+WIDE_QKV_LN_MAX_ROWS: int | None = None
 
 # adaLN chunk order of the original block
 SH_MSA, SC_MSA, G_MSA, SH_MLP, SC_MLP, G_MLP, SH_CONV, SC_CONV, G_CONV = range(9)
@@ -237,7 +238,7 @@ class FusedDiT:
         TF32 matmuls are on (H200, batch 1: 8.86 vs 12.04 ms per chunk); True: also with IEEE dots and
         on CPU under Triton's interpreter (the tests); False: never.
         ``wide_gemm``: the staged body's GEMMs (all but fc2) as Triton tile GEMMs (``kernels/wide_gemm.py``:
-        conv taps summed in the GEMM, fc1's GELU in its epilogue, up to WIDE_QKV_LN_MAX_ROWS rows the q/k
+        conv taps summed in the GEMM, fc1's GELU in its epilogue, the q/k (up to WIDE_QKV_LN_MAX_ROWS rows if set)
         head LNs in the QKV GEMM's epilogue, operands rounded to TF32 by their producers). None (default):
         on CUDA SM80+ while TF32 matmuls are on, for R*T >= WIDE_MIN_ROWS (decided when the workspace is
         made); True: whenever the staged body runs Triton (also on CPU under the interpreter); False: never."""
@@ -577,7 +578,7 @@ class FusedDiT:
             return
         # the staged body: cuBLAS GEMMs, or with ``ws.wide`` Triton tile GEMMs (the conv taps summed in the
         # GEMM, so ``ws.taps`` is (1, R, T+K-1, C) and its readers take one tap; fc1's GELU in its
-        # epilogue; up to ``wide_qkv_ln_max_rows`` rows the q/k head LNs in the QKV GEMM's epilogue) whose
+        # epilogue; the q/k head LNs in the QKV GEMM's epilogue, up to ``wide_qkv_ln_max_rows`` rows if set) whose
         # operands, under compiled TF32, the stage that writes each stores rounded (weights: the rounded copy)
         wide = ws.wide
         rnd = wide and dit_block.rounds(precision, ws.h.device)
@@ -592,7 +593,7 @@ class FusedDiT:
             m = mb[:, i]
             nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
             kv_cur = kv[i][:, :, :T] if pos is None else kv[i]
-            if wide and N <= self.wide_qkv_ln_max_rows:
+            if wide and (self.wide_qkv_ln_max_rows is None or N <= self.wide_qkv_ln_max_rows):
                 # [k|v] straight into the cache from the GEMM's epilogue (ws.qkv unused)
                 _wide_qkv(ws.norm.view(N, C), wt("w_qkv", i, self.w_qkv[i]), self.b_qkv[i], a.q_norm.weight,
                           a.q_norm.bias, a.k_norm.weight, a.k_norm.bias, ws.q, kv_cur, T, L.qk_eps, rows=rows,

@@ -159,11 +159,11 @@ def _encoder_key(enc: EncoderCache, spk: torch.Tensor) -> tuple:
 
 
 def _stack_encoders(encs: Sequence[EncoderCache]) -> EncoderCache:
-    return EncoderCache(torch.cat([e.cnn for e in encs], 0), torch.cat([e.att for e in encs], 1))
+    return EncoderCache(bulk_copy.cat([e.cnn for e in encs], 0), bulk_copy.cat([e.att for e in encs], 1))
 
 
 def _split_encoder(enc: EncoderCache, n: int) -> list[EncoderCache]:
-    return [EncoderCache(enc.cnn[i:i + 1].contiguous(), enc.att[:, i:i + 1].contiguous()) for i in range(n)]
+    return [EncoderCache(bulk_copy.clone(enc.cnn[i:i + 1]), bulk_copy.clone(enc.att[:, i:i + 1])) for i in range(n)]
 
 
 @dataclass
