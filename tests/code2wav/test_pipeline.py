@@ -111,3 +111,29 @@ def test_fused_fast_path_stream_matches_reference(tiny_ckpt, voice):
     b = fast.stream_codes(codes, voice)
     err = float(np.linalg.norm(a - b) / np.linalg.norm(a))
     assert err < 1e-5, err
+
+
+def test_stream_caches_do_not_alias_the_solver_buffers(tiny_ckpt, voice):
+    """The flow takes the solver's caches as views of its buffers and copies them once (the trim, or a
+    clone while the cache is still short): a kept FlowCache must survive later solves unchanged and
+    never share memory with the solver's arena."""
+    import torch
+    fast = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True})
+    fast.flow.chunk_solver.fused.use_triton = False    # the torch stages: same buffers, faster on CPU
+    s = fast.open_stream(voice)
+    codes = _codes(100, seed=9)
+    sv = fast.flow.chunk_solver
+    kept = []
+    for i in range(0, 100, 25):
+        s.push(([4218] * 3 + codes[:25]) if i == 0 else codes[i - 3:i + 25])
+        c = s.cache
+        solver_mem = {sv._arena.untyped_storage().data_ptr()} | {
+            st.cnn_out.untyped_storage().data_ptr() for st in sv._statics.values()}
+        assert c.estimator_att.untyped_storage().data_ptr() not in solver_mem
+        assert c.estimator_cnn.untyped_storage().data_ptr() not in solver_mem
+        kept.append((c, c.estimator_att.clone(), c.estimator_cnn.clone()))
+    p = s.cache.prompt_frames
+    # short caches are cloned, then trimmed ones copied; the last two solves reuse one solver shape
+    assert [c.estimator_att.shape[4] for c, _, _ in kept] == [p + 50, p + 100, p + 100, p + 100]
+    for c, att, cnn in kept:
+        assert torch.equal(c.estimator_att, att) and torch.equal(c.estimator_cnn, cnn)
