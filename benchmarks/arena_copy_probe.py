@@ -18,23 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-
-def timed_us(fn, reps: int = 15) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(ts)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from code2wav_bench import timed  # noqa: E402
 
 
 def main() -> int:
@@ -74,7 +64,7 @@ def main() -> int:
         for name, fn in (("two copies", two), ("one copy", one), ("two copies as 16-byte elements", two16),
                          ("one copy as 16-byte elements", one16), ("torch clone (contiguous)", clone)):
             arena.zero_()
-            us = timed_us(fn)
+            us = statistics.median(timed(fn, min_reps=15, max_reps=15)) * 1e3
             ok = bool(torch.equal(dst, src)) if name != "torch clone (contiguous)" else True
             res["rows"].append({"batch": B, "variant": name, "us": us, "gb": gb, "tb_s_read_plus_write": 2 * gb / us * 1e3,
                                 "exact": ok})

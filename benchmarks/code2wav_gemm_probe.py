@@ -16,6 +16,7 @@ Writes DIR/code2wav_gemm_probe.json and .md after every section.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -198,43 +199,64 @@ TABLES = {
 }
 
 
-def solve_section(res: dict, save, batches=(16, 8)) -> None:
-    """The whole solve's replay per tile table (the GEMMs in place: cold weights, real neighbours),
-    against cuBLAS GEMMs, same machine."""
+@contextlib.contextmanager
+def _tile_tables():
+    """``wide_gemm`` with its tile tables restored after a sweep that edits them."""
     from minicpmo_rt.code2wav.kernels import wide_gemm as wg
+    saved = dict(wg.TILES), dict(wg.QKV_TILES)
+    try:
+        yield wg
+    finally:
+        for table, old in zip((wg.TILES, wg.QKV_TILES), saved):
+            table.clear()
+            table.update(old)
+
+
+def _in_solve_sweep(batches, variants, setup, record) -> None:
+    """Whole-solve replays (the GEMMs in place: cold weights, real neighbours), same machine: for each
+    batch and variant, ``setup(wg, B, big, variant)`` edits the tile tables and returns the solver's
+    ``wide_gemm`` and a function applied to its FusedDiT (or None); ``record(B, variant, outputs,
+    replay_ms)`` keeps the row."""
     dev = torch.device("cuda")
     flow = Flow(FULL_SIZE)
     randomize_(flow, 0)
     cfm = flow.to(dev).eval().decoder
-    rows = res.setdefault("solve", [])
-    saved = dict(wg.TILES)
-    try:
+    with _tile_tables() as wg:
         for B in batches:
             cnn, att, mu, spk, cond = chunk_inputs(B, dev)
-            big = 2 * B * T >= wg.BIG_M
             cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
-            for name in ["cuBLAS"] + list(TABLES):
-                wg.TILES.clear()
-                wg.TILES.update(saved)
-                if name != "cuBLAS":
-                    for (n, k, taps), tile in zip(((1536, 512, 1), (512, 512, 1), (2048, 512, 1), (512, 512, 3)),
-                                                  TABLES[name]):
-                        wg.TILES[(big, n, k, taps)] = tile
+            for variant in variants:
+                wide, tune = setup(wg, B, 2 * B * T >= wg.BIG_M, variant)
                 sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
-                                      config=cfg, wide_gemm=name != "cuBLAS")
-                sv.solve(mu, spk, cond, cnn, att, copy_out=False)
+                                      config=cfg, wide_gemm=wide)
+                if tune is not None:
+                    tune(sv.fused)
+                got = sv.solve(mu, spk, cond, cnn, att, copy_out=False)
                 st = next(iter(sv._statics.values()))
-                assert st.ws.wide == (name != "cuBLAS")
-                rows.append({"batch": B, "table": name, "tiles": None if name == "cuBLAS" else TABLES[name],
-                             "replay_ms": statistics.median(timed(st.graph.replay, min_reps=15, max_reps=15))})
-                print(f"solve B={B} {name:6s}: replay {rows[-1]['replay_ms']:.2f} ms", flush=True)
-                save()
-                del sv, st
+                assert st.ws.wide == wide
+                record(B, variant, got, statistics.median(timed(st.graph.replay, min_reps=15, max_reps=15)))
+                del sv, st, got
                 gc.collect()
                 torch.cuda.empty_cache()
-    finally:
-        wg.TILES.clear()
-        wg.TILES.update(saved)
+
+
+def solve_section(res: dict, save, batches=(16, 8)) -> None:
+    """The whole solve's replay per tile table against cuBLAS GEMMs."""
+    rows = res.setdefault("solve", [])
+    roles = ((1536, 512, 1), (512, 512, 1), (2048, 512, 1), (512, 512, 3))
+
+    def setup(wg, B, big, name):
+        if name != "cuBLAS":   # every role of this row class, so no earlier table's tile stays in use
+            wg.TILES.update({(big, *role): tile for role, tile in zip(roles, TABLES[name])})
+            wg.QKV_TILES[big] = TABLES[name][0]      # the QKV GEMM runs as wide_qkv (head LNs in its epilogue)
+        return name != "cuBLAS", None
+
+    def record(B, name, got, ms):
+        rows.append({"batch": B, "table": name, "tiles": None if name == "cuBLAS" else TABLES[name], "replay_ms": ms})
+        print(f"solve B={B} {name:6s}: replay {ms:.2f} ms", flush=True)
+        save()
+
+    _in_solve_sweep(batches, ["cuBLAS"] + list(TABLES), setup, record)
 
 
 # QKV with the q/k head LNs in its epilogue (``wide_qkv``), per tile, against the GEMM + separate LN stage
@@ -245,42 +267,32 @@ QKV_VARIANTS = (("GEMM + LN stage", None), ("epilogue 128x128 bk32 w8 s3", (128,
 
 
 def qkv_section(res: dict, save, batches=(16,)) -> None:
-    """Whole-solve replays (tile GEMMs) with the QKV GEMM's head-LN epilogue at each candidate tile
-    against the separate LN stage, same machine, alternating nothing else."""
-    from minicpmo_rt.code2wav.kernels import wide_gemm as wg
-    dev = torch.device("cuda")
-    flow = Flow(FULL_SIZE)
-    randomize_(flow, 0)
-    cfm = flow.to(dev).eval().decoder
+    """The QKV GEMM's head-LN epilogue at each candidate tile against the separate LN stage (the first
+    variant, whose outputs the others are compared with)."""
     rows = res.setdefault("qkv", [])
-    saved = dict(wg.QKV_TILES)
-    try:
-        for B in batches:
-            cnn, att, mu, spk, cond = chunk_inputs(B, dev)
-            big = 2 * B * T >= wg.BIG_M
-            cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
-            for name, tile in QKV_VARIANTS:
-                wg.QKV_TILES.clear()
-                if tile is not None:
-                    wg.QKV_TILES[big] = tile
-                sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
-                                      config=cfg, wide_gemm=True)
-                sv.fused.wide_qkv_ln_max_rows = 10 ** 9 if tile is not None else 0
-                got = sv.solve(mu, spk, cond, cnn, att, copy_out=False)
-                if not rows or rows[-1]["batch"] != B:
-                    ref = [t.clone() for t in got]
-                st = next(iter(sv._statics.values()))
-                err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
-                rows.append({"batch": B, "variant": name, "tile": tile, "max_rel_diff_vs_first": err,
-                             "replay_ms": statistics.median(timed(st.graph.replay, min_reps=15, max_reps=15))})
-                print(f"qkv B={B} {name:28s}: replay {rows[-1]['replay_ms']:.2f} ms (vs first {err:.1e})", flush=True)
-                save()
-                del sv, st, got
-                gc.collect()
-                torch.cuda.empty_cache()
-    finally:
+    ref = {}
+
+    def setup(wg, B, big, variant):
+        tile = variant[1]
         wg.QKV_TILES.clear()
-        wg.QKV_TILES.update(saved)
+        if tile is not None:
+            wg.QKV_TILES[big] = tile
+
+        def tune(fused):
+            fused.wide_qkv_ln_max_rows = None if tile is not None else 0
+        return True, tune
+
+    def record(B, variant, got, ms):
+        if B not in ref:       # the batch's first variant: the reference (only one batch's kept)
+            ref.clear()
+            ref[B] = [t.clone() for t in got]
+        err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref[B]))
+        rows.append({"batch": B, "variant": variant[0], "tile": variant[1], "max_rel_diff_vs_first": err,
+                     "replay_ms": ms})
+        print(f"qkv B={B} {variant[0]:28s}: replay {ms:.2f} ms (vs first {err:.1e})", flush=True)
+        save()
+
+    _in_solve_sweep(batches, QKV_VARIANTS, setup, record)
 
 
 def markdown(res: dict) -> str:
