@@ -375,7 +375,6 @@ def row_selected(name: str, spec: str) -> bool:
 GLUE_ROW = "fused + graph TF32 on, torch step glue"
 PTR_ROW = "fused + graph TF32 on, pointer-load attention"
 CUBLAS_ROW = "fused + graph TF32 on, cuBLAS GEMMs"     # no Triton tile GEMMs (session 9's default)
-FILL_ROW = "fused + graph TF32 on, fill before solve"   # the arena copy not overlapped (session 11's default)
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -469,7 +468,6 @@ def main(argv=None) -> int:
                 (GLUE_ROW, dict(body="fused", attention="triton-tf32", tf32=True, step_kernels=False)),
                 (PTR_ROW, dict(body="fused", attention="triton-tf32", tf32=True, attn_tma=False)),
                 (CUBLAS_ROW, dict(body="fused", attention="triton-tf32", tf32=True, wide_gemm=False)),
-                (FILL_ROW, dict(body="fused", attention="triton-tf32", tf32=True, overlap_fill=False)),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 

@@ -4,7 +4,7 @@ conv as cuBLAS's taps GEMM, M x 3C x C, against Triton's implicit conv, M x C x 
 (2) "lanes": a batch-16 chunk as several smaller Whole-Euler graphs replayed side by side on their
 own streams, against one batch-16 replay (do the small graphs' idle SMs and gaps fill each other?).
 
-    python benchmarks/code2wav_gemm_probe.py --out DIR [--skip gemm,lanes,solve,qkv,persist,pgemm] [--gemm-batches 16,8]
+    python benchmarks/code2wav_gemm_probe.py --out DIR [--skip gemm,lanes,solve] [--gemm-batches 16,8]
 
 (3) "solve": the whole Whole-Euler replay per tile table of the Triton GEMMs (``TABLES``), against
 cuBLAS GEMMs, in one run: the GEMMs in place, with cold weights and their real neighbours.
@@ -201,13 +201,13 @@ TABLES = {
 
 @contextlib.contextmanager
 def _tile_tables():
-    """``wide_gemm`` with its tile tables (and persistent launches) restored after a sweep that edits them."""
+    """``wide_gemm`` with its tile tables restored after a sweep that edits them."""
     from minicpmo_rt.code2wav.kernels import wide_gemm as wg
-    saved = dict(wg.TILES), dict(wg.QKV_TILES), dict(wg.PERSISTENT)
+    saved = dict(wg.TILES), dict(wg.QKV_TILES)
     try:
         yield wg
     finally:
-        for table, old in zip((wg.TILES, wg.QKV_TILES, wg.PERSISTENT), saved):
+        for table, old in zip((wg.TILES, wg.QKV_TILES), saved):
             table.clear()
             table.update(old)
 
@@ -295,86 +295,6 @@ def qkv_section(res: dict, save, batches=(16,)) -> None:
     _in_solve_sweep(batches, QKV_VARIANTS, setup, record)
 
 
-# Persistent launches (programs looping over tiles; "flat": the software pipeline runs across tile
-# boundaries) against one program per tile, isolated, TMA loads: (tile, persistent programs per SM, flatten)
-PGEMM_CONFIGS = [(128, 128, 32, 8, 3), (128, 128, 32, 4, 4), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4),
-                 (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (128, 256, 32, 8, 3)]
-PGEMM_LAUNCHES = ((0, True), (1, True), (2, True), (1, False))
-
-
-def pgemm_section(res: dict, save, batches=(16, 8)) -> None:
-    """Each DiT GEMM shape per tile as one program per tile and as persistent launches (TMA loads)."""
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    rows = res.setdefault("pgemm", [])
-    for B in batches:
-        R = 2 * B
-        for role, M, N, K, gelu, taps in (("qkv", R * T, 3 * C, C, False, 1), ("proj", R * T, C, C, False, 1),
-                                          ("conv", R * (T + TAPS - 1), C, C, False, TAPS),
-                                          ("fc1", R * T, MLP, C, True, 1), ("fc2", R * T, C, MLP, False, 1)):
-            x = torch.randn(M, K, device=dev, generator=g)
-            w = torch.randn(taps * N, K, device=dev, generator=g) / K ** 0.5
-            b = 0.02 * torch.randn(N, device=dev, generator=g)
-            out = torch.empty(M, N, device=dev)
-            ref = torch.empty(M, N, device=dev)
-            flop = 2 * M * N * K * taps
-            with matmul_tf32(True):
-                for cfg in PGEMM_CONFIGS:
-                    if K % cfg[2]:
-                        continue
-                    r = {"batch": B, "role": role, "M": M, "N": N, "K": K, "tile": cfg, "us": {}}
-                    wide_gemm(x, w, b, ref, gelu=gelu, taps=taps, tma=True, tile=cfg, persistent=0)
-                    for persistent, flatten in PGEMM_LAUNCHES:
-                        key = f"p{persistent}" + ("" if flatten or not persistent else " noflat")
-                        fn = lambda: wide_gemm(x, w, b, out, gelu=gelu, taps=taps, tma=True, tile=cfg,  # noqa: E731
-                                               persistent=persistent, flatten=flatten)
-                        try:
-                            out.zero_()
-                            fn()
-                            same = rel(out, ref)
-                            t = graph_us(fn)
-                        except Exception as exc:  # noqa: BLE001 - a launch that does not compile is a result
-                            r["us"][key] = {"error": repr(exc)[:200]}
-                            continue
-                        r["us"][key] = {"us": t, "tflops": flop / t / 1e6, "rel_diff_vs_p0": same}
-                    rows.append(r)
-                    print(f"pgemm B={B:2d} {role:5s} {cfg}: " + ", ".join(
-                        f"{k} {v['us']:.2f}" if "us" in v else f"{k} ERR" for k, v in r["us"].items()), flush=True)
-                    save()
-            del x, w, b, out, ref
-
-
-# In-solve persistent launches (pipelined across tiles): (name, tile table of TABLES, programs per SM)
-PERSIST_VARIANTS = (("B", "B", 0), ("B p1", "B", 1), ("B p2", "B", 2), ("E p1", "E", 1), ("E p2", "E", 2),
-                    ("D p1", "D", 1), ("F", "F", 0), ("F p2", "F", 2), ("F p3", "F", 3))
-
-
-def persist_section(res: dict, save, batches=(16, 8)) -> None:
-    """The whole solve's replay with the wide GEMMs (QKV included) as persistent launches, per tile table."""
-    rows = res.setdefault("persist", [])
-    roles = ((1536, 512, 1), (512, 512, 1), (2048, 512, 1), (512, 512, 3))
-    ref = {}
-
-    def setup(wg, B, big, variant):
-        _, table, persistent = variant
-        wg.TILES.update({(big, *role): tile for role, tile in zip(roles, TABLES[table])})
-        wg.QKV_TILES[big] = TABLES[table][0]
-        wg.PERSISTENT[big] = persistent
-        return True, None
-
-    def record(B, variant, got, ms):
-        if B not in ref:
-            ref.clear()
-            ref[B] = [t.clone() for t in got]
-        err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref[B]))
-        rows.append({"batch": B, "variant": variant[0], "tiles": TABLES[variant[1]], "persistent": variant[2],
-                     "max_rel_diff_vs_first": err, "replay_ms": ms})
-        print(f"persist B={B} {variant[0]:12s}: replay {ms:.2f} ms (vs first {err:.1e})", flush=True)
-        save()
-
-    _in_solve_sweep(batches, PERSIST_VARIANTS, setup, record)
-
-
 def markdown(res: dict) -> str:
     out = [f"# Code2Wav GEMM and lanes probe ({res['gpu']})", "",
            f"torch {res['torch']}, triton {res['triton']}; GPU time of graph replays.", ""]
@@ -404,26 +324,6 @@ def markdown(res: dict) -> str:
         for r in res["qkv"]:
             out.append(f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.2f} | {r['max_rel_diff_vs_first']:.1e} |")
         out.append("")
-    if res.get("pgemm"):
-        keys = [f"p{p}" + ("" if f or not p else " noflat") for p, f in PGEMM_LAUNCHES]
-        out += ["## Persistent tile GEMMs, isolated (us per call, TMA loads; pN: N programs per SM looping over "
-                "tiles, pipelined across tile boundaries unless noflat; p0: one program per tile)", "",
-                "| B | role | M x N x K | tile | " + " | ".join(keys) + " | best p / p0 |",
-                "|---|---|---|---|" + "---:|" * (len(keys) + 1)]
-        for r in res["pgemm"]:
-            us = [r["us"].get(k, {}).get("us", float("nan")) for k in keys]
-            best_p = min((u for u in us[1:] if u == u), default=float("nan"))
-            out.append(f"| {r['batch']} | {r['role']} | {r['M']}x{r['N']}x{r['K']} | {tuple(r['tile'])} | "
-                       + " | ".join(f"{u:.2f}" for u in us) + f" | {best_p / us[0]:.2f} |")
-        out.append("")
-    if res.get("persist"):
-        out += ["## Whole-Euler solve replay with persistent wide GEMMs (ms per chunk)", "",
-                "| batch | variant | programs per SM | replay ms | max rel diff vs first row |",
-                "|---:|---|---:|---:|---:|"]
-        for r in res["persist"]:
-            out.append(f"| {r['batch']} | {r['variant']} | {r['persistent']} | {r['replay_ms']:.2f} | "
-                       f"{r['max_rel_diff_vs_first']:.1e} |")
-        out.append("")
     if res.get("lanes"):
         out += ["## One chunk's Whole-Euler solve as lanes (ms per chunk, replay only)", "",
                 "| batch | lanes | sequential | side by side |", "|---:|---:|---:|---:|"]
@@ -436,7 +336,7 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--skip", default="", help="comma list: gemm, lanes, solve, qkv, persist, pgemm")
+    ap.add_argument("--skip", default="", help="comma list: gemm, lanes, solve, qkv")
     ap.add_argument("--gemm-batches", default="16,8", help="batches whose GEMM shapes to probe")
     args = ap.parse_args(argv)
     skip = {w.strip() for w in args.skip.split(",") if w.strip()}
@@ -454,10 +354,6 @@ def main(argv=None) -> int:
         solve_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
     if "qkv" not in skip:
         qkv_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
-    if "persist" not in skip:
-        persist_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
-    if "pgemm" not in skip:
-        pgemm_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
     if "gemm" not in skip:
         gemm_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
     save()

@@ -110,7 +110,7 @@ def drive() -> None:
     from minicpmo_rt.code2wav.cfm import CausalConditionalCFM
     from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE, CFMConfig
-    from minicpmo_rt.code2wav.kernels import dit_block, tiled_attention as ta, wide_gemm as wg
+    from minicpmo_rt.code2wav.kernels import dit_block, tiled_attention as ta
     from minicpmo_rt.code2wav.precision import matmul_tf32
     from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver
 
@@ -148,22 +148,6 @@ def drive() -> None:
                 with matmul_tf32(tf32):
                     solver.solve(torch.zeros(B, 80, T), torch.zeros(B, 80), torch.zeros(B, 80, T), *caches(B, L),
                                  graph=False)
-        fused_dit._has_tma = lambda device: True
-        # persistent tile GEMMs (programs looping over tiles, pipelined across tile boundaries), TMA or not
-        saved = dict(wg.PERSISTENT)
-        wg.PERSISTENT.update({True: 1, False: 1})
-        try:
-            for B, tma in ((16, True), (8, False)):
-                fused_dit._has_tma = lambda device, v=tma: v
-                solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
-                                          config=GraphConfig(enabled=False, batch_buckets=(8, 16), query_buckets=(50,)),
-                                          use_triton=True, wide_gemm=True)
-                with matmul_tf32(True):
-                    solver.solve(torch.zeros(B, 80, 50), torch.zeros(B, 80), torch.zeros(B, 80, 50), *caches(B, 400),
-                                 graph=False)
-        finally:
-            wg.PERSISTENT.clear()
-            wg.PERSISTENT.update(saved)
         fused_dit._has_tma = lambda device: True
         # slot pool: pooled caches (rows/pos), a stride-0 key mask, the block kernel at B=1, TMA at B=16
         fused_dit.dot_precision = lambda t: "tf32"

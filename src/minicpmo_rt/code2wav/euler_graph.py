@@ -29,7 +29,6 @@ and the steady new cache is a view of it. Growing the arena drops the graphs tha
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -89,7 +88,6 @@ class _Static:
     graph: torch.cuda.CUDAGraph | None = None
     rows: torch.Tensor | None = None    # slot pool: (2Bb,) pool rows of the batch rows
     pos: torch.Tensor | None = None     # slot pool: (2Bb, Q) frames the current K/V go to
-    fill_events: list | None = None     # overlapped fill: step s's arena cache copied (external events)
     extra: dict = field(default_factory=dict)
 
 
@@ -101,20 +99,13 @@ class WholeEulerSolver:
                  use_triton: bool | None = None, gemm: str = "cublas-split", attn_splits: int | None = None,
                  attn_block_m: int | None = None, split_k: int | None = None, block_kernel: bool | None = None,
                  step_kernels: bool | None = None, attn_tma: bool | None = None, attn_stages: int | None = None,
-                 wide_gemm: bool | None = None, overlap_fill: bool | None = None):
+                 wide_gemm: bool | None = None):
         """``step_kernels``: the glue between two evaluations as two Triton kernels per step
         (``kernels/euler_step.py``) instead of ~12 torch ops; None (default) and True: whenever the
         fused body's Triton stages run; False: the torch ops (the reference the tests compare).
-        ``wide_gemm``: ``FusedDiT``'s (None: Triton tile GEMMs with TF32 from WIDE_MIN_ROWS rows on CUDA).
-        ``overlap_fill``: the fused body's copy of the input attention cache into the arena runs on a
-        side stream, one piece per Euler step, and step s of the solve waits only for its own piece
-        (external CUDA events, kept by graph capture), so the copies of steps 1.. overlap the solve
-        instead of preceding it; None (default) and True: on CUDA where torch has external events;
-        False: one copy before the solve."""
+        ``wide_gemm``: ``FusedDiT``'s (None: Triton tile GEMMs with TF32 from WIDE_MIN_ROWS rows on CUDA)."""
         self.cfm = cfm
         self.step_kernels = step_kernels
-        self.overlap_fill = overlap_fill
-        self._fill_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.dit = cfm.estimator
         self.body = body
         self.tf32 = bool(tf32)
@@ -225,23 +216,10 @@ class WholeEulerSolver:
             st.cnn_idx = torch.arange(Q, Q + self.K1, device=device)
             if key.masked:
                 st.mask = torch.ones(R, Q, Q + O, device=device, dtype=torch.bool)
-            if O and self._overlaps_fill(torch.device(device)):
-                st.fill_events = [torch.cuda.Event(external=True) for _ in range(self.S)]
-                for e in st.fill_events:    # created now: a wait on a never-recorded event is dropped
-                    e.record(torch.cuda.current_stream(device))
         else:
             st.att_in = z(self.S, self.depth, R, self.H, O, 2 * self.D)
             st.att_out = z(self.S, self.depth, R, self.H, Q + O, 2 * self.D)
         return st
-
-    def _overlaps_fill(self, device: torch.device) -> bool:
-        return self.overlap_fill is not False and device.type == "cuda" and _has_external_events()
-
-    @staticmethod
-    def _await_fill(st: _Static, s: int) -> None:
-        """Step s reads its arena cache only after the side stream's copy of it (a graph wait node)."""
-        if st.fill_events is not None:
-            st.fill_events[s].wait(torch.cuda.current_stream(st.x.device))
 
     # ------------------------------------------------------------------ the captured program
     def _program(self, st: _Static) -> None:
@@ -267,7 +245,6 @@ class WholeEulerSolver:
             xin[:Bb, :, :n].copy_(st.x)
             xin[Bb:, :, :n].copy_(st.x)
             euler_step.cnn_roll_ref(st.hist, None, st.cnn_in[s], st.cnn_idx)
-            self._await_fill(st, s)
             self.fused.body(xin, mods[s], st.hist, st.kv[s], st.mask, st.ws, st.out, st.rows, st.pos)
             # new CNN cache = history frames [valid, valid+K-1) (valid = real width, via index)
             euler_step.cnn_roll_ref(st.hist, st.cnn_out[s], None, st.cnn_idx)
@@ -299,7 +276,6 @@ class WholeEulerSolver:
         euler_step.cnn_roll(st.hist, None, st.cnn_in[0], st.cnn_idx)
         junction(0.0, False, mods[0])
         for s in range(S):
-            self._await_fill(st, s)
             f.blocks(mods[s], st.hist, st.kv[s], st.mask, ws, st.rows, st.pos, ctr_zeroed=ctr is not None)
             euler_step.cnn_roll(st.hist, st.cnn_out[s], st.cnn_in[s + 1] if s + 1 < S else None, st.cnn_idx)
             junction(dts[s], True, mods[s + 1] if s + 1 < S else None)
@@ -435,9 +411,7 @@ class WholeEulerSolver:
             st.cnn_in[:, :, :B].copy_(cnn_cache[:, :, :B])
             st.cnn_in[:, :, Bb:Bb + B].copy_(cnn_cache[:, :, B:])
         if self.body == "fused":
-            if L and st.fill_events is not None:
-                self._fill_behind(st, att_cache, B, Bb, Q, L)
-            elif L:   # the bulk of a chunk's copying (8.4 GB at batch 16): 16 bytes per access
+            if L:   # the bulk of a chunk's copying (8.4 GB at batch 16): 16 bytes per access
                 _copy_rows(st.kv[..., Q:Q + L, :], att_cache, B, Bb)
             st.cnn_idx.copy_(torch.arange(T, T + self.K1))
             if st.mask is not None:
@@ -447,22 +421,6 @@ class WholeEulerSolver:
                 st.mask.copy_(keys[None, None, :].expand(st.mask.shape))
         elif L:
             _copy_rows(st.att_in, att_cache, B, Bb)
-
-    def _fill_behind(self, st: _Static, att_cache: torch.Tensor, B: int, Bb: int, Q: int, L: int) -> None:
-        """The arena's cache copy on a side stream, step by step, each piece announced by its event.
-        It starts after all earlier work of the current stream (the previous solve still reading the
-        arena); the solve's step s waits for piece s, so once it returns the current stream is past
-        every copy and the caller may free ``att_cache``."""
-        device = att_cache.device
-        side = self._fill_streams.get(device)
-        if side is None:
-            side = self._fill_streams[device] = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for s in range(self.S):
-                _copy_rows(st.kv[s:s + 1, ..., Q:Q + L, :], att_cache[s:s + 1], B, Bb)
-                st.fill_events[s].record(side)
-        att_cache.record_stream(side)     # also when no solve follows (its memory waits for the copies)
 
     def _read(self, st: _Static, B: int, T: int, L: int, copy_out: bool):
         Bb, Q = st.key.batch, st.key.query
@@ -479,16 +437,6 @@ class WholeEulerSolver:
                 if self.body == "original" or T == Q:
                     att = bulk_copy.clone(att)
         return mel.clone(), cnn, att
-
-
-@functools.lru_cache(maxsize=None)
-def _has_external_events() -> bool:
-    """torch can make CUDA events that graph capture keeps as record/wait nodes (``external``)."""
-    try:
-        torch.cuda.Event(external=True)
-    except TypeError:
-        return False
-    return True
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor, B: int, Bb: int) -> None:

@@ -19,8 +19,6 @@ Semantics are those of ``torch.addmm`` (+ tanh-GELU).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import AVAILABLE
@@ -32,14 +30,15 @@ if AVAILABLE:
     from .dit_ops import round_tf32
 
     @triton.jit
-    def _tile_origin(t, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-        """(first row, first column) of output tile ``t``, in grouped order: GROUP_M row tiles walk
-        the column tiles together (their A rows stay in L2)."""
+    def _tile_origin(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+        """(first row, first column) of this program's output tile, in grouped order: GROUP_M row
+        tiles walk the column tiles together (their A rows stay in L2)."""
+        pid = tl.program_id(0)
         n_m = tl.cdiv(M, BM)
         per_group = GROUP_M * tl.cdiv(N, BN)
-        first_m = (t // per_group) * GROUP_M
+        first_m = (pid // per_group) * GROUP_M
         rows_in = tl.minimum(n_m - first_m, GROUP_M)
-        return (first_m + (t % per_group) % rows_in) * BM, ((t % per_group) // rows_in) * BN
+        return (first_m + (pid % per_group) % rows_in) * BM, ((pid % per_group) // rows_in) * BN
 
     @triton.jit
     def _tile_acc(A, W, a_desc, w_desc, M, N, K, sam, sak, swn, swk, m0, n0,
@@ -68,11 +67,12 @@ if AVAILABLE:
         return acc
 
     @triton.jit
-    def _gemm_tile(tile, A, W, BIAS, OUT, a_desc, w_desc, M, N, K, sam, sak, swn, swk, som, son,
+    def _wide_gemm(A, W, BIAS, OUT, a_desc, w_desc, M, N, K,
+                   sam, sak, swn, swk, som, son,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                    TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ROUND_OUT: tl.constexpr,
                    TMA: tl.constexpr, PRECISION: tl.constexpr):
-        m0, n0 = _tile_origin(tile, M, N, BM, BN, GROUP_M)
+        m0, n0 = _tile_origin(M, N, BM, BN, GROUP_M)
         acc = _tile_acc(A, W, a_desc, w_desc, M, N, K, sam, sak, swn, swk, m0, n0, BM, BN, BK, TAPS, TMA, PRECISION)
         offs_m = m0 + tl.arange(0, BM)
         offs_n = n0 + tl.arange(0, BN)
@@ -86,25 +86,7 @@ if AVAILABLE:
                  mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
     @triton.jit
-    def _wide_gemm(A, W, BIAS, OUT, a_desc, w_desc, M, N, K,
-                   sam, sak, swn, swk, som, son,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                   TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ROUND_OUT: tl.constexpr,
-                   TMA: tl.constexpr, PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr):
-        if PERSISTENT:
-            # fewer programs than tiles, each walking tiles pid, pid + grid, ...; FLATTEN lets the
-            # software pipeline run across tile boundaries (the next tile's operand loads overlap this
-            # tile's epilogue), which matters when K is 16 steps short
-            n_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-            for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
-                _gemm_tile(t, A, W, BIAS, OUT, a_desc, w_desc, M, N, K, sam, sak, swn, swk, som, son,
-                           BM, BN, BK, GROUP_M, TAPS, HAS_BIAS, GELU, ROUND_OUT, TMA, PRECISION)
-        else:
-            _gemm_tile(tl.program_id(0), A, W, BIAS, OUT, a_desc, w_desc, M, N, K, sam, sak, swn, swk, som, son,
-                       BM, BN, BK, GROUP_M, TAPS, HAS_BIAS, GELU, ROUND_OUT, TMA, PRECISION)
-
-    @triton.jit
-    def _qkv_tile(tile, A, W, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS, a_desc, w_desc, M, K,
+    def _wide_qkv(A, W, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS, a_desc, w_desc, M, K,
                   sam, sak, swn, swk, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t, T, eps,
                   H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   GROUP_M: tl.constexpr, HAS_POS: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr):
@@ -114,7 +96,7 @@ if AVAILABLE:
         so a tile holds BN // D whole heads of one of q, k, v."""
         N: tl.constexpr = 3 * H * D
         NH: tl.constexpr = BN // D
-        m0, n0 = _tile_origin(tile, M, N, BM, BN, GROUP_M)
+        m0, n0 = _tile_origin(M, N, BM, BN, GROUP_M)
         acc = _tile_acc(A, W, a_desc, w_desc, M, N, K, sam, sak, swn, swk, m0, n0, BM, BN, BK, 1, TMA, PRECISION)
         acc += tl.load(BIAS + n0 + tl.arange(0, BN))[None, :]
         part = n0 // (H * D)                              # 0 q, 1 k, 2 v
@@ -144,22 +126,6 @@ if AVAILABLE:
                   + kt[:, None, None] * skv_t + (part - 1) * D + od[None, None, :])
         tl.store(kv_dst, y, mask=ok & (which > 0))
 
-    @triton.jit
-    def _wide_qkv(A, W, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS, a_desc, w_desc, M, K,
-                  sam, sak, swn, swk, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t, T, eps,
-                  H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GROUP_M: tl.constexpr, HAS_POS: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-                  PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr):
-        if PERSISTENT:      # as in _wide_gemm
-            n_tiles = tl.cdiv(M, BM) * (3 * H * D // BN)
-            for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
-                _qkv_tile(t, A, W, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS, a_desc, w_desc, M, K,
-                          sam, sak, swn, swk, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t, T, eps,
-                          H, D, BM, BN, BK, GROUP_M, HAS_POS, TMA, PRECISION)
-        else:
-            _qkv_tile(tl.program_id(0), A, W, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS, a_desc, w_desc, M, K,
-                      sam, sak, swn, swk, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t, T, eps,
-                      H, D, BM, BN, BK, GROUP_M, HAS_POS, TMA, PRECISION)
 
 Tile = tuple[int, int, int, int, int]     # (BM, BN, BK, warps, stages)
 # By (M >= BIG_M, N, K, taps) for the DiT's GEMMs: the best of six tables timed as whole Whole-Euler
@@ -183,28 +149,8 @@ DEFAULT_TILE: Tile = (64, 128, 32, 4, 4)
 QKV_TILES: dict[bool, Tile] = {True: (64, 128, 32, 4, 4)}
 
 
-# Persistent launches by M >= BIG_M: programs per SM (0 or absent: one program per tile).
-PERSISTENT: dict[bool, int] = {}
-
-
 def tile_for(M: int, N: int, K: int, taps: int = 1) -> Tile:
     return TILES.get((M >= BIG_M, N, K, taps), DEFAULT_TILE)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device; 1 elsewhere (the interpreter runs programs one after another)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def _grid(n_tiles: int, persistent: int, device: torch.device) -> tuple[int, bool]:
-    """(programs, loop over tiles?) for ``persistent`` programs per SM (0: one program per tile)."""
-    if persistent < 0:
-        raise ValueError(f"persistent must be >= 0 programs per SM, got {persistent}")
-    if persistent == 0:
-        return n_tiles, False
-    progs = min(n_tiles, persistent * _sm_count(device))
-    return progs, progs < n_tiles
 
 
 def _descriptors(x: torch.Tensor, w: torch.Tensor, BM: int, BN: int, BK: int, who: str):
@@ -218,8 +164,7 @@ def _descriptors(x: torch.Tensor, w: torch.Tensor, BM: int, BN: int, BK: int, wh
 
 def wide_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor, gelu: bool = False,
               taps: int = 1, round_out: bool = False, precision: str = "tf32", tma: bool = False,
-              tile: Tile | None = None, group_m: int = 8, persistent: int | None = None,
-              flatten: bool = True) -> torch.Tensor:
+              tile: Tile | None = None, group_m: int = 8) -> torch.Tensor:
     """out (M, N) = x (M, K) @ w (N, K).T (+ b) (then tanh-GELU), as ``torch.addmm``.
 
     ``taps`` > 1: a causal conv over the rows of x as one GEMM, w (taps*N, K) holding tap j's (N, K)
@@ -228,9 +173,7 @@ def wide_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: tor
     first rows). ``round_out``: store the result rounded to nearest TF32 (the operand of a later
     TF32 GEMM). ``out`` may be any 2-D strided view. ``tma``: operand tiles through TMA descriptors
     (CUDA capability >= 9; x and w with contiguous, 16-byte aligned rows). ``tile``: (BM, BN, BK,
-    warps, stages), default ``tile_for``. ``persistent``: launch that many programs per SM, each
-    looping over tiles (0: one program per tile; None: ``PERSISTENT``'s entry for the row class);
-    ``flatten``: pipeline the persistent loop across tile boundaries.
+    warps, stages), default ``tile_for``.
     """
     if not AVAILABLE:
         raise RuntimeError("wide_gemm needs Triton; use torch.addmm")
@@ -251,28 +194,23 @@ def wide_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: tor
     if K % BK:
         raise ValueError(f"wide_gemm: K={K} is not a multiple of the K tile {BK}")
     a_desc, w_desc = _descriptors(x, w, BM, BN, BK, "wide_gemm") if tma else (None, None)
-    if persistent is None:
-        persistent = PERSISTENT.get(M >= BIG_M, 0)
-    progs, loop = _grid(triton.cdiv(M, BM) * triton.cdiv(N, BN), persistent, x.device)
-    _wide_gemm[(progs,)](x, w, b if b is not None else x, out, a_desc, w_desc, M, N, K,
-                         *x.stride(), *w.stride(), *out.stride(),
-                         BM=BM, BN=BN, BK=BK, GROUP_M=group_m, TAPS=taps, HAS_BIAS=b is not None, GELU=gelu,
-                         ROUND_OUT=round_out, TMA=tma, PRECISION=precision, PERSISTENT=loop, FLATTEN=flatten,
-                         num_warps=warps, num_stages=stages)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+    _wide_gemm[grid](x, w, b if b is not None else x, out, a_desc, w_desc, M, N, K,
+                     *x.stride(), *w.stride(), *out.stride(),
+                     BM=BM, BN=BN, BK=BK, GROUP_M=group_m, TAPS=taps, HAS_BIAS=b is not None, GELU=gelu,
+                     ROUND_OUT=round_out, TMA=tma, PRECISION=precision, num_warps=warps, num_stages=stages)
     return out
 
 
 def wide_qkv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, q_w: torch.Tensor, q_b: torch.Tensor,
              k_w: torch.Tensor, k_b: torch.Tensor, q_out: torch.Tensor, kv: torch.Tensor, T: int, eps: float,
              rows: torch.Tensor | None = None, pos: torch.Tensor | None = None, precision: str = "tf32",
-             tma: bool = False, tile: Tile | None = None, group_m: int = 8, persistent: int | None = None,
-             flatten: bool = True) -> None:
+             tma: bool = False, tile: Tile | None = None, group_m: int = 8) -> None:
     """The QKV projection with the q/k head LayerNorms in its epilogue, for x (R*T, C) and the packed
     weight w (3*H*D, C) + bias b: q = LN_q(x @ Wq.T + bq) into q_out (R, T, H, D); k = LN_k(...) and
     the raw v into the [k|v] cache kv (R, H, >=T, 2D) frames [0, T); with ``rows`` (R,) and ``pos``
     (R, T) int32, kv is a pool (P, H, F, 2D) and row r's frame t goes to rows[r], pos[r, t]. The same
-    result as ``torch.addmm`` then ``dit_ops.qkv_head_ln``, without the (R*T, 3*H*D) round trip.
-    ``persistent``, ``flatten``: as in ``wide_gemm``."""
+    result as ``torch.addmm`` then ``dit_ops.qkv_head_ln``, without the (R*T, 3*H*D) round trip."""
     if not AVAILABLE:
         raise RuntimeError("wide_qkv needs Triton; use the GEMM and dit_ops.qkv_head_ln")
     M, K = x.shape
@@ -292,11 +230,9 @@ def wide_qkv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, q_w: torch.Tenso
         raise ValueError(f"wide_qkv: K={K} is not a multiple of the K tile {BK}")
     a_desc, w_desc = _descriptors(x, w, BM, BN, BK, "wide_qkv") if tma else (None, None)
     has_pos = pos is not None
-    if persistent is None:
-        persistent = PERSISTENT.get(M >= BIG_M, 0)
-    progs, loop = _grid(triton.cdiv(M, BM) * (3 * H * D // BN), persistent, x.device)
-    _wide_qkv[(progs,)](x, w, b, q_w, q_b, k_w, k_b, q_out, kv, rows if has_pos else x, pos if has_pos else x,
-                        a_desc, w_desc, M, K, *x.stride(), *w.stride(), q_out.stride(0), q_out.stride(1),
-                        q_out.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), T, eps,
-                        H=H, D=D, BM=BM, BN=BN, BK=BK, GROUP_M=group_m, HAS_POS=has_pos, TMA=tma,
-                        PRECISION=precision, PERSISTENT=loop, FLATTEN=flatten, num_warps=warps, num_stages=stages)
+    grid = (triton.cdiv(M, BM) * (3 * H * D // BN),)
+    _wide_qkv[grid](x, w, b, q_w, q_b, k_w, k_b, q_out, kv, rows if has_pos else x, pos if has_pos else x,
+                    a_desc, w_desc, M, K, *x.stride(), *w.stride(), q_out.stride(0), q_out.stride(1),
+                    q_out.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), T, eps,
+                    H=H, D=D, BM=BM, BN=BN, BK=BK, GROUP_M=group_m, HAS_POS=has_pos, TMA=tma,
+                    PRECISION=precision, num_warps=warps, num_stages=stages)
