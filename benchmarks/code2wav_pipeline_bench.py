@@ -30,7 +30,7 @@ import torch
 
 from minicpmo_rt.checkpoint.tiny import randomize_
 from minicpmo_rt.code2wav import flow_config, hift
-from minicpmo_rt.code2wav.flow import Flow
+from minicpmo_rt.code2wav.flow import Flow, split_flow_cache, stack_flow_caches
 from minicpmo_rt.code2wav.frontend import PromptFeatures
 from minicpmo_rt.code2wav.pipeline import Code2Wav
 from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet, build_generator
@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--paths", default="", help="'|'-separated substrings: only the paths whose labels hold one "
                     "(default: all), e.g. 'fast path'")
     ap.add_argument("--skip-vocoder", action="store_true", help="skip the HiFT-alone table")
+    ap.add_argument("--flow-many", action="store_true", help="on the fast path: the flow half of a batched round, "
+                    "stacked caches against inference_chunk_many")
     args = ap.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -134,6 +136,8 @@ def main() -> None:
         rnd = statistics.median(timed(lambda: [chunk(s) for s in streams], max(3, args.reps // 3)))
         add({"path": label, "choice": choice.describe(), "vocoder": voc.describe_stream_path() + ", per stream",
              "whole_chunk_ms_b1": one, "round_ms_16_streams": rnd, "rtf_16_streams": rnd / 1000.0})
+        if args.flow_many and extra == {}:
+            flow_many_rows(res, c2w.flow, streams, g, args.reps)
         batched_round(c2w, streams, False)  # warm-up: captures the batch-16 graph on the fast paths
         rnd_b = statistics.median(timed(lambda: batched_round(c2w, streams, False), max(3, args.reps // 3)))
         add({"path": f"{label}, {args.streams} streams batched (one solve per round)",
@@ -184,8 +188,43 @@ def main() -> None:
     lines += [f"| {r['mode']} | {r['vocoder']} | {r['round_ms']:.2f} | {r['ms_per_1s_chunk']:.2f} | {r['rtf']:.4f} | "
               f"{'-' if r['pcm_rel_err_vs_eager'] is None else format(r['pcm_rel_err_vs_eager'], '.1e')} |"
               for r in res["vocoder_rows"]]
+    if "flow_many" in res:
+        fm = res["flow_many"]
+        lines += ["", f"## The flow half of a batched round ({fm['streams']} steady streams, GPU ms, medians)", "",
+                  "| path | ms | bit-identical |", "|---|---:|---|"]
+        lines += [f"| {k} | {v:.2f} | {fm['bit_identical']} |" for k, v in fm["ms"].items()]
     (args.out / "code2wav_pipeline_h200.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def flow_many_rows(res: dict, flow: Flow, streams, g: torch.Generator, reps: int) -> None:
+    """The flow half of a batched round (16 steady streams, the same 28 codes each time): the caches
+    stacked, one ``inference_chunk`` and the new cache split per stream (the path before
+    ``inference_chunk_many``) against ``inference_chunk_many`` (each stream's estimator cache straight
+    into and out of the solver), alternating; both outputs compared bit for bit."""
+    caches = [s.cache for s in streams]
+    n = len(caches)
+    spk = torch.cat([s.spk for s in streams])
+    toks = torch.randint(0, 6561, (n, 28), generator=g).to(spk.device)
+
+    def stacked():
+        mel, new = flow.inference_chunk(toks, spk, stack_flow_caches(caches))
+        return mel, split_flow_cache(new, [1] * n)
+
+    def many():
+        return flow.inference_chunk_many(toks, spk, caches)
+
+    (m1, c1), (m2, c2) = stacked(), many()
+    same = torch.equal(m1, m2) and all(torch.equal(getattr(a, k), getattr(b, k)) for a, b in zip(c1, c2)
+                                       for k in ("conformer_cnn", "conformer_att", "estimator_cnn", "estimator_att"))
+    del m1, c1, m2, c2
+    times = {"stack, inference_chunk, split": [], "inference_chunk_many": []}
+    for _ in range(3):
+        times["stack, inference_chunk, split"] += timed(stacked, reps)
+        times["inference_chunk_many"] += timed(many, reps)
+    res["flow_many"] = {"streams": n, "bit_identical": same,
+                        "ms": {k: statistics.median(v) for k, v in times.items()}, "reps": {k: len(v) for k, v in times.items()}}
+    print(f"flow chunk of {n} streams: {res['flow_many']}", flush=True)
 
 
 def vocoder_rows(res: dict, voc: Vocoder, voc_fast: Vocoder, args, dev: torch.device) -> None:

@@ -177,6 +177,38 @@ def test_cuda_graph_matches_eager(body, tf32):
         S = S_saved
 
 
+@pytest.mark.parametrize("body", ["fused", "original"])
+@pytest.mark.parametrize("B,T", [(2, 6), (3, 6), (3, 5), (5, 6)])
+def test_per_stream_caches_match_the_stacked_form(body, B, T):
+    """att_cache as B per-stream (S, depth, 2, ...) caches: the same mel and caches as the stacked
+    (S, depth, 2B, ...) form, the new attention cache split back per stream (rows i and B + i of the
+    stacked one), bit for bit: a full bucket (2), a padded one (3 in 4), a narrow query (T=5 < 6,
+    fused only) and a batch past the largest bucket (5: groups of 4 and 1); views with
+    ``copy_out=False`` and own memory with ``copy_out=True``."""
+    if body == "original" and T != 6:
+        pytest.skip("the original body takes exact widths only")
+    cfm = tiny_cfm(seed=3)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
+    solver = WholeEulerSolver(cfm, body=body, attention="sdpa", n_timesteps=S, config=cfg, use_triton=False)
+    kw = chunk(B, T, 8, seed=20 + B + T)
+    att = kw.pop("att_cache")
+    streams = [torch.cat([att[:, :, i:i + 1], att[:, :, B + i:B + i + 1]], 2) for i in range(B)]
+    mel, cnn, stacked = [t.clone() for t in solver.solve(**kw, att_cache=att)]
+    for copy_out in (False, True):
+        got_mel, got_cnn, per = solver.solve(**kw, att_cache=streams, copy_out=copy_out)
+        assert torch.equal(got_mel, mel) and torch.equal(got_cnn, cnn)
+        assert isinstance(per, list) and len(per) == B
+        for i, a in enumerate(per):
+            assert torch.equal(a, torch.cat([stacked[:, :, i:i + 1], stacked[:, :, B + i:B + i + 1]], 2))
+            if copy_out:
+                assert all(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                           for b in per if b is not a)
+    with pytest.raises(ValueError, match="per-stream attention cache 1"):
+        solver.solve(**kw, att_cache=[streams[0], streams[0][..., :7, :]] + streams[2:])
+    with pytest.raises(ValueError, match="per-stream attention caches for a batch"):
+        solver.solve(**kw, att_cache=streams[:-1])
+
+
 def test_solver_from_knobs_on_cpu(caplog):
     from minicpmo_rt.code2wav.euler_graph import solver_from_knobs
     cfm = tiny_cfm()

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from minicpmo_rt.code2wav.pipeline import Code2Wav, stack_flow_caches, split_flow_cache
+from minicpmo_rt.code2wav.flow import split_flow_cache, stack_flow_caches
+from minicpmo_rt.code2wav.pipeline import Code2Wav
 from minicpmo_rt.errors import InputError
 
 SIL = [4218] * 3
@@ -66,13 +67,13 @@ def test_batched_streams_equal_streams_pushed_alone(c2w, voice):
         alone.append([s.push(p, last) for p, last in plan])
     streams = [c2w.open_stream(voice) for _ in plans]
     calls = []
-    real = c2w.flow.inference_chunk
+    real = c2w.flow.inference_chunk_many
 
     def spy(token, *a, **k):
         calls.append(token.shape[0])
         return real(token, *a, **k)
 
-    c2w.flow.inference_chunk = spy
+    c2w.flow.inference_chunk_many = spy
     voc = c2w.vocoders.stream
     voc.runner = stages = StageSpy(voc.model)
     try:
@@ -81,7 +82,7 @@ def test_batched_streams_equal_streams_pushed_alone(c2w, voice):
             frames.append(streams[0].cache.estimator_frames)
             batched.append(c2w.push_many([(s, plan[k][0], plan[k][1]) for s, plan in zip(streams, plans)]))
     finally:
-        del c2w.flow.inference_chunk
+        del c2w.flow.inference_chunk_many
         voc.runner = voc.model
     assert calls == [3] * len(plans[0])  # one solve per round, all three rows in it
     # the vocoding was batched too: the streams stay in step, so every HiFT stage call had 3 rows
@@ -172,6 +173,40 @@ def test_stack_split_round_trip(c2w, voice):
     for got, want in zip(back, (x, fake)):
         for name in ("conformer_cnn", "conformer_att", "estimator_cnn", "estimator_att"):
             assert torch.equal(getattr(got, name), getattr(want, name))
+
+
+def test_inference_chunk_many_equals_stack_chunk_split(c2w, voice):
+    """Several streams' own caches in one flow chunk: the mel and every next cache equal (bit for
+    bit) those of stacking the caches, one ``inference_chunk`` and splitting, on the fast path
+    (caches straight into and out of the solver) and on the reference path (which stacks); past
+    the trim (the steady state) too. Each next cache has its own memory. Caches with different
+    prompt lengths are refused by name."""
+    streams = [c2w.open_stream(voice) for _ in range(3)]
+    f = c2w.flow
+    g = torch.Generator().manual_seed(7)
+    caches = [s.cache for s in streams]
+    spk = torch.cat([s.spk for s in streams])
+    with torch.inference_mode():
+        for step in range(4):       # 4 chunks of 25 codes: past prompt + 100 frames
+            toks = torch.randint(0, 6561, (3, 28), generator=g)
+            mel_ref, stacked = f.inference_chunk(toks, spk, stack_flow_caches(caches))
+            want = split_flow_cache(stacked, [1, 1, 1])
+            mel, got = f.inference_chunk_many(toks, spk, caches)
+            assert torch.equal(mel, mel_ref)
+            for a, b in zip(got, want):
+                assert a.prompt_frames == b.prompt_frames
+                for name in ("conformer_cnn", "conformer_att", "estimator_cnn", "estimator_att"):
+                    assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
+            ptrs = [c.estimator_att.untyped_storage().data_ptr() for c in got]
+            assert len(set(ptrs)) == 3
+            caches = got
+        odd = type(caches[0])(*[getattr(caches[0], n) for n in ("conformer_cnn", "conformer_att", "estimator_cnn",
+                                                                 "estimator_att")], caches[0].prompt_frames + 2)
+        if f.chunk_solver is not None:
+            with pytest.raises(InputError, match="prompt frames differ"):
+                f.inference_chunk_many(toks, spk, [caches[0], odd, caches[2]])
+    for s in streams:
+        s.close()
 
 
 def test_batched_flow_chunk_mel_matches_single_rows(c2w, voice):

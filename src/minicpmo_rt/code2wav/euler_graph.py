@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 
@@ -360,26 +360,37 @@ class WholeEulerSolver:
     # ------------------------------------------------------------------ solve
     @torch.inference_mode()
     def solve(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
-              cnn_cache: torch.Tensor | None = None, att_cache: torch.Tensor | None = None,
+              cnn_cache: torch.Tensor | None = None, att_cache: torch.Tensor | Sequence[torch.Tensor] | None = None,
               temperature: float = 1.0, graph: bool = True, copy_out: bool = True):
         """mu, cond (B, 80, T); spks (B, 80) projected; caches (S, depth, 2B, ...) or None.
 
         Returns (mel (B, 80, T), new cnn cache (S, depth, 2B, 2C, K-1), new att cache
         (S, depth, 2B, H, T+L, 2D)). With ``copy_out=False`` the caches may be views of the
         solver's buffers, valid until the next ``solve``.
+
+        ``att_cache`` may also be B per-stream caches (S, depth, 2, H, L, 2D) (each stream's [cond |
+        uncond] rows, one shape): they are copied straight into the solver's rows, and the new
+        attention cache comes back in the same form, one (S, depth, 2, H, T+L, 2D) per stream (views
+        with ``copy_out=False``), so a batch of streams needs no stacked copy of its largest state
+        on the way in or out.
         """
         B, _, T = mu.shape
-        L = 0 if att_cache is None else att_cache.shape[4]
-        if att_cache is not None and att_cache.shape[0] != self.S:
-            raise ValueError(f"estimator cache has {att_cache.shape[0]} steps, the solver {self.S}")
+        per_stream = isinstance(att_cache, (list, tuple))
+        if per_stream:
+            att_cache = _check_streams(att_cache, B)
+        L = 0 if att_cache is None else (att_cache[0] if per_stream else att_cache).shape[4]
+        steps = None if att_cache is None else (att_cache[0] if per_stream else att_cache).shape[0]
+        if steps is not None and steps != self.S:
+            raise ValueError(f"estimator cache has {steps} steps, the solver {self.S}")
         big = max(self.config.batch_buckets)
         if B > big:   # groups of the largest bucket
             outs = [self.solve(mu[i:i + big], spks[i:i + big], cond[i:i + big],
                                None if cnn_cache is None else _rows(cnn_cache, B, i, min(B, i + big)),
-                               None if att_cache is None else _rows(att_cache, B, i, min(B, i + big)),
+                               None if att_cache is None else (att_cache[i:i + big] if per_stream
+                                                               else _rows(att_cache, B, i, min(B, i + big))),
                                temperature, graph, True) for i in range(0, B, big)]
-            return (torch.cat([o[0] for o in outs], 0), _cat_rows([o[1] for o in outs]),
-                    _cat_rows([o[2] for o in outs]))
+            att = ([a for o in outs for a in o[2]] if per_stream else _cat_rows([o[2] for o in outs]))
+            return torch.cat([o[0] for o in outs], 0), _cat_rows([o[1] for o in outs]), att
         device = mu.device
         key = self.key_for(B, T, L)
         if key is None:   # beyond the buckets: an exact, unmasked shape
@@ -392,7 +403,7 @@ class WholeEulerSolver:
                 st.graph.replay()
             else:
                 self._program(st)
-        return self._read(st, B, T, L, copy_out)
+        return self._read(st, B, T, L, copy_out, per_stream)
 
     def _fill(self, st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L) -> None:
         Bb, Q, O = st.key.batch, st.key.query, st.key.offset
@@ -410,9 +421,10 @@ class WholeEulerSolver:
         else:
             st.cnn_in[:, :, :B].copy_(cnn_cache[:, :, :B])
             st.cnn_in[:, :, Bb:Bb + B].copy_(cnn_cache[:, :, B:])
+        copy = _copy_streams if isinstance(att_cache, list) else _copy_rows
         if self.body == "fused":
             if L:   # the bulk of a chunk's copying (8.4 GB at batch 16): 16 bytes per access
-                _copy_rows(st.kv[..., Q:Q + L, :], att_cache, B, Bb)
+                copy(st.kv[..., Q:Q + L, :], att_cache, B, Bb)
             st.cnn_idx.copy_(torch.arange(T, T + self.K1))
             if st.mask is not None:
                 keys = torch.zeros(Q + O, dtype=torch.bool)
@@ -420,12 +432,22 @@ class WholeEulerSolver:
                 keys[Q:Q + L] = True
                 st.mask.copy_(keys[None, None, :].expand(st.mask.shape))
         elif L:
-            _copy_rows(st.att_in, att_cache, B, Bb)
+            copy(st.att_in, att_cache, B, Bb)
 
-    def _read(self, st: _Static, B: int, T: int, L: int, copy_out: bool):
+    def _read(self, st: _Static, B: int, T: int, L: int, copy_out: bool, per_stream: bool = False):
         Bb, Q = st.key.batch, st.key.query
         mel = st.x[:B, :T].transpose(1, 2)
         cnn = _pick_rows(st.cnn_out, Bb, B)
+        if per_stream:      # stream i's rows i and Bb + i, each a view or one copy
+            if self.body == "original" or T == Q:
+                full = st.att_out if self.body == "original" else st.kv[..., :Q + L, :]
+                att = [full[:, :, i:i + Bb + 1:Bb] for i in range(B)]
+                if copy_out:
+                    att = [bulk_copy.clone(a) for a in att]
+            else:
+                att = [bulk_copy.cat([st.kv[:, :, i:i + Bb + 1:Bb, :, :T], st.kv[:, :, i:i + Bb + 1:Bb, :, Q:Q + L]], 4)
+                       for i in range(B)]
+            return mel.clone(), cnn.clone() if copy_out and B == Bb else cnn, att
         if self.body == "fused":
             att = st.kv[..., : Q + L, :] if T == Q else bulk_copy.cat([st.kv[..., :T, :], st.kv[..., Q:Q + L, :]], 4)
         else:
@@ -447,6 +469,24 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor, B: int, Bb: int) -> None:
         return
     bulk_copy.copy_(dst[:, :, :B], src[:, :, :B])
     bulk_copy.copy_(dst[:, :, Bb:Bb + B], src[:, :, B:])
+
+
+def _check_streams(caches, B: int) -> list[torch.Tensor]:
+    caches = list(caches)
+    if len(caches) != B:
+        raise ValueError(f"{len(caches)} per-stream attention caches for a batch of {B}")
+    shape = caches[0].shape
+    for i, c in enumerate(caches):
+        if c.dim() != 6 or c.shape[2] != 2 or c.shape != shape:
+            raise ValueError(f"per-stream attention cache {i} has shape {tuple(c.shape)}; every stream's must be "
+                             f"(steps, depth, 2, heads, frames, 2*head_dim) and equal to stream 0's {tuple(shape)}")
+    return caches
+
+
+def _copy_streams(dst: torch.Tensor, caches: list[torch.Tensor], B: int, Bb: int) -> None:
+    """Stream i's [cond | uncond] rows (S, depth, 2, ...) into rows i and Bb + i of dst (S, depth, 2Bb, ...)."""
+    for i, c in enumerate(caches):
+        bulk_copy.copy_(dst[:, :, i:i + Bb + 1:Bb], c)
 
 
 def _pick_rows(t: torch.Tensor, Bb: int, B: int) -> torch.Tensor:

@@ -7,8 +7,10 @@
         pcm = stream.push(payload, last)
     pcms = c2w.push_many([(s1, p1, False), (s2, p2, False)])      # one flow solve for both
 
-``push_many`` stacks streams whose caches and payloads have equal shapes (the steady state of
-concurrent streams) into one encoder + CFM solve, then vocodes them through
+``push_many`` runs streams whose caches and payloads have equal shapes (the steady state of
+concurrent streams) as one encoder + CFM solve (``Flow.inference_chunk_many``: on the fast path
+each stream's estimator cache goes straight into the solver's rows and its trimmed successor
+straight out, no stacked copy), then vocodes them through
 ``Vocoder.push_many``: HiFT calls of equal shapes run as one batch (each stream keeping its own
 vocoder state and excitation), from CUDA graphs on CUDA (``vocoder_graphs``).
 
@@ -104,43 +106,6 @@ class PromptState:
 
     features: PromptFeatures
     flow_cache: FlowCache
-
-
-def _cfg_halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cond rows, uncond rows) of an estimator cache (steps, depth, 2b, ...)."""
-    h = t.shape[2] // 2
-    return t[:, :, :h], t[:, :, h:]
-
-
-def stack_flow_caches(caches: Sequence[FlowCache]) -> FlowCache:
-    """One FlowCache whose batch rows are the given caches' rows, in order.
-
-    The encoder caches are batch-first (cnn) or batch on axis 1 (att, after the layer axis);
-    the estimator caches hold ``[cond rows | uncond rows]`` on axis 2, so the cond halves are
-    stacked ahead of the uncond halves to keep that layout.
-    """
-    est_cnn = [_cfg_halves(c.estimator_cnn) for c in caches]
-    est_att = [_cfg_halves(c.estimator_att) for c in caches]
-    return FlowCache(bulk_copy.cat([c.conformer_cnn for c in caches], 0),
-                     bulk_copy.cat([c.conformer_att for c in caches], 1),
-                     bulk_copy.cat([h[0] for h in est_cnn] + [h[1] for h in est_cnn], 2),
-                     bulk_copy.cat([h[0] for h in est_att] + [h[1] for h in est_att], 2),
-                     caches[0].prompt_frames)
-
-
-def split_flow_cache(cache: FlowCache, sizes: Sequence[int]) -> list[FlowCache]:
-    """Inverse of ``stack_flow_caches``: per-stream caches of ``sizes`` rows each (own memory,
-    so a stream never keeps the whole batch's tensors alive)."""
-    out, i = [], 0
-    cc, cu = _cfg_halves(cache.estimator_cnn)
-    ac, au = _cfg_halves(cache.estimator_att)
-    for n in sizes:
-        j = i + n
-        out.append(FlowCache(bulk_copy.clone(cache.conformer_cnn[i:j]), bulk_copy.clone(cache.conformer_att[:, i:j]),
-                             bulk_copy.cat([cc[:, :, i:j], cu[:, :, i:j]], 2),
-                             bulk_copy.cat([ac[:, :, i:j], au[:, :, i:j]], 2), cache.prompt_frames))
-        i = j
-    return out
 
 
 def _batch_key(cache: FlowCache, spk: torch.Tensor, n_codes: int, last: bool) -> tuple:
@@ -381,11 +346,8 @@ class Code2Wav:
                     else:
                         token = torch.cat([tokens[i] for i in rows], 0).to(self.device)
                         spk = torch.cat([streams[i].spk for i in rows], 0)
-                        cache = (streams[rows[0]].cache if len(rows) == 1
-                                 else stack_flow_caches([streams[i].cache for i in rows]))
-                        mel, new = self.flow.inference_chunk(token, spk, cache, last_chunk=last,
-                                                             n_timesteps=self.n_timesteps)
-                        news = [new] if len(rows) == 1 else split_flow_cache(new, [1] * len(rows))
+                        mel, news = self.flow.inference_chunk_many(token, spk, [streams[i].cache for i in rows],
+                                                                   last_chunk=last, n_timesteps=self.n_timesteps)
                         rnd.commits += [_setter(streams[i], "cache", news[r]) for r, i in enumerate(rows)]
                     for r, i in enumerate(rows):
                         mels[i] = mel[r:r + 1]
