@@ -205,6 +205,12 @@ def test_inference_chunk_many_equals_stack_chunk_split(c2w, voice):
         if f.chunk_solver is not None:
             with pytest.raises(InputError, match="prompt frames differ"):
                 f.inference_chunk_many(toks, spk, [caches[0], odd, caches[2]])
+        short = type(odd)(caches[1].conformer_cnn, caches[1].conformer_att, caches[1].estimator_cnn,
+                          caches[1].estimator_att[..., :-1, :], caches[1].prompt_frames)
+        with pytest.raises(InputError, match="cache 1's estimator_att"):
+            f.inference_chunk_many(toks, spk, [caches[0], short, caches[2]])
+        with pytest.raises(InputError, match="2 caches for 3 token rows"):
+            f.inference_chunk_many(toks, spk, caches[:2])
     for s in streams:
         s.close()
 

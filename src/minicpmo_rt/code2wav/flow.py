@@ -272,6 +272,16 @@ class Flow(nn.Module):
         goes from each stream straight into the solver's rows and its trimmed successor straight
         out of them: two copies per chunk instead of four.
         """
+        if not caches or token.shape[0] != len(caches) or spk.shape[0] != len(caches):
+            raise InputError(f"inference_chunk_many: {len(caches)} caches for {token.shape[0]} token rows and "
+                             f"{spk.shape[0]} speaker rows; pass one cache per row")
+        names = ("conformer_cnn", "conformer_att", "estimator_cnn", "estimator_att")
+        for i, c in enumerate(caches[1:], 1):
+            for name in names:
+                if getattr(c, name).shape != getattr(caches[0], name).shape:
+                    raise InputError(f"inference_chunk_many: cache {i}'s {name} has shape "
+                                     f"{tuple(getattr(c, name).shape)}, cache 0's {tuple(getattr(caches[0], name).shape)}; "
+                                     "streams solved together need equal cache shapes (solve the others apart)")
         if len(caches) == 1:
             mel, new = self.inference_chunk(token, spk, caches[0], last_chunk, n_timesteps)
             return mel, [new]
