@@ -30,6 +30,8 @@ import torch
 
 from minicpmo_rt.checkpoint.tiny import randomize_
 from minicpmo_rt.code2wav import flow_config, hift
+from minicpmo_rt.code2wav import bulk_copy
+from minicpmo_rt.code2wav.encoder import EncoderCache
 from minicpmo_rt.code2wav.flow import Flow, split_flow_cache, stack_flow_caches
 from minicpmo_rt.code2wav.frontend import PromptFeatures
 from minicpmo_rt.code2wav.pipeline import Code2Wav
@@ -62,7 +64,7 @@ def main() -> None:
                     "(default: all), e.g. 'fast path'")
     ap.add_argument("--skip-vocoder", action="store_true", help="skip the HiFT-alone table")
     ap.add_argument("--flow-many", action="store_true", help="on the fast path: the flow half of a batched round, "
-                    "stacked caches against inference_chunk_many")
+                    "stacked caches against inference_chunk_many; the encoder half eager against its graphs")
     args = ap.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -193,6 +195,11 @@ def main() -> None:
         lines += ["", f"## The flow half of a batched round ({fm['streams']} steady streams, GPU ms, medians)", "",
                   "| path | ms | bit-identical |", "|---|---:|---|"]
         lines += [f"| {k} | {v:.2f} | {fm['bit_identical']} |" for k, v in fm["ms"].items()]
+    if res.get("encoder"):
+        lines += ["", "## The encoder half of a chunk (embedding, conformer, projection), GPU ms, medians", "",
+                  "| streams | eager | CUDA graph | bit-identical |", "|---:|---:|---:|---|"]
+        lines += [f"| {r['streams']} | {r['ms']['eager']:.2f} | {r['ms']['graphed']:.2f} | {r['bit_identical']} |"
+                  for r in res["encoder"]]
     (args.out / "code2wav_pipeline_h200.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -225,6 +232,30 @@ def flow_many_rows(res: dict, flow: Flow, streams, g: torch.Generator, reps: int
     res["flow_many"] = {"streams": n, "bit_identical": same,
                         "ms": {k: statistics.median(v) for k, v in times.items()}, "reps": {k: len(v) for k, v in times.items()}}
     print(f"flow chunk of {n} streams: {res['flow_many']}", flush=True)
+    # the encoder half alone: eager against its CUDA graphs (Flow.encoder_graphs), 1 and n streams
+    graphs = flow.encoder_graphs
+    rows = res["encoder"] = []
+    for b in (1, n):
+        enc = EncoderCache(bulk_copy.cat([c.conformer_cnn for c in caches[:b]], 0),
+                           bulk_copy.cat([c.conformer_att for c in caches[:b]], 1))
+
+        def encode(use):
+            flow.encoder_graphs = use
+            try:
+                return flow.encode_chunk(toks[:b], spk[:b], enc)
+            finally:
+                flow.encoder_graphs = graphs
+
+        if graphs is None:
+            break
+        a, c = encode(None), encode(graphs)
+        same = torch.equal(a[0], c[0]) and torch.equal(a[2].att, c[2].att) and torch.equal(a[2].cnn, c[2].cnn)
+        t = {"eager": [], "graphed": []}
+        for _ in range(3):
+            t["eager"] += timed(lambda: encode(None), reps)
+            t["graphed"] += timed(lambda: encode(graphs), reps)
+        rows.append({"streams": b, "bit_identical": same, "ms": {k: statistics.median(v) for k, v in t.items()}})
+        print(f"encoder half, {b} stream(s): {rows[-1]}", flush=True)
 
 
 def vocoder_rows(res: dict, voc: Vocoder, voc_fast: Vocoder, args, dev: torch.device) -> None:

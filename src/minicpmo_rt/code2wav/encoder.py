@@ -60,6 +60,10 @@ def rel_position_table(size: int, d_model: int, device: torch.device | None = No
     return pe.unsqueeze(0).to(device=device, dtype=dtype)
 
 
+# Position tables kept per encoder (the oldest dropped first): a stream's chunks need two sizes.
+POS_TABLES_KEPT = 16
+
+
 class LinearEmbed(nn.Module):
     """Linear -> LayerNorm -> (dropout), then scaled by sqrt(d) as the rel-pos encoder does."""
 
@@ -209,6 +213,7 @@ class UpsampleConformerEncoderV2(nn.Module):
         self.up_encoders = nn.ModuleList(ConformerLayer(d, cfg.attention_heads, cfg.linear_units, cfg.key_bias)
                                          for _ in range(cfg.num_up_blocks))
         self.after_norm = nn.LayerNorm(d, eps=1e-5)
+        self._pos_tables: dict[tuple, torch.Tensor] = {}
 
     @property
     def pre_lookahead_len(self) -> int:
@@ -219,7 +224,15 @@ class UpsampleConformerEncoderV2(nn.Module):
         return self.cfg.up_stride
 
     def _pos(self, size: int, like: torch.Tensor) -> torch.Tensor:
-        return rel_position_table(size, self.cfg.output_size, like.device, like.dtype)
+        """The position table for ``size`` frames, made once per (size, device, dtype) and kept (a
+        streamed chunk's sizes repeat; a table made on the host cannot be copied inside a CUDA graph)."""
+        key = (size, like.device, like.dtype, torch.is_inference_mode_enabled())   # inference tensors stay there
+        table = self._pos_tables.get(key)
+        if table is None:
+            if len(self._pos_tables) >= POS_TABLES_KEPT:
+                self._pos_tables.pop(next(iter(self._pos_tables)))     # the oldest
+            table = self._pos_tables[key] = rel_position_table(size, self.cfg.output_size, like.device, like.dtype)
+        return table
 
     def forward(self, xs: torch.Tensor) -> torch.Tensor:
         """Whole sequence: xs (b, t, input_size) embedded tokens -> (b, stride*t, d).

@@ -151,6 +151,8 @@ class Flow(nn.Module):
         # Optional fast path for streamed chunks (code2wav.euler_graph.WholeEulerSolver); the
         # reference ``decoder.forward_chunk`` runs when it is None.
         self.chunk_solver = None
+        # Optional CUDA graphs of the encoder half (code2wav.encoder_graph.EncoderGraphs); eager when None.
+        self.encoder_graphs = None
 
     @property
     def pre_lookahead_len(self) -> int:
@@ -323,8 +325,15 @@ class Flow(nn.Module):
             raise InputError(f"chunk of {token.shape[1]} tokens: a non-final chunk needs new tokens plus "
                              f"{self.pre_lookahead_len} lookahead, a final one at least 1")
         spk = self._speaker(spk)
-        h, enc_cache = self.encoder.forward_chunk(self.input_embedding(token.long()), last_chunk, encoder)
-        return self.encoder_proj(h).transpose(1, 2).contiguous(), spk, enc_cache
+        run = self._encode if self.encoder_graphs is None else self.encoder_graphs.run
+        h, enc_cache = run(token.long(), encoder, last_chunk)
+        return h.transpose(1, 2).contiguous(), spk, enc_cache
+
+    def _encode(self, token: torch.Tensor, encoder: EncoderCache, last_chunk: bool) -> tuple[torch.Tensor, EncoderCache]:
+        """Embedding -> conformer chunk -> ``encoder_proj``: (h (b, frames, 80), next encoder cache), what
+        ``encoder_graphs`` captures."""
+        h, enc_cache = self.encoder.forward_chunk(self.input_embedding(token), last_chunk, encoder)
+        return self.encoder_proj(h), enc_cache
 
     def trim_encoder_cache(self, cache: EncoderCache, prompt_frames: int) -> EncoderCache:
         return EncoderCache(cache.cnn, trim_conformer_att(cache.att, prompt_frames, len(self.encoder.encoders)))

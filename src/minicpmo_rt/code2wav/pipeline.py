@@ -10,7 +10,8 @@
 ``push_many`` runs streams whose caches and payloads have equal shapes (the steady state of
 concurrent streams) as one encoder + CFM solve (``Flow.inference_chunk_many``: on the fast path
 each stream's estimator cache goes straight into the solver's rows and its trimmed successor
-straight out, no stacked copy), then vocodes them through
+straight out, no stacked copy; on CUDA the encoder half replays from ``encoder_graph.EncoderGraphs``),
+then vocodes them through
 ``Vocoder.push_many``: HiFT calls of equal shapes run as one batch (each stream keeping its own
 vocoder state and excitation), from CUDA graphs on CUDA (``vocoder_graphs``).
 
@@ -46,6 +47,7 @@ from ..checkpoint.snapshot import resolve_snapshot
 from ..errors import CheckpointError, InputError
 from . import bulk_copy
 from .encoder import EncoderCache
+from .encoder_graph import EncoderGraphs
 from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow
 from .frontend import PromptFeatures, VoiceFrontend
 from .knobs import Code2WavChoice, row_offset_merge, slot_pool_slots
@@ -207,6 +209,8 @@ class Code2Wav:
         self.choice = choice
         fast = choice.body == "fused" or self.device.type == "cuda"
         self.flow.chunk_solver = solver if fast else None
+        graphs = fast and self.device.type == "cuda" and solver.config.enabled
+        self.flow.encoder_graphs = EncoderGraphs(self.flow) if graphs else None
         self._configure_slot_pool(slot_pool_slots(extra), row_offset_merge(extra), choice, solver.config)
         return choice
 

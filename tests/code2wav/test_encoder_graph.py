@@ -1,0 +1,100 @@
+"""The flow's encoder half from CUDA graphs (``code2wav.encoder_graph``) against the eager encoder."""
+
+import logging
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from minicpmo_rt.checkpoint.tiny import randomize_
+from minicpmo_rt.code2wav.encoder import POS_TABLES_KEPT, rel_position_table
+from minicpmo_rt.code2wav.encoder_graph import EncoderGraphs
+from minicpmo_rt.code2wav.flow import Flow
+from minicpmo_rt.code2wav.flow_config import TINY
+
+
+def tiny_flow(device="cpu"):
+    flow = Flow(TINY, noise_seed=3)
+    randomize_(flow, 5)
+    return flow.to(device).eval()
+
+
+def prompt_cache(flow, b=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dev = next(flow.parameters()).device
+    tokens = torch.randint(0, TINY.vocab_size, (b, 15), generator=g).to(dev)
+    mel = torch.randn(b, 24, 80, generator=g).to(dev)
+    spk = torch.randn(b, TINY.spk_embed_dim, generator=g).to(dev)
+    return flow.setup_cache(tokens, mel, spk, n_timesteps=2), spk
+
+
+def test_position_tables_are_made_once_and_bounded():
+    """A size's table is built once per (device, dtype, inference mode) and equals a fresh one; the
+    memo keeps at most POS_TABLES_KEPT tables, dropping the oldest."""
+    enc = tiny_flow().encoder
+    like = torch.zeros(1)
+    a = enc._pos(7, like)
+    assert enc._pos(7, like) is a and torch.equal(a, rel_position_table(7, TINY.encoder.output_size))
+    with torch.inference_mode():
+        b = enc._pos(7, like)
+    assert b is not a and torch.equal(a, b)
+    for size in range(20, 20 + POS_TABLES_KEPT):
+        enc._pos(size, like)
+    assert len(enc._pos_tables) == POS_TABLES_KEPT and (7, like.device, like.dtype, False) not in enc._pos_tables
+
+
+def test_off_cuda_the_graphs_run_the_eager_encoder():
+    flow = tiny_flow()
+    cache, spk = prompt_cache(flow)
+    tok = torch.randint(0, TINY.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = flow.encode_chunk(tok, spk, cache.encoder)
+        flow.encoder_graphs = EncoderGraphs(flow)
+        got = flow.encode_chunk(tok, spk, cache.encoder)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2].att, want[2].att) and torch.equal(got[2].cnn, want[2].cnn)
+    assert not flow.encoder_graphs.graphs()
+
+
+@requires_cuda
+def test_cuda_graphed_encoder_equals_eager(caplog):
+    """Graph replays give the eager encoder's mu and next cache bit for bit over a stream of chunks
+    (batch 1 and 3, a final chunk); outputs are the caller's own (a later replay leaves them as they
+    were); a changed TF32 flag captures a new graph; past the budget new shapes run eagerly, logged once."""
+    flow = tiny_flow("cuda")
+    g = torch.Generator().manual_seed(2)
+    graphs = EncoderGraphs(flow, max_graphs=10)
+    with torch.inference_mode():
+        for b in (1, 3):
+            cache, spk = prompt_cache(flow, b, seed=b)
+            enc = cache.encoder
+            kept = None
+            for k in range(4):
+                last = k == 3
+                tok = torch.randint(0, TINY.vocab_size, (b, 8), generator=g).cuda()
+                flow.encoder_graphs = None
+                want = flow.encode_chunk(tok, spk, enc, last)
+                flow.encoder_graphs = graphs
+                got = flow.encode_chunk(tok, spk, enc, last)
+                for x, y in ((got[0], want[0]), (got[1], want[1]), (got[2].cnn, want[2].cnn), (got[2].att, want[2].att)):
+                    assert torch.equal(x, y), (b, k)
+                if kept is not None:
+                    assert torch.equal(kept[0], kept[1])        # an earlier result survived this replay
+                kept = (got[2].att, got[2].att.clone())
+                enc = flow.trim_encoder_cache(got[2], cache.prompt_frames)
+        assert len(graphs.graphs()) == 8         # one per chunk: the cache grows every chunk here
+        saved = torch.backends.cuda.matmul.allow_tf32
+        try:
+            torch.backends.cuda.matmul.allow_tf32 = not saved
+            flow.encoder_graphs = graphs
+            with caplog.at_level(logging.WARNING):
+                cache, spk = prompt_cache(flow, 1, seed=9)
+                tok = torch.randint(0, TINY.vocab_size, (1, 8), generator=g).cuda()
+                flow.encode_chunk(tok, spk, cache.encoder)          # batch 1's first shape, TF32 flipped: new
+                assert len(graphs.graphs()) == 9
+                flow.encode_chunk(tok[:, :7], spk, cache.encoder)   # the 10th
+                flow.encode_chunk(tok[:, :6], spk, cache.encoder)   # past the budget: eager
+                flow.encode_chunk(tok[:, :5], spk, cache.encoder)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
+    assert len(graphs.graphs()) == 10
+    assert caplog.text.count("encoder graph budget") == 1
