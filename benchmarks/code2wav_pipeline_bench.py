@@ -248,6 +248,7 @@ def flow_many_rows(res: dict, flow: Flow, streams, g: torch.Generator, reps: int
 
         if graphs is None:
             break
+        encode(graphs)                      # a shape's first call runs eagerly; its second captures
         a, c = encode(None), encode(graphs)
         same = torch.equal(a[0], c[0]) and torch.equal(a[2].att, c[2].att) and torch.equal(a[2].cnn, c[2].cnn)
         t = {"eager": [], "graphed": []}

@@ -55,11 +55,64 @@ def test_off_cuda_the_graphs_run_the_eager_encoder():
     assert not flow.encoder_graphs.graphs()
 
 
+class _Replay:
+    """Stands in for a captured CUDA graph (CUDA graphs cannot run on a CPU): replay runs the body."""
+
+    def __init__(self, body, g):
+        self.body, self.g = body, g
+
+    def replay(self):
+        self.g.h, self.g.out = self.body()
+
+
+class _CPUGraphs(EncoderGraphs):
+    """EncoderGraphs' bookkeeping on CPU tensors, with ``_Replay`` for the captured graph."""
+
+    def _eligible(self, token):
+        return self._off is None
+
+    def _capture(self, g, key):
+        from minicpmo_rt.code2wav.encoder import EncoderCache
+        self.captures = getattr(self, "captures", 0) + 1
+        g.graph = _Replay(lambda: self.flow._encode(g.token, EncoderCache(g.cnn, g.att), key.last_chunk), g)
+
+
+def test_graph_bookkeeping_second_call_and_least_recently_replayed(caplog):
+    """A shape is captured on its second call; replays return the caller's own tensors equal to the
+    eager encoder; past ``max_graphs`` the least recently replayed graph makes room (logged once).
+    The capture itself is mocked (no CUDA graph on a CPU); the CUDA test below runs real graphs."""
+    flow = tiny_flow()
+    graphs = _CPUGraphs(flow, max_graphs=2)
+    cache, spk = prompt_cache(flow)
+    g = torch.Generator().manual_seed(4)
+    toks = {n: torch.randint(0, TINY.vocab_size, (1, n), generator=g) for n in (8, 7, 6)}
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        def call(n):
+            got = graphs.run(toks[n], cache.encoder, False)
+            want = flow._encode(toks[n], cache.encoder, False)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1].att, want[1].att)
+            return got
+        call(8)
+        assert not graphs.graphs()                       # first call: eager
+        a = call(8)
+        assert [k.tokens for k in graphs.graphs()] == [8] and graphs.captures == 1
+        call(7), call(7)
+        call(8)                                          # 8 is now the most recently replayed
+        call(6), call(6)                                 # evicts 7, not 8
+        assert sorted(k.tokens for k in graphs.graphs()) == [6, 8]
+        call(7), call(7)                                 # 7 again: first call after eviction is eager
+        assert sorted(k.tokens for k in graphs.graphs()) == [6, 7] and graphs.captures == 4
+        b = call(8)
+        assert a[1].att.data_ptr() != b[1].att.data_ptr()
+    assert caplog.text.count("encoder graph budget") == 1
+
+
 @requires_cuda
 def test_cuda_graphed_encoder_equals_eager(caplog):
     """Graph replays give the eager encoder's mu and next cache bit for bit over a stream of chunks
     (batch 1 and 3, a final chunk); outputs are the caller's own (a later replay leaves them as they
-    were); a changed TF32 flag captures a new graph; past the budget new shapes run eagerly, logged once."""
+    were); a changed TF32 flag captures a new graph; past the budget the least recently replayed graph
+    makes room (logged once) and the replacements still give the eager result."""
     flow = tiny_flow("cuda")
     g = torch.Generator().manual_seed(2)
     graphs = EncoderGraphs(flow, max_graphs=10)
@@ -74,9 +127,11 @@ def test_cuda_graphed_encoder_equals_eager(caplog):
                 flow.encoder_graphs = None
                 want = flow.encode_chunk(tok, spk, enc, last)
                 flow.encoder_graphs = graphs
-                got = flow.encode_chunk(tok, spk, enc, last)
-                for x, y in ((got[0], want[0]), (got[1], want[1]), (got[2].cnn, want[2].cnn), (got[2].att, want[2].att)):
-                    assert torch.equal(x, y), (b, k)
+                for _ in range(2):      # eager, then captured and replayed
+                    got = flow.encode_chunk(tok, spk, enc, last)
+                    for x, y in ((got[0], want[0]), (got[1], want[1]), (got[2].cnn, want[2].cnn),
+                                 (got[2].att, want[2].att)):
+                        assert torch.equal(x, y), (b, k)
                 if kept is not None:
                     assert torch.equal(kept[0], kept[1])        # an earlier result survived this replay
                 kept = (got[2].att, got[2].att.clone())
@@ -89,11 +144,16 @@ def test_cuda_graphed_encoder_equals_eager(caplog):
             with caplog.at_level(logging.WARNING):
                 cache, spk = prompt_cache(flow, 1, seed=9)
                 tok = torch.randint(0, TINY.vocab_size, (1, 8), generator=g).cuda()
-                flow.encode_chunk(tok, spk, cache.encoder)          # batch 1's first shape, TF32 flipped: new
+                for n in (8, 8):                                   # batch 1's first shape, TF32 flipped: new
+                    flow.encode_chunk(tok[:, :n], spk, cache.encoder)
                 assert len(graphs.graphs()) == 9
-                flow.encode_chunk(tok[:, :7], spk, cache.encoder)   # the 10th
-                flow.encode_chunk(tok[:, :6], spk, cache.encoder)   # past the budget: eager
-                flow.encode_chunk(tok[:, :5], spk, cache.encoder)
+                for n in (7, 7, 6, 6, 5, 5):                       # the 10th, then replacements
+                    flow.encode_chunk(tok[:, :n], spk, cache.encoder)
+                flow.encoder_graphs = None
+                want = flow.encode_chunk(tok[:, :5], spk, cache.encoder)
+                flow.encoder_graphs = graphs
+                got = flow.encode_chunk(tok[:, :5], spk, cache.encoder)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[2].att, want[2].att)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = saved
     assert len(graphs.graphs()) == 10

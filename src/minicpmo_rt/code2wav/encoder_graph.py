@@ -6,8 +6,11 @@ path replays that as one graph per (batch, tokens, cached token frames, final ch
 cuDNN TF32 flags): a steady stream's chunks hit one graph. The token ids and the cache are copied
 into the graph's inputs; the outputs are copied out, so callers own what they get (nothing aliases
 a buffer the next replay rewrites). A graph keeps the precision flags it was captured under, which
-is why they are part of the key. Shapes past the graph budget, or any capture failure, run eagerly
-(logged once).
+is why they are part of the key.
+
+A shape is captured on its second call (its first runs eagerly), so one-off shapes (a final chunk's
+odd length, a cache still growing) never take a graph; with ``max_graphs`` held, the least recently
+replayed graph makes room (logged once). A capture failure turns the graphs off (logged once).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from .encoder import EncoderCache
 __all__ = ["EncoderGraphs"]
 
 log = logging.getLogger(__name__)
+
+SEEN_KEPT = 256     # shapes remembered as called once
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,8 @@ class EncoderGraphs:
         self.flow = flow
         self.max_graphs = max_graphs
         self.warmups = warmups
-        self._graphs: dict[EncoderKey, _Graph] = {}
+        self._graphs: dict[EncoderKey, _Graph] = {}     # least recently replayed first
+        self._seen: dict[EncoderKey, None] = {}         # shapes called once (bounded, oldest first)
         self._pool = None
         self._off: str | None = None
         self._logged: set[str] = set()
@@ -67,16 +73,25 @@ class EncoderGraphs:
     def run(self, token: torch.Tensor, cache: EncoderCache, last_chunk: bool) -> tuple[torch.Tensor, EncoderCache]:
         """token (b, n) int64 on the device, cache the stream(s)' encoder cache -> (h (b, frames, 80)
         before the transpose, next encoder cache, untrimmed), owned by the caller."""
-        if token.device.type != "cuda" or self._off is not None:
+        if not self._eligible(token):
             return self.flow._encode(token, cache, last_chunk)
         key = EncoderKey(token.shape[0], token.shape[1], cache.token_frames, bool(last_chunk),
                          (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
-        g = self._graphs.get(key)
+        g = self._graphs.pop(key, None)
         if g is None:
-            if len(self._graphs) >= self.max_graphs:
-                self._log_once("budget", f"encoder graph budget ({self.max_graphs}) spent; new shapes such as "
-                                         f"{key} run eagerly")
+            if key not in self._seen:                   # a first call: eager
+                if len(self._seen) >= SEEN_KEPT:
+                    self._seen.pop(next(iter(self._seen)))
+                self._seen[key] = None
                 return self.flow._encode(token, cache, last_chunk)
+            del self._seen[key]
+            if len(self._graphs) >= self.max_graphs:
+                old = next(iter(self._graphs))
+                del self._graphs[old]
+                if not self._graphs:    # a private pool nobody uses any more must not be captured into
+                    self._pool = None
+                self._log_once("evict", f"encoder graph budget ({self.max_graphs}) held: {key} replaces the least "
+                                        f"recently replayed graph ({old}); further replacements are not logged")
             g = _Graph(torch.empty_like(token), torch.empty_like(cache.cnn), torch.empty_like(cache.att))
             g.token.copy_(token)
             bulk_copy.copy_(g.cnn, cache.cnn)
@@ -89,11 +104,15 @@ class EncoderGraphs:
                 return self.flow._encode(token, cache, last_chunk)
             self._graphs[key] = g
         else:
+            self._graphs[key] = g                       # now the most recently replayed
             g.token.copy_(token)
             bulk_copy.copy_(g.cnn, cache.cnn)
             bulk_copy.copy_(g.att, cache.att)
         g.graph.replay()
         return g.h.clone(), EncoderCache(g.out.cnn.clone(), bulk_copy.clone(g.out.att))
+
+    def _eligible(self, token: torch.Tensor) -> bool:
+        return token.device.type == "cuda" and self._off is None
 
     def _capture(self, g: _Graph, key: EncoderKey) -> None:
         def body():
