@@ -211,6 +211,9 @@ class Code2Wav:
         self.flow.chunk_solver = solver if fast else None
         graphs = fast and self.device.type == "cuda" and solver.config.enabled
         self.flow.encoder_graphs = EncoderGraphs(self.flow) if graphs else None
+        if graphs:
+            log.info("Code2Wav encoder half of a chunk from CUDA graphs (a shape captured on its second call, "
+                     "at most %d kept)", self.flow.encoder_graphs.max_graphs)
         self._configure_slot_pool(slot_pool_slots(extra), row_offset_merge(extra), choice, solver.config)
         return choice
 
