@@ -75,40 +75,49 @@ class FlowCache:
                          self.estimator_cnn.to(device), self.estimator_att.to(device), self.prompt_frames)
 
 
-def _cfg_halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cond rows, uncond rows) of an estimator cache (steps, depth, 2b, ...)."""
-    h = t.shape[2] // 2
-    return t[:, :, :h], t[:, :, h:]
+def stack_encoder_caches(encs: Sequence[EncoderCache]) -> EncoderCache:
+    """Encoder caches batched: cnn is batch-first, att has the batch on axis 1 (after the layers)."""
+    return EncoderCache(bulk_copy.cat([e.cnn for e in encs], 0), bulk_copy.cat([e.att for e in encs], 1))
+
+
+def split_encoder_cache(enc: EncoderCache, sizes: Sequence[int]) -> list[EncoderCache]:
+    """Inverse of ``stack_encoder_caches``: caches of ``sizes`` rows each, in their own memory."""
+    out, i = [], 0
+    for n in sizes:
+        out.append(EncoderCache(bulk_copy.clone(enc.cnn[i:i + n]), bulk_copy.clone(enc.att[:, i:i + n])))
+        i += n
+    return out
+
+
+def _stack_cfg(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Estimator caches (steps, depth, 2b_k, ...), each ``[cond rows | uncond rows]`` on axis 2, as one
+    such cache: every cond half ahead of every uncond half."""
+    halves = [(t[:, :, :t.shape[2] // 2], t[:, :, t.shape[2] // 2:]) for t in ts]
+    return bulk_copy.cat([h[0] for h in halves] + [h[1] for h in halves], 2)
+
+
+def _cfg_rows(t: torch.Tensor, i: int, j: int) -> torch.Tensor:
+    """Batch rows [i, j) of a ``[cond rows | uncond rows]`` estimator cache, in their own memory."""
+    b = t.shape[2] // 2
+    return bulk_copy.cat([t[:, :, i:j], t[:, :, b + i:b + j]], 2)
 
 
 def stack_flow_caches(caches: Sequence[FlowCache]) -> FlowCache:
-    """One FlowCache whose batch rows are the given caches' rows, in order.
-
-    The encoder caches are batch-first (cnn) or batch on axis 1 (att, after the layer axis);
-    the estimator caches hold ``[cond rows | uncond rows]`` on axis 2, so the cond halves are
-    stacked ahead of the uncond halves to keep that layout.
-    """
-    est_cnn = [_cfg_halves(c.estimator_cnn) for c in caches]
-    est_att = [_cfg_halves(c.estimator_att) for c in caches]
-    return FlowCache(bulk_copy.cat([c.conformer_cnn for c in caches], 0),
-                     bulk_copy.cat([c.conformer_att for c in caches], 1),
-                     bulk_copy.cat([h[0] for h in est_cnn] + [h[1] for h in est_cnn], 2),
-                     bulk_copy.cat([h[0] for h in est_att] + [h[1] for h in est_att], 2),
-                     caches[0].prompt_frames)
+    """One FlowCache whose batch rows are the given caches' rows, in order (the estimator caches'
+    cond halves stacked ahead of their uncond halves, keeping the ``[cond | uncond]`` layout)."""
+    enc = stack_encoder_caches([c.encoder for c in caches])
+    return FlowCache(enc.cnn, enc.att, _stack_cfg([c.estimator_cnn for c in caches]),
+                     _stack_cfg([c.estimator_att for c in caches]), caches[0].prompt_frames)
 
 
 def split_flow_cache(cache: FlowCache, sizes: Sequence[int]) -> list[FlowCache]:
     """Inverse of ``stack_flow_caches``: per-stream caches of ``sizes`` rows each (own memory,
     so a stream never keeps the whole batch's tensors alive)."""
     out, i = [], 0
-    cc, cu = _cfg_halves(cache.estimator_cnn)
-    ac, au = _cfg_halves(cache.estimator_att)
-    for n in sizes:
-        j = i + n
-        out.append(FlowCache(bulk_copy.clone(cache.conformer_cnn[i:j]), bulk_copy.clone(cache.conformer_att[:, i:j]),
-                             bulk_copy.cat([cc[:, :, i:j], cu[:, :, i:j]], 2),
-                             bulk_copy.cat([ac[:, :, i:j], au[:, :, i:j]], 2), cache.prompt_frames))
-        i = j
+    for n, enc in zip(sizes, split_encoder_cache(cache.encoder, sizes)):
+        out.append(FlowCache(enc.cnn, enc.att, _cfg_rows(cache.estimator_cnn, i, i + n),
+                             _cfg_rows(cache.estimator_att, i, i + n), cache.prompt_frames))
+        i += n
     return out
 
 
@@ -298,20 +307,15 @@ class Flow(nn.Module):
         if any(c.prompt_frames != p for c in caches):
             raise InputError(f"inference_chunk_many: the caches' prompt frames differ "
                              f"({sorted({c.prompt_frames for c in caches})}); solve those streams apart")
-        encoder = EncoderCache(bulk_copy.cat([c.conformer_cnn for c in caches], 0),
-                               bulk_copy.cat([c.conformer_att for c in caches], 1))
-        halves = [_cfg_halves(c.estimator_cnn) for c in caches]
-        est_cnn = bulk_copy.cat([h[0] for h in halves] + [h[1] for h in halves], 2)
+        encoder = stack_encoder_caches([c.encoder for c in caches])
         h, spk, enc_cache = self.encode_chunk(token, spk, encoder, last_chunk)
-        mel, cnn, atts = self.chunk_solver.solve(h, spk, torch.zeros_like(h), est_cnn,
+        mel, cnn, atts = self.chunk_solver.solve(h, spk, torch.zeros_like(h), _stack_cfg([c.estimator_cnn for c in caches]),
                                                  [c.estimator_att for c in caches], copy_out=False)
-        enc_cache = self.trim_encoder_cache(enc_cache, p)
-        b = len(caches)
+        encs = split_encoder_cache(self.trim_encoder_cache(enc_cache, p), [1] * len(caches))
         out = []
-        for i, att in enumerate(atts):
+        for i, (enc, att) in enumerate(zip(encs, atts)):
             trimmed = trim_estimator_att(att, p)
-            out.append(FlowCache(bulk_copy.clone(enc_cache.cnn[i:i + 1]), bulk_copy.clone(enc_cache.att[:, i:i + 1]),
-                                 bulk_copy.cat([cnn[:, :, i:i + 1], cnn[:, :, b + i:b + i + 1]], 2),
+            out.append(FlowCache(enc.cnn, enc.att, _cfg_rows(cnn, i, i + 1),
                                  bulk_copy.clone(att) if trimmed is att else trimmed, p))
         return mel, out
 

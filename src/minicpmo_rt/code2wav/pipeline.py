@@ -45,10 +45,9 @@ import torch
 
 from ..checkpoint.snapshot import resolve_snapshot
 from ..errors import CheckpointError, InputError
-from . import bulk_copy
 from .encoder import EncoderCache
 from .encoder_graph import EncoderGraphs
-from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow
+from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow, split_encoder_cache, stack_encoder_caches
 from .frontend import PromptFeatures, VoiceFrontend
 from .knobs import Code2WavChoice, row_offset_merge, slot_pool_slots
 from .prompt_state import PromptLease, PromptStateCache
@@ -123,14 +122,6 @@ def _batch_key(cache: FlowCache, spk: torch.Tensor, n_codes: int, last: bool) ->
 def _encoder_key(enc: EncoderCache, spk: torch.Tensor) -> tuple:
     """Pooled streams run their encoder halves together when these shapes agree."""
     return (tuple(enc.cnn.shape[1:]), tuple(enc.att.shape[:1]) + tuple(enc.att.shape[2:]), tuple(spk.shape[1:]))
-
-
-def _stack_encoders(encs: Sequence[EncoderCache]) -> EncoderCache:
-    return EncoderCache(bulk_copy.cat([e.cnn for e in encs], 0), bulk_copy.cat([e.att for e in encs], 1))
-
-
-def _split_encoder(enc: EncoderCache, n: int) -> list[EncoderCache]:
-    return [EncoderCache(bulk_copy.clone(enc.cnn[i:i + 1]), bulk_copy.clone(enc.att[:, i:i + 1])) for i in range(n)]
 
 
 @dataclass
@@ -396,10 +387,10 @@ class Code2Wav:
         for r, s in enumerate(streams):
             groups.setdefault(_encoder_key(s.encoder, s.spk), []).append(r)
         for rows in groups.values():
-            enc = streams[rows[0]].encoder if len(rows) == 1 else _stack_encoders([streams[r].encoder for r in rows])
+            enc = streams[rows[0]].encoder if len(rows) == 1 else stack_encoder_caches([streams[r].encoder for r in rows])
             h, sp, enc = flow.encode_chunk(torch.cat([tokens[r] for r in rows], 0).to(self.device),
                                            torch.cat([streams[r].spk for r in rows], 0), enc, last)
-            for j, (r, e) in enumerate(zip(rows, [enc] if len(rows) == 1 else _split_encoder(enc, len(rows)))):
+            for j, (r, e) in enumerate(zip(rows, [enc] if len(rows) == 1 else split_encoder_cache(enc, [1] * len(rows)))):
                 mu[r], spk[r] = h[j:j + 1], sp[j:j + 1]
                 encs[r] = flow.trim_encoder_cache(e, streams[r].prompt_frames)
         handles = [s.handle for s in streams]
