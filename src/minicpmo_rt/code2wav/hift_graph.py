@@ -52,22 +52,26 @@ log = logging.getLogger(__name__)
 
 
 class ShapeGraphs:
-    """Capture ``fn(*tensors) -> tensor | tuple`` once per input-shape key and replay it.
+    """Capture ``fn(*tensors, **static) -> tensor | tuple`` once per key and replay it.
 
+    The key is the tensors' shapes and dtypes, the ``static`` (non-tensor) arguments the graph bakes
+    in, and ``key_extra()`` (process state a capture also bakes in, e.g. precision flags).
     A key is captured on its ``capture_after``-th call (earlier calls run eagerly), so shapes
-    seen once never spend the ``max_graphs`` budget. ``copy_out=True`` returns a replay's
-    outputs in fresh memory (the graph's own outputs are overwritten by its next replay)."""
+    seen once never spend the ``max_graphs`` budget. With the budget spent, new keys run eagerly,
+    or with ``evict`` replace the least recently replayed graph. ``copy_out=True`` returns a
+    replay's outputs in fresh memory (the graph's own outputs are overwritten by its next replay)."""
 
     SEEN_LIMIT = 256  # keys counted towards capture_after; older counts are forgotten
 
     def __init__(self, fn: Callable, name: str, max_graphs: int = 8, warmups: int = 2,
                  capture_context: Callable[[], ContextManager] = contextlib.nullcontext,
-                 capture_after: int = 1):
+                 capture_after: int = 1, key_extra: Callable[[], tuple] | None = None, evict: bool = False):
         if capture_after < 1:
             raise ValueError(f"{name}: capture_after must be >= 1, got {capture_after}")
         self.fn, self.name, self.max_graphs, self.warmups = fn, name, max_graphs, warmups
         self.capture_context = capture_context
         self.capture_after = capture_after
+        self.key_extra, self.evict = key_extra, evict
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], object]] = {}
         self.replays = 0
         self.off: str | None = None
@@ -83,10 +87,13 @@ class ShapeGraphs:
     def _graphable(self, xs: tuple[torch.Tensor, ...]) -> bool:
         return not self.off and xs[0].is_cuda
 
-    def __call__(self, *xs: torch.Tensor, copy_out: bool = False):
+    def __call__(self, *xs: torch.Tensor, copy_out: bool = False, **static):
+        fn = functools.partial(self.fn, **static) if static else self.fn
         if not self._graphable(xs):
-            return self.fn(*xs)
-        key = tuple((tuple(x.shape), x.dtype) for x in xs)
+            return fn(*xs)
+        key = tuple((tuple(x.shape), x.dtype) for x in xs) + tuple(sorted(static.items()))
+        if self.key_extra is not None:
+            key += self.key_extra()
         entry = self.graphs.get(key)
         if entry is None:
             seen = self._seen.pop(key, 0) + 1
@@ -94,17 +101,26 @@ class ShapeGraphs:
                 if len(self._seen) >= self.SEEN_LIMIT:
                     self._seen.pop(next(iter(self._seen)))
                 self._seen[key] = seen
-                return self.fn(*xs)
+                return fn(*xs)
             if len(self.graphs) >= self.max_graphs:
-                self._log_once("budget", f"{self.name}: graph budget ({self.max_graphs}) spent; new lengths run eagerly")
-                return self.fn(*xs)
+                if not self.evict:
+                    self._log_once("budget", f"{self.name}: graph budget ({self.max_graphs}) spent; new lengths run "
+                                             "eagerly")
+                    return fn(*xs)
+                del self.graphs[next(iter(self.graphs))]      # the least recently replayed
+                if not self.graphs:   # a private pool nobody uses any more must not be captured into
+                    self._pool = None
+                self._log_once("evict", f"{self.name} graph budget ({self.max_graphs}) held: new shapes replace the "
+                                        "least recently replayed graph (not logged again)")
             try:
-                entry = self._capture(xs)
+                entry = self._capture(xs, fn)
             except Exception as exc:  # noqa: BLE001 - any capture failure: eager from now on
                 self.off = f"capture failed: {exc}"
                 self._log_once("capture", f"{self.name}: CUDA graph capture failed ({exc}); running eagerly")
-                return self.fn(*xs)
+                return fn(*xs)
             self.graphs[key] = entry
+        elif self.evict:
+            self.graphs[key] = self.graphs.pop(key)           # now the most recently replayed
         graph, static_in, static_out = entry
         for s, x in zip(static_in, xs):
             s.copy_(x)
@@ -116,23 +132,23 @@ class ShapeGraphs:
             return tuple(o.clone() for o in static_out)
         return static_out.clone()
 
-    def _capture(self, xs):
+    def _capture(self, xs, fn):
         with self.capture_context():
-            return self._capture_now(xs)
+            return self._capture_now(xs, fn)
 
-    def _capture_now(self, xs):
+    def _capture_now(self, xs, fn):
         static_in = [x.detach().clone() for x in xs]
         stream = torch.cuda.Stream(device=xs[0].device)
         stream.wait_stream(torch.cuda.current_stream(xs[0].device))
         with torch.cuda.stream(stream):
             for _ in range(self.warmups):
-                self.fn(*static_in)
+                fn(*static_in)
         torch.cuda.current_stream(xs[0].device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
-            out = self.fn(*static_in)
+            out = fn(*static_in)
         return g, static_in, out
 
 
