@@ -378,10 +378,10 @@ class WholeEulerSolver:
         per_stream = isinstance(att_cache, (list, tuple))
         if per_stream:
             att_cache = _check_streams(att_cache, B)
-        L = 0 if att_cache is None else (att_cache[0] if per_stream else att_cache).shape[4]
-        steps = None if att_cache is None else (att_cache[0] if per_stream else att_cache).shape[0]
-        if steps is not None and steps != self.S:
-            raise ValueError(f"estimator cache has {steps} steps, the solver {self.S}")
+        one = att_cache[0] if per_stream else att_cache      # a stream's or the batch's cache: its shape
+        L = 0 if one is None else one.shape[4]
+        if one is not None and one.shape[0] != self.S:
+            raise ValueError(f"estimator cache has {one.shape[0]} steps, the solver {self.S}")
         big = max(self.config.batch_buckets)
         if B > big:   # groups of the largest bucket
             outs = [self.solve(mu[i:i + big], spks[i:i + big], cond[i:i + big],
