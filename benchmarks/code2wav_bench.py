@@ -232,6 +232,7 @@ class ieee_cudnn:
 
 SLOT_ROW = "fused + graph TF32 on, slot pool"
 SLOT_PTR_ROW = "fused + graph TF32 on, slot pool, pointer-load attention"
+SLOT16_ROW = "fused + graph TF32 on, slot pool, FP16 operands"
 MERGE_ROW = "fused + graph TF32 on, row merging"
 
 
@@ -269,22 +270,23 @@ def merge_lengths(B: int, prompt: int, keep: int) -> list[int]:
 
 
 def _slot_solver(cfm, cfg, n_steps: int, slots: int, prompt: int, keep: int, query: int, device,
-                 attention: str, tf32: bool, use_triton=None, attn_tma=None):
+                 attention: str, tf32: bool, use_triton=None, attn_tma=None, gemm_operands="fp32"):
     from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver, default_pool_frames
     solver = SlotSolver(cfm, pool=None, attention=attention, tf32=tf32, n_timesteps=n_steps, config=cfg,
-                        use_triton=use_triton, attn_tma=attn_tma)
+                        use_triton=use_triton, attn_tma=attn_tma, gemm_operands=gemm_operands)
     solver.pool = SlotPool(solver, slots=slots, frames=default_pool_frames(prompt, keep, query), keep=keep,
                            device=device)
     return solver
 
 
 def slot_row(cfm, cfg, B, cnn, att, mu, spk, cond, ref, row, budget, prompt, keep=100, timer=timed,
-             attention="triton-tf32", tf32=True, use_triton=None, attn_tma=None, name=SLOT_ROW):
+             attention="triton-tf32", tf32=True, use_triton=None, attn_tma=None, name=SLOT_ROW,
+             gemm_operands="fp32"):
     """Slot pool, all B streams at the bench's cache length (att.shape[4]); errors vs the batched
     IEEE reference ``ref`` (mel, cnn, untrimmed att) with the dense trim applied per stream."""
     from minicpmo_rt.code2wav.flow import trim_estimator_att
     solver = _slot_solver(cfm, cfg, cnn.shape[0], B, prompt, keep, mu.shape[2], mu.device, attention, tf32,
-                          use_triton, attn_tma)
+                          use_triton, attn_tma, gemm_operands)
     pool = solver.pool
     handles = [pool.admit(_stream(cnn, i, B), _stream(att, i, B), prompt) for i in range(B)]
     mel = solver.solve_slots(handles, mu, spk, cond)
@@ -375,6 +377,7 @@ def row_selected(name: str, spec: str) -> bool:
 GLUE_ROW = "fused + graph TF32 on, torch step glue"
 PTR_ROW = "fused + graph TF32 on, pointer-load attention"
 CUBLAS_ROW = "fused + graph TF32 on, cuBLAS GEMMs"     # no Triton tile GEMMs (session 9's default)
+FP16_ROW = "fused + graph TF32 on, FP16 operands"      # opt-in gemm_operands="fp16" (tile GEMMs' rows)
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -468,6 +471,7 @@ def main(argv=None) -> int:
                 (GLUE_ROW, dict(body="fused", attention="triton-tf32", tf32=True, step_kernels=False)),
                 (PTR_ROW, dict(body="fused", attention="triton-tf32", tf32=True, attn_tma=False)),
                 (CUBLAS_ROW, dict(body="fused", attention="triton-tf32", tf32=True, wide_gemm=False)),
+                (FP16_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 
@@ -505,8 +509,10 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         # opt-in slot pool (prompt 300 + keep 100): equal lengths, then merged different lengths
         slot_ptr = functools.partial(slot_row, attn_tma=False, name=SLOT_PTR_ROW)
+        slot16 = functools.partial(slot_row, gemm_operands="fp16", name=SLOT16_ROW)
         for group, what, fn, args_ in (("slot", "slot pool", slot_row, (ref,)),
                                        ("slot", "slot pool, pointer loads", slot_ptr, (ref,)),
+                                       ("slot", "slot pool, FP16 operands", slot16, (ref,)),
                                        ("merge", "row merging", merge_row, ())):
             if not on(group):
                 continue
@@ -639,7 +645,7 @@ def markdown(res: dict) -> str:
     if counted:
         lines += ["", "CUDA kernels one chunk's solve launches (eager, batch 1; a replay runs the same kernels):", ""]
         lines += [f"- {r['row']}: {r['kernels_per_chunk']}" for r in counted]
-    pooled = [r for r in res["rows"] if r["row"] in (SLOT_ROW, SLOT_PTR_ROW, MERGE_ROW)]
+    pooled = [r for r in res["rows"] if r["row"] in (SLOT_ROW, SLOT_PTR_ROW, SLOT16_ROW, MERGE_ROW)]
     if pooled:
         lines += ["", "Slot pool / row merging, every batch (relative L2 over all streams, worst stream in "
                   "brackets; mel, cnn cache, att cache after the trim):", ""]

@@ -122,7 +122,10 @@ def main() -> None:
     paths = (("reference (original DiT, eager)", None),
              ("original DiT + Whole-Euler graph (cfm_fused_body: false)", {"cfm_fused_body": False}),
              ("fast path (knobs auto: fused + Whole-Euler graphs, TF32)", {}),
-             (f"fast path + slot pool (cfm_slot_pool: {args.streams})", {"cfm_slot_pool": args.streams}))
+             (f"fast path + slot pool (cfm_slot_pool: {args.streams})", {"cfm_slot_pool": args.streams}),
+             ("fast path, FP16 operands (cfm_fp16_operands: true)", {"cfm_fp16_operands": True}),
+             (f"fast path + slot pool, FP16 operands (cfm_slot_pool: {args.streams}, cfm_fp16_operands: true)",
+              {"cfm_slot_pool": args.streams, "cfm_fp16_operands": True}))
     for label, extra in paths:
         if args.paths and not any(w in label for w in args.paths.split("|")):
             continue

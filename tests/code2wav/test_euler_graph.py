@@ -107,6 +107,33 @@ def test_step_kernels_match_the_torch_glue(split_k):
         assert_close(outs[True], reference(cfm, kw), 1e-5)
 
 
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_fp16_operands_in_the_solver_match_the_reference():
+    """``gemm_operands="fp16"`` through a whole solve (padded, masked bucket): the Euler-step junction
+    reads and writes the FP16 LN output, the CNN roll moves FP16 conv histories to and from the FP32
+    caches, with the step kernels and with the torch glue. Every operand carries TF32's rounding, so
+    the TF32 tolerance 1e-3 applies (CUDA: under TF32, which the FP16 operands require)."""
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfm = tiny_cfm(seed=6).to(dev)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
+    kw = chunk(3, 5, 7, seed=10, device=dev)
+    with ieee_cudnn():
+        ref = reference(cfm, kw)
+    for step_kernels in (True, False):
+        solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S, config=cfg,
+                                  use_triton=True, block_kernel=False, wide_gemm=True, gemm_operands="fp16",
+                                  step_kernels=step_kernels)
+        with matmul_tf32(True):
+            got = solver.solve(**kw, graph=False)
+        st = solver._statics[SolveKey(4, 6, 8, True)]
+        assert st.hist.dtype == torch.float16 and st.ws.norm.dtype == torch.float16
+        assert all(t.dtype == torch.float32 for t in got)
+        errs = [rel_err(g, r) for g, r in zip(got, ref)]
+        assert 1e-6 < max(errs) <= 1e-3, (step_kernels, errs)
+
+
 def test_batches_beyond_the_largest_bucket_run_in_groups():
     cfm = tiny_cfm(seed=2)
     solver = WholeEulerSolver(cfm, body="fused", attention="sdpa", n_timesteps=S, use_triton=False,

@@ -205,15 +205,19 @@ def test_matches_upstream_original_dit_full_width():
 
 @requires_cuda
 @pytest.mark.parametrize("R,gemm", [(8, "cublas"), (2, "cublas"), (32, "cublas"), (2, "cublas-split"),
-                                    (8, "cublas-split"), (32, "wide"), (16, "wide")])
+                                    (8, "cublas-split"), (32, "wide"), (16, "wide"), (32, "wide16"),
+                                    (8, "wide16")])
 @pytest.mark.parametrize("tf32,tol", [(False, 1e-5), (True, 1e-3)])
 def test_cuda_fused_vs_original_full_size(tf32, tol, R, gemm):
     """gemm "wide": the Triton tile GEMMs forced on (by default they run with TF32 from 768 rows, so
-    R=32 "cublas" with TF32 takes them too); with TF32 off they compute IEEE dots."""
+    R=32 "cublas" with TF32 takes them too); with TF32 off they compute IEEE dots. "wide16": FP16
+    operands (``gemm_operands="fp16"``, tile GEMMs from any staged row count under TF32)."""
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE
     from minicpmo_rt.code2wav.precision import matmul_tf32
     dit = our_dit(FULL_SIZE.dit, seed=7).cuda()
     kind = dict(gemm="cublas-split", wide_gemm=True) if gemm == "wide" else dict(gemm=gemm)
+    if gemm == "wide16":    # FP16 operands under TF32; with TF32 off the workspace keeps FP32 ones (IEEE dots)
+        kind = dict(gemm="cublas-split", gemm_operands="fp16")
     fused = FusedDiT(dit, attention="triton-tf32" if tf32 else "triton-ieee", **kind)
     kw = inputs(R, 50, 400, 16, 512, 8, 64, seed=8, device="cuda")
     with matmul_tf32(False), ieee_cudnn():   # the reference is always IEEE (its Conv1d runs in cuDNN)
@@ -307,6 +311,88 @@ def test_wide_gemm_body_matches_original_tiny(R, T, Lc, qkv_ln, monkeypatch):
     assert not FusedDiT(dit, use_triton=True).uses_wide(32, 50, "cpu")          # auto: CUDA only
 
 
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_fp16_operand_body_matches_original_tiny(monkeypatch):
+    """``gemm_operands="fp16"``: the tile GEMMs read FP16 operands (LN outputs, conv histories, the
+    attention output, fc1's output; FP16 weights) and fc2 becomes a tile GEMM too. The FP16 rounding
+    of every operand is TF32's (10 mantissa bits, unit roundoff 4.9e-4), so the TF32 tolerance 1e-3
+    applies, against the original body and against the same body with FP32 operands; the residual
+    stream, q, the attention cache and the CNN cache handed out stay FP32. (On CUDA under TF32, which
+    FP16 operands need.)"""
+    import minicpmo_rt.code2wav.fused_dit as fd
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    R, T, Lc = 4, 6, 7
+    dit = our_dit(seed=31).to(dev)
+    fused = FusedDiT(dit, attention="triton-tf32", use_triton=True, block_kernel=False, wide_gemm=True,
+                     gemm_operands="fp16")
+    fp32 = FusedDiT(dit, attention="triton-tf32", use_triton=True, block_kernel=False, wide_gemm=True)
+    dtypes = []
+    real = fd._wide_gemm
+
+    def spy(x, w, b, out, **kw):
+        dtypes.append((x.dtype, w.dtype, kw.get("taps", 1), kw.get("gelu", False)))
+        return real(x, w, b, out, **kw)
+    monkeypatch.setattr(fd, "_wide_gemm", spy)
+    kw = inputs(R, T, Lc, 2, 64, 2, 32, seed=32, device=dev)
+    with matmul_tf32(True):
+        assert fused.operand_dtype(R, T, dev) == torch.float16 and fp32.operand_dtype(R, T, dev) == torch.float32
+        ws = fused.workspace(R, T, dev)
+        assert (ws.norm.dtype, ws.o.dtype, ws.mlp.dtype) == (torch.float16,) * 3
+        assert (ws.h.dtype, ws.q.dtype) == (torch.float32,) * 2
+        assert fused.new_hist(R, T, dev).dtype == torch.float16
+        got = fused.forward_chunk(**kw)
+        f16 = torch.float16
+        assert dtypes == [(f16, f16, 1, False), (f16, f16, 3, False), (f16, f16, 3, False), (f16, f16, 1, True),
+                          (f16, f16, 1, False)] * len(dit.blocks)    # proj, conv1, conv2, fc1, fc2 (qkv: wide_qkv)
+        mid = fp32.forward_chunk(**kw)
+        hist = fused.new_hist(R, T, dev)
+    if dev == "cuda":   # FP16 operands made under TF32 refuse to run once TF32 is off (IEEE dots asked)
+        kv = torch.zeros(2, R, 2, T + Lc, 64, device=dev)
+        with matmul_tf32(False), pytest.raises(RuntimeError, match="TF32 matmuls are off"):
+            fused.blocks(fused.modulation(kw["t"]), hist, kv, None, ws)
+    assert all(t.dtype == torch.float32 for t in got)
+    with torch.inference_mode(), matmul_tf32(False), ieee_cudnn():
+        ref = dit.forward_chunk(**kw)
+    errs = [rel_err(g, r) for g, r in zip(got, ref)]
+    print(f"fp16 operands vs original: {errs}")
+    assert 1e-6 < max(errs) <= 1e-3, errs                         # rounded, and only as much as TF32
+    assert max(rel_err(g, r) for g, r in zip(got, mid)) <= 1e-3
+    with pytest.raises(ValueError, match="gemm_operands"):
+        FusedDiT(dit, gemm_operands="bf16")
+    # FP16 operands only where Triton GEMMs run (tile GEMMs or the block kernel), not with cuBLAS
+    with matmul_tf32(True):
+        plain = FusedDiT(dit, use_triton=True, wide_gemm=False, block_kernel=False, gemm_operands="fp16")
+        assert plain.operand_dtype(R, T, dev) == torch.float32
+
+
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_fp16_operand_block_kernel_matches_original_tiny(monkeypatch):
+    """The persistent block kernel with FP16 operands (LN outputs, conv histories, attention output,
+    fc1's GELU output and the stacked GEMM weights), a key split so the combine phase writes the FP16
+    attention output too. TF32's tolerance, as for the staged body."""
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    from minicpmo_rt.code2wav.kernels import dit_block
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    R, T, Lc = 2, 5, 150
+    monkeypatch.setattr(dit_block, "programs", lambda device: 64)     # 64 programs: the keys split 3 ways
+    assert dit_block.attention_splits(R, 2, T, T + Lc, 64)[0] > 1
+    dit = our_dit(seed=33).to(dev)
+    fused = FusedDiT(dit, attention="triton-tf32", use_triton=True, block_kernel=True, gemm_operands="fp16")
+    kw = inputs(R, T, Lc, 2, 64, 2, 32, seed=34, device=dev)
+    with matmul_tf32(True):
+        assert fused.uses_block_kernel(R, T, dev) and fused.operand_dtype(R, T, dev) == torch.float16
+        ws = fused.workspace(R, T, dev)
+        assert ws.ctr is not None and ws.mlp.dtype == torch.float16 and ws.attn_acc.dtype == torch.float32
+        got = fused.forward_chunk(**kw)
+    with torch.inference_mode(), ieee_cudnn():
+        ref = dit.forward_chunk(**kw)
+    errs = [rel_err(g, r) for g, r in zip(got, ref)]
+    assert 1e-6 < max(errs) <= 1e-3, errs
+
+
 def test_stacked_weights_are_copies_and_rounded_copies_leave_the_module_alone():
     from minicpmo_rt.code2wav.kernels import dit_block
     dit = our_dit(seed=13)
@@ -318,6 +404,9 @@ def test_stacked_weights_are_copies_and_rounded_copies_leave_the_module_alone():
     assert torch.equal(plain.w_fc1[1], dit.blocks[1].mlp.fc1.weight)
     assert torch.equal(plain.w_qkv[0], fused.w_qkv[0]) and plain.w_taps2.shape[0] == len(dit.blocks)
     assert torch.equal(rounded.w_fc1, dit_block.round_tf32_(plain.w_fc1.clone()))
+    half = fused.stacked_weights(False, torch.float16)
+    assert fused.stacked_weights(False, torch.float16) is half and half.w_fc2.dtype == torch.float16
+    assert torch.equal(half.w_qkv, plain.w_qkv.half()) and half.qn_w is plain.qn_w     # norms shared, FP32
     assert not torch.equal(rounded.w_fc1, plain.w_fc1) and torch.equal(rounded.b_fc1, plain.b_fc1)
 
 

@@ -89,6 +89,29 @@ def test_bad_values_name_the_input(extra, env):
     assert key in str(exc.value)
 
 
+@pytest.mark.parametrize("fused,allow,env,dev", list(itertools.product(FUSED, ALLOW, ENV, DEVICES)))
+def test_fp16_operands_only_with_the_fused_tf32_triton_path(fused, allow, env, dev):
+    """``cfm_fp16_operands`` (opt-in): FP16 GEMM operands exactly when the fused body runs Triton TF32
+    attention with TF32 on (its GEMMs are Triton ones); otherwise ignored, and the reason says so."""
+    extra = {"cfm_fp16_operands": "true"}
+    if fused is not None:
+        extra["cfm_fused_body"] = fused
+    if allow is not None:
+        extra["token2wav_allow_tf32"] = allow
+    c = resolve_code2wav(extra, DEVICES[dev], {} if env is None else {TF32_ENV: env})
+    applies = c.body == "fused" and c.tf32 and c.attention == "triton-tf32"
+    assert c.gemm_operands == ("fp16" if applies else "fp32")
+    assert ("operands FP16" in c.describe()) == applies
+    assert ("cfm_fp16_operands ignored" in c.reason) == (not applies)
+    assert resolve_code2wav({k: v for k, v in extra.items() if k != "cfm_fp16_operands"}, DEVICES[dev],
+                            {} if env is None else {TF32_ENV: env}).gemm_operands == "fp32"     # default off
+
+
+def test_fp16_operands_bad_value_names_the_key():
+    with pytest.raises(InputError, match="cfm_fp16_operands"):
+        resolve_code2wav({"cfm_fp16_operands": "half"}, DEVICES["sm90"], {})
+
+
 def test_device_facts_cpu():
     f = device_facts("cpu")
     assert not f.cuda and f.att_cache_dtype == torch.float32

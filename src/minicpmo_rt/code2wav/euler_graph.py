@@ -99,11 +99,12 @@ class WholeEulerSolver:
                  use_triton: bool | None = None, gemm: str = "cublas-split", attn_splits: int | None = None,
                  attn_block_m: int | None = None, split_k: int | None = None, block_kernel: bool | None = None,
                  step_kernels: bool | None = None, attn_tma: bool | None = None, attn_stages: int | None = None,
-                 wide_gemm: bool | None = None):
+                 wide_gemm: bool | None = None, gemm_operands: str = "fp32"):
         """``step_kernels``: the glue between two evaluations as two Triton kernels per step
         (``kernels/euler_step.py``) instead of ~12 torch ops; None (default) and True: whenever the
         fused body's Triton stages run; False: the torch ops (the reference the tests compare).
-        ``wide_gemm``: ``FusedDiT``'s (None: Triton tile GEMMs with TF32 from WIDE_MIN_ROWS rows on CUDA)."""
+        ``wide_gemm``: ``FusedDiT``'s (None: Triton tile GEMMs with TF32 from WIDE_MIN_ROWS rows on CUDA).
+        ``gemm_operands``: ``FusedDiT``'s ("fp16": the tile GEMMs' operands stored as FP16, opt-in)."""
         self.cfm = cfm
         self.step_kernels = step_kernels
         self.dit = cfm.estimator
@@ -114,7 +115,7 @@ class WholeEulerSolver:
         self.config = config
         self.fused = (FusedDiT(self.dit, attention=attention, use_triton=use_triton, gemm=gemm,
                                attn_splits=attn_splits, attn_block_m=attn_block_m, attn_tma=attn_tma,
-                               wide_gemm=wide_gemm,
+                               wide_gemm=wide_gemm, gemm_operands=gemm_operands,
                                attn_stages=attn_stages,
                                split_k=split_k, block_kernel=block_kernel) if body == "fused" else None)
         b0 = self.dit.blocks[0]
@@ -527,7 +528,7 @@ def solver_from_knobs(cfm, extra: dict | None, device, config: GraphConfig = Gra
     log_choice(choice)
     attention = choice.attention or "sdpa"
     solver = WholeEulerSolver(cfm, body=choice.body, attention=attention, tf32=choice.tf32,
-                              n_timesteps=n_timesteps,
+                              n_timesteps=n_timesteps, gemm_operands=choice.gemm_operands,
                               config=config if torch.device(device).type == "cuda"
                               else GraphConfig(**{**config.__dict__, "enabled": False}))
     return solver, choice

@@ -58,6 +58,7 @@ __all__ = ["supports_fused_body", "FusedDiT", "DiTLayout", "Modulation"]
 
 AttentionKind = Literal["triton-tf32", "triton-ieee", "sdpa"]
 GemmKind = Literal["cublas", "triton", "cublas-split"]
+OperandKind = Literal["fp32", "fp16"]
 
 # Attention launch shape by grid fill (H200 sweep, benchmarks/code2wav_kernels_bench.py): with
 # rows x heads >= 128 there are enough programs (32-query blocks, no key split); below that,
@@ -83,6 +84,10 @@ SPLIT_MIN_K = 128
 # H200, whole-solve replay per 1-s chunk (code2wav_gemm_probe_session10_h200.md): B=16 23.32 vs 24.69
 # ms with cuBLAS GEMMs, B=8 16.43 vs 17.31; at B=4 (400 rows) the split-K cuBLAS GEMMs stay.
 WIDE_MIN_ROWS = 768
+# With FP16 operands (``gemm_operands="fp16"``) the tile GEMMs take every staged body's rows: in
+# isolation at 100 rows one block's five GEMMs take 25 us against cuBLAS TF32's 34
+# (fp16_operand_probe_session13_h200.md).
+WIDE16_MIN_ROWS = 0
 # Up to this many rows (None: any) the wide path's QKV GEMM also applies the q/k head LNs in its
 # epilogue and writes [k|v] straight into the cache (``wide_qkv``). H200 whole-solve replays, same
 # machine (code2wav_gemm_probe_session11_qkv_h200.md): B=8 16.14 vs 16.45 ms with the separate LN
@@ -218,7 +223,8 @@ class FusedDiT:
     def __init__(self, dit: nn.Module, attention: AttentionKind = "sdpa", use_triton: bool | None = None,
                  gemm: GemmKind = "cublas-split", attn_splits: int | None = None, attn_block_m: int | None = None,
                  split_k: int | None = None, block_kernel: bool | None = None, attn_tma: bool | None = None,
-                 attn_stages: int | None = None, wide_gemm: bool | None = None):
+                 attn_stages: int | None = None, wide_gemm: bool | None = None,
+                 gemm_operands: OperandKind = "fp32"):
         """``gemm="triton"`` runs every GEMM through the few-row Triton kernel while TF32 is on
         (opt-in: on the H200 it made a batch-1 solve slower, 15.3 vs 13.1 ms, and its TF32
         rounding costs ~2x cuBLAS's error; see benchmarks/results/code2wav_kernels_h200.md).
@@ -241,7 +247,15 @@ class FusedDiT:
         conv taps summed in the GEMM, fc1's GELU in its epilogue, the q/k (up to WIDE_QKV_LN_MAX_ROWS rows if set)
         head LNs in the QKV GEMM's epilogue, operands rounded to TF32 by their producers). None (default):
         on CUDA SM80+ while TF32 matmuls are on, for R*T >= WIDE_MIN_ROWS (decided when the workspace is
-        made); True: whenever the staged body runs Triton (also on CPU under the interpreter); False: never."""
+        made); True: whenever the staged body runs Triton (also on CPU under the interpreter); False: never.
+        ``gemm_operands="fp16"`` (opt-in): where Triton GEMMs run under TF32 (the tile GEMMs, from any
+        staged row count, and the persistent block kernel), the buffers holding their operands (the LN
+        outputs, the conv histories, the attention output, fc1's output) and the GEMM weights are FP16,
+        and fc2 runs as a tile GEMM too. A TF32-rounded value in FP16's range is exact
+        in FP16 (both keep 10 mantissa bits), so the products are TF32's; the operands take half the bytes
+        and the tensor cores run at twice the rate (``benchmarks/fp16_operand_probe.py``). Values beyond
+        FP16's range saturate at +-65504 and ones below 6.1e-5 lose mantissa bits (at most 3e-8 absolute).
+        Everything else (the residual stream, q, the attention cache, the CNN caches handed out) stays FP32."""
         ok, why = supports_fused_body(dit)
         if not ok:
             raise ValueError(f"DiT layout not supported by the fused body: {why}")
@@ -253,7 +267,10 @@ class FusedDiT:
             raise ValueError(f"attn_stages must be >= 1, got {attn_stages}")
         if attn_splits is not None and attn_splits < 1:
             raise ValueError(f"attn_splits must be >= 1 or None, got {attn_splits}")
+        if gemm_operands not in ("fp32", "fp16"):
+            raise ValueError(f"gemm_operands must be 'fp32' or 'fp16', got {gemm_operands!r}")
         self.dit = dit
+        self.gemm_operands = gemm_operands
         self.L = layout_of(dit)
         self.attention = attention
         self.use_triton = TRITON_AVAILABLE if use_triton is None else use_triton
@@ -285,10 +302,14 @@ class FusedDiT:
         w, n = self.dit.in_proj.weight, self.L.out_channels
         self.w_in_x, self.w_in_rest = w[:, :n].contiguous(), w[:, n:].contiguous()
 
-    def stacked_weights(self, rounded: bool) -> dit_block.BlockWeights:
+    def stacked_weights(self, rounded: bool, dtype: torch.dtype = torch.float32) -> dit_block.BlockWeights:
         """The blocks' weights stacked over depth for ``dit_blocks`` (one copy, made once; the module is
-        not modified). ``rounded``: the GEMM weights rounded to nearest TF32, as compiled TF32 reads them."""
-        key = (rounded, self.w_qkv[0].device)
+        not modified). ``rounded``: the GEMM weights rounded to nearest TF32, as compiled TF32 reads them.
+        ``dtype`` float16: the GEMM weights as FP16 operands (``gemm_operands="fp16"``; rounded to nearest
+        by the conversion itself)."""
+        key = (rounded, self.w_qkv[0].device, dtype)
+        if dtype == torch.float16 and key not in self._stacked:
+            self._stacked[key] = self.stacked_weights(False).gemm_as(torch.float16)
         if key not in self._stacked:
             per_block = []
             for i, blk in enumerate(self.dit.blocks):
@@ -336,7 +357,8 @@ class FusedDiT:
         if self.wide is False or not self.use_triton or self.uses_block_kernel(R, T, dev):
             return False
         if self.wide is None:
-            return (dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 8 and R * T >= WIDE_MIN_ROWS
+            least = WIDE16_MIN_ROWS if self.gemm_operands == "fp16" else WIDE_MIN_ROWS
+            return (dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 8 and R * T >= least
                     and torch.backends.cuda.matmul.allow_tf32)
         return dev.type == "cuda" or (dev.type == "cpu" and interpreting())
 
@@ -354,17 +376,28 @@ class FusedDiT:
             return {k: (self.split_k if K % self.split_k == 0 else 1) for k, (_, _, K) in roles.items()}
         return {k: split_k_for(*mnk) for k, mnk in roles.items()}
 
+    def operand_dtype(self, R: int, T: int, device) -> torch.dtype:
+        """The dtype of the GEMM operand buffers for R rows x T frames: FP16 with ``gemm_operands="fp16"``
+        where Triton GEMMs (tile GEMMs or the block kernel) run under TF32 (or under the interpreter, for
+        the tests), else FP32."""
+        if self.gemm_operands == "fp16" and (self.uses_wide(R, T, device) or self.uses_block_kernel(R, T, device)) and (
+                torch.backends.cuda.matmul.allow_tf32 or torch.device(device).type == "cpu"):
+            return torch.float16
+        return torch.float32
+
     def workspace(self, R: int, T: int, device, dtype=torch.float32) -> Workspace:
-        """Buffers for R rows x T frames (own or pooled caches)."""
+        """Buffers for R rows x T frames (own or pooled caches); the GEMM operands' in ``operand_dtype``."""
         L = self.L
         e = lambda *s: torch.empty(*s, device=device, dtype=dtype)  # noqa: E731
+        op = self.operand_dtype(R, T, device) if dtype == torch.float32 else dtype
+        eo = lambda *s: torch.empty(*s, device=device, dtype=op)  # noqa: E731
         sp = self.gemm_splits(R, T, device)
         wide = self.uses_wide(R, T, device)
-        ws = Workspace(h=e(R, T, L.hidden), norm=e(R, T, L.hidden),
+        ws = Workspace(h=e(R, T, L.hidden), norm=eo(R, T, L.hidden),
                        qkv=e(sp["qkv"], R, T, 3 * L.heads * L.head_dim),
-                       q=e(R, T, L.heads, L.head_dim), o=e(R, T, L.heads, L.head_dim), y=e(sp["proj"], R, T, L.hidden),
+                       q=e(R, T, L.heads, L.head_dim), o=eo(R, T, L.heads, L.head_dim), y=e(sp["proj"], R, T, L.hidden),
                        taps=e(sp["conv"], R, T + L.taps - 1, (1 if wide else L.taps) * L.hidden),
-                       mlp=e(R, T, L.mlp_hidden), y2=e(sp["fc2"], R, T, L.hidden), wide=wide)
+                       mlp=eo(R, T, L.mlp_hidden), y2=e(sp["fc2"], R, T, L.hidden), wide=wide)
         if self.uses_block_kernel(R, T, device):
             ws.attn_acc = e(R * L.heads * 8 * T * L.head_dim)
             ws.attn_ml = e(R * L.heads * 8 * T * 2)
@@ -393,7 +426,7 @@ class FusedDiT:
                 y = y + bias
             x.add_(gate[:, None] * y)
         out.copy_(F.layer_norm(x, (x.shape[-1],), eps=eps) * scale[:, None] + shift[:, None])
-        if round_out:
+        if round_out and out.dtype == torch.float32:
             dit_block.round_tf32_(out)
 
     def _qkv_ln(self, ws: Workspace, blk, kv_cur: torch.Tensor, rows=None, pos=None, bias=None):
@@ -428,7 +461,7 @@ class FusedDiT:
         taps_out = _sum_partials(taps_out)
         y = sum(taps_out[:, k:k + T, k * C:(k + 1) * C] for k in range(K)) + conv.bias
         out.copy_(F.mish(F.layer_norm(y, (C,), ln.weight, ln.bias, ln.eps)))
-        if round_out:
+        if round_out and out.dtype == torch.float32:
             dit_block.round_tf32_(out)
 
     def _attend(self, ws: Workspace, kv: torch.Tensor, mask: torch.Tensor | None, rows=None, round_out=False):
@@ -444,7 +477,7 @@ class FusedDiT:
                             round_out=round_out)
         else:
             ws.o.copy_(sdpa_attention(q, k, v, mask, rows).transpose(1, 2))
-            if round_out:
+            if round_out and ws.o.dtype == torch.float32:
                 dit_block.round_tf32_(ws.o)
 
     def _attn_shape(self, R: int, H: int, T: int, tma_ok: bool = False) -> tuple[int, int, int, bool]:
@@ -541,7 +574,7 @@ class FusedDiT:
         """out = the final linear of ws.norm (the final layer's modulated LayerNorm, left by ``blocks``)."""
         R, T, C = ws.norm.shape
         fl = self.dit.final_layer.linear
-        self._linear(ws.norm.view(R * T, C), fl.weight, fl.bias, out.view(R * T, -1))
+        self._linear(ws.norm.view(R * T, C).to(fl.weight.dtype), fl.weight, fl.bias, out.view(R * T, -1))
 
     def runs_persistent(self, ws: Workspace) -> bool:
         """Does ``blocks`` take the persistent block kernel for this workspace under the current
@@ -561,10 +594,17 @@ class FusedDiT:
         mb = mod.blocks
         precision = dot_precision(ws.h)
         persistent = self.runs_persistent(ws)
+        half = ws.norm.dtype == torch.float16      # gemm_operands="fp16": operands and weights FP16
+        if half and precision != "tf32":
+            raise RuntimeError("FusedDiT: this workspace holds FP16 GEMM operands (TF32 arithmetic) but TF32 "
+                               "matmuls are off now; make the workspace under the same TF32 setting")
         if persistent:
             if not ctr_zeroed:
                 ws.ctr.zero_()
-            weights = self.stacked_weights(dit_block.rounds(precision, ws.h.device))
+            if half:
+                weights = self.stacked_weights(False, torch.float16)
+            else:
+                weights = self.stacked_weights(dit_block.rounds(precision, ws.h.device))
             nprog = dit_block.programs(ws.h.device)
             a_splits, per_split = dit_block.attention_splits(R, L.heads, T, kv.shape[3], nprog)
             per = dit_block.BLOCKS_PER_LAUNCH or L.depth
@@ -582,7 +622,7 @@ class FusedDiT:
         # operands, under compiled TF32, the stage that writes each stores rounded (weights: the rounded copy)
         wide = ws.wide
         rnd = wide and dit_block.rounds(precision, ws.h.device)
-        wts = self.stacked_weights(True) if rnd else None
+        wts = self.stacked_weights(False, torch.float16) if half else self.stacked_weights(True) if rnd else None
         kt = 1 if wide else K           # taps the conv outputs still hold
 
         def wt(name: str, i: int, own: torch.Tensor) -> torch.Tensor:   # block i's GEMM weight as read
@@ -613,7 +653,8 @@ class FusedDiT:
                          taps=kt, round_out=rnd)
             self._gemm(ws.norm.view(N, C), wt("w_fc1", i, mlp.fc1.weight), mlp.fc1.bias, ws.mlp.view(1, N, -1), wide,
                        gelu=True, round_out=rnd)
-            b = self._gemm(ws.mlp.view(N, -1), mlp.fc2.weight, mlp.fc2.bias, ws.y2)    # fc2: cuBLAS either way
+            # fc2: cuBLAS with FP32 operands (a tile GEMM is no faster there), a tile GEMM with FP16 ones
+            b = self._gemm(ws.mlp.view(N, -1), wt("w_fc2", i, mlp.fc2.weight), mlp.fc2.bias, ws.y2, half)
             # this block's MLP residual fused with the next block's attention-input LN (or the final one)
             self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps, round_out=rnd)
 
@@ -640,16 +681,18 @@ class FusedDiT:
         kv = torch.empty(L.depth, R, L.heads, T + Lc, 2 * L.head_dim, device=dev, dtype=x.dtype)
         if Lc:
             kv[:, :, :, T:].copy_(att_cache)
-        hist = self.new_hist(R, T, dev, x.dtype)
+        hist = self.new_hist(R, T, dev)
         load_cnn_cache(hist, cnn_cache, L.taps - 1)
         ws = self.workspace(R, T, dev, x.dtype)
         out = torch.empty(R, T, L.out_channels, device=dev, dtype=x.dtype)
         mod = self.modulation(t)
         self.body(xin, mod, hist, kv, mask, ws, out)
-        return out.transpose(1, 2), read_cnn_cache(hist, T, L.taps - 1), kv
+        return out.transpose(1, 2), read_cnn_cache(hist, T, L.taps - 1).to(x.dtype), kv
 
-    def new_hist(self, R: int, T: int, device, dtype=torch.float32) -> torch.Tensor:
+    def new_hist(self, R: int, T: int, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Conv histories (depth, 2, R, T+K-1, C), the convs' GEMM operands (None: ``operand_dtype``)."""
         L = self.L
+        dtype = self.operand_dtype(R, T, device) if dtype is None else dtype
         return torch.empty(L.depth, 2, R, T + L.taps - 1, L.hidden, device=device, dtype=dtype)
 
 

@@ -14,6 +14,10 @@ Precedence (seed 000, DESIGN.md "Profiles and knobs"):
   cache keeps the original body, whatever was asked.
 * Attention inside the fused body: Triton tiled attention with TF32 dots on NVIDIA
   SM80+; the fused body's SDPA fallback elsewhere (older CUDA, HIP, CPU).
+* ``cfm_fp16_operands: true`` (opt-in, not in the seed): the fused body's Triton GEMMs read their
+  operands as FP16, which holds a TF32-rounded value exactly within FP16's range (same 10-bit
+  mantissa), so the arithmetic stays TF32's. Applies only to the fused body with TF32 on (CUDA);
+  anything else keeps FP32 operands and says so in the choice.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class Code2WavChoice:
     attention: Attention | None     # None with the original body
     tf32: bool                      # TF32 for the DiT GEMMs inside forward/capture
     reason: str
+    gemm_operands: Literal["fp32", "fp16"] = "fp32"   # FusedDiT(gemm_operands=...)
 
     def describe(self) -> str:
         att = f", attention {self.attention}" if self.attention else ""
@@ -68,6 +73,8 @@ class Code2WavChoice:
                 gemm += f", Triton tile GEMMs from {WIDE_MIN_ROWS} rows on CUDA"
             if self.tf32 and self.attention == "triton-tf32":
                 gemm += f", one persistent Triton launch for all DiT blocks on CUDA up to {MAX_ROWS} rows"
+            if self.gemm_operands == "fp16":
+                gemm += ", their operands FP16 (TF32-exact)"
         return (f"Code2Wav CFM body {self.body}{att}{gemm}, DiT GEMM TF32 {'on' if self.tf32 else 'off'} "
                 f"({self.reason})")
 
@@ -171,7 +178,14 @@ def resolve_code2wav(extra: Mapping[str, Any] | None, facts: DeviceFacts,
     attention: Attention | None = None
     if body == "fused":
         attention = "triton-tf32" if (facts.cuda and not facts.hip and facts.sm_major >= 8) else "sdpa"
-    return Code2WavChoice(body=body, attention=attention, tf32=tf32, reason=f"{why}; {tf32_why}")
+    reason = f"{why}; {tf32_why}"
+    operands = "fp32"
+    if _parse_bool(extra.get("cfm_fp16_operands"), "cfm_fp16_operands"):
+        if body == "fused" and tf32 and attention == "triton-tf32":
+            operands, reason = "fp16", reason + "; cfm_fp16_operands=true"
+        else:
+            reason += "; cfm_fp16_operands ignored (needs the fused body's Triton GEMMs with TF32 on CUDA SM80+)"
+    return Code2WavChoice(body=body, attention=attention, tf32=tf32, reason=reason, gemm_operands=operands)
 
 
 def device_facts(device: torch.device | str, att_cache_dtype: torch.dtype = torch.float32,

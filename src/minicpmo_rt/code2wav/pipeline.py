@@ -222,7 +222,8 @@ class Code2Wav:
                         "original body (%s)", slots, choice.reason)
             return
         self.slot_solver = SlotSolver(self.flow.decoder, pool=None, attention=choice.attention or "sdpa",
-                                      tf32=choice.tf32, n_timesteps=self.n_timesteps, config=config)
+                                      tf32=choice.tf32, n_timesteps=self.n_timesteps, config=config,
+                                      gemm_operands=choice.gemm_operands)
         self.slot_pool_slots, self.row_offset_merge = slots, merge
         log.info("Code2Wav slot pool: %d resident stream slots (opt-in cfm_slot_pool), row-offset merging %s",
                  slots, "on" if merge else "off")

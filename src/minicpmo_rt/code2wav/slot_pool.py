@@ -122,10 +122,10 @@ class SlotSolver(WholeEulerSolver):
     def __init__(self, cfm, pool: SlotPool, attention: str = "triton-tf32", tf32: bool = False,
                  n_timesteps: int = 10, config: GraphConfig = GraphConfig(), use_triton: bool | None = None,
                  split_k: int | None = None, block_kernel: bool | None = None, attn_tma: bool | None = None,
-                 wide_gemm: bool | None = None):
+                 wide_gemm: bool | None = None, gemm_operands: str = "fp32"):
         super().__init__(cfm, body="fused", attention=attention, tf32=tf32, n_timesteps=n_timesteps,
                          config=config, use_triton=use_triton, split_k=split_k, block_kernel=block_kernel,
-                         attn_tma=attn_tma, wide_gemm=wide_gemm)
+                         attn_tma=attn_tma, wide_gemm=wide_gemm, gemm_operands=gemm_operands)
         self.pool = pool
         self._staging: dict[tuple, _Staging] = {}
 

@@ -34,7 +34,7 @@ the CPU tests exercise; the GPU tests compare the one-launch form with them (bit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,7 +62,7 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .dit_ops import qkv_head_ln_row, res_ln_row, round_tf32, taps_ln_mish_row
+    from .dit_ops import qkv_head_ln_row, res_ln_row, store_operand, taps_ln_mish_row
     from .tiled_attention import attn_combine_tile, attn_tile
 
     @triton.jit
@@ -119,9 +119,12 @@ if AVAILABLE:
                 acc += tl.load(BIAS + offs_n, mask=col_ok, other=0.0)[None, :]
                 # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
                 u2 = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
-                acc = round_tf32(acc / (1.0 + tl.exp(-u2)), ROUND)    # fc2's operand
-            tl.store(OUT + sp * M * N + offs_m[:, None] * N + offs_n[None, :], acc,
-                     mask=row_ok[:, None] & col_ok[None, :])
+                acc = acc / (1.0 + tl.exp(-u2))
+                store_operand(OUT + offs_m[:, None] * N + offs_n[None, :], acc,      # fc2's operand
+                              row_ok[:, None] & col_ok[None, :], ROUND)
+            else:
+                tl.store(OUT + sp * M * N + offs_m[:, None] * N + offs_n[None, :], acc,
+                         mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _dit_block(HX, NORM, QKV, Q, KV_ALL, MASK, O, PACC, PML, Y, HIST, TAPSB, MLP, Y2, CTR, ROWS, POS,
@@ -278,6 +281,10 @@ if AVAILABLE:
             else:
                 _stamp(TIMES, nb + 1, pid, nprog, TIMED)
 
+
+GEMM_WEIGHTS = ("w_qkv", "w_proj", "w_taps1", "w_taps2", "w_fc1", "w_fc2")
+
+
 @dataclass(frozen=True)
 class BlockWeights:
     """A DiT block's parameters as the kernel reads them: per block (packed QKV and conv taps, the
@@ -307,9 +314,13 @@ class BlockWeights:
         """The GEMM weights rounded in place to nearest TF32 (biases and norms stay FP32): the tensor
         core truncates operands, so pre-rounded operands give cuBLAS-like TF32 error. Only for copies
         (``stack_weights``), never the module's own parameters."""
-        for k in ("w_qkv", "w_proj", "w_taps1", "w_taps2", "w_fc1", "w_fc2"):
+        for k in GEMM_WEIGHTS:
             round_tf32_(getattr(self, k))
         return self
+
+    def gemm_as(self, dtype: torch.dtype) -> "BlockWeights":
+        """A copy whose GEMM weights are ``dtype`` (FP16 operands of the tile GEMMs); the rest shared."""
+        return replace(self, **{k: getattr(self, k).to(dtype) for k in GEMM_WEIGHTS})
 
 
 def rounds(precision: str, device: torch.device) -> bool:

@@ -34,6 +34,16 @@ if AVAILABLE:
         return x
 
     @triton.jit
+    def store_operand(ptr, x, mask, ROUND: tl.constexpr):
+        """Store x as a GEMM operand: rounded to nearest TF32 with ROUND into an FP32 buffer, or into an
+        FP16 one (``FusedDiT(gemm_operands="fp16")``), where round-to-nearest keeps the same 10-bit
+        mantissa. FP16 saturates at +-65504 rather than turning a huge activation into inf."""
+        if ptr.dtype.element_ty == tl.float16:
+            tl.store(ptr, tl.clamp(x, -65504.0, 65504.0).to(tl.float16), mask=mask)
+        else:
+            tl.store(ptr, round_tf32(x, ROUND), mask=mask)
+
+    @triton.jit
     def res_ln_row(n, X, Y, BIAS, GATE, SHIFT, SCALE, OUT,
                    sxr, sxt, syr, syt, sor, sot, s_gate, s_mod, s_split,
                    T, C, eps,
@@ -71,7 +81,7 @@ if AVAILABLE:
         d = tl.where(ok, x - mean, 0.0)
         var = tl.sum(d * d, axis=0) / C
         xn = d / tl.sqrt(var + eps)
-        tl.store(OUT + r * sor + t * sot + offs, round_tf32(xn * sc + sh, ROUND_OUT), mask=ok)
+        store_operand(OUT + r * sor + t * sot + offs, xn * sc + sh, ok, ROUND_OUT)
 
     @triton.jit
     def _residual_mod_ln(X, Y, BIAS, GATE, SHIFT, SCALE, OUT,
@@ -161,7 +171,7 @@ if AVAILABLE:
         e = tl.exp(tl.minimum(h, 20.0))
         nn_ = e * (e + 2.0)
         m = tl.where(h > 20.0, h, h * nn_ / (nn_ + 2.0))
-        tl.store(OUT + r * sor + t * sot + offs, round_tf32(m, ROUND_OUT), mask=ok)
+        store_operand(OUT + r * sor + t * sot + offs, m, ok, ROUND_OUT)
 
     @triton.jit
     def _taps_ln_mish(Y, BIAS, W, B, OUT, syr, syt, sor, sot, s_split, T, C, eps,

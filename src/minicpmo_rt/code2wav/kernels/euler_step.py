@@ -30,7 +30,7 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .dit_ops import round_tf32
+    from .dit_ops import round_tf32, store_operand
 
     @triton.jit
     def _mod_ln_store(hp, op, mean, den, SHIFT, SCALE, offs_c, c_ok, hm, ROUND: tl.constexpr):
@@ -38,7 +38,7 @@ if AVAILABLE:
         d = tl.load(hp, mask=hm, other=0.0) - mean[:, None]
         sh = tl.load(SHIFT + offs_c, mask=c_ok, other=0.0)
         sc = tl.load(SCALE + offs_c, mask=c_ok, other=0.0)
-        tl.store(op, round_tf32(d / den[:, None] * sc[None, :] + sh[None, :], ROUND), mask=hm)
+        store_operand(op, d / den[:, None] * sc[None, :] + sh[None, :], hm, ROUND)
 
     @triton.jit
     def _euler_junction(NORM, WF, BF, X, WX, HC, SHIFT, SCALE, H, CTR,
@@ -67,10 +67,11 @@ if AVAILABLE:
                 w = round_tf32(tl.load(WF + offs_n[None, :] * s_wf + offs_k[:, None],
                                        mask=n_ok[None, :] & k_ok[:, None], other=0.0), ROUND)
                 am = t_ok[:, None] & k_ok[None, :]
+                # an FP16 NORM (FP16 GEMM operands) holds TF32-exact values: widened, not rounded again
                 nc = round_tf32(tl.load(NORM + rc * s_nr + offs_t[:, None] * s_nt + offs_k[None, :],
-                                        mask=am, other=0.0), ROUND)
+                                        mask=am, other=0.0).to(tl.float32), ROUND)
                 nu = round_tf32(tl.load(NORM + ru * s_nr + offs_t[:, None] * s_nt + offs_k[None, :],
-                                        mask=am, other=0.0), ROUND)
+                                        mask=am, other=0.0).to(tl.float32), ROUND)
                 acc_c = tl.dot(nc, w, acc_c, input_precision=PRECISION)
                 acc_u = tl.dot(nu, w, acc_u, input_precision=PRECISION)
             bf = tl.load(BF + offs_n, mask=n_ok, other=0.0)
@@ -168,7 +169,7 @@ def euler_junction(norm: torch.Tensor, wf: torch.Tensor, bf: torch.Tensor, x: to
     """One Euler step's junction in place (see the module docstring).
 
     norm, h, hc (2Bb, T, C) (rows [0, Bb) cond, [Bb, 2Bb) uncond; norm: final-LN output in,
-    block-0 LN output out); x (Bb, T, NM) Euler state; wf (NM, C), bf (NM,) the final linear;
+    block-0 LN output out; FP32, or FP16 for FP16 GEMM operands); x (Bb, T, NM) Euler state; wf (NM, C), bf (NM,) the final linear;
     wx (C, NM) the input projection's x columns (a strided view is fine); shift/scale1p (Rm, C)
     block 0's modulation of the next step (None: last step, no next h); ``has_v`` False: the
     first step's start (x is already the noise). ``rounded``: operands rounded to nearest TF32
@@ -206,7 +207,7 @@ def euler_junction_ref(norm, wf, bf, x, wx, hc, shift, scale1p, h, dt: float, cf
     """``euler_junction`` in torch: the reference program's ops, in its order."""
     Bb = x.shape[0]
     if has_v:
-        v = F.linear(norm, wf, bf)
+        v = F.linear(norm.to(wf.dtype), wf, bf)
         x.add_(dt * ((1.0 + cfg_rate) * v[:Bb] - cfg_rate * v[Bb:]))
     if ctr is not None:
         ctr.zero_()

@@ -25,7 +25,7 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .dit_ops import round_tf32
+    from .dit_ops import store_operand
 
     @triton.jit
     def _mask_tile(M, b, offs_m, offs_n, row_ok, k_hi, smb, smm, smn, KEY_MASK: tl.constexpr):
@@ -114,9 +114,8 @@ if AVAILABLE:
             m_i = m_new
         if SPLITS == 1:
             denom = tl.where(l_i > 0, l_i, 1.0)
-            out = round_tf32(tl.where((l_i > 0)[:, None], acc / denom[:, None], 0.0), ROUND_OUT)
-            tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out,
-                     mask=row_ok[:, None])
+            store_operand(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
+                          tl.where((l_i > 0)[:, None], acc / denom[:, None], 0.0), row_ok[:, None], ROUND_OUT)
         else:
             # partial (unnormalised acc, running max, denominator) of this key range; contiguous
             # scratch (B, H, SPLITS, nq, D) and (B, H, SPLITS, nq, 2), combined by _attn_combine
@@ -161,8 +160,8 @@ if AVAILABLE:
             l_sum += w * tl.load(PML + row * 2 + 1, mask=row_ok, other=0.0)
             acc += w[:, None] * tl.load(PACC + row[:, None] * HEAD_D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         denom = tl.where(l_sum > 0, l_sum, 1.0)
-        out = round_tf32(tl.where((l_sum > 0)[:, None], acc / denom[:, None], 0.0), ROUND_OUT)
-        tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out, mask=row_ok[:, None])
+        store_operand(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
+                      tl.where((l_sum > 0)[:, None], acc / denom[:, None], 0.0), row_ok[:, None], ROUND_OUT)
 
     @triton.jit
     def _attn_combine(PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -202,6 +201,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     caller's projection GEMM reads it without a copy. ``tma``: fetch K/V tiles through a tensor
     descriptor (``attn_tile``'s TMA branch; needs k and v to be the halves of one packed cache, ``packed_kv``).
     ``round_out``: store the output rounded to nearest TF32 (the operand of a TF32 GEMM that truncates).
+    An FP16 ``out`` takes the output as an FP16 GEMM operand (``dit_ops.store_operand``).
     """
     if not AVAILABLE:
         raise RuntimeError("tiled_attention needs Triton; use the SDPA fallback")
@@ -215,6 +215,8 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         raise ValueError(f"head dim {D} must be a power of two >= 16 for tensor-core dots")
     if out is None:
         out = torch.empty_like(q)
+    if out.dtype not in (torch.float32, torch.float16):
+        raise TypeError(f"tiled_attention: out must be float32 or float16 (a GEMM operand), got {out.dtype}")
     if mask is not None:
         if mask.shape != (B, nq, nk):
             raise ValueError(f"mask shape {tuple(mask.shape)} != (B, nq, nk) = {(B, nq, nk)}")

@@ -82,8 +82,8 @@ if AVAILABLE:
             # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
             u2 = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
             acc = acc / (1.0 + tl.exp(-u2))
-        tl.store(OUT + offs_m[:, None] * som + offs_n[None, :] * son, round_tf32(acc, ROUND_OUT),
-                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        tl.store(OUT + offs_m[:, None] * som + offs_n[None, :] * son,
+                 round_tf32(acc, ROUND_OUT).to(OUT.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
     @triton.jit
     def _wide_qkv(A, W, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS, a_desc, w_desc, M, K,
@@ -147,10 +147,28 @@ DEFAULT_TILE: Tile = (64, 128, 32, 4, 4)
 # 1600 rows: 64x128 tiles, whole-solve replay 22.91 ms against 23.81 at TILES' 128x128 and 23.09-24.18
 # for four other shapes (H200, code2wav_gemm_probe_session11_qkv_h200.md).
 QKV_TILES: dict[bool, Tile] = {True: (64, 128, 32, 4, 4)}
+# FP16 operands (BK 64-128: the same bytes per K step as FP32's 32-64), from the isolated sweep of
+# benchmarks/fp16_operand_probe.py on the H200 (fp16_operand_probe_session13_h200.md).
+TILES16: dict[tuple[bool, int, int, int], Tile] = {
+    (True, 1536, 512, 1): (128, 64, 64, 4, 4), (True, 512, 512, 1): (64, 64, 128, 4, 3),
+    (True, 2048, 512, 1): (64, 128, 64, 4, 4), (True, 512, 512, 3): (64, 64, 128, 4, 3),
+    (True, 512, 2048, 1): (64, 128, 64, 4, 4),
+}
+DEFAULT_TILE16: Tile = (64, 64, 128, 4, 3)
+QKV_TILES16: dict[bool, Tile] = {True: (128, 64, 64, 4, 4)}
 
 
-def tile_for(M: int, N: int, K: int, taps: int = 1) -> Tile:
+def tile_for(M: int, N: int, K: int, taps: int = 1, dtype: torch.dtype = torch.float32) -> Tile:
+    if dtype == torch.float16:
+        return TILES16.get((M >= BIG_M, N, K, taps), DEFAULT_TILE16)
     return TILES.get((M >= BIG_M, N, K, taps), DEFAULT_TILE)
+
+
+def _fit_k(BK: int, K: int) -> int:
+    """A table's K tile halved (down to 16) until it divides K: the tables are for the full-size DiT."""
+    while K % BK and BK > 16:
+        BK //= 2
+    return BK
 
 
 def _descriptors(x: torch.Tensor, w: torch.Tensor, BM: int, BN: int, BK: int, who: str):
@@ -177,8 +195,11 @@ def wide_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: tor
     """
     if not AVAILABLE:
         raise RuntimeError("wide_gemm needs Triton; use torch.addmm")
-    if x.dtype != torch.float32 or w.dtype != torch.float32 or out.dtype != torch.float32:
-        raise TypeError(f"wide_gemm is FP32 only, got x {x.dtype}, w {w.dtype}, out {out.dtype}")
+    # FP16 operands (experimental, benchmarks/fp16_operand_probe.py): a TF32-rounded value in FP16's
+    # range is exact in FP16 (same 10-bit mantissa), at half the bytes and twice the tensor-core rate.
+    if x.dtype != w.dtype or x.dtype not in (torch.float32, torch.float16) or out.dtype not in (torch.float32, torch.float16):
+        raise TypeError(f"wide_gemm takes FP32 (or FP16) x and w of one dtype and an FP32/FP16 out, "
+                        f"got x {x.dtype}, w {w.dtype}, out {out.dtype}")
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"precision must be 'tf32' or 'ieee', got {precision!r}")
     if x.dim() != 2 or w.dim() != 2 or out.dim() != 2:
@@ -190,7 +211,8 @@ def wide_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: tor
     if w.shape[1] != K or out.shape != (M, N):
         raise ValueError(f"wide_gemm shapes: x {tuple(x.shape)}, w {tuple(w.shape)} ({taps} taps), "
                          f"out {tuple(out.shape)}; want out ({M}, {N})")
-    BM, BN, BK, warps, stages = tile or tile_for(M, N, K, taps)
+    BM, BN, BK, warps, stages = tile or tile_for(M, N, K, taps, x.dtype)
+    BK = BK if tile else _fit_k(BK, K)
     if K % BK:
         raise ValueError(f"wide_gemm: K={K} is not a multiple of the K tile {BK}")
     a_desc, w_desc = _descriptors(x, w, BM, BN, BK, "wide_gemm") if tma else (None, None)
@@ -221,7 +243,11 @@ def wide_qkv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, q_w: torch.Tenso
                          f"kv {tuple(kv.shape)}, T={T}")
     if q_out.stride(3) != 1 or kv.stride(3) != 1:
         raise ValueError("wide_qkv: q_out and kv need a contiguous last (head-dim) axis")
-    BM, BN, BK, warps, stages = tile or QKV_TILES.get(M >= BIG_M) or tile_for(M, 3 * H * D, K)
+    if x.dtype != w.dtype or x.dtype not in (torch.float32, torch.float16):
+        raise TypeError(f"wide_qkv takes FP32 (or FP16) x and w of one dtype, got x {x.dtype}, w {w.dtype}")
+    qkv_tiles = QKV_TILES16 if x.dtype == torch.float16 else QKV_TILES
+    BM, BN, BK, warps, stages = tile or qkv_tiles.get(M >= BIG_M) or tile_for(M, 3 * H * D, K, 1, x.dtype)
+    BK = BK if tile else _fit_k(BK, K)
     while BN > D and (H * D) % BN:      # a tile must hold whole heads of one of q, k, v
         BN //= 2
     if BN < D or BN % D or (H * D) % BN or D & (D - 1):
