@@ -378,6 +378,7 @@ GLUE_ROW = "fused + graph TF32 on, torch step glue"
 PTR_ROW = "fused + graph TF32 on, pointer-load attention"
 CUBLAS_ROW = "fused + graph TF32 on, cuBLAS GEMMs"     # no Triton tile GEMMs (session 9's default)
 FP16_ROW = "fused + graph TF32 on, FP16 operands"      # opt-in gemm_operands="fp16" (tile GEMMs' rows)
+FP16_TF32PV_ROW = "fused + graph TF32 on, FP16 operands, TF32 P@V"   # the same with P @ V kept in TF32 (A/B)
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -472,6 +473,7 @@ def main(argv=None) -> int:
                 (PTR_ROW, dict(body="fused", attention="triton-tf32", tf32=True, attn_tma=False)),
                 (CUBLAS_ROW, dict(body="fused", attention="triton-tf32", tf32=True, wide_gemm=False)),
                 (FP16_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
+                (FP16_TF32PV_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 
@@ -492,6 +494,8 @@ def main(argv=None) -> int:
             if args.rows and not row_selected(name, args.rows):
                 continue
             solver = WholeEulerSolver(cfm, n_timesteps=S, config=cfg, **kw)
+            if name == FP16_TF32PV_ROW:
+                solver.fused.attn_pv16 = False
             got = solver.solve(mu, spk, cond, cnn, att, copy_out=False)
             errs = [_rel(a, b) for a, b in zip(got, ref)]
             st = next(iter(solver._statics.values()))

@@ -163,3 +163,28 @@ def test_cuda_model_shape(precision, tol, splits):
                                   key_mask=km)
             assert rel_err(out, ref) < tol, (tma, km, m.stride())
             assert out[2].abs().max() == 0
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fp16_operand_output_and_fp16_pv(splits):
+    """An FP16 ``out`` (an FP16 GEMM operand, ``FusedDiT(gemm_operands="fp16")``) with P @ V in FP16
+    (``pv16``, its default under TF32): p and v rounded to 10 mantissa bits and the output to FP16,
+    TF32's precision, so the TF32 tolerance 1e-3 applies; a fully masked row still gives exact 0. The
+    same P @ V into an FP32 output, and the FP32 path, agree within it."""
+    from minicpmo_rt.code2wav.kernels.tiled_attention import pv16_for
+    gen = torch.Generator().manual_seed(41)
+    dev = device()
+    B, H, nq, nk, D = 2, 2, 7, 150, 32
+    q, k, v = (torch.randn(B, H, n, D, generator=gen).to(dev) for n in (nq, nk, nk))
+    mask = ragged_mask(B, nq, nk, gen).to(dev)
+    ref = reference(q, k, v, mask)
+    out16 = torch.empty(B, H, nq, D, device=dev, dtype=torch.float16)
+    assert pv16_for(out16, "tf32") and not pv16_for(out16, "ieee") and not pv16_for(q, "tf32")
+    tiled_attention(q, k, v, mask, out=out16, splits=splits)
+    err = rel_err(out16.float(), ref)
+    assert 1e-6 < err <= 1e-3, err
+    assert out16[0, :, 1].abs().max() == 0
+    pv16 = tiled_attention(q, k, v, mask, splits=splits, pv16=True)
+    assert rel_err(pv16, ref) <= 1e-3
+    with pytest.raises(TypeError, match="float32 or float16"):
+        tiled_attention(q, k, v, mask, out=torch.empty(B, H, nq, D, device=dev, dtype=torch.bfloat16))

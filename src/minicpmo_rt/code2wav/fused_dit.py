@@ -278,6 +278,7 @@ class FusedDiT:
         self.attn_tma, self.attn_stages = attn_tma, attn_stages
         self.wide = wide_gemm
         self.wide_qkv_ln_max_rows = WIDE_QKV_LN_MAX_ROWS
+        self.attn_pv16: bool | None = None     # P @ V in FP16 (None: with FP16 operands; tiled_attention.pv16_for)
         ok, why = dit_block.supported(self.L.hidden, self.L.heads, self.L.head_dim, self.L.mlp_hidden)
         if block_kernel and not ok:
             raise ValueError(f"block_kernel: this DiT's shapes do not fit the persistent kernel: {why}")
@@ -474,7 +475,7 @@ class FusedDiT:
             tiled_attention(q, k, v, mask, kv_rows=rows,
                             precision="tf32" if self.attention == "triton-tf32" else "ieee",
                             out=ws.o.transpose(1, 2), block_m=bm, splits=splits, num_stages=stages, tma=tma,
-                            round_out=round_out)
+                            round_out=round_out, pv16=self.attn_pv16)
         else:
             ws.o.copy_(sdpa_attention(q, k, v, mask, rows).transpose(1, 2))
             if round_out and ws.o.dtype == torch.float32:
@@ -614,7 +615,8 @@ class FusedDiT:
                     attn_ml=ws.attn_ml, y=ws.y, hist=hist, taps=ws.taps, mlp=ws.mlp, y2=ws.y2,
                     ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=b0, n_blocks=min(per, L.depth - b0),
                     eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps, attn_splits=a_splits,
-                    keys_per_split=per_split, nprog=nprog, precision=precision, rows=rows, pos=pos)
+                    keys_per_split=per_split, nprog=nprog, precision=precision, rows=rows, pos=pos,
+                    pv16=self.attn_pv16)
             return
         # the staged body: cuBLAS GEMMs, or with ``ws.wide`` Triton tile GEMMs (the conv taps summed in the
         # GEMM, so ``ws.taps`` is (1, R, T+K-1, C) and its readers take one tap; fc1's GELU in its

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import AVAILABLE, interpreting
-from .tiled_attention import key_splits
+from .tiled_attention import key_splits, pv16_for
 
 # GEMM tiles (rows BM x columns BN, K split S ways) per role at ~100 rows; H200 probe
 # (benchmarks/results/persistent_probe_h200.json): us per phase incl. the barrier, vs the same GEMM
@@ -142,7 +142,8 @@ if AVAILABLE:
                    S_FC2: tl.constexpr, BM_FC2: tl.constexpr, BN_FC2: tl.constexpr, BK_FC2: tl.constexpr,
                    A_BM: tl.constexpr, A_BN: tl.constexpr, A_SPLITS: tl.constexpr, C_BM: tl.constexpr,
                    HAS_MASK: tl.constexpr, POOLED: tl.constexpr,
-                   PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr):
+                   PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr,
+                   PV16: tl.constexpr = False):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         M = R * T
@@ -210,7 +211,7 @@ if AVAILABLE:
                     attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, ROWS, PACC, PML,
                               T * HD, D, HD, 1, skv_r, skv_h, skv_t, 1, skv_r, skv_h, skv_t, 1,
                               T * HD, D, HD, 1, smb, smm, smn, T, nk, attn_scale, keys_per_split,
-                              D, A_BM, A_BN, HAS_MASK, POOLED, PRECISION, A_SPLITS, ROUND)
+                              D, A_BM, A_BN, HAS_MASK, POOLED, PRECISION, A_SPLITS, ROUND, PV16=PV16)
             if PHASE < 0:
                 nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
             if A_SPLITS > 1:
@@ -386,7 +387,8 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                w: BlockWeights, mod_chain, first: int, n_blocks: int, eps: float, qk_eps: float,
                conv_eps: float, attn_splits: int, keys_per_split: int, nprog: int, precision: str = "tf32",
                phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None,
-               per_program: bool = False, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None):
+               per_program: bool = False, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
+               pv16: bool | None = None):
     """Blocks [first, first + n_blocks) in place, in ONE launch (see the module docstring).
 
     Shapes as ``fused_dit.Workspace``: h, norm (R,T,C); qkv (Sq,R,T,3HD); q, o (R,T,H,D); kv
@@ -468,7 +470,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                 BM_FC1=b1, BN_FC1=n1, BK_FC1=k1, S_FC2=y2.shape[0], BM_FC2=b2, BN_FC2=n2, BK_FC2=k2,
                 A_BM=ATT_BM, A_BN=ATT_BN, C_BM=COMBINE_BM,
                 A_SPLITS=attn_splits, HAS_MASK=mask is not None, POOLED=pos is not None, ROUND=round_tf32,
-                PRECISION=precision,
+                PRECISION=precision, PV16=pv16_for(o, precision) if pv16 is None else pv16,
                 TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps)
     if phase_by_phase:     # one launch per block and phase: the launch boundary is the barrier
         for b in range(first, first + n_blocks):

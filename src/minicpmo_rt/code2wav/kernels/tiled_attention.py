@@ -50,7 +50,7 @@ if AVAILABLE:
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
                   SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr = False, KV_DESC=None, TMA: tl.constexpr = False,
-                  KEY_MASK: tl.constexpr = False):
+                  KEY_MASK: tl.constexpr = False, PV16: tl.constexpr = False):
         """Query block ``mblk`` x key split ``split`` of (row b, head h) of H heads (also a phase
         of the persistent block kernel).
 
@@ -61,7 +61,11 @@ if AVAILABLE:
 
         KEY_MASK: the mask does not vary over queries (query stride 0, e.g. the slot pool's one key row
         per batch row): each key tile loads one BLOCK_N vector instead of a BLOCK_M x BLOCK_N tile
-        (``tiled_attention(key_mask=True)``)."""
+        (``tiled_attention(key_mask=True)``).
+
+        PV16: P @ V with FP16 operands (for FP16 GEMM operands, ``pv16_for``): p in (0, 1] and v rounded
+        to 10 mantissa bits, TF32's precision; an FP16 B operand may be N-major, so V needs no per-tile
+        transpose (TF32 wgmma takes only K-major operands)."""
         kvb = b
         if HAS_KVR:
             kvb = tl.load(KVR + b)
@@ -110,7 +114,11 @@ if AVAILABLE:
                 v = KV_DESC.load([row0 + start, HEAD_D])
             else:
                 v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            if PV16:
+                pv = tl.dot(p.to(tl.float16), tl.clamp(v, -65504.0, 65504.0).to(tl.float16))
+            else:
+                pv = tl.dot(p, v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
         if SPLITS == 1:
             denom = tl.where(l_i > 0, l_i, 1.0)
@@ -134,11 +142,13 @@ if AVAILABLE:
                   nq, nk, scale, keys_per_split, KV_DESC,
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
-                  SPLITS: tl.constexpr, TMA: tl.constexpr, KEY_MASK: tl.constexpr, ROUND_OUT: tl.constexpr):
+                  SPLITS: tl.constexpr, TMA: tl.constexpr, KEY_MASK: tl.constexpr, ROUND_OUT: tl.constexpr,
+                  PV16: tl.constexpr):
         attn_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                   tl.num_programs(1), Q, K, V, O, M, KVR, PACC, PML, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
                   svb, svh, svn, svd, sob, soh, som, sod, smb, smm, smn, nq, nk, scale, keys_per_split,
-                  HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS, ROUND_OUT, KV_DESC, TMA, KEY_MASK)
+                  HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS, ROUND_OUT, KV_DESC, TMA, KEY_MASK,
+                  PV16)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -179,6 +189,12 @@ def key_splits(nk: int, splits: int, block_n: int) -> tuple[int, int]:
     return -(-nk // per_split), per_split
 
 
+def pv16_for(out: torch.Tensor, precision: str) -> bool:
+    """P @ V with FP16 operands by default exactly when the output is an FP16 GEMM operand under TF32
+    (``FusedDiT(gemm_operands="fp16")``): the same 10-bit operand rounding the TF32 dot applies."""
+    return out.dtype == torch.float16 and precision == "tf32"
+
+
 def packed_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """The (Bk*H*nk, 2D) matrix that k and v are the two halves of, when they are views of one
     contiguous packed ``[k|v]`` cache (Bk, H, nk, 2D) with a 16-byte aligned start (what a TMA
@@ -194,14 +210,15 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                     kv_rows: torch.Tensor | None = None, precision: str = "tf32",
                     out: torch.Tensor | None = None, block_m: int = 32, block_n: int = 64,
                     num_warps: int = 4, num_stages: int = 2, splits: int = 1, tma: bool = False,
-                    key_mask: bool = False, round_out: bool = False) -> torch.Tensor:
+                    key_mask: bool = False, round_out: bool = False, pv16: bool | None = None) -> torch.Tensor:
     """softmax(q k^T D^-0.5, mask) v for fp32 q (B,H,nq,D), k/v (Bk,H,nk,D); mask (B,nq,nk) bool.
 
     ``out`` (B,H,nq,D) may be any strided view (e.g. (B,nq,H,D) transposed) so the
     caller's projection GEMM reads it without a copy. ``tma``: fetch K/V tiles through a tensor
     descriptor (``attn_tile``'s TMA branch; needs k and v to be the halves of one packed cache, ``packed_kv``).
     ``round_out``: store the output rounded to nearest TF32 (the operand of a TF32 GEMM that truncates).
-    An FP16 ``out`` takes the output as an FP16 GEMM operand (``dit_ops.store_operand``).
+    An FP16 ``out`` takes the output as an FP16 GEMM operand (``dit_ops.store_operand``). ``pv16``: P @ V
+    with FP16 operands (``attn_tile``'s PV16); None: ``pv16_for(out, precision)``.
     """
     if not AVAILABLE:
         raise RuntimeError("tiled_attention needs Triton; use the SDPA fallback")
@@ -249,7 +266,8 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                                         HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
                                         PRECISION=precision, SPLITS=splits, TMA=tma,
                                         KEY_MASK=bool(key_mask) and mask is not None and ms[1] == 0,
-                                        ROUND_OUT=round_out, num_warps=num_warps, num_stages=num_stages)
+                                        ROUND_OUT=round_out, num_warps=num_warps, num_stages=num_stages,
+                                        PV16=pv16_for(out, precision) if pv16 is None else pv16)
     if splits > 1:
         _attn_combine[(B, H, mblocks)](pacc, pml, out, *out.stride(), H, nq,
                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits, ROUND_OUT=round_out, num_warps=4)
