@@ -203,16 +203,17 @@ TABLES = {
 def _tile_tables():
     """``wide_gemm`` with its tile tables restored after a sweep that edits them."""
     from minicpmo_rt.code2wav.kernels import wide_gemm as wg
-    saved = dict(wg.TILES), dict(wg.QKV_TILES)
+    tables = (wg.TILES, wg.QKV_TILES, wg.TILES16, wg.QKV_TILES16)
+    saved = [dict(t) for t in tables]
     try:
         yield wg
     finally:
-        for table, old in zip((wg.TILES, wg.QKV_TILES), saved):
+        for table, old in zip(tables, saved):
             table.clear()
             table.update(old)
 
 
-def _in_solve_sweep(batches, variants, setup, record) -> None:
+def _in_solve_sweep(batches, variants, setup, record, gemm_operands: str = "fp32") -> None:
     """Whole-solve replays (the GEMMs in place: cold weights, real neighbours), same machine: for each
     batch and variant, ``setup(wg, B, big, variant)`` edits the tile tables and returns the solver's
     ``wide_gemm`` and a function applied to its FusedDiT (or None); ``record(B, variant, outputs,
@@ -226,9 +227,9 @@ def _in_solve_sweep(batches, variants, setup, record) -> None:
             cnn, att, mu, spk, cond = chunk_inputs(B, dev)
             cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
             for variant in variants:
-                wide, tune = setup(wg, B, 2 * B * T >= wg.BIG_M, variant)
+                wide, tune = setup(wg, B, 2 * B * T >= (wg.BIG_M16 if gemm_operands == "fp16" else wg.BIG_M), variant)
                 sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
-                                      config=cfg, wide_gemm=wide)
+                                      config=cfg, wide_gemm=wide, gemm_operands=gemm_operands)
                 if tune is not None:
                     tune(sv.fused)
                 got = sv.solve(mu, spk, cond, cnn, att, copy_out=False)
@@ -257,6 +258,35 @@ def solve_section(res: dict, save, batches=(16, 8)) -> None:
         save()
 
     _in_solve_sweep(batches, ["cuBLAS"] + list(TABLES), setup, record)
+
+
+# FP16-operand tile tables (gemm_operands="fp16"): qkv (wide_qkv), proj, fc1, conv, fc2
+TABLES16 = {
+    "probe": ((128, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4)),
+    "bk128": ((64, 64, 128, 4, 3), (64, 64, 128, 4, 3), (64, 64, 128, 4, 3), (64, 64, 128, 4, 3), (64, 64, 128, 4, 3)),
+    "t128": ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64, 64, 4, 4)),
+    "n128": ((64, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 4, 4)),
+    "wide": ((64, 128, 128, 4, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3)),
+}
+ROLES16 = ((512, 512, 1), (2048, 512, 1), (512, 512, 3), (512, 2048, 1))      # after qkv
+
+
+def fp16_section(res: dict, save, batches=(16, 8)) -> None:
+    """The whole solve's replay with FP16 operands per tile table (``TABLES16``), same machine."""
+    rows = res.setdefault("fp16_solve", [])
+
+    def setup(wg, B, big, name):
+        t = TABLES16[name]
+        wg.QKV_TILES16[big] = t[0]
+        wg.TILES16.update({(big, 1536, 512, 1): t[0], **{(big, *r): tile for r, tile in zip(ROLES16, t[1:])}})
+        return True, None
+
+    def record(B, name, got, ms):
+        rows.append({"batch": B, "table": name, "tiles": TABLES16[name], "replay_ms": ms})
+        print(f"fp16 solve B={B} {name:6s}: replay {ms:.2f} ms", flush=True)
+        save()
+
+    _in_solve_sweep(batches, list(TABLES16), setup, record, gemm_operands="fp16")
 
 
 # QKV with the q/k head LNs in its epilogue (``wide_qkv``), per tile, against the GEMM + separate LN stage
@@ -318,6 +348,12 @@ def markdown(res: dict) -> str:
         for r in res["solve"]:
             out.append(f"| {r['batch']} | {r['table']} | {r['replay_ms']:.2f} | {r['tiles'] or ''} |")
         out.append("")
+    if res.get("fp16_solve"):
+        out += ["## FP16 operands: Whole-Euler solve replay per tile table (ms per chunk; tiles: qkv, proj, fc1, "
+                "conv, fc2)", "", "| batch | table | tiles | replay ms |", "|---|---|---|---:|"]
+        for r in res["fp16_solve"]:
+            out.append(f"| {r['batch']} | {r['table']} | {r['tiles']} | {r['replay_ms']:.2f} |")
+        out.append("")
     if res.get("qkv"):
         out += ["## QKV head LNs in the GEMM epilogue vs a separate LN stage (whole-solve replay, ms per chunk)", "",
                 "| batch | variant | replay ms | max rel diff vs first row |", "|---:|---|---:|---:|"]
@@ -336,7 +372,7 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--skip", default="", help="comma list: gemm, lanes, solve, qkv")
+    ap.add_argument("--skip", default="", help="comma list: gemm, lanes, solve, qkv, fp16")
     ap.add_argument("--gemm-batches", default="16,8", help="batches whose GEMM shapes to probe")
     args = ap.parse_args(argv)
     skip = {w.strip() for w in args.skip.split(",") if w.strip()}
@@ -354,6 +390,8 @@ def main(argv=None) -> int:
         solve_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
     if "qkv" not in skip:
         qkv_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
+    if "fp16" not in skip:
+        fp16_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
     if "gemm" not in skip:
         gemm_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
     save()

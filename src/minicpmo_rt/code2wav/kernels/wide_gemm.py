@@ -147,8 +147,13 @@ DEFAULT_TILE: Tile = (64, 128, 32, 4, 4)
 # 1600 rows: 64x128 tiles, whole-solve replay 22.91 ms against 23.81 at TILES' 128x128 and 23.09-24.18
 # for four other shapes (H200, code2wav_gemm_probe_session11_qkv_h200.md).
 QKV_TILES: dict[bool, Tile] = {True: (64, 128, 32, 4, 4)}
-# FP16 operands (BK 64-128: the same bytes per K step as FP32's 32-64), from the isolated sweep of
-# benchmarks/fp16_operand_probe.py on the H200 (fp16_operand_probe_session13_h200.md).
+# FP16 operands (BK 64-128: the same bytes per K step as FP32's 32-64), by M >= BIG_M16: the isolated
+# sweep's best at 1600 rows (benchmarks/fp16_operand_probe.py, fp16_operand_probe_session13_h200.md);
+# below, BK 128 tiles everywhere (DEFAULT_TILE16). Whole-solve replays on the H200 (code2wav_gemm_probe.py
+# fp16, code2wav_gemm_probe_session13_fp16_h200.md), five tables: the big table first at batch 16
+# (17.52 ms, others 17.95-18.25) and batch 8 (13.03 against 13.26 for BK 128), BK 128 first at batch 4
+# (11.97 against 12.87).
+BIG_M16 = 768
 TILES16: dict[tuple[bool, int, int, int], Tile] = {
     (True, 1536, 512, 1): (128, 64, 64, 4, 4), (True, 512, 512, 1): (64, 64, 128, 4, 3),
     (True, 2048, 512, 1): (64, 128, 64, 4, 4), (True, 512, 512, 3): (64, 64, 128, 4, 3),
@@ -160,7 +165,7 @@ QKV_TILES16: dict[bool, Tile] = {True: (128, 64, 64, 4, 4)}
 
 def tile_for(M: int, N: int, K: int, taps: int = 1, dtype: torch.dtype = torch.float32) -> Tile:
     if dtype == torch.float16:
-        return TILES16.get((M >= BIG_M, N, K, taps), DEFAULT_TILE16)
+        return TILES16.get((M >= BIG_M16, N, K, taps), DEFAULT_TILE16)
     return TILES.get((M >= BIG_M, N, K, taps), DEFAULT_TILE)
 
 
@@ -245,8 +250,8 @@ def wide_qkv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, q_w: torch.Tenso
         raise ValueError("wide_qkv: q_out and kv need a contiguous last (head-dim) axis")
     if x.dtype != w.dtype or x.dtype not in (torch.float32, torch.float16):
         raise TypeError(f"wide_qkv takes FP32 (or FP16) x and w of one dtype, got x {x.dtype}, w {w.dtype}")
-    qkv_tiles = QKV_TILES16 if x.dtype == torch.float16 else QKV_TILES
-    BM, BN, BK, warps, stages = tile or qkv_tiles.get(M >= BIG_M) or tile_for(M, 3 * H * D, K, 1, x.dtype)
+    qkv_tile = QKV_TILES16.get(M >= BIG_M16) if x.dtype == torch.float16 else QKV_TILES.get(M >= BIG_M)
+    BM, BN, BK, warps, stages = tile or qkv_tile or tile_for(M, 3 * H * D, K, 1, x.dtype)
     BK = BK if tile else _fit_k(BK, K)
     while BN > D and (H * D) % BN:      # a tile must hold whole heads of one of q, k, v
         BN //= 2
