@@ -379,6 +379,7 @@ PTR_ROW = "fused + graph TF32 on, pointer-load attention"
 CUBLAS_ROW = "fused + graph TF32 on, cuBLAS GEMMs"     # no Triton tile GEMMs (session 9's default)
 FP16_ROW = "fused + graph TF32 on, FP16 operands"      # opt-in gemm_operands="fp16" (tile GEMMs' rows)
 FP16_TF32PV_ROW = "fused + graph TF32 on, FP16 operands, TF32 P@V"   # the same with P @ V kept in TF32 (A/B)
+FP16_BK1_ROW = "fused + graph TF32 on, FP16 operands, block kernel FP32 K steps"   # k_step_scale 1 (A/B)
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -474,6 +475,7 @@ def main(argv=None) -> int:
                 (CUBLAS_ROW, dict(body="fused", attention="triton-tf32", tf32=True, wide_gemm=False)),
                 (FP16_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
                 (FP16_TF32PV_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
+                (FP16_BK1_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 
@@ -496,6 +498,8 @@ def main(argv=None) -> int:
             solver = WholeEulerSolver(cfm, n_timesteps=S, config=cfg, **kw)
             if name == FP16_TF32PV_ROW:
                 solver.fused.attn_pv16 = False
+            if name == FP16_BK1_ROW:
+                solver.fused.block_k_step_scale = 1
             got = solver.solve(mu, spk, cond, cnn, att, copy_out=False)
             errs = [_rel(a, b) for a, b in zip(got, ref)]
             st = next(iter(solver._statics.values()))

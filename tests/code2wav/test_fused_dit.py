@@ -492,3 +492,16 @@ def test_round_tf32_is_round_to_nearest_ties_away():
     r = torch.randn(10000)
     q = dit_block.round_tf32_(r.clone())
     assert ((q - r).abs() <= r.abs() * 2.0 ** -11 + 1e-30).all() and (q.view(torch.int32) & 0x1FFF).eq(0).all()
+
+
+def test_block_kernel_k_steps_double_for_fp16_weights_and_keep_the_splits():
+    """With FP16 weights the block kernel's K steps take twice the elements (FP32's bytes per step)
+    wherever each K slice stays a whole number of steps; the split counts, which size the workspace's
+    partial buffers, never change."""
+    from minicpmo_rt.code2wav.kernels.dit_block import tile
+    for role, K in (("qkv", 512), ("proj", 512), ("conv", 512), ("fc1", 512), ("fc2", 2048), ("qkv", 64), ("fc2", 256)):
+        bm, bn, s, bk = tile(role, K)
+        bm2, bn2, s2, bk2 = tile(role, K, 2)
+        assert (bm2, bn2, s2) == (bm, bn, s) and (K // s) % bk2 == 0
+        assert bk2 == (2 * bk if (K // s) % (2 * bk) == 0 else bk)
+    assert tile("fc2", 2048, 2) == (64, 64, 8, 128) and tile("qkv", 512, 2) == (128, 64, 4, 64)

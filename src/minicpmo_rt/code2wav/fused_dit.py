@@ -279,6 +279,7 @@ class FusedDiT:
         self.wide = wide_gemm
         self.wide_qkv_ln_max_rows = WIDE_QKV_LN_MAX_ROWS
         self.attn_pv16: bool | None = None     # P @ V in FP16 (None: with FP16 operands; tiled_attention.pv16_for)
+        self.block_k_step_scale: int | None = None     # block kernel's K step x this (None: 2 with FP16 weights)
         ok, why = dit_block.supported(self.L.hidden, self.L.heads, self.L.head_dim, self.L.mlp_hidden)
         if block_kernel and not ok:
             raise ValueError(f"block_kernel: this DiT's shapes do not fit the persistent kernel: {why}")
@@ -616,7 +617,7 @@ class FusedDiT:
                     ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=b0, n_blocks=min(per, L.depth - b0),
                     eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps, attn_splits=a_splits,
                     keys_per_split=per_split, nprog=nprog, precision=precision, rows=rows, pos=pos,
-                    pv16=self.attn_pv16)
+                    pv16=self.attn_pv16, k_step_scale=self.block_k_step_scale)
             return
         # the staged body: cuBLAS GEMMs, or with ``ws.wide`` Triton tile GEMMs (the conv taps summed in the
         # GEMM, so ``ws.taps`` is (1, R, T+K-1, C) and its readers take one tap; fc1's GELU in its

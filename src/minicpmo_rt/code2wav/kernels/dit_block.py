@@ -340,14 +340,18 @@ def round_tf32_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def tile(role: str, K: int) -> tuple[int, int, int, int]:
+def tile(role: str, K: int, k_step_scale: int = 1) -> tuple[int, int, int, int]:
     """(BM, BN, K splits, BK) of ``role``'s GEMM phase over inner size K: the role's tile with its
-    splits halved (and BK dropped to 32) until every K slice is a whole number of K steps."""
+    splits halved (and BK dropped to 32) until every K slice is a whole number of K steps; then BK
+    times ``k_step_scale`` where the K slices stay whole numbers of steps (the splits never change:
+    the workspace's partial buffers are sized by them)."""
     bm, bn, s, bk = TILES[role]
     if K % bk:
         bk = BK
     while s > 1 and (K % s or (K // s) % bk):
         s //= 2
+    if k_step_scale > 1 and (K // s) % (bk * k_step_scale) == 0:
+        bk *= k_step_scale
     return bm, bn, s, bk
 
 
@@ -388,7 +392,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                conv_eps: float, attn_splits: int, keys_per_split: int, nprog: int, precision: str = "tf32",
                phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None,
                per_program: bool = False, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-               pv16: bool | None = None):
+               pv16: bool | None = None, k_step_scale: int | None = None):
     """Blocks [first, first + n_blocks) in place, in ONE launch (see the module docstring).
 
     Shapes as ``fused_dit.Workspace``: h, norm (R,T,C); qkv (Sq,R,T,3HD); q, o (R,T,H,D); kv
@@ -434,8 +438,10 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                          f"got {tuple(mod_chain.shape)}")
     if w.w_qkv.shape[0] != depth:
         raise ValueError(f"dit_blocks: weights stacked over {w.w_qkv.shape[0]} blocks, the caches hold {depth}")
-    tiles = {r: tile(r, k) for r, k in (("qkv", C), ("proj", H * D), ("conv", C), ("fc1", C),
-                                        ("fc2", mlp.shape[-1]))}
+    if k_step_scale is None:    # FP16 operands: K steps of twice the elements carry FP32's bytes
+        k_step_scale = 2 if w.w_qkv.dtype == torch.float16 else 1
+    tiles = {r: tile(r, k, k_step_scale) for r, k in (("qkv", C), ("proj", H * D), ("conv", C), ("fc1", C),
+                                                      ("fc2", mlp.shape[-1]))}
     expect = {"qkv": (qkv, tiles["qkv"][2]), "y": (y, tiles["proj"][2]), "taps": (taps, tiles["conv"][2]),
               "y2": (y2, tiles["fc2"][2])}
     for name, (t, s) in expect.items():
