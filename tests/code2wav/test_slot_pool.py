@@ -142,6 +142,43 @@ def test_block_kernel_over_pooled_caches_matches_reference():
         assert rel_err(h.dense()[1], trim_estimator_att(ra, prompt, keep)) <= 1e-5
 
 
+@pytest.mark.parametrize("block_kernel,wide", [(True, None), (False, True)], ids=["block-kernel", "wide"])
+def test_fp16_operands_over_pooled_caches_match_reference(block_kernel, wide):
+    """``gemm_operands="fp16"`` over pooled caches (two streams of different cache lengths in one solve),
+    through the block kernel and through the tile GEMMs: the FP16 operand buffers, FP32 pool and CNN
+    caches. TF32's rounding of every operand, so TF32's tolerance 1e-3 (CUDA: under TF32)."""
+    from minicpmo_rt.code2wav import kernels
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    if not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfm = tiny_cfm(seed=10).to(dev)
+    prompt, keep, T = 3, 2, 4
+    solver = SlotSolver(cfm, pool=None, attention="triton-tf32", tf32=True, n_timesteps=S, use_triton=True,
+                        block_kernel=block_kernel, wide_gemm=wide, gemm_operands="fp16",
+                        config=GraphConfig(batch_buckets=(2,), query_buckets=(4,)))
+    solver.pool = pool = SlotPool(solver, slots=2, frames=12, keep=keep, device=dev)
+    g = torch.Generator().manual_seed(5)
+    dense = [(torch.randn(S, 2, 2, 128, 2, generator=g).to(dev), torch.randn(S, 2, 2, 2, L, 64, generator=g).to(dev))
+             for L in (3, 5)]
+    handles = [pool.admit(c, a, prompt) for c, a in dense]
+    mu, spk, cond = (torch.randn(2, 80, T, generator=g).to(dev), torch.randn(2, 80, generator=g).to(dev),
+                     torch.randn(2, 80, T, generator=g).to(dev))
+    with matmul_tf32(True):
+        mel = solver.solve_slots(handles, mu, spk, cond, graph=False)
+    st = next(iter(solver._statics.values()))
+    assert st.ws.norm.dtype == torch.float16 and st.hist.dtype == torch.float16
+    assert (st.ws.ctr is not None) == block_kernel
+    for i, h in enumerate(handles):
+        with torch.inference_mode(), ieee_cudnn(), matmul_tf32(False):
+            ref, rc, ra = cfm.forward_chunk(mu[i:i + 1], spk[i:i + 1], cond[i:i + 1], n_timesteps=S,
+                                            cnn_cache=dense[i][0], att_cache=dense[i][1])
+        assert 1e-6 < rel_err(mel[i:i + 1], ref) <= 1e-3
+        c, a_ = h.dense()
+        assert c.dtype == torch.float32 and a_.dtype == torch.float32
+        assert rel_err(a_, trim_estimator_att(ra, prompt, keep)) <= 1e-3
+
+
 @requires_cuda
 @pytest.mark.parametrize("bucket,lengths,block_kernel,wide", [(4, (360, 400, 380), None, None),
                                                               (2, (360, 400), True, None),
