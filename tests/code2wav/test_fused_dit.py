@@ -505,3 +505,16 @@ def test_block_kernel_k_steps_double_for_fp16_weights_and_keep_the_splits():
         assert (bm2, bn2, s2) == (bm, bn, s) and (K // s) % bk2 == 0
         assert bk2 == (2 * bk if (K // s) % (2 * bk) == 0 else bk)
     assert tile("fc2", 2048, 2) == (64, 64, 8, 128) and tile("qkv", 512, 2) == (128, 64, 4, 64)
+
+
+def test_forward_chunk_keeps_a_non_fp32_input_dtype():
+    """An FP64 chunk through the torch formulation: the conv histories follow the input's dtype like
+    the workspace (FP16 operands are only ever chosen for FP32 inputs), so it matches the original."""
+    dit = our_dit(seed=35).double()
+    fused = FusedDiT(dit, use_triton=False, gemm_operands="fp16")
+    kw = {k: v.double() if torch.is_tensor(v) else v for k, v in inputs(2, 5, 6, 2, 64, 2, 32, seed=36).items()}
+    got = fused.forward_chunk(**kw)
+    with torch.inference_mode():
+        ref = dit.forward_chunk(**kw)
+    assert all(g.dtype == torch.float64 for g in got)
+    assert max(rel_err(g, r) for g, r in zip(got, ref)) <= 1e-12

@@ -99,7 +99,10 @@ def test_fp16_operands_only_with_the_fused_tf32_triton_path(fused, allow, env, d
     if allow is not None:
         extra["token2wav_allow_tf32"] = allow
     c = resolve_code2wav(extra, DEVICES[dev], {} if env is None else {TF32_ENV: env})
-    applies = c.body == "fused" and c.tf32 and c.attention == "triton-tf32"
+    tf32_on = not (env is not None and env.lower() == "off") and allow is not False
+    # stated from the inputs: SM80+ NVIDIA, TF32 on, and the fused body (auto picks it when TF32 is on)
+    applies = dev in ("sm80", "sm90") and tf32_on and fused is not False
+    assert applies == (c.body == "fused" and c.tf32 and c.attention == "triton-tf32")
     assert c.gemm_operands == ("fp16" if applies else "fp32")
     assert ("operands FP16" in c.describe()) == applies
     assert ("cfm_fp16_operands ignored" in c.reason) == (not applies)

@@ -186,5 +186,6 @@ def test_fp16_operand_output_and_fp16_pv(splits):
     assert out16[0, :, 1].abs().max() == 0
     pv16 = tiled_attention(q, k, v, mask, splits=splits, pv16=True)
     assert rel_err(pv16, ref) <= 1e-3
+    assert rel_err(pv16, tiled_attention(q, k, v, mask, splits=splits)) <= 1e-3      # the FP32 path
     with pytest.raises(TypeError, match="float32 or float16"):
         tiled_attention(q, k, v, mask, out=torch.empty(B, H, nq, D, device=dev, dtype=torch.bfloat16))

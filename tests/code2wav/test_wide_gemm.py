@@ -202,3 +202,21 @@ def test_cuda_qkv_full_size(tma, tile):
     errs = [rel_err(q, rq), rel_err(got[..., :D], rk), rel_err(got[..., D:], rv)]
     print(f"wide_qkv tma={tma} tile={tile}: q {errs[0]:.2e}, k {errs[1]:.2e}, v {errs[2]:.2e}")
     assert max(errs) <= 1e-5 and kv[:, :, T:].abs().max() == 0
+
+
+def test_fp16_output_saturates_and_keeps_nan():
+    """An FP16 ``out`` (an FP16 GEMM operand) is stored through ``dit_ops.store_operand``: a value
+    beyond FP16's range becomes +-65504, not inf, and a NaN stays NaN (CPU: Triton's interpreter)."""
+    from minicpmo_rt.code2wav.kernels import interpreting
+    if not (AVAILABLE and (torch.cuda.is_available() or interpreting())):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.full((16, 32), 100.0, device=dev).half()            # each dot: 32 * 100 * +-100 = +-320000
+    w = torch.cat([torch.full((8, 32), 100.0), torch.full((8, 32), -100.0)]).to(dev).half()
+    x[3, 5] = float("nan")
+    out = torch.empty(16, 16, device=dev, dtype=torch.float16)
+    wide_gemm(x, w, None, out, tile=(16, 16, 32, 4, 2))
+    good = torch.ones(16, dtype=torch.bool)
+    good[3] = False
+    assert torch.isnan(out[3]).all() and not torch.isinf(out).any()
+    assert (out[good, :8] == 65504).all() and (out[good, 8:] == -65504).all()

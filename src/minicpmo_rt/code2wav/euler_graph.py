@@ -104,7 +104,7 @@ class WholeEulerSolver:
         (``kernels/euler_step.py``) instead of ~12 torch ops; None (default) and True: whenever the
         fused body's Triton stages run; False: the torch ops (the reference the tests compare).
         ``wide_gemm``: ``FusedDiT``'s (None: Triton tile GEMMs with TF32 from WIDE_MIN_ROWS rows on CUDA).
-        ``gemm_operands``: ``FusedDiT``'s ("fp16": the tile GEMMs' operands stored as FP16, opt-in)."""
+        ``gemm_operands``: ``FusedDiT``'s ("fp16": the Triton GEMMs' operands stored as FP16, opt-in)."""
         self.cfm = cfm
         self.step_kernels = step_kernels
         self.dit = cfm.estimator

@@ -26,7 +26,8 @@ With many rows (>= WIDE_MIN_ROWS: batch 8+ with CFG, TF32 on CUDA) the GEMMs but
 GEMMs instead (``kernels/wide_gemm.py``, ``blocks``): conv1/conv2 as implicit GEMMs over their taps
 (stages 8 and 10 then read one C-wide output), fc1's GELU in the GEMM, and stage 3 inside the QKV
 GEMM's epilogue (``WIDE_QKV_LN_MAX_ROWS``): 11 kernels per block, none of them cuBLAS's GELU or
-memset kernels.
+memset kernels. With FP16 operands (opt-in ``gemm_operands="fp16"``) they take every staged row
+count, and fc2 too.
 
 Without Triton (CPU CI, pre-SM80 CUDA, HIP) every fused stage runs as its torch
 formulation on the same buffers and attention goes through SDPA: the "SDPA
@@ -382,10 +383,14 @@ class FusedDiT:
         """The dtype of the GEMM operand buffers for R rows x T frames: FP16 with ``gemm_operands="fp16"``
         where Triton GEMMs (tile GEMMs or the block kernel) run under TF32 (or under the interpreter, for
         the tests), else FP32."""
-        if self.gemm_operands == "fp16" and (self.uses_wide(R, T, device) or self.uses_block_kernel(R, T, device)) and (
-                torch.backends.cuda.matmul.allow_tf32 or torch.device(device).type == "cpu"):
+        dev = torch.device(device)
+        if self.gemm_operands != "fp16" or not (self.uses_wide(R, T, dev) or self.uses_block_kernel(R, T, dev)):
+            return torch.float32
+        if dev.type == "cpu":
             return torch.float16
-        return torch.float32
+        # CUDA: only where TF32 exists (SM80+) and is on, the arithmetic the FP16 operands reproduce
+        ok = torch.cuda.get_device_capability(dev)[0] >= 8 and torch.backends.cuda.matmul.allow_tf32
+        return torch.float16 if ok else torch.float32
 
     def workspace(self, R: int, T: int, device, dtype=torch.float32) -> Workspace:
         """Buffers for R rows x T frames (own or pooled caches); the GEMM operands' in ``operand_dtype``."""
@@ -478,7 +483,8 @@ class FusedDiT:
                             out=ws.o.transpose(1, 2), block_m=bm, splits=splits, num_stages=stages, tma=tma,
                             round_out=round_out, pv16=self.attn_pv16)
         else:
-            ws.o.copy_(sdpa_attention(q, k, v, mask, rows).transpose(1, 2))
+            o = sdpa_attention(q, k, v, mask, rows).transpose(1, 2)
+            ws.o.copy_(o.clamp(-65504.0, 65504.0) if ws.o.dtype == torch.float16 else o)   # store_operand's saturation
             if round_out and ws.o.dtype == torch.float32:
                 dit_block.round_tf32_(ws.o)
 
@@ -622,7 +628,8 @@ class FusedDiT:
         # the staged body: cuBLAS GEMMs, or with ``ws.wide`` Triton tile GEMMs (the conv taps summed in the
         # GEMM, so ``ws.taps`` is (1, R, T+K-1, C) and its readers take one tap; fc1's GELU in its
         # epilogue; the q/k head LNs in the QKV GEMM's epilogue, up to ``wide_qkv_ln_max_rows`` rows if set) whose
-        # operands, under compiled TF32, the stage that writes each stores rounded (weights: the rounded copy)
+        # operands, under compiled TF32, the stage that writes each stores rounded (weights: the rounded copy;
+        # with FP16 operands every operand buffer and weight is FP16, ``store_operand``)
         wide = ws.wide
         rnd = wide and dit_block.rounds(precision, ws.h.device)
         wts = self.stacked_weights(False, torch.float16) if half else self.stacked_weights(True) if rnd else None
@@ -684,7 +691,7 @@ class FusedDiT:
         kv = torch.empty(L.depth, R, L.heads, T + Lc, 2 * L.head_dim, device=dev, dtype=x.dtype)
         if Lc:
             kv[:, :, :, T:].copy_(att_cache)
-        hist = self.new_hist(R, T, dev)
+        hist = self.new_hist(R, T, dev, None if x.dtype == torch.float32 else x.dtype)   # as the workspace's
         load_cnn_cache(hist, cnn_cache, L.taps - 1)
         ws = self.workspace(R, T, dev, x.dtype)
         out = torch.empty(R, T, L.out_channels, device=dev, dtype=x.dtype)

@@ -70,7 +70,8 @@ class Code2WavChoice:
             from .kernels.dit_block import MAX_ROWS
             gemm = f", GEMMs cuBLAS ({SPLIT_K_FEW_ROWS} K-slice partials up to {SPLIT_MAX_ROWS} rows)"
             if self.tf32:
-                gemm += f", Triton tile GEMMs from {WIDE_MIN_ROWS} rows on CUDA"
+                rows = "every staged row count" if self.gemm_operands == "fp16" else f"{WIDE_MIN_ROWS} rows"
+                gemm += f", Triton tile GEMMs from {rows} on CUDA"
             if self.tf32 and self.attention == "triton-tf32":
                 gemm += f", one persistent Triton launch for all DiT blocks on CUDA up to {MAX_ROWS} rows"
             if self.gemm_operands == "fp16":

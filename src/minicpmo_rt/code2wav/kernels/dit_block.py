@@ -438,6 +438,10 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                          f"got {tuple(mod_chain.shape)}")
     if w.w_qkv.shape[0] != depth:
         raise ValueError(f"dit_blocks: weights stacked over {w.w_qkv.shape[0]} blocks, the caches hold {depth}")
+    for name, t in (("norm", norm), ("o", o), ("mlp", mlp), ("hist", hist)):
+        if t.dtype != w.w_qkv.dtype:
+            raise TypeError(f"dit_blocks: {name} is {t.dtype} but the GEMM weights are {w.w_qkv.dtype}; the "
+                            "operand buffers and weights share one dtype (FusedDiT.workspace / stacked_weights)")
     if k_step_scale is None:    # FP16 operands: K steps of twice the elements carry FP32's bytes
         k_step_scale = 2 if w.w_qkv.dtype == torch.float16 else 1
     tiles = {r: tile(r, k, k_step_scale) for r, k in (("qkv", C), ("proj", H * D), ("conv", C), ("fc1", C),

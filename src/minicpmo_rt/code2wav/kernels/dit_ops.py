@@ -37,9 +37,11 @@ if AVAILABLE:
     def store_operand(ptr, x, mask, ROUND: tl.constexpr):
         """Store x as a GEMM operand: rounded to nearest TF32 with ROUND into an FP32 buffer, or into an
         FP16 one (``FusedDiT(gemm_operands="fp16")``), where round-to-nearest keeps the same 10-bit
-        mantissa. FP16 saturates at +-65504 rather than turning a huge activation into inf."""
+        mantissa. FP16 saturates at +-65504 rather than turning a huge activation into inf (a NaN stays
+        NaN)."""
         if ptr.dtype.element_ty == tl.float16:
-            tl.store(ptr, tl.clamp(x, -65504.0, 65504.0).to(tl.float16), mask=mask)
+            tl.store(ptr, tl.clamp(x, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16),
+                     mask=mask)
         else:
             tl.store(ptr, round_tf32(x, ROUND), mask=mask)
 
@@ -194,7 +196,7 @@ def _splits_of(y, dims: int):
 def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int = 0, round_out: bool = False) -> None:
     """x (R,T,C) in place; y (R,T,C) or taps output (R,T+taps-1,taps*C), or S split-K partials of
     either (S,...); bias (C,) or None; mods (Rm,C); out (R,T,C) view, stored rounded to nearest TF32
-    with ``round_out`` (the operand of a TF32 GEMM that truncates)."""
+    with ``round_out`` (the operand of a TF32 GEMM that truncates), or FP16 (``store_operand``)."""
     R, T, C = x.shape
     if shift.stride(0) != scale1p.stride(0):
         raise ValueError("shift and scale tables must share their row stride")
@@ -231,7 +233,7 @@ def qkv_head_ln(qkv, q_w, q_b, k_w, k_b, q_out, kv, eps: float, rows=None, pos=N
 
 def taps_ln_mish(y, bias, w, b, out, eps: float, taps: int, round_out: bool = False) -> None:
     """y (R,T+taps-1,taps*C) conv-as-GEMM output or S split-K partials of it; out (R,T,C) view
-    (rounded to nearest TF32 with ``round_out``)."""
+    (rounded to nearest TF32 with ``round_out``, or FP16: ``store_operand``)."""
     R, T, C = out.shape
     splits, s_split, y0 = _splits_of(y, 3)
     _taps_ln_mish[(R * T,)](y, bias, w, b, out, y0.stride(0), y0.stride(1), out.stride(0), out.stride(1),

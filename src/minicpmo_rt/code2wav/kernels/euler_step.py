@@ -154,8 +154,8 @@ if AVAILABLE:
             tl.debug_barrier()      # frames idx and [0, K-1) may overlap: every read before any write
             if HAS_OUT:
                 tl.store(OUT + d * s_od + r * s_or + lay, old, mask=m)
-            if HAS_IN:
-                tl.store(hist + oj[:, None] * s_hf + oc[None, :], new, mask=m)
+            if HAS_IN:     # FP16 histories (FP16 GEMM operands) take the FP32 cache saturated
+                store_operand(hist + oj[:, None] * s_hf + oc[None, :], new, m, False)
 
 
 def _pow2(n: int) -> int:

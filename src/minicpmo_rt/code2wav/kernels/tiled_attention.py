@@ -64,7 +64,8 @@ if AVAILABLE:
         (``tiled_attention(key_mask=True)``).
 
         PV16: P @ V with FP16 operands (for FP16 GEMM operands, ``pv16_for``): p in (0, 1] and v rounded
-        to 10 mantissa bits, TF32's precision; an FP16 B operand may be N-major, so V needs no per-tile
+        to 10 mantissa bits, TF32's precision (p below 6.1e-5 keeps fewer, at most 3e-8 absolute; v
+        saturates at +-65504); an FP16 B operand may be N-major, so V needs no per-tile
         transpose (TF32 wgmma takes only K-major operands)."""
         kvb = b
         if HAS_KVR:
@@ -115,7 +116,8 @@ if AVAILABLE:
             else:
                 v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
             if PV16:
-                pv = tl.dot(p.to(tl.float16), tl.clamp(v, -65504.0, 65504.0).to(tl.float16))
+                v16 = tl.clamp(v, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
+                pv = tl.dot(p.to(tl.float16), v16)
             else:
                 pv = tl.dot(p, v, input_precision=PRECISION)
             acc = acc * alpha[:, None] + pv

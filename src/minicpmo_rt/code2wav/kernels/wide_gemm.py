@@ -14,6 +14,8 @@ and the [k|v] cache write in its epilogue.
 Operands are loaded as stored and the tensor core truncates them to TF32 (``input_precision=
 "tf32"``); the fused body stores them already rounded to nearest (``round_out`` of the stage that
 writes each one, weights from ``FusedDiT.stacked_weights(True)``), which gives cuBLAS TF32's error.
+With ``FusedDiT(gemm_operands="fp16")`` they are FP16 (TF32-exact in FP16's range; own tiles,
+``TILES16``), and an FP16 ``out`` is stored saturated (``dit_ops.store_operand``).
 Semantics are those of ``torch.addmm`` (+ tanh-GELU).
 """
 
@@ -27,7 +29,7 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .dit_ops import round_tf32
+    from .dit_ops import store_operand
 
     @triton.jit
     def _tile_origin(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
@@ -82,8 +84,8 @@ if AVAILABLE:
             # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
             u2 = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
             acc = acc / (1.0 + tl.exp(-u2))
-        tl.store(OUT + offs_m[:, None] * som + offs_n[None, :] * son,
-                 round_tf32(acc, ROUND_OUT).to(OUT.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        store_operand(OUT + offs_m[:, None] * som + offs_n[None, :] * son, acc,
+                      (offs_m[:, None] < M) & (offs_n[None, :] < N), ROUND_OUT)
 
     @triton.jit
     def _wide_qkv(A, W, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS, a_desc, w_desc, M, K,
