@@ -342,18 +342,14 @@ def markdown(res: dict) -> str:
                        f"{b.get('us', float('nan')) / r['cublas_us']:.2f} | {r['cublas_err']:.1e} | "
                        f"{b.get('err', float('nan')):.1e} |")
         out.append("")
-    if res.get("solve"):
-        out += ["## Whole-Euler solve replay per tile table (ms per chunk; tiles: qkv, proj, fc1, conv)", "",
-                "| batch | GEMMs | replay ms | tiles |", "|---:|---|---:|---|"]
-        for r in res["solve"]:
-            out.append(f"| {r['batch']} | {r['table']} | {r['replay_ms']:.2f} | {r['tiles'] or ''} |")
-        out.append("")
-    if res.get("fp16_solve"):
-        out += ["## FP16 operands: Whole-Euler solve replay per tile table (ms per chunk; tiles: qkv, proj, fc1, "
-                "conv, fc2)", "", "| batch | table | tiles | replay ms |", "|---|---|---|---:|"]
-        for r in res["fp16_solve"]:
-            out.append(f"| {r['batch']} | {r['table']} | {r['tiles']} | {r['replay_ms']:.2f} |")
-        out.append("")
+    for key, what in (("solve", "tiles: qkv, proj, fc1, conv"), ("fp16_solve", "FP16 operands; tiles: qkv, proj, "
+                                                                            "fc1, conv, fc2")):
+        if res.get(key):
+            out += [f"## Whole-Euler solve replay per tile table (ms per chunk; {what})", "",
+                    "| batch | GEMMs | replay ms | tiles |", "|---:|---|---:|---|"]
+            for r in res[key]:
+                out.append(f"| {r['batch']} | {r['table']} | {r['replay_ms']:.2f} | {r['tiles'] or ''} |")
+            out.append("")
     if res.get("qkv"):
         out += ["## QKV head LNs in the GEMM epilogue vs a separate LN stage (whole-solve replay, ms per chunk)", "",
                 "| batch | variant | replay ms | max rel diff vs first row |", "|---:|---|---:|---:|"]

@@ -293,6 +293,10 @@ class Flow(nn.Module):
                     raise InputError(f"inference_chunk_many: cache {i}'s {name} has shape "
                                      f"{tuple(getattr(c, name).shape)}, cache 0's {tuple(getattr(caches[0], name).shape)}; "
                                      "streams solved together need equal cache shapes (solve the others apart)")
+        p = caches[0].prompt_frames
+        if any(c.prompt_frames != p for c in caches):     # both paths below trim every stream at p
+            raise InputError(f"inference_chunk_many: the caches' prompt frames differ "
+                             f"({sorted({c.prompt_frames for c in caches})}); solve those streams apart")
         if len(caches) == 1:
             mel, new = self.inference_chunk(token, spk, caches[0], last_chunk, n_timesteps)
             return mel, [new]
@@ -303,10 +307,6 @@ class Flow(nn.Module):
         if any(c.n_timesteps != n_timesteps for c in caches):
             raise InputError(f"n_timesteps={n_timesteps} but a cache was set up with another step count "
                              f"({sorted({c.n_timesteps for c in caches})})")
-        p = caches[0].prompt_frames
-        if any(c.prompt_frames != p for c in caches):
-            raise InputError(f"inference_chunk_many: the caches' prompt frames differ "
-                             f"({sorted({c.prompt_frames for c in caches})}); solve those streams apart")
         encoder = stack_encoder_caches([c.encoder for c in caches])
         h, spk, enc_cache = self.encode_chunk(token, spk, encoder, last_chunk)
         mel, cnn, atts = self.chunk_solver.solve(h, spk, torch.zeros_like(h), _stack_cfg([c.estimator_cnn for c in caches]),

@@ -392,11 +392,16 @@ class FusedDiT:
         ok = torch.cuda.get_device_capability(dev)[0] >= 8 and torch.backends.cuda.matmul.allow_tf32
         return torch.float16 if ok else torch.float32
 
+    def _operands_for(self, R: int, T: int, device, dtype: torch.dtype) -> torch.dtype:
+        """The GEMM operand buffers' dtype for a ``dtype`` body: ``operand_dtype`` for FP32, else dtype
+        itself (the one rule for the workspace and the conv histories)."""
+        return self.operand_dtype(R, T, device) if dtype == torch.float32 else dtype
+
     def workspace(self, R: int, T: int, device, dtype=torch.float32) -> Workspace:
         """Buffers for R rows x T frames (own or pooled caches); the GEMM operands' in ``operand_dtype``."""
         L = self.L
         e = lambda *s: torch.empty(*s, device=device, dtype=dtype)  # noqa: E731
-        op = self.operand_dtype(R, T, device) if dtype == torch.float32 else dtype
+        op = self._operands_for(R, T, device, dtype)
         eo = lambda *s: torch.empty(*s, device=device, dtype=op)  # noqa: E731
         sp = self.gemm_splits(R, T, device)
         wide = self.uses_wide(R, T, device)
@@ -584,6 +589,11 @@ class FusedDiT:
         fl = self.dit.final_layer.linear
         self._linear(ws.norm.view(R * T, C).to(fl.weight.dtype), fl.weight, fl.bias, out.view(R * T, -1))
 
+    def _gemm_weights(self, half: bool, rounded: bool) -> dit_block.BlockWeights:
+        """The stacked GEMM weights as the Triton GEMMs read them: FP16 copies for FP16 operands, else
+        FP32 (rounded to nearest TF32 with ``rounded``)."""
+        return self.stacked_weights(False, torch.float16) if half else self.stacked_weights(rounded)
+
     def runs_persistent(self, ws: Workspace) -> bool:
         """Does ``blocks`` take the persistent block kernel for this workspace under the current
         TF32 setting? Auto: only while TF32 is on (its IEEE dots would trail cuBLAS FP32); the
@@ -609,10 +619,7 @@ class FusedDiT:
         if persistent:
             if not ctr_zeroed:
                 ws.ctr.zero_()
-            if half:
-                weights = self.stacked_weights(False, torch.float16)
-            else:
-                weights = self.stacked_weights(dit_block.rounds(precision, ws.h.device))
+            weights = self._gemm_weights(half, dit_block.rounds(precision, ws.h.device))
             nprog = dit_block.programs(ws.h.device)
             a_splits, per_split = dit_block.attention_splits(R, L.heads, T, kv.shape[3], nprog)
             per = dit_block.BLOCKS_PER_LAUNCH or L.depth
@@ -632,7 +639,7 @@ class FusedDiT:
         # with FP16 operands every operand buffer and weight is FP16, ``store_operand``)
         wide = ws.wide
         rnd = wide and dit_block.rounds(precision, ws.h.device)
-        wts = self.stacked_weights(False, torch.float16) if half else self.stacked_weights(True) if rnd else None
+        wts = self._gemm_weights(half, True) if half or rnd else None
         kt = 1 if wide else K           # taps the conv outputs still hold
 
         def wt(name: str, i: int, own: torch.Tensor) -> torch.Tensor:   # block i's GEMM weight as read
@@ -691,7 +698,7 @@ class FusedDiT:
         kv = torch.empty(L.depth, R, L.heads, T + Lc, 2 * L.head_dim, device=dev, dtype=x.dtype)
         if Lc:
             kv[:, :, :, T:].copy_(att_cache)
-        hist = self.new_hist(R, T, dev, None if x.dtype == torch.float32 else x.dtype)   # as the workspace's
+        hist = self.new_hist(R, T, dev, x.dtype)
         load_cnn_cache(hist, cnn_cache, L.taps - 1)
         ws = self.workspace(R, T, dev, x.dtype)
         out = torch.empty(R, T, L.out_channels, device=dev, dtype=x.dtype)
@@ -699,11 +706,12 @@ class FusedDiT:
         self.body(xin, mod, hist, kv, mask, ws, out)
         return out.transpose(1, 2), read_cnn_cache(hist, T, L.taps - 1).to(x.dtype), kv
 
-    def new_hist(self, R: int, T: int, device, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Conv histories (depth, 2, R, T+K-1, C), the convs' GEMM operands (None: ``operand_dtype``)."""
+    def new_hist(self, R: int, T: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Conv histories (depth, 2, R, T+K-1, C) for a ``dtype`` body: the convs' GEMM operands, so in
+        the workspace's operand dtype."""
         L = self.L
-        dtype = self.operand_dtype(R, T, device) if dtype is None else dtype
-        return torch.empty(L.depth, 2, R, T + L.taps - 1, L.hidden, device=device, dtype=dtype)
+        return torch.empty(L.depth, 2, R, T + L.taps - 1, L.hidden, device=device,
+                           dtype=self._operands_for(R, T, device, dtype))
 
 
 @functools.lru_cache(maxsize=None)
