@@ -16,6 +16,12 @@ at its steady length prompt + 100 = 400 frames, batch 1, 4, 8, 16. Rows:
                             the default with the staged body's attention always on pointer loads
                             (``attn_tma=False``; by default, on Hopper with batch >= 8, K/V tiles
                             arrive through TMA descriptors with 64-query blocks and 3 stages)
+  fused + graph TF32 on, trimmed, arena / ..., trimmed, direct
+                            the solve as the flow calls it, new cache trimmed to prompt + 100 and in
+                            memory of its own (``solve(trim=...)``): through the arena (copy in, trim
+                            copy out) and on the direct path (each stream's cache read in place, the
+                            attention writes the trimmed successor; the default from batch 4, where the
+                            staged body runs); also with FP16 operands
   fused + graph TF32 off    IEEE GEMMs; attention per the knobs (explicit fused => triton-tf32)
   fused + graph IEEE        IEEE GEMMs and IEEE Triton attention (the <=1e-5 configuration)
   upstream inference_chunk  minicpmo-utils 1.0.7 flow (encoder + CFM, batch 1 only: its
@@ -55,7 +61,7 @@ from pathlib import Path
 import torch
 
 from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
-from minicpmo_rt.code2wav.flow import Flow
+from minicpmo_rt.code2wav.flow import Flow, trim_estimator_att
 from minicpmo_rt.code2wav.flow_config import FULL_SIZE
 from minicpmo_rt.code2wav.fused_dit import FusedDiT
 from minicpmo_rt.code2wav.precision import matmul_tf32
@@ -284,7 +290,6 @@ def slot_row(cfm, cfg, B, cnn, att, mu, spk, cond, ref, row, budget, prompt, kee
              gemm_operands="fp32"):
     """Slot pool, all B streams at the bench's cache length (att.shape[4]); errors vs the batched
     IEEE reference ``ref`` (mel, cnn, untrimmed att) with the dense trim applied per stream."""
-    from minicpmo_rt.code2wav.flow import trim_estimator_att
     solver = _slot_solver(cfm, cfg, cnn.shape[0], B, prompt, keep, mu.shape[2], mu.device, attention, tf32,
                           use_triton, attn_tma, gemm_operands)
     pool = solver.pool
@@ -314,7 +319,6 @@ def merge_row(cfm, cfg, B, cnn, att, mu, spk, cond, row, budget, prompt, keep=10
     path (a one-slot pool, batch 1), and of the merged IEEE twin (``ieee_attention``, TF32 off;
     untimed; None skips it) vs the IEEE reference.
     """
-    from minicpmo_rt.code2wav.flow import trim_estimator_att
     n, T, dev = cnn.shape[0], mu.shape[2], mu.device
     lengths = merge_lengths(B, prompt, keep)
     if max(lengths) > att.shape[4]:
@@ -380,6 +384,10 @@ CUBLAS_ROW = "fused + graph TF32 on, cuBLAS GEMMs"     # no Triton tile GEMMs (s
 FP16_ROW = "fused + graph TF32 on, FP16 operands"      # opt-in gemm_operands="fp16" (tile GEMMs' rows)
 FP16_TF32PV_ROW = "fused + graph TF32 on, FP16 operands, TF32 P@V"   # the same with P @ V kept in TF32 (A/B)
 FP16_BK1_ROW = "fused + graph TF32 on, FP16 operands, block kernel FP32 K steps"   # k_step_scale 1 (A/B)
+TRIM_ARENA_ROW = "fused + graph TF32 on, trimmed, arena"         # solve(trim=...) with direct=False
+DIRECT_ROW = "fused + graph TF32 on, trimmed, direct"            # solve(trim=...), the flow's default
+DIRECT16_ROW = "fused + graph TF32 on, FP16 operands, trimmed, direct"
+TRIMMED_ROWS = (TRIM_ARENA_ROW, DIRECT_ROW, DIRECT16_ROW)
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -476,6 +484,9 @@ def main(argv=None) -> int:
                 (FP16_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
                 (FP16_TF32PV_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
                 (FP16_BK1_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
+                (TRIM_ARENA_ROW, dict(body="fused", attention="triton-tf32", tf32=True, direct=False)),
+                (DIRECT_ROW, dict(body="fused", attention="triton-tf32", tf32=True)),
+                (DIRECT16_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 
@@ -500,19 +511,25 @@ def main(argv=None) -> int:
                 solver.fused.attn_pv16 = False
             if name == FP16_BK1_ROW:
                 solver.fused.block_k_step_scale = 1
-            got = solver.solve(mu, spk, cond, cnn, att, copy_out=False)
-            errs = [_rel(a, b) for a, b in zip(got, ref)]
+            trim = (L - 100, 100) if name in TRIMMED_ROWS else None
+            last = [solver.solve(mu, spk, cond, cnn, att, copy_out=False, trim=trim)]
+            want = ref if trim is None else (ref[0], ref[1], trim_estimator_att(ref[2], *trim))
+            errs = [_rel(a, b) for a, b in zip(last[0], want)]
             st = next(iter(solver._statics.values()))
-            ms = timed(lambda: solver.solve(mu, spk, cond, cnn, att, copy_out=False), args.budget)
+
+            def call():     # the last result stays alive: a direct replay writes into its successor
+                last[0] = solver.solve(mu, spk, cond, cnn, att, copy_out=False, trim=trim)
+
+            ms = timed(call, args.budget)
             rep = timed(st.graph.replay, args.budget) if st.graph is not None else None
             extra = {"rel_err_vs_original_ieee": {"mel": errs[0], "cnn": errs[1], "att": errs[2]},
-                     "graph": st.graph is not None}
+                     "graph": st.graph is not None, "direct": bool(st.key.direct)}
             if B == 1 and kw["body"] == "fused":   # what one graph replay launches (the eager solve's kernels)
                 with matmul_tf32(kw["tf32"]):
                     extra["kernels_per_chunk"] = count_kernels(
-                        lambda: solver.solve(mu, spk, cond, cnn, att, graph=False, copy_out=False))
+                        lambda: solver.solve(mu, spk, cond, cnn, att, graph=False, copy_out=False, trim=trim))
             row(name, B, ms, rep, extra)
-            del solver, st, got
+            del solver, st, last
             gc.collect()
             torch.cuda.empty_cache()
         # opt-in slot pool (prompt 300 + keep 100): equal lengths, then merged different lengths

@@ -38,6 +38,11 @@ from minicpmo_rt.code2wav.pipeline import Code2Wav
 from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet, build_generator
 
 CHUNK_FRAMES = 50  # mel frames of a steady 1-s chunk (25 codes)
+ARENA_PATH = "fast path, arena solves (direct off)"   # the knobs-auto path as it ran before the direct solves
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def timed(fn, n):
@@ -122,6 +127,7 @@ def main() -> None:
     paths = (("reference (original DiT, eager)", None),
              ("original DiT + Whole-Euler graph (cfm_fused_body: false)", {"cfm_fused_body": False}),
              ("fast path (knobs auto: fused + Whole-Euler graphs, TF32)", {}),
+             (ARENA_PATH, {}),
              (f"fast path + slot pool (cfm_slot_pool: {args.streams})", {"cfm_slot_pool": args.streams}),
              ("fast path, FP16 operands (cfm_fp16_operands: true)", {"cfm_fp16_operands": True}),
              (f"fast path + slot pool, FP16 operands (cfm_slot_pool: {args.streams}, cfm_fp16_operands: true)",
@@ -131,6 +137,10 @@ def main() -> None:
             continue
         choice = c2w.configure_fast_path(extra or {})
         c2w_fast.configure_fast_path(extra or {})    # the same knobs (its slot pool, if any, is its own)
+        if label == ARENA_PATH:                      # the solves before the direct path: copy in, trim out
+            for solver in (c2w.flow.chunk_solver, c2w_fast.flow.chunk_solver):
+                if solver is not None:
+                    solver.direct = False
         if extra is None:
             c2w.flow.chunk_solver = None
         streams = [c2w.open_stream(feats) for _ in range(args.streams)]
@@ -141,7 +151,7 @@ def main() -> None:
         rnd = statistics.median(timed(lambda: [chunk(s) for s in streams], max(3, args.reps // 3)))
         add({"path": label, "choice": choice.describe(), "vocoder": voc.describe_stream_path() + ", per stream",
              "whole_chunk_ms_b1": one, "round_ms_16_streams": rnd, "rtf_16_streams": rnd / 1000.0})
-        if args.flow_many and extra == {}:
+        if args.flow_many and extra == {} and label != ARENA_PATH:
             flow_many_rows(res, c2w.flow, streams, g, args.reps)
         batched_round(c2w, streams, False)  # warm-up: captures the batch-16 graph on the fast paths
         rnd_b = statistics.median(timed(lambda: batched_round(c2w, streams, False), max(3, args.reps // 3)))
@@ -196,8 +206,10 @@ def main() -> None:
     if "flow_many" in res:
         fm = res["flow_many"]
         lines += ["", f"## The flow half of a batched round ({fm['streams']} steady streams, GPU ms, medians)", "",
-                  "| path | ms | bit-identical |", "|---|---:|---|"]
-        lines += [f"| {k} | {v:.2f} | {fm['bit_identical']} |" for k, v in fm["ms"].items()]
+                  f"Stack + split vs many through the arena bit-identical: {fm['bit_identical']}; direct vs arena "
+                  f"rel err: {', '.join(f'{k} {v:.1e}' for k, v in fm.get('direct_vs_arena_rel_err', {}).items())}.",
+                  "", "| path | ms |", "|---|---:|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in fm["ms"].items()]
     if res.get("encoder"):
         lines += ["", "## The encoder half of a chunk (embedding, conformer, projection), GPU ms, medians", "",
                   "| streams | eager | CUDA graph | bit-identical |", "|---:|---:|---:|---|"]
@@ -210,8 +222,10 @@ def main() -> None:
 def flow_many_rows(res: dict, flow: Flow, streams, g: torch.Generator, reps: int) -> None:
     """The flow half of a batched round (16 steady streams, the same 28 codes each time): the caches
     stacked, one ``inference_chunk`` and the new cache split per stream (the path before
-    ``inference_chunk_many``) against ``inference_chunk_many`` (each stream's estimator cache straight
-    into and out of the solver), alternating; both outputs compared bit for bit."""
+    ``inference_chunk_many``) against ``inference_chunk_many`` with its solver on the direct path (each
+    stream's estimator cache read in place, the trimmed successor written by the attention) and through
+    the arena (each cache copied into the solver's rows, the successor trimmed out of them), alternating.
+    Stacked vs arena is compared bit for bit, direct vs arena by relative error (another key order)."""
     caches = [s.cache for s in streams]
     n = len(caches)
     spk = torch.cat([s.spk for s in streams])
@@ -221,18 +235,32 @@ def flow_many_rows(res: dict, flow: Flow, streams, g: torch.Generator, reps: int
         mel, new = flow.inference_chunk(toks, spk, stack_flow_caches(caches))
         return mel, split_flow_cache(new, [1] * n)
 
-    def many():
-        return flow.inference_chunk_many(toks, spk, caches)
+    solver = flow.chunk_solver
 
-    (m1, c1), (m2, c2) = stacked(), many()
-    same = torch.equal(m1, m2) and all(torch.equal(getattr(a, k), getattr(b, k)) for a, b in zip(c1, c2)
-                                       for k in ("conformer_cnn", "conformer_att", "estimator_cnn", "estimator_att"))
-    del m1, c1, m2, c2
-    times = {"stack, inference_chunk, split": [], "inference_chunk_many": []}
+    def with_direct(direct, fn):        # the solver's direct switch for one call (no solver: the reference)
+        if solver is None:
+            return fn()
+        was, solver.direct = solver.direct, direct
+        try:
+            return fn()
+        finally:
+            solver.direct = was
+
+    def many(direct=None):
+        return with_direct(direct, lambda: flow.inference_chunk_many(toks, spk, caches))
+
+    keys = ("conformer_cnn", "conformer_att", "estimator_cnn", "estimator_att")
+    # the stacked form's own solve through the arena too, so that it can match bit for bit
+    (m1, c1), (m2, c2), (m3, c3) = with_direct(False, stacked), many(False), many(None)
+    same = torch.equal(m1, m2) and all(torch.equal(getattr(a, k), getattr(b, k)) for a, b in zip(c1, c2) for k in keys)
+    errs = {"mel": _rel(m3, m2), "estimator_att": max(_rel(a.estimator_att, b.estimator_att) for a, b in zip(c3, c2))}
+    del m1, c1, m2, c2, m3, c3
+    times = {"stack, inference_chunk, split": [], "inference_chunk_many, arena": [], "inference_chunk_many, direct": []}
     for _ in range(3):
-        times["stack, inference_chunk, split"] += timed(stacked, reps)
-        times["inference_chunk_many"] += timed(many, reps)
-    res["flow_many"] = {"streams": n, "bit_identical": same,
+        times["stack, inference_chunk, split"] += timed(lambda: with_direct(False, stacked), reps)
+        times["inference_chunk_many, arena"] += timed(lambda: many(False), reps)
+        times["inference_chunk_many, direct"] += timed(many, reps)
+    res["flow_many"] = {"streams": n, "bit_identical": same, "direct_vs_arena_rel_err": errs,
                         "ms": {k: statistics.median(v) for k, v in times.items()}, "reps": {k: len(v) for k, v in times.items()}}
     print(f"flow chunk of {n} streams: {res['flow_many']}", flush=True)
     # the encoder half alone: eager against its CUDA graphs (Flow.encoder_graphs), 1 and n streams

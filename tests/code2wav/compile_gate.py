@@ -74,7 +74,8 @@ def main() -> int:
             src = ASTSource(self, signature=sig, constexprs=consts)
         except (AttributeError, KeyError, TypeError) as exc:
             raise HarnessError(f"{self.fn.__name__}: {exc!r}") from exc
-        caps = (90, 80) if self.fn.__name__ in ("_attn_fwd", "_attn_combine", "_wide_gemm", "_wide_qkv") else (90,)
+        caps = ((90, 80) if self.fn.__name__ in ("_attn_fwd", "_attn_direct", "_attn_combine", "_wide_gemm", "_wide_qkv")
+                else (90,))
         if any(t.startswith("tensordesc") for t in sig.values()):
             caps = (90,)
         key = (self.fn.__name__, tuple(sorted(sig.items())), repr(sorted(consts.items())), tuple(sorted(opts.items())))
@@ -149,6 +150,19 @@ def drive() -> None:
                     solver.solve(torch.zeros(B, 80, T), torch.zeros(B, 80), torch.zeros(B, 80, T), *caches(B, L),
                                  graph=False)
         fused_dit._has_tma = lambda device: True
+        # direct solves (trimmed; each stream's cache read in place): split keys at batch 4, a full grid at
+        # 16, IEEE dots, FP16 operands (P @ V in FP16)
+        for B, tf32, wide, operands in ((4, True, False, "fp32"), (16, True, True, "fp32"), (16, False, True, "fp32"),
+                                        (16, True, True, "fp16")):
+            cfg = GraphConfig(enabled=False, batch_buckets=(4, 16), query_buckets=(50,), offset_anchor=400)
+            solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32" if tf32 else "triton-ieee", tf32=tf32,
+                                      n_timesteps=S, config=cfg, use_triton=True, wide_gemm=wide,
+                                      gemm_operands=operands)
+            fused_dit.dot_precision = lambda t, p="tf32" if tf32 else "ieee": p
+            with matmul_tf32(tf32):
+                solver.solve(torch.zeros(B, 80, 50), torch.zeros(B, 80), torch.zeros(B, 80, 50), *caches(B, 400),
+                             graph=False, trim=(300, 100))
+            assert all(k.direct for k in solver._statics), "the compile gate's direct solve took the arena"
         # slot pool: pooled caches (rows/pos), a stride-0 key mask, the block kernel at B=1, TMA at B=16
         fused_dit.dot_precision = lambda t: "tf32"
         for B in (1, 4, 8, 16):

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 from minicpmo_rt.code2wav import kernels  # noqa: E402
 from minicpmo_rt.code2wav.cfm import CausalConditionalCFM  # noqa: E402
-from minicpmo_rt.code2wav.euler_graph import GraphConfig, SolveKey, WholeEulerSolver  # noqa: E402
+from minicpmo_rt.code2wav.euler_graph import GraphConfig, SolveKey, WholeEulerSolver, trim_span  # noqa: E402
 from minicpmo_rt.code2wav.flow_config import CFMConfig, DiTConfig  # noqa: E402
 from minicpmo_rt.code2wav.precision import tf32_enabled  # noqa: E402
 
@@ -134,6 +134,67 @@ def test_fp16_operands_in_the_solver_match_the_reference():
         assert 1e-6 < max(errs) <= 1e-3, (step_kernels, errs)
 
 
+def _trim_ref(att, prompt, keep):
+    d0, d1 = trim_span(att.shape[4], prompt, keep)
+    return torch.cat([att[..., :d0, :], att[..., d1:, :]], 4)
+
+
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("B,step_kernels", [(3, True), (5, False)])
+def test_direct_solve_reads_caches_in_place_and_trims(B, step_kernels):
+    """``solve(trim=...)`` on the staged Triton body: the direct path (no arena copy of the old cache;
+    the attention writes the trimmed successor) against the arena path + the flow's trim, stacked and
+    per-stream caches. B=3 pads to 4 (padding rows read stream 0, write nothing); 5 runs as groups of
+    4 and 1, with the torch glue between steps. IEEE dots on CUDA; the keys reach the softmax in
+    another tile grouping, hence 1e-6, not bit equality."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfm = tiny_cfm(seed=12).to(dev)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
+    kw = chunk(B, 6, 8, seed=30 + B, device=dev)
+    att = kw.pop("att_cache")
+    streams = [torch.cat([att[:, :, i:i + 1], att[:, :, B + i:B + i + 1]], 2) for i in range(B)]
+    trim = (5, 4)                                      # 14 frames -> the first 5 and the last 4
+    make = lambda direct: WholeEulerSolver(cfm, body="fused", attention="triton-ieee", n_timesteps=S,  # noqa: E731
+                                           config=cfg, use_triton=True, block_kernel=False,
+                                           step_kernels=step_kernels, direct=direct)
+    ref = make(False).solve(**kw, att_cache=att, graph=False)
+    want = _trim_ref(ref[2], *trim)
+    direct = make(None)
+    for form in (att, streams):
+        mel, cnn, new = direct.solve(**kw, att_cache=form, graph=False, copy_out=False, trim=trim)
+        assert all(k.direct == (5, 10) for k in direct._statics)
+        assert all(st.kv.shape[4] == 6 for st in direct._statics.values())     # current frames only
+        assert rel_err(mel, ref[0]) < 1e-6 and rel_err(cnn, ref[1]) < 1e-6
+        if form is streams:
+            assert isinstance(new, list) and len(new) == B
+            new = _stacked(new)
+        assert new.shape == want.shape and rel_err(new, want) < 1e-6
+
+
+def _stacked(per_stream):
+    return torch.cat([a[:, :, 0:1] for a in per_stream] + [a[:, :, 1:2] for a in per_stream], 2)
+
+
+@pytest.mark.parametrize("B", [3, 5])
+def test_trim_through_the_arena_equals_the_flows_trim(B):
+    """Where the direct path does not apply (SDPA attention here), ``solve(trim=...)`` returns the
+    arena's new cache trimmed as the flow trims, in memory of its own, for both cache forms."""
+    cfm = tiny_cfm(seed=13)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
+    solver = WholeEulerSolver(cfm, body="fused", attention="sdpa", n_timesteps=S, config=cfg, use_triton=False)
+    kw = chunk(B, 6, 8, seed=40 + B)
+    att = kw.pop("att_cache")
+    streams = [torch.cat([att[:, :, i:i + 1], att[:, :, B + i:B + i + 1]], 2) for i in range(B)]
+    mel, cnn, full = [t.clone() for t in solver.solve(**kw, att_cache=att)]
+    for form in (att, streams):
+        got_mel, got_cnn, new = solver.solve(**kw, att_cache=form, copy_out=False, trim=(5, 4))
+        assert not any(k.direct for k in solver._statics)
+        new = new if form is att else _stacked(new)
+        assert torch.equal(got_mel, mel) and torch.equal(new, _trim_ref(full, 5, 4))
+    assert trim_span(14, 5, 4) == (5, 10) and trim_span(9, 5, 4) == (9, 9)
+
+
 def test_batches_beyond_the_largest_bucket_run_in_groups():
     cfm = tiny_cfm(seed=2)
     solver = WholeEulerSolver(cfm, body="fused", attention="sdpa", n_timesteps=S, use_triton=False,
@@ -199,6 +260,48 @@ def test_cuda_graph_matches_eager(body, tf32):
             assert max(errs) <= 1e-6
             if not tf32:
                 assert_close(graphed, reference(cfm, kw), 1e-5)
+    finally:
+        stack.close()
+        S = S_saved
+
+
+@requires_cuda
+@pytest.mark.parametrize("tf32", [False, True])
+def test_cuda_direct_solve_matches_the_arena(tf32):
+    """Full-size DiT at batch 4 (staged body), steady chunk (query 50, cache 400), per-stream caches:
+    the direct path from its graph against its eager run (<= 1e-6) and against the arena path with the
+    flow's trim (IEEE: <= 1e-6, only the key grouping differs; TF32: <= 1e-3, operand roundings
+    follow that difference), and with TF32 off against the IEEE reference (<= 1e-5)."""
+    from minicpmo_rt.code2wav.flow_config import FULL_SIZE
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfm = tiny_cfm(seed=4, cfg=FULL_SIZE.dit, mild=True).cuda()
+    global S
+    S_saved, S = S, 10
+    try:
+        stack = contextlib.ExitStack()
+        stack.enter_context(ieee_cudnn())
+        cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(50,), offset_bucket=50, offset_anchor=400)
+        make = lambda direct: WholeEulerSolver(cfm, body="fused", n_timesteps=10, config=cfg, direct=direct,  # noqa: E731
+                                               attention="triton-tf32" if tf32 else "triton-ieee", tf32=tf32)
+        B, trim = 4, (300, 100)
+        kw = chunk(B, 50, 400, seed=6, C=512, H=8, D=64, depth=16, device="cuda")
+        att = kw.pop("att_cache")
+        streams = [torch.cat([att[:, :, i:i + 1], att[:, :, B + i:B + i + 1]], 2) for i in range(B)]
+        direct, arena = make(None), make(False)
+        eager = direct.solve(**kw, att_cache=streams, graph=False, trim=trim)
+        graphed = direct.solve(**kw, att_cache=streams, graph=True, trim=trim)
+        assert direct.graphs() and all(k.direct == (300, 350) for k in direct.graphs())
+        assert tf32_enabled() is False
+        ref = arena.solve(**kw, att_cache=streams, graph=True, trim=trim)
+        flat = lambda r: (r[0], r[1], _stacked(r[2]))       # noqa: E731
+        errs_graph = [rel_err(g, e) for g, e in zip(flat(graphed), flat(eager))]
+        errs_arena = [rel_err(g, e) for g, e in zip(flat(graphed), flat(ref))]
+        print(f"direct tf32={tf32}: graph vs eager {max(errs_graph):.2e}, vs arena {errs_arena}")
+        assert max(errs_graph) <= 1e-6
+        assert max(errs_arena) <= (1e-3 if tf32 else 1e-6)
+        if not tf32:
+            full = reference(cfm, dict(kw, att_cache=att))
+            assert_close(flat(graphed), (full[0], full[1], _trim_ref(full[2], *trim)), 1e-5)
     finally:
         stack.close()
         S = S_saved

@@ -189,3 +189,41 @@ def test_fp16_operand_output_and_fp16_pv(splits):
     assert rel_err(pv16, tiled_attention(q, k, v, mask, splits=splits)) <= 1e-3      # the FP32 path
     with pytest.raises(TypeError, match="float32 or float16"):
         tiled_attention(q, k, v, mask, out=torch.empty(B, H, nq, D, device=dev, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(splits):
+    """``direct_attention`` (the fill-free path): each row's old frames from its own tensor through the
+    stream tables, at (step 1, layer 1) of (2, 2, ...) caches; the output matches FP64 attention over
+    [current | old], and each written row's successor is [current | old] less the dropped frames,
+    bit for bit. Row 2 is a padding row (dst address 0): its successor stays untouched. 16-key tiles,
+    so tiles straddle both the current/old boundary (T=5) and, with splits, the split edges."""
+    from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV, direct_attention, stream_table
+
+    gen = torch.Generator().manual_seed(11)
+    R, H, T, D, n_old, S, depth = 3, 2, 5, 16, 37, 2, 2
+    dev = device()
+    q = torch.randn(R, H, T, D, generator=gen).to(dev)
+    if not usable_on(q):
+        pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
+    cur = torch.randn(R, H, T, 2 * D, generator=gen).to(dev)
+    # two streams' caches (steps, depth, [cond|uncond], H, frames, 2D); rows 0/1 = stream 0 cond / stream 1 uncond
+    olds = [torch.randn(S, depth, 2, H, n_old, 2 * D, generator=gen).to(dev) for _ in range(2)]
+    drop = (12, 12 + 20)                                   # keep 12 + the last 10 of 42
+    n_out = T + n_old - 20
+    outs = [torch.full((S, depth, 2, H, n_out, 2 * D), float("nan"), device=dev) for _ in range(2)]
+    src = stream_table([olds[0][:, :, 0], olds[1][:, :, 1], olds[0][:, :, 0]]).to(dev)
+    dst = stream_table([outs[0][:, :, 0], outs[1][:, :, 1], None]).to(dev)
+    streams = StreamKV(src, dst, n_old, n_out, drop).at_step(1)
+    o = torch.full((R, T, H, D), float("nan"), device=dev)
+    direct_attention(q, cur, streams, layer=1, out=o.transpose(1, 2), precision="ieee", block_m=16, block_n=16,
+                     splits=splits)
+    rows_old = torch.stack([olds[0][1, 1, 0], olds[1][1, 1, 1], olds[0][1, 1, 0]])      # (R, H, n_old, 2D)
+    full = torch.cat([cur, rows_old], 2)
+    ref = reference(q.cpu(), full[..., :D].cpu(), full[..., D:].cpu(), None)
+    assert rel_err(o.transpose(1, 2).cpu(), ref) < 1e-5
+    want = torch.cat([full[:, :, :drop[0]], full[:, :, drop[1]:]], 2)
+    assert torch.equal(outs[0][1, 1, 0], want[0]) and torch.equal(outs[1][1, 1, 1], want[1])
+    assert torch.isnan(outs[0][1, 1, 1]).all() and torch.isnan(outs[0][0]).all()     # other rows / steps untouched
+    with pytest.raises(ValueError, match="dropped"):
+        direct_attention(q, cur, StreamKV(src, dst, n_old, n_out + 1, drop), 1, o.transpose(1, 2))

@@ -25,13 +25,19 @@ One attention arena (steps, depth, rows, heads, query+offset, 2*head_dim), share
 fused-body graph, holds each step's ``[current(query) | cache(offset)]``: the input cache is
 copied directly behind the current-chunk slot, so no concatenation happens inside the graph
 and the steady new cache is a view of it. Growing the arena drops the graphs that view it.
+
+Direct solves (``solve(trim=...)`` on the staged fused body with Triton attention, unmasked keys):
+the arena holds only the current frames; the attention reads each row's old frames from the
+caller's own cache through a table of addresses and writes every frame it reads into the trimmed
+successor (``kernels.tiled_attention.direct_attention``). The 8.4-GB fill of a batch-16 chunk and the
+trim's copy after it are gone: the cache is read once and its successor written once.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence
 
 import torch
@@ -39,6 +45,7 @@ import torch
 from . import bulk_copy
 from .fused_dit import SC_MSA, SH_MSA, FusedDiT, Modulation, dot_precision
 from .kernels import dit_block, euler_step
+from .kernels.tiled_attention import StreamKV, stream_table
 from .precision import matmul_tf32
 
 __all__ = ["GraphConfig", "SolveKey", "WholeEulerSolver"]
@@ -63,6 +70,16 @@ class SolveKey:
     query: int
     offset: int
     masked: bool
+    direct: tuple[int, int] | None = None   # a direct solve's dropped frame span; None: through the arena
+
+
+def trim_span(frames: int, prompt_frames: int, keep: int) -> tuple[int, int]:
+    """The frames [d0, d1) the flow's trim leaves out of a ``frames``-long estimator cache: past
+    ``prompt_frames + keep`` frames it keeps the first ``prompt_frames`` and the last ``keep``
+    (empty span otherwise)."""
+    if frames <= prompt_frames + keep:
+        return frames, frames
+    return prompt_frames, frames - keep
 
 
 @dataclass
@@ -88,6 +105,7 @@ class _Static:
     graph: torch.cuda.CUDAGraph | None = None
     rows: torch.Tensor | None = None    # slot pool: (2Bb,) pool rows of the batch rows
     pos: torch.Tensor | None = None     # slot pool: (2Bb, Q) frames the current K/V go to
+    streams: StreamKV | None = None     # direct solve: each row's own old cache and trimmed successor
     extra: dict = field(default_factory=dict)
 
 
@@ -99,14 +117,17 @@ class WholeEulerSolver:
                  use_triton: bool | None = None, gemm: str = "cublas-split", attn_splits: int | None = None,
                  attn_block_m: int | None = None, split_k: int | None = None, block_kernel: bool | None = None,
                  step_kernels: bool | None = None, attn_tma: bool | None = None, attn_stages: int | None = None,
-                 wide_gemm: bool | None = None, gemm_operands: str = "fp32"):
+                 wide_gemm: bool | None = None, gemm_operands: str = "fp32", direct: bool | None = None):
         """``step_kernels``: the glue between two evaluations as two Triton kernels per step
         (``kernels/euler_step.py``) instead of ~12 torch ops; None (default) and True: whenever the
         fused body's Triton stages run; False: the torch ops (the reference the tests compare).
         ``wide_gemm``: ``FusedDiT``'s (None: Triton tile GEMMs with TF32 from WIDE_MIN_ROWS rows on CUDA).
-        ``gemm_operands``: ``FusedDiT``'s ("fp16": the Triton GEMMs' operands stored as FP16, opt-in)."""
+        ``gemm_operands``: ``FusedDiT``'s ("fp16": the Triton GEMMs' operands stored as FP16, opt-in).
+        ``direct``: trimmed solves read each stream's cache where it is (module docstring); None (default):
+        wherever that path applies, False: always through the arena."""
         self.cfm = cfm
         self.step_kernels = step_kernels
+        self.direct = direct
         self.dit = cfm.estimator
         self.body = body
         self.tf32 = bool(tf32)
@@ -187,7 +208,8 @@ class WholeEulerSolver:
 
     # ------------------------------------------------------------------ buffers
     def _arena_view(self, key: SolveKey, device) -> torch.Tensor:
-        shape = (self.S, self.depth, 2 * key.batch, self.H, key.query + key.offset, 2 * self.D)
+        frames = key.query if key.direct else key.query + key.offset
+        shape = (self.S, self.depth, 2 * key.batch, self.H, frames, 2 * self.D)
         n = math.prod(shape)
         if self._arena is None or self._arena.numel() < n or self._arena.device != torch.device(device):
             if self._statics:
@@ -217,6 +239,10 @@ class WholeEulerSolver:
             st.cnn_idx = torch.arange(Q, Q + self.K1, device=device)
             if key.masked:
                 st.mask = torch.ones(R, Q, Q + O, device=device, dtype=torch.bool)
+            if key.direct:
+                d0, d1 = key.direct
+                table = torch.zeros(R, 3, device=device, dtype=torch.int64)
+                st.streams = StreamKV(table, table.clone(), O, Q + O - (d1 - d0), key.direct)
         else:
             st.att_in = z(self.S, self.depth, R, self.H, O, 2 * self.D)
             st.att_out = z(self.S, self.depth, R, self.H, Q + O, 2 * self.D)
@@ -246,7 +272,8 @@ class WholeEulerSolver:
             xin[:Bb, :, :n].copy_(st.x)
             xin[Bb:, :, :n].copy_(st.x)
             euler_step.cnn_roll_ref(st.hist, None, st.cnn_in[s], st.cnn_idx)
-            self.fused.body(xin, mods[s], st.hist, st.kv[s], st.mask, st.ws, st.out, st.rows, st.pos)
+            self.fused.body(xin, mods[s], st.hist, st.kv[s], st.mask, st.ws, st.out, st.rows, st.pos,
+                            streams=_at_step(st.streams, s))
             # new CNN cache = history frames [valid, valid+K-1) (valid = real width, via index)
             euler_step.cnn_roll_ref(st.hist, st.cnn_out[s], None, st.cnn_idx)
             v = st.out
@@ -277,7 +304,8 @@ class WholeEulerSolver:
         euler_step.cnn_roll(st.hist, None, st.cnn_in[0], st.cnn_idx)
         junction(0.0, False, mods[0])
         for s in range(S):
-            f.blocks(mods[s], st.hist, st.kv[s], st.mask, ws, st.rows, st.pos, ctr_zeroed=ctr is not None)
+            f.blocks(mods[s], st.hist, st.kv[s], st.mask, ws, st.rows, st.pos, ctr_zeroed=ctr is not None,
+                     streams=_at_step(st.streams, s))
             euler_step.cnn_roll(st.hist, st.cnn_out[s], st.cnn_in[s + 1] if s + 1 < S else None, st.cnn_idx)
             junction(dts[s], True, mods[s + 1] if s + 1 < S else None)
 
@@ -362,12 +390,17 @@ class WholeEulerSolver:
     @torch.inference_mode()
     def solve(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
               cnn_cache: torch.Tensor | None = None, att_cache: torch.Tensor | Sequence[torch.Tensor] | None = None,
-              temperature: float = 1.0, graph: bool = True, copy_out: bool = True):
+              temperature: float = 1.0, graph: bool = True, copy_out: bool = True,
+              trim: tuple[int, int] | None = None):
         """mu, cond (B, 80, T); spks (B, 80) projected; caches (S, depth, 2B, ...) or None.
 
         Returns (mel (B, 80, T), new cnn cache (S, depth, 2B, 2C, K-1), new att cache
         (S, depth, 2B, H, T+L, 2D)). With ``copy_out=False`` the caches may be views of the
         solver's buffers, valid until the next ``solve``.
+
+        ``trim`` = (prompt frames, kept frames): the new attention cache comes back trimmed like the
+        flow's (``trim_span``) and in memory of its own. Where the direct path applies (module docstring)
+        the old cache is then read in place and never copied.
 
         ``att_cache`` may also be B per-stream caches (S, depth, 2, H, L, 2D) (each stream's [cond |
         uncond] rows, one shape): they are copied straight into the solver's rows, and the new
@@ -389,22 +422,61 @@ class WholeEulerSolver:
                                None if cnn_cache is None else _rows(cnn_cache, B, i, min(B, i + big)),
                                None if att_cache is None else (att_cache[i:i + big] if per_stream
                                                                else _rows(att_cache, B, i, min(B, i + big))),
-                               temperature, graph, True) for i in range(0, B, big)]
+                               temperature, graph, True, trim) for i in range(0, B, big)]
             att = ([a for o in outs for a in o[2]] if per_stream else _cat_rows([o[2] for o in outs]))
             return torch.cat([o[0] for o in outs], 0), _cat_rows([o[1] for o in outs]), att
         device = mu.device
         key = self.key_for(B, T, L)
         if key is None:   # beyond the buckets: an exact, unmasked shape
             key = SolveKey(B, T, L, False)
+        if trim is not None and self._direct_applies(key, mu, att_cache if per_stream else [att_cache]):
+            key = replace(key, direct=trim_span(key.query + key.offset, *trim))
         want_graph = (graph and device.type == "cuda" and self._graphs_off_reason is None)
         with matmul_tf32(self.tf32):
-            st = self._static_for(key, device, want_graph)
+            st = self._static_for(key, device, want_graph=False)
             self._fill(st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L)
+            direct = self._bind_streams(st, att_cache, B, per_stream) if key.direct else None
+            if want_graph and st.graph is None:     # captured on real inputs: a direct graph's warm-up
+                st = self._static_for(key, device, want_graph)  # runs read through the bound tables
             if st.graph is not None and want_graph:
                 st.graph.replay()
             else:
                 self._program(st)
-        return self._read(st, B, T, L, copy_out, per_stream)
+        if direct is not None:
+            mel, cnn, _ = self._read(st, B, T, 0, copy_out, copy_att=False)
+            return mel, cnn, direct
+        mel, cnn, att = self._read(st, B, T, L, copy_out, per_stream, copy_att=trim is None)
+        return mel, cnn, att if trim is None else _trimmed(att, trim)
+
+    def _direct_applies(self, key: SolveKey, mu: torch.Tensor, caches: Sequence[torch.Tensor | None]) -> bool:
+        """Can this solve read its old cache in place (``direct_attention``)? The staged fused body with
+        Triton attention, an unmasked steady shape, and FP32 caches whose (heads, frames, 2D) blocks are
+        contiguous (what the attention's address tables describe)."""
+        f = self.fused
+        if (self.direct is False or f is None or key.masked or not key.offset or f.attention == "sdpa"
+                or not f._triton(mu) or f.uses_block_kernel(2 * key.batch, key.query, mu.device)):
+            return False
+        return all(c is not None and c.dtype == torch.float32 and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1)
+                   for c in caches)
+
+    def _bind_streams(self, st: _Static, att_cache, B: int, per_stream: bool):
+        """Point a direct solve's address tables at this call's caches and at new successors (their own
+        memory, returned): row r < Bb is stream r's cond half, row Bb + r its uncond half; padding rows
+        read stream 0 and write nothing."""
+        Bb, n_out = st.key.batch, st.streams.n_out
+        dev = st.x.device
+        if per_stream:
+            outs = [torch.empty(self.S, self.depth, 2, self.H, n_out, 2 * self.D, device=dev) for _ in range(B)]
+            src = lambda i, half: att_cache[i][:, :, half]      # noqa: E731
+            dst = lambda i, half: outs[i][:, :, half]           # noqa: E731
+        else:
+            outs = torch.empty(self.S, self.depth, 2 * B, self.H, n_out, 2 * self.D, device=dev)
+            src = lambda i, half: att_cache[:, :, half * B + i]     # noqa: E731
+            dst = lambda i, half: outs[:, :, half * B + i]          # noqa: E731
+        rows = [(r % Bb, r // Bb) for r in range(2 * Bb)]
+        st.streams.src.copy_(stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows]), non_blocking=True)
+        st.streams.dst.copy_(stream_table([dst(i, h) if i < B else None for i, h in rows]), non_blocking=True)
+        return outs
 
     def _fill(self, st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L) -> None:
         Bb, Q, O = st.key.batch, st.key.query, st.key.offset
@@ -424,7 +496,7 @@ class WholeEulerSolver:
             st.cnn_in[:, :, Bb:Bb + B].copy_(cnn_cache[:, :, B:])
         copy = _copy_streams if isinstance(att_cache, list) else _copy_rows
         if self.body == "fused":
-            if L:   # the bulk of a chunk's copying (8.4 GB at batch 16): 16 bytes per access
+            if L and st.streams is None:   # the bulk of a chunk's copying (8.4 GB at batch 16): 16 bytes per access
                 copy(st.kv[..., Q:Q + L, :], att_cache, B, Bb)
             st.cnn_idx.copy_(torch.arange(T, T + self.K1))
             if st.mask is not None:
@@ -435,7 +507,10 @@ class WholeEulerSolver:
         elif L:
             copy(st.att_in, att_cache, B, Bb)
 
-    def _read(self, st: _Static, B: int, T: int, L: int, copy_out: bool, per_stream: bool = False):
+    def _read(self, st: _Static, B: int, T: int, L: int, copy_out: bool, per_stream: bool = False,
+              copy_att: bool = True):
+        """(mel, cnn cache, attention cache) out of the static buffers; with ``copy_out`` in memory of their
+        own (the attention cache only with ``copy_att`` too: a trim copies it anyway)."""
         Bb, Q = st.key.batch, st.key.query
         mel = st.x[:B, :T].transpose(1, 2)
         cnn = _pick_rows(st.cnn_out, Bb, B)
@@ -443,7 +518,7 @@ class WholeEulerSolver:
             if self.body == "original" or T == Q:
                 full = st.att_out if self.body == "original" else st.kv[..., :Q + L, :]
                 att = [full[:, :, i:i + Bb + 1:Bb] for i in range(B)]
-                if copy_out:
+                if copy_out and copy_att:
                     att = [bulk_copy.clone(a) for a in att]
             else:
                 att = [bulk_copy.cat([st.kv[:, :, i:i + Bb + 1:Bb, :, :T], st.kv[:, :, i:i + Bb + 1:Bb, :, Q:Q + L]], 4)
@@ -457,9 +532,23 @@ class WholeEulerSolver:
         if copy_out:   # views of solver buffers become the caller's own tensors
             if B == Bb:
                 cnn = cnn.clone()
-                if self.body == "original" or T == Q:
+                if copy_att and (self.body == "original" or T == Q):
                     att = bulk_copy.clone(att)
         return mel.clone(), cnn, att
+
+
+def _at_step(streams: StreamKV | None, s: int) -> StreamKV | None:
+    return None if streams is None else streams.at_step(s)
+
+
+def _trimmed(att, trim: tuple[int, int]):
+    """An attention cache (or per-stream list of them) trimmed like the flow's, in memory of its own."""
+    if isinstance(att, list):
+        return [_trimmed(a, trim) for a in att]
+    d0, d1 = trim_span(att.shape[4], *trim)
+    if d0 == d1:
+        return bulk_copy.clone(att)
+    return bulk_copy.cat([att[..., :d0, :], att[..., d1:, :]], 4)
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor, B: int, Bb: int) -> None:

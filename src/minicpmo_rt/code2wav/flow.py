@@ -31,6 +31,7 @@ from ..errors import CheckpointError, InputError
 from . import bulk_copy
 from .cfm import CausalConditionalCFM
 from .encoder import EncoderCache, UpsampleConformerEncoderV2
+from .euler_graph import trim_span
 from .flow_config import FlowConfig, read_flow_yaml
 
 # Frames of history (beyond the prompt) kept in the streaming caches, as upstream Token2wav.
@@ -124,9 +125,10 @@ def split_flow_cache(cache: FlowCache, sizes: Sequence[int]) -> list[FlowCache]:
 def trim_estimator_att(att: torch.Tensor, prompt_frames: int, keep: int = HISTORY_FRAMES) -> torch.Tensor:
     """Past ``prompt_frames + keep`` frames, keep the first ``prompt_frames`` and the last ``keep``
     along the frame axis (upstream's rule, applied to its newest-first layout as it is)."""
-    if att.shape[4] <= prompt_frames + keep:
+    d0, d1 = trim_span(att.shape[4], prompt_frames, keep)
+    if d0 == d1:
         return att
-    return bulk_copy.cat([att[:, :, :, :, :prompt_frames], att[:, :, :, :, -keep:]], dim=4)
+    return bulk_copy.cat([att[:, :, :, :, :d0], att[:, :, :, :, d1:]], dim=4)
 
 
 def trim_conformer_att(att: torch.Tensor, prompt_frames: int, n_token_layers: int,
@@ -253,13 +255,11 @@ class Flow(nn.Module):
         h, spk, enc_cache = self.encode_chunk(token, spk, cache.encoder, last_chunk)
         if self.chunk_solver is not None and self.chunk_solver.S == n_timesteps:
             # The fast path (fused body / Whole-Euler graphs): same contract as forward_chunk. The
-            # caches come back as views of the solver's buffers: the trim is then the one copy
-            # of the attention cache (not a clone of prompt + 150 frames and a trim of that)
+            # solver trims: its steady solve reads the old cache in place and writes the successor,
+            # else the trim is the one copy of the solver's views
             mel, est_cnn, est_att = self.chunk_solver.solve(h, spk, torch.zeros_like(h),
                                                             cache.estimator_cnn, cache.estimator_att,
-                                                            copy_out=False)
-            trimmed = trim_estimator_att(est_att, cache.prompt_frames)
-            est_att = bulk_copy.clone(est_att) if trimmed is est_att else trimmed
+                                                            copy_out=False, trim=(cache.prompt_frames, HISTORY_FRAMES))
             est_cnn = est_cnn.clone()
         else:
             mel, est_cnn, est_att = self.decoder.forward_chunk(
@@ -280,8 +280,8 @@ class Flow(nn.Module):
 
         The result is that of ``stack_flow_caches`` -> ``inference_chunk`` -> ``split_flow_cache``.
         On the fast path the largest state, the estimator's attention cache (8.4 GB at 16 streams),
-        goes from each stream straight into the solver's rows and its trimmed successor straight
-        out of them: two copies per chunk instead of four.
+        is read where each stream holds it and its trimmed successor written once (the solver's direct
+        path; where that does not apply, into the solver's rows and the successor straight out of them).
         """
         if not caches or token.shape[0] != len(caches) or spk.shape[0] != len(caches):
             raise InputError(f"inference_chunk_many: {len(caches)} caches for {token.shape[0]} token rows and "
@@ -310,14 +310,11 @@ class Flow(nn.Module):
         encoder = stack_encoder_caches([c.encoder for c in caches])
         h, spk, enc_cache = self.encode_chunk(token, spk, encoder, last_chunk)
         mel, cnn, atts = self.chunk_solver.solve(h, spk, torch.zeros_like(h), _stack_cfg([c.estimator_cnn for c in caches]),
-                                                 [c.estimator_att for c in caches], copy_out=False)
+                                                 [c.estimator_att for c in caches], copy_out=False,
+                                                 trim=(p, HISTORY_FRAMES))
         encs = split_encoder_cache(self.trim_encoder_cache(enc_cache, p), [1] * len(caches))
-        out = []
-        for i, (enc, att) in enumerate(zip(encs, atts)):
-            trimmed = trim_estimator_att(att, p)
-            out.append(FlowCache(enc.cnn, enc.att, _cfg_rows(cnn, i, i + 1),
-                                 bulk_copy.clone(att) if trimmed is att else trimmed, p))
-        return mel, out
+        return mel, [FlowCache(enc.cnn, enc.att, _cfg_rows(cnn, i, i + 1), att, p)
+                     for i, (enc, att) in enumerate(zip(encs, atts))]
 
     @torch.inference_mode()
     def encode_chunk(self, token: torch.Tensor, spk: torch.Tensor, encoder: EncoderCache, last_chunk: bool = False

@@ -52,7 +52,7 @@ from torch import nn
 from .kernels import AVAILABLE as TRITON_AVAILABLE, interpreting, usable_on
 from .kernels import dit_block, dit_ops, euler_step
 from .kernels.small_gemm import small_gemm
-from .kernels.tiled_attention import packed_kv, sdpa_attention, tiled_attention
+from .kernels.tiled_attention import StreamKV, direct_attention, packed_kv, sdpa_attention, tiled_attention
 from .kernels.wide_gemm import wide_gemm as _wide_gemm, wide_qkv as _wide_qkv
 
 __all__ = ["supports_fused_body", "FusedDiT", "DiTLayout", "Modulation"]
@@ -476,9 +476,16 @@ class FusedDiT:
         if round_out and out.dtype == torch.float32:
             dit_block.round_tf32_(out)
 
-    def _attend(self, ws: Workspace, kv: torch.Tensor, mask: torch.Tensor | None, rows=None, round_out=False):
+    def _attend(self, ws: Workspace, kv: torch.Tensor, mask: torch.Tensor | None, rows=None, round_out=False,
+                streams: StreamKV | None = None, layer: int = 0):
         D = self.L.head_dim
         q = ws.q.transpose(1, 2)                 # (R, H, T, D) view
+        if streams is not None:                  # kv holds this chunk's frames only; the old ones stay put
+            bm, splits, stages, _ = self._attn_shape(q.shape[0], q.shape[1], q.shape[2], tma_ok=True)
+            direct_attention(q, kv, streams, layer, ws.o.transpose(1, 2),
+                             precision="tf32" if self.attention == "triton-tf32" else "ieee", block_m=bm,
+                             splits=splits, num_stages=stages, round_out=round_out, pv16=self.attn_pv16)
+            return
         k, v = kv[..., :D], kv[..., D:]
         if self.attention != "sdpa" and self._triton(q):
             tma_ok = _has_tma(q.device) and (self.attn_tma or packed_kv(k, v) is not None)
@@ -553,7 +560,8 @@ class FusedDiT:
     # ------------------------------------------------------------------ the body
     def body(self, xin: torch.Tensor, mod: Modulation, hist: torch.Tensor, kv: torch.Tensor,
              mask: torch.Tensor | None, ws: Workspace, out: torch.Tensor,
-             rows: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+             rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
+             streams: StreamKV | None = None) -> torch.Tensor:
         """One estimator evaluation, caches in place.
 
         xin (R, T, in_channels) staged input, time-major. hist (depth, 2, R, T+K-1, C): conv histories
@@ -562,9 +570,10 @@ class FusedDiT:
         mask (R, T, T+L) bool or None. out (R, T, out_channels).
         Pooled caches (``slot_pool``): kv is (depth, P, H, F, 2D), ``rows`` (R,) int32 are the pool
         rows of the batch rows and ``pos`` (R, T) int32 the frames the current K/V go to; mask (R, T, F).
+        Per-stream caches (``streams``, see ``blocks``): kv is (depth, R, H, T, 2D), this chunk's frames.
         """
         self.embed(xin, mod, ws)
-        self.blocks(mod, hist, kv, mask, ws, rows, pos)
+        self.blocks(mod, hist, kv, mask, ws, rows, pos, streams=streams)
         self.project(ws, out)
         return out
 
@@ -602,10 +611,12 @@ class FusedDiT:
 
     def blocks(self, mod: Modulation, hist: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None,
                ws: Workspace, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-               ctr_zeroed: bool = False) -> None:
+               ctr_zeroed: bool = False, streams: StreamKV | None = None) -> None:
         """The DiT blocks from ws.h and its block-0 LN in ws.norm (``embed``); leaves ws.norm = the
         final layer's modulated LN. ``ctr_zeroed``: the caller already zeroed the block kernel's
-        barrier counters (``kernels.euler_step``)."""
+        barrier counters (``kernels.euler_step``). ``streams``: kv (depth, R, H, T, 2D) receives only
+        this chunk's frames; each row's old frames are read where they are and the trimmed successor
+        written by the attention (``direct_attention``; the staged body with Triton attention, unmasked)."""
         L, dit = self.L, self.dit
         R, T, C = ws.h.shape
         N, K = R * T, L.taps
@@ -616,6 +627,10 @@ class FusedDiT:
         if half and precision != "tf32":
             raise RuntimeError("FusedDiT: this workspace holds FP16 GEMM operands (TF32 arithmetic) but TF32 "
                                "matmuls are off now; make the workspace under the same TF32 setting")
+        if streams is not None and (persistent or mask is not None or rows is not None
+                                    or self.attention == "sdpa" or not self._triton(ws.h)):
+            raise ValueError("FusedDiT.blocks: per-stream caches (streams) need the staged body with Triton "
+                             "attention, no mask and no pooled rows; solve through the arena otherwise")
         if persistent:
             if not ctr_zeroed:
                 ws.ctr.zero_()
@@ -658,7 +673,7 @@ class FusedDiT:
             else:
                 b = self._gemm(ws.norm.view(N, C), wt("w_qkv", i, self.w_qkv[i]), self.b_qkv[i], ws.qkv, wide)
                 self._qkv_ln(ws, blk, kv_cur, rows, pos, bias=b)
-            self._attend(ws, kv[i], mask, rows, round_out=rnd)
+            self._attend(ws, kv[i], mask, rows, round_out=rnd, streams=streams, layer=i)
             b = self._gemm(ws.o.view(N, -1), wt("w_proj", i, a.proj.weight), a.proj.bias, ws.y, wide)
             h1, h2 = hist[i, 0], hist[i, 1]
             self._res_ln(ws, ws.y, b, m[:, G_MSA], m[:, SH_CONV], m[:, SC_CONV], h1[:, K - 1:], L.norm_eps,

@@ -17,6 +17,8 @@ descriptor instead of pointer loads (``attn_tile``'s TMA branch).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from . import AVAILABLE
@@ -38,6 +40,43 @@ if AVAILABLE:
             mk = tl.load(M + b * smb + offs_m[:, None] * smm + offs_n[None, :] * smn,
                          mask=row_ok[:, None] & col_ok[None, :], other=0)
         return mk
+
+    @triton.jit
+    def _scores(q, kt, keep, m_i, l_i, scale, PRECISION: tl.constexpr):
+        """One key tile's softmax weights p (unnormalised, against the new running max) and the factor
+        alpha that rescales what was accumulated before; returns (p, alpha, new max, new denominator)."""
+        s = tl.where(keep, tl.dot(q, kt, input_precision=PRECISION) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
+    def _weigh_values(p, v, acc, alpha, PRECISION: tl.constexpr, PV16: tl.constexpr):
+        """acc * alpha + p @ v (FP16 operands with PV16, see ``attn_tile``)."""
+        if PV16:
+            v16 = tl.clamp(v, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
+            pv = tl.dot(p.to(tl.float16), v16)
+        else:
+            pv = tl.dot(p, v, input_precision=PRECISION)
+        return acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _finish(acc, m_i, l_i, b, h, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
+                HEAD_D: tl.constexpr, SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr):
+        """Store a query block's output (one key split), or its partial for ``_attn_combine``."""
+        offs_d = tl.arange(0, HEAD_D)
+        if SPLITS == 1:
+            denom = tl.where(l_i > 0, l_i, 1.0)
+            store_operand(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
+                          tl.where((l_i > 0)[:, None], acc / denom[:, None], 0.0), row_ok[:, None], ROUND_OUT)
+        else:
+            # partial (unnormalised acc, running max, denominator) of this key range; contiguous
+            # scratch (B, H, SPLITS, nq, D) and (B, H, SPLITS, nq, 2), combined by _attn_combine
+            part = ((b * H + h) * SPLITS + split).to(tl.int64) * nq
+            tl.store(PACC + (part + offs_m[:, None]) * HEAD_D + offs_d[None, :], acc, mask=row_ok[:, None])
+            tl.store(PML + (part + offs_m) * 2, m_i, mask=row_ok)
+            tl.store(PML + (part + offs_m) * 2 + 1, l_i, mask=row_ok)
 
     @triton.jit
     def attn_tile(b, h, mblk, split, H, Q, K, V, O, M, KVR, PACC, PML,
@@ -99,40 +138,20 @@ if AVAILABLE:
                 kt = tl.trans(KV_DESC.load([row0 + start, 0]))
             else:
                 kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :], other=0.0)
-            s = tl.dot(q, kt, input_precision=PRECISION) * scale
             keep = row_ok[:, None] & col_ok[None, :]
             if HAS_MASK:
                 if KEY_MASK:
                     keep = keep & (mk != 0)[None, :]
                 else:
                     keep = keep & (mk != 0)
-            s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_i, l_i = _scores(q, kt, keep, m_i, l_i, scale, PRECISION)
             if TMA:
                 v = KV_DESC.load([row0 + start, HEAD_D])
             else:
                 v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
-            if PV16:
-                v16 = tl.clamp(v, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
-                pv = tl.dot(p.to(tl.float16), v16)
-            else:
-                pv = tl.dot(p, v, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        if SPLITS == 1:
-            denom = tl.where(l_i > 0, l_i, 1.0)
-            store_operand(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
-                          tl.where((l_i > 0)[:, None], acc / denom[:, None], 0.0), row_ok[:, None], ROUND_OUT)
-        else:
-            # partial (unnormalised acc, running max, denominator) of this key range; contiguous
-            # scratch (B, H, SPLITS, nq, D) and (B, H, SPLITS, nq, 2), combined by _attn_combine
-            part = ((b * H + h) * SPLITS + split).to(tl.int64) * nq
-            tl.store(PACC + (part + offs_m[:, None]) * HEAD_D + offs_d[None, :], acc, mask=row_ok[:, None])
-            tl.store(PML + (part + offs_m) * 2, m_i, mask=row_ok)
-            tl.store(PML + (part + offs_m) * 2 + 1, l_i, mask=row_ok)
+            acc = _weigh_values(p, v, acc, alpha, PRECISION, PV16)
+        _finish(acc, m_i, l_i, b, h, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
+                HEAD_D, SPLITS, ROUND_OUT)
 
     @triton.jit
     def _attn_fwd(Q, K, V, O, M, KVR, PACC, PML,
@@ -151,6 +170,70 @@ if AVAILABLE:
                   svb, svh, svn, svd, sob, soh, som, sod, smb, smm, smn, nq, nk, scale, keys_per_split,
                   HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS, ROUND_OUT, KV_DESC, TMA, KEY_MASK,
                   PV16)
+
+    @triton.jit
+    def _direct_keys(q, m_i, l_i, acc, base, lo, hi, f0, row_ok, dst, write, drop0, drop1, scale,
+                     HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr):
+        """Keys [lo, hi) of one packed [k|v] source (frames 2*HEAD_D apart from ``base``) folded into the
+        running softmax. Their frame in the concatenated [current | old] order is f0 + key; with ``write``
+        each tile also goes to ``dst`` at its frame in the trimmed successor (frames [drop0, drop1) left out)."""
+        offs_d = tl.arange(0, HEAD_D)
+        w_hi = tl.where(write, hi, lo)      # keys below it are written (a scalar-and-vector mask, which
+        for start in range(lo, hi, BLOCK_N):  # Triton's interpreter mistypes, is avoided this way)
+            offs_n = start + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < hi
+            kt = tl.load(base + offs_n[None, :] * (2 * HEAD_D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+            p, alpha, m_i, l_i = _scores(q, kt, row_ok[:, None] & col_ok[None, :], m_i, l_i, scale, PRECISION)
+            v = tl.load(base + offs_n[:, None] * (2 * HEAD_D) + HEAD_D + offs_d[None, :], mask=col_ok[:, None],
+                        other=0.0)
+            acc = _weigh_values(p, v, acc, alpha, PRECISION, PV16)
+            f = f0 + offs_n
+            kept = (offs_n < w_hi) & ((f < drop0) | (f >= drop1))
+            fo = tl.where(f < drop0, f, f - (drop1 - drop0)).to(tl.int64) * (2 * HEAD_D)
+            tl.store(dst + fo[None, :] + offs_d[:, None], kt, mask=kept[None, :])
+            tl.store(dst + fo[:, None] + HEAD_D + offs_d[None, :], v, mask=kept[:, None])
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _attn_direct(Q, CUR, SRC, DST, O, PACC, PML,
+                     sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
+                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
+                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr):
+        """``direct_attention``: program (row b, head h, query block x key split). The keys are this
+        chunk's [k|v] (CUR) followed by row b's own old frames, found through its SRC table row
+        [address, step stride, layer stride]; the programs of query block 0 also write every key tile
+        they read into row b's trimmed successor (DST row; address 0: not written)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        H = tl.num_programs(1)
+        mblk = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
+        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_D)
+        row_ok = offs_m < nq
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                    mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        src = (tl.load(SRC + b * 3).to(tl.pointer_type(tl.float32)) + step * tl.load(SRC + b * 3 + 1)
+               + layer * tl.load(SRC + b * 3 + 2) + h.to(tl.int64) * n_old * (2 * HEAD_D))
+        dst_addr = tl.load(DST + b * 3)
+        dst = (dst_addr.to(tl.pointer_type(tl.float32)) + step * tl.load(DST + b * 3 + 1)
+               + layer * tl.load(DST + b * 3 + 2) + h.to(tl.int64) * n_out * (2 * HEAD_D))
+        write = (dst_addr != 0) & (mblk == 0)
+        k_lo = split * keys_per_split
+        k_hi = tl.minimum(k_lo + keys_per_split, nq + n_old)
+        cur = CUR + b.to(tl.int64) * scb + h * sch
+        # the current frames (queries and keys alike), then the old ones: each source loads with its own
+        # contiguous strides; the softmax does not depend on the order the keys arrive in
+        m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, nq), 0, row_ok, dst, write,
+                                     drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16)
+        m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, nq) - nq, k_hi - nq, nq, row_ok, dst,
+                                     write, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16)
+        _finish(acc, m_i, l_i, b, h, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
+                HEAD_D, SPLITS, ROUND_OUT)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -273,6 +356,87 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     if splits > 1:
         _attn_combine[(B, H, mblocks)](pacc, pml, out, *out.stride(), H, nq,
                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits, ROUND_OUT=round_out, num_warps=4)
+    return out
+
+
+@dataclass(frozen=True)
+class StreamKV:
+    """Where ``direct_attention`` finds each batch row's old [k|v] frames and writes its trimmed successor.
+
+    ``src`` / ``dst``: (R, 3) int64 device tables, row r = [address of row r's (step 0, layer 0, head 0,
+    frame 0) element, step stride, layer stride] (strides in elements; each row's (heads, frames, 2D) block
+    contiguous). A ``dst`` address 0 leaves that row unwritten (padding rows). Frames [drop0, drop1) of the
+    concatenated [current | old] order are left out of the successor (the flow's trim), which holds
+    ``n_out`` frames. ``step``: the Euler step the tables are read at."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    n_old: int
+    n_out: int
+    drop: tuple[int, int]
+    step: int = 0
+
+    def at_step(self, step: int) -> "StreamKV":
+        return replace(self, step=step)
+
+
+def stream_table(rows: list[torch.Tensor | None], like: torch.Tensor | None = None) -> torch.Tensor:
+    """The (R, 3) [address, step stride, layer stride] table of ``StreamKV`` for R row views
+    (steps, depth, heads, frames, 2D); None: an unwritten row (address 0)."""
+    out = []
+    for r in rows:
+        if r is None:
+            out.append((0, 0, 0))
+            continue
+        if r.dtype != torch.float32 or r.stride()[2:] != (r.shape[3] * r.shape[4], r.shape[4], 1):
+            raise ValueError(f"stream_table: a row view {tuple(r.shape)} with strides {r.stride()} and dtype "
+                             f"{r.dtype}; each (heads, frames, 2D) block must be contiguous FP32")
+        out.append((r.data_ptr(), r.stride(0), r.stride(1)))
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, layer: int, out: torch.Tensor,
+                     precision: str = "tf32", block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 2, splits: int = 1, round_out: bool = False,
+                     pv16: bool | None = None) -> torch.Tensor:
+    """Unmasked attention of q (R, H, T, D) over this chunk's keys ``cur`` (R, H, T, 2D) packed [k|v],
+    then each row's own old frames (``streams``: no copy of them into a shared buffer first), at DiT
+    block ``layer`` of Euler step ``streams.step``. Every key frame it reads is also written once into
+    the row's trimmed successor. Same numerics as ``tiled_attention`` over the concatenated
+    [cur | old] cache (keys arrive in another tile grouping)."""
+    if not AVAILABLE:
+        raise RuntimeError("direct_attention needs Triton")
+    R, H, T, D = q.shape
+    if q.dtype != torch.float32 or cur.dtype != torch.float32:
+        raise TypeError(f"direct_attention is FP32 only, got q {q.dtype}, cur {cur.dtype}")
+    if cur.shape != (R, H, T, 2 * D) or cur.stride()[2:] != (2 * D, 1):
+        raise ValueError(f"direct_attention: cur {tuple(cur.shape)} strides {cur.stride()}; expected "
+                         f"{(R, H, T, 2 * D)} with each frame's [k|v] contiguous")
+    if streams.src.shape != (R, 3) or streams.dst.shape != (R, 3):
+        raise ValueError(f"direct_attention: stream tables {tuple(streams.src.shape)} / {tuple(streams.dst.shape)}"
+                         f" for {R} rows; expected ({R}, 3)")
+    if precision not in ("tf32", "ieee"):
+        raise ValueError(f"precision must be 'tf32' or 'ieee', got {precision!r}")
+    nk = T + streams.n_old
+    d0, d1 = streams.drop
+    if nk - (d1 - d0) != streams.n_out:
+        raise ValueError(f"direct_attention: {nk} key frames less the dropped [{d0}, {d1}) is not the successor's "
+                         f"{streams.n_out}")
+    splits, per_split = key_splits(nk, splits, block_n)
+    if splits > 1:
+        pacc = torch.empty(R, H, splits, T, D, device=q.device, dtype=torch.float32)
+        pml = torch.empty(R, H, splits, T, 2, device=q.device, dtype=torch.float32)
+    else:
+        pacc = pml = q
+    _attn_direct[(R, H, triton.cdiv(T, block_m) * splits)](
+        q, cur, streams.src, streams.dst, out, pacc, pml, *q.stride(), cur.stride(0), cur.stride(1),
+        *out.stride(), streams.step, layer, T, streams.n_old, streams.n_out, d0, d1, float(D) ** -0.5, per_split,
+        HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, SPLITS=splits, ROUND_OUT=round_out,
+        PV16=pv16_for(out, precision) if pv16 is None else pv16, num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _attn_combine[(R, H, triton.cdiv(T, block_m))](pacc, pml, out, *out.stride(), H, T,
+                                                       HEAD_D=D, BLOCK_M=block_m, SPLITS=splits,
+                                                       ROUND_OUT=round_out, num_warps=4)
     return out
 
 
