@@ -212,9 +212,10 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     drop = (12, 12 + 20)                                   # keep 12 + the last 10 of 42
     n_out = T + n_old - 20
     outs = [torch.full((S, depth, 2, H, n_out, 2 * D), float("nan"), device=dev) for _ in range(2)]
-    src = stream_table([olds[0][:, :, 0], olds[1][:, :, 1], olds[0][:, :, 0]]).to(dev)
-    dst = stream_table([outs[0][:, :, 0], outs[1][:, :, 1], None]).to(dev)
-    streams = StreamKV(src, dst, n_old, n_out, drop).at_step(1)
+    base = outs[1]          # any aligned FP32 tensor: the tables hold element offsets from it
+    src = stream_table([olds[0][:, :, 0], olds[1][:, :, 1], olds[0][:, :, 0]], base).to(dev)
+    dst = stream_table([outs[0][:, :, 0], outs[1][:, :, 1], None], base).to(dev)
+    streams = StreamKV(base, src, dst, n_old, n_out, drop).at_step(1)
     o = torch.full((R, T, H, D), float("nan"), device=dev)
     direct_attention(q, cur, streams, layer=1, out=o.transpose(1, 2), precision="ieee", block_m=16, block_n=16,
                      splits=splits)
@@ -226,4 +227,7 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     assert torch.equal(outs[0][1, 1, 0], want[0]) and torch.equal(outs[1][1, 1, 1], want[1])
     assert torch.isnan(outs[0][1, 1, 1]).all() and torch.isnan(outs[0][0]).all()     # other rows / steps untouched
     with pytest.raises(ValueError, match="dropped"):
-        direct_attention(q, cur, StreamKV(src, dst, n_old, n_out + 1, drop), 1, o.transpose(1, 2))
+        direct_attention(q, cur, StreamKV(base, src, dst, n_old, n_out + 1, drop), 1, o.transpose(1, 2))
+    with pytest.raises(ValueError, match="aligned"):       # 4 elements (16 bytes) off the 64-byte grid
+        stream_table([olds[0].view(-1)[4:4 + olds[0].numel() // 2].view(S, depth, 1, H, n_old, 2 * D)[:, :, 0]],
+                     base)

@@ -241,8 +241,9 @@ class WholeEulerSolver:
                 st.mask = torch.ones(R, Q, Q + O, device=device, dtype=torch.bool)
             if key.direct:
                 d0, d1 = key.direct
-                table = torch.zeros(R, 3, device=device, dtype=torch.int64)
-                st.streams = StreamKV(table, table.clone(), O, Q + O - (d1 - d0), key.direct)
+                table = torch.zeros(R, 4, device=device, dtype=torch.int64)
+                # the tables hold offsets from the arena, a pointer with an alignment the compiler knows
+                st.streams = StreamKV(self._arena, table, table.clone(), O, Q + O - (d1 - d0), key.direct)
         else:
             st.att_in = z(self.S, self.depth, R, self.H, O, 2 * self.D)
             st.att_out = z(self.S, self.depth, R, self.H, Q + O, 2 * self.D)
@@ -451,13 +452,13 @@ class WholeEulerSolver:
     def _direct_applies(self, key: SolveKey, mu: torch.Tensor, caches: Sequence[torch.Tensor | None]) -> bool:
         """Can this solve read its old cache in place (``direct_attention``)? The staged fused body with
         Triton attention, an unmasked steady shape, and FP32 caches whose (heads, frames, 2D) blocks are
-        contiguous (what the attention's address tables describe)."""
+        contiguous and 64-byte aligned (what the attention's offset tables describe)."""
         f = self.fused
         if (self.direct is False or f is None or key.masked or not key.offset or f.attention == "sdpa"
                 or not f._triton(mu) or f.uses_block_kernel(2 * key.batch, key.query, mu.device)):
             return False
-        return all(c is not None and c.dtype == torch.float32 and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1)
-                   for c in caches)
+        return all(c is not None and c.dtype == torch.float32 and c.data_ptr() % 64 == 0
+                   and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1) for c in caches)
 
     def _bind_streams(self, st: _Static, att_cache, B: int, per_stream: bool):
         """Point a direct solve's address tables at this call's caches and at new successors (their own
@@ -474,8 +475,10 @@ class WholeEulerSolver:
             src = lambda i, half: att_cache[:, :, half * B + i]     # noqa: E731
             dst = lambda i, half: outs[:, :, half * B + i]          # noqa: E731
         rows = [(r % Bb, r // Bb) for r in range(2 * Bb)]
-        st.streams.src.copy_(stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows]), non_blocking=True)
-        st.streams.dst.copy_(stream_table([dst(i, h) if i < B else None for i, h in rows]), non_blocking=True)
+        base = st.streams.base
+        st.streams.src.copy_(stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base),
+                             non_blocking=True)
+        st.streams.dst.copy_(stream_table([dst(i, h) if i < B else None for i, h in rows], base), non_blocking=True)
         return outs
 
     def _fill(self, st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L) -> None:

@@ -195,15 +195,15 @@ if AVAILABLE:
         return m_i, l_i, acc
 
     @triton.jit
-    def _attn_direct(Q, CUR, SRC, DST, O, PACC, PML,
+    def _attn_direct(Q, CUR, BASE, SRC, DST, O, PACC, PML,
                      sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
                      step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                      SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr):
         """``direct_attention``: program (row b, head h, query block x key split). The keys are this
         chunk's [k|v] (CUR) followed by row b's own old frames, found through its SRC table row
-        [address, step stride, layer stride]; the programs of query block 0 also write every key tile
-        they read into row b's trimmed successor (DST row; address 0: not written)."""
+        [offset from BASE, step stride, layer stride, present] (elements); the programs of query block 0
+        also write every key tile they read into row b's trimmed successor (DST row, if present)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         H = tl.num_programs(1)
@@ -217,12 +217,13 @@ if AVAILABLE:
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-        src = (tl.load(SRC + b * 3).to(tl.pointer_type(tl.float32)) + step * tl.load(SRC + b * 3 + 1)
-               + layer * tl.load(SRC + b * 3 + 2) + h.to(tl.int64) * n_old * (2 * HEAD_D))
-        dst_addr = tl.load(DST + b * 3)
-        dst = (dst_addr.to(tl.pointer_type(tl.float32)) + step * tl.load(DST + b * 3 + 1)
-               + layer * tl.load(DST + b * 3 + 2) + h.to(tl.int64) * n_out * (2 * HEAD_D))
-        write = (dst_addr != 0) & (mblk == 0)
+        # offsets from one aligned base pointer, declared multiples of 16 elements (stream_table checks):
+        # a pointer made from a loaded integer carries no alignment, and its loads would not vectorise
+        src = BASE + tl.multiple_of(tl.load(SRC + b * 4) + step * tl.load(SRC + b * 4 + 1)
+                                    + layer * tl.load(SRC + b * 4 + 2) + h.to(tl.int64) * n_old * (2 * HEAD_D), 16)
+        dst = BASE + tl.multiple_of(tl.load(DST + b * 4) + step * tl.load(DST + b * 4 + 1)
+                                    + layer * tl.load(DST + b * 4 + 2) + h.to(tl.int64) * n_out * (2 * HEAD_D), 16)
+        write = (tl.load(DST + b * 4 + 3) != 0) & (mblk == 0)
         k_lo = split * keys_per_split
         k_hi = tl.minimum(k_lo + keys_per_split, nq + n_old)
         cur = CUR + b.to(tl.int64) * scb + h * sch
@@ -363,12 +364,13 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 class StreamKV:
     """Where ``direct_attention`` finds each batch row's old [k|v] frames and writes its trimmed successor.
 
-    ``src`` / ``dst``: (R, 3) int64 device tables, row r = [address of row r's (step 0, layer 0, head 0,
-    frame 0) element, step stride, layer stride] (strides in elements; each row's (heads, frames, 2D) block
-    contiguous). A ``dst`` address 0 leaves that row unwritten (padding rows). Frames [drop0, drop1) of the
-    concatenated [current | old] order are left out of the successor (the flow's trim), which holds
-    ``n_out`` frames. ``step``: the Euler step the tables are read at."""
+    ``src`` / ``dst``: (R, 4) int64 device tables (``stream_table``), row r = [offset of row r's (step 0,
+    layer 0, head 0, frame 0) element from ``base``, step stride, layer stride, present] (in elements; each
+    row's (heads, frames, 2D) block contiguous). A ``dst`` row not present is not written (padding rows).
+    Frames [drop0, drop1) of the concatenated [current | old] order are left out of the successor (the
+    flow's trim), which holds ``n_out`` frames. ``step``: the Euler step the tables are read at."""
 
+    base: torch.Tensor
     src: torch.Tensor
     dst: torch.Tensor
     n_old: int
@@ -380,18 +382,26 @@ class StreamKV:
         return replace(self, step=step)
 
 
-def stream_table(rows: list[torch.Tensor | None], like: torch.Tensor | None = None) -> torch.Tensor:
-    """The (R, 3) [address, step stride, layer stride] table of ``StreamKV`` for R row views
-    (steps, depth, heads, frames, 2D); None: an unwritten row (address 0)."""
+def stream_table(rows: list[torch.Tensor | None], base: torch.Tensor) -> torch.Tensor:
+    """The (R, 4) table of ``StreamKV`` for R row views (steps, depth, heads, frames, 2D) relative to
+    ``base``; None: a row not present (not written). Offsets and strides must be multiples of 16 elements
+    (64 bytes), what the kernel declares to the compiler."""
+    if base.dtype != torch.float32 or base.data_ptr() % 64:
+        raise ValueError(f"stream_table: base must be a 64-byte aligned FP32 tensor (got {base.dtype} at "
+                         f"{base.data_ptr() % 64} bytes past 64-byte alignment)")
     out = []
     for r in rows:
         if r is None:
-            out.append((0, 0, 0))
+            out.append((0, 0, 0, 0))
             continue
         if r.dtype != torch.float32 or r.stride()[2:] != (r.shape[3] * r.shape[4], r.shape[4], 1):
             raise ValueError(f"stream_table: a row view {tuple(r.shape)} with strides {r.stride()} and dtype "
                              f"{r.dtype}; each (heads, frames, 2D) block must be contiguous FP32")
-        out.append((r.data_ptr(), r.stride(0), r.stride(1)))
+        row = ((r.data_ptr() - base.data_ptr()) // 4, r.stride(0), r.stride(1), 1)
+        if any(v % 16 for v in row[:3]) or (r.shape[3] * r.shape[4]) % 16:
+            raise ValueError(f"stream_table: a row view at {r.data_ptr()} with strides {r.stride()} is not "
+                             "aligned to 16 elements (64 bytes)")
+        out.append(row)
     return torch.tensor(out, dtype=torch.int64)
 
 
@@ -412,9 +422,9 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
     if cur.shape != (R, H, T, 2 * D) or cur.stride()[2:] != (2 * D, 1):
         raise ValueError(f"direct_attention: cur {tuple(cur.shape)} strides {cur.stride()}; expected "
                          f"{(R, H, T, 2 * D)} with each frame's [k|v] contiguous")
-    if streams.src.shape != (R, 3) or streams.dst.shape != (R, 3):
+    if streams.src.shape != (R, 4) or streams.dst.shape != (R, 4):
         raise ValueError(f"direct_attention: stream tables {tuple(streams.src.shape)} / {tuple(streams.dst.shape)}"
-                         f" for {R} rows; expected ({R}, 3)")
+                         f" for {R} rows; expected ({R}, 4)")
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"precision must be 'tf32' or 'ieee', got {precision!r}")
     nk = T + streams.n_old
@@ -429,7 +439,7 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
     else:
         pacc = pml = q
     _attn_direct[(R, H, triton.cdiv(T, block_m) * splits)](
-        q, cur, streams.src, streams.dst, out, pacc, pml, *q.stride(), cur.stride(0), cur.stride(1),
+        q, cur, streams.base, streams.src, streams.dst, out, pacc, pml, *q.stride(), cur.stride(0), cur.stride(1),
         *out.stride(), streams.step, layer, T, streams.n_old, streams.n_out, d0, d1, float(D) ** -0.5, per_split,
         HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, SPLITS=splits, ROUND_OUT=round_out,
         PV16=pv16_for(out, precision) if pv16 is None else pv16, num_warps=num_warps, num_stages=num_stages)
