@@ -387,7 +387,8 @@ FP16_BK1_ROW = "fused + graph TF32 on, FP16 operands, block kernel FP32 K steps"
 TRIM_ARENA_ROW = "fused + graph TF32 on, trimmed, arena"         # solve(trim=...) with direct=False
 DIRECT_ROW = "fused + graph TF32 on, trimmed, direct"            # solve(trim=...), the flow's default
 DIRECT16_ROW = "fused + graph TF32 on, FP16 operands, trimmed, direct"
-TRIMMED_ROWS = (TRIM_ARENA_ROW, DIRECT_ROW, DIRECT16_ROW)
+DIRECT_S2_ROW = "fused + graph TF32 on, trimmed, direct, 2 key splits"    # launch-shape A/B
+TRIMMED_ROWS = (TRIM_ARENA_ROW, DIRECT_ROW, DIRECT16_ROW, DIRECT_S2_ROW)
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -487,6 +488,7 @@ def main(argv=None) -> int:
                 (TRIM_ARENA_ROW, dict(body="fused", attention="triton-tf32", tf32=True, direct=False)),
                 (DIRECT_ROW, dict(body="fused", attention="triton-tf32", tf32=True)),
                 (DIRECT16_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
+                (DIRECT_S2_ROW, dict(body="fused", attention="triton-tf32", tf32=True, attn_splits=2)),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 

@@ -481,7 +481,7 @@ class FusedDiT:
         D = self.L.head_dim
         q = ws.q.transpose(1, 2)                 # (R, H, T, D) view
         if streams is not None:                  # kv holds this chunk's frames only; the old ones stay put
-            bm, splits, stages, _ = self._attn_shape(q.shape[0], q.shape[1], q.shape[2], tma_ok=True)
+            bm, splits, stages = self._direct_shape(q.shape[0], q.shape[1], q.shape[2])
             direct_attention(q, kv, streams, layer, ws.o.transpose(1, 2),
                              precision="tf32" if self.attention == "triton-tf32" else "ieee", block_m=bm,
                              splits=splits, num_stages=stages, round_out=round_out, pv16=self.attn_pv16)
@@ -512,6 +512,18 @@ class FusedDiT:
             progs = R * H * -(-T // bm)
             splits = 1 if full else max(1, min(8, ATTN_TARGET_PROGRAMS // progs))
         return bm, splits, stages, tma
+
+    def _direct_shape(self, R: int, H: int, T: int) -> tuple[int, int, int]:
+        """(query block, key splits, stages) of ``direct_attention``: one query block per (row, head) up to
+        64 queries, since only the first block's programs write the successor (more blocks would re-read
+        every key tile and leave the writing to a quarter of the programs); keys split until ~512
+        programs below a full grid."""
+        bm = self.attn_block_m or min(64, max(16, _next_pow2(T)))
+        splits = self.attn_splits
+        if splits is None:
+            progs = R * H * -(-T // bm)
+            splits = 1 if R * H >= ATTN_FULL_GRID_ROWS_HEADS else max(1, min(8, ATTN_TARGET_PROGRAMS // progs))
+        return bm, splits, self.attn_stages or 3
 
     def _small_gemm(self, x2d: torch.Tensor) -> bool:
         """Few-row Triton GEMM for this call? Opt-in, and only under TF32 (IEEE stays on cuBLAS)."""
@@ -740,6 +752,10 @@ def _has_tma(device: torch.device) -> bool:
     except ImportError:
         return False
     return True
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def dot_precision(t: torch.Tensor) -> str:
