@@ -66,6 +66,9 @@ OperandKind = Literal["fp32", "fp16"]
 # 16-query blocks and keys split until ~512 programs (2 rows x 8 heads: 18.3 -> 8.6 us).
 ATTN_FULL_GRID_ROWS_HEADS = 128
 ATTN_TARGET_PROGRAMS = 512
+# direct_attention (each stream's cache read in place) below a full grid: keys split to ~128 programs,
+# one query block each (H200, batch 4 = 64 rows x heads, ms per chunk: 2 splits 16.89, 8 splits 18.57)
+DIRECT_TARGET_PROGRAMS = 128
 
 # Split-K for few rows ("cublas-split", the default): at ~100 rows cuBLAS tiles a DiT GEMM into
 # 16-48 CTAs that each stream a long weight stripe. Each GEMM of <= SPLIT_MAX_ROWS rows runs as
@@ -516,13 +519,13 @@ class FusedDiT:
     def _direct_shape(self, R: int, H: int, T: int) -> tuple[int, int, int]:
         """(query block, key splits, stages) of ``direct_attention``: one query block per (row, head) up to
         64 queries, since only the first block's programs write the successor (more blocks would re-read
-        every key tile and leave the writing to a quarter of the programs); keys split until ~512
-        programs below a full grid."""
+        every key tile and leave the writing to a quarter of the programs); keys split to about
+        DIRECT_TARGET_PROGRAMS programs below a full grid."""
         bm = self.attn_block_m or min(64, max(16, _next_pow2(T)))
         splits = self.attn_splits
         if splits is None:
             progs = R * H * -(-T // bm)
-            splits = 1 if R * H >= ATTN_FULL_GRID_ROWS_HEADS else max(1, min(8, ATTN_TARGET_PROGRAMS // progs))
+            splits = 1 if R * H >= ATTN_FULL_GRID_ROWS_HEADS else max(1, min(8, DIRECT_TARGET_PROGRAMS // progs))
         return bm, splits, self.attn_stages or 3
 
     def _small_gemm(self, x2d: torch.Tensor) -> bool:
