@@ -180,6 +180,33 @@ def test_attention_launch_shape_by_grid_fill():
     assert FusedDiT(our_dit(seed=1), attn_splits=3, attn_block_m=64)._attn_shape(2, 8, 50) == (64, 3, 2, False)
 
 
+def test_direct_attention_launch_shape_and_guard():
+    """The direct path's launch shape (one query block per (row, head) up to 64 queries; keys split to
+    ~128 programs below a full grid), and ``blocks`` refusing per-stream caches where the direct
+    attention cannot serve them (a mask, pooled rows, SDPA attention) instead of reading the wrong keys."""
+    from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV
+    fused = FusedDiT(our_dit(seed=1))
+    assert fused._direct_shape(8, 8, 50) == (64, 2, 3)          # batch 4: 64 rows x heads -> 2 key splits
+    assert fused._direct_shape(16, 8, 50) == (64, 1, 3)         # batch 8: a full grid
+    assert fused._direct_shape(8, 8, 6) == (16, 2, 3)
+    assert FusedDiT(our_dit(seed=1), attn_splits=4, attn_block_m=32)._direct_shape(8, 8, 50) == (32, 4, 3)
+    R, T = 2, 5
+    L = fused.L
+    ws = fused.workspace(R, T, "cpu")
+    ws.h.zero_()
+    hist = fused.new_hist(R, T, "cpu")
+    kv = torch.zeros(L.depth, R, L.heads, T, 2 * L.head_dim)
+    table = torch.zeros(R, 4, dtype=torch.int64)
+    streams = StreamKV(kv, table, table, 3, T + 3, (T + 3, T + 3))
+    mod = fused.modulation(torch.full((R,), 0.3))
+    mask = torch.ones(R, T, T + 3, dtype=torch.bool)
+    for kw in (dict(mask=mask), dict(rows=torch.arange(R, dtype=torch.int32))):
+        with pytest.raises(ValueError, match="per-stream caches"):
+            fused.blocks(mod, hist, kv, kw.get("mask"), ws, kw.get("rows"), None, streams=streams)
+    with pytest.raises(ValueError, match="per-stream caches"):
+        FusedDiT(our_dit(seed=1), attention="sdpa").blocks(mod, hist, kv, None, ws, streams=streams)
+
+
 def test_matches_upstream_original_dit_full_width():
     """Independent oracle: upstream's DiT at full width (512, 8x64), depth 2, batch 1 with CFG."""
     from upstream import import_upstream
