@@ -57,6 +57,8 @@ def test_every_combination(fused, allow, env, dev, layout, cache):
     assert ("persistent" in text) == (choice.body == "fused" and choice.attention == "triton-tf32" and choice.tf32)
     # so are the many-row Triton tile GEMMs (FusedDiT's wide_gemm default: TF32 on)
     assert ("tile GEMMs" in text) == (choice.body == "fused" and choice.tf32)
+    # and the direct solves (each stream's cache read in place), which need the Triton attention
+    assert ("read in place" in text) == (choice.body == "fused" and choice.attention not in (None, "sdpa"))
 
 
 def test_env_off_wins_over_explicit_allow():

@@ -76,6 +76,8 @@ class Code2WavChoice:
                 gemm += f", one persistent Triton launch for all DiT blocks on CUDA up to {MAX_ROWS} rows"
             if self.gemm_operands == "fp16":
                 gemm += ", their operands FP16 (TF32-exact)"
+            if self.attention and self.attention != "sdpa":
+                gemm += ", streams' estimator caches read in place by the staged body's steady solves on CUDA"
         return (f"Code2Wav CFM body {self.body}{att}{gemm}, DiT GEMM TF32 {'on' if self.tf32 else 'off'} "
                 f"({self.reason})")
 
