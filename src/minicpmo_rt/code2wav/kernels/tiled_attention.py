@@ -13,6 +13,11 @@ K and V may be strided views of a packed ``[k|v]`` cache (last dim 2*D), and
 ``kv_rows`` lets query row b read K/V batch row ``kv_rows[b]`` (pooled caches). With
 ``tma=True`` (Hopper, opt-in) the K/V tiles of a contiguous packed cache arrive through a tensor
 descriptor instead of pointer loads (``attn_tile``'s TMA branch).
+
+``direct_attention`` serves batch rows whose old frames live in separate tensors (each stream's own
+estimator cache): a small table gives each row's offset from one base pointer, so the caller never
+gathers the caches into one buffer, and the kernel writes every key tile it reads into the row's
+trimmed successor, the next chunk's cache (``euler_graph``'s direct solves).
 """
 
 from __future__ import annotations
