@@ -21,7 +21,8 @@ at its steady length prompt + 100 = 400 frames, batch 1, 4, 8, 16. Rows:
                             memory of its own (``solve(trim=...)``): through the arena (copy in, trim
                             copy out) and on the direct path (each stream's cache read in place, the
                             attention writes the trimmed successor; the default from batch 4, where the
-                            staged body runs); also with FP16 operands
+                            staged body runs); also with FP16 operands; "direct everywhere" (direct=True)
+                            also at batch 1-2, in the persistent block kernel's attention phase
   fused + graph TF32 off    IEEE GEMMs; attention per the knobs (explicit fused => triton-tf32)
   fused + graph IEEE        IEEE GEMMs and IEEE Triton attention (the <=1e-5 configuration)
   upstream inference_chunk  minicpmo-utils 1.0.7 flow (encoder + CFM, batch 1 only: its
@@ -388,7 +389,8 @@ TRIM_ARENA_ROW = "fused + graph TF32 on, trimmed, arena"         # solve(trim=..
 DIRECT_ROW = "fused + graph TF32 on, trimmed, direct"            # solve(trim=...), the flow's default
 DIRECT16_ROW = "fused + graph TF32 on, FP16 operands, trimmed, direct"
 DIRECT_S2_ROW = "fused + graph TF32 on, trimmed, direct, 2 key splits"    # launch-shape A/B
-TRIMMED_ROWS = (TRIM_ARENA_ROW, DIRECT_ROW, DIRECT16_ROW, DIRECT_S2_ROW)
+DIRECT_ALL_ROW = "fused + graph TF32 on, trimmed, direct everywhere"   # direct=True: the block kernel's too (B=1-2)
+TRIMMED_ROWS = (TRIM_ARENA_ROW, DIRECT_ROW, DIRECT16_ROW, DIRECT_S2_ROW, DIRECT_ALL_ROW)
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -489,6 +491,7 @@ def main(argv=None) -> int:
                 (DIRECT_ROW, dict(body="fused", attention="triton-tf32", tf32=True)),
                 (DIRECT16_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
                 (DIRECT_S2_ROW, dict(body="fused", attention="triton-tf32", tf32=True, attn_splits=2)),
+                (DIRECT_ALL_ROW, dict(body="fused", attention="triton-tf32", tf32=True, direct=True)),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 

@@ -163,6 +163,17 @@ def drive() -> None:
                 solver.solve(torch.zeros(B, 80, 50), torch.zeros(B, 80), torch.zeros(B, 80, 50), *caches(B, 400),
                              graph=False, trim=(300, 100))
             assert all(k.direct for k in solver._statics), "the compile gate's direct solve took the arena"
+        # the persistent block kernel's direct attention phase (opt-in), FP32 and FP16 operands
+        for operands in ("fp32", "fp16"):
+            cfg = GraphConfig(enabled=False, batch_buckets=(1,), query_buckets=(50,), offset_anchor=400)
+            solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
+                                      config=cfg, use_triton=True, block_kernel=True, gemm_operands=operands,
+                                      direct=True)
+            fused_dit.dot_precision = lambda t: "tf32"
+            with matmul_tf32(True):
+                solver.solve(torch.zeros(1, 80, 50), torch.zeros(1, 80), torch.zeros(1, 80, 50), *caches(1, 400),
+                             graph=False, trim=(300, 100))
+            assert all(k.direct and st.ws.ctr is not None for k, st in solver._statics.items())
         # slot pool: pooled caches (rows/pos), a stride-0 key mask, the block kernel at B=1, TMA at B=16
         fused_dit.dot_precision = lambda t: "tf32"
         for B in (1, 4, 8, 16):

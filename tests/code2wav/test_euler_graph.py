@@ -172,6 +172,34 @@ def test_direct_solve_reads_caches_in_place_and_trims(B, step_kernels):
         assert new.shape == want.shape and rel_err(new, want) < 1e-6
 
 
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_block_kernel_direct_solve_matches_the_arena():
+    """The persistent block kernel's direct attention phase (opt-in, ``direct=True``): batch 2 fills its
+    bucket, batch 1 pads to 2 (a padding row), per-stream caches, against the same kernel through the
+    arena with the flow's trim. IEEE dots on CUDA, FP32 under the interpreter (one phase per launch).
+    At T=6 each (row, head) is one query block; the blocks' turns at writing are covered by
+    test_tiled_attention's direct test."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfm = tiny_cfm(seed=14).to(dev)
+    cfg = GraphConfig(batch_buckets=(2,), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
+    make = lambda direct: WholeEulerSolver(cfm, body="fused", attention="triton-ieee", n_timesteps=S,  # noqa: E731
+                                           config=cfg, use_triton=True, block_kernel=True, direct=direct)
+    auto, direct, arena = make(None), make(True), make(False)
+    for B in (2, 1):
+        kw = chunk(B, 6, 8, seed=50 + B, device=dev)
+        att = kw.pop("att_cache")
+        streams = [torch.cat([att[:, :, i:i + 1], att[:, :, B + i:B + i + 1]], 2) for i in range(B)]
+        ref = arena.solve(**kw, att_cache=streams, graph=False, trim=(5, 4))
+        got = direct.solve(**kw, att_cache=streams, graph=False, trim=(5, 4))
+        st = direct._statics[SolveKey(2, 6, 8, False, (5, 10))]
+        assert st.ws.ctr is not None                        # the block kernel ran, on the direct path
+        assert rel_err(got[0], ref[0]) < 1e-6 and rel_err(got[1], ref[1]) < 1e-6
+        assert rel_err(_stacked(got[2]), _stacked(ref[2])) < 1e-6
+    auto.solve(**kw, att_cache=streams, graph=False, trim=(5, 4))
+    assert not any(k.direct for k in auto._statics)         # by default the block kernel keeps the arena
+
+
 def _stacked(per_stream):
     return torch.cat([a[:, :, 0:1] for a in per_stream] + [a[:, :, 1:2] for a in per_stream], 2)
 

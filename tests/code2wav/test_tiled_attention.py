@@ -191,17 +191,19 @@ def test_fp16_operand_output_and_fp16_pv(splits):
         tiled_attention(q, k, v, mask, out=torch.empty(B, H, nq, D, device=dev, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("T", [5, 20])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(splits):
+def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(splits, T):
     """``direct_attention`` (the fill-free path): each row's old frames from its own tensor through the
     stream tables, at (step 1, layer 1) of (2, 2, ...) caches; the output matches FP64 attention over
     [current | old], and each written row's successor is [current | old] less the dropped frames,
-    bit for bit. Row 2 is a padding row (dst address 0): its successor stays untouched. 16-key tiles,
-    so tiles straddle both the current/old boundary (T=5) and, with splits, the split edges."""
+    bit for bit. Row 2 is a padding row (not present): its successor stays untouched. 16-key tiles,
+    so tiles straddle both the current/old boundary and, with splits, the split edges; T=20 makes two
+    16-query blocks, which take turns writing the tiles they both read."""
     from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV, direct_attention, stream_table
 
     gen = torch.Generator().manual_seed(11)
-    R, H, T, D, n_old, S, depth = 3, 2, 5, 16, 37, 2, 2
+    R, H, D, n_old, S, depth = 3, 2, 16, 37, 2, 2
     dev = device()
     q = torch.randn(R, H, T, D, generator=gen).to(dev)
     if not usable_on(q):
@@ -209,7 +211,7 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     cur = torch.randn(R, H, T, 2 * D, generator=gen).to(dev)
     # two streams' caches (steps, depth, [cond|uncond], H, frames, 2D); rows 0/1 = stream 0 cond / stream 1 uncond
     olds = [torch.randn(S, depth, 2, H, n_old, 2 * D, generator=gen).to(dev) for _ in range(2)]
-    drop = (12, 12 + 20)                                   # keep 12 + the last 10 of 42
+    drop = (12, 12 + 20)                                   # keep 12 + the last T + 17 frames
     n_out = T + n_old - 20
     outs = [torch.full((S, depth, 2, H, n_out, 2 * D), float("nan"), device=dev) for _ in range(2)]
     base = outs[1]          # any aligned FP32 tensor: the tables hold element offsets from it

@@ -26,7 +26,8 @@ fused-body graph, holds each step's ``[current(query) | cache(offset)]``: the in
 copied directly behind the current-chunk slot, so no concatenation happens inside the graph
 and the steady new cache is a view of it. Growing the arena drops the graphs that view it.
 
-Direct solves (``solve(trim=...)`` on the staged fused body with Triton attention, unmasked keys):
+Direct solves (``solve(trim=...)`` on the staged fused body with Triton attention, unmasked keys; on the
+persistent block kernel with ``direct=True``):
 the arena holds only the current frames; the attention reads each row's old frames from the
 caller's own cache through a table of addresses and writes every frame it reads into the trimmed
 successor (``kernels.tiled_attention.direct_attention``). The 8.4-GB fill of a batch-16 chunk and the
@@ -124,7 +125,8 @@ class WholeEulerSolver:
         ``wide_gemm``: ``FusedDiT``'s (None: Triton tile GEMMs with TF32 from WIDE_MIN_ROWS rows on CUDA).
         ``gemm_operands``: ``FusedDiT``'s ("fp16": the Triton GEMMs' operands stored as FP16, opt-in).
         ``direct``: trimmed solves read each stream's cache where it is (module docstring); None (default):
-        wherever that path applies, False: always through the arena."""
+        wherever the staged body runs; True: the persistent block kernel's solves too (batch 1-2; not yet
+        timed on a GPU); False: always through the arena."""
         self.cfm = cfm
         self.step_kernels = step_kernels
         self.direct = direct
@@ -450,13 +452,16 @@ class WholeEulerSolver:
         return mel, cnn, att if trim is None else _trimmed(att, trim)
 
     def _direct_applies(self, key: SolveKey, mu: torch.Tensor, caches: Sequence[torch.Tensor | None]) -> bool:
-        """Can this solve read its old cache in place (``direct_attention``)? The staged fused body with
-        Triton attention, an unmasked steady shape, and FP32 caches whose (heads, frames, 2D) blocks are
-        contiguous and 64-byte aligned (what the attention's offset tables describe)."""
+        """Can this solve read its old cache in place (``direct_attention``)? The fused body with Triton
+        attention (the staged body; the block kernel only with ``direct=True``), an unmasked steady shape,
+        and FP32 caches whose (heads, frames, 2D) blocks are contiguous and 64-byte aligned (what the
+        attention's offset tables describe)."""
         f = self.fused
         if (self.direct is False or f is None or key.masked or not key.offset or f.attention == "sdpa"
-                or not f._triton(mu) or f.uses_block_kernel(2 * key.batch, key.query, mu.device)):
+                or not f._triton(mu)):
             return False
+        if self.direct is None and f.uses_block_kernel(2 * key.batch, key.query, mu.device):
+            return False    # the block kernel's direct attention phase: opt-in (direct=True), not yet timed
         return all(c is not None and c.dtype == torch.float32 and c.data_ptr() % 64 == 0
                    and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1) for c in caches)
 

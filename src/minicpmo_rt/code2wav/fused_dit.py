@@ -518,8 +518,7 @@ class FusedDiT:
 
     def _direct_shape(self, R: int, H: int, T: int) -> tuple[int, int, int]:
         """(query block, key splits, stages) of ``direct_attention``: one query block per (row, head) up to
-        64 queries, since only the first block's programs write the successor (more blocks would re-read
-        every key tile and leave the writing to a quarter of the programs); keys split to about
+        64 queries (more blocks would each re-read every key tile); keys split to about
         DIRECT_TARGET_PROGRAMS programs below a full grid."""
         bm = self.attn_block_m or min(64, max(16, _next_pow2(T)))
         splits = self.attn_splits
@@ -631,7 +630,8 @@ class FusedDiT:
         final layer's modulated LN. ``ctr_zeroed``: the caller already zeroed the block kernel's
         barrier counters (``kernels.euler_step``). ``streams``: kv (depth, R, H, T, 2D) receives only
         this chunk's frames; each row's old frames are read where they are and the trimmed successor
-        written by the attention (``direct_attention``; the staged body with Triton attention, unmasked)."""
+        written by the attention (``direct_attention``, or its unit in the block kernel's attention phase;
+        Triton attention, unmasked)."""
         L, dit = self.L, self.dit
         R, T, C = ws.h.shape
         N, K = R * T, L.taps
@@ -642,16 +642,17 @@ class FusedDiT:
         if half and precision != "tf32":
             raise RuntimeError("FusedDiT: this workspace holds FP16 GEMM operands (TF32 arithmetic) but TF32 "
                                "matmuls are off now; make the workspace under the same TF32 setting")
-        if streams is not None and (persistent or mask is not None or rows is not None
+        if streams is not None and (mask is not None or rows is not None
                                     or self.attention == "sdpa" or not self._triton(ws.h)):
-            raise ValueError("FusedDiT.blocks: per-stream caches (streams) need the staged body with Triton "
-                             "attention, no mask and no pooled rows; solve through the arena otherwise")
+            raise ValueError("FusedDiT.blocks: per-stream caches (streams) need Triton attention, no mask and "
+                             "no pooled rows; solve through the arena otherwise")
         if persistent:
             if not ctr_zeroed:
                 ws.ctr.zero_()
             weights = self._gemm_weights(half, dit_block.rounds(precision, ws.h.device))
             nprog = dit_block.programs(ws.h.device)
-            a_splits, per_split = dit_block.attention_splits(R, L.heads, T, kv.shape[3], nprog)
+            keys = kv.shape[3] + (0 if streams is None else streams.n_old)
+            a_splits, per_split = dit_block.attention_splits(R, L.heads, T, keys, nprog)
             per = dit_block.BLOCKS_PER_LAUNCH or L.depth
             for j, b0 in enumerate(range(0, L.depth, per)):
                 dit_block.dit_blocks(
@@ -660,7 +661,7 @@ class FusedDiT:
                     ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=b0, n_blocks=min(per, L.depth - b0),
                     eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps, attn_splits=a_splits,
                     keys_per_split=per_split, nprog=nprog, precision=precision, rows=rows, pos=pos,
-                    pv16=self.attn_pv16, k_step_scale=self.block_k_step_scale)
+                    pv16=self.attn_pv16, k_step_scale=self.block_k_step_scale, streams=streams)
             return
         # the staged body: cuBLAS GEMMs, or with ``ws.wide`` Triton tile GEMMs (the conv taps summed in the
         # GEMM, so ``ws.taps`` is (1, R, T+K-1, C) and its readers take one tap; fc1's GELU in its

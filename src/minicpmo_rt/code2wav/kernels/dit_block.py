@@ -63,7 +63,7 @@ if AVAILABLE:
     import triton.language as tl
 
     from .dit_ops import qkv_head_ln_row, res_ln_row, store_operand, taps_ln_mish_row
-    from .tiled_attention import attn_combine_tile, attn_tile
+    from .tiled_attention import attn_combine_tile, attn_tile, direct_tile
 
     @triton.jit
     def _grid_sync(CTR, target):
@@ -128,6 +128,7 @@ if AVAILABLE:
 
     @triton.jit
     def _dit_block(HX, NORM, QKV, Q, KV_ALL, MASK, O, PACC, PML, Y, HIST, TAPSB, MLP, Y2, CTR, ROWS, POS,
+                   BASE, SRC, DST, step, n_old, n_out, drop0, drop1,
                    WQKV_ALL, BQKV_ALL, QNW_ALL, QNB_ALL, KNW_ALL, KNB_ALL, WPROJ_ALL, BPROJ_ALL, WT1_ALL, BC1_ALL,
                    LNW_ALL, LNB_ALL, WT2_ALL, BC2_ALL, W1_ALL, B1_ALL, W2_ALL, B2_ALL,
                    MOD_ALL, s_mod, TIMES, first, n_blocks,
@@ -143,7 +144,7 @@ if AVAILABLE:
                    A_BM: tl.constexpr, A_BN: tl.constexpr, A_SPLITS: tl.constexpr, C_BM: tl.constexpr,
                    HAS_MASK: tl.constexpr, POOLED: tl.constexpr,
                    PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr,
-                   PV16: tl.constexpr = False):
+                   PV16: tl.constexpr = False, DIRECT: tl.constexpr = False):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         M = R * T
@@ -208,10 +209,16 @@ if AVAILABLE:
                     rest = u // A_SPLITS
                     mblk = rest % n_mblk
                     bh = rest // n_mblk
-                    attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, ROWS, PACC, PML,
-                              T * HD, D, HD, 1, skv_r, skv_h, skv_t, 1, skv_r, skv_h, skv_t, 1,
-                              T * HD, D, HD, 1, smb, smm, smn, T, nk, attn_scale, keys_per_split,
-                              D, A_BM, A_BN, HAS_MASK, POOLED, PRECISION, A_SPLITS, ROUND, PV16=PV16)
+                    if DIRECT:      # KV holds this chunk's frames; each row's old ones stay in its own cache
+                        direct_tile(bh // H, bh % H, mblk, split, H, Q, KV, BASE, SRC, DST, O, PACC, PML,
+                                    T * HD, D, HD, 1, skv_r, skv_h, T * HD, D, HD, 1, step, i, T, n_old, n_out,
+                                    drop0, drop1, attn_scale, keys_per_split, D, A_BM, A_BN, PRECISION, A_SPLITS,
+                                    ROUND, PV16)
+                    else:
+                        attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, ROWS, PACC, PML,
+                                  T * HD, D, HD, 1, skv_r, skv_h, skv_t, 1, skv_r, skv_h, skv_t, 1,
+                                  T * HD, D, HD, 1, smb, smm, smn, T, nk, attn_scale, keys_per_split,
+                                  D, A_BM, A_BN, HAS_MASK, POOLED, PRECISION, A_SPLITS, ROUND, PV16=PV16)
             if PHASE < 0:
                 nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
             if A_SPLITS > 1:
@@ -392,7 +399,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                conv_eps: float, attn_splits: int, keys_per_split: int, nprog: int, precision: str = "tf32",
                phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None,
                per_program: bool = False, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-               pv16: bool | None = None, k_step_scale: int | None = None):
+               pv16: bool | None = None, k_step_scale: int | None = None, streams=None):
     """Blocks [first, first + n_blocks) in place, in ONE launch (see the module docstring).
 
     Shapes as ``fused_dit.Workspace``: h, norm (R,T,C); qkv (Sq,R,T,3HD); q, o (R,T,H,D); kv
@@ -410,6 +417,9 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     ``per_program``, (2 * that, nprog): every program's clock at the start and after each barrier
     (even rows) and at its arrival at each barrier and at its end (odd rows). Returns the compiled
     kernel (registers, spills) of the last launch.
+    ``streams`` (``tiled_attention.StreamKV``, unmasked and unpooled only): kv (depth,R,H,T,2D) holds just
+    this chunk's frames; the attention phase reads each row's old frames where ``streams`` says and writes
+    the trimmed successors (``direct_attention``'s unit); ``keys_per_split`` then counts T + old frames.
     """
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"dit_blocks: precision must be 'tf32' or 'ieee', got {precision!r}")
@@ -433,6 +443,11 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                          f"must be int32 ({R},) and contiguous int32 ({R}, {T})")
     if kv.stride(4) != 1:
         raise ValueError(f"dit_blocks: kv's last dim must be contiguous, got strides {kv.stride()}")
+    if streams is not None and (mask is not None or pos is not None or nk != T or kv.stride(3) != D2
+                                or streams.src.shape != (R, 4)):
+        raise ValueError("dit_blocks: per-stream caches (streams) take no mask and no pooled rows, and kv must "
+                         f"hold exactly this chunk's {T} frames with contiguous [k|v] rows; got kv "
+                         f"{tuple(kv.shape)} strides {kv.stride()}, tables {tuple(streams.src.shape)}")
     if mod_chain.shape[1:] != (depth + 1, 9, C) or not mod_chain[0].is_contiguous():
         raise ValueError(f"dit_blocks: mod_chain must be (Rm, {depth + 1}, 9, {C}) with contiguous rows, "
                          f"got {tuple(mod_chain.shape)}")
@@ -464,11 +479,15 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     if times is not None and times.numel() < stamps:
         raise ValueError(f"dit_blocks: times holds {times.numel()} stamps, {n_blocks} block(s) write {stamps}")
     round_tf32 = rounds(precision, h.device)
+    if streams is None:
+        direct = (h, ctr, ctr, 0, 0, 0, 0, 0)
+    else:
+        direct = (streams.base, streams.src, streams.dst, streams.step, streams.n_old, streams.n_out, *streams.drop)
     (bq, nq_, _, kq), (bp, np_, _, kp), (bc, nc, _, kc), (b1, n1, _, k1), (b2, n2, _, k2) = (
         tiles[r] for r in ("qkv", "proj", "conv", "fc1", "fc2"))
     def args(b0: int, nb: int) -> tuple:
         return (h, norm, qkv, q, kv, m, o, attn_acc, attn_ml, y, hist, taps, mlp, y2, ctr,
-                rows if rows is not None else ctr, pos if pos is not None else ctr,
+                rows if rows is not None else ctr, pos if pos is not None else ctr, *direct,
                 w.w_qkv, w.b_qkv, w.qn_w, w.qn_b, w.kn_w, w.kn_b, w.w_proj, w.b_proj, w.w_taps1, w.b_conv1,
                 w.ln_w, w.ln_b, w.w_taps2, w.b_conv2, w.w_fc1, w.b_fc1, w.w_fc2, w.b_fc2,
                 mod_chain, s_mod, times if times is not None else ctr, b0, nb,
@@ -481,7 +500,8 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                 A_BM=ATT_BM, A_BN=ATT_BN, C_BM=COMBINE_BM,
                 A_SPLITS=attn_splits, HAS_MASK=mask is not None, POOLED=pos is not None, ROUND=round_tf32,
                 PRECISION=precision, PV16=pv16_for(o, precision) if pv16 is None else pv16,
-                TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps)
+                TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps,
+                DIRECT=streams is not None)
     if phase_by_phase:     # one launch per block and phase: the launch boundary is the barrier
         for b in range(first, first + n_blocks):
             for p in range(N_PHASES):

@@ -177,14 +177,16 @@ if AVAILABLE:
                   PV16)
 
     @triton.jit
-    def _direct_keys(q, m_i, l_i, acc, base, lo, hi, f0, row_ok, dst, write, drop0, drop1, scale,
+    def _direct_keys(q, m_i, l_i, acc, base, lo, hi, f0, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale,
                      HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr):
         """Keys [lo, hi) of one packed [k|v] source (frames 2*HEAD_D apart from ``base``) folded into the
-        running softmax. Their frame in the concatenated [current | old] order is f0 + key; with ``write``
-        each tile also goes to ``dst`` at its frame in the trimmed successor (frames [drop0, drop1) left out)."""
+        running softmax. Their frame in the concatenated [current | old] order is f0 + key. Where the row's
+        successor is ``present``, each tile also goes to ``dst`` at its frame in the trimmed successor (frames
+        [drop0, drop1) left out), written by one of the n_mblk query blocks that all read it, in turn."""
         offs_d = tl.arange(0, HEAD_D)
-        w_hi = tl.where(write, hi, lo)      # keys below it are written (a scalar-and-vector mask, which
-        for start in range(lo, hi, BLOCK_N):  # Triton's interpreter mistypes, is avoided this way)
+        for start in range(lo, hi, BLOCK_N):
+            # keys below w_hi are written (a scalar-and-vector mask, which Triton's interpreter mistypes)
+            w_hi = tl.where(present & ((start // BLOCK_N) % n_mblk == mblk), hi, lo)
             offs_n = start + tl.arange(0, BLOCK_N)
             col_ok = offs_n < hi
             kt = tl.load(base + offs_n[None, :] * (2 * HEAD_D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
@@ -200,20 +202,16 @@ if AVAILABLE:
         return m_i, l_i, acc
 
     @triton.jit
-    def _attn_direct(Q, CUR, BASE, SRC, DST, O, PACC, PML,
-                     sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
-                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
-                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr):
-        """``direct_attention``: program (row b, head h, query block x key split). The keys are this
-        chunk's [k|v] (CUR) followed by row b's own old frames, found through its SRC table row
-        [offset from BASE, step stride, layer stride, present] (elements); the programs of query block 0
-        also write every key tile they read into row b's trimmed successor (DST row, if present)."""
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        H = tl.num_programs(1)
-        mblk = tl.program_id(2) // SPLITS
-        split = tl.program_id(2) % SPLITS
+    def direct_tile(b, h, mblk, split, H, Q, CUR, BASE, SRC, DST, O, PACC, PML,
+                    sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
+                    step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
+                    HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                    SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr):
+        """``direct_attention``'s unit (also a phase of the persistent block kernel): query block ``mblk`` x
+        key split ``split`` of (row b, head h). The keys are this chunk's [k|v] (CUR) followed by row b's own
+        old frames, found through its SRC table row [offset from BASE, step stride, layer stride, present]
+        (elements); every key tile read is also written into row b's trimmed successor (DST row, if
+        present) by one of the query blocks."""
         offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_D)
         row_ok = offs_m < nq
@@ -228,18 +226,30 @@ if AVAILABLE:
                                     + layer * tl.load(SRC + b * 4 + 2) + h.to(tl.int64) * n_old * (2 * HEAD_D), 16)
         dst = BASE + tl.multiple_of(tl.load(DST + b * 4) + step * tl.load(DST + b * 4 + 1)
                                     + layer * tl.load(DST + b * 4 + 2) + h.to(tl.int64) * n_out * (2 * HEAD_D), 16)
-        write = (tl.load(DST + b * 4 + 3) != 0) & (mblk == 0)
+        present = tl.load(DST + b * 4 + 3) != 0
+        n_mblk = tl.cdiv(nq, BLOCK_M)
         k_lo = split * keys_per_split
         k_hi = tl.minimum(k_lo + keys_per_split, nq + n_old)
         cur = CUR + b.to(tl.int64) * scb + h * sch
         # the current frames (queries and keys alike), then the old ones: each source loads with its own
         # contiguous strides; the softmax does not depend on the order the keys arrive in
-        m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, nq), 0, row_ok, dst, write,
-                                     drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16)
+        m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, nq), 0, row_ok, dst, present,
+                                     mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16)
         m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, nq) - nq, k_hi - nq, nq, row_ok, dst,
-                                     write, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16)
+                                     present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16)
         _finish(acc, m_i, l_i, b, h, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
                 HEAD_D, SPLITS, ROUND_OUT)
+
+    @triton.jit
+    def _attn_direct(Q, CUR, BASE, SRC, DST, O, PACC, PML,
+                     sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
+                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
+                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr):
+        direct_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
+                    tl.num_programs(1), Q, CUR, BASE, SRC, DST, O, PACC, PML, sqb, sqh, sqm, sqd, scb, sch,
+                    sob, soh, som, sod, step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
+                    HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
