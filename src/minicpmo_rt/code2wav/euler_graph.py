@@ -446,7 +446,7 @@ class WholeEulerSolver:
             else:
                 self._program(st)
         if direct is not None:
-            mel, cnn, _ = self._read(st, B, T, 0, copy_out, copy_att=False)
+            mel, cnn, _ = self._read(st, B, T, 0, copy_out, with_att=False)
             return mel, cnn, direct
         mel, cnn, att = self._read(st, B, T, L, copy_out, per_stream, copy_att=trim is None)
         return mel, cnn, att if trim is None else _trimmed(att, trim)
@@ -516,12 +516,15 @@ class WholeEulerSolver:
             copy(st.att_in, att_cache, B, Bb)
 
     def _read(self, st: _Static, B: int, T: int, L: int, copy_out: bool, per_stream: bool = False,
-              copy_att: bool = True):
+              copy_att: bool = True, with_att: bool = True):
         """(mel, cnn cache, attention cache) out of the static buffers; with ``copy_out`` in memory of their
-        own (the attention cache only with ``copy_att`` too: a trim copies it anyway)."""
+        own (the attention cache only with ``copy_att`` too: a trim copies it anyway). ``with_att=False``: no
+        attention cache (None; a direct solve wrote its own), so a padded batch picks no rows of it."""
         Bb, Q = st.key.batch, st.key.query
         mel = st.x[:B, :T].transpose(1, 2)
         cnn = _pick_rows(st.cnn_out, Bb, B)
+        if not with_att:
+            return mel.clone(), cnn.clone() if copy_out and B == Bb else cnn, None
         if per_stream:      # stream i's rows i and Bb + i, each a view or one copy
             if self.body == "original" or T == Q:
                 full = st.att_out if self.body == "original" else st.kv[..., :Q + L, :]
