@@ -83,6 +83,15 @@ def trim_span(frames: int, prompt_frames: int, keep: int) -> tuple[int, int]:
     return prompt_frames, frames - keep
 
 
+def trim_frames(att: torch.Tensor, prompt_frames: int, keep: int) -> torch.Tensor:
+    """An estimator attention cache (..., frames, 2D) without the frames ``trim_span`` drops: ``att`` itself
+    when none are, else a copy."""
+    d0, d1 = trim_span(att.shape[-2], prompt_frames, keep)
+    if d0 == d1:
+        return att
+    return bulk_copy.cat([att[..., :d0, :], att[..., d1:, :]], att.dim() - 2)
+
+
 @dataclass
 class _Static:
     key: SolveKey
@@ -556,10 +565,8 @@ def _trimmed(att, trim: tuple[int, int]):
     """An attention cache (or per-stream list of them) trimmed like the flow's, in memory of its own."""
     if isinstance(att, list):
         return [_trimmed(a, trim) for a in att]
-    d0, d1 = trim_span(att.shape[4], *trim)
-    if d0 == d1:
-        return bulk_copy.clone(att)
-    return bulk_copy.cat([att[..., :d0, :], att[..., d1:, :]], 4)
+    out = trim_frames(att, *trim)
+    return bulk_copy.clone(att) if out is att else out
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor, B: int, Bb: int) -> None:

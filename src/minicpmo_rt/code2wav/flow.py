@@ -31,7 +31,7 @@ from ..errors import CheckpointError, InputError
 from . import bulk_copy
 from .cfm import CausalConditionalCFM
 from .encoder import EncoderCache, UpsampleConformerEncoderV2
-from .euler_graph import trim_span
+from .euler_graph import trim_frames
 from .flow_config import FlowConfig, read_flow_yaml
 
 # Frames of history (beyond the prompt) kept in the streaming caches, as upstream Token2wav.
@@ -125,10 +125,7 @@ def split_flow_cache(cache: FlowCache, sizes: Sequence[int]) -> list[FlowCache]:
 def trim_estimator_att(att: torch.Tensor, prompt_frames: int, keep: int = HISTORY_FRAMES) -> torch.Tensor:
     """Past ``prompt_frames + keep`` frames, keep the first ``prompt_frames`` and the last ``keep``
     along the frame axis (upstream's rule, applied to its newest-first layout as it is)."""
-    d0, d1 = trim_span(att.shape[4], prompt_frames, keep)
-    if d0 == d1:
-        return att
-    return bulk_copy.cat([att[:, :, :, :, :d0], att[:, :, :, :, d1:]], dim=4)
+    return trim_frames(att, prompt_frames, keep)
 
 
 def trim_conformer_att(att: torch.Tensor, prompt_frames: int, n_token_layers: int,
