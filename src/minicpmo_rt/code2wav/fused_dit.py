@@ -510,22 +510,23 @@ class FusedDiT:
         tma = tma_ok and (full if self.attn_tma is None else self.attn_tma)
         bm = self.attn_block_m or (64 if tma and full else 32 if full else 16)
         stages = self.attn_stages or (3 if tma else 2)
-        splits = self.attn_splits
-        if splits is None:
-            progs = R * H * -(-T // bm)
-            splits = 1 if full else max(1, min(8, ATTN_TARGET_PROGRAMS // progs))
-        return bm, splits, stages, tma
+        return bm, self._key_splits(R, H, T, bm, ATTN_TARGET_PROGRAMS), stages, tma
+
+    def _key_splits(self, R: int, H: int, T: int, bm: int, target: int) -> int:
+        """The attention's key splits: ``attn_splits`` if set, 1 on a full grid, else enough (at most 8)
+        for about ``target`` programs of ``bm``-query blocks."""
+        if self.attn_splits is not None:
+            return self.attn_splits
+        if R * H >= ATTN_FULL_GRID_ROWS_HEADS:
+            return 1
+        return max(1, min(8, target // (R * H * -(-T // bm))))
 
     def _direct_shape(self, R: int, H: int, T: int) -> tuple[int, int, int]:
         """(query block, key splits, stages) of ``direct_attention``: one query block per (row, head) up to
         64 queries (more blocks would each re-read every key tile); keys split to about
         DIRECT_TARGET_PROGRAMS programs below a full grid."""
         bm = self.attn_block_m or min(64, max(16, _next_pow2(T)))
-        splits = self.attn_splits
-        if splits is None:
-            progs = R * H * -(-T // bm)
-            splits = 1 if R * H >= ATTN_FULL_GRID_ROWS_HEADS else max(1, min(8, DIRECT_TARGET_PROGRAMS // progs))
-        return bm, splits, self.attn_stages or 3
+        return bm, self._key_splits(R, H, T, bm, DIRECT_TARGET_PROGRAMS), self.attn_stages or 3
 
     def _small_gemm(self, x2d: torch.Tensor) -> bool:
         """Few-row Triton GEMM for this call? Opt-in, and only under TF32 (IEEE stays on cuBLAS)."""

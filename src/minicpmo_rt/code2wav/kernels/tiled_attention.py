@@ -47,6 +47,19 @@ if AVAILABLE:
         return mk
 
     @triton.jit
+    def _query_block(Q, b, h, mblk, sqb, sqh, sqm, sqd, nq, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Query block ``mblk`` of (row b, head h) and the empty online-softmax state for it: (query offsets,
+        valid rows, q, running max, denominator, accumulator). The running max starts finite so an
+        all-masked tile gives exp(-inf) = 0, never NaN."""
+        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_D)
+        row_ok = offs_m < nq
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                    mask=row_ok[:, None], other=0.0)
+        return (offs_m, row_ok, q, tl.full([BLOCK_M], -1.0e30, tl.float32), tl.zeros([BLOCK_M], tl.float32),
+                tl.zeros([BLOCK_M, HEAD_D], tl.float32))
+
+    @triton.jit
     def _scores(q, kt, keep, m_i, l_i, scale, PRECISION: tl.constexpr):
         """One key tile's softmax weights p (unnormalised, against the new running max) and the factor
         alpha that rescales what was accumulated before; returns (p, alpha, new max, new denominator)."""
@@ -114,15 +127,8 @@ if AVAILABLE:
         kvb = b
         if HAS_KVR:
             kvb = tl.load(KVR + b)
-        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_D)
-        row_ok = offs_m < nq
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                    mask=row_ok[:, None], other=0.0)
-        # Running max starts finite so an all-masked tile gives exp(-inf) = 0, never NaN.
-        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        offs_m, row_ok, q, m_i, l_i, acc = _query_block(Q, b, h, mblk, sqb, sqh, sqm, sqd, nq, HEAD_D, BLOCK_M)
         k_base = K + kvb.to(tl.int64) * skb + h * skh
         v_base = V + kvb.to(tl.int64) * svb + h * svh
         row0 = (kvb * H + h) * nk
@@ -212,14 +218,7 @@ if AVAILABLE:
         old frames, found through its SRC table row [offset from BASE, step stride, layer stride, present]
         (elements); every key tile read is also written into row b's trimmed successor (DST row, if
         present) by one of the query blocks."""
-        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_D)
-        row_ok = offs_m < nq
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                    mask=row_ok[:, None], other=0.0)
-        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        offs_m, row_ok, q, m_i, l_i, acc = _query_block(Q, b, h, mblk, sqb, sqh, sqm, sqd, nq, HEAD_D, BLOCK_M)
         # offsets from one aligned base pointer, declared multiples of 16 elements (stream_table checks):
         # a pointer made from a loaded integer carries no alignment, and its loads would not vectorise
         src = BASE + tl.multiple_of(tl.load(SRC + b * 4) + step * tl.load(SRC + b * 4 + 1)
