@@ -255,6 +255,23 @@ def test_tf32_scope_is_restored_after_solve_and_on_error():
     assert tf32_enabled() == before
 
 
+@contextlib.contextmanager
+def full_size_ten_steps(device="cuda"):
+    """(cfm, graph config) for the full-size CUDA tests: the full-size DiT (mild random weights), 10 Euler
+    steps (the module's S while inside), TF32 matmuls and cuDNN TF32 off (an IEEE reference throughout;
+    the original body's Conv1d is cuDNN), buckets up to batch 4 at query 50 and cache 400."""
+    from minicpmo_rt.code2wav.flow_config import FULL_SIZE
+    global S
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfm = tiny_cfm(seed=4, cfg=FULL_SIZE.dit, mild=True).to(device)
+    S_saved, S = S, 10
+    try:
+        with ieee_cudnn():
+            yield cfm, GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(50,), offset_bucket=50, offset_anchor=400)
+    finally:
+        S = S_saved
+
+
 @requires_cuda
 @pytest.mark.parametrize("body,tf32", [("fused", False), ("fused", True), ("original", False), ("original", True),
                                        ("fused-block", False), ("fused-block", True)])
@@ -263,15 +280,7 @@ def test_cuda_graph_matches_eager(body, tf32):
     its row limit and runs the staged body)."""
     block = body == "fused-block"
     body = "fused" if block else body
-    from minicpmo_rt.code2wav.flow_config import FULL_SIZE
-    torch.backends.cuda.matmul.allow_tf32 = False
-    cfm = tiny_cfm(seed=4, cfg=FULL_SIZE.dit, mild=True).cuda()
-    global S
-    S_saved, S = S, 10
-    try:
-        stack = contextlib.ExitStack()
-        stack.enter_context(ieee_cudnn())   # the original body's Conv1d is cuDNN; IEEE reference throughout
-        cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(50,), offset_bucket=50, offset_anchor=400)
+    with full_size_ten_steps() as (cfm, cfg):
         solver = WholeEulerSolver(cfm, body=body, attention="triton-tf32" if tf32 else "triton-ieee", tf32=tf32,
                                   n_timesteps=10, config=cfg, block_kernel=block)
         for B, T, L in ((2, 50, 400), (3, 45, 380)):
@@ -288,9 +297,6 @@ def test_cuda_graph_matches_eager(body, tf32):
             assert max(errs) <= 1e-6
             if not tf32:
                 assert_close(graphed, reference(cfm, kw), 1e-5)
-    finally:
-        stack.close()
-        S = S_saved
 
 
 @requires_cuda
@@ -300,15 +306,7 @@ def test_cuda_direct_solve_matches_the_arena(tf32):
     the direct path from its graph against its eager run (<= 1e-6) and against the arena path with the
     flow's trim (IEEE: <= 1e-6, only the key grouping differs; TF32: <= 1e-3, operand roundings
     follow that difference), and with TF32 off against the IEEE reference (<= 1e-5)."""
-    from minicpmo_rt.code2wav.flow_config import FULL_SIZE
-    torch.backends.cuda.matmul.allow_tf32 = False
-    cfm = tiny_cfm(seed=4, cfg=FULL_SIZE.dit, mild=True).cuda()
-    global S
-    S_saved, S = S, 10
-    try:
-        stack = contextlib.ExitStack()
-        stack.enter_context(ieee_cudnn())
-        cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(50,), offset_bucket=50, offset_anchor=400)
+    with full_size_ten_steps() as (cfm, cfg):
         make = lambda direct: WholeEulerSolver(cfm, body="fused", n_timesteps=10, config=cfg, direct=direct,  # noqa: E731
                                                attention="triton-tf32" if tf32 else "triton-ieee", tf32=tf32)
         B, trim = 4, (300, 100)
@@ -330,9 +328,6 @@ def test_cuda_direct_solve_matches_the_arena(tf32):
         if not tf32:
             full = reference(cfm, dict(kw, att_cache=att))
             assert_close(flat(graphed), (full[0], full[1], _trim_ref(full[2], *trim)), 1e-5)
-    finally:
-        stack.close()
-        S = S_saved
 
 
 @pytest.mark.parametrize("body", ["fused", "original"])
