@@ -322,8 +322,7 @@ def vocoder_rows(res: dict, voc: Vocoder, voc_fast: Vocoder, args, dev: torch.de
     for mode, v, batched in (("per stream, eager (old path)", voc, False), ("per stream, graphed", voc_fast, False),
                              ("batched, eager", voc, True), ("batched, graphed", voc_fast, True)):
         ms, outs = (ref_ms, ref) if (v is voc and not batched) else run(v, batched)
-        err = None if outs is ref else max(
-            float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)) for a, b in zip(outs, ref))
+        err = None if outs is ref else max(_rel(a, b) for a, b in zip(outs, ref))
         rnd = statistics.median(ms)
         row = {"mode": mode, "vocoder": v.describe_stream_path(), "round_ms": rnd, "ms_per_1s_chunk": rnd / n,
                "rtf": rnd / 1000.0, "pcm_rel_err_vs_eager": err}
