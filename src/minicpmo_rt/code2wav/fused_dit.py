@@ -525,7 +525,7 @@ class FusedDiT:
         """(query block, key splits, stages) of ``direct_attention``: one query block per (row, head) up to
         64 queries (more blocks would each re-read every key tile); keys split to about
         DIRECT_TARGET_PROGRAMS programs below a full grid."""
-        bm = self.attn_block_m or min(64, max(16, _next_pow2(T)))
+        bm = self.attn_block_m or min(64, max(16, dit_block._pow2(T)))
         return bm, self._key_splits(R, H, T, bm, DIRECT_TARGET_PROGRAMS), self.attn_stages or 3
 
     def _small_gemm(self, x2d: torch.Tensor) -> bool:
@@ -757,10 +757,6 @@ def _has_tma(device: torch.device) -> bool:
     except ImportError:
         return False
     return True
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def dot_precision(t: torch.Tensor) -> str:
