@@ -390,7 +390,8 @@ DIRECT_ROW = "fused + graph TF32 on, trimmed, direct"            # solve(trim=..
 DIRECT16_ROW = "fused + graph TF32 on, FP16 operands, trimmed, direct"
 DIRECT_S2_ROW = "fused + graph TF32 on, trimmed, direct, 2 key splits"    # launch-shape A/B
 DIRECT_ALL_ROW = "fused + graph TF32 on, trimmed, direct everywhere"   # direct=True: the block kernel's too (B=1-2)
-TRIMMED_ROWS = (TRIM_ARENA_ROW, DIRECT_ROW, DIRECT16_ROW, DIRECT_S2_ROW, DIRECT_ALL_ROW)
+DIRECT_PTR_ROW = "fused + graph TF32 on, trimmed, direct, pointer loads"   # direct_tma=False (A/B of the TMA loads)
+TRIMMED_ROWS = (TRIM_ARENA_ROW, DIRECT_ROW, DIRECT16_ROW, DIRECT_S2_ROW, DIRECT_ALL_ROW, DIRECT_PTR_ROW)
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -492,6 +493,7 @@ def main(argv=None) -> int:
                 (DIRECT16_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
                 (DIRECT_S2_ROW, dict(body="fused", attention="triton-tf32", tf32=True, attn_splits=2)),
                 (DIRECT_ALL_ROW, dict(body="fused", attention="triton-tf32", tf32=True, direct=True)),
+                (DIRECT_PTR_ROW, dict(body="fused", attention="triton-tf32", tf32=True)),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]
 
@@ -516,6 +518,8 @@ def main(argv=None) -> int:
                 solver.fused.attn_pv16 = False
             if name == FP16_BK1_ROW:
                 solver.fused.block_k_step_scale = 1
+            if name == DIRECT_PTR_ROW:
+                solver.fused.direct_tma = False
             trim = (L - 100, 100) if name in TRIMMED_ROWS else None
             last = [solver.solve(mu, spk, cond, cnn, att, copy_out=False, trim=trim)]
             want = ref if trim is None else (ref[0], ref[1], trim_estimator_att(ref[2], *trim))

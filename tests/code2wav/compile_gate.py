@@ -76,8 +76,9 @@ def main() -> int:
             raise HarnessError(f"{self.fn.__name__}: {exc!r}") from exc
         caps = ((90, 80) if self.fn.__name__ in ("_attn_fwd", "_attn_direct", "_attn_combine", "_wide_gemm", "_wide_qkv")
                 else (90,))
-        if any(t.startswith("tensordesc") for t in sig.values()):
-            caps = (90,)
+        if any(t.startswith("tensordesc") for t in sig.values()) or (self.fn.__name__ == "_attn_direct"
+                                                                      and vals.get("TMA")):
+            caps = (90,)        # TMA descriptors (host-made, or built in the kernel): Hopper only
         key = (self.fn.__name__, tuple(sorted(sig.items())), repr(sorted(consts.items())), tuple(sorted(opts.items())))
         if key in compiled:
             return None
@@ -120,6 +121,7 @@ def drive() -> None:
     fused_dit.usable_on = lambda t: True
     fused_dit.interpreting = lambda: True
     fused_dit._has_tma = lambda device: True
+    ta.device_tma = lambda device: True          # direct_attention's own check; fused_dit's is set per case
     one_launch = dit_block.dit_blocks
     dit_block.dit_blocks = lambda **kw: one_launch(**dict(kw, phase_by_phase=False))
     dit_block.rounds = lambda precision, device: precision == "tf32"
@@ -151,9 +153,11 @@ def drive() -> None:
                                  graph=False)
         fused_dit._has_tma = lambda device: True
         # direct solves (trimmed; each stream's cache read in place): split keys at batch 4, a full grid at
-        # 16, IEEE dots, FP16 operands (P @ V in FP16)
-        for B, tf32, wide, operands in ((4, True, False, "fp32"), (16, True, True, "fp32"), (16, False, True, "fp32"),
-                                        (16, True, True, "fp16")):
+        # 16, IEEE dots, FP16 operands (P @ V in FP16); tiles through in-kernel TMA descriptors or pointer loads
+        for B, tf32, wide, operands, tma in ((4, True, False, "fp32", True), (16, True, True, "fp32", True),
+                                             (16, True, True, "fp32", False), (16, False, True, "fp32", True),
+                                             (16, True, True, "fp16", True)):
+            fused_dit.device_tma = lambda device, v=tma: v
             cfg = GraphConfig(enabled=False, batch_buckets=(4, 16), query_buckets=(50,), offset_anchor=400)
             solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32" if tf32 else "triton-ieee", tf32=tf32,
                                       n_timesteps=S, config=cfg, use_triton=True, wide_gemm=wide,
@@ -163,6 +167,7 @@ def drive() -> None:
                 solver.solve(torch.zeros(B, 80, 50), torch.zeros(B, 80), torch.zeros(B, 80, 50), *caches(B, 400),
                              graph=False, trim=(300, 100))
             assert all(k.direct for k in solver._statics), "the compile gate's direct solve took the arena"
+        fused_dit.device_tma = lambda device: False
         # the persistent block kernel's direct attention phase (opt-in), FP32 and FP16 operands
         for operands in ("fp32", "fp16"):
             cfg = GraphConfig(enabled=False, batch_buckets=(1,), query_buckets=(50,), offset_anchor=400)

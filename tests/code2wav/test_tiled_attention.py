@@ -191,16 +191,18 @@ def test_fp16_operand_output_and_fp16_pv(splits):
         tiled_attention(q, k, v, mask, out=torch.empty(B, H, nq, D, device=dev, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("T", [5, 20])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(splits, T):
+def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(splits, T, tma):
     """``direct_attention`` (the fill-free path): each row's old frames from its own tensor through the
     stream tables, at (step 1, layer 1) of (2, 2, ...) caches; the output matches FP64 attention over
     [current | old], and each written row's successor is [current | old] less the dropped frames,
     bit for bit. Row 2 is a padding row (not present): its successor stays untouched. 16-key tiles,
     so tiles straddle both the current/old boundary and, with splits, the split edges; T=20 makes two
-    16-query blocks, which take turns writing the tiles they both read."""
-    from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV, direct_attention, stream_table
+    16-query blocks, which take turns writing the tiles they both read. ``tma``: the tiles through
+    descriptors the kernel builds (frames past a source's end read as zeros, then masked)."""
+    from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV, device_tma, direct_attention, stream_table
 
     gen = torch.Generator().manual_seed(11)
     R, H, D, n_old, S, depth = 3, 2, 16, 37, 2, 2
@@ -208,6 +210,8 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     q = torch.randn(R, H, T, D, generator=gen).to(dev)
     if not usable_on(q):
         pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
+    if tma and not device_tma(q.device):
+        pytest.skip("this device cannot build TMA descriptors in a kernel")
     cur = torch.randn(R, H, T, 2 * D, generator=gen).to(dev)
     # two streams' caches (steps, depth, [cond|uncond], H, frames, 2D); rows 0/1 = stream 0 cond / stream 1 uncond
     olds = [torch.randn(S, depth, 2, H, n_old, 2 * D, generator=gen).to(dev) for _ in range(2)]
@@ -220,7 +224,7 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     streams = StreamKV(base, src, dst, n_old, n_out, drop).at_step(1)
     o = torch.full((R, T, H, D), float("nan"), device=dev)
     direct_attention(q, cur, streams, layer=1, out=o.transpose(1, 2), precision="ieee", block_m=16, block_n=16,
-                     splits=splits)
+                     splits=splits, tma=tma)
     rows_old = torch.stack([olds[0][1, 1, 0], olds[1][1, 1, 1], olds[0][1, 1, 0]])      # (R, H, n_old, 2D)
     full = torch.cat([cur, rows_old], 2)
     ref = reference(q.cpu(), full[..., :D].cpu(), full[..., D:].cpu(), None)

@@ -52,7 +52,8 @@ from torch import nn
 from .kernels import AVAILABLE as TRITON_AVAILABLE, interpreting, usable_on
 from .kernels import dit_block, dit_ops, euler_step
 from .kernels.small_gemm import small_gemm
-from .kernels.tiled_attention import StreamKV, direct_attention, packed_kv, sdpa_attention, tiled_attention
+from .kernels.tiled_attention import (StreamKV, device_tma, direct_attention, packed_kv, sdpa_attention,
+                                      tiled_attention)
 from .kernels.wide_gemm import wide_gemm as _wide_gemm, wide_qkv as _wide_qkv
 
 __all__ = ["supports_fused_body", "FusedDiT", "DiTLayout", "Modulation"]
@@ -283,6 +284,9 @@ class FusedDiT:
         self.wide = wide_gemm
         self.wide_qkv_ln_max_rows = WIDE_QKV_LN_MAX_ROWS
         self.attn_pv16: bool | None = None     # P @ V in FP16 (None: with FP16 operands; tiled_attention.pv16_for)
+        # direct_attention's tiles through descriptors it builds per (row, head) (None: where the device can,
+        # tiled_attention.device_tma); False: pointer loads
+        self.direct_tma: bool | None = None
         self.block_k_step_scale: int | None = None     # block kernel's K step x this (None: 2 with FP16 weights)
         ok, why = dit_block.supported(self.L.hidden, self.L.heads, self.L.head_dim, self.L.mlp_hidden)
         if block_kernel and not ok:
@@ -487,7 +491,8 @@ class FusedDiT:
             bm, splits, stages = self._direct_shape(q.shape[0], q.shape[1], q.shape[2])
             direct_attention(q, kv, streams, layer, ws.o.transpose(1, 2),
                              precision="tf32" if self.attention == "triton-tf32" else "ieee", block_m=bm,
-                             splits=splits, num_stages=stages, round_out=round_out, pv16=self.attn_pv16)
+                             splits=splits, num_stages=stages, round_out=round_out, pv16=self.attn_pv16,
+                             tma=device_tma(q.device) if self.direct_tma is None else self.direct_tma)
             return
         k, v = kv[..., :D], kv[..., D:]
         if self.attention != "sdpa" and self._triton(q):

@@ -22,11 +22,12 @@ trimmed successor, the next chunk's cache (``euler_graph``'s direct solves).
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 
-from . import AVAILABLE
+from . import AVAILABLE, interpreting
 
 if AVAILABLE:
     import triton
@@ -184,21 +185,34 @@ if AVAILABLE:
 
     @triton.jit
     def _direct_keys(q, m_i, l_i, acc, base, lo, hi, f0, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale,
-                     HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr):
+                     HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr,
+                     TMA: tl.constexpr):
         """Keys [lo, hi) of one packed [k|v] source (frames 2*HEAD_D apart from ``base``) folded into the
         running softmax. Their frame in the concatenated [current | old] order is f0 + key. Where the row's
         successor is ``present``, each tile also goes to ``dst`` at its frame in the trimmed successor (frames
-        [drop0, drop1) left out), written by one of the n_mblk query blocks that all read it, in turn."""
+        [drop0, drop1) left out), written by one of the n_mblk query blocks that all read it, in turn.
+        TMA: the tiles arrive through a descriptor built here over the source's first ``hi`` frames (Hopper;
+        frames past ``hi`` read as zeros, masked like the pointer loads' ``other``)."""
         offs_d = tl.arange(0, HEAD_D)
+        if TMA:
+            desc = tl.make_tensor_descriptor(base, shape=[hi, 2 * HEAD_D], strides=[2 * HEAD_D, 1],
+                                             block_shape=[BLOCK_N, HEAD_D])
         for start in range(lo, hi, BLOCK_N):
             # keys below w_hi are written (a scalar-and-vector mask, which Triton's interpreter mistypes)
             w_hi = tl.where(present & ((start // BLOCK_N) % n_mblk == mblk), hi, lo)
             offs_n = start + tl.arange(0, BLOCK_N)
             col_ok = offs_n < hi
-            kt = tl.load(base + offs_n[None, :] * (2 * HEAD_D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+            if TMA:
+                kt = tl.trans(desc.load([start, 0]))
+            else:
+                kt = tl.load(base + offs_n[None, :] * (2 * HEAD_D) + offs_d[:, None], mask=col_ok[None, :],
+                             other=0.0)
             p, alpha, m_i, l_i = _scores(q, kt, row_ok[:, None] & col_ok[None, :], m_i, l_i, scale, PRECISION)
-            v = tl.load(base + offs_n[:, None] * (2 * HEAD_D) + HEAD_D + offs_d[None, :], mask=col_ok[:, None],
-                        other=0.0)
+            if TMA:
+                v = desc.load([start, HEAD_D])
+            else:
+                v = tl.load(base + offs_n[:, None] * (2 * HEAD_D) + HEAD_D + offs_d[None, :], mask=col_ok[:, None],
+                            other=0.0)
             acc = _weigh_values(p, v, acc, alpha, PRECISION, PV16)
             f = f0 + offs_n
             kept = (offs_n < w_hi) & ((f < drop0) | (f >= drop1))
@@ -212,7 +226,7 @@ if AVAILABLE:
                     sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                    SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr):
+                    SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr = False):
         """``direct_attention``'s unit (also a phase of the persistent block kernel): query block ``mblk`` x
         key split ``split`` of (row b, head h). The keys are this chunk's [k|v] (CUR) followed by row b's own
         old frames, found through its SRC table row [offset from BASE, step stride, layer stride, present]
@@ -233,9 +247,10 @@ if AVAILABLE:
         # the current frames (queries and keys alike), then the old ones: each source loads with its own
         # contiguous strides; the softmax does not depend on the order the keys arrive in
         m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, nq), 0, row_ok, dst, present,
-                                     mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16)
+                                     mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA)
         m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, nq) - nq, k_hi - nq, nq, row_ok, dst,
-                                     present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16)
+                                     present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16,
+                                     TMA)
         _finish(acc, m_i, l_i, b, h, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
                 HEAD_D, SPLITS, ROUND_OUT)
 
@@ -244,11 +259,11 @@ if AVAILABLE:
                      sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
                      step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr):
+                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr):
         direct_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                     tl.num_programs(1), Q, CUR, BASE, SRC, DST, O, PACC, PML, sqb, sqh, sqm, sqd, scb, sch,
                     sob, soh, som, sod, step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
-                    HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16)
+                    HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16, TMA)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -419,17 +434,54 @@ def stream_table(rows: list[torch.Tensor | None], base: torch.Tensor) -> torch.T
     return torch.tensor(out, dtype=torch.int64)
 
 
+def device_tma(device: torch.device) -> bool:
+    """Can a kernel build TMA descriptors itself on ``device`` (Hopper or newer, a Triton with
+    ``tl.make_tensor_descriptor``)? The interpreter emulates them on the CPU."""
+    if not AVAILABLE or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if device.type == "cpu":
+        return interpreting()
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@contextmanager
+def descriptor_scratch(device: torch.device):
+    """Triton's allocator, for the launch only, set to give kernels that build TMA descriptors their global
+    scratch from torch's allocator on ``device`` (under graph capture: the graph's pool, so a replay finds
+    it at the address it was captured with). The previous allocator is restored afterwards."""
+    from triton.runtime import _allocation
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    var = _allocation._allocator
+    prev = var.get()
+    token = var.set(alloc)
+    try:
+        yield
+    finally:
+        if token is not None and hasattr(var, "reset"):
+            var.reset(token)
+        else:
+            var.set(prev)
+
+
 def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, layer: int, out: torch.Tensor,
                      precision: str = "tf32", block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                      num_stages: int = 2, splits: int = 1, round_out: bool = False,
-                     pv16: bool | None = None) -> torch.Tensor:
+                     pv16: bool | None = None, tma: bool = False) -> torch.Tensor:
     """Unmasked attention of q (R, H, T, D) over this chunk's keys ``cur`` (R, H, T, 2D) packed [k|v],
     then each row's own old frames (``streams``: no copy of them into a shared buffer first), at DiT
     block ``layer`` of Euler step ``streams.step``. Every key frame it reads is also written once into
     the row's trimmed successor. Same numerics as ``tiled_attention`` over the concatenated
-    [cur | old] cache (keys arrive in another tile grouping)."""
+    [cur | old] cache (keys arrive in another tile grouping). ``tma``: every (row, head) builds TMA
+    descriptors over its two key sources and loads tiles through them (``device_tma``; the per-stream
+    caches have no host descriptor), instead of pointer loads."""
     if not AVAILABLE:
         raise RuntimeError("direct_attention needs Triton")
+    if tma and not device_tma(q.device):
+        raise ValueError(f"direct_attention(tma=True): {q.device} cannot build TMA descriptors in a kernel (needs "
+                         "CUDA capability >= 9 and a Triton with tl.make_tensor_descriptor); pass tma=False")
     R, H, T, D = q.shape
     if q.dtype != torch.float32 or cur.dtype != torch.float32:
         raise TypeError(f"direct_attention is FP32 only, got q {q.dtype}, cur {cur.dtype}")
@@ -452,11 +504,16 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
         pml = torch.empty(R, H, splits, T, 2, device=q.device, dtype=torch.float32)
     else:
         pacc = pml = q
-    _attn_direct[(R, H, triton.cdiv(T, block_m) * splits)](
-        q, cur, streams.base, streams.src, streams.dst, out, pacc, pml, *q.stride(), cur.stride(0), cur.stride(1),
-        *out.stride(), streams.step, layer, T, streams.n_old, streams.n_out, d0, d1, float(D) ** -0.5, per_split,
-        HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, SPLITS=splits, ROUND_OUT=round_out,
-        PV16=pv16_for(out, precision) if pv16 is None else pv16, num_warps=num_warps, num_stages=num_stages)
+    if tma and (cur.data_ptr() % 16 or cur.stride(0) % 4 or cur.stride(1) % 4):
+        raise ValueError(f"direct_attention(tma=True): cur at {cur.data_ptr() % 16} bytes past 16-byte alignment "
+                         f"with strides {cur.stride()}; TMA needs 16-byte aligned (row, head) blocks")
+    with descriptor_scratch(q.device) if tma else nullcontext():
+        _attn_direct[(R, H, triton.cdiv(T, block_m) * splits)](
+            q, cur, streams.base, streams.src, streams.dst, out, pacc, pml, *q.stride(), cur.stride(0), cur.stride(1),
+            *out.stride(), streams.step, layer, T, streams.n_old, streams.n_out, d0, d1, float(D) ** -0.5, per_split,
+            HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, SPLITS=splits, ROUND_OUT=round_out,
+            PV16=pv16_for(out, precision) if pv16 is None else pv16, TMA=tma, num_warps=num_warps,
+            num_stages=num_stages)
     if splits > 1:
         _attn_combine[(R, H, triton.cdiv(T, block_m))](pacc, pml, out, *out.stride(), H, T,
                                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits,
