@@ -39,6 +39,7 @@ from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet, build_gene
 
 CHUNK_FRAMES = 50  # mel frames of a steady 1-s chunk (25 codes)
 ARENA_PATH = "fast path, arena solves (direct off)"   # the knobs-auto path as it ran before the direct solves
+PTR_PATH = "fast path, direct solves on pointer loads"   # session 14's direct attention (no TMA descriptors)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -128,6 +129,7 @@ def main() -> None:
              ("original DiT + Whole-Euler graph (cfm_fused_body: false)", {"cfm_fused_body": False}),
              ("fast path (knobs auto: fused + Whole-Euler graphs, TF32)", {}),
              (ARENA_PATH, {}),
+             (PTR_PATH, {}),
              (f"fast path + slot pool (cfm_slot_pool: {args.streams})", {"cfm_slot_pool": args.streams}),
              ("fast path, FP16 operands (cfm_fp16_operands: true)", {"cfm_fp16_operands": True}),
              (f"fast path + slot pool, FP16 operands (cfm_slot_pool: {args.streams}, cfm_fp16_operands: true)",
@@ -141,6 +143,10 @@ def main() -> None:
             for solver in (c2w.flow.chunk_solver, c2w_fast.flow.chunk_solver):
                 if solver is not None:
                     solver.direct = False
+        if label == PTR_PATH:
+            for solver in (c2w.flow.chunk_solver, c2w_fast.flow.chunk_solver):
+                if solver is not None and solver.fused is not None:
+                    solver.fused.direct_tma = False
         if extra is None:
             c2w.flow.chunk_solver = None
         streams = [c2w.open_stream(feats) for _ in range(args.streams)]
@@ -151,7 +157,7 @@ def main() -> None:
         rnd = statistics.median(timed(lambda: [chunk(s) for s in streams], max(3, args.reps // 3)))
         add({"path": label, "choice": choice.describe(), "vocoder": voc.describe_stream_path() + ", per stream",
              "whole_chunk_ms_b1": one, "round_ms_16_streams": rnd, "rtf_16_streams": rnd / 1000.0})
-        if args.flow_many and extra == {} and label != ARENA_PATH:
+        if args.flow_many and extra == {} and label not in (ARENA_PATH, PTR_PATH):
             flow_many_rows(res, c2w.flow, streams, g, args.reps)
         batched_round(c2w, streams, False)  # warm-up: captures the batch-16 graph on the fast paths
         rnd_b = statistics.median(timed(lambda: batched_round(c2w, streams, False), max(3, args.reps // 3)))

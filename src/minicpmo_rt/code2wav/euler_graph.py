@@ -119,6 +119,31 @@ class _Static:
     extra: dict = field(default_factory=dict)
 
 
+class _Upload:
+    """Host -> device copies into one small device tensor that never make the host wait for the device:
+    from two pinned buffers in turn, each refilled only once the copy that read it is done (a copy from
+    pageable memory blocks the host until everything queued before it has run, so the host could not
+    prepare the next solve while the device works)."""
+
+    def __init__(self, dev: torch.Tensor):
+        self.dev = dev
+        self.cuda = dev.is_cuda
+        if self.cuda:
+            self.host = [torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True) for _ in range(2)]
+            self.events = [torch.cuda.Event() for _ in range(2)]
+            self.k = 0
+
+    def __call__(self, value: torch.Tensor) -> None:
+        if not self.cuda:
+            self.dev.copy_(value)
+            return
+        self.k ^= 1
+        self.events[self.k].synchronize()
+        self.host[self.k].copy_(value)
+        self.dev.copy_(self.host[self.k], non_blocking=True)
+        self.events[self.k].record()
+
+
 class WholeEulerSolver:
     """Solve one chunk's CFM with the original or fused body, eagerly or from graphs."""
 
@@ -252,9 +277,10 @@ class WholeEulerSolver:
                 st.mask = torch.ones(R, Q, Q + O, device=device, dtype=torch.bool)
             if key.direct:
                 d0, d1 = key.direct
-                table = torch.zeros(R, 4, device=device, dtype=torch.int64)
+                tables = torch.zeros(2, R, 4, device=device, dtype=torch.int64)     # [src, dst]
                 # the tables hold offsets from the arena, a pointer with an alignment the compiler knows
-                st.streams = StreamKV(self._arena, table, table.clone(), O, Q + O - (d1 - d0), key.direct)
+                st.streams = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), key.direct)
+                st.extra["tables"] = _Upload(tables)
         else:
             st.att_in = z(self.S, self.depth, R, self.H, O, 2 * self.D)
             st.att_out = z(self.S, self.depth, R, self.H, Q + O, 2 * self.D)
@@ -490,9 +516,8 @@ class WholeEulerSolver:
             dst = lambda i, half: outs[:, :, half * B + i]          # noqa: E731
         rows = [(r % Bb, r // Bb) for r in range(2 * Bb)]
         base = st.streams.base
-        st.streams.src.copy_(stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base),
-                             non_blocking=True)
-        st.streams.dst.copy_(stream_table([dst(i, h) if i < B else None for i, h in rows], base), non_blocking=True)
+        st.extra["tables"](torch.stack([stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base),
+                                        stream_table([dst(i, h) if i < B else None for i, h in rows], base)]))
         return outs
 
     def _fill(self, st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L) -> None:
@@ -515,7 +540,7 @@ class WholeEulerSolver:
         if self.body == "fused":
             if L and st.streams is None:   # the bulk of a chunk's copying (8.4 GB at batch 16): 16 bytes per access
                 copy(st.kv[..., Q:Q + L, :], att_cache, B, Bb)
-            st.cnn_idx.copy_(torch.arange(T, T + self.K1))
+            torch.arange(T, T + self.K1, out=st.cnn_idx)    # on the device: a host copy would wait for it
             if st.mask is not None:
                 keys = torch.zeros(Q + O, dtype=torch.bool)
                 keys[:T] = True
