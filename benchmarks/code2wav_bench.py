@@ -22,7 +22,9 @@ at its steady length prompt + 100 = 400 frames, batch 1, 4, 8, 16. Rows:
                             copy out) and on the direct path (each stream's cache read in place, the
                             attention writes the trimmed successor; the default from batch 4, where the
                             staged body runs); also with FP16 operands; "direct everywhere" (direct=True)
-                            also at batch 1-2, in the persistent block kernel's attention phase
+                            also at batch 1-2, in the persistent block kernel's attention phase;
+                            "direct, pointer loads": the direct attention without the TMA descriptors it
+                            builds per (row, head) on Hopper (``FusedDiT.direct_tma = False``)
   fused + graph TF32 off    IEEE GEMMs; attention per the knobs (explicit fused => triton-tf32)
   fused + graph IEEE        IEEE GEMMs and IEEE Triton attention (the <=1e-5 configuration)
   upstream inference_chunk  minicpmo-utils 1.0.7 flow (encoder + CFM, batch 1 only: its
