@@ -237,3 +237,17 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     with pytest.raises(ValueError, match="aligned"):       # 4 elements (16 bytes) off the 64-byte grid
         stream_table([olds[0].view(-1)[4:4 + olds[0].numel() // 2].view(S, depth, 1, H, n_old, 2 * D)[:, :, 0]],
                      base)
+
+
+def test_direct_attention_refuses_tma_where_the_device_cannot(monkeypatch):
+    """``tma=True`` on a device without in-kernel TMA descriptors (pre-Hopper CUDA, an old Triton) is
+    refused by name before any launch, and says how to proceed."""
+    from minicpmo_rt.code2wav.kernels import tiled_attention as ta
+
+    monkeypatch.setattr(ta, "device_tma", lambda device: False)
+    R, H, T, D = 1, 1, 4, 16
+    q = torch.zeros(R, H, T, D)
+    tables = torch.zeros(R, 4, dtype=torch.int64)
+    streams = ta.StreamKV(q, tables, tables, 0, T, (T, T))
+    with pytest.raises(ValueError, match="cannot build TMA descriptors.*tma=False"):
+        ta.direct_attention(q, torch.zeros(R, H, T, 2 * D), streams, 0, torch.zeros(R, H, T, D), tma=True)
