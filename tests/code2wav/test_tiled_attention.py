@@ -251,3 +251,22 @@ def test_direct_attention_refuses_tma_where_the_device_cannot(monkeypatch):
     streams = ta.StreamKV(q, tables, tables, 0, T, (T, T))
     with pytest.raises(ValueError, match="cannot build TMA descriptors.*tma=False"):
         ta.direct_attention(q, torch.zeros(R, H, T, 2 * D), streams, 0, torch.zeros(R, H, T, D), tma=True)
+
+
+def test_descriptor_scratch_restores_the_previous_allocator():
+    """Triton's allocator is set only for a direct launch with in-kernel descriptors: the one in place
+    before comes back afterwards, also when the launch raises."""
+    from minicpmo_rt.code2wav.kernels import tiled_attention as ta
+
+    slot = ta._allocator_slot()
+    if slot is None:
+        pytest.skip("this Triton has no allocator slot")
+    before = slot.get()
+    with ta.descriptor_scratch(torch.device("cpu")):
+        buf = slot.get()(64, 16, None)
+        assert slot.get() is not before and buf.numel() == 64 and buf.device.type == "cpu"
+    assert slot.get() is before
+    with pytest.raises(RuntimeError, match="boom"):
+        with ta.descriptor_scratch(torch.device("cpu")):
+            raise RuntimeError("boom")
+    assert slot.get() is before

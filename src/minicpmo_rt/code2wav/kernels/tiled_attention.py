@@ -437,11 +437,22 @@ def stream_table(rows: list[torch.Tensor | None], base: torch.Tensor) -> torch.T
 def device_tma(device: torch.device) -> bool:
     """Can a kernel build TMA descriptors itself on ``device`` (Hopper or newer, a Triton with
     ``tl.make_tensor_descriptor``)? The interpreter emulates them on the CPU."""
-    if not AVAILABLE or not hasattr(tl, "make_tensor_descriptor"):
+    if not AVAILABLE or not hasattr(tl, "make_tensor_descriptor") or _allocator_slot() is None:
         return False
     if device.type == "cpu":
         return interpreting()
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _allocator_slot():
+    """Triton's per-context allocator slot (a ContextVar in Triton 3.3-3.9), or None in a Triton without one
+    (then ``device_tma`` says no: the allocator could not be restored after a launch)."""
+    try:
+        from triton.runtime import _allocation
+    except ImportError:
+        return None
+    var = getattr(_allocation, "_allocator", None)
+    return var if hasattr(var, "get") and hasattr(var, "set") else None
 
 
 @contextmanager
@@ -449,12 +460,12 @@ def descriptor_scratch(device: torch.device):
     """Triton's allocator, for the launch only, set to give kernels that build TMA descriptors their global
     scratch from torch's allocator on ``device`` (under graph capture: the graph's pool, so a replay finds
     it at the address it was captured with). The previous allocator is restored afterwards."""
-    from triton.runtime import _allocation
-
     def alloc(size: int, alignment: int, stream):
         return torch.empty(size, dtype=torch.int8, device=device)
 
-    var = _allocation._allocator
+    var = _allocator_slot()
+    if var is None:
+        raise RuntimeError("descriptor_scratch: this Triton has no allocator slot (triton.runtime._allocation)")
     prev = var.get()
     token = var.set(alloc)
     try:
