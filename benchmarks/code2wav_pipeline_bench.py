@@ -139,14 +139,13 @@ def main() -> None:
             continue
         choice = c2w.configure_fast_path(extra or {})
         c2w_fast.configure_fast_path(extra or {})    # the same knobs (its slot pool, if any, is its own)
-        if label == ARENA_PATH:                      # the solves before the direct path: copy in, trim out
-            for solver in (c2w.flow.chunk_solver, c2w_fast.flow.chunk_solver):
-                if solver is not None:
-                    solver.direct = False
-        if label == PTR_PATH:
-            for solver in (c2w.flow.chunk_solver, c2w_fast.flow.chunk_solver):
-                if solver is not None and solver.fused is not None:
-                    solver.fused.direct_tma = False
+        for solver in (c2w.flow.chunk_solver, c2w_fast.flow.chunk_solver):
+            if solver is None:
+                continue
+            if label == ARENA_PATH:                  # the solves before the direct path: copy in, trim out
+                solver.direct = False
+            if label == PTR_PATH and solver.fused is not None:
+                solver.fused.direct_tma = False
         if extra is None:
             c2w.flow.chunk_solver = None
         streams = [c2w.open_stream(feats) for _ in range(args.streams)]

@@ -47,6 +47,7 @@ from . import bulk_copy
 from .fused_dit import SC_MSA, SH_MSA, FusedDiT, Modulation, dot_precision
 from .kernels import dit_block, euler_step
 from .kernels.tiled_attention import StreamKV, stream_table
+from .pinned import PinnedUpload
 from .precision import matmul_tf32
 
 __all__ = ["GraphConfig", "SolveKey", "WholeEulerSolver"]
@@ -117,31 +118,6 @@ class _Static:
     pos: torch.Tensor | None = None     # slot pool: (2Bb, Q) frames the current K/V go to
     streams: StreamKV | None = None     # direct solve: each row's own old cache and trimmed successor
     extra: dict = field(default_factory=dict)
-
-
-class _Upload:
-    """Host -> device copies into one small device tensor that never make the host wait for the device:
-    from two pinned buffers in turn, each refilled only once the copy that read it is done (a copy from
-    pageable memory blocks the host until everything queued before it has run, so the host could not
-    prepare the next solve while the device works)."""
-
-    def __init__(self, dev: torch.Tensor):
-        self.dev = dev
-        self.cuda = dev.is_cuda
-        if self.cuda:
-            self.host = [torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True) for _ in range(2)]
-            self.events = [torch.cuda.Event() for _ in range(2)]
-            self.k = 0
-
-    def __call__(self, value: torch.Tensor) -> None:
-        if not self.cuda:
-            self.dev.copy_(value)
-            return
-        self.k ^= 1
-        self.events[self.k].synchronize()
-        self.host[self.k].copy_(value)
-        self.dev.copy_(self.host[self.k], non_blocking=True)
-        self.events[self.k].record()
 
 
 class WholeEulerSolver:
@@ -280,7 +256,7 @@ class WholeEulerSolver:
                 tables = torch.zeros(2, R, 4, device=device, dtype=torch.int64)     # [src, dst]
                 # the tables hold offsets from the arena, a pointer with an alignment the compiler knows
                 st.streams = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), key.direct)
-                st.extra["tables"] = _Upload(tables)
+                st.extra["tables"] = PinnedUpload(tables)
         else:
             st.att_in = z(self.S, self.depth, R, self.H, O, 2 * self.D)
             st.att_out = z(self.S, self.depth, R, self.H, Q + O, 2 * self.D)

@@ -27,6 +27,7 @@ import torch
 
 from . import bulk_copy
 from .euler_graph import GraphConfig, SolveKey, WholeEulerSolver, _Static
+from .pinned import PinnedUpload
 from .precision import matmul_tf32
 
 __all__ = ["SlotPool", "SlotHandle", "SlotSolver"]
@@ -257,38 +258,23 @@ class SlotSolver(WholeEulerSolver):
 
 class _Staging:
     """Host-side index buffers of one (batch bucket, query bucket): int32
-    ``[rows (2Bb) | frames (Bb, Q) | keys (Bb, F) | noise columns (Bb*Q)]``.
-
-    On CUDA two pinned buffers alternate and each upload is one non-blocking copy; a buffer is
-    rewritten only after its previous copy has run (an event, normally long complete). On the
-    CPU the host buffer is the device buffer.
-    """
+    ``[rows (2Bb) | frames (Bb, Q) | keys (Bb, F) | noise columns (Bb*Q)]``, uploaded without making
+    the host wait for the device (``pinned.PinnedUpload``)."""
 
     def __init__(self, Bb: int, Q: int, F: int, device):
-        device = torch.device(device)
         self.Bb, self.Q, self.F = Bb, Q, F
         self.o_pos = 2 * Bb
         self.o_keys = self.o_pos + Bb * Q
         self.o_noise = self.o_keys + Bb * F
         self.n = self.o_noise + Bb * Q
         self.arange = np.arange(max(Q, 1), dtype=np.int32)
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.host = [torch.empty(self.n, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-            self.events = [torch.cuda.Event() for _ in range(2)]
-            self.dev = torch.empty(self.n, dtype=torch.int32, device=device)
-        else:
-            self.host = [torch.empty(self.n, dtype=torch.int32)]
-            self.dev = self.host[0]
-        self.np = [h.numpy() for h in self.host]
-        self.k = 0
+        self.up = PinnedUpload(torch.empty(self.n, dtype=torch.int32, device=device))
+        self.np = [h.numpy() for h in self.up.host]
 
     def begin(self, B: int, T: int):
         """Views (rows, frames, keys, noise columns) of the next host buffer, keys cleared."""
-        if self.cuda:
-            self.k ^= 1
-            self.events[self.k].synchronize()
-        a = self.np[self.k]
+        self.up.begin()
+        a = self.np[self.up.k]
         keys = a[self.o_keys:self.o_noise].reshape(self.Bb, self.F)
         keys[:] = 0
         return (a[:self.o_pos], a[self.o_pos:self.o_keys].reshape(self.Bb, self.Q), keys,
@@ -296,11 +282,7 @@ class _Staging:
 
     def upload(self, B: int, T: int):
         """Device views (rows, frames, keys, noise columns) of the buffer filled since ``begin``."""
-        if self.cuda:
-            n = self.o_noise + B * T
-            self.dev[:n].copy_(self.host[self.k][:n], non_blocking=True)
-            self.events[self.k].record()
-        d = self.dev
+        d = self.up.upload(self.o_noise + B * T)
         return (d[:self.o_pos], d[self.o_pos:self.o_keys].view(self.Bb, self.Q),
                 d[self.o_keys:self.o_noise].view(self.Bb, self.F), d[self.o_noise:self.o_noise + B * T])
 

@@ -22,6 +22,7 @@ trimmed successor, the next chunk's cache (``euler_graph``'s direct solves).
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
@@ -434,6 +435,7 @@ def stream_table(rows: list[torch.Tensor | None], base: torch.Tensor) -> torch.T
     return torch.tensor(out, dtype=torch.int64)
 
 
+@functools.lru_cache(maxsize=None)
 def device_tma(device: torch.device) -> bool:
     """Can a kernel build TMA descriptors itself on ``device`` (Hopper or newer, a Triton with
     ``tl.make_tensor_descriptor``)? The interpreter emulates them on the CPU."""
