@@ -24,6 +24,36 @@ def test_cpu_staging_returns_an_independent_copy_of_any_array():
     assert torch.equal(t, torch.ones(5, dtype=torch.int64))  # a copy, never the caller's tensor
 
 
+def test_cpu_upload_into_out_copies_in_place():
+    """On the CPU an upload with ``out`` (the direct solve's address tables, the slot pool's indices: device
+    tensors a CUDA graph reads at fixed addresses) is a plain copy into ``out``."""
+    dev = torch.zeros(2, 3, 4, dtype=torch.int64)
+    st = HostStaging("cpu", slots=2)
+    st.upload(torch.arange(24).view(2, 3, 4), out=dev)
+    assert torch.equal(dev, torch.arange(24).view(2, 3, 4))
+    st.upload(np.arange(24).reshape(2, 3, 4), out=dev)
+    assert torch.equal(dev, torch.arange(24).view(2, 3, 4))
+    with pytest.raises(ValueError, match="out is"):
+        st.upload(torch.arange(24), out=dev)
+
+
+@requires_cuda
+def test_cuda_upload_into_out_never_overwrites_a_pending_copy():
+    """Uploads into one fixed device tensor run ahead of the device (pinned slots in turn, no host wait):
+    with the device held busy, 40 uploads each read by the kernel queued after it must all see their own
+    values (a refilled slot whose copy had not yet run would show a later round's)."""
+    dev = torch.zeros(2, 8, 4, dtype=torch.int64, device="cuda")
+    st = HostStaging("cuda", slots=2)
+    sums = torch.zeros(40, dtype=torch.int64, device="cuda")
+    big = torch.randn(4096, 4096, device="cuda")
+    for i in range(40):
+        big = big @ big.clamp(-1, 1) / 4096          # keeps the device behind the host
+        st.upload(torch.full((2, 8, 4), i, dtype=torch.int64), out=dev)
+        sums[i] = dev.sum()
+    torch.cuda.synchronize()
+    assert torch.equal(sums.cpu(), torch.arange(40) * 64)
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="slots=0"):
         HostStaging("cpu", slots=0)

@@ -47,7 +47,7 @@ from . import bulk_copy
 from .fused_dit import SC_MSA, SH_MSA, FusedDiT, Modulation, dot_precision
 from .kernels import dit_block, euler_step
 from .kernels.tiled_attention import StreamKV, stream_table
-from .pinned import PinnedUpload
+from ..thinker.staging import HostStaging
 from .precision import matmul_tf32
 
 __all__ = ["GraphConfig", "SolveKey", "WholeEulerSolver"]
@@ -140,6 +140,7 @@ class WholeEulerSolver:
         self.cfm = cfm
         self.step_kernels = step_kernels
         self.direct = direct
+        self._uploads: HostStaging | None = None     # _host_uploads
         self.dit = cfm.estimator
         self.body = body
         self.tf32 = bool(tf32)
@@ -256,7 +257,7 @@ class WholeEulerSolver:
                 tables = torch.zeros(2, R, 4, device=device, dtype=torch.int64)     # [src, dst]
                 # the tables hold offsets from the arena, a pointer with an alignment the compiler knows
                 st.streams = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), key.direct)
-                st.extra["tables"] = PinnedUpload(tables)
+                st.extra["tables"] = tables
         else:
             st.att_in = z(self.S, self.depth, R, self.H, O, 2 * self.D)
             st.att_out = z(self.S, self.depth, R, self.H, Q + O, 2 * self.D)
@@ -492,9 +493,17 @@ class WholeEulerSolver:
             dst = lambda i, half: outs[:, :, half * B + i]          # noqa: E731
         rows = [(r % Bb, r // Bb) for r in range(2 * Bb)]
         base = st.streams.base
-        st.extra["tables"](torch.stack([stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base),
-                                        stream_table([dst(i, h) if i < B else None for i, h in rows], base)]))
+        tables = torch.stack([stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base),
+                              stream_table([dst(i, h) if i < B else None for i, h in rows], base)])
+        self._host_uploads(dev).upload(tables, out=st.extra["tables"])
         return outs
+
+    def _host_uploads(self, device) -> HostStaging:
+        """The solver's host -> device uploads (index and address tables): through pinned buffers, since a
+        copy from pageable memory would wait for the device and staging could not run ahead of it."""
+        if self._uploads is None or self._uploads.device != torch.device(device):
+            self._uploads = HostStaging(device, slots=2)
+        return self._uploads
 
     def _fill(self, st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L) -> None:
         Bb, Q, O = st.key.batch, st.key.query, st.key.offset

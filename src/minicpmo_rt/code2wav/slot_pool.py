@@ -27,7 +27,7 @@ import torch
 
 from . import bulk_copy
 from .euler_graph import GraphConfig, SolveKey, WholeEulerSolver, _Static
-from .pinned import PinnedUpload
+from ..thinker.staging import HostStaging
 from .precision import matmul_tf32
 
 __all__ = ["SlotPool", "SlotHandle", "SlotSolver"]
@@ -174,7 +174,7 @@ class SlotSolver(WholeEulerSolver):
         key = (Bb, Q, self.pool.frames, device)
         stg = self._staging.get(key)
         if stg is None:
-            stg = self._staging[key] = _Staging(Bb, Q, self.pool.frames, device)
+            stg = self._staging[key] = _Staging(Bb, Q, self.pool.frames, self._host_uploads(device))
         return stg
 
     @torch.inference_mode()
@@ -258,23 +258,23 @@ class SlotSolver(WholeEulerSolver):
 
 class _Staging:
     """Host-side index buffers of one (batch bucket, query bucket): int32
-    ``[rows (2Bb) | frames (Bb, Q) | keys (Bb, F) | noise columns (Bb*Q)]``, uploaded without making
-    the host wait for the device (``pinned.PinnedUpload``)."""
+    ``[rows (2Bb) | frames (Bb, Q) | keys (Bb, F) | noise columns (Bb*Q)]``, filled on the host and
+    uploaded into one device buffer through ``uploads`` (pinned: the host never waits for the device)."""
 
-    def __init__(self, Bb: int, Q: int, F: int, device):
+    def __init__(self, Bb: int, Q: int, F: int, uploads: HostStaging):
         self.Bb, self.Q, self.F = Bb, Q, F
         self.o_pos = 2 * Bb
         self.o_keys = self.o_pos + Bb * Q
         self.o_noise = self.o_keys + Bb * F
         self.n = self.o_noise + Bb * Q
         self.arange = np.arange(max(Q, 1), dtype=np.int32)
-        self.up = PinnedUpload(torch.empty(self.n, dtype=torch.int32, device=device))
-        self.np = [h.numpy() for h in self.up.host]
+        self.uploads = uploads
+        self.host = np.empty(self.n, dtype=np.int32)
+        self.dev = torch.empty(self.n, dtype=torch.int32, device=uploads.device)
 
     def begin(self, B: int, T: int):
-        """Views (rows, frames, keys, noise columns) of the next host buffer, keys cleared."""
-        self.up.begin()
-        a = self.np[self.up.k]
+        """Views (rows, frames, keys, noise columns) of the host buffer, keys cleared."""
+        a = self.host
         keys = a[self.o_keys:self.o_noise].reshape(self.Bb, self.F)
         keys[:] = 0
         return (a[:self.o_pos], a[self.o_pos:self.o_keys].reshape(self.Bb, self.Q), keys,
@@ -282,7 +282,9 @@ class _Staging:
 
     def upload(self, B: int, T: int):
         """Device views (rows, frames, keys, noise columns) of the buffer filled since ``begin``."""
-        d = self.up.upload(self.o_noise + B * T)
+        n = self.o_noise + B * T
+        d = self.dev
+        self.uploads.upload(self.host[:n], out=d[:n])
         return (d[:self.o_pos], d[self.o_pos:self.o_keys].view(self.Bb, self.Q),
                 d[self.o_keys:self.o_noise].view(self.Bb, self.F), d[self.o_noise:self.o_noise + B * T])
 

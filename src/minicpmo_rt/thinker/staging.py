@@ -40,19 +40,25 @@ class HostStaging:
         self.uploads = 0
         self.waits = 0   # uploads that found their slot's previous copy still running
 
-    def upload(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """A new device tensor holding ``array`` (same dtype and shape); returns at once."""
+    def upload(self, array: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A new device tensor holding ``array`` (same dtype and shape); returns at once. ``out``: a device
+        tensor of that shape and dtype to copy into instead (one a CUDA graph reads at a fixed address)."""
         if isinstance(array, np.ndarray):
             dtype, shape = _TORCH_DTYPES.get(array.dtype), array.shape
             if dtype is None:
                 raise TypeError(f"HostStaging.upload: numpy dtype {array.dtype} is not supported")
         else:
             dtype, shape = array.dtype, array.shape
-            if self.device.type != "cuda" or array.device.type != "cpu":
-                return array.to(self.device, copy=True)
+        if out is not None and (out.shape != shape or out.dtype != dtype or out.device.type != self.device.type):
+            raise ValueError(f"HostStaging.upload: out is {tuple(out.shape)} {out.dtype} on {out.device}, the "
+                             f"upload {tuple(shape)} {dtype} to {self.device}")
+        if isinstance(array, torch.Tensor) and (self.device.type != "cuda" or array.device.type != "cpu"):
+            return array.to(self.device, copy=True) if out is None else out.copy_(array)
         if self.device.type != "cuda":
-            return torch.from_numpy(np.array(array, copy=True)).to(self.device)
-        out = torch.empty(shape, dtype=dtype, device=self.device)
+            host = torch.from_numpy(np.array(array, copy=True))
+            return host.to(self.device) if out is None else out.copy_(host)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=self.device)
         nbytes = out.numel() * out.element_size()
         if nbytes == 0:
             return out
