@@ -5,19 +5,25 @@ does, in a subprocess, because the test session imports the kernels under ``TRIT
 The Whole-Euler solves (staged body, persistent block kernel, slot pool, TF32 and IEEE, masked and
 unmasked, few rows and a full grid) run on CPU tensors at the full DiT width (depth 2) with
 ``JITFunction.run`` replaced: each launch's (kernel, argument types, constexprs, warps, stages) is
-compiled through Triton's code generator and the NVIDIA backend (TTIR -> TTGIR -> LLVM -> PTX) for
-SM90, and the attention for SM80 too, instead of being run. Outputs are never computed, so the
+compiled through Triton's code generator and the NVIDIA backend (TTIR -> TTGIR -> LLVM -> PTX -> cubin)
+for SM90, and the attention for SM80 too, instead of being run. Each compile prints ptxas's spill
+report; the attention kernels (``NO_SPILL``) must not spill more than SPILL_LIMIT bytes per thread for
+SM90. Outputs are never computed, so the
 numbers the solves produce are garbage; only compilation is checked.
 
 Why: the CPU tests run kernels through Triton's interpreter, which executes Python and accepts code
 the compiler rejects (a helper returning from inside a ``constexpr`` branch passed every interpreter
-test and failed to compile on the H200). Exit status: 0 all compiled, 1 a kernel failed to compile,
+test and failed to compile on the H200). Exit status: 0 all compiled, 1 a kernel failed to compile (or an attention kernel spilled too much),
 3 this Triton's internals differ from what the harness expects (the test then skips).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import os
+import re
 import sys
 import time
 import traceback
@@ -46,13 +52,32 @@ def arg_type(v) -> str:
     raise HarnessError(f"no Triton type for a launch argument of type {type(v).__name__}")
 
 
+# Kernels whose every launch must not spill registers on SM90 beyond SPILL_LIMIT bytes of spill stores per
+# thread: the attention keeps its tiles in registers, and an IEEE 64-query block spilled 5-6 KB per thread,
+# which made the IEEE solve 4x slower on the H200. The TF32 shapes spill at most 132 bytes (Triton 3.6 on
+# the H200 and 3.9 here, benchmarks/results/compile_spills_session16.md); SM80 is reported, not checked.
+NO_SPILL = {"_attn_fwd", "_attn_direct", "_attn_combine"}
+SPILL_LIMIT = 512
+
+
+def spill_bytes(ptxas_log: str) -> int | None:
+    """Bytes of spill stores in a ptxas -v report (the largest over its functions), None without a report
+    (a Triton that does not print it)."""
+    found = [int(m) for m in re.findall(r"(\d+) bytes spill stores", ptxas_log)]
+    return max(found) if found else None
+
+
 def main() -> int:
+    # every launch compiled here, with ptxas's resource report printed (and captured per compile)
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     compiled: dict[tuple, float] = {}
+    spilled: list[str] = []
 
     def capture(self, *args, grid, warmup, **kwargs):
         try:
@@ -83,14 +108,23 @@ def main() -> int:
         if key in compiled:
             return None
         t0 = time.time()
+        spill = {}
         for cap in caps:
+            log = io.StringIO()
             try:
-                triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
+                with contextlib.redirect_stdout(log):     # ptxas's -v report (TRITON_DUMP_PTXAS_LOG, set in main)
+                    triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
             except Exception as exc:
                 named = {self.arg_names[i[0]]: v for i, v in consts.items()}
                 raise RuntimeError(f"{self.fn.__name__} does not compile for sm{cap} with {named} {opts}") from exc
+            spill[cap] = spill_bytes(log.getvalue())
         compiled[key] = time.time() - t0
-        print(f"compiled {self.fn.__name__:18s} sm{'/sm'.join(map(str, caps))} {compiled[key]:5.1f}s", flush=True)
+        named = {self.arg_names[i[0]]: v for i, v in consts.items() if isinstance(v, (bool, int, str))}
+        print(f"compiled {self.fn.__name__:18s} sm{'/sm'.join(map(str, caps))} {compiled[key]:5.1f}s spills "
+              f"{'/'.join('?' if spill[c] is None else str(spill[c]) for c in caps)} {opts} {named}", flush=True)
+        if self.fn.__name__ in NO_SPILL and (spill.get(90) or 0) > SPILL_LIMIT:
+            spilled.append(f"{self.fn.__name__} spills registers ({spill} bytes of spill stores by target) with "
+                           f"{named} {opts}: pick a launch shape that fits (fused_dit._attn_shape / _direct_shape)")
         return None
 
     JITFunction.run = capture
@@ -101,6 +135,9 @@ def main() -> int:
         return 3
     except Exception:  # noqa: BLE001 - report the compile failure
         traceback.print_exc()
+        return 1
+    if spilled:
+        print("SPILLS:\n" + "\n".join(spilled), flush=True)
         return 1
     print(f"ok: {len(compiled)} kernel specialisations, {sum(compiled.values()):.0f}s", flush=True)
     return 0

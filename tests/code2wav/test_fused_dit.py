@@ -169,15 +169,35 @@ def test_split_k_partials_match_original(use_triton):
 
 def test_attention_launch_shape_by_grid_fill():
     fused = FusedDiT(our_dit(seed=1))
-    assert fused._attn_shape(2, 8, 50) == (16, 8, 2, False)     # batch 1: 64 programs -> keys split 8 ways
-    assert fused._attn_shape(8, 8, 50) == (16, 2, 2, False)
-    assert fused._attn_shape(32, 8, 50) == (32, 1, 2, False)    # batch 16: the grid is full already
+    assert fused._attn_shape(2, 8, 50) == (16, 8, 2, False, 4)     # batch 1: 64 programs -> keys split 8 ways
+    assert fused._attn_shape(8, 8, 50) == (16, 2, 2, False, 4)
+    assert fused._attn_shape(32, 8, 50) == (32, 1, 2, False, 4)    # batch 16: the grid is full already
     # where TMA loads can run (Hopper, packed cache) a full grid takes them with 64-query blocks, 3 stages
-    assert fused._attn_shape(32, 8, 50, tma_ok=True) == (64, 1, 3, True)
-    assert fused._attn_shape(8, 8, 50, tma_ok=True) == (16, 2, 2, False)
-    assert FusedDiT(our_dit(seed=1), attn_tma=False)._attn_shape(32, 8, 50, tma_ok=True) == (32, 1, 2, False)
-    assert FusedDiT(our_dit(seed=1), attn_tma=True)._attn_shape(8, 8, 50, tma_ok=True) == (16, 2, 3, True)
-    assert FusedDiT(our_dit(seed=1), attn_splits=3, attn_block_m=64)._attn_shape(2, 8, 50) == (64, 3, 2, False)
+    assert fused._attn_shape(32, 8, 50, tma_ok=True) == (64, 1, 3, True, 4)
+    assert fused._attn_shape(8, 8, 50, tma_ok=True) == (16, 2, 2, False, 4)
+    assert FusedDiT(our_dit(seed=1), attn_tma=False)._attn_shape(32, 8, 50, tma_ok=True) == (32, 1, 2, False, 4)
+    assert FusedDiT(our_dit(seed=1), attn_tma=True)._attn_shape(8, 8, 50, tma_ok=True) == (16, 2, 3, True, 4)
+    assert FusedDiT(our_dit(seed=1), attn_splits=3, attn_block_m=64)._attn_shape(2, 8, 50) == (64, 3, 2, False, 4)
+
+
+def test_ieee_attention_takes_blocks_that_fit_in_registers():
+    """IEEE dots keep their tiles in registers: a 64-query block spilled (IEEE solve at batch 16 on the
+    H200: 515 ms against 121), so IEEE attention caps its query block at IEEE_BLOCK_M on IEEE_WARPS warps
+    and loads through pointers, in both the staged and the direct attention; explicit settings are taken
+    as given.
+    (That the capped shapes compile without spills is checked by compile_gate.py.)"""
+    from minicpmo_rt.code2wav.fused_dit import IEEE_BLOCK_M, IEEE_WARPS
+    ieee = FusedDiT(our_dit(seed=1), attention="triton-ieee")
+    assert ieee._attn_shape(32, 8, 50, tma_ok=True) == (IEEE_BLOCK_M, 1, 2, False, IEEE_WARPS)
+    assert ieee._attn_shape(32, 8, 50) == (32, 1, 2, False, IEEE_WARPS)
+    assert ieee._attn_shape(2, 8, 50) == (16, 8, 2, False, 4)       # small blocks keep 4 warps
+    assert ieee._direct_shape(16, 8, 50, tma_ok=True) == (IEEE_BLOCK_M, 1, 3, False, IEEE_WARPS)
+    tf32 = FusedDiT(our_dit(seed=1), attention="triton-tf32")
+    assert tf32._direct_shape(16, 8, 50, tma_ok=True) == (64, 1, 3, True, 4)
+    explicit = FusedDiT(our_dit(seed=1), attention="triton-ieee", attn_block_m=64, attn_tma=True)
+    explicit.attn_warps, explicit.direct_tma = 4, True
+    assert explicit._attn_shape(32, 8, 50, tma_ok=True) == (64, 1, 3, True, 4)
+    assert explicit._direct_shape(16, 8, 50, tma_ok=True) == (64, 1, 3, True, 4)
 
 
 def test_direct_attention_launch_shape_and_guard():
@@ -186,10 +206,10 @@ def test_direct_attention_launch_shape_and_guard():
     attention cannot serve them (a mask, pooled rows, SDPA attention) instead of reading the wrong keys."""
     from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV
     fused = FusedDiT(our_dit(seed=1))
-    assert fused._direct_shape(8, 8, 50) == (64, 2, 3)          # batch 4: 64 rows x heads -> 2 key splits
-    assert fused._direct_shape(16, 8, 50) == (64, 1, 3)         # batch 8: a full grid
-    assert fused._direct_shape(8, 8, 6) == (16, 2, 3)
-    assert FusedDiT(our_dit(seed=1), attn_splits=4, attn_block_m=32)._direct_shape(8, 8, 50) == (32, 4, 3)
+    assert fused._direct_shape(8, 8, 50)[:3] == (64, 2, 3)          # batch 4: 64 rows x heads -> 2 key splits
+    assert fused._direct_shape(16, 8, 50)[:3] == (64, 1, 3)         # batch 8: a full grid
+    assert fused._direct_shape(8, 8, 6)[:3] == (16, 2, 3)
+    assert FusedDiT(our_dit(seed=1), attn_splits=4, attn_block_m=32)._direct_shape(8, 8, 50)[:3] == (32, 4, 3)
     R, T = 2, 5
     L = fused.L
     ws = fused.workspace(R, T, "cpu")

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,13 @@ OperandKind = Literal["fp32", "fp16"]
 # 16-query blocks and keys split until ~512 programs (2 rows x 8 heads: 18.3 -> 8.6 us).
 ATTN_FULL_GRID_ROWS_HEADS = 128
 ATTN_TARGET_PROGRAMS = 512
+# IEEE dots (attention "triton-ieee") run on the FMA units with each thread's share of the q, k, v and p
+# tiles in registers: a 64-query block spills (ptxas for SM90: 5-6 KB of stack per thread; H200, IEEE
+# solve at B=16 515 ms against 121 before the 64-query TMA shape), a 32-query block over 4 warps or with
+# TMA-staged tiles spills a little, over 8 warps on pointer loads not at all (compile_gate.py checks). So
+# IEEE attention takes at most IEEE_BLOCK_M queries per program, on IEEE_WARPS warps, without TMA (the
+# TF32 shapes above are unchanged).
+IEEE_BLOCK_M, IEEE_WARPS = 32, 8
 # direct_attention (each stream's cache read in place) below a full grid: keys split to ~128 programs,
 # one query block each (H200, batch 4 = 64 rows x heads, ms per chunk: 2 splits 16.89, 8 splits 18.57)
 DIRECT_TARGET_PROGRAMS = 128
@@ -102,6 +109,16 @@ WIDE_QKV_LN_MAX_ROWS: int | None = None
 
 # adaLN chunk order of the original block
 SH_MSA, SC_MSA, G_MSA, SH_MLP, SC_MLP, G_MLP, SH_CONV, SC_CONV, G_CONV = range(9)
+
+
+class AttnShape(NamedTuple):
+    """How the staged body launches its Triton attention (``FusedDiT._attn_shape`` / ``_direct_shape``)."""
+
+    block_m: int        # queries per program
+    splits: int         # key splits (partials combined by a second kernel when > 1)
+    stages: int         # software-pipelining depth of the key loop
+    tma: bool           # K/V tiles through a host TMA descriptor (tiled_attention only)
+    warps: int
 
 
 @dataclass(frozen=True)
@@ -281,6 +298,7 @@ class FusedDiT:
         self.use_triton = TRITON_AVAILABLE if use_triton is None else use_triton
         self.gemm, self.attn_splits, self.attn_block_m, self.split_k = gemm, attn_splits, attn_block_m, split_k
         self.attn_tma, self.attn_stages = attn_tma, attn_stages
+        self.attn_warps: int | None = None     # the attention's warps (None: by precision, ``_ieee_cap``)
         self.wide = wide_gemm
         self.wide_qkv_ln_max_rows = WIDE_QKV_LN_MAX_ROWS
         self.attn_pv16: bool | None = None     # P @ V in FP16 (None: with FP16 operands; tiled_attention.pv16_for)
@@ -488,19 +506,20 @@ class FusedDiT:
         D = self.L.head_dim
         q = ws.q.transpose(1, 2)                 # (R, H, T, D) view
         if streams is not None:                  # kv holds this chunk's frames only; the old ones stay put
-            bm, splits, stages = self._direct_shape(q.shape[0], q.shape[1], q.shape[2])
+            shape = self._direct_shape(q.shape[0], q.shape[1], q.shape[2], device_tma(q.device))
             direct_attention(q, kv, streams, layer, ws.o.transpose(1, 2),
-                             precision="tf32" if self.attention == "triton-tf32" else "ieee", block_m=bm,
-                             splits=splits, num_stages=stages, round_out=round_out, pv16=self.attn_pv16,
-                             tma=device_tma(q.device) if self.direct_tma is None else self.direct_tma)
+                             precision="tf32" if self.attention == "triton-tf32" else "ieee", block_m=shape.block_m,
+                             splits=shape.splits, num_stages=shape.stages, num_warps=shape.warps,
+                             round_out=round_out, pv16=self.attn_pv16, tma=shape.tma)
             return
         k, v = kv[..., :D], kv[..., D:]
         if self.attention != "sdpa" and self._triton(q):
             tma_ok = _has_tma(q.device) and (self.attn_tma or packed_kv(k, v) is not None)
-            bm, splits, stages, tma = self._attn_shape(q.shape[0], q.shape[1], q.shape[2], tma_ok)
+            shape = self._attn_shape(q.shape[0], q.shape[1], q.shape[2], tma_ok)
             tiled_attention(q, k, v, mask, kv_rows=rows,
                             precision="tf32" if self.attention == "triton-tf32" else "ieee",
-                            out=ws.o.transpose(1, 2), block_m=bm, splits=splits, num_stages=stages, tma=tma,
+                            out=ws.o.transpose(1, 2), block_m=shape.block_m, splits=shape.splits,
+                            num_stages=shape.stages, num_warps=shape.warps, tma=shape.tma,
                             round_out=round_out, pv16=self.attn_pv16)
         else:
             o = sdpa_attention(q, k, v, mask, rows).transpose(1, 2)
@@ -508,14 +527,24 @@ class FusedDiT:
             if round_out and ws.o.dtype == torch.float32:
                 dit_block.round_tf32_(ws.o)
 
-    def _attn_shape(self, R: int, H: int, T: int, tma_ok: bool = False) -> tuple[int, int, int, bool]:
-        """(query block, key splits, pipeline stages, TMA loads) for R rows x H heads x T queries;
-        ``tma_ok``: the device and cache can take TMA descriptor loads."""
+    def _attn_shape(self, R: int, H: int, T: int, tma_ok: bool = False) -> AttnShape:
+        """Launch shape for R rows x H heads x T queries; ``tma_ok``: the device and cache can take TMA
+        descriptor loads."""
         full = R * H >= ATTN_FULL_GRID_ROWS_HEADS
-        tma = tma_ok and (full if self.attn_tma is None else self.attn_tma)
-        bm = self.attn_block_m or (64 if tma and full else 32 if full else 16)
+        ieee = self.attention == "triton-ieee"      # FMA dots: TMA's smem staging made them spill
+        tma = tma_ok and (full and not ieee if self.attn_tma is None else self.attn_tma)
+        bm, warps = self._ieee_cap(self.attn_block_m or (64 if tma and full else 32 if full else 16))
         stages = self.attn_stages or (3 if tma else 2)
-        return bm, self._key_splits(R, H, T, bm, ATTN_TARGET_PROGRAMS), stages, tma
+        return AttnShape(bm, self._key_splits(R, H, T, bm, ATTN_TARGET_PROGRAMS), stages, tma, warps)
+
+    def _ieee_cap(self, bm: int) -> tuple[int, int]:
+        """(query block, warps): ``bm`` on 4 warps, or for IEEE dots at most IEEE_BLOCK_M on IEEE_WARPS (an
+        explicit ``attn_block_m`` / ``attn_warps`` is taken as given)."""
+        if self.attention != "triton-ieee":
+            return bm, self.attn_warps or 4
+        if self.attn_block_m is None:
+            bm = min(bm, IEEE_BLOCK_M)
+        return bm, self.attn_warps or (IEEE_WARPS if bm >= IEEE_BLOCK_M else 4)
 
     def _key_splits(self, R: int, H: int, T: int, bm: int, target: int) -> int:
         """The attention's key splits: ``attn_splits`` if set, 1 on a full grid, else enough (at most 8)
@@ -526,12 +555,15 @@ class FusedDiT:
             return 1
         return max(1, min(8, target // (R * H * -(-T // bm))))
 
-    def _direct_shape(self, R: int, H: int, T: int) -> tuple[int, int, int]:
-        """(query block, key splits, stages) of ``direct_attention``: one query block per (row, head) up to
-        64 queries (more blocks would each re-read every key tile); keys split to about
-        DIRECT_TARGET_PROGRAMS programs below a full grid."""
-        bm = self.attn_block_m or min(64, max(16, dit_block._pow2(T)))
-        return bm, self._key_splits(R, H, T, bm, DIRECT_TARGET_PROGRAMS), self.attn_stages or 3
+    def _direct_shape(self, R: int, H: int, T: int, tma_ok: bool = False) -> AttnShape:
+        """Launch shape of ``direct_attention``: one query block per (row, head) up to 64 queries (more
+        blocks would each re-read every key tile; IEEE dots: up to IEEE_BLOCK_M); keys split to about
+        DIRECT_TARGET_PROGRAMS programs below a full grid; tiles through in-kernel TMA descriptors where
+        ``tma_ok`` (``device_tma``) unless ``direct_tma`` says otherwise (IEEE dots: only if it says so)."""
+        bm, warps = self._ieee_cap(self.attn_block_m or min(64, max(16, dit_block._pow2(T))))
+        tma = (tma_ok and self.attention != "triton-ieee") if self.direct_tma is None else self.direct_tma
+        return AttnShape(bm, self._key_splits(R, H, T, bm, DIRECT_TARGET_PROGRAMS), self.attn_stages or 3, tma,
+                         warps)
 
     def _small_gemm(self, x2d: torch.Tensor) -> bool:
         """Few-row Triton GEMM for this call? Opt-in, and only under TF32 (IEEE stays on cuBLAS)."""
