@@ -54,7 +54,7 @@ def arg_type(v) -> str:
 
 # Kernels whose every launch must not spill registers on SM90 beyond SPILL_LIMIT bytes of spill stores per
 # thread: the attention keeps its tiles in registers, and an IEEE 64-query block spilled 5-6 KB per thread,
-# which made the IEEE solve 4x slower on the H200. The TF32 shapes spill at most 132 bytes (Triton 3.6 on
+# which made the IEEE solve 4x slower on the H200. The TF32 shapes spill at most 144 bytes (Triton 3.6 on
 # the H200 and 3.9 here, benchmarks/results/compile_spills_session16.md); SM80 is reported, not checked.
 NO_SPILL = {"_attn_fwd", "_attn_direct", "_attn_combine"}
 SPILL_LIMIT = 512

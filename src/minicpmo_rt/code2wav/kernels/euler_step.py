@@ -158,6 +158,12 @@ if AVAILABLE:
                 store_operand(hist + oj[:, None] * s_hf + oc[None, :], new, m, False)
 
 
+# Warps of ``euler_junction``: on 4 its TF32 tiles (two 16x128 accumulators, a 64x128 weight tile) spilled
+# 788-1564 bytes per thread (ptxas for SM90, Triton 3.6 and 3.9); on 8 they fit. The H200 replays did not
+# move (B=1 8.04 ms, B=16 22.7 either way, benchmarks/results/junction_probe_session16_h200.md).
+JUNCTION_WARPS = 8
+
+
 def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
@@ -199,7 +205,8 @@ def euler_junction(norm: torch.Tensor, wf: torch.Tensor, bf: torch.Tensor, x: to
         Bb, T, C, NM, ctr.numel() if ctr is not None else 0, float(dt), float(cfg_rate), float(eps),
         HAS_V=has_v, HAS_NEXT=has_next, HAS_CTR=ctr is not None, BT=BT, BN=max(16, _pow2(NM)),
         BK=min(64, max(16, _pow2(C))), BC=min(128, max(16, _pow2(C))),
-        BCTR=_pow2(ctr.numel()) if ctr is not None else 1, ROUND=rounded, PRECISION=precision, num_warps=4)
+        BCTR=_pow2(ctr.numel()) if ctr is not None else 1, ROUND=rounded, PRECISION=precision,
+        num_warps=JUNCTION_WARPS)
 
 
 def euler_junction_ref(norm, wf, bf, x, wx, hc, shift, scale1p, h, dt: float, cfg_rate: float, eps: float,
