@@ -1,0 +1,86 @@
+"""H200 probe: one module-level switch of the fast path, A/B in place, as whole Whole-Euler replays.
+
+Sets ``minicpmo_rt.code2wav.<attr>`` to each value in turn, twice over (A B A B, one machine), builds the
+default fused TF32 solver for each batch and times its CUDA-graph replay per steady 1-s chunk (median of
+15; arena solve, untrimmed). Each row also gives the max relative difference of its outputs from the
+batch's first row. Used for:
+
+    # the Euler-step junction on 4 vs 8 warps (its 4-warp build spills; junction_probe_session16_h200.md)
+    python benchmarks/solve_switch_probe.py --out DIR --attr kernels.euler_step.JUNCTION_WARPS --values 4,8
+    # the persistent block kernel's GEMM phases with evenly shared row tiles (a switch since removed:
+    # balanced_tiles_probe_session16_h200.md)
+    python benchmarks/solve_switch_probe.py --out DIR --attr kernels.dit_block.BALANCED_TILES --values 0,1 \\
+        --batches 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from code2wav_bench import _triton_version  # noqa: E402
+from code2wav_gemm_probe import _in_solve_sweep  # noqa: E402
+
+import torch  # noqa: E402
+
+from minicpmo_rt.code2wav import fused_dit  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--attr", required=True, help="module attribute under minicpmo_rt.code2wav, e.g. "
+                    "kernels.dit_block.BALANCED_TILES")
+    ap.add_argument("--values", required=True, help="comma list of integer values (booleans as 0/1)")
+    ap.add_argument("--batches", default="1,16")
+    args = ap.parse_args(argv)
+    mod_name, _, name = args.attr.rpartition(".")
+    module = importlib.import_module(f"minicpmo_rt.code2wav.{mod_name}")
+    if not hasattr(module, name):
+        ap.error(f"minicpmo_rt.code2wav.{mod_name} has no attribute {name}")
+    default = getattr(module, name)
+    cast = type(default) if isinstance(default, (bool, int)) else int
+    values = [cast(int(v)) for v in args.values.split(",")]
+    variants = [(f"{name}={v}" + (" (again)" if rep else ""), v) for rep in (0, 1) for v in values]
+    args.out.mkdir(parents=True, exist_ok=True)
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
+           "attr": args.attr, "default": default, "rows": []}
+    ref = {}
+
+    def setup(wg, B, big, variant):
+        setattr(module, name, variant[1])
+        return 2 * B * 50 >= fused_dit.WIDE_MIN_ROWS, None     # the default GEMMs for the batch
+
+    def record(B, variant, got, ms):
+        if B not in ref:
+            ref.clear()
+            ref[B] = [t.clone() for t in got]
+        err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref[B]))
+        res["rows"].append({"batch": B, "variant": variant[0], "value": variant[1], "replay_ms": ms,
+                            "max_rel_diff_vs_first": err})
+        print(f"B={B} {variant[0]:30s} replay {ms:.3f} ms (vs first {err:.1e})", flush=True)
+        (args.out / "solve_switch_probe.json").write_text(json.dumps(res, indent=1))
+
+    try:
+        _in_solve_sweep([int(b) for b in args.batches.split(",")], variants, setup, record)
+    finally:
+        setattr(module, name, default)
+    lines = [f"# {args.attr} A/B in place ({res['gpu']})", "",
+             f"torch {res['torch']}, triton {res['triton']}; Whole-Euler solve replay per steady 1-s chunk "
+             f"(fused + graph TF32, arena), median of 15; default {default}.", "",
+             "| batch | variant | replay ms | max rel diff vs first |", "|---:|---|---:|---:|"]
+    lines += [f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} | {r['max_rel_diff_vs_first']:.1e} |"
+              for r in res["rows"]]
+    (args.out / "solve_switch_probe.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
