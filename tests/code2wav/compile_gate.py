@@ -4,17 +4,18 @@ Run as a script (``python tests/code2wav/compile_gate.py``; the test ``test_kern
 does, in a subprocess, because the test session imports the kernels under ``TRITON_INTERPRET=1``).
 The Whole-Euler solves (staged body, persistent block kernel, slot pool, TF32 and IEEE, masked and
 unmasked, few rows and a full grid) run on CPU tensors at the full DiT width (depth 2) with
-``JITFunction.run`` replaced: each launch's (kernel, argument types, constexprs, warps, stages) is
-compiled through Triton's code generator and the NVIDIA backend (TTIR -> TTGIR -> LLVM -> PTX -> cubin)
-for SM90, and the attention for SM80 too, instead of being run. Each compile prints ptxas's spill
+``JITFunction.run`` replaced: each launch's (kernel, argument types and 16-divisibility, constexprs, warps,
+stages) is compiled through Triton's code generator and the NVIDIA backend (TTIR -> TTGIR -> LLVM -> PTX ->
+cubin) for SM90, and the attention for SM80 too, instead of being run. Each compile prints ptxas's spill
 report; the attention kernels (``NO_SPILL``) must not spill more than SPILL_LIMIT bytes per thread for
-SM90. Outputs are never computed, so the
-numbers the solves produce are garbage; only compilation is checked.
+SM90. Outputs are never computed, so the numbers the solves produce are garbage; only compilation is
+checked.
 
 Why: the CPU tests run kernels through Triton's interpreter, which executes Python and accepts code
 the compiler rejects (a helper returning from inside a ``constexpr`` branch passed every interpreter
-test and failed to compile on the H200). Exit status: 0 all compiled, 1 a kernel failed to compile (or an attention kernel spilled too much),
-3 this Triton's internals differ from what the harness expects (the test then skips).
+test and failed to compile on the H200). Exit status: 0 all compiled, 1 a kernel failed to compile
+(or an attention kernel spilled too much), 3 this Triton's internals differ from what the harness
+expects (the test then skips).
 """
 
 from __future__ import annotations
@@ -54,10 +55,18 @@ def arg_type(v) -> str:
 
 # Kernels whose every launch must not spill registers on SM90 beyond SPILL_LIMIT bytes of spill stores per
 # thread: the attention keeps its tiles in registers, and an IEEE 64-query block spilled 5-6 KB per thread,
-# which made the IEEE solve 4x slower on the H200. The TF32 shapes spill at most 144 bytes (Triton 3.6 on
-# the H200 and 3.9 here, benchmarks/results/compile_spills_session16.md); SM80 is reported, not checked.
+# which made the IEEE solve 4x slower on the H200. The TF32 shapes spill at most 144 bytes
+# (benchmarks/results/compile_spills_session16.md); SM80 is reported, not checked.
 NO_SPILL = {"_attn_fwd", "_attn_direct", "_attn_combine"}
 SPILL_LIMIT = 512
+
+
+def aligned(v) -> bool:
+    """Would a launch specialise this argument as divisible by 16 (Triton's "D": a tensor whose address, an
+    integer whose value, is a multiple of 16)? The gate compiles what the launch would."""
+    if isinstance(v, torch.Tensor):
+        return v.data_ptr() % 16 == 0
+    return isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
 
 
 def spill_bytes(ptxas_log: str) -> int | None:
@@ -84,7 +93,7 @@ def main() -> int:
             opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
             vals = dict(zip(self.arg_names, args))
             vals.update(kwargs)
-            sig, consts = {}, {}
+            sig, consts, attrs = {}, {}, {}
             for i, p in enumerate(self.params):
                 if p.name in vals:
                     v = vals[p.name]
@@ -96,7 +105,9 @@ def main() -> int:
                     sig[p.name], consts[(i,)] = "constexpr", v
                 else:
                     sig[p.name] = arg_type(v)
-            src = ASTSource(self, signature=sig, constexprs=consts)
+                    if aligned(v):     # as the launch would specialise it (spills depend on it)
+                        attrs[(i,)] = [["tt.divisibility", 16]]
+            src = ASTSource(self, signature=sig, constexprs=consts, attrs=attrs)
         except (AttributeError, KeyError, TypeError) as exc:
             raise HarnessError(f"{self.fn.__name__}: {exc!r}") from exc
         caps = ((90, 80) if self.fn.__name__ in ("_attn_fwd", "_attn_direct", "_attn_combine", "_wide_gemm", "_wide_qkv")

@@ -158,10 +158,10 @@ if AVAILABLE:
                 store_operand(hist + oj[:, None] * s_hf + oc[None, :], new, m, False)
 
 
-# Warps of ``euler_junction``: on 4 its TF32 tiles (two 16x128 accumulators, a 64x128 weight tile) spilled
-# 788-1564 bytes per thread (ptxas for SM90, Triton 3.6 and 3.9); on 8 they fit. The H200 replays did not
-# move (B=1 8.04 ms, B=16 22.7 either way, benchmarks/results/junction_probe_session16_h200.md).
-JUNCTION_WARPS = 8
+# Warps of ``euler_junction``. 8 measured the same as 4 on the H200 (whole-solve replays B=1 8.04 ms, B=16
+# 22.7 either way, benchmarks/results/junction_probe_session16_h200.md); compiled as a launch specialises
+# it, the 4-warp build does not spill (compile_gate.py).
+JUNCTION_WARPS = 4
 
 
 def _pow2(n: int) -> int:
