@@ -68,11 +68,11 @@ OperandKind = Literal["fp32", "fp16"]
 ATTN_FULL_GRID_ROWS_HEADS = 128
 ATTN_TARGET_PROGRAMS = 512
 # IEEE dots (attention "triton-ieee") run on the FMA units with each thread's share of the q, k, v and p
-# tiles in registers: a 64-query block spills (ptxas for SM90: 5-6 KB of stack per thread; H200, IEEE
-# solve at B=16 515 ms against 121 before the 64-query TMA shape), a 32-query block over 4 warps or with
-# TMA-staged tiles spills a little, over 8 warps on pointer loads not at all (compile_gate.py checks). So
-# IEEE attention takes at most IEEE_BLOCK_M queries per program, on IEEE_WARPS warps, without TMA (the
-# TF32 shapes above are unchanged).
+# tiles in registers. ptxas for SM90 spills kilobytes per thread for a 64-query block (the direct attention
+# 27 KB), 828 bytes for a 32-query block on 4 warps, 280-352 with TMA-staged tiles, and nothing for 32
+# queries on 8 warps with pointer loads (compile_gate.py checks). The 64-query TMA shape made the H200's
+# IEEE solve 515 ms at B=16 against 119 now. So IEEE attention takes at most IEEE_BLOCK_M queries per
+# program, on IEEE_WARPS warps, without TMA (the TF32 shapes above are unchanged).
 IEEE_BLOCK_M, IEEE_WARPS = 32, 8
 # direct_attention (each stream's cache read in place) below a full grid: keys split to ~128 programs,
 # one query block each (H200, batch 4 = 64 rows x heads, ms per chunk: 2 splits 16.89, 8 splits 18.57)
