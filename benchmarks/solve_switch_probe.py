@@ -5,12 +5,11 @@ default fused TF32 solver for each batch and times its CUDA-graph replay per ste
 15; arena solve, untrimmed). Each row also gives the max relative difference of its outputs from the
 batch's first row. Used for:
 
-    # the Euler-step junction on 4 vs 8 warps (its 4-warp build spills; junction_probe_session16_h200.md)
+    # the Euler-step junction on 4 vs 8 warps (the same time; junction_probe_session16_h200.md)
     python benchmarks/solve_switch_probe.py --out DIR --attr kernels.euler_step.JUNCTION_WARPS --values 4,8
-    # the persistent block kernel's GEMM phases with evenly shared row tiles (a switch since removed:
-    # balanced_tiles_probe_session16_h200.md)
-    python benchmarks/solve_switch_probe.py --out DIR --attr kernels.dit_block.BALANCED_TILES --values 0,1 \\
-        --batches 1,2
+
+The same probe timed the persistent block kernel's GEMM phases with evenly shared row tiles, a switch
+that lost and was removed (balanced_tiles_probe_session16_h200.md).
 """
 
 from __future__ import annotations

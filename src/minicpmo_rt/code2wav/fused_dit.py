@@ -117,7 +117,7 @@ class AttnShape(NamedTuple):
     block_m: int        # queries per program
     splits: int         # key splits (partials combined by a second kernel when > 1)
     stages: int         # software-pipelining depth of the key loop
-    tma: bool           # K/V tiles through a host TMA descriptor (tiled_attention only)
+    tma: bool           # K/V tiles through TMA descriptors (host-made, or built per (row, head) by direct_attention)
     warps: int
 
 
@@ -531,16 +531,20 @@ class FusedDiT:
         """Launch shape for R rows x H heads x T queries; ``tma_ok``: the device and cache can take TMA
         descriptor loads."""
         full = R * H >= ATTN_FULL_GRID_ROWS_HEADS
-        ieee = self.attention == "triton-ieee"      # FMA dots: TMA's smem staging made them spill
-        tma = tma_ok and (full and not ieee if self.attn_tma is None else self.attn_tma)
+        tma = tma_ok and (full and not self._ieee if self.attn_tma is None else self.attn_tma)
         bm, warps = self._ieee_cap(self.attn_block_m or (64 if tma and full else 32 if full else 16))
         stages = self.attn_stages or (3 if tma else 2)
         return AttnShape(bm, self._key_splits(R, H, T, bm, ATTN_TARGET_PROGRAMS), stages, tma, warps)
 
+    @property
+    def _ieee(self) -> bool:
+        """IEEE (FMA) attention dots: their tiles live in registers, so no TMA staging and small blocks."""
+        return self.attention == "triton-ieee"
+
     def _ieee_cap(self, bm: int) -> tuple[int, int]:
         """(query block, warps): ``bm`` on 4 warps, or for IEEE dots at most IEEE_BLOCK_M on IEEE_WARPS (an
         explicit ``attn_block_m`` / ``attn_warps`` is taken as given)."""
-        if self.attention != "triton-ieee":
+        if not self._ieee:
             return bm, self.attn_warps or 4
         if self.attn_block_m is None:
             bm = min(bm, IEEE_BLOCK_M)
@@ -561,7 +565,7 @@ class FusedDiT:
         DIRECT_TARGET_PROGRAMS programs below a full grid; tiles through in-kernel TMA descriptors where
         ``tma_ok`` (``device_tma``) unless ``direct_tma`` says otherwise (IEEE dots: only if it says so)."""
         bm, warps = self._ieee_cap(self.attn_block_m or min(64, max(16, dit_block._pow2(T))))
-        tma = (tma_ok and self.attention != "triton-ieee") if self.direct_tma is None else self.direct_tma
+        tma = (tma_ok and not self._ieee) if self.direct_tma is None else self.direct_tma
         return AttnShape(bm, self._key_splits(R, H, T, bm, DIRECT_TARGET_PROGRAMS), self.attn_stages or 3, tma,
                          warps)
 
