@@ -106,6 +106,7 @@ def test_drop_rows_equals_fresh_prefill_at_compressed_positions(thinker):
     thinker.forward_embeds(emb[:5], cache)      # "system"
     thinker.forward_embeds(emb[5:20], cache)    # dropped unit
     thinker.forward_embeds(emb[20:], cache)     # kept
+    prefix = cache.layers[0].keys[..., :5, :].clone()
     drop_rows(cache, 5, 15, thinker.llm.model.rotary_emb.inv_freq)
     assert cache_length(cache) == 25
     fresh = thinker.new_cache()
@@ -113,8 +114,9 @@ def test_drop_rows_equals_fresh_prefill_at_compressed_positions(thinker):
     k, v = cache.layers[0].keys, cache.layers[0].values
     assert rel_err(k, fresh.layers[0].keys) <= 1e-5
     assert rel_err(v, fresh.layers[0].values) <= 1e-6
-    # the untouched prefix is bit-identical
-    assert torch.equal(k[..., :5, :], fresh.layers[0].keys[..., :5, :])
+    # drop_rows leaves the prefix's bits alone. (Not compared bit-wise with the fresh prefill: BLAS
+    # may round a 5-row and a 25-row projection differently; MKL's AVX-512 path does.)
+    assert torch.equal(k[..., :5, :], prefix)
     with pytest.raises(ValueError):
         drop_rows(cache, 20, 10, thinker.llm.model.rotary_emb.inv_freq)
 
