@@ -6,7 +6,12 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 . .venv/bin/activate
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
-python -m pytest -q "$@"
+# conftest runs every test on one torch thread (tiny models are launch-bound), so a single pytest
+# process would leave the CI box's second core idle: pytest-xdist runs one worker per core, at most 4
+# (2 cores: 5 minutes instead of 9). PYTEST_WORKERS=0 runs the tests in this process (pdb, -x).
+cores=$(nproc 2>/dev/null || echo 1)
+workers=${PYTEST_WORKERS:-$(( cores < 2 ? 0 : (cores > 4 ? 4 : cores) ))}
+python -m pytest -q -n "$workers" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing on purpose" >&2
