@@ -8,6 +8,8 @@ own streams, against one batch-16 replay (do the small graphs' idle SMs and gaps
 
 (3) "solve": the whole Whole-Euler replay per tile table of the Triton GEMMs (``TABLES``), against
 cuBLAS GEMMs, in one run: the GEMMs in place, with cold weights and their real neighbours.
+(4) "qkv", "fp16", "ieee": the same whole-solve replays per QKV epilogue tile, per FP16-operand table,
+and per IEEE tile (TF32 off with the tile GEMMs) against cuBLAS IEEE.
 
 Every time is the GPU time of CUDA-graph replays (no launch overhead), median of several, in us or ms.
 Writes DIR/code2wav_gemm_probe.json and .md after every section.
@@ -327,6 +329,51 @@ def qkv_section(res: dict, save, batches=(16,)) -> None:
     _in_solve_sweep(batches, QKV_VARIANTS, setup, record)
 
 
+# IEEE dots (TF32 off, wide_gemm=True): the tile GEMMs' IEEE launch (``wide_gemm.IEEE_TILE``, pointer loads),
+# per candidate, against cuBLAS IEEE (what TF32 off picks by default) and the TF32 tables' tiles with TMA (what
+# an IEEE launch took before session 17, spilling 4-26 KB per thread)
+IEEE_VARIANTS = (("cuBLAS IEEE", False, None), ("TF32 tables + TMA (before)", True, None),
+                 ("64x128 bk32 w8 s3", True, (64, 128, 32, 8, 3)), ("128x64 bk32 w8 s3", True, (128, 64, 32, 8, 3)),
+                 ("128x128 bk16 w8 s2", True, (128, 128, 16, 8, 2)), ("64x64 bk64 w8 s3", True, (64, 64, 64, 8, 3)),
+                 ("64x64 bk32 w4 s3", True, (64, 64, 32, 4, 3)), ("64x128 bk16 w8 s3", True, (64, 128, 16, 8, 3)))
+
+
+def ieee_section(res: dict, save, batches=(16,)) -> None:
+    """Whole-solve replays with TF32 off (IEEE GEMMs, TF32 attention as the benchmark's "TF32 off" row):
+    each ``IEEE_VARIANTS`` entry, outputs compared with the first (cuBLAS IEEE)."""
+    from minicpmo_rt.code2wav.kernels import wide_gemm as wg
+    rows = res.setdefault("ieee", [])
+    dev = torch.device("cuda")
+    flow = Flow(FULL_SIZE)
+    randomize_(flow, 0)
+    cfm = flow.to(dev).eval().decoder
+    saved = wg.IEEE_TILE
+    try:
+        for B in batches:
+            cnn, att, mu, spk, cond = chunk_inputs(B, dev)
+            cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
+            ref = None
+            for name, wide, tile in IEEE_VARIANTS:
+                wg.IEEE_TILE = tile
+                sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=False, n_timesteps=S,
+                                      config=cfg, wide_gemm=wide)
+                got = sv.solve(mu, spk, cond, cnn, att, copy_out=False)
+                st = next(iter(sv._statics.values()))
+                assert st.ws.wide == wide
+                ms = statistics.median(timed(st.graph.replay, min_reps=9, max_reps=9))
+                if ref is None:
+                    ref = [t.clone() for t in got]
+                err = max(rel(a, b) for a, b in zip(got, ref))
+                rows.append({"batch": B, "variant": name, "tile": tile, "replay_ms": ms, "max_rel_diff_vs_first": err})
+                print(f"ieee B={B} {name:28s}: replay {ms:.2f} ms (vs first {err:.1e})", flush=True)
+                save()
+                del sv, st, got
+                gc.collect()
+                torch.cuda.empty_cache()
+    finally:
+        wg.IEEE_TILE = saved
+
+
 def markdown(res: dict) -> str:
     out = [f"# Code2Wav GEMM and lanes probe ({res['gpu']})", "",
            f"torch {res['torch']}, triton {res['triton']}; GPU time of graph replays.", ""]
@@ -358,6 +405,12 @@ def markdown(res: dict) -> str:
         for r in res["qkv"]:
             out.append(f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.2f} | {r['max_rel_diff_vs_first']:.1e} |")
         out.append("")
+    if res.get("ieee"):
+        out += ["## TF32 off with the tile GEMMs: IEEE launch per tile (whole-solve replay, ms per chunk)", "",
+                "| batch | variant | replay ms | max rel diff vs first row |", "|---:|---|---:|---:|"]
+        for r in res["ieee"]:
+            out.append(f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.2f} | {r['max_rel_diff_vs_first']:.1e} |")
+        out.append("")
     if res.get("lanes"):
         out += ["## One chunk's Whole-Euler solve as lanes (ms per chunk, replay only)", "",
                 "| batch | lanes | sequential | side by side |", "|---:|---:|---:|---:|"]
@@ -370,7 +423,7 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--skip", default="", help="comma list: gemm, lanes, solve, qkv, fp16")
+    ap.add_argument("--skip", default="", help="comma list: gemm, lanes, solve, qkv, fp16, ieee")
     ap.add_argument("--gemm-batches", default="16,8", help="batches whose GEMM shapes to probe")
     args = ap.parse_args(argv)
     skip = {w.strip() for w in args.skip.split(",") if w.strip()}
@@ -390,6 +443,8 @@ def main(argv=None) -> int:
         qkv_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
     if "fp16" not in skip:
         fp16_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
+    if "ieee" not in skip:
+        ieee_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
     if "gemm" not in skip:
         gemm_section(res, save, [int(b) for b in args.gemm_batches.split(",")])
     save()

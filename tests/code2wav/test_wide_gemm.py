@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 from minicpmo_rt.code2wav.kernels import AVAILABLE  # noqa: E402
 from minicpmo_rt.code2wav.kernels.dit_block import round_tf32_  # noqa: E402
+from minicpmo_rt.code2wav.kernels import wide_gemm as wg  # noqa: E402
 from minicpmo_rt.code2wav.kernels.wide_gemm import tile_for, wide_gemm  # noqa: E402
 
 from conftest import rel_err, requires_cuda  # noqa: E402
@@ -123,6 +124,44 @@ def test_cuda_full_size_tf32(role, tma):
         ptr = torch.empty_like(out)
         wide_gemm(x, w, b, ptr, gelu=gelu, taps=taps, tma=False)
         assert rel_err(out, ptr) <= 1e-6
+
+
+def test_ieee_launches_take_their_own_tile_on_pointer_loads():
+    """IEEE dots without an explicit tile take IEEE_TILE and pointer loads (on the TF32 tables' tiles, and
+    with TMA-staged ones, the FMA dots spilled kilobytes per thread); TF32 and explicit tiles keep theirs."""
+    assert wg._ieee_launch("ieee", None, True) == (wg.IEEE_TILE, False)
+    assert wg._ieee_launch("ieee", SMALL, True) == (SMALL, True)
+    assert wg._ieee_launch("tf32", None, True) == (None, True)
+
+
+@pytest.mark.parametrize("M,N,K,taps,gelu", [(70, 130, 96, 1, True), (26, 40, 48, 3, False)])
+def test_ieee_default_tile_matches_reference(M, N, K, taps, gelu):
+    """The IEEE launch on its own tile (ragged rows and columns; K 48 fits BK down to 16) computes the GEMM."""
+    g = torch.Generator().manual_seed(M + taps)
+    dev = device()
+    x = torch.randn(M, K, generator=g).to(dev)
+    w = (torch.randn(taps * N, K, generator=g) / K ** 0.5).to(dev)
+    b = torch.randn(N, generator=g).to(dev)
+    out = torch.full((M, N), float("nan"), device=dev)
+    wide_gemm(x, w, b, out, gelu=gelu, taps=taps, precision="ieee", tma=True)
+    assert rel_err(out, reference(x, w, b, gelu, taps)) <= 1e-6
+
+
+@requires_cuda
+@pytest.mark.parametrize("role", ["qkv", "conv", "fc1"])
+def test_cuda_full_size_ieee(role):
+    """IEEE dots at batch 16 with CFG on the IEEE tile (FP32 FMA): the FP32 GEMM's error (~1e-7)."""
+    M, N, K, taps, gelu = {"qkv": (1600, 1536, 512, 1, False), "conv": (1664, 512, 512, 3, False),
+                           "fc1": (1600, 2048, 512, 1, True)}[role]
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(M, K, device="cuda", generator=g)
+    w = torch.randn(taps * N, K, device="cuda", generator=g) / K ** 0.5
+    b = 0.02 * torch.randn(N, device="cuda", generator=g)
+    out = torch.empty(M, N, device="cuda")
+    wide_gemm(x, w, b, out, gelu=gelu, taps=taps, precision="ieee", tma=True)
+    err = rel_err(out, reference(x, w, b, gelu, taps))
+    print(f"wide_gemm {role} ieee: rel err {err:.2e}")
+    assert err <= 1e-6
 
 
 def qkv_reference(x, w, b, qn, kn, H, D, T):

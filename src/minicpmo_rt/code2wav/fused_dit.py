@@ -269,7 +269,9 @@ class FusedDiT:
         conv taps summed in the GEMM, fc1's GELU in its epilogue, the q/k (up to WIDE_QKV_LN_MAX_ROWS rows if set)
         head LNs in the QKV GEMM's epilogue, operands rounded to TF32 by their producers). None (default):
         on CUDA SM80+ while TF32 matmuls are on, for R*T >= WIDE_MIN_ROWS (decided when the workspace is
-        made); True: whenever the staged body runs Triton (also on CPU under the interpreter); False: never.
+        made); True: whenever the staged body runs Triton (also on CPU under the interpreter; with TF32 off
+        their IEEE dots run on the FMA units, 2.3x slower than cuBLAS at B=16, ``wide_gemm.IEEE_TILE``);
+        False: never.
         ``gemm_operands="fp16"`` (opt-in): where Triton GEMMs run under TF32 (the tile GEMMs, from any
         staged row count, and the persistent block kernel), the buffers holding their operands (the LN
         outputs, the conv histories, the attention output, fc1's output) and the GEMM weights are FP16,

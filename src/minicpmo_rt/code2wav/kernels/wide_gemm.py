@@ -165,6 +165,25 @@ DEFAULT_TILE16: Tile = (64, 64, 128, 4, 3)
 QKV_TILES16: dict[bool, Tile] = {True: (128, 64, 64, 4, 4)}
 
 
+# IEEE dots (``precision="ieee"``: TF32 off with ``FusedDiT(wide_gemm=True)``) run on the FMA units, which
+# keep each thread's share of both operand tiles in registers. The TF32 tables' tiles then spill: ptxas for
+# SM90 reported 4-26 KB of spill stores per thread (benchmarks/results/compile_spills_session17.md), as the
+# IEEE attention did before session 16. TMA-staged tiles spill at BK 32 too. So IEEE GEMMs without an
+# explicit tile take IEEE_TILE on pointer loads, which compiles without spills (compile_gate.py checks it).
+# Whole-solve replays with TF32 off on the H200 (code2wav_gemm_probe_session17_ieee_h200.md), B=16 / B=8:
+# the TF32 tables' tiles with TMA 2361.7 / 649.3 ms, 64x64 BK 32 on 4 warps 198.9 / 121.9 (five other
+# spill-free tiles 214-330 / 166-194), cuBLAS IEEE 86.3 / 55.0. FMA dots stay 2.3x slower than cuBLAS's
+# SGEMM, which is why ``FusedDiT`` takes the tile GEMMs by default only under TF32.
+IEEE_TILE: Tile | None = (64, 64, 32, 4, 3)
+
+
+def _ieee_launch(precision: str, tile: Tile | None, tma: bool) -> tuple[Tile | None, bool]:
+    """(tile, tma) of a launch: an IEEE launch without an explicit tile takes IEEE_TILE, pointer loads."""
+    if precision == "ieee" and tile is None and IEEE_TILE is not None:
+        return IEEE_TILE, False
+    return tile, tma
+
+
 def tile_for(M: int, N: int, K: int, taps: int = 1, dtype: torch.dtype = torch.float32) -> Tile:
     if dtype == torch.float16:
         return TILES16.get((M >= BIG_M16, N, K, taps), DEFAULT_TILE16)
@@ -198,7 +217,7 @@ def wide_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: tor
     first rows). ``round_out``: store the result rounded to nearest TF32 (the operand of a later
     TF32 GEMM). ``out`` may be any 2-D strided view. ``tma``: operand tiles through TMA descriptors
     (CUDA capability >= 9; x and w with contiguous, 16-byte aligned rows). ``tile``: (BM, BN, BK,
-    warps, stages), default ``tile_for``.
+    warps, stages), default ``tile_for``; for ``precision="ieee"`` IEEE_TILE on pointer loads.
     """
     if not AVAILABLE:
         raise RuntimeError("wide_gemm needs Triton; use torch.addmm")
@@ -218,8 +237,10 @@ def wide_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: tor
     if w.shape[1] != K or out.shape != (M, N):
         raise ValueError(f"wide_gemm shapes: x {tuple(x.shape)}, w {tuple(w.shape)} ({taps} taps), "
                          f"out {tuple(out.shape)}; want out ({M}, {N})")
+    explicit = tile is not None
+    tile, tma = _ieee_launch(precision, tile, tma)
     BM, BN, BK, warps, stages = tile or tile_for(M, N, K, taps, x.dtype)
-    BK = BK if tile else _fit_k(BK, K)
+    BK = BK if explicit else _fit_k(BK, K)
     if K % BK:
         raise ValueError(f"wide_gemm: K={K} is not a multiple of the K tile {BK}")
     a_desc, w_desc = _descriptors(x, w, BM, BN, BK, "wide_gemm") if tma else (None, None)
@@ -252,9 +273,11 @@ def wide_qkv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, q_w: torch.Tenso
         raise ValueError("wide_qkv: q_out and kv need a contiguous last (head-dim) axis")
     if x.dtype != w.dtype or x.dtype not in (torch.float32, torch.float16):
         raise TypeError(f"wide_qkv takes FP32 (or FP16) x and w of one dtype, got x {x.dtype}, w {w.dtype}")
+    explicit = tile is not None
+    tile, tma = _ieee_launch(precision, tile, tma)
     qkv_tile = QKV_TILES16.get(M >= BIG_M16) if x.dtype == torch.float16 else QKV_TILES.get(M >= BIG_M)
     BM, BN, BK, warps, stages = tile or qkv_tile or tile_for(M, 3 * H * D, K, 1, x.dtype)
-    BK = BK if tile else _fit_k(BK, K)
+    BK = BK if explicit else _fit_k(BK, K)
     while BN > D and (H * D) % BN:      # a tile must hold whole heads of one of q, k, v
         BN //= 2
     if BN < D or BN % D or (H * D) % BN or D & (D - 1):
