@@ -203,23 +203,24 @@ TABLES = {
 
 @contextlib.contextmanager
 def _tile_tables():
-    """``wide_gemm`` with its tile tables restored after a sweep that edits them."""
+    """``wide_gemm`` with its tile tables (and IEEE_TILE) restored after a sweep that edits them."""
     from minicpmo_rt.code2wav.kernels import wide_gemm as wg
     tables = (wg.TILES, wg.QKV_TILES, wg.TILES16, wg.QKV_TILES16)
-    saved = [dict(t) for t in tables]
+    saved, ieee_tile = [dict(t) for t in tables], wg.IEEE_TILE
     try:
         yield wg
     finally:
         for table, old in zip(tables, saved):
             table.clear()
             table.update(old)
+        wg.IEEE_TILE = ieee_tile
 
 
-def _in_solve_sweep(batches, variants, setup, record, gemm_operands: str = "fp32") -> None:
+def _in_solve_sweep(batches, variants, setup, record, gemm_operands: str = "fp32", tf32: bool = True) -> None:
     """Whole-solve replays (the GEMMs in place: cold weights, real neighbours), same machine: for each
     batch and variant, ``setup(wg, B, big, variant)`` edits the tile tables and returns the solver's
     ``wide_gemm`` and a function applied to its FusedDiT (or None); ``record(B, variant, outputs,
-    replay_ms)`` keeps the row."""
+    replay_ms)`` keeps the row. ``tf32=False``: IEEE GEMMs (the attention stays TF32)."""
     dev = torch.device("cuda")
     flow = Flow(FULL_SIZE)
     randomize_(flow, 0)
@@ -230,7 +231,7 @@ def _in_solve_sweep(batches, variants, setup, record, gemm_operands: str = "fp32
             cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
             for variant in variants:
                 wide, tune = setup(wg, B, 2 * B * T >= (wg.BIG_M16 if gemm_operands == "fp16" else wg.BIG_M), variant)
-                sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
+                sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=tf32, n_timesteps=S,
                                       config=cfg, wide_gemm=wide, gemm_operands=gemm_operands)
                 if tune is not None:
                     tune(sv.fused)
@@ -303,9 +304,6 @@ QKV_VARIANTS = (("GEMM + LN stage", None), ("epilogue 128x128 bk32 w8 s3", (128,
 def qkv_section(res: dict, save, batches=(16,)) -> None:
     """The QKV GEMM's head-LN epilogue at each candidate tile against the separate LN stage (the first
     variant, whose outputs the others are compared with)."""
-    rows = res.setdefault("qkv", [])
-    ref = {}
-
     def setup(wg, B, big, variant):
         tile = variant[1]
         wg.QKV_TILES.clear()
@@ -316,62 +314,44 @@ def qkv_section(res: dict, save, batches=(16,)) -> None:
             fused.wide_qkv_ln_max_rows = None if tile is not None else 0
         return True, tune
 
+    _in_solve_sweep(batches, QKV_VARIANTS, setup, _vs_first(res, "qkv", save))
+
+
+def _vs_first(res: dict, key: str, save):
+    """A sweep's ``record`` for (name, tile, ...) variants: each row's outputs against the batch's first
+    variant's (only one batch's reference kept), into ``res[key]``."""
+    rows = res.setdefault(key, [])
+    ref = {}
+
     def record(B, variant, got, ms):
-        if B not in ref:       # the batch's first variant: the reference (only one batch's kept)
+        if B not in ref:
             ref.clear()
             ref[B] = [t.clone() for t in got]
-        err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref[B]))
+        err = max(rel(a, b) for a, b in zip(got, ref[B]))
         rows.append({"batch": B, "variant": variant[0], "tile": variant[1], "max_rel_diff_vs_first": err,
                      "replay_ms": ms})
-        print(f"qkv B={B} {variant[0]:28s}: replay {ms:.2f} ms (vs first {err:.1e})", flush=True)
+        print(f"{key} B={B} {variant[0]:28s}: replay {ms:.2f} ms (vs first {err:.1e})", flush=True)
         save()
-
-    _in_solve_sweep(batches, QKV_VARIANTS, setup, record)
+    return record
 
 
 # IEEE dots (TF32 off, wide_gemm=True): the tile GEMMs' IEEE launch (``wide_gemm.IEEE_TILE``, pointer loads),
 # per candidate, against cuBLAS IEEE (what TF32 off picks by default) and the TF32 tables' tiles with TMA (what
-# an IEEE launch took before session 17, spilling 4-26 KB per thread)
-IEEE_VARIANTS = (("cuBLAS IEEE", False, None), ("TF32 tables + TMA (before)", True, None),
-                 ("64x128 bk32 w8 s3", True, (64, 128, 32, 8, 3)), ("128x64 bk32 w8 s3", True, (128, 64, 32, 8, 3)),
-                 ("128x128 bk16 w8 s2", True, (128, 128, 16, 8, 2)), ("64x64 bk64 w8 s3", True, (64, 64, 64, 8, 3)),
-                 ("64x64 bk32 w4 s3", True, (64, 64, 32, 4, 3)), ("64x128 bk16 w8 s3", True, (64, 128, 16, 8, 3)))
+# an IEEE launch took before session 17, spilling 4-26 KB per thread); (name, IEEE_TILE, wide_gemm)
+IEEE_VARIANTS = (("cuBLAS IEEE", None, False), ("TF32 tables + TMA (before)", None, True),
+                 ("64x128 bk32 w8 s3", (64, 128, 32, 8, 3), True), ("128x64 bk32 w8 s3", (128, 64, 32, 8, 3), True),
+                 ("128x128 bk16 w8 s2", (128, 128, 16, 8, 2), True), ("64x64 bk64 w8 s3", (64, 64, 64, 8, 3), True),
+                 ("64x64 bk32 w4 s3", (64, 64, 32, 4, 3), True), ("64x128 bk16 w8 s3", (64, 128, 16, 8, 3), True))
 
 
 def ieee_section(res: dict, save, batches=(16,)) -> None:
     """Whole-solve replays with TF32 off (IEEE GEMMs, TF32 attention as the benchmark's "TF32 off" row):
     each ``IEEE_VARIANTS`` entry, outputs compared with the first (cuBLAS IEEE)."""
-    from minicpmo_rt.code2wav.kernels import wide_gemm as wg
-    rows = res.setdefault("ieee", [])
-    dev = torch.device("cuda")
-    flow = Flow(FULL_SIZE)
-    randomize_(flow, 0)
-    cfm = flow.to(dev).eval().decoder
-    saved = wg.IEEE_TILE
-    try:
-        for B in batches:
-            cnn, att, mu, spk, cond = chunk_inputs(B, dev)
-            cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
-            ref = None
-            for name, wide, tile in IEEE_VARIANTS:
-                wg.IEEE_TILE = tile
-                sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=False, n_timesteps=S,
-                                      config=cfg, wide_gemm=wide)
-                got = sv.solve(mu, spk, cond, cnn, att, copy_out=False)
-                st = next(iter(sv._statics.values()))
-                assert st.ws.wide == wide
-                ms = statistics.median(timed(st.graph.replay, min_reps=9, max_reps=9))
-                if ref is None:
-                    ref = [t.clone() for t in got]
-                err = max(rel(a, b) for a, b in zip(got, ref))
-                rows.append({"batch": B, "variant": name, "tile": tile, "replay_ms": ms, "max_rel_diff_vs_first": err})
-                print(f"ieee B={B} {name:28s}: replay {ms:.2f} ms (vs first {err:.1e})", flush=True)
-                save()
-                del sv, st, got
-                gc.collect()
-                torch.cuda.empty_cache()
-    finally:
-        wg.IEEE_TILE = saved
+    def setup(wg, B, big, variant):
+        wg.IEEE_TILE = variant[1]
+        return variant[2], None
+
+    _in_solve_sweep(batches, IEEE_VARIANTS, setup, _vs_first(res, "ieee", save), tf32=False)
 
 
 def markdown(res: dict) -> str:
@@ -399,18 +379,14 @@ def markdown(res: dict) -> str:
             for r in res[key]:
                 out.append(f"| {r['batch']} | {r['table']} | {r['replay_ms']:.2f} | {r['tiles'] or ''} |")
             out.append("")
-    if res.get("qkv"):
-        out += ["## QKV head LNs in the GEMM epilogue vs a separate LN stage (whole-solve replay, ms per chunk)", "",
-                "| batch | variant | replay ms | max rel diff vs first row |", "|---:|---|---:|---:|"]
-        for r in res["qkv"]:
-            out.append(f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.2f} | {r['max_rel_diff_vs_first']:.1e} |")
-        out.append("")
-    if res.get("ieee"):
-        out += ["## TF32 off with the tile GEMMs: IEEE launch per tile (whole-solve replay, ms per chunk)", "",
-                "| batch | variant | replay ms | max rel diff vs first row |", "|---:|---|---:|---:|"]
-        for r in res["ieee"]:
-            out.append(f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.2f} | {r['max_rel_diff_vs_first']:.1e} |")
-        out.append("")
+    for key, title in (("qkv", "QKV head LNs in the GEMM epilogue vs a separate LN stage"),
+                       ("ieee", "TF32 off with the tile GEMMs: IEEE launch per tile")):
+        if res.get(key):
+            out += [f"## {title} (whole-solve replay, ms per chunk)", "",
+                    "| batch | variant | replay ms | max rel diff vs first row |", "|---:|---|---:|---:|"]
+            for r in res[key]:
+                out.append(f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.2f} | {r['max_rel_diff_vs_first']:.1e} |")
+            out.append("")
     if res.get("lanes"):
         out += ["## One chunk's Whole-Euler solve as lanes (ms per chunk, replay only)", "",
                 "| batch | lanes | sequential | side by side |", "|---:|---:|---:|---:|"]

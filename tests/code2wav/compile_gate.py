@@ -7,14 +7,14 @@ unmasked, few rows and a full grid) run on CPU tensors at the full DiT width (de
 ``JITFunction.run`` replaced: each launch's (kernel, argument types and 16-divisibility, constexprs, warps,
 stages) is compiled through Triton's code generator and the NVIDIA backend (TTIR -> TTGIR -> LLVM -> PTX ->
 cubin) for SM90, and the attention for SM80 too, instead of being run. Each compile prints ptxas's spill
-report; the attention kernels (``NO_SPILL``) must not spill more than SPILL_LIMIT bytes per thread for
-SM90. Outputs are never computed, so the numbers the solves produce are garbage; only compilation is
+report; the attention kernels and tile GEMMs (``NO_SPILL``) must not spill more than SPILL_LIMIT bytes per
+thread for SM90. Outputs are never computed, so the numbers the solves produce are garbage; only compilation is
 checked.
 
 Why: the CPU tests run kernels through Triton's interpreter, which executes Python and accepts code
 the compiler rejects (a helper returning from inside a ``constexpr`` branch passed every interpreter
 test and failed to compile on the H200). Exit status: 0 all compiled, 1 a kernel failed to compile
-(or an attention kernel spilled too much), 3 this Triton's internals differ from what the harness
+(or an attention kernel or tile GEMM spilled too much), 3 this Triton's internals differ from what the harness
 expects (the test then skips).
 """
 

@@ -5,8 +5,8 @@ compiler rejects: on the H200 a helper returning from inside a ``constexpr`` bra
 although every interpreter test passed. ``compile_gate.py`` drives the Whole-Euler solves (staged body,
 persistent block kernel, slot pool; TF32 and IEEE; masked, pooled, TMA) on CPU tensors and compiles each
 launch through Triton's NVIDIA backend (to a cubin, through ptxas) for SM90, and the attention for SM80,
-instead of running it. It also fails where an attention kernel spills more than 512 bytes of registers per
-thread for SM90 (an IEEE launch shape that did made the IEEE solve 4x slower on the H200). It runs in a
+instead of running it. It also fails where an attention kernel or tile GEMM spills more than 512 bytes of
+registers per thread for SM90 (IEEE launch shapes that did made IEEE solves 4-27x slower on the H200). It runs in a
 subprocess because this session imports the kernels under ``TRITON_INTERPRET=1``.
 """
 
