@@ -9,7 +9,11 @@ batch's first row. Used for:
     python benchmarks/solve_switch_probe.py --out DIR --attr kernels.euler_step.JUNCTION_WARPS --values 4,8
 
 The same probe timed the persistent block kernel's GEMM phases with evenly shared row tiles, a switch
-that lost and was removed (balanced_tiles_probe_session16_h200.md).
+that lost and was removed (balanced_tiles_probe_session16_h200.md). ``--fixed ATTR=VALUE`` holds another
+attribute for every variant, e.g. the block kernel's attention key tile under two query-block sizes:
+
+    python benchmarks/solve_switch_probe.py --out DIR --attr kernels.dit_block.ATT_BN --values 64,128 \
+        --fixed kernels.dit_block.ATT_BM=32 --batches 1,2
 """
 
 from __future__ import annotations
@@ -38,18 +42,34 @@ def main(argv=None) -> int:
                     "kernels.dit_block.BALANCED_TILES")
     ap.add_argument("--values", required=True, help="comma list of integer values (booleans as 0/1)")
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--fixed", action="append", default=[], metavar="ATTR=VALUE",
+                    help="another integer attribute held at VALUE for every variant (repeatable)")
     args = ap.parse_args(argv)
-    mod_name, _, name = args.attr.rpartition(".")
-    module = importlib.import_module(f"minicpmo_rt.code2wav.{mod_name}")
-    if not hasattr(module, name):
-        ap.error(f"minicpmo_rt.code2wav.{mod_name} has no attribute {name}")
+
+    def resolve(attr: str):
+        mod_name, _, name = attr.rpartition(".")
+        module = importlib.import_module(f"minicpmo_rt.code2wav.{mod_name}")
+        if not hasattr(module, name):
+            ap.error(f"minicpmo_rt.code2wav.{mod_name} has no attribute {name}")
+        return module, name
+
+    module, name = resolve(args.attr)
     default = getattr(module, name)
+    fixed = []
+    for item in args.fixed:
+        attr, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--fixed {item!r}: expected ATTR=VALUE")
+        fixed.append((*resolve(attr), int(value)))
+    saved = [(m, n, getattr(m, n)) for m, n, _ in fixed]
+    for m, n, v in fixed:
+        setattr(m, n, v)
     cast = type(default) if isinstance(default, (bool, int)) else int
     values = [cast(int(v)) for v in args.values.split(",")]
     variants = [(f"{name}={v}" + (" (again)" if rep else ""), v) for rep in (0, 1) for v in values]
     args.out.mkdir(parents=True, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
-           "attr": args.attr, "default": default, "rows": []}
+           "attr": args.attr, "default": default, "fixed": args.fixed, "rows": []}
     ref = {}
 
     def setup(wg, B, big, variant):
@@ -70,9 +90,12 @@ def main(argv=None) -> int:
         _in_solve_sweep([int(b) for b in args.batches.split(",")], variants, setup, record)
     finally:
         setattr(module, name, default)
+        for m, n, v in saved:
+            setattr(m, n, v)
     lines = [f"# {args.attr} A/B in place ({res['gpu']})", "",
              f"torch {res['torch']}, triton {res['triton']}; Whole-Euler solve replay per steady 1-s chunk "
-             f"(fused + graph TF32, arena), median of 15; default {default}.", "",
+             f"(fused + graph TF32, arena), median of 15; default {default}"
+             + "".join(f"; {f}" for f in args.fixed) + ".", "",
              "| batch | variant | replay ms | max rel diff vs first |", "|---:|---|---:|---:|"]
     lines += [f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} | {r['max_rel_diff_vs_first']:.1e} |"
               for r in res["rows"]]
