@@ -219,7 +219,7 @@ def _tile_tables():
 def _in_solve_sweep(batches, variants, setup, record, gemm_operands: str = "fp32", tf32: bool = True) -> None:
     """Whole-solve replays (the GEMMs in place: cold weights, real neighbours), same machine: for each
     batch and variant, ``setup(wg, B, big, variant)`` edits the tile tables and returns the solver's
-    ``wide_gemm`` and a function applied to its FusedDiT (or None); ``record(B, variant, outputs,
+    ``wide_gemm`` (None: the solver's default) and a function applied to its FusedDiT (or None); ``record(B, variant, outputs,
     replay_ms)`` keeps the row. ``tf32=False``: IEEE GEMMs (the attention stays TF32)."""
     dev = torch.device("cuda")
     flow = Flow(FULL_SIZE)
@@ -237,7 +237,7 @@ def _in_solve_sweep(batches, variants, setup, record, gemm_operands: str = "fp32
                     tune(sv.fused)
                 got = sv.solve(mu, spk, cond, cnn, att, copy_out=False)
                 st = next(iter(sv._statics.values()))
-                assert st.ws.wide == wide
+                assert wide is None or st.ws.wide == wide
                 record(B, variant, got, statistics.median(timed(st.graph.replay, min_reps=15, max_reps=15)))
                 del sv, st, got
                 gc.collect()

@@ -5,7 +5,7 @@ blocks (per-phase time incl. the wait at the barrier, median over blocks 1-15), 
 launch and as one launch per phase (each replayed from a CUDA graph), and the compiled kernel's
 registers / spills.
 
-    PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR [--default-only | --key-tiles]
+    PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR [--default-only | --key-tiles | --stages]
 """
 
 from __future__ import annotations
@@ -102,10 +102,11 @@ def main(out_dir: str, configs=None) -> None:
 
         for cfg in configs:
             saved = dict(dit_block.TILES)
-            saved_att = dit_block.ATT_BM, dit_block.ATT_BN
+            saved_att = dit_block.ATT_BM, dit_block.ATT_BN, dit_block.BLOCK_STAGES
             dit_block.TILES.update(cfg.get("tiles", {}))
             dit_block.ATT_BM = cfg.get("att_bm", saved_att[0])
             dit_block.ATT_BN = cfg.get("att_bn", saved_att[1])
+            dit_block.BLOCK_STAGES = cfg.get("stages", saved_att[2])
             a_splits, per_split = dit_block.attention_splits(R, 8, T, T + L, nprog)
             if "att_splits" in cfg:          # forced key splits (1: no combine phase)
                 a_splits, per_split = key_splits(T + L, cfg["att_splits"], dit_block.ATT_BN)
@@ -144,6 +145,7 @@ def main(out_dir: str, configs=None) -> None:
                 staged = graph_us(lambda: [block(i, phase_by_phase=True, zero=False) for i in range(16)]) / 16
                 programs = per_program_profile(block, names, depth, nprog, dev)
                 row = {"config": {k_: v for k_, v in cfg.items() if k_ != "tiles"} | {"tiles": dict(dit_block.TILES)},
+                       "stages": dit_block.BLOCK_STAGES,
                        "attention": {"block_m": dit_block.ATT_BM, "block_n": dit_block.ATT_BN, "splits": a_splits},
                        "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
                        "block_us_one_launch": one, "block_us_all_blocks_one_launch": whole,
@@ -154,7 +156,7 @@ def main(out_dir: str, configs=None) -> None:
             finally:
                 dit_block.TILES.clear()
                 dit_block.TILES.update(saved)
-                dit_block.ATT_BM, dit_block.ATT_BN = saved_att
+                dit_block.ATT_BM, dit_block.ATT_BN, dit_block.BLOCK_STAGES = saved_att
             res["configs"].append(row)
             print(json.dumps(row, indent=1), flush=True)
     (out / "dit_block_profile.json").write_text(json.dumps(res, indent=1))
@@ -168,5 +170,7 @@ if __name__ == "__main__":
     elif "--key-tiles" in sys.argv:     # the attention phase's key tile (and query block) sizes
         configs = [{"num_warps": 8}, {"num_warps": 8, "att_bn": 128}, {"num_warps": 8, "att_bn": 256},
                    {"num_warps": 8, "att_bm": 32, "att_bn": 128}]
-    args = [a for a in args if a != "--key-tiles"]
+    elif "--stages" in sys.argv:        # the K loops' pipelining depth
+        configs = [{"num_warps": 8, "stages": s} for s in (3, 4, 5, 6)]
+    args = [a for a in args if a not in ("--key-tiles", "--stages")]
     main(args[0] if args else "/tmp/dit_block_profile", configs)

@@ -32,7 +32,6 @@ from code2wav_gemm_probe import _in_solve_sweep  # noqa: E402
 
 import torch  # noqa: E402
 
-from minicpmo_rt.code2wav import fused_dit  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -44,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--fixed", action="append", default=[], metavar="ATTR=VALUE",
                     help="another integer attribute held at VALUE for every variant (repeatable)")
+    ap.add_argument("--gemm-operands", choices=("fp32", "fp16"), default="fp32",
+                    help="the solver's GEMM operands (fp16: the cfm_fp16_operands opt-in)")
     args = ap.parse_args(argv)
 
     def resolve(attr: str):
@@ -69,12 +70,13 @@ def main(argv=None) -> int:
     variants = [(f"{name}={v}" + (" (again)" if rep else ""), v) for rep in (0, 1) for v in values]
     args.out.mkdir(parents=True, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
-           "attr": args.attr, "default": default, "fixed": args.fixed, "rows": []}
+           "attr": args.attr, "default": default, "fixed": args.fixed, "gemm_operands": args.gemm_operands,
+           "rows": []}
     ref = {}
 
     def setup(wg, B, big, variant):
         setattr(module, name, variant[1])
-        return 2 * B * 50 >= fused_dit.WIDE_MIN_ROWS, None     # the default GEMMs for the batch
+        return None, None     # the solver's default GEMMs for the batch (the block kernel at batch 1-2)
 
     def record(B, variant, got, ms):
         if B not in ref:
@@ -87,14 +89,15 @@ def main(argv=None) -> int:
         (args.out / "solve_switch_probe.json").write_text(json.dumps(res, indent=1))
 
     try:
-        _in_solve_sweep([int(b) for b in args.batches.split(",")], variants, setup, record)
+        _in_solve_sweep([int(b) for b in args.batches.split(",")], variants, setup, record,
+                        gemm_operands=args.gemm_operands)
     finally:
         setattr(module, name, default)
         for m, n, v in saved:
             setattr(m, n, v)
     lines = [f"# {args.attr} A/B in place ({res['gpu']})", "",
              f"torch {res['torch']}, triton {res['triton']}; Whole-Euler solve replay per steady 1-s chunk "
-             f"(fused + graph TF32, arena), median of 15; default {default}"
+             f"(fused + graph TF32, arena, {args.gemm_operands} GEMM operands), median of 15; default {default}"
              + "".join(f"; {f}" for f in args.fixed) + ".", "",
              "| batch | variant | replay ms | max rel diff vs first |", "|---:|---|---:|---:|"]
     lines += [f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} | {r['max_rel_diff_vs_first']:.1e} |"

@@ -8,13 +8,14 @@ unmasked, few rows and a full grid) run on CPU tensors at the full DiT width (de
 stages) is compiled through Triton's code generator and the NVIDIA backend (TTIR -> TTGIR -> LLVM -> PTX ->
 cubin) for SM90, and the attention for SM80 too, instead of being run. Each compile prints ptxas's spill
 report; the attention kernels and tile GEMMs (``NO_SPILL``) must not spill more than SPILL_LIMIT bytes per
-thread for SM90. Outputs are never computed, so the numbers the solves produce are garbage; only compilation is
-checked.
+thread for SM90, and every kernel must fit the target's shared memory per program (``SMEM_LIMIT``: above it a
+kernel compiles but fails to load). Outputs are never computed, so the numbers the solves produce are garbage;
+only compilation is checked.
 
 Why: the CPU tests run kernels through Triton's interpreter, which executes Python and accepts code
 the compiler rejects (a helper returning from inside a ``constexpr`` branch passed every interpreter
 test and failed to compile on the H200). Exit status: 0 all compiled, 1 a kernel failed to compile
-(or an attention kernel or tile GEMM spilled too much), 3 this Triton's internals differ from what the harness
+(an attention kernel or tile GEMM spilled too much, or a kernel needs more shared memory than its target has), 3 this Triton's internals differ from what the harness
 expects (the test then skips).
 """
 
@@ -60,6 +61,10 @@ def arg_type(v) -> str:
 # (benchmarks/results/compile_spills_session16.md, compile_spills_session17.md); SM80 is reported, not checked.
 NO_SPILL = {"_attn_fwd", "_attn_direct", "_attn_combine", "_wide_gemm", "_wide_qkv"}
 SPILL_LIMIT = 512
+# Shared memory one program may take, by target (the opt-in maximum per block: H100/H200 227 KB, A100 163 KB).
+# A kernel above it still compiles; it fails only when loaded, with OutOfResources, on the GPU (a 256-key
+# attention tile in the block kernel asked for 283136 bytes on the H200, session 18), so the gate checks it.
+SMEM_LIMIT = {90: 232448, 80: 166912}
 
 
 def aligned(v) -> bool:
@@ -77,6 +82,12 @@ def spill_bytes(ptxas_log: str) -> int | None:
     return max(found) if found else None
 
 
+def shared_bytes(kernel) -> int | None:
+    """Bytes of shared memory a compiled kernel asks for per program (None where this Triton does not say)."""
+    shared = getattr(getattr(kernel, "metadata", None), "shared", None)
+    return int(shared) if isinstance(shared, int) else None
+
+
 def main() -> int:
     # every launch compiled here, with ptxas's resource report printed (and captured per compile)
     os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
@@ -88,6 +99,7 @@ def main() -> int:
 
     compiled: dict[tuple, float] = {}
     spilled: list[str] = []
+    too_big: list[str] = []
 
     def capture(self, *args, grid, warmup, **kwargs):
         try:
@@ -120,20 +132,27 @@ def main() -> int:
         if key in compiled:
             return None
         t0 = time.time()
-        spill = {}
+        spill, smem = {}, {}
         for cap in caps:
             log = io.StringIO()
             try:
                 with contextlib.redirect_stdout(log):     # ptxas's -v report (TRITON_DUMP_PTXAS_LOG, set in main)
-                    triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
+                    kernel = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
             except Exception as exc:
                 named = {self.arg_names[i[0]]: v for i, v in consts.items()}
                 raise RuntimeError(f"{self.fn.__name__} does not compile for sm{cap} with {named} {opts}") from exc
             spill[cap] = spill_bytes(log.getvalue())
+            smem[cap] = shared_bytes(kernel)
         compiled[key] = time.time() - t0
         named = {self.arg_names[i[0]]: v for i, v in consts.items() if isinstance(v, (bool, int, str))}
         print(f"compiled {self.fn.__name__:18s} sm{'/sm'.join(map(str, caps))} {compiled[key]:5.1f}s spills "
-              f"{'/'.join('?' if spill[c] is None else str(spill[c]) for c in caps)} {opts} {named}", flush=True)
+              f"{'/'.join('?' if spill[c] is None else str(spill[c]) for c in caps)} smem "
+              f"{'/'.join('?' if smem[c] is None else str(smem[c]) for c in caps)} {opts} {named}", flush=True)
+        for cap in caps:
+            if smem[cap] is not None and smem[cap] > SMEM_LIMIT[cap]:
+                too_big.append(f"{self.fn.__name__} needs {smem[cap]} bytes of shared memory per program on sm{cap} "
+                               f"(the limit is {SMEM_LIMIT[cap]}) with {named} {opts}: it would fail to load there; "
+                               "pick smaller tiles or fewer stages")
         if self.fn.__name__ in NO_SPILL and (spill.get(90) or 0) > SPILL_LIMIT:
             spilled.append(f"{self.fn.__name__} spills registers ({spill} bytes of spill stores by target) with "
                            f"{named} {opts}: pick a launch shape that fits (fused_dit._attn_shape / _direct_shape, "
@@ -149,8 +168,11 @@ def main() -> int:
     except Exception:  # noqa: BLE001 - report the compile failure
         traceback.print_exc()
         return 1
+    if too_big:
+        print("SHARED MEMORY:\n" + "\n".join(too_big), flush=True)
     if spilled:
         print("SPILLS:\n" + "\n".join(spilled), flush=True)
+    if too_big or spilled:
         return 1
     print(f"ok: {len(compiled)} kernel specialisations, {sum(compiled.values()):.0f}s", flush=True)
     return 0

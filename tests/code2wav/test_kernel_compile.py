@@ -6,8 +6,9 @@ although every interpreter test passed. ``compile_gate.py`` drives the Whole-Eul
 persistent block kernel, slot pool; TF32 and IEEE; masked, pooled, TMA) on CPU tensors and compiles each
 launch through Triton's NVIDIA backend (to a cubin, through ptxas) for SM90, and the attention for SM80,
 instead of running it. It also fails where an attention kernel or tile GEMM spills more than 512 bytes of
-registers per thread for SM90 (IEEE launch shapes that did made IEEE solves 4-27x slower on the H200). It runs in a
-subprocess because this session imports the kernels under ``TRITON_INTERPRET=1``.
+registers per thread for SM90 (IEEE launch shapes that did made IEEE solves 4-27x slower on the H200), and where
+a kernel needs more shared memory per program than its target has (it would compile, then fail to load). It runs
+in a subprocess because this session imports the kernels under ``TRITON_INTERPRET=1``.
 """
 
 import os
@@ -33,3 +34,54 @@ def test_fast_path_kernels_compile_for_sm90_and_sm80():
     kernels = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("compiled ")}
     assert {"_attn_fwd", "_attn_combine", "_dit_block", "_euler_junction", "_cnn_roll", "_qkv_head_ln",
             "_residual_mod_ln", "_taps_ln_mish"} <= kernels, kernels
+
+
+# The block kernel with a 256-key attention tile: it compiles for SM90 but asks for 283136 bytes of shared
+# memory per program, more than the H200's 232448, and failed to load there (session 18). The gate drives
+# just that launch (one B=1 solve) and must reject it.
+_OVERSIZED = """
+import dataclasses, sys, torch
+sys.path.insert(0, {gate_dir!r})
+import compile_gate
+
+def drive():
+    from minicpmo_rt.code2wav import fused_dit
+    from minicpmo_rt.code2wav.cfm import CausalConditionalCFM
+    from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
+    from minicpmo_rt.code2wav.flow_config import FULL_SIZE, CFMConfig
+    from minicpmo_rt.code2wav.kernels import dit_block
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    fused_dit.usable_on = lambda t: True
+    fused_dit.interpreting = lambda: True
+    one_launch = dit_block.dit_blocks
+    dit_block.dit_blocks = lambda **kw: one_launch(**dict(kw, phase_by_phase=False))
+    dit_block.rounds = lambda precision, device: precision == "tf32"
+    dit_block.programs = lambda device: 132
+    dit_block.ATT_BN = {att_bn}
+    est = dataclasses.replace(FULL_SIZE.decoder.estimator, depth=2)
+    cfm = CausalConditionalCFM(CFMConfig(estimator=est), noise_frames=1200).eval()
+    C, H, D = est.hidden_size, est.num_heads, est.head_dim
+    solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=2,
+                              config=GraphConfig(enabled=False, batch_buckets=(1,), query_buckets=(50,),
+                                                 offset_anchor=400), use_triton=True, block_kernel=True)
+    fused_dit.dot_precision = lambda t: "tf32"
+    with torch.inference_mode(), matmul_tf32(True):
+        solver.solve(torch.zeros(1, 80, 50), torch.zeros(1, 80), torch.zeros(1, 80, 50),
+                     torch.zeros(2, 2, 2, 2 * C, 2), torch.zeros(2, 2, 2, H, 400, 2 * D), graph=False)
+
+compile_gate.drive = drive
+sys.exit(compile_gate.main())
+"""
+
+
+@pytest.mark.parametrize("att_bn, rc", [(64, 0), (256, 1)])
+def test_gate_rejects_a_kernel_beyond_the_targets_shared_memory(att_bn, rc):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = _OVERSIZED.format(gate_dir=str(GATE.parent), att_bn=att_bn)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode == 3:
+        pytest.skip(f"this Triton's launch internals differ from the gate's: {r.stdout.strip()[-300:]}")
+    assert r.returncode == rc, (r.stdout[-2000:] + r.stderr[-4000:])
+    assert ("SHARED MEMORY" in r.stdout) == (rc == 1), r.stdout[-2000:]
+    if rc:
+        assert "_dit_block needs" in r.stdout and "on sm90 (the limit is 232448)" in r.stdout, r.stdout[-2000:]

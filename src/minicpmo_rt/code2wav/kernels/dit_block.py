@@ -56,6 +56,12 @@ BK = 32                 # the smallest K step: every GEMM's K must be a multiple
 ATT_BM, ATT_BN, COMBINE_BM = 16, 64, 16
 MAX_ROWS = 256          # R*T above which the staged body (more CTAs per GEMM) is used
 BLOCKS_PER_LAUNCH: int | None = None    # None: every block of an evaluation in one launch
+# Software-pipelining depth of the phases' loops (the launch's num_stages). Whole-solve replays on the H200
+# (block_kernel_stages_probe_session18_h200.md), 2 / 3 / 4 / 5 / 6 stages: B=1 9.64 / 8.02 / 7.72 / 7.78 /
+# 7.84 ms, B=2 16.1 / 12.73 / 12.04 / 12.09 / 12.22 (outputs bit-identical); 4 stages take 131072 bytes of
+# shared memory per program, 8 would exceed the SM's 232448.
+BLOCK_STAGES = 4
+MAX_PROGRAMS: int | None = None     # None: one program per SM
 N_PHASES = 13
 
 if AVAILABLE:
@@ -386,7 +392,8 @@ def attention_splits(R: int, H: int, T: int, nk: int, nprog: int) -> tuple[int, 
 def programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (all resident, as the barriers need)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return sms if MAX_PROGRAMS is None else max(1, min(sms, MAX_PROGRAMS))
     return 3     # interpreter: a few programs, so the unit loops are exercised
 
 
@@ -507,7 +514,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
             for p in range(N_PHASES):
                 k = _dit_block[(nprog,)](*args(b, 1), PHASE=p, **meta)
         return k
-    return _dit_block[(nprog,)](*args(first, n_blocks), PHASE=-1, num_stages=3, **meta)
+    return _dit_block[(nprog,)](*args(first, n_blocks), PHASE=-1, num_stages=BLOCK_STAGES, **meta)
 
 
 def stack_weights(blocks: list[BlockWeights]) -> BlockWeights:
