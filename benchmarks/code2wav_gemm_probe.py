@@ -216,11 +216,13 @@ def _tile_tables():
         wg.IEEE_TILE = ieee_tile
 
 
-def _in_solve_sweep(batches, variants, setup, record, gemm_operands: str = "fp32", tf32: bool = True) -> None:
+def _in_solve_sweep(batches, variants, setup, record, gemm_operands: str = "fp32", tf32: bool = True,
+                    trim: bool = False) -> None:
     """Whole-solve replays (the GEMMs in place: cold weights, real neighbours), same machine: for each
     batch and variant, ``setup(wg, B, big, variant)`` edits the tile tables and returns the solver's
     ``wide_gemm`` (None: the solver's default) and a function applied to its FusedDiT (or None); ``record(B, variant, outputs,
-    replay_ms)`` keeps the row. ``tf32=False``: IEEE GEMMs (the attention stays TF32)."""
+    replay_ms)`` keeps the row. ``tf32=False``: IEEE GEMMs (the attention stays TF32). ``trim``: solved as the
+    flow calls it (trimmed successor; the direct path where it applies)."""
     dev = torch.device("cuda")
     flow = Flow(FULL_SIZE)
     randomize_(flow, 0)
@@ -235,7 +237,7 @@ def _in_solve_sweep(batches, variants, setup, record, gemm_operands: str = "fp32
                                       config=cfg, wide_gemm=wide, gemm_operands=gemm_operands)
                 if tune is not None:
                     tune(sv.fused)
-                got = sv.solve(mu, spk, cond, cnn, att, copy_out=False)
+                got = sv.solve(mu, spk, cond, cnn, att, copy_out=False, trim=(L - 100, 100) if trim else None)
                 st = next(iter(sv._statics.values()))
                 assert wide is None or st.ws.wide == wide
                 record(B, variant, got, statistics.median(timed(st.graph.replay, min_reps=15, max_reps=15)))

@@ -5,7 +5,7 @@ blocks (per-phase time incl. the wait at the barrier, median over blocks 1-15), 
 launch and as one launch per phase (each replayed from a CUDA graph), and the compiled kernel's
 registers / spills.
 
-    PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR [--default-only | --key-tiles | --stages]
+    PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR [--default-only | --key-tiles | --stages | --tiles]
 """
 
 from __future__ import annotations
@@ -172,5 +172,10 @@ if __name__ == "__main__":
                    {"num_warps": 8, "att_bm": 32, "att_bn": 128}]
     elif "--stages" in sys.argv:        # the K loops' pipelining depth
         configs = [{"num_warps": 8, "stages": s} for s in (3, 4, 5, 6)]
-    args = [a for a in args if a not in ("--key-tiles", "--stages")]
+    elif "--tiles" in sys.argv:         # GEMM phase K steps under the default stages
+        configs = [{"num_warps": 8}, {"num_warps": 8, "tiles": {"fc1": (64, 32, 1, 32)}},
+                   {"num_warps": 8, "tiles": {"qkv": (128, 64, 4, 64), "conv": (128, 64, 4, 64)}},
+                   {"num_warps": 8, "tiles": {"fc2": (64, 64, 8, 32)}},
+                   {"num_warps": 8, "tiles": {"fc2": (64, 64, 4, 64), "proj": (64, 32, 2, 32)}}]
+    args = [a for a in args if a not in ("--key-tiles", "--stages", "--tiles")]
     main(args[0] if args else "/tmp/dit_block_profile", configs)

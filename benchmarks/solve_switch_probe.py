@@ -38,13 +38,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--attr", required=True, help="module attribute under minicpmo_rt.code2wav, e.g. "
-                    "kernels.dit_block.BALANCED_TILES")
+                    "kernels.dit_block.BALANCED_TILES, or FusedDiT.NAME: the solver's FusedDiT attribute NAME "
+                    "(e.g. FusedDiT.attn_stages)")
     ap.add_argument("--values", required=True, help="comma list of integer values (booleans as 0/1)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--fixed", action="append", default=[], metavar="ATTR=VALUE",
                     help="another integer attribute held at VALUE for every variant (repeatable)")
     ap.add_argument("--gemm-operands", choices=("fp32", "fp16"), default="fp32",
                     help="the solver's GEMM operands (fp16: the cfm_fp16_operands opt-in)")
+    ap.add_argument("--trim", action="store_true", help="solve as the flow calls it (trimmed successor; the "
+                    "direct path from batch 4) instead of the untrimmed arena solve")
     args = ap.parse_args(argv)
 
     def resolve(attr: str):
@@ -54,8 +57,13 @@ def main(argv=None) -> int:
             ap.error(f"minicpmo_rt.code2wav.{mod_name} has no attribute {name}")
         return module, name
 
-    module, name = resolve(args.attr)
-    default = getattr(module, name)
+    on_fused = args.attr.startswith("FusedDiT.")
+    if on_fused:        # an attribute of the solver's FusedDiT, set before its first solve (capture)
+        module, name = None, args.attr.split(".", 1)[1]
+        default = None
+    else:
+        module, name = resolve(args.attr)
+        default = getattr(module, name)
     fixed = []
     for item in args.fixed:
         attr, sep, value = item.partition("=")
@@ -71,10 +79,17 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
            "attr": args.attr, "default": default, "fixed": args.fixed, "gemm_operands": args.gemm_operands,
+           "trim": args.trim,
            "rows": []}
     ref = {}
 
     def setup(wg, B, big, variant):
+        if on_fused:
+            def tune(fused, v=variant[1]):
+                if not hasattr(fused, name):
+                    raise AttributeError(f"FusedDiT has no attribute {name}")
+                setattr(fused, name, v)
+            return None, tune
         setattr(module, name, variant[1])
         return None, None     # the solver's default GEMMs for the batch (the block kernel at batch 1-2)
 
@@ -90,14 +105,16 @@ def main(argv=None) -> int:
 
     try:
         _in_solve_sweep([int(b) for b in args.batches.split(",")], variants, setup, record,
-                        gemm_operands=args.gemm_operands)
+                        gemm_operands=args.gemm_operands, trim=args.trim)
     finally:
-        setattr(module, name, default)
+        if not on_fused:
+            setattr(module, name, default)
         for m, n, v in saved:
             setattr(m, n, v)
     lines = [f"# {args.attr} A/B in place ({res['gpu']})", "",
              f"torch {res['torch']}, triton {res['triton']}; Whole-Euler solve replay per steady 1-s chunk "
-             f"(fused + graph TF32, arena, {args.gemm_operands} GEMM operands), median of 15; default {default}"
+             f"(fused + graph TF32, {'trimmed as the flow calls it' if args.trim else 'arena'}, {args.gemm_operands} GEMM "
+             f"operands), median of 15; default {default}"
              + "".join(f"; {f}" for f in args.fixed) + ".", "",
              "| batch | variant | replay ms | max rel diff vs first |", "|---:|---|---:|---:|"]
     lines += [f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} | {r['max_rel_diff_vs_first']:.1e} |"
