@@ -14,9 +14,9 @@ only compilation is checked.
 
 Why: the CPU tests run kernels through Triton's interpreter, which executes Python and accepts code
 the compiler rejects (a helper returning from inside a ``constexpr`` branch passed every interpreter
-test and failed to compile on the H200). Exit status: 0 all compiled, 1 a kernel failed to compile
-(an attention kernel or tile GEMM spilled too much, or a kernel needs more shared memory than its target has), 3 this Triton's internals differ from what the harness
-expects (the test then skips).
+test and failed to compile on the H200). Exit status: 0 all compiled, 1 a kernel failed to compile (an
+attention kernel or tile GEMM spilled too much, or a kernel needs more shared memory than its target has),
+3 this Triton's internals differ from what the harness expects (the test then skips).
 """
 
 from __future__ import annotations

@@ -81,6 +81,8 @@ def test_gate_rejects_a_kernel_beyond_the_targets_shared_memory(att_bn, rc):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     if r.returncode == 3:
         pytest.skip(f"this Triton's launch internals differ from the gate's: {r.stdout.strip()[-300:]}")
+    if " smem ?" in r.stdout:
+        pytest.skip("this Triton's compiled kernels do not report their shared memory")
     assert r.returncode == rc, (r.stdout[-2000:] + r.stderr[-4000:])
     assert ("SHARED MEMORY" in r.stdout) == (rc == 1), r.stdout[-2000:]
     if rc:

@@ -61,7 +61,9 @@ BLOCKS_PER_LAUNCH: int | None = None    # None: every block of an evaluation in 
 # 7.84 ms, B=2 16.1 / 12.73 / 12.04 / 12.09 / 12.22 (outputs bit-identical); 4 stages take 131072 bytes of
 # shared memory per program, 8 would exceed the SM's 232448.
 BLOCK_STAGES = 4
-MAX_PROGRAMS: int | None = None     # None: one program per SM
+# At most this many programs (None: one per SM). H200 B=1: 132 and 128 programs 7.99 ms, 112 10.00
+# (block_kernel_programs_probe_session18_h200.md).
+MAX_PROGRAMS: int | None = None
 N_PHASES = 13
 
 if AVAILABLE:
@@ -390,7 +392,8 @@ def attention_splits(R: int, H: int, T: int, nk: int, nprog: int) -> tuple[int, 
 
 
 def programs(device: torch.device) -> int:
-    """Programs of a persistent launch: one per SM (all resident, as the barriers need)."""
+    """Programs of a persistent launch: one per SM (all resident, as the barriers need; fewer with
+    ``MAX_PROGRAMS``)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return sms if MAX_PROGRAMS is None else max(1, min(sms, MAX_PROGRAMS))
