@@ -1,8 +1,9 @@
-"""H200 probe: one module-level switch of the fast path, A/B in place, as whole Whole-Euler replays.
+"""H200 probe: one switch of the fast path, A/B in place, as whole Whole-Euler replays.
 
-Sets ``minicpmo_rt.code2wav.<attr>`` to each value in turn, twice over (A B A B, one machine), builds the
-default fused TF32 solver for each batch and times its CUDA-graph replay per steady 1-s chunk (median of
-15; arena solve, untrimmed). Each row also gives the max relative difference of its outputs from the
+Sets ``minicpmo_rt.code2wav.<attr>`` (or, for ``FusedDiT.NAME``, the solver's FusedDiT attribute) to each
+value in turn, twice over (A B A B, one machine), builds the default fused TF32 solver for each batch and
+times its CUDA-graph replay per steady 1-s chunk (median of 15; the untrimmed arena solve, or with
+``--trim`` the solve as the flow calls it; ``--gemm-operands fp16`` for the opt-in). Each row also gives the max relative difference of its outputs from the
 batch's first row. Used for:
 
     # the Euler-step junction on 4 vs 8 warps (the same time; junction_probe_session16_h200.md)
@@ -31,7 +32,6 @@ from code2wav_bench import _triton_version  # noqa: E402
 from code2wav_gemm_probe import _in_solve_sweep  # noqa: E402
 
 import torch  # noqa: E402
-
 
 
 def main(argv=None) -> int:
@@ -79,8 +79,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
            "attr": args.attr, "default": default, "fixed": args.fixed, "gemm_operands": args.gemm_operands,
-           "trim": args.trim,
-           "rows": []}
+           "trim": args.trim, "rows": []}
     ref = {}
 
     def setup(wg, B, big, variant):

@@ -178,18 +178,16 @@ def main() -> int:
     return 0
 
 
-def drive() -> None:
-    """The launches of the Whole-Euler solves that CUDA runs, on CPU tensors (kernels only compiled)."""
+def cuda_paths_on_cpu():
+    """Make CPU tensors take the CUDA code paths (Triton stages "usable", the block kernel allowed, one launch
+    per evaluation rather than one per phase, TF32 operands rounded as compiled TF32 does); returns a
+    full-width CFM of depth 2, its estimator's config and ``caches(B, L)``, zero (CNN, attention) caches for
+    2 Euler steps."""
     from minicpmo_rt.code2wav import fused_dit
     from minicpmo_rt.code2wav.cfm import CausalConditionalCFM
-    from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE, CFMConfig
     from minicpmo_rt.code2wav.kernels import dit_block, tiled_attention as ta
-    from minicpmo_rt.code2wav.precision import matmul_tf32
-    from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver
 
-    # CPU tensors take the CUDA code paths: Triton stages "usable", the block kernel allowed, one
-    # launch per evaluation (not one per phase), and TF32 operands rounded as compiled TF32 does
     fused_dit.usable_on = lambda t: True
     fused_dit.interpreting = lambda: True
     fused_dit._has_tma = lambda device: True
@@ -204,6 +202,20 @@ def drive() -> None:
 
     def caches(B, L):
         return (torch.zeros(S, depth, 2 * B, 2 * C, 2), torch.zeros(S, depth, 2 * B, H, L, 2 * D))
+
+    return cfm, est, caches
+
+
+def drive() -> None:
+    """The launches of the Whole-Euler solves that CUDA runs, on CPU tensors (kernels only compiled)."""
+    from minicpmo_rt.code2wav import fused_dit
+    from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
+    from minicpmo_rt.code2wav.kernels import tiled_attention as ta
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver
+
+    cfm, est, caches = cuda_paths_on_cpu()
+    S, H, D = 2, est.num_heads, est.head_dim
 
     with torch.inference_mode():
         # (B, T, L, tf32, Triton tile GEMMs (CUDA's default from batch 8 with TF32; the QKV one with its

@@ -40,34 +40,25 @@ def test_fast_path_kernels_compile_for_sm90_and_sm80():
 # memory per program, more than the H200's 232448, and failed to load there (session 18). The gate drives
 # just that launch (one B=1 solve) and must reject it.
 _OVERSIZED = """
-import dataclasses, sys, torch
+import sys, torch
 sys.path.insert(0, {gate_dir!r})
 import compile_gate
 
 def drive():
     from minicpmo_rt.code2wav import fused_dit
-    from minicpmo_rt.code2wav.cfm import CausalConditionalCFM
     from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
-    from minicpmo_rt.code2wav.flow_config import FULL_SIZE, CFMConfig
     from minicpmo_rt.code2wav.kernels import dit_block
     from minicpmo_rt.code2wav.precision import matmul_tf32
-    fused_dit.usable_on = lambda t: True
-    fused_dit.interpreting = lambda: True
-    one_launch = dit_block.dit_blocks
-    dit_block.dit_blocks = lambda **kw: one_launch(**dict(kw, phase_by_phase=False))
-    dit_block.rounds = lambda precision, device: precision == "tf32"
+    cfm, est, caches = compile_gate.cuda_paths_on_cpu()
     dit_block.programs = lambda device: 132
     dit_block.ATT_BN = {att_bn}
-    est = dataclasses.replace(FULL_SIZE.decoder.estimator, depth=2)
-    cfm = CausalConditionalCFM(CFMConfig(estimator=est), noise_frames=1200).eval()
-    C, H, D = est.hidden_size, est.num_heads, est.head_dim
     solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=2,
                               config=GraphConfig(enabled=False, batch_buckets=(1,), query_buckets=(50,),
                                                  offset_anchor=400), use_triton=True, block_kernel=True)
     fused_dit.dot_precision = lambda t: "tf32"
     with torch.inference_mode(), matmul_tf32(True):
-        solver.solve(torch.zeros(1, 80, 50), torch.zeros(1, 80), torch.zeros(1, 80, 50),
-                     torch.zeros(2, 2, 2, 2 * C, 2), torch.zeros(2, 2, 2, H, 400, 2 * D), graph=False)
+        solver.solve(torch.zeros(1, 80, 50), torch.zeros(1, 80), torch.zeros(1, 80, 50), *caches(1, 400),
+                     graph=False)
 
 compile_gate.drive = drive
 sys.exit(compile_gate.main())
