@@ -217,12 +217,14 @@ def _tile_tables():
 
 
 def _in_solve_sweep(batches, variants, setup, record, gemm_operands: str = "fp32", tf32: bool = True,
-                    trim: bool = False) -> None:
+                    trim: bool = False, direct: bool | None = None, called: bool = False) -> None:
     """Whole-solve replays (the GEMMs in place: cold weights, real neighbours), same machine: for each
     batch and variant, ``setup(wg, B, big, variant)`` edits the tile tables and returns the solver's
     ``wide_gemm`` (None: the solver's default) and a function applied to its FusedDiT (or None); ``record(B, variant, outputs,
     replay_ms)`` keeps the row. ``tf32=False``: IEEE GEMMs (the attention stays TF32). ``trim``: solved as the
-    flow calls it (trimmed successor; the direct path where it applies)."""
+    flow calls it (trimmed successor; the direct path where it applies). ``direct``: the solver's ``direct``
+    (True: the block kernel's direct phase too). ``called``: also time the whole ``solve`` call (median of 15,
+    staging and copies included), passed to ``record`` as ``called_ms``."""
     dev = torch.device("cuda")
     flow = Flow(FULL_SIZE)
     randomize_(flow, 0)
@@ -234,13 +236,20 @@ def _in_solve_sweep(batches, variants, setup, record, gemm_operands: str = "fp32
             for variant in variants:
                 wide, tune = setup(wg, B, 2 * B * T >= (wg.BIG_M16 if gemm_operands == "fp16" else wg.BIG_M), variant)
                 sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=tf32, n_timesteps=S,
-                                      config=cfg, wide_gemm=wide, gemm_operands=gemm_operands)
+                                      config=cfg, wide_gemm=wide, gemm_operands=gemm_operands, direct=direct)
                 if tune is not None:
                     tune(sv.fused)
-                got = sv.solve(mu, spk, cond, cnn, att, copy_out=False, trim=(L - 100, 100) if trim else None)
+                kw = dict(copy_out=False, trim=(L - 100, 100) if trim else None)
+                got = sv.solve(mu, spk, cond, cnn, att, **kw)
                 st = next(iter(sv._statics.values()))
                 assert wide is None or st.ws.wide == wide
-                record(B, variant, got, statistics.median(timed(st.graph.replay, min_reps=15, max_reps=15)))
+                extra = {}
+                if called:      # a direct replay writes into the last successor: keep it alive
+                    last = [got]
+                    extra["called_ms"] = statistics.median(timed(
+                        lambda: last.__setitem__(0, sv.solve(mu, spk, cond, cnn, att, **kw)), min_reps=15, max_reps=15))
+                    got = [t.clone() for t in last[0]]
+                record(B, variant, got, statistics.median(timed(st.graph.replay, min_reps=15, max_reps=15)), **extra)
                 del sv, st, got
                 gc.collect()
                 torch.cuda.empty_cache()

@@ -15,6 +15,16 @@ attribute for every variant, e.g. the block kernel's attention key tile under tw
 
     python benchmarks/solve_switch_probe.py --out DIR --attr kernels.dit_block.ATT_BN --values 64,128 \
         --fixed kernels.dit_block.ATT_BM=32 --batches 1,2
+
+``--called`` also times the whole solve call (what the flow waits for: staging, the arena fill and the trim
+included); ``--direct on|off`` sets the solver's direct path (on: the block kernel's direct phase at batch 1-2
+too); ``--no-successor`` (measurement only) lets a direct solve read the old caches in place but write no
+successor. Session 19's direct key splits, e.g.:
+
+    python benchmarks/solve_switch_probe.py --out DIR --attr kernels.tiled_attention.DIRECT_ALIGNED_SPLITS \
+        --values 1,0 --batches 1,2,4 --trim --called --direct on
+    python benchmarks/solve_switch_probe.py --out DIR --attr FusedDiT.attn_splits --values 2,4,3 --batches 4 \
+        --trim --called
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from code2wav_gemm_probe import _in_solve_sweep  # noqa: E402
 
 import torch  # noqa: E402
 
+from minicpmo_rt.code2wav.euler_graph import WholeEulerSolver  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
@@ -48,6 +60,14 @@ def main(argv=None) -> int:
                     help="the solver's GEMM operands (fp16: the cfm_fp16_operands opt-in)")
     ap.add_argument("--trim", action="store_true", help="solve as the flow calls it (trimmed successor; the "
                     "direct path from batch 4) instead of the untrimmed arena solve")
+    ap.add_argument("--direct", choices=("auto", "on", "off"), default="auto",
+                    help="the solver's direct path: auto (its default), on (the block kernel's direct phase at "
+                    "batch 1-2 too), off (always the arena); matters with --trim")
+    ap.add_argument("--no-successor", action="store_true", help="measurement only: a direct solve's tables "
+                    "mark no row's successor present, so its attention reads the old caches in place and writes "
+                    "nothing (the returned caches are then garbage; what the successor writes cost)")
+    ap.add_argument("--called", action="store_true", help="also time the whole solve call (staging, arena "
+                    "fill and trim copies included), not only the graph replay")
     args = ap.parse_args(argv)
 
     def resolve(attr: str):
@@ -79,7 +99,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
            "attr": args.attr, "default": default, "fixed": args.fixed, "gemm_operands": args.gemm_operands,
-           "trim": args.trim, "rows": []}
+           "trim": args.trim, "direct": args.direct, "no_successor": args.no_successor, "rows": []}
     ref = {}
 
     def setup(wg, B, big, variant):
@@ -92,20 +112,30 @@ def main(argv=None) -> int:
         setattr(module, name, variant[1])
         return None, None     # the solver's default GEMMs for the batch (the block kernel at batch 1-2)
 
-    def record(B, variant, got, ms):
+    def record(B, variant, got, ms, called_ms=None):
         if B not in ref:
             ref.clear()
             ref[B] = [t.clone() for t in got]
         err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref[B]))
         res["rows"].append({"batch": B, "variant": variant[0], "value": variant[1], "replay_ms": ms,
-                            "max_rel_diff_vs_first": err})
-        print(f"B={B} {variant[0]:30s} replay {ms:.3f} ms (vs first {err:.1e})", flush=True)
+                            "called_ms": called_ms, "max_rel_diff_vs_first": err})
+        print(f"B={B} {variant[0]:30s} replay {ms:.3f} ms" + (f", called {called_ms:.3f} ms" if called_ms else "")
+              + f" (vs first {err:.1e})", flush=True)
         (args.out / "solve_switch_probe.json").write_text(json.dumps(res, indent=1))
 
+    bind = WholeEulerSolver._bind_streams
+    if args.no_successor:
+        def bind_without_successors(self, st, *a, **k):
+            outs = bind(self, st, *a, **k)
+            st.extra["tables"][1, :, 3] = 0      # after the upload, in stream order
+            return outs
+        WholeEulerSolver._bind_streams = bind_without_successors
     try:
         _in_solve_sweep([int(b) for b in args.batches.split(",")], variants, setup, record,
-                        gemm_operands=args.gemm_operands, trim=args.trim)
+                        gemm_operands=args.gemm_operands, trim=args.trim,
+                        direct={"auto": None, "on": True, "off": False}[args.direct], called=args.called)
     finally:
+        WholeEulerSolver._bind_streams = bind
         if not on_fused:
             setattr(module, name, default)
         for m, n, v in saved:
@@ -113,10 +143,12 @@ def main(argv=None) -> int:
     lines = [f"# {args.attr} A/B in place ({res['gpu']})", "",
              f"torch {res['torch']}, triton {res['triton']}; Whole-Euler solve replay per steady 1-s chunk "
              f"(fused + graph TF32, {'trimmed as the flow calls it' if args.trim else 'arena'}, {args.gemm_operands} GEMM "
-             f"operands), median of 15; default {default}"
+             f"operands, direct {args.direct}{', no successor writes' if args.no_successor else ''}), median of 15; "
+             f"default {default}"
              + "".join(f"; {f}" for f in args.fixed) + ".", "",
-             "| batch | variant | replay ms | max rel diff vs first |", "|---:|---|---:|---:|"]
-    lines += [f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} | {r['max_rel_diff_vs_first']:.1e} |"
+             "| batch | variant | replay ms | solve as called ms | max rel diff vs first |", "|---:|---|---:|---:|---:|"]
+    lines += [f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} | "
+              f"{'-' if r['called_ms'] is None else format(r['called_ms'], '.3f')} | {r['max_rel_diff_vs_first']:.1e} |"
               for r in res["rows"]]
     (args.out / "solve_switch_probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -202,14 +202,14 @@ def test_ieee_attention_takes_blocks_that_fit_in_registers():
 
 def test_direct_attention_launch_shape_and_guard():
     """The direct path's launch shape (one query block per (row, head) up to 64 queries; keys split to
-    ~128 programs below a full grid), and ``blocks`` refusing per-stream caches where the direct
+    ~256 programs below a full grid), and ``blocks`` refusing per-stream caches where the direct
     attention cannot serve them (a mask, pooled rows, SDPA attention) instead of reading the wrong keys."""
     from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV
     fused = FusedDiT(our_dit(seed=1))
-    assert fused._direct_shape(8, 8, 50)[:3] == (64, 2, 3)          # batch 4: 64 rows x heads -> 2 key splits
+    assert fused._direct_shape(8, 8, 50)[:3] == (64, 4, 3)          # batch 4: 64 rows x heads -> 4 key splits
     assert fused._direct_shape(16, 8, 50)[:3] == (64, 1, 3)         # batch 8: a full grid
-    assert fused._direct_shape(8, 8, 6)[:3] == (16, 2, 3)
-    assert FusedDiT(our_dit(seed=1), attn_splits=4, attn_block_m=32)._direct_shape(8, 8, 50)[:3] == (32, 4, 3)
+    assert fused._direct_shape(8, 8, 6)[:3] == (16, 4, 3)
+    assert FusedDiT(our_dit(seed=1), attn_splits=3, attn_block_m=32)._direct_shape(8, 8, 50)[:3] == (32, 3, 3)
     R, T = 2, 5
     L = fused.L
     ws = fused.workspace(R, T, "cpu")
@@ -464,6 +464,8 @@ def test_block_kernel_shape_rules():
     assert dit_block.supported(512, 8, 64, 2048) == (True, "")
     assert "hidden" in dit_block.supported(48, 2, 32, 192)[1]
     assert dit_block.attention_splits(2, 8, 50, 450, 132) == (2, 256)   # 64 units -> 2 key splits
+    # the direct phase's splits start on key tiles of their source: split 0 walks 50 current + 192 old keys
+    assert dit_block.direct_attention_splits(2, 8, 50, 400, 132) == (2, 256, 64)
     assert dit_block.attention_splits(8, 8, 50, 450, 132)[0] == 1
     assert dit_block.tile("fc1", 512) == (64, 32, 1, 64) and dit_block.tile("fc2", 96)[2:] == (1, 32)
     cfg = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=3.0, depth=1, num_heads=2, head_dim=32,

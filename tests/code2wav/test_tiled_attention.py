@@ -191,18 +191,23 @@ def test_fp16_operand_output_and_fp16_pv(splits):
         tiled_attention(q, k, v, mask, out=torch.empty(B, H, nq, D, device=dev, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("T", [5, 20])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(splits, T, tma):
+def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(splits, T, tma, aligned, monkeypatch):
     """``direct_attention`` (the fill-free path): each row's old frames from its own tensor through the
     stream tables, at (step 1, layer 1) of (2, 2, ...) caches; the output matches FP64 attention over
     [current | old], and each written row's successor is [current | old] less the dropped frames,
     bit for bit. Row 2 is a padding row (not present): its successor stays untouched. 16-key tiles,
     so tiles straddle both the current/old boundary and, with splits, the split edges; T=20 makes two
     16-query blocks, which take turns writing the tiles they both read. ``tma``: the tiles through
-    descriptors the kernel builds (frames past a source's end read as zeros, then masked)."""
+    descriptors the kernel builds (frames past a source's end read as zeros, then masked). ``aligned``: the key
+    splits count the current frames as whole tiles (the default) or as they are."""
+    from minicpmo_rt.code2wav.kernels import tiled_attention as ta
     from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV, device_tma, direct_attention, stream_table
+
+    monkeypatch.setattr(ta, "DIRECT_ALIGNED_SPLITS", aligned)
 
     gen = torch.Generator().manual_seed(11)
     R, H, D, n_old, S, depth = 3, 2, 16, 37, 2, 2
@@ -237,6 +242,26 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     with pytest.raises(ValueError, match="aligned"):       # 4 elements (16 bytes) off the 64-byte grid
         stream_table([olds[0].view(-1)[4:4 + olds[0].numel() // 2].view(S, depth, 1, H, n_old, 2 * D)[:, :, 0]],
                      base)
+
+
+def test_direct_key_splits_start_every_split_on_a_key_tile_of_its_source():
+    """Batch 4's direct attention (2 splits, 64-key tiles, 50 current + 400 old frames): counting the current
+    frames as one whole tile, split 0 walks 1 current + 3 old tiles and split 1 the old frames from 192 (4
+    tiles); split evenly over 450 keys, split 1 would start at old frame 206 and split 0 walk 1 + 4 tiles."""
+    from minicpmo_rt.code2wav.kernels.tiled_attention import direct_key_splits
+
+    def tiles(nq, n_old, splits, bn, aligned):
+        s, per, cur = direct_key_splits(nq, n_old, splits, bn, aligned)
+        walks = []
+        for j in range(s):      # the loops of direct_tile: current keys, then old ones, in split coordinates
+            lo, hi = j * per, min(j * per + per, cur + n_old)
+            walks.append(len(range(lo, min(hi, nq), bn)) + len(range(max(lo, cur) - cur, hi - cur, bn)))
+        return (s, per, cur), walks
+
+    assert tiles(50, 400, 2, 64, True) == ((2, 256, 64), [4, 4])
+    assert tiles(50, 400, 2, 64, False) == ((2, 256, 50), [5, 4])
+    assert tiles(50, 400, 1, 64, True) == ((1, 512, 64), [8])       # a full grid: one split either way
+    assert tiles(64, 400, 2, 64, True) == tiles(64, 400, 2, 64, False)     # whole tiles already
 
 
 def test_direct_attention_refuses_tma_where_the_device_cannot(monkeypatch):

@@ -74,9 +74,13 @@ ATTN_TARGET_PROGRAMS = 512
 # IEEE solve 515 ms at B=16 against 119 now. So IEEE attention takes at most IEEE_BLOCK_M queries per
 # program, on IEEE_WARPS warps, without TMA (the TF32 shapes above are unchanged).
 IEEE_BLOCK_M, IEEE_WARPS = 32, 8
-# direct_attention (each stream's cache read in place) below a full grid: keys split to ~128 programs,
-# one query block each (H200, batch 4 = 64 rows x heads, ms per chunk: 2 splits 16.89, 8 splits 18.57)
-DIRECT_TARGET_PROGRAMS = 128
+# direct_attention (each stream's cache read in place) below a full grid: keys split to ~256 programs,
+# one query block each. H200, batch 4 = 64 rows x heads, replay / solve as called (ms per chunk), with the
+# splits on whole key tiles (tiled_attention.DIRECT_ALIGNED_SPLITS; session 19): 2 splits 15.32 / 16.29, 3
+# 15.04 / 15.64, 4 14.76 / 15.27, 8 16.14 / 17.10 (direct_splits_probe_session19_*_h200.md). On a full grid
+# one split stays: batch 16 24.95 vs 26.56 ms replay with 2, batch 8 within noise (16.9 vs 16.6 replay,
+# 17.5-18.1 vs 17.7-17.8 as called). Session 14, before the alignment: 2 splits 16.89, 8 18.57.
+DIRECT_TARGET_PROGRAMS = 256
 
 # Split-K for few rows ("cublas-split", the default): at ~100 rows cuBLAS tiles a DiT GEMM into
 # 16-48 CTAs that each stream a long weight stripe. Each GEMM of <= SPLIT_MAX_ROWS rows runs as
@@ -695,8 +699,11 @@ class FusedDiT:
                 ws.ctr.zero_()
             weights = self._gemm_weights(half, dit_block.rounds(precision, ws.h.device))
             nprog = dit_block.programs(ws.h.device)
-            keys = kv.shape[3] + (0 if streams is None else streams.n_old)
-            a_splits, per_split = dit_block.attention_splits(R, L.heads, T, keys, nprog)
+            if streams is None:
+                a_splits, per_split = dit_block.attention_splits(R, L.heads, T, kv.shape[3], nprog)
+                cur_keys = None
+            else:
+                a_splits, per_split, cur_keys = dit_block.direct_attention_splits(R, L.heads, T, streams.n_old, nprog)
             per = dit_block.BLOCKS_PER_LAUNCH or L.depth
             for j, b0 in enumerate(range(0, L.depth, per)):
                 dit_block.dit_blocks(
@@ -705,7 +712,7 @@ class FusedDiT:
                     ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=b0, n_blocks=min(per, L.depth - b0),
                     eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps, attn_splits=a_splits,
                     keys_per_split=per_split, nprog=nprog, precision=precision, rows=rows, pos=pos,
-                    pv16=self.attn_pv16, k_step_scale=self.block_k_step_scale, streams=streams)
+                    pv16=self.attn_pv16, k_step_scale=self.block_k_step_scale, streams=streams, cur_keys=cur_keys)
             return
         # the staged body: cuBLAS GEMMs, or with ``ws.wide`` Triton tile GEMMs (the conv taps summed in the
         # GEMM, so ``ws.taps`` is (1, R, T+K-1, C) and its readers take one tap; fc1's GELU in its

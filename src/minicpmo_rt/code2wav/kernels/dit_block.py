@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import AVAILABLE, interpreting
-from .tiled_attention import key_splits, pv16_for
+from .tiled_attention import direct_key_splits, key_splits, pv16_for
 
 # GEMM tiles (rows BM x columns BN, K split S ways) per role at ~100 rows; H200 probe
 # (benchmarks/results/persistent_probe_h200.json): us per phase incl. the barrier, vs the same GEMM
@@ -136,7 +136,7 @@ if AVAILABLE:
 
     @triton.jit
     def _dit_block(HX, NORM, QKV, Q, KV_ALL, MASK, O, PACC, PML, Y, HIST, TAPSB, MLP, Y2, CTR, ROWS, POS,
-                   BASE, SRC, DST, step, n_old, n_out, drop0, drop1,
+                   BASE, SRC, DST, step, n_old, n_out, drop0, drop1, cur_keys,
                    WQKV_ALL, BQKV_ALL, QNW_ALL, QNB_ALL, KNW_ALL, KNB_ALL, WPROJ_ALL, BPROJ_ALL, WT1_ALL, BC1_ALL,
                    LNW_ALL, LNB_ALL, WT2_ALL, BC2_ALL, W1_ALL, B1_ALL, W2_ALL, B2_ALL,
                    MOD_ALL, s_mod, TIMES, first, n_blocks,
@@ -220,7 +220,8 @@ if AVAILABLE:
                     if DIRECT:      # KV holds this chunk's frames; each row's old ones stay in its own cache
                         direct_tile(bh // H, bh % H, mblk, split, H, Q, KV, BASE, SRC, DST, O, PACC, PML,
                                     T * HD, D, HD, 1, skv_r, skv_h, T * HD, D, HD, 1, step, i, T, n_old, n_out,
-                                    drop0, drop1, attn_scale, keys_per_split, D, A_BM, A_BN, PRECISION, A_SPLITS,
+                                    drop0, drop1, attn_scale, keys_per_split, cur_keys, D, A_BM, A_BN, PRECISION,
+                                    A_SPLITS,
                                     ROUND, PV16)
                     else:
                         attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, ROWS, PACC, PML,
@@ -391,6 +392,14 @@ def attention_splits(R: int, H: int, T: int, nk: int, nprog: int) -> tuple[int, 
     return key_splits(nk, max(1, min(8, nprog // max(units, 1))), ATT_BN)
 
 
+def direct_attention_splits(R: int, H: int, T: int, n_old: int, nprog: int) -> tuple[int, int, int]:
+    """(key splits, keys per split, keys the current frames count as) of the direct attention phase: about
+    one unit per program, as ``attention_splits``, with each split walking whole key tiles of each source
+    (``tiled_attention.direct_key_splits``)."""
+    units = R * H * -(-T // ATT_BM)
+    return direct_key_splits(T, n_old, max(1, min(8, nprog // max(units, 1))), ATT_BN)
+
+
 def programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (all resident, as the barriers need; fewer with
     ``MAX_PROGRAMS``)."""
@@ -409,7 +418,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                conv_eps: float, attn_splits: int, keys_per_split: int, nprog: int, precision: str = "tf32",
                phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None,
                per_program: bool = False, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-               pv16: bool | None = None, k_step_scale: int | None = None, streams=None):
+               pv16: bool | None = None, k_step_scale: int | None = None, streams=None, cur_keys: int | None = None):
     """Blocks [first, first + n_blocks) in place, in ONE launch (see the module docstring).
 
     Shapes as ``fused_dit.Workspace``: h, norm (R,T,C); qkv (Sq,R,T,3HD); q, o (R,T,H,D); kv
@@ -429,7 +438,8 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     kernel (registers, spills) of the last launch.
     ``streams`` (``tiled_attention.StreamKV``, unmasked and unpooled only): kv (depth,R,H,T,2D) holds just
     this chunk's frames; the attention phase reads each row's old frames where ``streams`` says and writes
-    the trimmed successors (``direct_attention``'s unit); ``keys_per_split`` then counts T + old frames.
+    the trimmed successors (``direct_attention``'s unit); ``keys_per_split`` then counts ``cur_keys`` (default
+    T) + old frames, the current frames counted as ``cur_keys`` keys (``direct_attention_splits``).
     """
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"dit_blocks: precision must be 'tf32' or 'ieee', got {precision!r}")
@@ -490,9 +500,10 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
         raise ValueError(f"dit_blocks: times holds {times.numel()} stamps, {n_blocks} block(s) write {stamps}")
     round_tf32 = rounds(precision, h.device)
     if streams is None:
-        direct = (h, ctr, ctr, 0, 0, 0, 0, 0)
+        direct = (h, ctr, ctr, 0, 0, 0, 0, 0, 0)
     else:
-        direct = (streams.base, streams.src, streams.dst, streams.step, streams.n_old, streams.n_out, *streams.drop)
+        direct = (streams.base, streams.src, streams.dst, streams.step, streams.n_old, streams.n_out, *streams.drop,
+                  T if cur_keys is None else cur_keys)
     (bq, nq_, _, kq), (bp, np_, _, kp), (bc, nc, _, kc), (b1, n1, _, k1), (b2, n2, _, k2) = (
         tiles[r] for r in ("qkv", "proj", "conv", "fc1", "fc2"))
     def args(b0: int, nb: int) -> tuple:

@@ -225,14 +225,15 @@ if AVAILABLE:
     @triton.jit
     def direct_tile(b, h, mblk, split, H, Q, CUR, BASE, SRC, DST, O, PACC, PML,
                     sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
-                    step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
+                    step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr = False):
         """``direct_attention``'s unit (also a phase of the persistent block kernel): query block ``mblk`` x
         key split ``split`` of (row b, head h). The keys are this chunk's [k|v] (CUR) followed by row b's own
         old frames, found through its SRC table row [offset from BASE, step stride, layer stride, present]
         (elements); every key tile read is also written into row b's trimmed successor (DST row, if
-        present) by one of the query blocks."""
+        present) by one of the query blocks. The key splits count the current frames as ``cur_keys`` keys
+        (``direct_key_splits``: nq rounded up to a key tile, so every split walks whole tiles of each source)."""
         offs_m, row_ok, q, m_i, l_i, acc = _query_block(Q, b, h, mblk, sqb, sqh, sqm, sqd, nq, HEAD_D, BLOCK_M)
         # offsets from one aligned base pointer, declared multiples of 16 elements (stream_table checks):
         # a pointer made from a loaded integer carries no alignment, and its loads would not vectorise
@@ -242,28 +243,29 @@ if AVAILABLE:
                                     + layer * tl.load(DST + b * 4 + 2) + h.to(tl.int64) * n_out * (2 * HEAD_D), 16)
         present = tl.load(DST + b * 4 + 3) != 0
         n_mblk = tl.cdiv(nq, BLOCK_M)
+        # split coordinates: the current frames span cur_keys (>= nq) keys, the old ones follow
         k_lo = split * keys_per_split
-        k_hi = tl.minimum(k_lo + keys_per_split, nq + n_old)
+        k_hi = tl.minimum(k_lo + keys_per_split, cur_keys + n_old)
         cur = CUR + b.to(tl.int64) * scb + h * sch
         # the current frames (queries and keys alike), then the old ones: each source loads with its own
         # contiguous strides; the softmax does not depend on the order the keys arrive in
         m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, nq), 0, row_ok, dst, present,
                                      mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA)
-        m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, nq) - nq, k_hi - nq, nq, row_ok, dst,
-                                     present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16,
-                                     TMA)
+        m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, cur_keys) - cur_keys, k_hi - cur_keys,
+                                     nq, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N,
+                                     PRECISION, PV16, TMA)
         _finish(acc, m_i, l_i, b, h, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
                 HEAD_D, SPLITS, ROUND_OUT)
 
     @triton.jit
     def _attn_direct(Q, CUR, BASE, SRC, DST, O, PACC, PML,
                      sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
-                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
+                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                      SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr):
         direct_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                     tl.num_programs(1), Q, CUR, BASE, SRC, DST, O, PACC, PML, sqb, sqh, sqm, sqd, scb, sch,
-                    sob, soh, som, sod, step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split,
+                    sob, soh, som, sod, step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
                     HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16, TMA)
 
     @triton.jit
@@ -303,6 +305,23 @@ def key_splits(nk: int, splits: int, block_n: int) -> tuple[int, int]:
     splits = max(1, min(splits, tiles))
     per_split = -(-tiles // splits) * block_n
     return -(-nk // per_split), per_split
+
+
+# The direct attention's key splits count the current frames as whole key tiles (``direct_key_splits``), so a
+# split that starts among the old frames starts on a tile of theirs: batch 4 (2 splits), 50 + 400 keys in 64-key
+# tiles, split 0 then walks 1 + 3 tiles and split 1 4, where splitting the 450 keys evenly gave 1 + 4 and 4.
+DIRECT_ALIGNED_SPLITS = True
+
+
+def direct_key_splits(nq: int, n_old: int, splits: int, block_n: int,
+                      aligned: bool | None = None) -> tuple[int, int, int]:
+    """(splits, keys per split, keys the current frames count as) of ``direct_tile``'s key splits over nq
+    current and n_old old frames: the current frames rounded up to a whole key tile with ``aligned``
+    (default ``DIRECT_ALIGNED_SPLITS``), else as they are."""
+    aligned = DIRECT_ALIGNED_SPLITS if aligned is None else aligned
+    cur = -(-nq // block_n) * block_n if aligned else nq
+    s, per = key_splits(cur + n_old, splits, block_n)
+    return s, per, cur
 
 
 def pv16_for(out: torch.Tensor, precision: str) -> bool:
@@ -511,7 +530,7 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
     if nk - (d1 - d0) != streams.n_out:
         raise ValueError(f"direct_attention: {nk} key frames less the dropped [{d0}, {d1}) is not the successor's "
                          f"{streams.n_out}")
-    splits, per_split = key_splits(nk, splits, block_n)
+    splits, per_split, cur_keys = direct_key_splits(T, streams.n_old, splits, block_n)
     if splits > 1:
         pacc = torch.empty(R, H, splits, T, D, device=q.device, dtype=torch.float32)
         pml = torch.empty(R, H, splits, T, 2, device=q.device, dtype=torch.float32)
@@ -524,6 +543,7 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
         _attn_direct[(R, H, triton.cdiv(T, block_m) * splits)](
             q, cur, streams.base, streams.src, streams.dst, out, pacc, pml, *q.stride(), cur.stride(0), cur.stride(1),
             *out.stride(), streams.step, layer, T, streams.n_old, streams.n_out, d0, d1, float(D) ** -0.5, per_split,
+            cur_keys,
             HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, SPLITS=splits, ROUND_OUT=round_out,
             PV16=pv16_for(out, precision) if pv16 is None else pv16, TMA=tma, num_warps=num_warps,
             num_stages=num_stages)
