@@ -191,23 +191,24 @@ def test_ieee_attention_takes_blocks_that_fit_in_registers():
     assert ieee._attn_shape(32, 8, 50, tma_ok=True) == (IEEE_BLOCK_M, 1, 2, False, IEEE_WARPS)
     assert ieee._attn_shape(32, 8, 50) == (32, 1, 2, False, IEEE_WARPS)
     assert ieee._attn_shape(2, 8, 50) == (16, 8, 2, False, 4)       # small blocks keep 4 warps
-    assert ieee._direct_shape(16, 8, 50, tma_ok=True) == (IEEE_BLOCK_M, 1, 3, False, IEEE_WARPS)
+    assert ieee._direct_shape(32, 8, 50, tma_ok=True) == (IEEE_BLOCK_M, 1, 3, False, IEEE_WARPS)
     tf32 = FusedDiT(our_dit(seed=1), attention="triton-tf32")
-    assert tf32._direct_shape(16, 8, 50, tma_ok=True) == (64, 1, 3, True, 4)
+    assert tf32._direct_shape(32, 8, 50, tma_ok=True) == (64, 1, 3, True, 4)
     explicit = FusedDiT(our_dit(seed=1), attention="triton-ieee", attn_block_m=64, attn_tma=True)
     explicit.attn_warps, explicit.direct_tma = 4, True
     assert explicit._attn_shape(32, 8, 50, tma_ok=True) == (64, 1, 3, True, 4)
-    assert explicit._direct_shape(16, 8, 50, tma_ok=True) == (64, 1, 3, True, 4)
+    assert explicit._direct_shape(32, 8, 50, tma_ok=True) == (64, 1, 3, True, 4)
 
 
 def test_direct_attention_launch_shape_and_guard():
     """The direct path's launch shape (one query block per (row, head) up to 64 queries; keys split to
-    ~256 programs below a full grid), and ``blocks`` refusing per-stream caches where the direct
+    ~256 programs), and ``blocks`` refusing per-stream caches where the direct
     attention cannot serve them (a mask, pooled rows, SDPA attention) instead of reading the wrong keys."""
     from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV
     fused = FusedDiT(our_dit(seed=1))
     assert fused._direct_shape(8, 8, 50)[:3] == (64, 4, 3)          # batch 4: 64 rows x heads -> 4 key splits
-    assert fused._direct_shape(16, 8, 50)[:3] == (64, 1, 3)         # batch 8: a full grid
+    assert fused._direct_shape(16, 8, 50)[:3] == (64, 2, 3)         # batch 8: 128 rows x heads -> 2 key splits
+    assert fused._direct_shape(32, 8, 50)[:3] == (64, 1, 3)         # batch 16: 256 programs unsplit
     assert fused._direct_shape(8, 8, 6)[:3] == (16, 4, 3)
     assert FusedDiT(our_dit(seed=1), attn_splits=3, attn_block_m=32)._direct_shape(8, 8, 50)[:3] == (32, 3, 3)
     R, T = 2, 5

@@ -74,12 +74,12 @@ ATTN_TARGET_PROGRAMS = 512
 # IEEE solve 515 ms at B=16 against 119 now. So IEEE attention takes at most IEEE_BLOCK_M queries per
 # program, on IEEE_WARPS warps, without TMA (the TF32 shapes above are unchanged).
 IEEE_BLOCK_M, IEEE_WARPS = 32, 8
-# direct_attention (each stream's cache read in place) below a full grid: keys split to ~256 programs,
-# one query block each. H200, batch 4 = 64 rows x heads, replay / solve as called (ms per chunk), with the
-# splits on whole key tiles (tiled_attention.DIRECT_ALIGNED_SPLITS; session 19): 2 splits 15.32 / 16.29, 3
-# 15.04 / 15.64, 4 14.76 / 15.27, 8 16.14 / 17.10 (direct_splits_probe_session19_*_h200.md). On a full grid
-# one split stays: batch 16 24.95 vs 26.56 ms replay with 2, batch 8 within noise (16.9 vs 16.6 replay,
-# 17.5-18.1 vs 17.7-17.8 as called). Session 14, before the alignment: 2 splits 16.89, 8 18.57.
+# direct_attention (each stream's cache read in place): keys split to ~256 programs, one query block each,
+# with no full-grid rule of its own. H200, replay / solve as called (ms per chunk), the splits on whole key
+# tiles (tiled_attention.DIRECT_ALIGNED_SPLITS; session 19, direct_splits_probe_session19_*_h200.md):
+# batch 4 (64 rows x heads) 2 splits 15.32 / 16.29, 3 15.04 / 15.64, 4 14.76 / 15.27, 8 16.14 / 17.10;
+# batch 8 (128) 1 split 16.92-16.95 / 17.77-18.10, 2 16.62-16.66 / 17.44-17.90; batch 16 (256) 1 split
+# 24.92-24.98 replay, 2 26.47-26.66. Session 14, before the alignment: batch 4 2 splits 16.89, 8 18.57.
 DIRECT_TARGET_PROGRAMS = 256
 
 # Split-K for few rows ("cublas-split", the default): at ~100 rows cuBLAS tiles a DiT GEMM into
@@ -556,12 +556,13 @@ class FusedDiT:
             bm = min(bm, IEEE_BLOCK_M)
         return bm, self.attn_warps or (IEEE_WARPS if bm >= IEEE_BLOCK_M else 4)
 
-    def _key_splits(self, R: int, H: int, T: int, bm: int, target: int) -> int:
-        """The attention's key splits: ``attn_splits`` if set, 1 on a full grid, else enough (at most 8)
-        for about ``target`` programs of ``bm``-query blocks."""
+    def _key_splits(self, R: int, H: int, T: int, bm: int, target: int,
+                    full_grid: int | None = ATTN_FULL_GRID_ROWS_HEADS) -> int:
+        """The attention's key splits: ``attn_splits`` if set, 1 on a full grid (rows x heads >= ``full_grid``;
+        None: no such rule), else enough (at most 8) for about ``target`` programs of ``bm``-query blocks."""
         if self.attn_splits is not None:
             return self.attn_splits
-        if R * H >= ATTN_FULL_GRID_ROWS_HEADS:
+        if full_grid is not None and R * H >= full_grid:
             return 1
         return max(1, min(8, target // (R * H * -(-T // bm))))
 
@@ -572,7 +573,7 @@ class FusedDiT:
         ``tma_ok`` (``device_tma``) unless ``direct_tma`` says otherwise (IEEE dots: only if it says so)."""
         bm, warps = self._ieee_cap(self.attn_block_m or min(64, max(16, dit_block._pow2(T))))
         tma = (tma_ok and not self._ieee) if self.direct_tma is None else self.direct_tma
-        return AttnShape(bm, self._key_splits(R, H, T, bm, DIRECT_TARGET_PROGRAMS), self.attn_stages or 3, tma,
+        return AttnShape(bm, self._key_splits(R, H, T, bm, DIRECT_TARGET_PROGRAMS, None), self.attn_stages or 3, tma,
                          warps)
 
     def _small_gemm(self, x2d: torch.Tensor) -> bool:
