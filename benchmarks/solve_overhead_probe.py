@@ -2,8 +2,9 @@
 
 One steady 1-s chunk (query 50, 10 Euler steps, CFG, cache 400) at batch B through
 ``WholeEulerSolver.solve(trim=...)`` as the flow calls it. Reports, per call: the CUDA-event time of
-the whole solve, the replay alone, the host time to enqueue the solve (no sync), and a torch.profiler
-table of the host ops of a few solves. Writes ``solve_overhead_probe.json`` / ``.txt`` into --out.
+the whole solve, the replay alone, the host time to enqueue the solve (no sync) and its steps' host
+times (static lookup, staging, the direct tables, graph launch, reading out), and a torch.profiler
+table of the host ops of a few solves (the profiler inflates launches). Writes ``solve_overhead_probe.json`` / ``.txt`` into --out.
 
     PYTHONPATH=src python benchmarks/solve_overhead_probe.py --out DIR --batches 16,4
 """
@@ -19,6 +20,17 @@ from pathlib import Path
 import torch
 
 from code2wav_bench import L, S, T, chunk_inputs, randomize_, timed  # benchmarks/ is on sys.path when run as a script
+
+
+def _host_timed(fn, into: list):
+    """fn, appending each call's host time (ms, no sync) to ``into``."""
+    def call(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append((time.perf_counter() - t0) * 1e3)
+    return call
 
 
 def main() -> None:
@@ -56,6 +68,18 @@ def main() -> None:
             call()
             host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
+        # the same calls with the solve's steps timed on the host (wrappers on this solver and graph only)
+        pieces: dict[str, list[float]] = {}
+        for obj, name in ((solver, "_static_for"), (solver, "_fill"), (solver, "_bind_streams"),
+                          (solver, "_read"), (st.graph, "replay")):
+            setattr(obj, name, _host_timed(getattr(obj, name), pieces.setdefault(name, [])))
+        for _ in range(10):
+            torch.cuda.synchronize()
+            call()
+        torch.cuda.synchronize()
+        for obj, name in ((solver, "_static_for"), (solver, "_fill"), (solver, "_bind_streams"),
+                          (solver, "_read"), (st.graph, "replay")):
+            delattr(obj, name)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
@@ -63,7 +87,9 @@ def main() -> None:
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         row = {"batch": B, "direct": bool(st.key.direct), "solve_ms": statistics.median(whole),
-               "replay_ms": statistics.median(replay), "host_enqueue_ms": statistics.median(host)}
+               "replay_ms": statistics.median(replay), "host_enqueue_ms": statistics.median(host),
+               "host_step_ms": {k: statistics.median(v) for k, v in pieces.items() if v},   # per call
+               "host_step_calls_per_solve": {k: len(v) / 10 for k, v in pieces.items()}}
         res["rows"].append(row)
         text.append(f"## B={B}: {json.dumps(row)}\n\n{table}\n")
         print(text[-1], flush=True)

@@ -226,6 +226,10 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     base = outs[1]          # any aligned FP32 tensor: the tables hold element offsets from it
     src = stream_table([olds[0][:, :, 0], olds[1][:, :, 1], olds[0][:, :, 0]], base).to(dev)
     dst = stream_table([outs[0][:, :, 0], outs[1][:, :, 1], None], base).to(dev)
+    # (tensor, batch row) pairs, as a solve passes them, read the same rows off pointer and strides
+    assert torch.equal(stream_table([(olds[0], 0), (olds[1], 1), (olds[0], 0)], base), src.cpu())
+    with pytest.raises(ValueError, match="batch row"):
+        stream_table([(olds[0], 2)], base)
     streams = StreamKV(base, src, dst, n_old, n_out, drop).at_step(1)
     o = torch.full((R, T, H, D), float("nan"), device=dev)
     direct_attention(q, cur, streams, layer=1, out=o.transpose(1, 2), precision="ieee", block_m=16, block_n=16,

@@ -485,12 +485,12 @@ class WholeEulerSolver:
         dev = st.x.device
         if per_stream:
             outs = [torch.empty(self.S, self.depth, 2, self.H, n_out, 2 * self.D, device=dev) for _ in range(B)]
-            src = lambda i, half: att_cache[i][:, :, half]      # noqa: E731
-            dst = lambda i, half: outs[i][:, :, half]           # noqa: E731
+            src = lambda i, half: (att_cache[i], half)      # noqa: E731  (stream_table: the view [:, :, half])
+            dst = lambda i, half: (outs[i], half)           # noqa: E731
         else:
             outs = torch.empty(self.S, self.depth, 2 * B, self.H, n_out, 2 * self.D, device=dev)
-            src = lambda i, half: att_cache[:, :, half * B + i]     # noqa: E731
-            dst = lambda i, half: outs[:, :, half * B + i]          # noqa: E731
+            src = lambda i, half: (att_cache, half * B + i)     # noqa: E731
+            dst = lambda i, half: (outs, half * B + i)          # noqa: E731
         rows = [(r % Bb, r // Bb) for r in range(2 * Bb)]
         base = st.streams.base
         tables = torch.stack([stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base),

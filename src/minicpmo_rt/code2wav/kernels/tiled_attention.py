@@ -431,24 +431,36 @@ class StreamKV:
         return replace(self, step=step)
 
 
-def stream_table(rows: list[torch.Tensor | None], base: torch.Tensor) -> torch.Tensor:
+def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], base: torch.Tensor) -> torch.Tensor:
     """The (R, 4) table of ``StreamKV`` for R row views (steps, depth, heads, frames, 2D) relative to
-    ``base``; None: a row not present (not written). Offsets and strides must be multiples of 16 elements
-    (64 bytes), what the kernel declares to the compiler."""
+    ``base``; a pair (t, j) stands for the view ``t[:, :, j]`` of a (steps, depth, rows, heads, frames, 2D)
+    tensor (read off its pointer and strides: a solve's tables cost no view per row); None: a row not
+    present (not written). Offsets and strides must be multiples of 16 elements (64 bytes), what the kernel
+    declares to the compiler."""
     if base.dtype != torch.float32 or base.data_ptr() % 64:
         raise ValueError(f"stream_table: base must be a 64-byte aligned FP32 tensor (got {base.dtype} at "
                          f"{base.data_ptr() % 64} bytes past 64-byte alignment)")
+    origin = base.data_ptr()
     out = []
     for r in rows:
         if r is None:
             out.append((0, 0, 0, 0))
             continue
-        if r.dtype != torch.float32 or r.stride()[2:] != (r.shape[3] * r.shape[4], r.shape[4], 1):
-            raise ValueError(f"stream_table: a row view {tuple(r.shape)} with strides {r.stride()} and dtype "
-                             f"{r.dtype}; each (heads, frames, 2D) block must be contiguous FP32")
-        row = ((r.data_ptr() - base.data_ptr()) // 4, r.stride(0), r.stride(1), 1)
-        if any(v % 16 for v in row[:3]) or (r.shape[3] * r.shape[4]) % 16:
-            raise ValueError(f"stream_table: a row view at {r.data_ptr()} with strides {r.stride()} is not "
+        if isinstance(r, tuple):
+            t, j = r
+            if t.dim() != 6 or not 0 <= j < t.shape[2]:
+                raise ValueError(f"stream_table: row {j} of a tensor {tuple(t.shape)}; expected a batch row of a "
+                                 "(steps, depth, rows, heads, frames, 2D) tensor")
+            st, shape, ptr = t.stride(), t.shape, t.data_ptr() + j * t.stride(2) * t.element_size()
+            st, shape = st[:2] + st[3:], shape[:2] + shape[3:]
+        else:
+            st, shape, ptr, t = r.stride(), r.shape, r.data_ptr(), r
+        if t.dtype != torch.float32 or st[2:] != (shape[3] * shape[4], shape[4], 1):
+            raise ValueError(f"stream_table: a row view {tuple(shape)} with strides {st} and dtype "
+                             f"{t.dtype}; each (heads, frames, 2D) block must be contiguous FP32")
+        row = ((ptr - origin) // 4, st[0], st[1], 1)
+        if any(v % 16 for v in row[:3]) or (shape[3] * shape[4]) % 16:
+            raise ValueError(f"stream_table: a row view at {ptr} with strides {st} is not "
                              "aligned to 16 elements (64 bytes)")
         out.append(row)
     return torch.tensor(out, dtype=torch.int64)
