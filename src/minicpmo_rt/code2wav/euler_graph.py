@@ -136,7 +136,8 @@ class WholeEulerSolver:
         ``gemm_operands``: ``FusedDiT``'s ("fp16": the Triton GEMMs' operands stored as FP16, opt-in).
         ``direct``: trimmed solves read each stream's cache where it is (module docstring); None (default):
         wherever the staged body runs; True: the persistent block kernel's solves too (batch 1-2; slower on
-        the H200, 10.17 vs 8.93 ms at batch 1); False: always through the arena."""
+        the H200 at batch 1, as called: 10.17 vs 8.93 ms in session 15, 9.77 vs 8.46 in session 19); False: always
+        through the arena."""
         self.cfm = cfm
         self.step_kernels = step_kernels
         self.direct = direct
@@ -473,7 +474,7 @@ class WholeEulerSolver:
                 or not f._triton(mu)):
             return False
         if self.direct is None and f.uses_block_kernel(2 * key.batch, key.query, mu.device):
-            return False    # the block kernel's direct phase: opt-in (direct=True); H200 B=1 10.17 vs 8.93 ms
+            return False    # the block kernel's direct phase: opt-in (direct=True); H200 B=1 9.77 vs 8.46 ms
         return all(c is not None and c.dtype == torch.float32 and c.data_ptr() % 64 == 0
                    and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1) for c in caches)
 

@@ -704,7 +704,8 @@ class FusedDiT:
                 a_splits, per_split = dit_block.attention_splits(R, L.heads, T, kv.shape[3], nprog)
                 cur_keys = None
             else:
-                a_splits, per_split, cur_keys = dit_block.direct_attention_splits(R, L.heads, T, streams.n_old, nprog)
+                a_splits, per_split, cur_keys = dit_block.direct_attention_splits(R, L.heads, T, streams.n_old,
+                                                                                  nprog)
             per = dit_block.BLOCKS_PER_LAUNCH or L.depth
             for j, b0 in enumerate(range(0, L.depth, per)):
                 dit_block.dit_blocks(
