@@ -569,12 +569,12 @@ class FusedDiT:
     def _direct_shape(self, R: int, H: int, T: int, tma_ok: bool = False) -> AttnShape:
         """Launch shape of ``direct_attention``: one query block per (row, head) up to 64 queries (more
         blocks would each re-read every key tile; IEEE dots: up to IEEE_BLOCK_M); keys split to about
-        DIRECT_TARGET_PROGRAMS programs below a full grid; tiles through in-kernel TMA descriptors where
+        DIRECT_TARGET_PROGRAMS programs (no full-grid rule); tiles through in-kernel TMA descriptors where
         ``tma_ok`` (``device_tma``) unless ``direct_tma`` says otherwise (IEEE dots: only if it says so)."""
         bm, warps = self._ieee_cap(self.attn_block_m or min(64, max(16, dit_block._pow2(T))))
         tma = (tma_ok and not self._ieee) if self.direct_tma is None else self.direct_tma
-        return AttnShape(bm, self._key_splits(R, H, T, bm, DIRECT_TARGET_PROGRAMS, None), self.attn_stages or 3, tma,
-                         warps)
+        splits = self._key_splits(R, H, T, bm, DIRECT_TARGET_PROGRAMS, full_grid=None)
+        return AttnShape(bm, splits, self.attn_stages or 3, tma, warps)
 
     def _small_gemm(self, x2d: torch.Tensor) -> bool:
         """Few-row Triton GEMM for this call? Opt-in, and only under TF32 (IEEE stays on cuBLAS)."""
