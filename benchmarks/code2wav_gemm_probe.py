@@ -328,20 +328,22 @@ def qkv_section(res: dict, save, batches=(16,)) -> None:
     _in_solve_sweep(batches, QKV_VARIANTS, setup, _vs_first(res, "qkv", save))
 
 
-def _vs_first(res: dict, key: str, save):
-    """A sweep's ``record`` for (name, tile, ...) variants: each row's outputs against the batch's first
-    variant's (only one batch's reference kept), into ``res[key]``."""
+def _vs_first(res: dict, key: str, save, value_key: str = "tile", label: str | None = None):
+    """A sweep's ``record`` for (name, value, ...) variants: each row's outputs against the batch's first
+    variant's (only one batch's reference kept), into ``res[key]`` (the variant's value under ``value_key``;
+    further timings ``record`` is given, e.g. ``called_ms``, kept as they are)."""
     rows = res.setdefault(key, [])
     ref = {}
 
-    def record(B, variant, got, ms):
+    def record(B, variant, got, ms, **extra):
         if B not in ref:
             ref.clear()
             ref[B] = [t.clone() for t in got]
         err = max(rel(a, b) for a, b in zip(got, ref[B]))
-        rows.append({"batch": B, "variant": variant[0], "tile": variant[1], "max_rel_diff_vs_first": err,
-                     "replay_ms": ms})
-        print(f"{key} B={B} {variant[0]:28s}: replay {ms:.2f} ms (vs first {err:.1e})", flush=True)
+        rows.append({"batch": B, "variant": variant[0], value_key: variant[1], "max_rel_diff_vs_first": err,
+                     "replay_ms": ms, **extra})
+        more = "".join(f", {k} {v:.3f}" for k, v in extra.items())
+        print(f"{label or key} B={B} {variant[0]:28s}: replay {ms:.3f} ms{more} (vs first {err:.1e})", flush=True)
         save()
     return record
 

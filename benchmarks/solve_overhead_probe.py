@@ -70,15 +70,15 @@ def main() -> None:
         torch.cuda.synchronize()
         # the same calls with the solve's steps timed on the host (wrappers on this solver and graph only)
         pieces: dict[str, list[float]] = {}
-        for obj, name in ((solver, "_static_for"), (solver, "_fill"), (solver, "_bind_streams"),
-                          (solver, "_read"), (st.graph, "replay")):
+        steps = ((solver, "_static_for"), (solver, "_fill"), (solver, "_bind_streams"), (solver, "_read"),
+                 (st.graph, "replay"))
+        for obj, name in steps:
             setattr(obj, name, _host_timed(getattr(obj, name), pieces.setdefault(name, [])))
         for _ in range(10):
             torch.cuda.synchronize()
             call()
         torch.cuda.synchronize()
-        for obj, name in ((solver, "_static_for"), (solver, "_fill"), (solver, "_bind_streams"),
-                          (solver, "_read"), (st.graph, "replay")):
+        for obj, name in steps:
             delattr(obj, name)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:

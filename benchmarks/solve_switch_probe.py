@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from code2wav_bench import _triton_version  # noqa: E402
-from code2wav_gemm_probe import _in_solve_sweep  # noqa: E402
+from code2wav_gemm_probe import _in_solve_sweep, _vs_first  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -100,7 +100,6 @@ def main(argv=None) -> int:
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
            "attr": args.attr, "default": default, "fixed": args.fixed, "gemm_operands": args.gemm_operands,
            "trim": args.trim, "direct": args.direct, "no_successor": args.no_successor, "rows": []}
-    ref = {}
 
     def setup(wg, B, big, variant):
         if on_fused:
@@ -112,16 +111,10 @@ def main(argv=None) -> int:
         setattr(module, name, variant[1])
         return None, None     # the solver's default GEMMs for the batch (the block kernel at batch 1-2)
 
-    def record(B, variant, got, ms, called_ms=None):
-        if B not in ref:
-            ref.clear()
-            ref[B] = [t.clone() for t in got]
-        err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref[B]))
-        res["rows"].append({"batch": B, "variant": variant[0], "value": variant[1], "replay_ms": ms,
-                            "called_ms": called_ms, "max_rel_diff_vs_first": err})
-        print(f"B={B} {variant[0]:30s} replay {ms:.3f} ms" + (f", called {called_ms:.3f} ms" if called_ms else "")
-              + f" (vs first {err:.1e})", flush=True)
+    def save():
         (args.out / "solve_switch_probe.json").write_text(json.dumps(res, indent=1))
+
+    record = _vs_first(res, "rows", save, value_key="value", label=args.attr)
 
     bind = WholeEulerSolver._bind_streams
     if args.no_successor:
@@ -148,7 +141,7 @@ def main(argv=None) -> int:
              + "".join(f"; {f}" for f in args.fixed) + ".", "",
              "| batch | variant | replay ms | solve as called ms | max rel diff vs first |", "|---:|---|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} | "
-              f"{'-' if r['called_ms'] is None else format(r['called_ms'], '.3f')} | {r['max_rel_diff_vs_first']:.1e} |"
+              f"{format(r['called_ms'], '.3f') if 'called_ms' in r else '-'} | {r['max_rel_diff_vs_first']:.1e} |"
               for r in res["rows"]]
     (args.out / "solve_switch_probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -386,18 +386,22 @@ def supported(hidden: int, heads: int, head_dim: int, mlp_hidden: int) -> tuple[
     return True, ""
 
 
+def _wanted_splits(R: int, H: int, T: int, nprog: int) -> int:
+    """Key splits (at most 8) that give the attention phase about one unit per program."""
+    units = R * H * -(-T // ATT_BM)
+    return max(1, min(8, nprog // max(units, 1)))
+
+
 def attention_splits(R: int, H: int, T: int, nk: int, nprog: int) -> tuple[int, int]:
     """(key splits, keys per split) so the attention phase has about one unit per program."""
-    units = R * H * -(-T // ATT_BM)
-    return key_splits(nk, max(1, min(8, nprog // max(units, 1))), ATT_BN)
+    return key_splits(nk, _wanted_splits(R, H, T, nprog), ATT_BN)
 
 
 def direct_attention_splits(R: int, H: int, T: int, n_old: int, nprog: int) -> tuple[int, int, int]:
     """(key splits, keys per split, keys the current frames count as) of the direct attention phase: about
     one unit per program, as ``attention_splits``, with each split walking whole key tiles of each source
     (``tiled_attention.direct_key_splits``)."""
-    units = R * H * -(-T // ATT_BM)
-    return direct_key_splits(T, n_old, max(1, min(8, nprog // max(units, 1))), ATT_BN)
+    return direct_key_splits(T, n_old, _wanted_splits(R, H, T, nprog), ATT_BN)
 
 
 def programs(device: torch.device) -> int:
