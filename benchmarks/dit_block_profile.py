@@ -5,7 +5,8 @@ blocks (per-phase time incl. the wait at the barrier, median over blocks 1-15), 
 launch and as one launch per phase (each replayed from a CUDA graph), and the compiled kernel's
 registers / spills.
 
-    PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR [--default-only | --key-tiles | --stages | --tiles]
+    PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR [--default-only | --key-tiles | --stages | --tiles
+                                                                              | --prefetch]
 """
 
 from __future__ import annotations
@@ -102,11 +103,14 @@ def main(out_dir: str, configs=None) -> None:
 
         for cfg in configs:
             saved = dict(dit_block.TILES)
-            saved_att = dit_block.ATT_BM, dit_block.ATT_BN, dit_block.BLOCK_STAGES
+            saved_att = (dit_block.ATT_BM, dit_block.ATT_BN, dit_block.BLOCK_STAGES, dit_block.PREFETCH,
+                         dit_block.BULK_PREFETCH)
             dit_block.TILES.update(cfg.get("tiles", {}))
             dit_block.ATT_BM = cfg.get("att_bm", saved_att[0])
             dit_block.ATT_BN = cfg.get("att_bn", saved_att[1])
             dit_block.BLOCK_STAGES = cfg.get("stages", saved_att[2])
+            dit_block.PREFETCH = cfg.get("prefetch", saved_att[3])
+            dit_block.BULK_PREFETCH = cfg.get("bulk", saved_att[4])
             a_splits, per_split = dit_block.attention_splits(R, 8, T, T + L, nprog)
             if "att_splits" in cfg:          # forced key splits (1: no combine phase)
                 a_splits, per_split = key_splits(T + L, cfg["att_splits"], dit_block.ATT_BN)
@@ -145,7 +149,8 @@ def main(out_dir: str, configs=None) -> None:
                 staged = graph_us(lambda: [block(i, phase_by_phase=True, zero=False) for i in range(16)]) / 16
                 programs = per_program_profile(block, names, depth, nprog, dev)
                 row = {"config": {k_: v for k_, v in cfg.items() if k_ != "tiles"} | {"tiles": dict(dit_block.TILES)},
-                       "stages": dit_block.BLOCK_STAGES,
+                       "stages": dit_block.BLOCK_STAGES, "prefetch": dit_block.PREFETCH,
+                       "bulk_prefetch": dit_block.BULK_PREFETCH,
                        "attention": {"block_m": dit_block.ATT_BM, "block_n": dit_block.ATT_BN, "splits": a_splits},
                        "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
                        "block_us_one_launch": one, "block_us_all_blocks_one_launch": whole,
@@ -156,7 +161,8 @@ def main(out_dir: str, configs=None) -> None:
             finally:
                 dit_block.TILES.clear()
                 dit_block.TILES.update(saved)
-                dit_block.ATT_BM, dit_block.ATT_BN, dit_block.BLOCK_STAGES = saved_att
+                dit_block.ATT_BM, dit_block.ATT_BN, dit_block.BLOCK_STAGES, dit_block.PREFETCH, \
+                    dit_block.BULK_PREFETCH = saved_att
             res["configs"].append(row)
             print(json.dumps(row, indent=1), flush=True)
     (out / "dit_block_profile.json").write_text(json.dumps(res, indent=1))
@@ -177,5 +183,8 @@ if __name__ == "__main__":
                    {"num_warps": 8, "tiles": {"qkv": (128, 64, 4, 64), "conv": (128, 64, 4, 64)}},
                    {"num_warps": 8, "tiles": {"fc2": (64, 64, 8, 32)}},
                    {"num_warps": 8, "tiles": {"fc2": (64, 64, 4, 64), "proj": (64, 32, 2, 32)}}]
-    args = [a for a in args if a not in ("--key-tiles", "--stages", "--tiles")]
+    elif "--prefetch" in sys.argv:      # L2 prefetch schedules (dit_block.PREFETCH)
+        configs = [{"num_warps": 8, "prefetch": p} for p in (1, 11)] + [
+            {"num_warps": 8, "prefetch": 11, "bulk": False}]
+    args = [a for a in args if a not in ("--key-tiles", "--stages", "--tiles", "--prefetch")]
     main(args[0] if args else "/tmp/dit_block_profile", configs)

@@ -8,14 +8,15 @@ unmasked, few rows and a full grid) run on CPU tensors at the full DiT width (de
 stages) is compiled through Triton's code generator and the NVIDIA backend (TTIR -> TTGIR -> LLVM -> PTX ->
 cubin) for SM90, and the attention for SM80 too, instead of being run. Each compile prints ptxas's spill
 report; the attention kernels and tile GEMMs (``NO_SPILL``) must not spill more than SPILL_LIMIT bytes per
-thread for SM90, and every kernel must fit the target's shared memory per program (``SMEM_LIMIT``: above it a
-kernel compiles but fails to load). Outputs are never computed, so the numbers the solves produce are garbage;
+thread for SM90, every kernel must fit the target's shared memory per program (``SMEM_LIMIT``: above it a
+kernel compiles but fails to load), and the persistent block kernel's L2 prefetches must reach its PTX. Outputs are never computed, so the numbers the solves produce are garbage;
 only compilation is checked.
 
 Why: the CPU tests run kernels through Triton's interpreter, which executes Python and accepts code
 the compiler rejects (a helper returning from inside a ``constexpr`` branch passed every interpreter
 test and failed to compile on the H200). Exit status: 0 all compiled, 1 a kernel failed to compile (an
-attention kernel or tile GEMM spilled too much, or a kernel needs more shared memory than its target has),
+attention kernel or tile GEMM spilled too much, a kernel needs more shared memory than its target has, or the
+block kernel lost its prefetches),
 3 this Triton's internals differ from what the harness expects (the test then skips).
 """
 
@@ -100,6 +101,7 @@ def main() -> int:
     compiled: dict[tuple, float] = {}
     spilled: list[str] = []
     too_big: list[str] = []
+    no_prefetch: list[str] = []
 
     def capture(self, *args, grid, warmup, **kwargs):
         try:
@@ -132,7 +134,7 @@ def main() -> int:
         if key in compiled:
             return None
         t0 = time.time()
-        spill, smem = {}, {}
+        spill, smem, ptx = {}, {}, {}
         for cap in caps:
             log = io.StringIO()
             try:
@@ -143,6 +145,7 @@ def main() -> int:
                 raise RuntimeError(f"{self.fn.__name__} does not compile for sm{cap} with {named} {opts}") from exc
             spill[cap] = spill_bytes(log.getvalue())
             smem[cap] = shared_bytes(kernel)
+            ptx[cap] = kernel.asm.get("ptx", "")
         compiled[key] = time.time() - t0
         named = {self.arg_names[i[0]]: v for i, v in consts.items() if isinstance(v, (bool, int, str))}
         print(f"compiled {self.fn.__name__:18s} sm{'/sm'.join(map(str, caps))} {compiled[key]:5.1f}s spills "
@@ -157,6 +160,10 @@ def main() -> int:
             spilled.append(f"{self.fn.__name__} spills registers ({spill} bytes of spill stores by target) with "
                            f"{named} {opts}: pick a launch shape that fits (fused_dit._attn_shape / _direct_shape, "
                            f"wide_gemm.IEEE_TILE)")
+        if (self.fn.__name__ == "_dit_block" and named.get("PHASE") == -1 and named.get("PREFETCH")
+                and "prefetch" not in ptx[90]):
+            no_prefetch.append(f"_dit_block with PREFETCH={named['PREFETCH']} has no prefetch instruction in its sm90 "
+                               f"PTX ({named} {opts}): the inline-asm hint was dropped (dit_block._prefetch_l2)")
         return None
 
     JITFunction.run = capture
@@ -172,7 +179,9 @@ def main() -> int:
         print("SHARED MEMORY:\n" + "\n".join(too_big), flush=True)
     if spilled:
         print("SPILLS:\n" + "\n".join(spilled), flush=True)
-    if too_big or spilled:
+    if no_prefetch:
+        print("PREFETCH:\n" + "\n".join(no_prefetch), flush=True)
+    if too_big or spilled or no_prefetch:
         return 1
     print(f"ok: {len(compiled)} kernel specialisations, {sum(compiled.values()):.0f}s", flush=True)
     return 0

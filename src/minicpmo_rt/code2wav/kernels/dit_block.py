@@ -15,6 +15,12 @@ block measured 51.2 vs 50.5 us per block for one launch in all, so the launch it
   10 fc1 GEMM + bias + tanh-GELU      11 fc2 GEMM -> partials
   12 residual + the next block's modulated LN
 
+Weights do not depend on the phase before them, and each block's are cold (the 16 blocks' 288 MB of FP32 weights pass
+through the 50-MB L2 every Euler step). So between its arrival at a barrier and its wait each program asks L2
+for its share of the next GEMM's weights (and, after the QKV GEMM, of the attention's cache): one bulk
+prefetch per program on SM90 (``PREFETCH``, ``_phase_end``). The GEMM and attention phases then start on L2
+hits: 47.1 -> 44.6 us per block on the H200.
+
 The row phases and the attention are the staged body's own Triton functions (``dit_ops``,
 ``tiled_attention``), called per work unit instead of per program; only the GEMM phase is new:
 TF32 tensor-core tiles whose operands are rounded to nearest TF32 (the tensor core truncates the
@@ -64,6 +70,15 @@ BLOCK_STAGES = 4
 # At most this many programs (None: one per SM). H200 B=1: 132 and 128 programs 7.99 ms, 112 10.00
 # (block_kernel_programs_probe_session18_h200.md).
 MAX_PROGRAMS: int | None = None
+# L2 prefetch of the weights (and the attention's cache) ahead of the phases that read them (``_prefetch_at``):
+# 0 off, 1 each GEMM's weights at the end of the phase before it, 2 two phases before, 3 all after the q/k LN;
+# +10: issued after the program's barrier arrival instead of before it (``_phase_end``). Whole-solve replays on
+# the H200 (prefetch_probe_session20_h200.md), 0 / 1 / 11 / 2 / 12: B=1 7.77 / 7.50-7.55 / 7.41-7.43 / 7.54-7.57 /
+# 7.41-7.42 ms, B=2 12.06-12.08 / 11.79-11.84 / 11.61-11.64 / 11.74-11.79 / 11.74-11.77 (outputs bit-identical).
+PREFETCH = 11
+# SM90's bulk prefetch (one per program and region) instead of one per 128-byte line (dit_block_profile_prefetch_
+# session20_h200.json: 44.55 against 44.76 us per block under PREFETCH 11; before the arrival the lines cost more)
+BULK_PREFETCH = True
 N_PHASES = 13
 
 if AVAILABLE:
@@ -74,21 +89,96 @@ if AVAILABLE:
     from .tiled_attention import attn_combine_tile, attn_tile, direct_tile
 
     @triton.jit
-    def _grid_sync(CTR, target):
-        # every warp's stores of the phase are issued before the program publishes its arrival
-        tl.debug_barrier()
-        tl.atomic_add(CTR, 1, sem="release", scope="gpu")
-        while tl.atomic_add(CTR, 0, sem="acquire", scope="gpu") < target:
-            pass
-        tl.debug_barrier()
+    def _prefetch_l2(P, n, pid, nprog, BULK: tl.constexpr):
+        """Ask L2 for P[0:n) (floats), split evenly over the programs: a hint that neither blocks nor
+        faults, so a program issues it just before it waits at a barrier. BULK (SM90): one
+        ``cp.async.bulk.prefetch`` per program, from its first thread; else one ``prefetch`` per
+        128-byte line (issuing ~190 of them cost the row phase before 0.3-0.9 us on the H200)."""
+        if BULK:
+            per = tl.cdiv(tl.cdiv(n * 4, nprog), 16) * 16          # bytes, whole 16-byte units
+            size = tl.minimum(tl.maximum(n * 4 - pid * per, 0), per) // 16 * 16
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p, q; .reg .b32 t; .reg .b64 a; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                "setp.gt.s32 q, $2, 0; and.pred p, p, q; and.b64 a, $1, -16; "      # 16-byte aligned, as it must be
+                "@p cp.async.bulk.prefetch.L2.global [a], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [P + pid * (per // 4) + tl.zeros([1], tl.int32), size + tl.zeros([1], tl.int32)],
+                dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            lines = tl.cdiv(n, 32)
+            per = tl.cdiv(lines, nprog)
+            for l0 in range(pid * per, pid * per + per, 256):
+                offs = l0 + tl.arange(0, 256)
+                ok = (offs < lines) & (offs < pid * per + per)
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                    "=r,l,r", [P + offs.to(tl.int64) * 32, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                    pack=1)
 
     @triton.jit
-    def _barrier(CTR, nb, nprog, TIMES, pid, TIMED: tl.constexpr):
-        """The end of a phase: barrier nb+1 (nb+1 arrivals per program), stamped; returns nb+1."""
+    def _prefetch_at(END: tl.constexpr, HOW: tl.constexpr, pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2,
+                     WQKV_NEXT, n_qkv_next, n_proj, n_taps, n_mlp, BULK: tl.constexpr):
+        """The L2 prefetches a program issues at the end of phase END, before its barrier (``PREFETCH``).
+        Weights do not depend on the phase before, so their HBM latency can run under that phase's
+        barrier. HOW 1: each GEMM's weights at the end of the phase just before it; 2: two phases before;
+        3: all of the block's weights after the q/k LN. The attention's cache at the end of the QKV GEMM.
+        HOW 0 does nothing (``_phase_end`` passes 0 where the prefetch is not due)."""
+        if HOW > 0 and END == 0:
+            _prefetch_l2(KV, kv_extent, pid, nprog, BULK)
+        if HOW == 1:
+            if END == 3:
+                _prefetch_l2(WPROJ, n_proj, pid, nprog, BULK)
+            if END == 5:
+                _prefetch_l2(WT1, n_taps, pid, nprog, BULK)
+            if END == 7:
+                _prefetch_l2(WT2, n_taps, pid, nprog, BULK)
+            if END == 9:
+                _prefetch_l2(W1, n_mlp, pid, nprog, BULK)
+            if END == 10:
+                _prefetch_l2(W2, n_mlp, pid, nprog, BULK)
+            if END == 12:
+                _prefetch_l2(WQKV_NEXT, n_qkv_next, pid, nprog, BULK)
+        if HOW == 2:
+            if END == 1:
+                _prefetch_l2(WPROJ, n_proj, pid, nprog, BULK)
+            if END == 4:
+                _prefetch_l2(WT1, n_taps, pid, nprog, BULK)
+            if END == 6:
+                _prefetch_l2(WT2, n_taps, pid, nprog, BULK)
+            if END == 8:
+                _prefetch_l2(W1, n_mlp, pid, nprog, BULK)
+            if END == 9:
+                _prefetch_l2(W2, n_mlp, pid, nprog, BULK)
+            if END == 11:
+                _prefetch_l2(WQKV_NEXT, n_qkv_next, pid, nprog, BULK)
+        if HOW == 3:
+            if END == 1:
+                _prefetch_l2(WPROJ, n_proj, pid, nprog, BULK)
+                _prefetch_l2(WT1, n_taps, pid, nprog, BULK)
+                _prefetch_l2(WT2, n_taps, pid, nprog, BULK)
+                _prefetch_l2(W1, n_mlp, pid, nprog, BULK)
+                _prefetch_l2(W2, n_mlp, pid, nprog, BULK)
+            if END == 11:
+                _prefetch_l2(WQKV_NEXT, n_qkv_next, pid, nprog, BULK)
+
+    @triton.jit
+    def _phase_end(END: tl.constexpr, CTR, nb, nprog, TIMES, pid, TIMED: tl.constexpr, PREFETCH: tl.constexpr,
+                   BULK: tl.constexpr, KV, kv_extent, WPROJ, WT1, WT2, W1, W2, WQKV_NEXT, n_qkv_next, n_proj, n_taps,
+                   n_mlp):
+        """The grid barrier after phase END (barrier nb+1: nb+1 arrivals per program; stamped; returns nb+1),
+        with the prefetches due then (``PREFETCH``: the schedule 1-3 of ``_prefetch_at``, issued before this
+        program's arrival, or with 10 added, between its arrival and its wait)."""
+        _prefetch_at(END, PREFETCH * (PREFETCH < 10), pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2, WQKV_NEXT,
+                     n_qkv_next, n_proj, n_taps, n_mlp, BULK)
         nb += 1
         if TIMED == 2:      # this program's arrival
             tl.store(TIMES + (2 * nb - 1) * nprog + pid, tl.extra.cuda.globaltimer())
-        _grid_sync(CTR, nb * nprog)
+        tl.debug_barrier()      # every warp's stores of the phase are issued before the program arrives
+        tl.atomic_add(CTR, 1, sem="release", scope="gpu")
+        _prefetch_at(END, (PREFETCH - 10) * (PREFETCH >= 10), pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2,
+                     WQKV_NEXT, n_qkv_next, n_proj, n_taps, n_mlp, BULK)
+        while tl.atomic_add(CTR, 0, sem="acquire", scope="gpu") < nb * nprog:
+            pass
+        tl.debug_barrier()
         _stamp(TIMES, nb, pid, nprog, TIMED)
         return nb
 
@@ -136,7 +226,7 @@ if AVAILABLE:
 
     @triton.jit
     def _dit_block(HX, NORM, QKV, Q, KV_ALL, MASK, O, PACC, PML, Y, HIST, TAPSB, MLP, Y2, CTR, ROWS, POS,
-                   BASE, SRC, DST, step, n_old, n_out, drop0, drop1, cur_keys,
+                   BASE, SRC, DST, step, n_old, n_out, drop0, drop1, cur_keys, kv_extent,
                    WQKV_ALL, BQKV_ALL, QNW_ALL, QNB_ALL, KNW_ALL, KNB_ALL, WPROJ_ALL, BPROJ_ALL, WT1_ALL, BC1_ALL,
                    LNW_ALL, LNB_ALL, WT2_ALL, BC2_ALL, W1_ALL, B1_ALL, W2_ALL, B2_ALL,
                    MOD_ALL, s_mod, TIMES, first, n_blocks,
@@ -152,7 +242,8 @@ if AVAILABLE:
                    A_BM: tl.constexpr, A_BN: tl.constexpr, A_SPLITS: tl.constexpr, C_BM: tl.constexpr,
                    HAS_MASK: tl.constexpr, POOLED: tl.constexpr,
                    PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr,
-                   PV16: tl.constexpr = False, DIRECT: tl.constexpr = False):
+                   PV16: tl.constexpr = False, DIRECT: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                   BULK_PREFETCH: tl.constexpr = False):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         M = R * T
@@ -187,6 +278,7 @@ if AVAILABLE:
             HIST1 = HIST + i * (2 * Mh * C)
             HIST2 = HIST1 + Mh * C
             MOD = MOD_ALL + i * (9 * C)
+            pf_next = tl.where(i + 1 < first + n_blocks, 3 * HD * C, 0)     # the next block's QKV weights
             # modulation rows of this block: shift/scale/gate for msa, mlp, conv (fused_dit order); the
             # next block's (or, past the last block, the final layer's) shift and scale follow them
             G_MSA = MOD + 2 * C
@@ -203,14 +295,16 @@ if AVAILABLE:
                 _gemm_phase(pid, nprog, NORM, WQKV, QKV, BQKV, M, 3 * HD, C, S_QKV, BM_QKV, BN_QKV, BK_QKV,
                             False, ROUND, PRECISION)
             if PHASE < 0:
-                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                nb = _phase_end(0, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
             if PHASE < 0 or PHASE == 1:
                 for n in range(pid, M, nprog):
                     qkv_head_ln_row(n, QKV, BQKV, QNW, QNB, KNW, KNB, Q, KV, ROWS, POS,
                                     T * 3 * HD, 3 * HD, M * 3 * HD, T * HD, HD, D, skv_r, skv_h, skv_t,
                                     T, H, D, qk_eps, BLOCK_H, D, POOLED, True, S_QKV)
             if PHASE < 0:
-                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                nb = _phase_end(1, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
             if PHASE < 0 or PHASE == 2:
                 for u in range(pid, R * H * n_mblk * A_SPLITS, nprog):
                     split = u % A_SPLITS
@@ -229,7 +323,9 @@ if AVAILABLE:
                                   T * HD, D, HD, 1, smb, smm, smn, T, nk, attn_scale, keys_per_split,
                                   D, A_BM, A_BN, HAS_MASK, POOLED, PRECISION, A_SPLITS, ROUND, PV16=PV16)
             if PHASE < 0:
-                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                nb = _phase_end(2 + (A_SPLITS == 1), CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH,
+                                KV, kv_extent, WPROJ, WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C,
+                                MLPH * C)
             if A_SPLITS > 1:
                 if PHASE < 0 or PHASE == 3:
                     n_cblk = tl.cdiv(T, C_BM)
@@ -238,52 +334,61 @@ if AVAILABLE:
                         attn_combine_tile(bh // H, bh % H, u % n_cblk, PACC, PML, O, T * HD, D, HD, 1, H, T,
                                           D, C_BM, A_SPLITS, ROUND)
                 if PHASE < 0:
-                    nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                    nb = _phase_end(3, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
+                                    WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
             if PHASE < 0 or PHASE == 4:
                 _gemm_phase(pid, nprog, O, WPROJ, Y, BPROJ, M, C, HD, S_PROJ, BM_PROJ, BN_PROJ, BK_PROJ,
                             False, ROUND, PRECISION)
             if PHASE < 0:
-                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                nb = _phase_end(4, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
             if PHASE < 0 or PHASE == 5:
                 for n in range(pid, M, nprog):
                     res_ln_row(n, HX, Y, BPROJ, G_MSA, SH_CONV, SC_CONV, HIST1 + (TAPS - 1) * C,
                                T * C, C, T * C, C, Th * C, C, s_mod, s_mod, M * C, T, C, eps,
                                0, True, True, S_PROJ, BLOCK_C, ROUND)
             if PHASE < 0:
-                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                nb = _phase_end(5, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
             if PHASE < 0 or PHASE == 6:
                 _gemm_phase(pid, nprog, HIST1, WT1, TAPSB, BC1, Mh, NT, C, S_CONV, BM_CONV, BN_CONV, BK_CONV,
                             False, ROUND, PRECISION)
             if PHASE < 0:
-                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                nb = _phase_end(6, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
             if PHASE < 0 or PHASE == 7:
                 for n in range(pid, M, nprog):
                     taps_ln_mish_row(n, TAPSB, BC1, LNW, LNB, HIST2 + (TAPS - 1) * C, Th * NT, NT, Th * C, C,
                                      Mh * NT, T, C, conv_eps, TAPS, S_CONV, BLOCK_C, ROUND)
             if PHASE < 0:
-                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                nb = _phase_end(7, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
             if PHASE < 0 or PHASE == 8:
                 _gemm_phase(pid, nprog, HIST2, WT2, TAPSB, BC2, Mh, NT, C, S_CONV, BM_CONV, BN_CONV, BK_CONV,
                             False, ROUND, PRECISION)
             if PHASE < 0:
-                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                nb = _phase_end(8, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
             if PHASE < 0 or PHASE == 9:
                 for n in range(pid, M, nprog):
                     res_ln_row(n, HX, TAPSB, BC2, G_CONV, SH_MLP, SC_MLP, NORM,
                                T * C, C, Th * NT, NT, T * C, C, s_mod, s_mod, Mh * NT, T, C, eps,
                                TAPS, True, True, S_CONV, BLOCK_C, ROUND)
             if PHASE < 0:
-                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                nb = _phase_end(9, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
             if PHASE < 0 or PHASE == 10:
                 _gemm_phase(pid, nprog, NORM, W1, MLP, B1, M, MLPH, C, 1, BM_FC1, BN_FC1, BK_FC1,
                             True, ROUND, PRECISION)
             if PHASE < 0:
-                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                nb = _phase_end(10, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
             if PHASE < 0 or PHASE == 11:
                 _gemm_phase(pid, nprog, MLP, W2, Y2, B2, M, C, MLPH, S_FC2, BM_FC2, BN_FC2, BK_FC2,
                             False, ROUND, PRECISION)
             if PHASE < 0:
-                nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                nb = _phase_end(11, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
             if PHASE < 0 or PHASE == 12:
                 for n in range(pid, M, nprog):
                     res_ln_row(n, HX, Y2, B2, G_MLP, NSH, NSC, NORM,
@@ -291,7 +396,8 @@ if AVAILABLE:
                                0, True, True, S_FC2, BLOCK_C, ROUND)
             if PHASE < 0:
                 if i + 1 < first + n_blocks:     # block i+1 reads the residual stream block i wrote
-                    nb = _barrier(CTR, nb, nprog, TIMES, pid, TIMED)
+                    nb = _phase_end(12, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent,
+                                    WPROJ, WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
         if PHASE < 0:
             if TIMED == 2:      # the last phase's end, as an arrival
                 tl.store(TIMES + (2 * nb + 1) * nprog + pid, tl.extra.cuda.globaltimer())
@@ -503,6 +609,12 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     if times is not None and times.numel() < stamps:
         raise ValueError(f"dit_blocks: times holds {times.numel()} stamps, {n_blocks} block(s) write {stamps}")
     round_tf32 = rounds(precision, h.device)
+    # the prefetch is inline PTX, which the interpreter cannot run; the cache's extent only for an arena block
+    prefetch = 0 if interpreting() else PREFETCH
+    bulk = BULK_PREFETCH and (h.device.type != "cuda" or torch.cuda.get_device_capability(h.device)[0] >= 9)
+    kv_extent = 0
+    if streams is None and pos is None:
+        kv_extent = (R - 1) * kv.stride(1) + (H - 1) * kv.stride(2) + (nk - 1) * kv.stride(3) + 2 * D
     if streams is None:
         direct = (h, ctr, ctr, 0, 0, 0, 0, 0, 0)
     else:
@@ -512,7 +624,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
         tiles[r] for r in ("qkv", "proj", "conv", "fc1", "fc2"))
     def args(b0: int, nb: int) -> tuple:
         return (h, norm, qkv, q, kv, m, o, attn_acc, attn_ml, y, hist, taps, mlp, y2, ctr,
-                rows if rows is not None else ctr, pos if pos is not None else ctr, *direct,
+                rows if rows is not None else ctr, pos if pos is not None else ctr, *direct, kv_extent,
                 w.w_qkv, w.b_qkv, w.qn_w, w.qn_b, w.kn_w, w.kn_b, w.w_proj, w.b_proj, w.w_taps1, w.b_conv1,
                 w.ln_w, w.ln_b, w.w_taps2, w.b_conv2, w.w_fc1, w.b_fc1, w.w_fc2, w.b_fc2,
                 mod_chain, s_mod, times if times is not None else ctr, b0, nb,
@@ -526,7 +638,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                 A_SPLITS=attn_splits, HAS_MASK=mask is not None, POOLED=pos is not None, ROUND=round_tf32,
                 PRECISION=precision, PV16=pv16_for(o, precision) if pv16 is None else pv16,
                 TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps,
-                DIRECT=streams is not None)
+                DIRECT=streams is not None, PREFETCH=prefetch, BULK_PREFETCH=bulk)
     if phase_by_phase:     # one launch per block and phase: the launch boundary is the barrier
         for b in range(first, first + n_blocks):
             for p in range(N_PHASES):
