@@ -9,7 +9,7 @@ stages) is compiled through Triton's code generator and the NVIDIA backend (TTIR
 cubin) for SM90, and the attention for SM80 too, instead of being run. Each compile prints ptxas's spill
 report; the attention kernels and tile GEMMs (``NO_SPILL``) must not spill more than SPILL_LIMIT bytes per
 thread for SM90, every kernel must fit the target's shared memory per program (``SMEM_LIMIT``: above it a
-kernel compiles but fails to load), and the persistent block kernel's L2 prefetches must reach its PTX. Outputs are never computed, so the numbers the solves produce are garbage;
+kernel compiles but fails to load), and the L2 prefetches (block kernel, row stages) must reach their PTX. Outputs are never computed, so the numbers the solves produce are garbage;
 only compilation is checked.
 
 Why: the CPU tests run kernels through Triton's interpreter, which executes Python and accepts code
@@ -160,10 +160,10 @@ def main() -> int:
             spilled.append(f"{self.fn.__name__} spills registers ({spill} bytes of spill stores by target) with "
                            f"{named} {opts}: pick a launch shape that fits (fused_dit._attn_shape / _direct_shape, "
                            f"wide_gemm.IEEE_TILE)")
-        if (self.fn.__name__ == "_dit_block" and named.get("PHASE") == -1 and named.get("PREFETCH")
-                and "prefetch" not in ptx[90]):
-            no_prefetch.append(f"_dit_block with PREFETCH={named['PREFETCH']} has no prefetch instruction in its sm90 "
-                               f"PTX ({named} {opts}): the inline-asm hint was dropped (dit_block._prefetch_l2)")
+        if (named.get("PREFETCH") and named.get("PHASE", -1) == -1 and "prefetch" not in ptx[90]
+                and self.fn.__name__ in ("_dit_block", "_residual_mod_ln", "_taps_ln_mish")):
+            no_prefetch.append(f"{self.fn.__name__} with PREFETCH={named['PREFETCH']} has no prefetch instruction in "
+                               f"its sm90 PTX ({named} {opts}): the inline-asm hint was dropped (dit_ops.prefetch_l2)")
         return None
 
     JITFunction.run = capture

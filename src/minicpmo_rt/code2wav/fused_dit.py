@@ -451,13 +451,13 @@ class FusedDiT:
         return self.use_triton and usable_on(t)
 
     # ------------------------------------------------------------------ fused stages
-    def _res_ln(self, ws: Workspace, y, bias, gate, shift, scale, out, eps, taps=0, round_out=False):
+    def _res_ln(self, ws: Workspace, y, bias, gate, shift, scale, out, eps, taps=0, round_out=False, prefetch=None):
         """x += gate*y (y: S partials (S, R, T', N), plain or tap sum, + bias; None: no residual);
         out = LN(x)*scale+shift (rounded to TF32 with ``round_out``). gate/shift/scale (Rm, C) rows of
-        the modulation tables."""
+        the modulation tables. ``prefetch``: the next GEMM's weight, for the Triton stage to ask L2 for."""
         x = ws.h
         if self._triton(x):
-            dit_ops.residual_mod_ln(x, y, bias, gate, shift, scale, out, eps, taps, round_out)
+            dit_ops.residual_mod_ln(x, y, bias, gate, shift, scale, out, eps, taps, round_out, prefetch)
             return
         if y is not None:
             y = _sum_partials(y)
@@ -494,11 +494,12 @@ class FusedDiT:
             kv_cur[r_idx, :, p_idx] = torch.cat([k, v], -1)
 
     def _taps_ln_mish(self, taps_out: torch.Tensor, conv, ln, out: torch.Tensor, K: int | None = None,
-                      round_out: bool = False):
-        """out = Mish(LN(tap sum of taps_out + bias)); K taps (default the conv's; 1: already summed)."""
+                      round_out: bool = False, prefetch: torch.Tensor | None = None):
+        """out = Mish(LN(tap sum of taps_out + bias)); K taps (default the conv's; 1: already summed);
+        ``prefetch`` as ``_res_ln``'s."""
         K = self.L.taps if K is None else K
         if self._triton(taps_out):
-            dit_ops.taps_ln_mish(taps_out, conv.bias, ln.weight, ln.bias, out, ln.eps, K, round_out)
+            dit_ops.taps_ln_mish(taps_out, conv.bias, ln.weight, ln.bias, out, ln.eps, K, round_out, prefetch)
             return
         T, C = out.shape[1], out.shape[2]
         taps_out = _sum_partials(taps_out)
@@ -729,6 +730,12 @@ class FusedDiT:
         def wt(name: str, i: int, own: torch.Tensor) -> torch.Tensor:   # block i's GEMM weight as read
             return own if wts is None else getattr(wts, name)[i]
 
+        def ahead(w: torch.Tensor) -> torch.Tensor | None:
+            # the row stage before a tile GEMM asks L2 for its weights (dit_ops.STAGED_PREFETCH). H200, replay
+            # (prefetch_staged_probe_session20_h200.md): B=8 16.79 -> 16.38 ms, B=16 25.19 -> 24.61; before
+            # cuBLAS's GEMMs (B=4) it cost time, 14.81 -> 15.18
+            return w if wide else None
+
         for i, blk in enumerate(dit.blocks):
             a, seq, mlp = blk.attn, blk.conv.block, blk.mlp
             m = mb[:, i]
@@ -745,19 +752,22 @@ class FusedDiT:
             self._attend(ws, kv[i], mask, rows, round_out=rnd, streams=streams, layer=i)
             b = self._gemm(ws.o.view(N, -1), wt("w_proj", i, a.proj.weight), a.proj.bias, ws.y, wide)
             h1, h2 = hist[i, 0], hist[i, 1]
+            w_taps1, w_taps2, w_fc1 = (wt("w_taps1", i, self.w_taps1[i]), wt("w_taps2", i, self.w_taps2[i]),
+                                       wt("w_fc1", i, mlp.fc1.weight))
             self._res_ln(ws, ws.y, b, m[:, G_MSA], m[:, SH_CONV], m[:, SC_CONV], h1[:, K - 1:], L.norm_eps,
-                         round_out=rnd)
-            self._gemm(h1.reshape(-1, C), wt("w_taps1", i, self.w_taps1[i]), None, ws.taps, wide, taps=K)
-            self._taps_ln_mish(ws.taps, seq[1], seq[3], h2[:, K - 1:], K=kt, round_out=rnd)
-            self._gemm(h2.reshape(-1, C), wt("w_taps2", i, self.w_taps2[i]), None, ws.taps, wide, taps=K)
+                         round_out=rnd, prefetch=ahead(w_taps1))
+            self._gemm(h1.reshape(-1, C), w_taps1, None, ws.taps, wide, taps=K)
+            self._taps_ln_mish(ws.taps, seq[1], seq[3], h2[:, K - 1:], K=kt, round_out=rnd, prefetch=ahead(w_taps2))
+            self._gemm(h2.reshape(-1, C), w_taps2, None, ws.taps, wide, taps=K)
             self._res_ln(ws, ws.taps, seq[6].bias, m[:, G_CONV], m[:, SH_MLP], m[:, SC_MLP], ws.norm, L.norm_eps,
-                         taps=kt, round_out=rnd)
-            self._gemm(ws.norm.view(N, C), wt("w_fc1", i, mlp.fc1.weight), mlp.fc1.bias, ws.mlp.view(1, N, -1), wide,
+                         taps=kt, round_out=rnd, prefetch=ahead(w_fc1))
+            self._gemm(ws.norm.view(N, C), w_fc1, mlp.fc1.bias, ws.mlp.view(1, N, -1), wide,
                        gelu=True, round_out=rnd)
             # fc2: cuBLAS with FP32 operands (a tile GEMM is no faster there), a tile GEMM with FP16 ones
             b = self._gemm(ws.mlp.view(N, -1), wt("w_fc2", i, mlp.fc2.weight), mlp.fc2.bias, ws.y2, half)
             # this block's MLP residual fused with the next block's attention-input LN (or the final one)
-            self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps, round_out=rnd)
+            self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps, round_out=rnd,
+                         prefetch=ahead(wt("w_qkv", i + 1, self.w_qkv[i + 1])) if i + 1 < L.depth else None)
 
     # ------------------------------------------------------------------ original-compatible API
     @torch.no_grad()

@@ -85,34 +85,9 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
+    from .dit_ops import prefetch_l2 as _prefetch_l2
     from .dit_ops import qkv_head_ln_row, res_ln_row, store_operand, taps_ln_mish_row
     from .tiled_attention import attn_combine_tile, attn_tile, direct_tile
-
-    @triton.jit
-    def _prefetch_l2(P, n, pid, nprog, BULK: tl.constexpr):
-        """Ask L2 for P[0:n) (floats), split evenly over the programs: a hint that neither blocks nor
-        faults, so a program issues it just before it waits at a barrier. BULK (SM90): one
-        ``cp.async.bulk.prefetch`` per program, from its first thread; else one ``prefetch`` per
-        128-byte line (issuing ~190 of them cost the row phase before 0.3-0.9 us on the H200)."""
-        if BULK:
-            per = tl.cdiv(tl.cdiv(n * 4, nprog), 16) * 16          # bytes, whole 16-byte units
-            size = tl.minimum(tl.maximum(n * 4 - pid * per, 0), per) // 16 * 16
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p, q; .reg .b32 t; .reg .b64 a; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                "setp.gt.s32 q, $2, 0; and.pred p, p, q; and.b64 a, $1, -16; "      # 16-byte aligned, as it must be
-                "@p cp.async.bulk.prefetch.L2.global [a], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [P + pid * (per // 4) + tl.zeros([1], tl.int32), size + tl.zeros([1], tl.int32)],
-                dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            lines = tl.cdiv(n, 32)
-            per = tl.cdiv(lines, nprog)
-            for l0 in range(pid * per, pid * per + per, 256):
-                offs = l0 + tl.arange(0, 256)
-                ok = (offs < lines) & (offs < pid * per + per)
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                    "=r,l,r", [P + offs.to(tl.int64) * 32, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
-                    pack=1)
 
     @triton.jit
     def _prefetch_at(END: tl.constexpr, HOW: tl.constexpr, pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2,

@@ -15,11 +15,19 @@ more CTAs without a reduction kernel of its own.
 Statistics are FP32 two-pass (mean, then centred variance), like torch's LayerNorm.
 Row r of the modulation tables is ``row // T`` scaled by a row stride that is 0
 when one table serves every row.
+
+``residual_mod_ln`` and ``taps_ln_mish`` can also ask L2 for the weights of the GEMM after them
+(``prefetch``): the weights are cold (the blocks' 288 MB pass through L2 every Euler step) and do not
+depend on the row stage, so their HBM latency runs under the kernel boundary (``STAGED_PREFETCH``).
 """
 
 from __future__ import annotations
 
-from . import AVAILABLE
+import torch
+
+from . import AVAILABLE, interpreting
+
+STAGED_PREFETCH = True
 
 if AVAILABLE:
     import triton
@@ -86,13 +94,43 @@ if AVAILABLE:
         store_operand(OUT + r * sor + t * sot + offs, xn * sc + sh, ok, ROUND_OUT)
 
     @triton.jit
+    def prefetch_l2(P, n, pid, nprog, BULK: tl.constexpr):
+        """Ask L2 for P[0:n) (floats), split evenly over the programs: a hint that neither blocks nor
+        faults (the persistent block kernel's programs issue it at their barriers, the staged body's row
+        kernels for the GEMM after them). BULK (SM90): one
+        ``cp.async.bulk.prefetch`` per program, from its first thread; else one ``prefetch`` per
+        128-byte line (in the block kernel ~190 per program cost the row phase 0.3-0.9 us on the H200)."""
+        if BULK:
+            per = tl.cdiv(tl.cdiv(n * 4, nprog), 16) * 16          # bytes, whole 16-byte units
+            size = tl.minimum(tl.maximum(n * 4 - pid * per, 0), per) // 16 * 16
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p, q; .reg .b32 t; .reg .b64 a; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                "setp.gt.s32 q, $2, 0; and.pred p, p, q; and.b64 a, $1, -16; "      # 16-byte aligned, as it must be
+                "@p cp.async.bulk.prefetch.L2.global [a], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [P + pid * (per // 4) + tl.zeros([1], tl.int32), size + tl.zeros([1], tl.int32)],
+                dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            lines = tl.cdiv(n, 32)
+            per = tl.cdiv(lines, nprog)
+            for l0 in range(pid * per, pid * per + per, 256):
+                offs = l0 + tl.arange(0, 256)
+                ok = (offs < lines) & (offs < pid * per + per)
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                    "=r,l,r", [P + offs.to(tl.int64) * 32, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                    pack=1)
+
+    @triton.jit
     def _residual_mod_ln(X, Y, BIAS, GATE, SHIFT, SCALE, OUT,
                          sxr, sxt, syr, syt, sor, sot, s_gate, s_mod, s_split,
-                         T, C, eps,
+                         T, C, eps, PF, pf_n,
                          TAPS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, ROUND_OUT: tl.constexpr):
+                         SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, ROUND_OUT: tl.constexpr,
+                         PREFETCH: tl.constexpr = 0):
         res_ln_row(tl.program_id(0), X, Y, BIAS, GATE, SHIFT, SCALE, OUT, sxr, sxt, syr, syt, sor, sot,
                    s_gate, s_mod, s_split, T, C, eps, TAPS, HAS_RES, HAS_BIAS, SPLITS, BLOCK_C, ROUND_OUT)
+        if PREFETCH > 0:        # the next GEMM's weights (PREFETCH 2: bulk)
+            prefetch_l2(PF, pf_n, tl.program_id(0), tl.num_programs(0), PREFETCH == 2)
 
     @triton.jit
     def qkv_head_ln_row(n, QKV, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS,
@@ -176,14 +214,27 @@ if AVAILABLE:
         store_operand(OUT + r * sor + t * sot + offs, m, ok, ROUND_OUT)
 
     @triton.jit
-    def _taps_ln_mish(Y, BIAS, W, B, OUT, syr, syt, sor, sot, s_split, T, C, eps,
-                      TAPS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, ROUND_OUT: tl.constexpr):
+    def _taps_ln_mish(Y, BIAS, W, B, OUT, syr, syt, sor, sot, s_split, T, C, eps, PF, pf_n,
+                      TAPS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, ROUND_OUT: tl.constexpr,
+                      PREFETCH: tl.constexpr = 0):
         taps_ln_mish_row(tl.program_id(0), Y, BIAS, W, B, OUT, syr, syt, sor, sot, s_split, T, C, eps,
                          TAPS, SPLITS, BLOCK_C, ROUND_OUT)
+        if PREFETCH > 0:
+            prefetch_l2(PF, pf_n, tl.program_id(0), tl.num_programs(0), PREFETCH == 2)
 
 
 def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def _prefetch_args(t: torch.Tensor | None, like: torch.Tensor) -> tuple:
+    """(pointer, floats, PREFETCH) of a row kernel's L2 prefetch of ``t`` (the GEMM after it): off without
+    ``t``, with ``STAGED_PREFETCH`` off, under the interpreter (inline PTX) and for non-FP32 weights; the
+    bulk form from SM90 (and in the compile gate's CPU runs), one per line before."""
+    if t is None or not STAGED_PREFETCH or interpreting() or t.dtype != torch.float32 or not t.is_contiguous():
+        return like, 0, 0
+    bulk = like.device.type != "cuda" or torch.cuda.get_device_capability(like.device)[0] >= 9
+    return t, t.numel(), 2 if bulk else 1
 
 
 def _splits_of(y, dims: int):
@@ -193,10 +244,12 @@ def _splits_of(y, dims: int):
     return 1, 0, y
 
 
-def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int = 0, round_out: bool = False) -> None:
+def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int = 0, round_out: bool = False,
+                    prefetch: torch.Tensor | None = None) -> None:
     """x (R,T,C) in place; y (R,T,C) or taps output (R,T+taps-1,taps*C), or S split-K partials of
     either (S,...); bias (C,) or None; mods (Rm,C); out (R,T,C) view, stored rounded to nearest TF32
-    with ``round_out`` (the operand of a TF32 GEMM that truncates), or FP16 (``store_operand``)."""
+    with ``round_out`` (the operand of a TF32 GEMM that truncates), or FP16 (``store_operand``).
+    ``prefetch``: the next GEMM's weight, which the programs then ask L2 for (``_prefetch_args``)."""
     R, T, C = x.shape
     if shift.stride(0) != scale1p.stride(0):
         raise ValueError("shift and scale tables must share their row stride")
@@ -204,11 +257,12 @@ def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int
     has_res = y is not None
     s_gate = gate.stride(0) if has_res and gate.shape[0] > 1 else 0
     splits, s_split, yy = _splits_of(y, 3) if has_res else (1, 0, x)
+    pf = _prefetch_args(prefetch, x)
     _residual_mod_ln[(R * T,)](
         x, y if has_res else x, bias if bias is not None else x, gate if has_res else shift, shift, scale1p, out,
         x.stride(0), x.stride(1), yy.stride(0), yy.stride(1), out.stride(0), out.stride(1), s_gate, s_mod, s_split,
-        T, C, eps, TAPS=taps if has_res else 0, HAS_RES=has_res, HAS_BIAS=has_res and bias is not None,
-        SPLITS=splits, BLOCK_C=_pow2(C), ROUND_OUT=round_out, num_warps=4)
+        T, C, eps, *pf[:2], TAPS=taps if has_res else 0, HAS_RES=has_res, HAS_BIAS=has_res and bias is not None,
+        SPLITS=splits, BLOCK_C=_pow2(C), ROUND_OUT=round_out, PREFETCH=pf[2], num_warps=4)
 
 
 def qkv_head_ln(qkv, q_w, q_b, k_w, k_b, q_out, kv, eps: float, rows=None, pos=None, bias=None) -> None:
@@ -231,11 +285,14 @@ def qkv_head_ln(qkv, q_w, q_b, k_w, k_b, q_out, kv, eps: float, rows=None, pos=N
         num_warps=4)
 
 
-def taps_ln_mish(y, bias, w, b, out, eps: float, taps: int, round_out: bool = False) -> None:
+def taps_ln_mish(y, bias, w, b, out, eps: float, taps: int, round_out: bool = False,
+                 prefetch: torch.Tensor | None = None) -> None:
     """y (R,T+taps-1,taps*C) conv-as-GEMM output or S split-K partials of it; out (R,T,C) view
-    (rounded to nearest TF32 with ``round_out``, or FP16: ``store_operand``)."""
+    (rounded to nearest TF32 with ``round_out``, or FP16: ``store_operand``); ``prefetch`` as
+    ``residual_mod_ln``'s."""
     R, T, C = out.shape
     splits, s_split, y0 = _splits_of(y, 3)
+    pf = _prefetch_args(prefetch, out)
     _taps_ln_mish[(R * T,)](y, bias, w, b, out, y0.stride(0), y0.stride(1), out.stride(0), out.stride(1),
-                            s_split, T, C, eps, TAPS=taps, SPLITS=splits, BLOCK_C=_pow2(C), ROUND_OUT=round_out,
-                            num_warps=4)
+                            s_split, T, C, eps, *pf[:2], TAPS=taps, SPLITS=splits, BLOCK_C=_pow2(C),
+                            ROUND_OUT=round_out, PREFETCH=pf[2], num_warps=4)
