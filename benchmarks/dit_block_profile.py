@@ -5,8 +5,8 @@ blocks (per-phase time incl. the wait at the barrier, median over blocks 1-15), 
 launch and as one launch per phase (each replayed from a CUDA graph), and the compiled kernel's
 registers / spills.
 
-    PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR [--default-only | --key-tiles | --stages | --tiles
-                                                                              | --prefetch]
+    PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR \
+        [--default-only | --key-tiles | --stages | --tiles | --prefetch]
 """
 
 from __future__ import annotations
