@@ -94,6 +94,15 @@ if AVAILABLE:
         store_operand(OUT + r * sor + t * sot + offs, xn * sc + sh, ok, ROUND_OUT)
 
     @triton.jit
+    def prefetch_share(n, pid, nprog):
+        """(first float, bytes) of program pid's share of a bulk prefetch of n floats: the bytes in
+        whole 16-byte units split evenly over the programs (the instruction's size unit), the last
+        share cut at the end and rounded down to a unit (a prefetch never reaches past P[n-1])."""
+        per = tl.cdiv(tl.cdiv(n * 4, nprog), 16) * 16
+        size = tl.minimum(tl.maximum(n * 4 - pid * per, 0), per) // 16 * 16
+        return pid * (per // 4), size
+
+    @triton.jit
     def prefetch_l2(P, n, pid, nprog, BULK: tl.constexpr):
         """Ask L2 for P[0:n) (floats), split evenly over the programs: a hint that neither blocks nor
         faults (the persistent block kernel's programs issue it at their barriers, the staged body's row
@@ -101,13 +110,12 @@ if AVAILABLE:
         its first thread; else one ``prefetch`` per 128-byte line (in the block kernel, issued before the
         barrier arrival, ~190 per program lengthened the row phase by 0.3-0.9 us on the H200)."""
         if BULK:
-            per = tl.cdiv(tl.cdiv(n * 4, nprog), 16) * 16          # bytes, whole 16-byte units
-            size = tl.minimum(tl.maximum(n * 4 - pid * per, 0), per) // 16 * 16
+            first, size = prefetch_share(n, pid, nprog)
             tl.inline_asm_elementwise(
                 "{ .reg .pred p, q; .reg .b32 t; .reg .b64 a; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
                 "setp.gt.s32 q, $2, 0; and.pred p, p, q; and.b64 a, $1, -16; "      # 16-byte aligned, as it must be
                 "@p cp.async.bulk.prefetch.L2.global [a], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [P + pid * (per // 4) + tl.zeros([1], tl.int32), size + tl.zeros([1], tl.int32)],
+                "=r,l,r", [P + first + tl.zeros([1], tl.int32), size + tl.zeros([1], tl.int32)],
                 dtype=tl.int32, is_pure=False, pack=1)
         else:
             lines = tl.cdiv(n, 32)
