@@ -25,6 +25,12 @@ successor. Session 19's direct key splits, e.g.:
         --values 1,0 --batches 1,2,4 --trim --called --direct on
     python benchmarks/solve_switch_probe.py --out DIR --attr FusedDiT.attn_splits --values 2,4,3 --batches 4 \
         --trim --called
+
+A dict entry takes '/'-separated tuples, e.g. the block kernel's fc1 tile with 64- and 32-wide K steps (the
+lead of session 20's tile profile, dit_block_profile_tiles_session20_h200.json):
+
+    python benchmarks/solve_switch_probe.py --out DIR --attr "kernels.dit_block.TILES[fc1]" \
+        --values 64/32/1/64,64/32/1/32 --batches 1,2 --trim --called
 """
 
 from __future__ import annotations
@@ -46,13 +52,49 @@ import torch  # noqa: E402
 from minicpmo_rt.code2wav.euler_graph import WholeEulerSolver  # noqa: E402
 
 
+def _resolve(attr: str):
+    """(module, name) of ``mod.path.NAME`` under minicpmo_rt.code2wav; NAME may be ``DICT[key]``, an entry of a
+    dict attribute (e.g. ``kernels.dit_block.TILES[fc1]``). LookupError names what is missing."""
+    mod_name, _, name = attr.rpartition(".")
+    module = importlib.import_module(f"minicpmo_rt.code2wav.{mod_name}")
+    base, _, key = name.partition("[")
+    if not hasattr(module, base):
+        raise LookupError(f"minicpmo_rt.code2wav.{mod_name} has no attribute {base}")
+    if key and (not key.endswith("]") or key[:-1] not in getattr(module, base)):
+        raise LookupError(f"minicpmo_rt.code2wav.{mod_name}.{base} has no entry {key.rstrip(']')!r}")
+    return module, name
+
+
+def _get(module, name: str):
+    base, _, key = name.partition("[")
+    return getattr(module, base)[key[:-1]] if key else getattr(module, base)
+
+
+def _set(module, name: str, value) -> None:
+    base, _, key = name.partition("[")
+    if key:
+        getattr(module, base)[key[:-1]] = value
+    else:
+        setattr(module, base, value)
+
+
+def _value(default, text: str):
+    """A --values item as the attribute's type: a '/'-separated int tuple for a tuple, else an int (bool/int)."""
+    if isinstance(default, tuple):
+        return tuple(int(x) for x in text.split("/"))
+    cast = type(default) if isinstance(default, (bool, int)) else int
+    return cast(int(text))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--attr", required=True, help="module attribute under minicpmo_rt.code2wav, e.g. "
-                    "kernels.dit_block.BALANCED_TILES, or FusedDiT.NAME: the solver's FusedDiT attribute NAME "
+                    "kernels.dit_block.BALANCED_TILES, an entry of a dict attribute, e.g. "
+                    "kernels.dit_block.TILES[fc1], or FusedDiT.NAME: the solver's FusedDiT attribute NAME "
                     "(e.g. FusedDiT.attn_stages)")
-    ap.add_argument("--values", required=True, help="comma list of integer values (booleans as 0/1)")
+    ap.add_argument("--values", required=True, help="comma list of integer values (booleans as 0/1), or of "
+                    "'/'-separated integer tuples for a tuple-valued entry, e.g. 64/32/1/64,64/32/1/32")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--fixed", action="append", default=[], metavar="ATTR=VALUE",
                     help="another integer attribute held at VALUE for every variant (repeatable)")
@@ -71,11 +113,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def resolve(attr: str):
-        mod_name, _, name = attr.rpartition(".")
-        module = importlib.import_module(f"minicpmo_rt.code2wav.{mod_name}")
-        if not hasattr(module, name):
-            ap.error(f"minicpmo_rt.code2wav.{mod_name} has no attribute {name}")
-        return module, name
+        try:
+            return _resolve(attr)
+        except LookupError as exc:
+            ap.error(str(exc))
 
     on_fused = args.attr.startswith("FusedDiT.")
     if on_fused:        # an attribute of the solver's FusedDiT, set before its first solve (capture)
@@ -83,18 +124,18 @@ def main(argv=None) -> int:
         default = None
     else:
         module, name = resolve(args.attr)
-        default = getattr(module, name)
+        default = _get(module, name)
     fixed = []
     for item in args.fixed:
         attr, sep, value = item.partition("=")
         if not sep:
             ap.error(f"--fixed {item!r}: expected ATTR=VALUE")
-        fixed.append((*resolve(attr), int(value)))
-    saved = [(m, n, getattr(m, n)) for m, n, _ in fixed]
+        m, n = resolve(attr)
+        fixed.append((m, n, _value(_get(m, n), value)))
+    saved = [(m, n, _get(m, n)) for m, n, _ in fixed]
     for m, n, v in fixed:
-        setattr(m, n, v)
-    cast = type(default) if isinstance(default, (bool, int)) else int
-    values = [cast(int(v)) for v in args.values.split(",")]
+        _set(m, n, v)
+    values = [_value(default, v) for v in args.values.split(",")]
     variants = [(f"{name}={v}" + (" (again)" if rep else ""), v) for rep in (0, 1) for v in values]
     args.out.mkdir(parents=True, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
@@ -108,7 +149,7 @@ def main(argv=None) -> int:
                     raise AttributeError(f"FusedDiT has no attribute {name}")
                 setattr(fused, name, v)
             return None, tune
-        setattr(module, name, variant[1])
+        _set(module, name, variant[1])
         return None, None     # the solver's default GEMMs for the batch (the block kernel at batch 1-2)
 
     def save():
@@ -130,9 +171,9 @@ def main(argv=None) -> int:
     finally:
         WholeEulerSolver._bind_streams = bind
         if not on_fused:
-            setattr(module, name, default)
+            _set(module, name, default)
         for m, n, v in saved:
-            setattr(m, n, v)
+            _set(m, n, v)
     lines = [f"# {args.attr} A/B in place ({res['gpu']})", "",
              f"torch {res['torch']}, triton {res['triton']}; Whole-Euler solve replay per steady 1-s chunk "
              f"(fused + graph TF32, {'trimmed as the flow calls it' if args.trim else 'arena'}, {args.gemm_operands} GEMM "
