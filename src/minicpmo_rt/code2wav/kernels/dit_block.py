@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import AVAILABLE, interpreting
+from .dit_ops import bulk_prefetch_on
 from .tiled_attention import direct_key_splits, key_splits, pv16_for
 
 # GEMM tiles (rows BM x columns BN, K split S ways) per role at ~100 rows; H200 probe
@@ -70,11 +71,11 @@ BLOCK_STAGES = 4
 # At most this many programs (None: one per SM). H200 B=1: 132 and 128 programs 7.99 ms, 112 10.00
 # (block_kernel_programs_probe_session18_h200.md).
 MAX_PROGRAMS: int | None = None
-# L2 prefetch of the weights (and the attention's cache) ahead of the phases that read them (``_prefetch_at``):
-# 0 off, 1 each GEMM's weights at the end of the phase before it, 2 two phases before, 3 all after the q/k LN;
-# +10: issued after the program's barrier arrival instead of before it (``_phase_end``). Whole-solve replays on
-# the H200 (prefetch_probe_session20_h200.md), 0 / 1 / 11 / 2 / 12: B=1 7.77 / 7.50-7.55 / 7.41-7.43 / 7.54-7.57 /
-# 7.41-7.42 ms, B=2 12.06-12.08 / 11.79-11.84 / 11.61-11.64 / 11.74-11.79 / 11.74-11.77 (outputs bit-identical).
+# L2 prefetch of each GEMM's weights (and the attention's cache) at the end of the phase before it
+# (``_prefetch_at``): 0 off, 1 issued before the program's barrier arrival, 11 after it (``_phase_end``).
+# Whole-solve replays on the H200 (prefetch_probe_session20_h200.md), 0 / 1 / 11: B=1 7.77 / 7.50-7.55 /
+# 7.41-7.43 ms, B=2 12.06-12.08 / 11.79-11.84 / 11.61-11.64 (outputs bit-identical). Measured and removed:
+# two phases ahead (B=1 7.41-7.57, B=2 11.74-11.79) and all of a block's weights after the q/k LN (B=1 7.69-7.75).
 PREFETCH = 11
 # SM90's bulk prefetch (one per program and region) instead of one per 128-byte line (dit_block_profile_prefetch_
 # session20_h200.json, PREFETCH 11: 44.55 against 44.76 us per block, 190 registers against 236)
@@ -90,16 +91,15 @@ if AVAILABLE:
     from .tiled_attention import attn_combine_tile, attn_tile, direct_tile
 
     @triton.jit
-    def _prefetch_at(END: tl.constexpr, HOW: tl.constexpr, pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2,
+    def _prefetch_at(END: tl.constexpr, ON: tl.constexpr, pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2,
                      WQKV_NEXT, n_qkv_next, n_proj, n_taps, n_mlp, BULK: tl.constexpr):
-        """The L2 prefetches a program issues at the end of phase END, before its barrier (``PREFETCH``).
-        Weights do not depend on the phase before, so their HBM latency can run under that phase's
-        barrier. HOW 1: each GEMM's weights at the end of the phase just before it; 2: two phases before;
-        3: all of the block's weights after the q/k LN. The attention's cache at the end of the QKV GEMM.
-        HOW 0 does nothing (``_phase_end`` passes 0 where the prefetch is not due)."""
-        if HOW > 0 and END == 0:
-            _prefetch_l2(KV, kv_extent, pid, nprog, BULK)
-        if HOW == 1:
+        """The L2 prefetches due at the end of phase END (none unless ON): each GEMM's weights at the end of
+        the phase just before it (the attention's combine for the out-proj, the previous block's last phase
+        for the QKV), and the attention's cache at the end of the QKV GEMM. Weights do not depend on the
+        phase before, so their HBM latency runs under that phase's barrier."""
+        if ON:
+            if END == 0:
+                _prefetch_l2(KV, kv_extent, pid, nprog, BULK)
             if END == 3:
                 _prefetch_l2(WPROJ, n_proj, pid, nprog, BULK)
             if END == 5:
@@ -112,44 +112,22 @@ if AVAILABLE:
                 _prefetch_l2(W2, n_mlp, pid, nprog, BULK)
             if END == 12:
                 _prefetch_l2(WQKV_NEXT, n_qkv_next, pid, nprog, BULK)
-        if HOW == 2:
-            if END == 1:
-                _prefetch_l2(WPROJ, n_proj, pid, nprog, BULK)
-            if END == 4:
-                _prefetch_l2(WT1, n_taps, pid, nprog, BULK)
-            if END == 6:
-                _prefetch_l2(WT2, n_taps, pid, nprog, BULK)
-            if END == 8:
-                _prefetch_l2(W1, n_mlp, pid, nprog, BULK)
-            if END == 9:
-                _prefetch_l2(W2, n_mlp, pid, nprog, BULK)
-            if END == 11:
-                _prefetch_l2(WQKV_NEXT, n_qkv_next, pid, nprog, BULK)
-        if HOW == 3:
-            if END == 1:
-                _prefetch_l2(WPROJ, n_proj, pid, nprog, BULK)
-                _prefetch_l2(WT1, n_taps, pid, nprog, BULK)
-                _prefetch_l2(WT2, n_taps, pid, nprog, BULK)
-                _prefetch_l2(W1, n_mlp, pid, nprog, BULK)
-                _prefetch_l2(W2, n_mlp, pid, nprog, BULK)
-            if END == 11:
-                _prefetch_l2(WQKV_NEXT, n_qkv_next, pid, nprog, BULK)
 
     @triton.jit
     def _phase_end(END: tl.constexpr, CTR, nb, nprog, TIMES, pid, TIMED: tl.constexpr, PREFETCH: tl.constexpr,
                    BULK: tl.constexpr, KV, kv_extent, WPROJ, WT1, WT2, W1, W2, WQKV_NEXT, n_qkv_next, n_proj, n_taps,
                    n_mlp):
         """The grid barrier after phase END (barrier nb+1: nb+1 arrivals per program; stamped; returns nb+1),
-        with the prefetches due then (``PREFETCH``: the schedule 1-3 of ``_prefetch_at``, issued before this
-        program's arrival, or with 10 added, between its arrival and its wait)."""
-        _prefetch_at(END, PREFETCH * (PREFETCH < 10), pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2, WQKV_NEXT,
+        with the prefetches due then (``PREFETCH``: 1 before this program's arrival, 11 between its arrival
+        and its wait)."""
+        _prefetch_at(END, PREFETCH == 1, pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2, WQKV_NEXT,
                      n_qkv_next, n_proj, n_taps, n_mlp, BULK)
         nb += 1
         if TIMED == 2:      # this program's arrival
             tl.store(TIMES + (2 * nb - 1) * nprog + pid, tl.extra.cuda.globaltimer())
         tl.debug_barrier()      # every warp's stores of the phase are issued before the program arrives
         tl.atomic_add(CTR, 1, sem="release", scope="gpu")
-        _prefetch_at(END, (PREFETCH - 10) * (PREFETCH >= 10), pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2,
+        _prefetch_at(END, PREFETCH == 11, pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2,
                      WQKV_NEXT, n_qkv_next, n_proj, n_taps, n_mlp, BULK)
         while tl.atomic_add(CTR, 0, sem="acquire", scope="gpu") < nb * nprog:
             pass
@@ -586,7 +564,9 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     round_tf32 = rounds(precision, h.device)
     # the prefetch is inline PTX, which the interpreter cannot run; the cache's extent only for an arena block
     prefetch = 0 if interpreting() else PREFETCH
-    bulk = BULK_PREFETCH and (h.device.type != "cuda" or torch.cuda.get_device_capability(h.device)[0] >= 9)
+    if prefetch not in (0, 1, 11):
+        raise ValueError(f"dit_block.PREFETCH must be 0, 1 or 11, got {prefetch!r}")
+    bulk = BULK_PREFETCH and bulk_prefetch_on(h.device)
     kv_extent = 0
     if streams is None and pos is None:
         kv_extent = (R - 1) * kv.stride(1) + (H - 1) * kv.stride(2) + (nk - 1) * kv.stride(3) + 2 * D

@@ -235,14 +235,19 @@ def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def bulk_prefetch_on(device: torch.device) -> bool:
+    """Does ``prefetch_l2`` take its bulk form on this device: SM90+ (and CPU tensors, which only the compile
+    gate launches outside the interpreter, compiling for SM90)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _prefetch_args(t: torch.Tensor | None, like: torch.Tensor) -> tuple:
     """(pointer, floats, PREFETCH) of a row kernel's L2 prefetch of ``t`` (the GEMM after it): off without
     ``t``, with ``STAGED_PREFETCH`` off, under the interpreter (inline PTX) and for non-FP32 weights; the
     bulk form from SM90 (and in the compile gate's CPU runs), one per line before."""
     if t is None or not STAGED_PREFETCH or interpreting() or t.dtype != torch.float32 or not t.is_contiguous():
         return like, 0, 0
-    bulk = like.device.type != "cuda" or torch.cuda.get_device_capability(like.device)[0] >= 9
-    return t, t.numel(), 2 if bulk else 1
+    return t, t.numel(), 2 if bulk_prefetch_on(like.device) else 1
 
 
 def _splits_of(y, dims: int):
