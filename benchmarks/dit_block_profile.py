@@ -6,7 +6,7 @@ launch and as one launch per phase (each replayed from a CUDA graph), and the co
 registers / spills.
 
     PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR \
-        [--default-only | --key-tiles | --stages | --tiles | --prefetch]
+        [--default-only | --key-tiles | --stages | --tiles | --prefetch | --combine]
 """
 
 from __future__ import annotations
@@ -104,17 +104,18 @@ def main(out_dir: str, configs=None) -> None:
         for cfg in configs:
             saved = dict(dit_block.TILES)
             saved_att = (dit_block.ATT_BM, dit_block.ATT_BN, dit_block.BLOCK_STAGES, dit_block.PREFETCH,
-                         dit_block.BULK_PREFETCH)
+                         dit_block.BULK_PREFETCH, dit_block.LAST_COMBINE)
             dit_block.TILES.update(cfg.get("tiles", {}))
             dit_block.ATT_BM = cfg.get("att_bm", saved_att[0])
             dit_block.ATT_BN = cfg.get("att_bn", saved_att[1])
             dit_block.BLOCK_STAGES = cfg.get("stages", saved_att[2])
             dit_block.PREFETCH = cfg.get("prefetch", saved_att[3])
             dit_block.BULK_PREFETCH = cfg.get("bulk", saved_att[4])
+            dit_block.LAST_COMBINE = cfg.get("last_combine", saved_att[5])
             a_splits, per_split = dit_block.attention_splits(R, 8, T, T + L, nprog)
             if "att_splits" in cfg:          # forced key splits (1: no combine phase)
                 a_splits, per_split = key_splits(T + L, cfg["att_splits"], dit_block.ATT_BN)
-            names = [p for p in PHASES if a_splits > 1 or p != "split combine"]
+            names = [p for p in PHASES if a_splits > 1 and not dit_block.LAST_COMBINE or p != "split combine"]
             nw = cfg.get("num_warps", 4)
             ws = fused.workspace(R, T, dev)          # split counts follow the tiles
             ws.h.normal_()
@@ -130,7 +131,8 @@ def main(out_dir: str, configs=None) -> None:
                     attn_ml=ws.attn_ml, y=ws.y, hist=hist, taps=ws.taps, mlp=ws.mlp, y2=ws.y2,
                     ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=i, n_blocks=n, eps=1e-6,
                     qk_eps=1e-6, conv_eps=1e-5, attn_splits=a_splits, keys_per_split=per_split, nprog=nprog,
-                    phase_by_phase=phase_by_phase, num_warps=nw, times=times, per_program=per_program)
+                    phase_by_phase=phase_by_phase, num_warps=nw, times=times, per_program=per_program,
+                    tile_ctr=ws.att_ctr)
 
             try:
                 k = block()
@@ -150,7 +152,7 @@ def main(out_dir: str, configs=None) -> None:
                 programs = per_program_profile(block, names, depth, nprog, dev)
                 row = {"config": {k_: v for k_, v in cfg.items() if k_ != "tiles"} | {"tiles": dict(dit_block.TILES)},
                        "stages": dit_block.BLOCK_STAGES, "prefetch": dit_block.PREFETCH,
-                       "bulk_prefetch": dit_block.BULK_PREFETCH,
+                       "bulk_prefetch": dit_block.BULK_PREFETCH, "last_combine": dit_block.LAST_COMBINE,
                        "attention": {"block_m": dit_block.ATT_BM, "block_n": dit_block.ATT_BN, "splits": a_splits},
                        "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
                        "block_us_one_launch": one, "block_us_all_blocks_one_launch": whole,
@@ -162,7 +164,7 @@ def main(out_dir: str, configs=None) -> None:
                 dit_block.TILES.clear()
                 dit_block.TILES.update(saved)
                 dit_block.ATT_BM, dit_block.ATT_BN, dit_block.BLOCK_STAGES, dit_block.PREFETCH, \
-                    dit_block.BULK_PREFETCH = saved_att
+                    dit_block.BULK_PREFETCH, dit_block.LAST_COMBINE = saved_att
             res["configs"].append(row)
             print(json.dumps(row, indent=1), flush=True)
     (out / "dit_block_profile.json").write_text(json.dumps(res, indent=1))
@@ -186,5 +188,7 @@ if __name__ == "__main__":
     elif "--prefetch" in sys.argv:      # L2 prefetch schedules (dit_block.PREFETCH)
         configs = [{"num_warps": 8, "prefetch": p} for p in (1, 11)] + [
             {"num_warps": 8, "prefetch": 11, "bulk": False}]
-    args = [a for a in args if a not in ("--key-tiles", "--stages", "--tiles", "--prefetch")]
+    elif "--combine" in sys.argv:       # key-split partials: a combine phase, or the last split's combine
+        configs = [{"num_warps": 8, "last_combine": False}, {"num_warps": 8, "last_combine": True}]
+    args = [a for a in args if a not in ("--key-tiles", "--stages", "--tiles", "--prefetch", "--combine")]
     main(args[0] if args else "/tmp/dit_block_profile", configs)

@@ -290,6 +290,9 @@ def drive() -> None:
         for mask, key_mask, tma in ((None, False, True), (keys, False, True), (keys, True, True), (keys, True, False)):
             ta.tiled_attention(q, kv[..., :D], kv[..., D:], mask, block_m=64, num_stages=3, tma=tma,
                                key_mask=key_mask)
+        # split keys combined by the second kernel (no counters: ``fused_dit.ATTN_LAST_COMBINE`` off, or a caller
+        # of its own)
+        ta.tiled_attention(q[:4], kv[:4, ..., :D], kv[:4, ..., D:], None, block_m=16, splits=4)
 
 
 if __name__ == "__main__":

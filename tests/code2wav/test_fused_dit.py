@@ -279,19 +279,28 @@ def test_cuda_fused_vs_original_full_size(tf32, tol, R, gemm):
 
 @pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
                     reason="Triton needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("R,T,Lc,nprog,one_launch", [(2, 5, 6, None, False), (4, 17, 40, None, False),
-                                                     (4, 17, 150, 64, False), (2, 5, 70, 1, True)])
-def test_block_kernel_matches_original_tiny(R, T, Lc, nprog, one_launch, monkeypatch):
+@pytest.mark.parametrize("R,T,Lc,nprog,one_launch,last", [(2, 5, 6, None, False, True),
+                                                          (4, 17, 40, None, False, True),
+                                                          (4, 17, 150, 64, False, False),
+                                                          (4, 17, 150, 64, False, True),
+                                                          (2, 5, 70, 1, True, True), (2, 17, 150, 1, True, True)])
+def test_block_kernel_matches_original_tiny(R, T, Lc, nprog, one_launch, last, monkeypatch):
     """The persistent block kernel (kernels/dit_block.py): on CPU it runs in Triton's interpreter one
     phase per launch (the barrier is the launch boundary), its TF32 dots computed in FP32, so the
     IEEE tolerance applies; T=17 leaves partial query blocks, and 64 programs over 167 keys split
-    them 3 ways (ragged last split) so the combine phase runs. ``one_launch``: the GPU form itself
-    (every block and phase in one launch behind the grid barriers), which the interpreter can run
-    with a single program (its barriers then pass on its own arrivals)."""
+    them 3 ways (ragged last split) so the partials are combined: by the last split of each query
+    block (``last``, ``dit_block.LAST_COMBINE``) or in a combine phase of their own.
+    ``one_launch``: the GPU form itself (every block and phase in one launch behind the grid barriers),
+    which the interpreter can run with a single program (its barriers then pass on its own arrivals);
+    at T=17 its keys are split 3 ways too (forced: one program would not split them)."""
     from minicpmo_rt.code2wav.kernels import dit_block
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(dit_block, "LAST_COMBINE", last)
     if nprog is not None:
         monkeypatch.setattr(dit_block, "programs", lambda device: nprog)
+    split3 = nprog == 64 or T == 17 and nprog == 1
+    if nprog == 1 and split3:
+        monkeypatch.setattr(dit_block, "_wanted_splits", lambda *a: 3)
     dit = our_dit(seed=11).to(dev)
     fused = FusedDiT(dit, attention="triton-tf32", use_triton=True, block_kernel=True)
     assert fused.uses_block_kernel(R, T, dev)
@@ -302,16 +311,18 @@ def test_block_kernel_matches_original_tiny(R, T, Lc, nprog, one_launch, monkeyp
 
     def spy(**kw):
         calls.append((kw["attn_splits"], kw["first"], kw["n_blocks"]))
-        # a profiling buffer must hold every stamp: 13 per block (12 when no key split needs combining)
-        stamps = (13 - (kw["attn_splits"] == 1)) * kw["n_blocks"] + 1
+        # a profiling buffer must hold every stamp: 13 per block (12 without a combine phase)
+        stamps = (13 - (kw["attn_splits"] == 1 or last)) * kw["n_blocks"] + 1
         with pytest.raises(ValueError, match=f"write {stamps}$"):
             real(**kw, times=torch.zeros(stamps - 1, dtype=torch.int64))
         with pytest.raises(ValueError, match=f"write {stamps * 2 * kw['nprog']}$"):
             real(**kw, times=torch.zeros(stamps, dtype=torch.int64), per_program=True)
-        return real(**kw, phase_by_phase=False) if one_launch else real(**kw)
+        k = real(**kw, phase_by_phase=False) if one_launch else real(**kw)
+        assert int(kw["tile_ctr"].abs().sum()) == 0            # the split counters are left zero
+        return k
     monkeypatch.setattr(dit_block, "dit_blocks", spy)
     errs = check(dit, fused, R=R, T=T, Lc=Lc, tol=1e-5 if kernels.interpreting() else 2e-3, seed=12, device=dev)
-    assert calls == [(3 if nprog == 64 else 1, 0, len(dit.blocks))] and max(errs) > 0   # every block at once
+    assert calls == [(3 if split3 else 1, 0, len(dit.blocks))] and max(errs) > 0   # every block at once
     assert not fused.uses_block_kernel(32, 50, dev)             # many rows: the staged body
     auto = FusedDiT(dit, attention="triton-tf32", use_triton=True)   # default: CUDA (+ TF32) only
     assert auto.uses_block_kernel(R, T, "cuda") and not auto.uses_block_kernel(R, T, "cpu")
@@ -468,7 +479,7 @@ def test_block_kernel_shape_rules():
     # the direct phase's splits start on key tiles of their source: split 0 walks 50 current + 192 old keys
     assert dit_block.direct_attention_splits(2, 8, 50, 400, 132) == (2, 256, 64)
     assert dit_block.attention_splits(8, 8, 50, 450, 132)[0] == 1
-    assert dit_block.tile("fc1", 512) == (64, 32, 1, 64) and dit_block.tile("fc2", 96)[2:] == (1, 32)
+    assert dit_block.tile("fc1", 512) == (64, 32, 1, 32) and dit_block.tile("fc2", 96)[2:] == (1, 32)
     cfg = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=3.0, depth=1, num_heads=2, head_dim=32,
                     hidden_size=48)
     with pytest.raises(ValueError, match="block_kernel"):

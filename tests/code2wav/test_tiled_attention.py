@@ -299,3 +299,46 @@ def test_descriptor_scratch_restores_the_previous_allocator():
         with ta.descriptor_scratch(torch.device("cpu")):
             raise RuntimeError("boom")
     assert slot.get() is before
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_last_split_combines_in_the_same_launch(direct):
+    """With ``counters`` the split of each query block that finishes last combines the partials (no second
+    kernel): the output is the combine kernel's bit for bit, the counters are back to zero after the launch
+    (so a second launch reuses them: run twice), and a counter buffer that cannot count every query block
+    is refused."""
+    from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV, direct_attention, stream_table
+
+    gen = torch.Generator().manual_seed(5)
+    R, H, T, D, nk = 2, 2, 20, 16, 70      # 5 key tiles: 3 splits
+    dev = device()
+    q = torch.randn(R, H, T, D, generator=gen).to(dev)
+    if not usable_on(q):
+        pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
+    mblocks = -(-T // 16)
+    if direct:
+        cur = torch.randn(R, H, T, 2 * D, generator=gen).to(dev)
+        old = torch.randn(R, H, nk - T, 2 * D, generator=gen).to(dev)
+        outs = torch.zeros(R, H, nk, 2 * D, device=dev)
+        streams = StreamKV(outs, stream_table(list(old[:, None, None]), outs).to(dev),
+                           stream_table(list(outs[:, None, None]), outs).to(dev), nk - T, nk, (0, 0))
+
+        def run(counters):
+            return direct_attention(q, cur, streams, 0, torch.empty_like(q), precision="ieee", block_m=16,
+                                    block_n=16, splits=3, counters=counters)
+    else:
+        k, v = (torch.randn(R, H, nk, D, generator=gen).to(dev) for _ in range(2))
+        mask = ragged_mask(R, T, nk, gen).to(dev)
+
+        def run(counters):
+            return tiled_attention(q, k, v, mask, precision="ieee", block_m=16, block_n=16, splits=3,
+                                   counters=counters)
+    want = run(None)
+    ctr = torch.zeros(R * H * mblocks, device=dev, dtype=torch.int32)
+    for _ in range(2):
+        assert torch.equal(run(ctr), want)
+        assert int(ctr.abs().sum()) == 0
+    with pytest.raises(ValueError, match="counters must be a contiguous int32"):
+        run(ctr[1:])
+    with pytest.raises(ValueError, match="counters must be a contiguous int32"):
+        run(ctr.long())

@@ -81,6 +81,11 @@ IEEE_BLOCK_M, IEEE_WARPS = 32, 8
 # batch 8 (128) 1 split 16.92-16.95 / 17.77-18.10, 2 16.62-16.66 / 17.44-17.90; batch 16 (256) 1 split
 # 24.92-24.98 replay, 2 26.47-26.66. Session 14, before the alignment: batch 4 2 splits 16.89, 8 18.57.
 DIRECT_TARGET_PROGRAMS = 256
+# With key splits the split that finishes a query block last combines the partials in the attention's own
+# launch (``tiled_attention._last_combine``, counted in ``Workspace.att_ctr``) instead of a second kernel.
+# Whole-solve replays (last_combine_probe_session21_h200.md), off / on: B=4 14.72-14.74 / 14.71-14.76 ms,
+# B=8 16.31-16.47 / 16.30: the same time, one kernel (and graph node) fewer per block.
+ATTN_LAST_COMBINE = True
 
 # Split-K for few rows ("cublas-split", the default): at ~100 rows cuBLAS tiles a DiT GEMM into
 # 16-48 CTAs that each stream a long weight stripe. Each GEMM of <= SPLIT_MAX_ROWS rows runs as
@@ -240,6 +245,8 @@ class Workspace:
     attn_acc: torch.Tensor | None = None   # flat, R*H*8*T*D
     attn_ml: torch.Tensor | None = None    # flat, R*H*8*T*2
     ctr: torch.Tensor | None = None        # (depth,) int32, zeroed per evaluation
+    # Triton attention: per query block (of >= 16 queries), its key splits counted in; zero between launches
+    att_ctr: torch.Tensor | None = None    # (R*H*ceil(T/16),) int32
     wide: bool = False                     # Triton tile GEMMs (``FusedDiT.uses_wide``); taps then (1, R, T+K-1, C)
 
 
@@ -440,7 +447,8 @@ class FusedDiT:
                        qkv=e(sp["qkv"], R, T, 3 * L.heads * L.head_dim),
                        q=e(R, T, L.heads, L.head_dim), o=eo(R, T, L.heads, L.head_dim), y=e(sp["proj"], R, T, L.hidden),
                        taps=e(sp["conv"], R, T + L.taps - 1, (1 if wide else L.taps) * L.hidden),
-                       mlp=eo(R, T, L.mlp_hidden), y2=e(sp["fc2"], R, T, L.hidden), wide=wide)
+                       mlp=eo(R, T, L.mlp_hidden), y2=e(sp["fc2"], R, T, L.hidden), wide=wide,
+                       att_ctr=torch.zeros(R * L.heads * -(-T // 16), device=device, dtype=torch.int32))
         if self.uses_block_kernel(R, T, device):
             ws.attn_acc = e(R * L.heads * 8 * T * L.head_dim)
             ws.attn_ml = e(R * L.heads * 8 * T * 2)
@@ -517,7 +525,7 @@ class FusedDiT:
             direct_attention(q, kv, streams, layer, ws.o.transpose(1, 2),
                              precision="tf32" if self.attention == "triton-tf32" else "ieee", block_m=shape.block_m,
                              splits=shape.splits, num_stages=shape.stages, num_warps=shape.warps,
-                             round_out=round_out, pv16=self.attn_pv16, tma=shape.tma)
+                             round_out=round_out, pv16=self.attn_pv16, tma=shape.tma, counters=self._counters(ws))
             return
         k, v = kv[..., :D], kv[..., D:]
         if self.attention != "sdpa" and self._triton(q):
@@ -527,12 +535,17 @@ class FusedDiT:
                             precision="tf32" if self.attention == "triton-tf32" else "ieee",
                             out=ws.o.transpose(1, 2), block_m=shape.block_m, splits=shape.splits,
                             num_stages=shape.stages, num_warps=shape.warps, tma=shape.tma,
-                            round_out=round_out, pv16=self.attn_pv16)
+                            round_out=round_out, pv16=self.attn_pv16, counters=self._counters(ws))
         else:
             o = sdpa_attention(q, k, v, mask, rows).transpose(1, 2)
             ws.o.copy_(o.clamp(-65504.0, 65504.0) if ws.o.dtype == torch.float16 else o)   # store_operand's saturation
             if round_out and ws.o.dtype == torch.float32:
                 dit_block.round_tf32_(ws.o)
+
+    @staticmethod
+    def _counters(ws: Workspace) -> torch.Tensor | None:
+        """The attention's split counters (``ATTN_LAST_COMBINE``), or None for a combine kernel."""
+        return ws.att_ctr if ATTN_LAST_COMBINE else None
 
     def _attn_shape(self, R: int, H: int, T: int, tma_ok: bool = False) -> AttnShape:
         """Launch shape for R rows x H heads x T queries; ``tma_ok``: the device and cache can take TMA
@@ -715,7 +728,8 @@ class FusedDiT:
                     ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=b0, n_blocks=min(per, L.depth - b0),
                     eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps, attn_splits=a_splits,
                     keys_per_split=per_split, nprog=nprog, precision=precision, rows=rows, pos=pos,
-                    pv16=self.attn_pv16, k_step_scale=self.block_k_step_scale, streams=streams, cur_keys=cur_keys)
+                    pv16=self.attn_pv16, k_step_scale=self.block_k_step_scale, streams=streams, cur_keys=cur_keys,
+                    tile_ctr=ws.att_ctr)
             return
         # the staged body: cuBLAS GEMMs, or with ``ws.wide`` Triton tile GEMMs (the conv taps summed in the
         # GEMM, so ``ws.taps`` is (1, R, T+K-1, C) and its readers take one tap; fc1's GELU in its

@@ -8,7 +8,7 @@ H200 against ~3 us per kernel boundary), with one more barrier between blocks (o
 block measured 51.2 vs 50.5 us per block for one launch in all, so the launch itself was cheap):
 
   0 QKV GEMM -> split-K partials      1 q/k head LN, [k|v] into the cache
-  2 attention (key splits)            3 split combine
+  2 attention (key splits)            3 split combine (``LAST_COMBINE``: in phase 2)
   4 out-proj GEMM -> partials         5 residual + modulated LN into conv1's history
   6 conv1 taps GEMM -> partials       7 tap sum + bias + LN + Mish into conv2's history
   8 conv2 taps GEMM -> partials       9 tap sum + residual + modulated LN (MLP input)
@@ -46,15 +46,17 @@ import torch
 
 from . import AVAILABLE, interpreting
 from .dit_ops import bulk_prefetch_on
-from .tiled_attention import direct_key_splits, key_splits, pv16_for
+from .tiled_attention import check_counters, direct_key_splits, key_splits, pv16_for
 
 # GEMM tiles (rows BM x columns BN, K split S ways) per role at ~100 rows; H200 probe
 # (benchmarks/results/persistent_probe_h200.json): us per phase incl. the barrier, vs the same GEMM
 # as a graph-replayed cuBLAS call split 2 ways: qkv 4.56 vs 5.48, proj 2.58 vs 4.99, conv 4.53 vs
 # 5.89, fc2 5.83 vs 7.34. fc1 keeps K whole so its bias + GELU run in the epilogue.
 # Each tuple: (BM, BN, K splits, BK); BK 64 halves the serial K steps of the long-K phases
-# (fc1 7.3 -> 5.7-6.9 us in dit_block_profile_h200.json).
-TILES = {"qkv": (128, 64, 4, 32), "proj": (64, 32, 4, 32), "conv": (128, 64, 4, 32), "fc1": (64, 32, 1, 64),
+# (fc1 7.3 -> 5.7-6.9 us in dit_block_profile_h200.json). Since the weights are prefetched into L2
+# (PREFETCH), fc1's K steps are short again: whole-solve replays (fc1_tile_probe_session21_h200.md) with
+# BK 64 / 32: B=1 8.10-8.13 / 7.92-7.95 ms, B=2 12.55-12.61 / 12.33-12.34.
+TILES = {"qkv": (128, 64, 4, 32), "proj": (64, 32, 4, 32), "conv": (128, 64, 4, 32), "fc1": (64, 32, 1, 32),
          "fc2": (64, 64, 8, 64)}
 BK = 32                 # the smallest K step: every GEMM's K must be a multiple of it
 # Attention: 16-query blocks, keys split until there is about one unit per program (batch 1: 64
@@ -80,6 +82,13 @@ PREFETCH = 11
 # SM90's bulk prefetch (one per program and region) instead of one per 128-byte line (dit_block_profile_prefetch_
 # session20_h200.json, PREFETCH 11: 44.55 against 44.76 us per block, 190 registers against 236)
 BULK_PREFETCH = True
+# With key splits, the split that finishes a query block last combines its partials (``tiled_attention.
+# _last_combine``, counted in ``tile_ctr``) instead of phase 3 after a barrier of its own. Whole-solve replays
+# (last_combine_probe_session21_h200.md), off / on: B=1 7.42-7.45 / 7.30-7.34 ms (B=2 has no key splits).
+# Measured and removed: the q/k head LNs done the same way by the QKV phase's last split of each tile (no
+# phase 1): B=1 7.33-7.37 -> 8.05-8.09 ms, B=2 11.69-11.70 -> 12.60-12.63; one program per tile then sums
+# four 32-KB partials and normalises 128 rows, which took longer than the LN phase and barrier it saved.
+LAST_COMBINE = True
 N_PHASES = 13
 
 if AVAILABLE:
@@ -178,7 +187,7 @@ if AVAILABLE:
                          mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _dit_block(HX, NORM, QKV, Q, KV_ALL, MASK, O, PACC, PML, Y, HIST, TAPSB, MLP, Y2, CTR, ROWS, POS,
+    def _dit_block(HX, NORM, QKV, Q, KV_ALL, MASK, O, PACC, PML, Y, HIST, TAPSB, MLP, Y2, CTR, TCTR, ROWS, POS,
                    BASE, SRC, DST, step, n_old, n_out, drop0, drop1, cur_keys, kv_extent,
                    WQKV_ALL, BQKV_ALL, QNW_ALL, QNB_ALL, KNW_ALL, KNB_ALL, WPROJ_ALL, BPROJ_ALL, WT1_ALL, BC1_ALL,
                    LNW_ALL, LNB_ALL, WT2_ALL, BC2_ALL, W1_ALL, B1_ALL, W2_ALL, B2_ALL,
@@ -193,10 +202,11 @@ if AVAILABLE:
                    BM_FC1: tl.constexpr, BN_FC1: tl.constexpr, BK_FC1: tl.constexpr,
                    S_FC2: tl.constexpr, BM_FC2: tl.constexpr, BN_FC2: tl.constexpr, BK_FC2: tl.constexpr,
                    A_BM: tl.constexpr, A_BN: tl.constexpr, A_SPLITS: tl.constexpr, C_BM: tl.constexpr,
+                   COMBINE_PHASE: tl.constexpr,
                    HAS_MASK: tl.constexpr, POOLED: tl.constexpr,
                    PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr,
                    PV16: tl.constexpr = False, DIRECT: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                   BULK_PREFETCH: tl.constexpr = False):
+                   BULK_PREFETCH: tl.constexpr = False, LAST_COMBINE: tl.constexpr = False):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         M = R * T
@@ -268,18 +278,18 @@ if AVAILABLE:
                         direct_tile(bh // H, bh % H, mblk, split, H, Q, KV, BASE, SRC, DST, O, PACC, PML,
                                     T * HD, D, HD, 1, skv_r, skv_h, T * HD, D, HD, 1, step, i, T, n_old, n_out,
                                     drop0, drop1, attn_scale, keys_per_split, cur_keys, D, A_BM, A_BN, PRECISION,
-                                    A_SPLITS,
-                                    ROUND, PV16)
+                                    A_SPLITS, ROUND, PV16, CNT=TCTR, LAST_COMBINE=LAST_COMBINE)
                     else:
                         attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, ROWS, PACC, PML,
                                   T * HD, D, HD, 1, skv_r, skv_h, skv_t, 1, skv_r, skv_h, skv_t, 1,
                                   T * HD, D, HD, 1, smb, smm, smn, T, nk, attn_scale, keys_per_split,
-                                  D, A_BM, A_BN, HAS_MASK, POOLED, PRECISION, A_SPLITS, ROUND, PV16=PV16)
-            if PHASE < 0:
-                nb = _phase_end(2 + (A_SPLITS == 1), CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH,
+                                  D, A_BM, A_BN, HAS_MASK, POOLED, PRECISION, A_SPLITS, ROUND, PV16=PV16,
+                                  CNT=TCTR, LAST_COMBINE=LAST_COMBINE)
+            if PHASE < 0:     # the out-proj's weights are due here unless a combine phase follows
+                nb = _phase_end(2 + (COMBINE_PHASE == 0), CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH,
                                 KV, kv_extent, WPROJ, WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C,
                                 MLPH * C)
-            if A_SPLITS > 1:
+            if COMBINE_PHASE:
                 if PHASE < 0 or PHASE == 3:
                     n_cblk = tl.cdiv(T, C_BM)
                     for u in range(pid, R * H * n_cblk, nprog):
@@ -481,7 +491,8 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                conv_eps: float, attn_splits: int, keys_per_split: int, nprog: int, precision: str = "tf32",
                phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None,
                per_program: bool = False, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-               pv16: bool | None = None, k_step_scale: int | None = None, streams=None, cur_keys: int | None = None):
+               pv16: bool | None = None, k_step_scale: int | None = None, streams=None, cur_keys: int | None = None,
+               tile_ctr: torch.Tensor | None = None):
     """Blocks [first, first + n_blocks) in place, in ONE launch (see the module docstring).
 
     Shapes as ``fused_dit.Workspace``: h, norm (R,T,C); qkv (Sq,R,T,3HD); q, o (R,T,H,D); kv
@@ -494,7 +505,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     (``stack_weights``); mod_chain (Rm,depth+1,9,C) modulation rows (scales hold 1+scale; row depth
     holds the final layer's shift and scale in slots 0 and 1). precision "tf32" (operands stored
     rounded to nearest TF32 on CUDA; ``w`` rounded too) or "ieee" for every dot.
-    ``times`` (int64, >= 13 * n_blocks + 1, or 12 * n_blocks + 1 with unsplit keys; profiling, one
+    ``times`` (int64, >= 13 * n_blocks + 1, or 12 * n_blocks + 1 without a combine phase; profiling, one
     launch only): program 0's clock (ns) at the start, after each barrier and at the end; with
     ``per_program``, (2 * that, nprog): every program's clock at the start and after each barrier
     (even rows) and at its arrival at each barrier and at its end (odd rows). Returns the compiled
@@ -503,6 +514,8 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     this chunk's frames; the attention phase reads each row's old frames where ``streams`` says and writes
     the trimmed successors (``direct_attention``'s unit); ``keys_per_split`` then counts ``cur_keys`` (default
     T) + old frames, the current frames counted as ``cur_keys`` keys (``direct_attention_splits``).
+    ``tile_ctr`` (int32, >= R*H*ceil(T/ATT_BM), zero; left zero): with key splits and ``LAST_COMBINE``, the
+    last split of each query block combines them (no combine phase).
     """
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"dit_blocks: precision must be 'tf32' or 'ieee', got {precision!r}")
@@ -557,7 +570,11 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
         m, ms = h, (0, 0, 0)
     if phase_by_phase is None:
         phase_by_phase = interpreting() or h.device.type != "cuda"
-    per_block = N_PHASES - (attn_splits == 1)        # barriers a block passes (no combine phase unsplit)
+    last = LAST_COMBINE and attn_splits > 1 and tile_ctr is not None
+    if last:
+        check_counters(tile_ctr, R * H * -(-T // ATT_BM), h.device, "dit_blocks")
+    combine_phase = attn_splits > 1 and not last
+    per_block = N_PHASES - (not combine_phase)       # barriers a block passes
     stamps = (per_block * n_blocks + 1) * (2 * nprog if per_program else 1)
     if times is not None and times.numel() < stamps:
         raise ValueError(f"dit_blocks: times holds {times.numel()} stamps, {n_blocks} block(s) write {stamps}")
@@ -579,7 +596,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
         tiles[r] for r in ("qkv", "proj", "conv", "fc1", "fc2"))
     def args(b0: int, nb: int) -> tuple:
         return (h, norm, qkv, q, kv, m, o, attn_acc, attn_ml, y, hist, taps, mlp, y2, ctr,
-                rows if rows is not None else ctr, pos if pos is not None else ctr, *direct, kv_extent,
+                tile_ctr if last else ctr, rows if rows is not None else ctr, pos if pos is not None else ctr, *direct, kv_extent,
                 w.w_qkv, w.b_qkv, w.qn_w, w.qn_b, w.kn_w, w.kn_b, w.w_proj, w.b_proj, w.w_taps1, w.b_conv1,
                 w.ln_w, w.ln_b, w.w_taps2, w.b_conv2, w.w_fc1, w.b_fc1, w.w_fc2, w.b_fc2,
                 mod_chain, s_mod, times if times is not None else ctr, b0, nb,
@@ -589,7 +606,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                 S_QKV=qkv.shape[0], BM_QKV=bq, BN_QKV=nq_, BK_QKV=kq, S_PROJ=y.shape[0], BM_PROJ=bp,
                 BN_PROJ=np_, BK_PROJ=kp, S_CONV=taps.shape[0], BM_CONV=bc, BN_CONV=nc, BK_CONV=kc,
                 BM_FC1=b1, BN_FC1=n1, BK_FC1=k1, S_FC2=y2.shape[0], BM_FC2=b2, BN_FC2=n2, BK_FC2=k2,
-                A_BM=ATT_BM, A_BN=ATT_BN, C_BM=COMBINE_BM,
+                A_BM=ATT_BM, A_BN=ATT_BN, C_BM=COMBINE_BM, COMBINE_PHASE=combine_phase, LAST_COMBINE=last,
                 A_SPLITS=attn_splits, HAS_MASK=mask is not None, POOLED=pos is not None, ROUND=round_tf32,
                 PRECISION=precision, PV16=pv16_for(o, precision) if pv16 is None else pv16,
                 TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps,

@@ -187,6 +187,18 @@ if AVAILABLE:
         tl.store(dst + D, v, mask=ok)
 
     @triton.jit
+    def last_arrival(CNT, i, N: tl.constexpr):
+        """Count this program's part of item i in (CNT[i] is 0 before the first of N parts): True for the
+        N-th, which then sees every part's stores and resets CNT[i] to 0 for the next use. The count's
+        acquire-release pairs each part's stores with the last one's loads, as a grid barrier does; the
+        reset is an atomic, so it reaches L2 before any later count."""
+        tl.debug_barrier()      # every warp's stores of this part are issued before the program counts in
+        last = tl.atomic_add(CNT + i, 1, sem="acq_rel", scope="gpu") == N - 1
+        if last:
+            tl.atomic_xchg(CNT + i, 0, sem="relaxed", scope="gpu")
+        return last
+
+    @triton.jit
     def _qkv_head_ln(QKV, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS,
                      s_in_r, s_in_t, s_split, sq_r, sq_t, sq_h, skv_r, skv_h, skv_t,
                      T, H, D, eps,

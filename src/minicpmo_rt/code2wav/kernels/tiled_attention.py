@@ -34,7 +34,7 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .dit_ops import store_operand
+    from .dit_ops import last_arrival, store_operand
 
     @triton.jit
     def _mask_tile(M, b, offs_m, offs_n, row_ok, k_hi, smb, smm, smn, KEY_MASK: tl.constexpr):
@@ -82,9 +82,13 @@ if AVAILABLE:
         return acc * alpha[:, None] + pv
 
     @triton.jit
-    def _finish(acc, m_i, l_i, b, h, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
-                HEAD_D: tl.constexpr, SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr):
-        """Store a query block's output (one key split), or its partial for ``_attn_combine``."""
+    def _finish(acc, m_i, l_i, b, h, mblk, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
+                HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr,
+                CNT, LAST_COMBINE: tl.constexpr):
+        """Store a query block's output (one key split), or its partial for ``_attn_combine``.
+
+        LAST_COMBINE: the split that stores its partial last also combines them (``_last_combine``), so no
+        second kernel (or, in the block kernel, no combine phase and its barrier) is needed."""
         offs_d = tl.arange(0, HEAD_D)
         if SPLITS == 1:
             denom = tl.where(l_i > 0, l_i, 1.0)
@@ -97,6 +101,19 @@ if AVAILABLE:
             tl.store(PACC + (part + offs_m[:, None]) * HEAD_D + offs_d[None, :], acc, mask=row_ok[:, None])
             tl.store(PML + (part + offs_m) * 2, m_i, mask=row_ok)
             tl.store(PML + (part + offs_m) * 2 + 1, l_i, mask=row_ok)
+            if LAST_COMBINE:
+                _last_combine(b, h, mblk, H, O, PACC, PML, sob, soh, som, sod, nq, HEAD_D, BLOCK_M, SPLITS,
+                              ROUND_OUT, CNT)
+
+    @triton.jit
+    def _last_combine(b, h, mblk, H, O, PACC, PML, sob, soh, som, sod, nq,
+                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr,
+                      CNT):
+        """Count this split's partial of query block ``mblk`` of (row b, head h) in; the SPLITS-th to arrive
+        combines them (CNT: one int32 per query block, 0 on entry, 0 after; ``dit_ops.last_arrival``)."""
+        if last_arrival(CNT, (b * H + h) * tl.cdiv(nq, BLOCK_M) + mblk, SPLITS):
+            attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq, HEAD_D, BLOCK_M, SPLITS,
+                              ROUND_OUT)
 
     @triton.jit
     def attn_tile(b, h, mblk, split, H, Q, K, V, O, M, KVR, PACC, PML,
@@ -109,9 +126,10 @@ if AVAILABLE:
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
                   SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr = False, KV_DESC=None, TMA: tl.constexpr = False,
-                  KEY_MASK: tl.constexpr = False, PV16: tl.constexpr = False):
+                  KEY_MASK: tl.constexpr = False, PV16: tl.constexpr = False, CNT=None,
+                  LAST_COMBINE: tl.constexpr = False):
         """Query block ``mblk`` x key split ``split`` of (row b, head h) of H heads (also a phase
-        of the persistent block kernel).
+        of the persistent block kernel). LAST_COMBINE: the last split to finish combines (``_finish``).
 
         TMA: K and V tiles arrive through KV_DESC, a tensor descriptor over the packed cache as a
         (rows*heads*nk, 2*HEAD_D) matrix with (BLOCK_N, HEAD_D) boxes (key tile = box (row0 + start, 0),
@@ -163,8 +181,8 @@ if AVAILABLE:
             else:
                 v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
             acc = _weigh_values(p, v, acc, alpha, PRECISION, PV16)
-        _finish(acc, m_i, l_i, b, h, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
-                HEAD_D, SPLITS, ROUND_OUT)
+        _finish(acc, m_i, l_i, b, h, mblk, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
+                HEAD_D, BLOCK_M, SPLITS, ROUND_OUT, CNT, LAST_COMBINE)
 
     @triton.jit
     def _attn_fwd(Q, K, V, O, M, KVR, PACC, PML,
@@ -173,16 +191,16 @@ if AVAILABLE:
                   svb, svh, svn, svd,
                   sob, soh, som, sod,
                   smb, smm, smn,
-                  nq, nk, scale, keys_per_split, KV_DESC,
+                  nq, nk, scale, keys_per_split, KV_DESC, CNT,
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
                   SPLITS: tl.constexpr, TMA: tl.constexpr, KEY_MASK: tl.constexpr, ROUND_OUT: tl.constexpr,
-                  PV16: tl.constexpr):
+                  PV16: tl.constexpr, LAST_COMBINE: tl.constexpr):
         attn_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                   tl.num_programs(1), Q, K, V, O, M, KVR, PACC, PML, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
                   svb, svh, svn, svd, sob, soh, som, sod, smb, smm, smn, nq, nk, scale, keys_per_split,
                   HEAD_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_KVR, PRECISION, SPLITS, ROUND_OUT, KV_DESC, TMA, KEY_MASK,
-                  PV16)
+                  PV16, CNT, LAST_COMBINE)
 
     @triton.jit
     def _direct_keys(q, m_i, l_i, acc, base, lo, hi, f0, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale,
@@ -227,7 +245,8 @@ if AVAILABLE:
                     sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                    SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr = False):
+                    SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr = False,
+                    CNT=None, LAST_COMBINE: tl.constexpr = False):
         """``direct_attention``'s unit (also a phase of the persistent block kernel): query block ``mblk`` x
         key split ``split`` of (row b, head h). The keys are this chunk's [k|v] (CUR) followed by row b's own
         old frames, found through its SRC table row [offset from BASE, step stride, layer stride, present]
@@ -254,19 +273,20 @@ if AVAILABLE:
         m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, cur_keys) - cur_keys, k_hi - cur_keys,
                                      nq, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N,
                                      PRECISION, PV16, TMA)
-        _finish(acc, m_i, l_i, b, h, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
-                HEAD_D, SPLITS, ROUND_OUT)
+        _finish(acc, m_i, l_i, b, h, mblk, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
+                HEAD_D, BLOCK_M, SPLITS, ROUND_OUT, CNT, LAST_COMBINE)
 
     @triton.jit
     def _attn_direct(Q, CUR, BASE, SRC, DST, O, PACC, PML,
                      sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
-                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
+                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys, CNT,
                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr):
+                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr,
+                     LAST_COMBINE: tl.constexpr):
         direct_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                     tl.num_programs(1), Q, CUR, BASE, SRC, DST, O, PACC, PML, sqb, sqh, sqm, sqd, scb, sch,
                     sob, soh, som, sod, step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
-                    HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16, TMA)
+                    HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16, TMA, CNT, LAST_COMBINE)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -324,6 +344,15 @@ def direct_key_splits(nq: int, n_old: int, splits: int, block_n: int,
     return s, per, cur
 
 
+def check_counters(counters: torch.Tensor, n: int, device: torch.device, who: str) -> None:
+    """``counters`` can count the key splits of ``n`` query blocks in (``_last_combine``): a contiguous int32
+    tensor on ``device`` with at least n elements. It must be zero on entry; the kernel leaves it zero."""
+    if counters.dtype != torch.int32 or counters.device != torch.device(device) or counters.numel() < n \
+            or not counters.is_contiguous():
+        raise ValueError(f"{who}: counters must be a contiguous int32 tensor of >= {n} zeros on {device} (one per "
+                         f"query block), got {counters.dtype} {tuple(counters.shape)} on {counters.device}")
+
+
 def pv16_for(out: torch.Tensor, precision: str) -> bool:
     """P @ V with FP16 operands by default exactly when the output is an FP16 GEMM operand under TF32
     (``FusedDiT(gemm_operands="fp16")``): the same 10-bit operand rounding the TF32 dot applies."""
@@ -345,7 +374,8 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                     kv_rows: torch.Tensor | None = None, precision: str = "tf32",
                     out: torch.Tensor | None = None, block_m: int = 32, block_n: int = 64,
                     num_warps: int = 4, num_stages: int = 2, splits: int = 1, tma: bool = False,
-                    key_mask: bool = False, round_out: bool = False, pv16: bool | None = None) -> torch.Tensor:
+                    key_mask: bool = False, round_out: bool = False, pv16: bool | None = None,
+                    counters: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T D^-0.5, mask) v for fp32 q (B,H,nq,D), k/v (Bk,H,nk,D); mask (B,nq,nk) bool.
 
     ``out`` (B,H,nq,D) may be any strided view (e.g. (B,nq,H,D) transposed) so the
@@ -353,7 +383,9 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     descriptor (``attn_tile``'s TMA branch; needs k and v to be the halves of one packed cache, ``packed_kv``).
     ``round_out``: store the output rounded to nearest TF32 (the operand of a TF32 GEMM that truncates).
     An FP16 ``out`` takes the output as an FP16 GEMM operand (``dit_ops.store_operand``). ``pv16``: P @ V
-    with FP16 operands (``attn_tile``'s PV16); None: ``pv16_for(out, precision)``.
+    with FP16 operands (``attn_tile``'s PV16); None: ``pv16_for(out, precision)``. ``counters``: with key
+    splits, the last split of each query block to finish combines the partials in the same launch instead
+    of a second kernel (``check_counters``: int32, zero on entry, left zero).
     """
     if not AVAILABLE:
         raise RuntimeError("tiled_attention needs Triton; use the SDPA fallback")
@@ -381,6 +413,9 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         raise ValueError(f"splits must be >= 1, got {splits}")
     splits, per_split = key_splits(nk, splits, block_n)
     mblocks = triton.cdiv(nq, block_m)
+    last = splits > 1 and counters is not None
+    if last:
+        check_counters(counters, B * H * mblocks, q.device, "tiled_attention")
     if splits > 1:
         pacc = torch.empty(B, H, splits, nq, D, device=q.device, dtype=torch.float32)
         pml = torch.empty(B, H, splits, nq, 2, device=q.device, dtype=torch.float32)
@@ -396,14 +431,15 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         desc = TensorDescriptor.from_tensor(kv2d, block_shape=[block_n, D])
     _attn_fwd[(B, H, mblocks * splits)](q, k, v, out, m, kvr, pacc, pml,
                                         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms,
-                                        nq, nk, float(D) ** -0.5, per_split, desc,
+                                        nq, nk, float(D) ** -0.5, per_split, desc, counters if last else kvr,
                                         HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n,
                                         HAS_MASK=mask is not None, HAS_KVR=kv_rows is not None,
                                         PRECISION=precision, SPLITS=splits, TMA=tma,
                                         KEY_MASK=bool(key_mask) and mask is not None and ms[1] == 0,
                                         ROUND_OUT=round_out, num_warps=num_warps, num_stages=num_stages,
-                                        PV16=pv16_for(out, precision) if pv16 is None else pv16)
-    if splits > 1:
+                                        PV16=pv16_for(out, precision) if pv16 is None else pv16,
+                                        LAST_COMBINE=last)
+    if splits > 1 and not last:
         _attn_combine[(B, H, mblocks)](pacc, pml, out, *out.stride(), H, nq,
                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits, ROUND_OUT=round_out, num_warps=4)
     return out
@@ -513,14 +549,15 @@ def descriptor_scratch(device: torch.device):
 def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, layer: int, out: torch.Tensor,
                      precision: str = "tf32", block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                      num_stages: int = 2, splits: int = 1, round_out: bool = False,
-                     pv16: bool | None = None, tma: bool = False) -> torch.Tensor:
+                     pv16: bool | None = None, tma: bool = False,
+                     counters: torch.Tensor | None = None) -> torch.Tensor:
     """Unmasked attention of q (R, H, T, D) over this chunk's keys ``cur`` (R, H, T, 2D) packed [k|v],
     then each row's own old frames (``streams``: no copy of them into a shared buffer first), at DiT
     block ``layer`` of Euler step ``streams.step``. Every key frame it reads is also written once into
     the row's trimmed successor. Same numerics as ``tiled_attention`` over the concatenated
     [cur | old] cache (keys arrive in another tile grouping). ``tma``: every (row, head) builds TMA
     descriptors over its two key sources and loads tiles through them (``device_tma``; the per-stream
-    caches have no host descriptor), instead of pointer loads."""
+    caches have no host descriptor), instead of pointer loads. ``counters``: as ``tiled_attention``'s."""
     if not AVAILABLE:
         raise RuntimeError("direct_attention needs Triton")
     if tma and not device_tma(q.device):
@@ -543,6 +580,9 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
         raise ValueError(f"direct_attention: {nk} key frames less the dropped [{d0}, {d1}) is not the successor's "
                          f"{streams.n_out}")
     splits, per_split, cur_keys = direct_key_splits(T, streams.n_old, splits, block_n)
+    last = splits > 1 and counters is not None
+    if last:
+        check_counters(counters, R * H * triton.cdiv(T, block_m), q.device, "direct_attention")
     if splits > 1:
         pacc = torch.empty(R, H, splits, T, D, device=q.device, dtype=torch.float32)
         pml = torch.empty(R, H, splits, T, 2, device=q.device, dtype=torch.float32)
@@ -555,11 +595,11 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
         _attn_direct[(R, H, triton.cdiv(T, block_m) * splits)](
             q, cur, streams.base, streams.src, streams.dst, out, pacc, pml, *q.stride(), cur.stride(0), cur.stride(1),
             *out.stride(), streams.step, layer, T, streams.n_old, streams.n_out, d0, d1, float(D) ** -0.5, per_split,
-            cur_keys,
+            cur_keys, counters if last else streams.src,
             HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, SPLITS=splits, ROUND_OUT=round_out,
             PV16=pv16_for(out, precision) if pv16 is None else pv16, TMA=tma, num_warps=num_warps,
-            num_stages=num_stages)
-    if splits > 1:
+            num_stages=num_stages, LAST_COMBINE=last)
+    if splits > 1 and not last:
         _attn_combine[(R, H, triton.cdiv(T, block_m))](pacc, pml, out, *out.stride(), H, T,
                                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits,
                                                        ROUND_OUT=round_out, num_warps=4)
