@@ -480,6 +480,15 @@ def test_block_kernel_shape_rules():
     assert dit_block.direct_attention_splits(2, 8, 50, 400, 132) == (2, 256, 64)
     assert dit_block.attention_splits(8, 8, 50, 450, 132)[0] == 1
     assert dit_block.tile("fc1", 512) == (64, 32, 1, 32) and dit_block.tile("fc2", 96)[2:] == (1, 32)
+    # on CUDA the splits are halved until a phase's units fit the programs in one wave (FILL_WAVE): at
+    # batch 1 (100 rows) the tiles already give <= 128 units on 132 SMs, at batch 2 (200 rows) 192-256
+    shapes = {R: dit_block.gemm_shapes(R, 50, 512, 8, 64, 2048, 3) for R in (2, 4)}
+    splits = {R: {r: dit_block.gemm_splits(K, r, M, N, 132) for r, (M, N, K) in sh.items()} for R, sh in shapes.items()}
+    assert splits[2] == {"qkv": 4, "proj": 4, "conv": 4, "fc1": 1, "fc2": 8}
+    assert splits[4] == {"qkv": 2, "proj": 2, "conv": 2, "fc1": 1, "fc2": 4}
+    assert dit_block.tile("fc2", 2048, 2, 200, 512, 132) == (64, 64, 4, 128)       # FP16 K steps still double
+    assert dit_block.gemm_splits(2048, "fc2", 200, 512, None) == 8                  # no programs given: as tiled
+    assert dit_block.wave_programs("cpu") is None
     cfg = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=3.0, depth=1, num_heads=2, head_dim=32,
                     hidden_size=48)
     with pytest.raises(ValueError, match="block_kernel"):
@@ -487,22 +496,28 @@ def test_block_kernel_shape_rules():
 
 
 @requires_cuda
+@pytest.mark.parametrize("R", [2, 4])
 @pytest.mark.parametrize("tf32,tol", [(False, 1e-5), (True, 1e-3)])
-def test_cuda_block_kernel_vs_original_full_size(tf32, tol):
-    """The persistent kernel at full size, batch 1 with CFG (100 rows), cache 400: vs the original
-    body in IEEE, and the one-launch (barrier) form vs one launch per block and per phase (same arithmetic)."""
+def test_cuda_block_kernel_vs_original_full_size(tf32, tol, R):
+    """The persistent kernel at full size, batch 1 with CFG (100 rows; key splits combined by their last
+    split) and batch 2 (200 rows; each GEMM phase's K splits halved to fit one wave, ``FILL_WAVE``), cache
+    400: vs the original body in IEEE, and the one-launch (barrier) form vs one launch per block and per
+    phase (same arithmetic)."""
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE
     from minicpmo_rt.code2wav.kernels import dit_block
     from minicpmo_rt.code2wav.precision import matmul_tf32
     dit = our_dit(FULL_SIZE.dit, seed=7).cuda()
     fused = FusedDiT(dit, attention="triton-tf32" if tf32 else "triton-ieee", block_kernel=True)
-    kw = inputs(2, 50, 400, 16, 512, 8, 64, seed=8, device="cuda")
+    assert fused.uses_block_kernel(R, 50, "cuda")
+    if R == 4 and dit_block.programs(torch.device("cuda")) <= 132:
+        assert fused.gemm_splits(R, 50, "cuda") == {"qkv": 2, "proj": 2, "conv": 2, "fc2": 4}
+    kw = inputs(R, 50, 400, 16, 512, 8, 64, seed=8, device="cuda")
     with matmul_tf32(False), ieee_cudnn():
         ref = dit.forward_chunk(**kw)
     with matmul_tf32(tf32):
         got = fused.forward_chunk(**kw)
     errs = [rel_err(g, r) for g, r in zip(got, ref)]
-    print(f"block kernel vs original (tf32={tf32}): velocity {errs[0]:.2e}, cnn cache {errs[1]:.2e}, "
+    print(f"block kernel vs original (tf32={tf32}, R={R}): velocity {errs[0]:.2e}, cnn cache {errs[1]:.2e}, "
           f"att cache {errs[2]:.2e}")
     assert max(errs) <= tol
     real = dit_block.dit_blocks

@@ -410,7 +410,9 @@ class FusedDiT:
         roles = {"qkv": (R * T, 3 * L.heads * L.head_dim, L.hidden), "proj": (R * T, L.hidden, L.heads * L.head_dim),
                  "conv": (R * (T + L.taps - 1), L.taps * L.hidden, L.hidden), "fc2": (R * T, L.hidden, L.mlp_hidden)}
         if device is not None and self.uses_block_kernel(R, T, device):
-            return {k: dit_block.gemm_splits(K, k) for k, (_, _, K) in roles.items()}
+            wave = dit_block.wave_programs(device)
+            shapes = dit_block.gemm_shapes(R, T, L.hidden, L.heads, L.head_dim, L.mlp_hidden, L.taps)
+            return {k: dit_block.gemm_splits(K, k, M, N, wave) for k, (M, N, K) in shapes.items() if k in roles}
         if self.gemm != "cublas-split" or (device is not None and self.uses_wide(R, T, device)):
             return {k: 1 for k in roles}
         if self.split_k is not None:

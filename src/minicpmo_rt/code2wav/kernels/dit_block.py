@@ -64,6 +64,12 @@ BK = 32                 # the smallest K step: every GEMM's K must be a multiple
 # key tile each were no faster (attention 7.0 us either way) and cost 0.5 us more in the combine.
 ATT_BM, ATT_BN, COMBINE_BM = 16, 64, 16
 MAX_ROWS = 256          # R*T above which the staged body (more CTAs per GEMM) is used
+# On CUDA a GEMM phase's K splits are halved while its units (row tiles x column tiles x splits) outnumber the
+# programs, so each phase runs in one wave: at batch 2 (200 rows) the tiles above give 192-256 units for the
+# H200's 132 SMs, two waves whose second was the slow one. Whole-solve replays (fill_wave_probe_session21_h200.md),
+# off / fc2 only / every split phase (kept): B=2 11.40-11.42 / 10.96 / 9.89-9.92 ms; B=1 (<= 128 units, no
+# change) 7.29 / 7.32 / 7.23-7.31.
+FILL_WAVE = True
 BLOCKS_PER_LAUNCH: int | None = None    # None: every block of an evaluation in one launch
 # Software-pipelining depth of the phases' loops (the launch's num_stages). Whole-solve replays on the H200
 # (block_kernel_stages_probe_session18_h200.md), 2 / 3 / 4 / 5 / 6 stages: B=1 9.64 / 8.02 / 7.72 / 7.78 /
@@ -425,24 +431,44 @@ def round_tf32_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def tile(role: str, K: int, k_step_scale: int = 1) -> tuple[int, int, int, int]:
+def tile(role: str, K: int, k_step_scale: int = 1, M: int | None = None, N: int | None = None,
+         nprog: int | None = None) -> tuple[int, int, int, int]:
     """(BM, BN, K splits, BK) of ``role``'s GEMM phase over inner size K: the role's tile with its
-    splits halved (and BK dropped to 32) until every K slice is a whole number of K steps; then BK
-    times ``k_step_scale`` where the K slices stay whole numbers of steps (the splits never change:
-    the workspace's partial buffers are sized by them)."""
+    splits halved (and BK dropped to 32) until every K slice is a whole number of K steps; given the
+    phase's M x N output and ``nprog`` programs (CUDA), halved further while the units outnumber the
+    programs (``FILL_WAVE``); then BK times ``k_step_scale`` where the K slices stay whole numbers of
+    steps (the splits never change: the workspace's partial buffers are sized by them)."""
     bm, bn, s, bk = TILES[role]
     if K % bk:
         bk = BK
     while s > 1 and (K % s or (K // s) % bk):
         s //= 2
+    if FILL_WAVE and M is not None and N is not None and nprog is not None:
+        while s > 1 and -(-M // bm) * -(-N // bn) * s > nprog:
+            s //= 2
     if k_step_scale > 1 and (K // s) % (bk * k_step_scale) == 0:
         bk *= k_step_scale
     return bm, bn, s, bk
 
 
-def gemm_splits(K: int, role: str) -> int:
-    """K-split count of ``role``'s GEMM phase over inner size K."""
-    return tile(role, K)[2]
+def gemm_splits(K: int, role: str, M: int | None = None, N: int | None = None, nprog: int | None = None) -> int:
+    """K-split count of ``role``'s GEMM phase over inner size K (and M x N outputs over ``nprog`` programs:
+    ``tile``)."""
+    return tile(role, K, 1, M, N, nprog)[2]
+
+
+def gemm_shapes(R: int, T: int, hidden: int, heads: int, head_dim: int, mlp_hidden: int, taps: int) -> dict:
+    """(M, N, K) of each GEMM phase for R rows x T frames."""
+    return {"qkv": (R * T, 3 * heads * head_dim, hidden), "proj": (R * T, hidden, heads * head_dim),
+            "conv": (R * (T + taps - 1), taps * hidden, hidden), "fc1": (R * T, mlp_hidden, hidden),
+            "fc2": (R * T, hidden, mlp_hidden)}
+
+
+def wave_programs(device: torch.device) -> int | None:
+    """The program count the GEMM phases' splits are fitted to (``tile``): the launch's on CUDA; None
+    elsewhere (the interpreter's few programs would leave nothing to split)."""
+    device = torch.device(device)
+    return programs(device) if device.type == "cuda" else None
 
 
 def supported(hidden: int, heads: int, head_dim: int, mlp_hidden: int) -> tuple[bool, str]:
@@ -555,8 +581,9 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                             "operand buffers and weights share one dtype (FusedDiT.workspace / stacked_weights)")
     if k_step_scale is None:    # FP16 operands: K steps of twice the elements carry FP32's bytes
         k_step_scale = 2 if w.w_qkv.dtype == torch.float16 else 1
-    tiles = {r: tile(r, k, k_step_scale) for r, k in (("qkv", C), ("proj", H * D), ("conv", C), ("fc1", C),
-                                                      ("fc2", mlp.shape[-1]))}
+    wave = wave_programs(h.device) and nprog
+    tiles = {r: tile(r, k, k_step_scale, m, n, wave)
+             for r, (m, n, k) in gemm_shapes(R, T, C, H, D, mlp.shape[-1], K).items()}
     expect = {"qkv": (qkv, tiles["qkv"][2]), "y": (y, tiles["proj"][2]), "taps": (taps, tiles["conv"][2]),
               "y2": (y2, tiles["fc2"][2])}
     for name, (t, s) in expect.items():
@@ -596,7 +623,8 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
         tiles[r] for r in ("qkv", "proj", "conv", "fc1", "fc2"))
     def args(b0: int, nb: int) -> tuple:
         return (h, norm, qkv, q, kv, m, o, attn_acc, attn_ml, y, hist, taps, mlp, y2, ctr,
-                tile_ctr if last else ctr, rows if rows is not None else ctr, pos if pos is not None else ctr, *direct, kv_extent,
+                tile_ctr if last else ctr, rows if rows is not None else ctr, pos if pos is not None else ctr,
+                *direct, kv_extent,
                 w.w_qkv, w.b_qkv, w.qn_w, w.qn_b, w.kn_w, w.kn_b, w.w_proj, w.b_proj, w.w_taps1, w.b_conv1,
                 w.ln_w, w.ln_b, w.w_taps2, w.b_conv2, w.w_fc1, w.b_fc1, w.w_fc2, w.b_fc2,
                 mod_chain, s_mod, times if times is not None else ctr, b0, nb,
