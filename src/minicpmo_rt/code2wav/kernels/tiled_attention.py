@@ -5,7 +5,9 @@ BLOCK_N tiles keeping a running max and denominator (flash-attention style), so
 the (nq, nk) score matrix never reaches device memory. With ``splits`` > 1 the keys
 are also divided among programs (flash-decoding): at batch 1 a chunk has only
 rows x heads x query-blocks = 32 programs, too few for 132 SMs, so each split writes
-its partial (acc, max, denominator) and a small second kernel combines them. Semantics follow
+its partial (acc, max, denominator), and the split of each query block that finishes last
+combines them (``counters``: a count per query block, ``dit_ops.last_arrival``), or without
+counters a small second kernel does. Semantics follow
 ``F.scaled_dot_product_attention`` with a boolean mask: True means "attend",
 scores are scaled by D^-0.5, and a query row whose keys are all masked returns 0.
 
