@@ -55,7 +55,7 @@ from .tiled_attention import check_counters, direct_key_splits, key_splits, pv16
 # Each tuple: (BM, BN, K splits, BK); BK 64 halves the serial K steps of the long-K phases
 # (fc1 7.3 -> 5.7-6.9 us in dit_block_profile_h200.json). Since the weights are prefetched into L2
 # (PREFETCH), fc1's K steps are short again: whole-solve replays (fc1_tile_probe_session21_h200.md) with
-# BK 64 / 32: B=1 8.10-8.13 / 7.92-7.95 ms, B=2 12.55-12.61 / 12.33-12.34.
+# BK 64 / 32: B=1 7.34-7.37 / 7.29-7.31 ms, B=2 11.59-11.62 / 11.39 (FP16 operands, B=1: 6.79-6.82 / 6.72).
 TILES = {"qkv": (128, 64, 4, 32), "proj": (64, 32, 4, 32), "conv": (128, 64, 4, 32), "fc1": (64, 32, 1, 32),
          "fc2": (64, 64, 8, 64)}
 BK = 32                 # the smallest K step: every GEMM's K must be a multiple of it
@@ -66,9 +66,9 @@ ATT_BM, ATT_BN, COMBINE_BM = 16, 64, 16
 MAX_ROWS = 256          # R*T above which the staged body (more CTAs per GEMM) is used
 # On CUDA a GEMM phase's K splits are halved while its units (row tiles x column tiles x splits) outnumber the
 # programs, so each phase runs in one wave: at batch 2 (200 rows) the tiles above give 192-256 units for the
-# H200's 132 SMs, two waves whose second was the slow one. Whole-solve replays (fill_wave_probe_session21_h200.md),
-# off / fc2 only / every split phase (kept): B=2 11.40-11.42 / 10.96 / 9.89-9.92 ms; B=1 (<= 128 units, no
-# change) 7.29 / 7.32 / 7.23-7.31.
+# H200's 132 SMs, a second, partial wave. Whole-solve replays (fill_wave_probe_session21_h200.md), off / fc2
+# only / every split phase (kept): B=2 11.40-11.42 / 10.96 / 9.89-9.92 ms; B=1 (<= 128 units, no change)
+# 7.29 / 7.32 / 7.23-7.31.
 FILL_WAVE = True
 BLOCKS_PER_LAUNCH: int | None = None    # None: every block of an evaluation in one launch
 # Software-pipelining depth of the phases' loops (the launch's num_stages). Whole-solve replays on the H200
