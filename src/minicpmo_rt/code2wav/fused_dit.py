@@ -407,12 +407,11 @@ class FusedDiT:
         """Split-K partials per GEMM role for R rows x T frames (all 1 unless gemm="cublas-split"
         or the block kernel runs, whose tiles fix them)."""
         L = self.L
-        roles = {"qkv": (R * T, 3 * L.heads * L.head_dim, L.hidden), "proj": (R * T, L.hidden, L.heads * L.head_dim),
-                 "conv": (R * (T + L.taps - 1), L.taps * L.hidden, L.hidden), "fc2": (R * T, L.hidden, L.mlp_hidden)}
+        shapes = dit_block.gemm_shapes(R, T, L.hidden, L.heads, L.head_dim, L.mlp_hidden, L.taps)
+        roles = {k: shapes[k] for k in ("qkv", "proj", "conv", "fc2")}    # (M, N, K); fc1 is never split
         if device is not None and self.uses_block_kernel(R, T, device):
             wave = dit_block.wave_programs(device)
-            shapes = dit_block.gemm_shapes(R, T, L.hidden, L.heads, L.head_dim, L.mlp_hidden, L.taps)
-            return {k: dit_block.gemm_splits(K, k, M, N, wave) for k, (M, N, K) in shapes.items() if k in roles}
+            return {k: dit_block.gemm_splits(K, k, M, N, wave) for k, (M, N, K) in roles.items()}
         if self.gemm != "cublas-split" or (device is not None and self.uses_wide(R, T, device)):
             return {k: 1 for k in roles}
         if self.split_k is not None:

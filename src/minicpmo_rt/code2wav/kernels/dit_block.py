@@ -581,7 +581,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                             "operand buffers and weights share one dtype (FusedDiT.workspace / stacked_weights)")
     if k_step_scale is None:    # FP16 operands: K steps of twice the elements carry FP32's bytes
         k_step_scale = 2 if w.w_qkv.dtype == torch.float16 else 1
-    wave = wave_programs(h.device) and nprog
+    wave = nprog if wave_programs(h.device) is not None else None      # splits fitted to this launch (CUDA)
     tiles = {r: tile(r, k, k_step_scale, m, n, wave)
              for r, (m, n, k) in gemm_shapes(R, T, C, H, D, mlp.shape[-1], K).items()}
     expect = {"qkv": (qkv, tiles["qkv"][2]), "y": (y, tiles["proj"][2]), "taps": (taps, tiles["conv"][2]),
