@@ -217,7 +217,7 @@ def cuda_paths_on_cpu():
 
 def drive() -> None:
     """The launches of the Whole-Euler solves that CUDA runs, on CPU tensors (kernels only compiled)."""
-    from minicpmo_rt.code2wav import fused_dit
+    from minicpmo_rt.code2wav import euler_graph, fused_dit
     from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
     from minicpmo_rt.code2wav.kernels import tiled_attention as ta
     from minicpmo_rt.code2wav.precision import matmul_tf32
@@ -261,17 +261,20 @@ def drive() -> None:
                              graph=False, trim=(300, 100))
             assert all(k.direct for k in solver._statics), "the compile gate's direct solve took the arena"
         fused_dit.device_tma = lambda device: False
-        # the persistent block kernel's direct attention phase (opt-in), FP32 and FP16 operands
-        for operands in ("fp32", "fp16"):
+        # the persistent block kernel's trimmed solves, FP32 and FP16 operands: its arena writing the successors
+        # (euler_graph.ARENA_SUCCESSOR) and its direct attention phase (batch 2 by default, here forced)
+        euler_graph.ARENA_SUCCESSOR = True
+        for operands, direct in (("fp32", None), ("fp16", None), ("fp32", True), ("fp16", True)):
             cfg = GraphConfig(enabled=False, batch_buckets=(1,), query_buckets=(50,), offset_anchor=400)
             solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
                                       config=cfg, use_triton=True, block_kernel=True, gemm_operands=operands,
-                                      direct=True)
+                                      direct=direct)
             fused_dit.dot_precision = lambda t: "tf32"
             with matmul_tf32(True):
                 solver.solve(torch.zeros(1, 80, 50), torch.zeros(1, 80), torch.zeros(1, 80, 50), *caches(1, 400),
                              graph=False, trim=(300, 100))
-            assert all(k.direct and st.ws.ctr is not None for k, st in solver._statics.items())
+            assert all((k.direct if direct else k.succ) and st.ws.ctr is not None for k, st in solver._statics.items())
+        euler_graph.ARENA_SUCCESSOR = False
         # slot pool: pooled caches (rows/pos), a stride-0 key mask, the block kernel at B=1, TMA at B=16
         fused_dit.dot_precision = lambda t: "tf32"
         for B in (1, 4, 8, 16):

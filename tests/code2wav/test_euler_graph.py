@@ -197,7 +197,43 @@ def test_block_kernel_direct_solve_matches_the_arena():
         assert rel_err(got[0], ref[0]) < 1e-6 and rel_err(got[1], ref[1]) < 1e-6
         assert rel_err(_stacked(got[2]), _stacked(ref[2])) < 1e-6
     auto.solve(**kw, att_cache=streams, graph=False, trim=(5, 4))
-    assert not any(k.direct for k in auto._statics)         # by default the block kernel keeps the arena
+    assert not any(k.direct for k in auto._statics)         # by default few rows keep the arena
+
+
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_block_kernel_arena_writes_the_trimmed_successor(monkeypatch):
+    """Trimmed solves on the block kernel's arena (``ARENA_SUCCESSOR``): the attention phase writes each row's
+    trimmed successor while it reads the arena, and no trim copy follows; the result equals the arena solve
+    trimmed afterwards bit for bit (same arithmetic). Batch 2 (one stacked cache) fills its bucket, batch 1
+    (per-stream caches) pads to 2 (a padding row, written nowhere). Width 20 and 60 old frames: two query blocks and two key tiles (one key split),
+    so both query blocks take their turn at writing; the span dropped (frames [5, 40)) crosses the tiles'
+    boundary."""
+    from minicpmo_rt.code2wav import euler_graph
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfm = tiny_cfm(seed=15).to(dev)
+    cfg = GraphConfig(batch_buckets=(2,), query_buckets=(20,), offset_bucket=4, offset_anchor=60)
+    make = lambda: WholeEulerSolver(cfm, body="fused", attention="triton-ieee", n_timesteps=2,  # noqa: E731
+                                    config=cfg, use_triton=True, block_kernel=True, direct=False)
+    trim = (5, 40)      # 80 frames -> the first 5 and the last 40
+    for B, per_stream in ((2, False), (1, True)):
+        kw = chunk(B, 20, 60, seed=70 + B, device=dev)
+        kw["cnn_cache"], kw["att_cache"] = kw["cnn_cache"][:2], kw["att_cache"][:2]
+        att = kw.pop("att_cache")
+        cache = [torch.cat([att[:, :, i:i + 1], att[:, :, B + i:B + i + 1]], 2) for i in range(B)] if per_stream else att
+        monkeypatch.setattr(euler_graph, "ARENA_SUCCESSOR", False)
+        ref = make().solve(**kw, att_cache=cache, graph=False, trim=trim)
+        monkeypatch.setattr(euler_graph, "ARENA_SUCCESSOR", True)
+        solver = make()
+        got = solver.solve(**kw, att_cache=cache, graph=False, trim=trim)
+        (key, st), = solver._statics.items()
+        assert key.succ == (5, 40) and not key.direct and st.ws.ctr is not None    # the block kernel wrote it
+        assert key in solver.precapture_keys((1, 2), 20, (60,), dev, trim)       # what precapture would take
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        new, want = (_stacked(got[2]), _stacked(ref[2])) if per_stream else (got[2], ref[2])
+        assert new.shape == want.shape == (2, 2, 2 * B, 2, 45, 64)
+        assert torch.equal(new, want)
 
 
 def _stacked(per_stream):
@@ -297,6 +333,39 @@ def test_cuda_graph_matches_eager(body, tf32):
             assert max(errs) <= 1e-6
             if not tf32:
                 assert_close(graphed, reference(cfm, kw), 1e-5)
+
+
+@requires_cuda
+def test_cuda_precaptured_graphs_serve_the_flows_trimmed_solves(monkeypatch):
+    """Full size, ten steps, TF32 (the flow's default): ``precapture`` with the flow's trim captures the steady
+    chunk's keys (batch 1: the block kernel through the arena; batch 2: its direct phase; batch 4: the staged
+    direct body) on zero address tables, largest arena first. The flow's trimmed solves then replay them
+    without a new capture, each equal to the same solve run eagerly (<= 1e-6). The arena's successor writes
+    (``ARENA_SUCCESSOR``, opt-in) give batch 1 the same result bit for bit."""
+    from minicpmo_rt.code2wav import euler_graph
+
+    with full_size_ten_steps() as (cfm, cfg):
+        make = lambda: WholeEulerSolver(cfm, body="fused", n_timesteps=10, config=cfg, tf32=True)  # noqa: E731
+        solver, trim = make(), (300, 100)
+        assert solver.precapture((1, 2, 4), 50, (400,), "cuda", trim) == 3
+        held = solver.graphs()
+        assert {k.batch: (k.succ, k.direct) for k in held} == {1: (None, None), 2: (None, (300, 350)),
+                                                                  4: (None, (300, 350))}
+        for B in (1, 2, 4):
+            kw = chunk(B, 50, 400, seed=8 + B, C=512, H=8, D=64, depth=16, device="cuda")
+            graphed = [t.clone() for t in solver.solve(**kw, graph=True, trim=trim)]
+            assert solver.graphs() == held and tf32_enabled() is False
+            eager = solver.solve(**kw, graph=False, trim=trim)
+            errs = [rel_err(g, e) for g, e in zip(graphed, eager)]
+            print(f"precaptured B={B}: graph vs eager {errs}")
+            assert max(errs) <= 1e-6
+            if B == 1:
+                monkeypatch.setattr(euler_graph, "ARENA_SUCCESSOR", True)
+                succ = make()
+                written = succ.solve(**kw, graph=True, trim=trim)
+                assert [k.succ for k in succ.graphs()] == [(300, 350)]
+                monkeypatch.setattr(euler_graph, "ARENA_SUCCESSOR", False)
+                assert all(torch.equal(g, w) for g, w in zip(graphed, written))
 
 
 @requires_cuda

@@ -305,7 +305,11 @@ def test_block_kernel_matches_original_tiny(R, T, Lc, nprog, one_launch, last, m
     fused = FusedDiT(dit, attention="triton-tf32", use_triton=True, block_kernel=True)
     assert fused.uses_block_kernel(R, T, dev)
     sp = fused.gemm_splits(R, T, dev)
-    assert sp == {"qkv": 2, "proj": 2, "conv": 2, "fc2": 4}         # tiny K limits the splits
+    want = {"qkv": 2, "proj": 2, "conv": 2, "fc2": 4}               # tiny K limits the splits
+    if dit_block.wave_programs(torch.device(dev)) is None:
+        assert sp == want
+    else:       # CUDA: FILL_WAVE may halve them further to fit the launch's programs (1 here)
+        assert all(1 <= sp[k] <= want[k] for k in want)
     calls = []
     real = dit_block.dit_blocks
 

@@ -120,3 +120,22 @@ def test_fp16_operands_bad_value_names_the_key():
 def test_device_facts_cpu():
     f = device_facts("cpu")
     assert not f.cuda and f.att_cache_dtype == torch.float32
+
+
+def test_graph_budget_and_precapture_knobs():
+    """``cfm_max_graphs`` (default 32, 0 = eager) and ``cfm_graph_precapture`` (default on): accepted spellings
+    and named errors for the rest."""
+    from minicpmo_rt.code2wav.knobs import DEFAULT_MAX_GRAPHS, graph_budget, graph_precapture
+
+    assert DEFAULT_MAX_GRAPHS == 32
+    assert [graph_budget(e) for e in (None, {}, {"cfm_max_graphs": None}, {"cfm_max_graphs": 128},
+                                      {"cfm_max_graphs": "64"}, {"cfm_max_graphs": 0}, {"cfm_max_graphs": 8.0},
+                                      {"cfm_max_graphs": "unset"})] == [32, 32, 32, 128, 64, 0, 8, 32]
+    for bad in (-1, "many", 2.5, True, "-3"):
+        with pytest.raises(InputError, match="cfm_max_graphs"):
+            graph_budget({"cfm_max_graphs": bad})
+    assert [graph_precapture(e) for e in (None, {}, {"cfm_graph_precapture": True}, {"cfm_graph_precapture": "off"},
+                                          {"cfm_graph_precapture": False}, {"cfm_graph_precapture": "auto"})] == [
+        True, True, True, False, False, True]
+    with pytest.raises(InputError, match="cfm_graph_precapture"):
+        graph_precapture({"cfm_graph_precapture": "sometimes"})

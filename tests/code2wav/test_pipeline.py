@@ -137,3 +137,26 @@ def test_stream_caches_do_not_alias_the_solver_buffers(tiny_ckpt, voice):
     assert [c.estimator_att.shape[4] for c, _, _ in kept] == [p + 50, p + 100, p + 100, p + 100]
     for c, att, cnn in kept:
         assert torch.equal(c.estimator_att, att) and torch.equal(c.estimator_cnn, cnn)
+
+
+def test_graph_knobs_reach_the_solver_and_precapture_covers_a_stream(tiny_ckpt, voice):
+    """``cfm_max_graphs`` becomes the solver's graph budget (a bad value is named); precapture waits for CUDA
+    (nothing pending, nothing captured here), and the keys it would capture for a voice
+    (``precapture_plan`` -> ``precapture_keys``) are the keys that voice's streamed chunks solve under."""
+    fast = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True, "cfm_max_graphs": 5})
+    sv = fast.flow.chunk_solver
+    assert sv.config.max_graphs == 5 and not fast.precapture_pending
+    sv.fused.use_triton = False    # the torch stages: the same keys, faster on CPU
+    s = fast.open_stream(voice)
+    assert fast.precapture(s.prompt_frames) == 0 and not sv.graphs()
+    seen, key_of = [], sv.solve_key
+    sv.solve_key = lambda *a, **k: seen.append(key_of(*a, **k)) or seen[-1]
+    codes = _codes(100, seed=4)
+    for i in range(0, 100, 25):
+        s.push(([4218] * 3 + codes[:25]) if i == 0 else codes[i - 3:i + 25])
+    solved = list(seen)
+    planned = sv.precapture_keys(**fast.precapture_plan(s.prompt_frames), device="cpu")
+    assert len(planned) == 3 * len(sv.config.batch_buckets)
+    assert len(solved) == 4 and len(set(solved)) == 3 and set(solved) <= set(planned)
+    with pytest.raises(InputError, match="cfm_max_graphs"):
+        Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_max_graphs": "lots"})

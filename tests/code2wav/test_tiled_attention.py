@@ -202,12 +202,14 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     bit for bit. Row 2 is a padding row (not present): its successor stays untouched. 16-key tiles,
     so tiles straddle both the current/old boundary and, with splits, the split edges; T=20 makes two
     16-query blocks, which take turns writing the tiles they both read. ``tma``: the tiles through
-    descriptors the kernel builds (frames past a source's end read as zeros, then masked). ``aligned``: the key
-    splits count the current frames as whole tiles (the default) or as they are."""
+    descriptors the kernel builds (frames past a source's end read as zeros, then masked), and the successor
+    written as whole rows read again (``SUCCESSOR_ROW_COPY``; without TMA: stored from the tiles' registers).
+    ``aligned``: the key splits count the current frames as whole tiles (the default) or as they are."""
     from minicpmo_rt.code2wav.kernels import tiled_attention as ta
     from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV, device_tma, direct_attention, stream_table
 
     monkeypatch.setattr(ta, "DIRECT_ALIGNED_SPLITS", aligned)
+    monkeypatch.setattr(ta, "SUCCESSOR_ROW_COPY", tma)
 
     gen = torch.Generator().manual_seed(11)
     R, H, D, n_old, S, depth = 3, 2, 16, 37, 2, 2

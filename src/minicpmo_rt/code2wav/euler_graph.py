@@ -27,11 +27,16 @@ copied directly behind the current-chunk slot, so no concatenation happens insid
 and the steady new cache is a view of it. Growing the arena drops the graphs that view it.
 
 Direct solves (``solve(trim=...)`` on the staged fused body with Triton attention, unmasked keys; on the
-persistent block kernel with ``direct=True``):
+persistent block kernel from ``BLOCK_DIRECT_MIN_ROWS`` rows, or always with ``direct=True``):
 the arena holds only the current frames; the attention reads each row's old frames from the
 caller's own cache through a table of addresses and writes every frame it reads into the trimmed
 successor (``kernels.tiled_attention.direct_attention``). The 8.4-GB fill of a batch-16 chunk and the
 trim's copy after it are gone: the cache is read once and its successor written once.
+
+Trimmed solves on the block kernel's arena (batch 1, ``ARENA_SUCCESSOR``, off by default: measured slower):
+the old cache is still copied into the arena (the block kernel reads the arena faster than each stream's
+cache in place), but its attention phase writes the trimmed successor as it reads, so no trim copy follows
+the replay.
 """
 
 from __future__ import annotations
@@ -54,6 +59,16 @@ __all__ = ["GraphConfig", "SolveKey", "WholeEulerSolver"]
 
 log = logging.getLogger(__name__)
 
+# Trimmed solves on the persistent block kernel's arena write the successor from its attention phase
+# (``dit_block.dit_blocks(successor=...)``) instead of trimming a copy after the replay. Off: on the H200
+# (successor_session22_h200.md) the writes cost the replay more than the trim copy they save, off / on, as
+# called: B=1 8.05-8.23 / 8.28-8.34 ms, B=2 11.39-11.42 / 11.44-11.47 (replay B=1 7.25-7.27 / 7.55-7.60).
+ARENA_SUCCESSOR = False
+# From this many rows (batch 2 with CFG) the block kernel's trimmed solves read the old caches in place by
+# default (its direct phase), below it they go through the arena. H200, as called (successor_session22_h200.md,
+# one run): arena B=1 8.05-8.23 / B=2 11.39-11.42 ms, direct 8.10-8.24 / 11.11-11.13.
+BLOCK_DIRECT_MIN_ROWS = 200
+
 
 @dataclass(frozen=True)
 class GraphConfig:
@@ -73,6 +88,7 @@ class SolveKey:
     offset: int
     masked: bool
     direct: tuple[int, int] | None = None   # a direct solve's dropped frame span; None: through the arena
+    succ: tuple[int, int] | None = None     # an arena solve whose block kernel writes the trimmed successor: its span
 
 
 def trim_span(frames: int, prompt_frames: int, keep: int) -> tuple[int, int]:
@@ -117,6 +133,7 @@ class _Static:
     rows: torch.Tensor | None = None    # slot pool: (2Bb,) pool rows of the batch rows
     pos: torch.Tensor | None = None     # slot pool: (2Bb, Q) frames the current K/V go to
     streams: StreamKV | None = None     # direct solve: each row's own old cache and trimmed successor
+    successor: StreamKV | None = None   # arena solve writing the trimmed successors (key.succ): their table
     extra: dict = field(default_factory=dict)
 
 
@@ -135,9 +152,10 @@ class WholeEulerSolver:
         ``wide_gemm``: ``FusedDiT``'s (None: Triton tile GEMMs with TF32 from WIDE_MIN_ROWS rows on CUDA).
         ``gemm_operands``: ``FusedDiT``'s ("fp16": the Triton GEMMs' operands stored as FP16, opt-in).
         ``direct``: trimmed solves read each stream's cache where it is (module docstring); None (default):
-        wherever the staged body runs; True: the persistent block kernel's solves too (batch 1-2; slower on
-        the H200 at batch 1, as called: 10.17 vs 8.93 ms in session 15, 9.77 vs 8.46 in session 19); False: always
-        through the arena."""
+        wherever the staged body runs, and the persistent block kernel's from ``BLOCK_DIRECT_MIN_ROWS`` rows
+        (batch 2); True: the block kernel's batch-1 solves too (as fast as the arena there since session 22's
+        row copies, as called 8.10-8.24 vs 8.05-8.23 ms; 9.77 vs 8.46 in session 19); False: always through
+        the arena."""
         self.cfm = cfm
         self.step_kernels = step_kernels
         self.direct = direct
@@ -253,11 +271,16 @@ class WholeEulerSolver:
             st.cnn_idx = torch.arange(Q, Q + self.K1, device=device)
             if key.masked:
                 st.mask = torch.ones(R, Q, Q + O, device=device, dtype=torch.bool)
-            if key.direct:
-                d0, d1 = key.direct
+            span = key.direct or key.succ
+            if span:
+                d0, d1 = span
                 tables = torch.zeros(2, R, 4, device=device, dtype=torch.int64)     # [src, dst]
                 # the tables hold offsets from the arena, a pointer with an alignment the compiler knows
-                st.streams = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), key.direct)
+                kv = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), span)
+                if key.direct:
+                    st.streams = kv
+                else:
+                    st.successor = kv
                 st.extra["tables"] = tables
         else:
             st.att_in = z(self.S, self.depth, R, self.H, O, 2 * self.D)
@@ -289,7 +312,7 @@ class WholeEulerSolver:
             xin[Bb:, :, :n].copy_(st.x)
             euler_step.cnn_roll_ref(st.hist, None, st.cnn_in[s], st.cnn_idx)
             self.fused.body(xin, mods[s], st.hist, st.kv[s], st.mask, st.ws, st.out, st.rows, st.pos,
-                            streams=_at_step(st.streams, s))
+                            streams=_at_step(st.streams, s), successor=_at_step(st.successor, s))
             # new CNN cache = history frames [valid, valid+K-1) (valid = real width, via index)
             euler_step.cnn_roll_ref(st.hist, st.cnn_out[s], None, st.cnn_idx)
             v = st.out
@@ -321,7 +344,7 @@ class WholeEulerSolver:
         junction(0.0, False, mods[0])
         for s in range(S):
             f.blocks(mods[s], st.hist, st.kv[s], st.mask, ws, st.rows, st.pos, ctr_zeroed=ctr is not None,
-                     streams=_at_step(st.streams, s))
+                     streams=_at_step(st.streams, s), successor=_at_step(st.successor, s))
             euler_step.cnn_roll(st.hist, st.cnn_out[s], st.cnn_in[s + 1] if s + 1 < S else None, st.cnn_idx)
             junction(dts[s], True, mods[s + 1] if s + 1 < S else None)
 
@@ -387,20 +410,30 @@ class WholeEulerSolver:
     def graphs(self) -> list[SolveKey]:
         return [k for k, s in self._statics.items() if s.graph is not None]
 
-    def precapture(self, batches: tuple[int, ...], query: int, offsets: tuple[int, ...], device="cuda") -> int:
-        """Capture graphs ahead of the first chunk (largest shapes first so the arena never regrows)."""
-        if torch.device(device).type != "cuda" or not self.config.enabled:
+    def precapture_keys(self, batches: Sequence[int], query: int, offsets: Sequence[int], device="cuda",
+                        trim: tuple[int, int] | None = None) -> list[SolveKey]:
+        """The keys ``solve`` will take for B rows of width ``query`` over each offset (with the flow's
+        ``trim``), each once, the largest arena first (a larger one would regrow it and drop the graphs)."""
+        mu = torch.empty(1, self.n_mel, query, device=device)
+        keys = dict.fromkeys(self.solve_key(B, query, L, mu, trim) for L in offsets for B in batches)
+        frames = lambda k: 2 * k.batch * (k.query if k.direct else k.query + k.offset)  # noqa: E731
+        return sorted(keys, key=frames, reverse=True)
+
+    def precapture(self, batches: Sequence[int], query: int, offsets: Sequence[int], device="cuda",
+                   trim: tuple[int, int] | None = None) -> int:
+        """Capture graphs ahead of the first chunk (``precapture_keys``); returns how many are held now.
+        Stops where the budget is spent or a capture fails (the solver then runs eagerly, as ``solve``)."""
+        device = torch.device(device)
+        if device.type != "cuda" or not self.config.enabled:
             return 0
-        n = 0
+        if device.index is None:    # as solve's inputs name it: the arena compares devices
+            device = torch.device("cuda", torch.cuda.current_device())
         with torch.inference_mode(), matmul_tf32(self.tf32):
-            for L in sorted(offsets, reverse=True):
-                for B in sorted(batches, reverse=True):
-                    key = self.key_for(B, query, L)
-                    if key is None or self._graphs_off_reason:
-                        continue
-                    st = self._static_for(key, device, want_graph=True)
-                    n += st.graph is not None
-        return n
+            for key in self.precapture_keys(batches, query, offsets, device, trim):
+                if self._graphs_off_reason or len(self.graphs()) >= self.config.max_graphs:
+                    break
+                self._static_for(key, device, want_graph=True)
+        return len(self.graphs())
 
     # ------------------------------------------------------------------ solve
     @torch.inference_mode()
@@ -442,16 +475,12 @@ class WholeEulerSolver:
             att = ([a for o in outs for a in o[2]] if per_stream else _cat_rows([o[2] for o in outs]))
             return torch.cat([o[0] for o in outs], 0), _cat_rows([o[1] for o in outs]), att
         device = mu.device
-        key = self.key_for(B, T, L)
-        if key is None:   # beyond the buckets: an exact, unmasked shape
-            key = SolveKey(B, T, L, False)
-        if trim is not None and self._direct_applies(key, mu, att_cache if per_stream else [att_cache]):
-            key = replace(key, direct=trim_span(key.query + key.offset, *trim))
+        key = self.solve_key(B, T, L, mu, trim, att_cache if per_stream else [att_cache])
         want_graph = (graph and device.type == "cuda" and self._graphs_off_reason is None)
         with matmul_tf32(self.tf32):
             st = self._static_for(key, device, want_graph=False)
             self._fill(st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L)
-            direct = self._bind_streams(st, att_cache, B, per_stream) if key.direct else None
+            direct = self._bind_streams(st, att_cache, B, per_stream) if key.direct or key.succ else None
             if want_graph and st.graph is None:     # captured on real inputs: a direct graph's warm-up
                 st = self._static_for(key, device, want_graph)  # runs read through the bound tables
             if st.graph is not None and want_graph:
@@ -464,25 +493,55 @@ class WholeEulerSolver:
         mel, cnn, att = self._read(st, B, T, L, copy_out, per_stream, copy_att=trim is None)
         return mel, cnn, att if trim is None else _trimmed(att, trim)
 
-    def _direct_applies(self, key: SolveKey, mu: torch.Tensor, caches: Sequence[torch.Tensor | None]) -> bool:
+    def solve_key(self, B: int, T: int, L: int, mu: torch.Tensor, trim: tuple[int, int] | None = None,
+                  caches: Sequence[torch.Tensor | None] | None = None) -> SolveKey:
+        """The key (and so the graph) ``solve`` runs B rows of width T over L cached frames under: the bucketed
+        shape (an exact, unmasked one beyond the buckets), then with ``trim`` the direct path or the arena's
+        successor writes where they apply. ``mu`` stands for the solve's inputs (device, dtype); ``caches``
+        the old attention caches (None: assumed FP32 and aligned, as the flow's own are; ``precapture``)."""
+        key = self.key_for(B, T, L)
+        if key is None:   # beyond the buckets: an exact, unmasked shape
+            key = SolveKey(B, T, L, False)
+        if trim is not None and self._direct_applies(key, mu, caches):
+            key = replace(key, direct=trim_span(key.query + key.offset, *trim))
+        elif trim is not None and self._successor_applies(key, mu):
+            key = replace(key, succ=trim_span(key.query + key.offset, *trim))
+        return key
+
+    def _direct_applies(self, key: SolveKey, mu: torch.Tensor, caches: Sequence[torch.Tensor | None] | None) -> bool:
         """Can this solve read its old cache in place (``direct_attention``)? The fused body with Triton
-        attention (the staged body; the block kernel only with ``direct=True``), an unmasked steady shape,
+        attention (the staged body; the block kernel from ``BLOCK_DIRECT_MIN_ROWS`` rows or with ``direct=True``),
+        an unmasked steady shape,
         and FP32 caches whose (heads, frames, 2D) blocks are contiguous and 64-byte aligned (what the
-        attention's offset tables describe)."""
+        attention's offset tables describe; ``caches`` None: assumed so)."""
         f = self.fused
         if (self.direct is False or f is None or key.masked or not key.offset or f.attention == "sdpa"
                 or not f._triton(mu)):
             return False
-        if self.direct is None and f.uses_block_kernel(2 * key.batch, key.query, mu.device):
-            return False    # the block kernel's direct phase: opt-in (direct=True); H200 B=1 9.77 vs 8.46 ms
-        return all(c is not None and c.dtype == torch.float32 and c.data_ptr() % 64 == 0
-                   and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1) for c in caches)
+        rows = 2 * key.batch * key.query
+        if self.direct is None and f.uses_block_kernel(2 * key.batch, key.query, mu.device) and rows < BLOCK_DIRECT_MIN_ROWS:
+            return False    # the block kernel's direct phase from BLOCK_DIRECT_MIN_ROWS rows (or with direct=True)
+        return caches is None or all(c is not None and c.dtype == torch.float32 and c.data_ptr() % 64 == 0
+                                     and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1) for c in caches)
+
+    def _successor_applies(self, key: SolveKey, mu: torch.Tensor) -> bool:
+        """Does this trimmed arena solve run the block kernel, whose attention can write the successors
+        (``ARENA_SUCCESSOR``)? An unmasked steady shape with an old cache, Triton attention, and the block
+        kernel under the solver's precision (``FusedDiT.runs_persistent``: auto only with TF32)."""
+        f = self.fused
+        if (not ARENA_SUCCESSOR or f is None or key.masked or not key.offset or f.attention == "sdpa"
+                or not f._triton(mu) or not f.uses_block_kernel(2 * key.batch, key.query, mu.device)):
+            return False
+        with matmul_tf32(self.tf32):
+            return dot_precision(mu) == "tf32" or not f._block_auto
 
     def _bind_streams(self, st: _Static, att_cache, B: int, per_stream: bool):
         """Point a direct solve's address tables at this call's caches and at new successors (their own
         memory, returned): row r < Bb is stream r's cond half, row Bb + r its uncond half; padding rows
-        read stream 0 and write nothing."""
-        Bb, n_out = st.key.batch, st.streams.n_out
+        read stream 0 and write nothing. An arena solve writing successors (``st.successor``) reads nothing
+        through the tables: its source rows stay empty."""
+        tabled = st.streams or st.successor
+        Bb, n_out = st.key.batch, tabled.n_out
         dev = st.x.device
         if per_stream:
             outs = [torch.empty(self.S, self.depth, 2, self.H, n_out, 2 * self.D, device=dev) for _ in range(B)]
@@ -493,7 +552,9 @@ class WholeEulerSolver:
             src = lambda i, half: (att_cache, half * B + i)     # noqa: E731
             dst = lambda i, half: (outs, half * B + i)          # noqa: E731
         rows = [(r % Bb, r // Bb) for r in range(2 * Bb)]
-        base = st.streams.base
+        base = tabled.base
+        if st.streams is None:
+            src = lambda i, half: None      # noqa: E731
         tables = torch.stack([stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base),
                               stream_table([dst(i, h) if i < B else None for i, h in rows], base)])
         self._host_uploads(dev).upload(tables, out=st.extra["tables"])

@@ -639,7 +639,7 @@ class FusedDiT:
     def body(self, xin: torch.Tensor, mod: Modulation, hist: torch.Tensor, kv: torch.Tensor,
              mask: torch.Tensor | None, ws: Workspace, out: torch.Tensor,
              rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-             streams: StreamKV | None = None) -> torch.Tensor:
+             streams: StreamKV | None = None, successor: StreamKV | None = None) -> torch.Tensor:
         """One estimator evaluation, caches in place.
 
         xin (R, T, in_channels) staged input, time-major. hist (depth, 2, R, T+K-1, C): conv histories
@@ -649,9 +649,10 @@ class FusedDiT:
         Pooled caches (``slot_pool``): kv is (depth, P, H, F, 2D), ``rows`` (R,) int32 are the pool
         rows of the batch rows and ``pos`` (R, T) int32 the frames the current K/V go to; mask (R, T, F).
         Per-stream caches (``streams``, see ``blocks``): kv is (depth, R, H, T, 2D), this chunk's frames.
+        ``successor``: see ``blocks``.
         """
         self.embed(xin, mod, ws)
-        self.blocks(mod, hist, kv, mask, ws, rows, pos, streams=streams)
+        self.blocks(mod, hist, kv, mask, ws, rows, pos, streams=streams, successor=successor)
         self.project(ws, out)
         return out
 
@@ -689,13 +690,16 @@ class FusedDiT:
 
     def blocks(self, mod: Modulation, hist: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None,
                ws: Workspace, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-               ctr_zeroed: bool = False, streams: StreamKV | None = None) -> None:
+               ctr_zeroed: bool = False, streams: StreamKV | None = None,
+               successor: StreamKV | None = None) -> None:
         """The DiT blocks from ws.h and its block-0 LN in ws.norm (``embed``); leaves ws.norm = the
         final layer's modulated LN. ``ctr_zeroed``: the caller already zeroed the block kernel's
         barrier counters (``kernels.euler_step``). ``streams``: kv (depth, R, H, T, 2D) receives only
         this chunk's frames; each row's old frames are read where they are and the trimmed successor
         written by the attention (``direct_attention``, or its unit in the block kernel's attention phase;
-        Triton attention, unmasked)."""
+        Triton attention, unmasked). ``successor`` (the block kernel only, unmasked): kv is read as usual and
+        the attention phase also writes each row's trimmed successor where the StreamKV's ``dst`` table says
+        (``dit_block.dit_blocks``), so no trim copy follows the solve."""
         L, dit = self.L, self.dit
         R, T, C = ws.h.shape
         N, K = R * T, L.taps
@@ -710,6 +714,9 @@ class FusedDiT:
                                     or self.attention == "sdpa" or not self._triton(ws.h)):
             raise ValueError("FusedDiT.blocks: per-stream caches (streams) need Triton attention, no mask and "
                              "no pooled rows; solve through the arena otherwise")
+        if successor is not None and (not persistent or streams is not None or mask is not None or rows is not None):
+            raise ValueError("FusedDiT.blocks: a successor is written only by the persistent block kernel's attention "
+                             "over unmasked, unpooled arena frames; trim the new cache afterwards otherwise")
         if persistent:
             if not ctr_zeroed:
                 ws.ctr.zero_()
@@ -730,7 +737,7 @@ class FusedDiT:
                     eps=L.norm_eps, qk_eps=L.qk_eps, conv_eps=L.conv_ln_eps, attn_splits=a_splits,
                     keys_per_split=per_split, nprog=nprog, precision=precision, rows=rows, pos=pos,
                     pv16=self.attn_pv16, k_step_scale=self.block_k_step_scale, streams=streams, cur_keys=cur_keys,
-                    tile_ctr=ws.att_ctr)
+                    tile_ctr=ws.att_ctr, successor=successor)
             return
         # the staged body: cuBLAS GEMMs, or with ``ws.wide`` Triton tile GEMMs (the conv taps summed in the
         # GEMM, so ``ws.taps`` is (1, R, T+K-1, C) and its readers take one tap; fc1's GELU in its

@@ -153,6 +153,37 @@ def row_offset_merge(extra: Mapping[str, Any] | None) -> bool:
     return bool(_parse_bool((extra or {}).get("cfm_row_offset_merge"), "cfm_row_offset_merge"))
 
 
+# Whole-Euler graphs kept at most (``cfm_max_graphs``): upstream's default, 128 in its duplex MRv2 profile.
+DEFAULT_MAX_GRAPHS = 32
+
+
+def graph_budget(extra: Mapping[str, Any] | None) -> int:
+    """Connector knob ``cfm_max_graphs``: the most Whole-Euler graphs the CFM solver keeps (unset:
+    ``DEFAULT_MAX_GRAPHS``; 0: every solve eager). Shapes past the budget run eagerly (logged once)."""
+    raw = (extra or {}).get("cfm_max_graphs")
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "unset", "default")):
+        return DEFAULT_MAX_GRAPHS
+    n = -1      # bools, negatives, fractions and other text are refused
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        n = raw
+    elif isinstance(raw, float) and raw.is_integer():
+        n = int(raw)
+    elif isinstance(raw, str) and raw.strip().isdigit():
+        n = int(raw)
+    if n < 0:
+        raise InputError(f"connector extra 'cfm_max_graphs'={raw!r} is not a number of graphs; use an integer "
+                         f">= 0 (0: solve eagerly) or leave it unset ({DEFAULT_MAX_GRAPHS})")
+    return n
+
+
+def graph_precapture(extra: Mapping[str, Any] | None) -> bool:
+    """Connector knob ``cfm_graph_precapture`` (default on): when the first stream opens, capture the
+    Whole-Euler graphs of its voice's streaming chunks at every batch bucket (``Code2Wav.precapture``),
+    so no steady chunk waits for a capture."""
+    setting = _parse_bool((extra or {}).get("cfm_graph_precapture"), "cfm_graph_precapture")
+    return True if setting is None else setting
+
+
 def resolve_code2wav(extra: Mapping[str, Any] | None, facts: DeviceFacts,
                      env: Mapping[str, str] | None = None) -> Code2WavChoice:
     """Resolve the knobs; ``env`` defaults to ``os.environ``."""

@@ -49,7 +49,7 @@ from .encoder import EncoderCache
 from .encoder_graph import EncoderGraphs
 from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow, split_encoder_cache, stack_encoder_caches
 from .frontend import PromptFeatures, VoiceFrontend
-from .knobs import Code2WavChoice, row_offset_merge, slot_pool_slots
+from .knobs import Code2WavChoice, graph_budget, graph_precapture, row_offset_merge, slot_pool_slots
 from .prompt_state import PromptLease, PromptStateCache
 from .vocoder import VocoderSet, load_vocoders
 
@@ -170,6 +170,7 @@ class Code2Wav:
         self.slot_solver = None          # SlotSolver when the opt-in slot pool is on (cfm_slot_pool)
         self.slot_pool_slots = 0
         self.row_offset_merge = False    # pooled streams of different cache lengths in one solve
+        self.precapture_pending = False  # cfm_graph_precapture: capture when the first stream opens
         self._logged: set[str] = set()
 
     @classmethod
@@ -195,12 +196,19 @@ class Code2Wav:
         # Offsets snap on a grid anchored at the steady cache (prompt + 100 frames): a 6-s
         # reference gives 150 tokens, 300 prompt frames.
         anchor = 2 * int(REF_TOKENS) + 100
+        budget = graph_budget(extra)
         solver, choice = solver_from_knobs(self.flow.decoder, dict(extra or {}), self.device,
-                                           GraphConfig(offset_anchor=anchor), n_timesteps=self.n_timesteps)
+                                           GraphConfig(offset_anchor=anchor, max_graphs=budget),
+                                           n_timesteps=self.n_timesteps)
         self.choice = choice
         fast = choice.body == "fused" or self.device.type == "cuda"
         self.flow.chunk_solver = solver if fast else None
         graphs = fast and self.device.type == "cuda" and solver.config.enabled
+        self.precapture_pending = graphs and budget > 0 and graph_precapture(extra)
+        if graphs:
+            log.info("Code2Wav CFM: Whole-Euler graphs, at most %d kept (cfm_max_graphs), %s", budget,
+                     "precaptured for the first stream's voice (cfm_graph_precapture)" if self.precapture_pending
+                     else "each captured at its first solve")
         self.flow.encoder_graphs = EncoderGraphs(self.flow) if graphs else None
         if graphs:
             log.info("Code2Wav encoder half of a chunk from CUDA graphs (a shape captured on its second call, "
@@ -294,7 +302,36 @@ class Code2Wav:
 
     # ---- streaming ----------------------------------------------------------------------------
     def open_stream(self, voice: Voice) -> "Code2WavStream":
-        return Code2WavStream(self, self.lease_prompt(voice))
+        stream = Code2WavStream(self, self.lease_prompt(voice))
+        if self.precapture_pending:
+            self.precapture_pending = False
+            self.precapture(stream.prompt_frames)
+        return stream
+
+    def precapture(self, prompt_frames: int) -> int:
+        """Capture the CFM solver's Whole-Euler graphs for the streaming chunks of a voice whose prompt holds
+        ``prompt_frames`` mel frames: the full query width over each cache length a stream passes through
+        (prompt, prompt + one chunk, ... up to the trimmed steady length prompt + ``HISTORY_FRAMES``), at
+        every batch bucket, the flow's trim included, until the graph budget is spent. Returns the graphs held
+        (0 off CUDA or without graphs)."""
+        import time
+
+        solver = self.flow.chunk_solver
+        if solver is None or self.device.type != "cuda" or not solver.config.enabled:
+            return 0
+        plan = self.precapture_plan(prompt_frames)
+        t0 = time.perf_counter()
+        n = solver.precapture(**plan, device=self.device)
+        log.info("Code2Wav CFM: %d Whole-Euler graph(s) held after precapture (cache lengths %s, batches %s) in "
+                 "%.1f s", n, plan["offsets"], list(plan["batches"]), time.perf_counter() - t0)
+        return n
+
+    def precapture_plan(self, prompt_frames: int) -> dict:
+        """``precapture``'s arguments for the CFM solver (``WholeEulerSolver.precapture``/``precapture_keys``)."""
+        config = self.flow.chunk_solver.config
+        q = max(config.query_buckets)
+        offsets = list(range(prompt_frames, prompt_frames + HISTORY_FRAMES, q)) + [prompt_frames + HISTORY_FRAMES]
+        return dict(batches=config.batch_buckets, query=q, offsets=offsets, trim=(prompt_frames, HISTORY_FRAMES))
 
     @torch.inference_mode()
     def push_many(self, items: Sequence[tuple["Code2WavStream", Sequence[int], bool]],

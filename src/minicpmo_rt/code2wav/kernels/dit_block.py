@@ -95,6 +95,11 @@ BULK_PREFETCH = True
 # phase 1): B=1 7.33-7.37 -> 8.05-8.09 ms, B=2 11.69-11.70 -> 12.60-12.63; one program per tile then sums
 # four 32-KB partials and normalises 128 rows, which took longer than the LN phase and barrier it saved.
 LAST_COMBINE = True
+# The attention phase's successor writes (direct phase, or the arena with a successor) copy each kept key tile's
+# [k|v] frames as whole rows read again from L2 (``tiled_attention._load_kept``), not from the dot operands'
+# registers, whose layouts scatter the stores. Whole-solve replays on the H200 (successor_session22_h200.md),
+# direct phase, registers / rows: B=1 8.21-8.31 / 7.86-7.87 ms, B=2 11.48-11.50 / 10.79-10.80.
+ROW_COPY = True
 N_PHASES = 13
 
 if AVAILABLE:
@@ -103,7 +108,7 @@ if AVAILABLE:
 
     from .dit_ops import prefetch_l2 as _prefetch_l2
     from .dit_ops import qkv_head_ln_row, res_ln_row, store_operand, taps_ln_mish_row
-    from .tiled_attention import attn_combine_tile, attn_tile, direct_tile
+    from .tiled_attention import attn_combine_tile, attn_tile, direct_tile, stream_row
 
     @triton.jit
     def _prefetch_at(END: tl.constexpr, ON: tl.constexpr, pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2,
@@ -212,7 +217,8 @@ if AVAILABLE:
                    HAS_MASK: tl.constexpr, POOLED: tl.constexpr,
                    PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr,
                    PV16: tl.constexpr = False, DIRECT: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                   BULK_PREFETCH: tl.constexpr = False, LAST_COMBINE: tl.constexpr = False):
+                   BULK_PREFETCH: tl.constexpr = False, LAST_COMBINE: tl.constexpr = False,
+                   SUCC: tl.constexpr = False, ROW_COPY: tl.constexpr = True):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         M = R * T
@@ -284,13 +290,18 @@ if AVAILABLE:
                         direct_tile(bh // H, bh % H, mblk, split, H, Q, KV, BASE, SRC, DST, O, PACC, PML,
                                     T * HD, D, HD, 1, skv_r, skv_h, T * HD, D, HD, 1, step, i, T, n_old, n_out,
                                     drop0, drop1, attn_scale, keys_per_split, cur_keys, D, A_BM, A_BN, PRECISION,
-                                    A_SPLITS, ROUND, PV16, CNT=TCTR, LAST_COMBINE=LAST_COMBINE)
+                                    A_SPLITS, ROUND, PV16, CNT=TCTR, LAST_COMBINE=LAST_COMBINE, ROW_COPY=ROW_COPY)
                     else:
+                        if SUCC:    # the arena's frames are read here; the trimmed successor is written too
+                            succ, present = stream_row(BASE, DST, bh // H, bh % H, step, i, n_out, D)
+                        else:
+                            succ, present = KV, False
                         attn_tile(bh // H, bh % H, mblk, split, H, Q, KV, KV + D, O, MASK, ROWS, PACC, PML,
                                   T * HD, D, HD, 1, skv_r, skv_h, skv_t, 1, skv_r, skv_h, skv_t, 1,
                                   T * HD, D, HD, 1, smb, smm, smn, T, nk, attn_scale, keys_per_split,
                                   D, A_BM, A_BN, HAS_MASK, POOLED, PRECISION, A_SPLITS, ROUND, PV16=PV16,
-                                  CNT=TCTR, LAST_COMBINE=LAST_COMBINE)
+                                  CNT=TCTR, LAST_COMBINE=LAST_COMBINE, SUCC_DST=succ, succ_present=present,
+                                  drop0=drop0, drop1=drop1, SUCC=SUCC, ROW_COPY=ROW_COPY)
             if PHASE < 0:     # the out-proj's weights are due here unless a combine phase follows
                 nb = _phase_end(2 + (COMBINE_PHASE == 0), CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH,
                                 KV, kv_extent, WPROJ, WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C,
@@ -518,7 +529,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                phase_by_phase: bool | None = None, num_warps: int = 8, times: torch.Tensor | None = None,
                per_program: bool = False, rows: torch.Tensor | None = None, pos: torch.Tensor | None = None,
                pv16: bool | None = None, k_step_scale: int | None = None, streams=None, cur_keys: int | None = None,
-               tile_ctr: torch.Tensor | None = None):
+               tile_ctr: torch.Tensor | None = None, successor=None):
     """Blocks [first, first + n_blocks) in place, in ONE launch (see the module docstring).
 
     Shapes as ``fused_dit.Workspace``: h, norm (R,T,C); qkv (Sq,R,T,3HD); q, o (R,T,H,D); kv
@@ -542,6 +553,9 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     T) + old frames, the current frames counted as ``cur_keys`` keys (``direct_attention_splits``).
     ``tile_ctr`` (int32, >= R*H*ceil(T/ATT_BM), zero; left zero): with key splits and ``LAST_COMBINE``, the
     last split of each query block combines them (no combine phase).
+    ``successor`` (``tiled_attention.StreamKV``, its ``dst`` table, ``n_out``, ``drop`` and ``step``; unmasked,
+    unpooled, kv's frames [T, nk) the old cache): the attention phase reads kv as usual and also writes each
+    row's trimmed successor (frames ``drop`` of kv's order left out), as the direct phase does.
     """
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"dit_blocks: precision must be 'tf32' or 'ieee', got {precision!r}")
@@ -570,6 +584,12 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
         raise ValueError("dit_blocks: per-stream caches (streams) take no mask and no pooled rows, and kv must "
                          f"hold exactly this chunk's {T} frames with contiguous [k|v] rows; got kv "
                          f"{tuple(kv.shape)} strides {kv.stride()}, tables {tuple(streams.src.shape)}")
+    if successor is not None and (streams is not None or mask is not None or pos is not None
+                                  or successor.dst.shape != (R, 4)
+                                  or nk - (successor.drop[1] - successor.drop[0]) != successor.n_out):
+        raise ValueError("dit_blocks: a successor is written from the arena's unmasked, unpooled frames (no "
+                         f"streams), {nk} frames less the dropped {successor.drop} making its {successor.n_out}; "
+                         f"got tables {tuple(successor.dst.shape)}, mask {mask is not None}, pooled {pos is not None}")
     if mod_chain.shape[1:] != (depth + 1, 9, C) or not mod_chain[0].is_contiguous():
         raise ValueError(f"dit_blocks: mod_chain must be (Rm, {depth + 1}, 9, {C}) with contiguous rows, "
                          f"got {tuple(mod_chain.shape)}")
@@ -614,10 +634,11 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     kv_extent = 0
     if streams is None and pos is None:
         kv_extent = (R - 1) * kv.stride(1) + (H - 1) * kv.stride(2) + (nk - 1) * kv.stride(3) + 2 * D
-    if streams is None:
+    tables = streams if streams is not None else successor
+    if tables is None:
         direct = (h, ctr, ctr, 0, 0, 0, 0, 0, 0)
     else:
-        direct = (streams.base, streams.src, streams.dst, streams.step, streams.n_old, streams.n_out, *streams.drop,
+        direct = (tables.base, tables.src, tables.dst, tables.step, tables.n_old, tables.n_out, *tables.drop,
                   T if cur_keys is None else cur_keys)
     (bq, nq_, _, kq), (bp, np_, _, kp), (bc, nc, _, kc), (b1, n1, _, k1), (b2, n2, _, k2) = (
         tiles[r] for r in ("qkv", "proj", "conv", "fc1", "fc2"))
@@ -638,7 +659,8 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                 A_SPLITS=attn_splits, HAS_MASK=mask is not None, POOLED=pos is not None, ROUND=round_tf32,
                 PRECISION=precision, PV16=pv16_for(o, precision) if pv16 is None else pv16,
                 TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps,
-                DIRECT=streams is not None, PREFETCH=prefetch, BULK_PREFETCH=bulk)
+                DIRECT=streams is not None, PREFETCH=prefetch, BULK_PREFETCH=bulk, SUCC=successor is not None,
+                ROW_COPY=ROW_COPY)
     if phase_by_phase:     # one launch per block and phase: the launch boundary is the barrier
         for b in range(first, first + n_blocks):
             for p in range(N_PHASES):

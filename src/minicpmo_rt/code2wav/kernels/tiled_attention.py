@@ -118,6 +118,54 @@ if AVAILABLE:
                               ROUND_OUT)
 
     @triton.jit
+    def stream_row(BASE, TABLE, b, h, step, layer, n_frames, HEAD_D: tl.constexpr):
+        """Row b's (step, layer, head h) frames through its ``StreamKV`` table row [offset from BASE, step
+        stride, layer stride, present] (elements): (pointer to its frame 0, present). The offsets are
+        declared multiples of 16 elements (``stream_table`` checks): a pointer made from a loaded integer
+        carries no alignment, and its loads and stores would not vectorise."""
+        ptr = BASE + tl.multiple_of(tl.load(TABLE + b * 4) + step * tl.load(TABLE + b * 4 + 1)
+                                    + layer * tl.load(TABLE + b * 4 + 2) + h.to(tl.int64) * n_frames * (2 * HEAD_D),
+                                    16)
+        return ptr, tl.load(TABLE + b * 4 + 3) != 0
+
+    @triton.jit
+    def _kept_frames(offs_n, w_hi, f0, drop0, drop1, HEAD_D: tl.constexpr):
+        """(which of keys offs_n, at frames f0 + offs_n of the concatenated [current | old] order, go into a
+        trimmed successor, their element offsets there): keys below w_hi, frames [drop0, drop1) left out and
+        the ones after them moved down. (w_hi, a scalar, stands in for a scalar-and-vector mask, which
+        Triton's interpreter mistypes.)"""
+        f = f0 + offs_n
+        kept = (offs_n < w_hi) & ((f < drop0) | (f >= drop1))
+        return kept, tl.where(f < drop0, f, f - (drop1 - drop0)).to(tl.int64) * (2 * HEAD_D)
+
+    @triton.jit
+    def _write_kept(dst, kt, v, offs_n, w_hi, f0, drop0, drop1, HEAD_D: tl.constexpr):
+        """Key tile (kt (HEAD_D, BLOCK_N), v (BLOCK_N, HEAD_D)) from the registers the dots use into a trimmed
+        successor at ``dst`` (``_kept_frames``): the ``ROW_COPY=False`` form."""
+        offs_d = tl.arange(0, HEAD_D)
+        kept, fo = _kept_frames(offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+        tl.store(dst + fo[None, :] + offs_d[:, None], kt, mask=kept[None, :])
+        tl.store(dst + fo[:, None] + HEAD_D + offs_d[None, :], v, mask=kept[:, None])
+
+    @triton.jit
+    def _load_kept(src, offs_n, w_hi, f0, drop0, drop1, HEAD_D: tl.constexpr):
+        """The ``ROW_COPY`` form of ``_write_kept``, first half: the kept frames' packed [k|v] rows (BLOCK_N,
+        2*HEAD_D) read again from the source (frames 2*HEAD_D apart from ``src``; an L2 hit, the tile was
+        just loaded) in a plain row-major layout, so the store is 16-byte vectors along whole frames, not the
+        scattered elements of the dot operands' layouts. Issued before the tile's dots, stored after them
+        (``_store_kept``), so its latency hides under them."""
+        offs_c = tl.arange(0, 2 * HEAD_D)
+        kept, fo = _kept_frames(offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+        rows = tl.load(src + offs_n.to(tl.int64)[:, None] * (2 * HEAD_D) + offs_c[None, :], mask=kept[:, None],
+                       other=0.0)
+        return rows, kept, fo
+
+    @triton.jit
+    def _store_kept(dst, rows, kept, fo, HEAD_D: tl.constexpr):
+        offs_c = tl.arange(0, 2 * HEAD_D)
+        tl.store(dst + fo[:, None] + offs_c[None, :], rows, mask=kept[:, None])
+
+    @triton.jit
     def attn_tile(b, h, mblk, split, H, Q, K, V, O, M, KVR, PACC, PML,
                   sqb, sqh, sqm, sqd,
                   skb, skh, skn, skd,
@@ -129,9 +177,16 @@ if AVAILABLE:
                   HAS_MASK: tl.constexpr, HAS_KVR: tl.constexpr, PRECISION: tl.constexpr,
                   SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr = False, KV_DESC=None, TMA: tl.constexpr = False,
                   KEY_MASK: tl.constexpr = False, PV16: tl.constexpr = False, CNT=None,
-                  LAST_COMBINE: tl.constexpr = False):
+                  LAST_COMBINE: tl.constexpr = False, SUCC_DST=None, succ_present=False, drop0=0, drop1=0,
+                  SUCC: tl.constexpr = False, ROW_COPY: tl.constexpr = True):
         """Query block ``mblk`` x key split ``split`` of (row b, head h) of H heads (also a phase
         of the persistent block kernel). LAST_COMBINE: the last split to finish combines (``_finish``).
+
+        SUCC (unmasked keys in [current | old] order, as the block kernel's arena holds them): every key
+        tile read is also written into the row's trimmed successor at SUCC_DST (if ``succ_present``;
+        frames [drop0, drop1) left out) by one of the query blocks, in turn, as ``direct_tile`` does, so
+        the arena needs no trim copy after the solve. Packed [k|v] frames only (V = K + HEAD_D, frames
+        ``skn`` = 2*HEAD_D apart); ``ROW_COPY``: see ``_load_kept``.
 
         TMA: K and V tiles arrive through KV_DESC, a tensor descriptor over the packed cache as a
         (rows*heads*nk, 2*HEAD_D) matrix with (BLOCK_N, HEAD_D) boxes (key tile = box (row0 + start, 0),
@@ -164,6 +219,10 @@ if AVAILABLE:
         for start in range(k_lo, k_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             col_ok = offs_n < k_hi
+            if SUCC:    # this query block's turn at writing the tile, or no keys (w_hi)
+                w_hi = tl.where(succ_present & ((start // BLOCK_N) % tl.cdiv(nq, BLOCK_M) == mblk), k_hi, k_lo)
+                if ROW_COPY:
+                    rows, kept, fo = _load_kept(k_base, offs_n, w_hi, 0, drop0, drop1, HEAD_D)
             if HAS_MASK:
                 mk = mk_next
                 mk_next = _mask_tile(M, b, offs_m, offs_n + BLOCK_N, row_ok, k_hi, smb, smm, smn, KEY_MASK)
@@ -183,6 +242,11 @@ if AVAILABLE:
             else:
                 v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
             acc = _weigh_values(p, v, acc, alpha, PRECISION, PV16)
+            if SUCC:
+                if ROW_COPY:
+                    _store_kept(SUCC_DST, rows, kept, fo, HEAD_D)
+                else:
+                    _write_kept(SUCC_DST, kt, v, offs_n, w_hi, 0, drop0, drop1, HEAD_D)
         _finish(acc, m_i, l_i, b, h, mblk, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
                 HEAD_D, BLOCK_M, SPLITS, ROUND_OUT, CNT, LAST_COMBINE)
 
@@ -207,7 +271,7 @@ if AVAILABLE:
     @triton.jit
     def _direct_keys(q, m_i, l_i, acc, base, lo, hi, f0, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale,
                      HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr,
-                     TMA: tl.constexpr):
+                     TMA: tl.constexpr, ROW_COPY: tl.constexpr = True):
         """Keys [lo, hi) of one packed [k|v] source (frames 2*HEAD_D apart from ``base``) folded into the
         running softmax. Their frame in the concatenated [current | old] order is f0 + key. Where the row's
         successor is ``present``, each tile also goes to ``dst`` at its frame in the trimmed successor (frames
@@ -219,10 +283,12 @@ if AVAILABLE:
             desc = tl.make_tensor_descriptor(base, shape=[hi, 2 * HEAD_D], strides=[2 * HEAD_D, 1],
                                              block_shape=[BLOCK_N, HEAD_D])
         for start in range(lo, hi, BLOCK_N):
-            # keys below w_hi are written (a scalar-and-vector mask, which Triton's interpreter mistypes)
+            # keys below w_hi are written (_write_kept)
             w_hi = tl.where(present & ((start // BLOCK_N) % n_mblk == mblk), hi, lo)
             offs_n = start + tl.arange(0, BLOCK_N)
             col_ok = offs_n < hi
+            if ROW_COPY:
+                rows, kept, fo = _load_kept(base, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
             if TMA:
                 kt = tl.trans(desc.load([start, 0]))
             else:
@@ -235,11 +301,10 @@ if AVAILABLE:
                 v = tl.load(base + offs_n[:, None] * (2 * HEAD_D) + HEAD_D + offs_d[None, :], mask=col_ok[:, None],
                             other=0.0)
             acc = _weigh_values(p, v, acc, alpha, PRECISION, PV16)
-            f = f0 + offs_n
-            kept = (offs_n < w_hi) & ((f < drop0) | (f >= drop1))
-            fo = tl.where(f < drop0, f, f - (drop1 - drop0)).to(tl.int64) * (2 * HEAD_D)
-            tl.store(dst + fo[None, :] + offs_d[:, None], kt, mask=kept[None, :])
-            tl.store(dst + fo[:, None] + HEAD_D + offs_d[None, :], v, mask=kept[:, None])
+            if ROW_COPY:
+                _store_kept(dst, rows, kept, fo, HEAD_D)
+            else:
+                _write_kept(dst, kt, v, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
         return m_i, l_i, acc
 
     @triton.jit
@@ -248,7 +313,7 @@ if AVAILABLE:
                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr = False,
-                    CNT=None, LAST_COMBINE: tl.constexpr = False):
+                    CNT=None, LAST_COMBINE: tl.constexpr = False, ROW_COPY: tl.constexpr = True):
         """``direct_attention``'s unit (also a phase of the persistent block kernel): query block ``mblk`` x
         key split ``split`` of (row b, head h). The keys are this chunk's [k|v] (CUR) followed by row b's own
         old frames, found through its SRC table row [offset from BASE, step stride, layer stride, present]
@@ -256,13 +321,8 @@ if AVAILABLE:
         present) by one of the query blocks. The key splits count the current frames as ``cur_keys`` keys
         (``direct_key_splits``: nq rounded up to a key tile, so every split walks whole tiles of each source)."""
         offs_m, row_ok, q, m_i, l_i, acc = _query_block(Q, b, h, mblk, sqb, sqh, sqm, sqd, nq, HEAD_D, BLOCK_M)
-        # offsets from one aligned base pointer, declared multiples of 16 elements (stream_table checks):
-        # a pointer made from a loaded integer carries no alignment, and its loads would not vectorise
-        src = BASE + tl.multiple_of(tl.load(SRC + b * 4) + step * tl.load(SRC + b * 4 + 1)
-                                    + layer * tl.load(SRC + b * 4 + 2) + h.to(tl.int64) * n_old * (2 * HEAD_D), 16)
-        dst = BASE + tl.multiple_of(tl.load(DST + b * 4) + step * tl.load(DST + b * 4 + 1)
-                                    + layer * tl.load(DST + b * 4 + 2) + h.to(tl.int64) * n_out * (2 * HEAD_D), 16)
-        present = tl.load(DST + b * 4 + 3) != 0
+        src, _ = stream_row(BASE, SRC, b, h, step, layer, n_old, HEAD_D)
+        dst, present = stream_row(BASE, DST, b, h, step, layer, n_out, HEAD_D)
         n_mblk = tl.cdiv(nq, BLOCK_M)
         # split coordinates: the current frames span cur_keys (>= nq) keys, the old ones follow
         k_lo = split * keys_per_split
@@ -271,10 +331,11 @@ if AVAILABLE:
         # the current frames (queries and keys alike), then the old ones: each source loads with its own
         # contiguous strides; the softmax does not depend on the order the keys arrive in
         m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, nq), 0, row_ok, dst, present,
-                                     mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA)
+                                     mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA,
+                                     ROW_COPY)
         m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, cur_keys) - cur_keys, k_hi - cur_keys,
                                      nq, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N,
-                                     PRECISION, PV16, TMA)
+                                     PRECISION, PV16, TMA, ROW_COPY)
         _finish(acc, m_i, l_i, b, h, mblk, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
                 HEAD_D, BLOCK_M, SPLITS, ROUND_OUT, CNT, LAST_COMBINE)
 
@@ -284,11 +345,11 @@ if AVAILABLE:
                      step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys, CNT,
                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                      SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr,
-                     LAST_COMBINE: tl.constexpr):
+                     LAST_COMBINE: tl.constexpr, ROW_COPY: tl.constexpr):
         direct_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                     tl.num_programs(1), Q, CUR, BASE, SRC, DST, O, PACC, PML, sqb, sqh, sqm, sqd, scb, sch,
                     sob, soh, som, sod, step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
-                    HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16, TMA, CNT, LAST_COMBINE)
+                    HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16, TMA, CNT, LAST_COMBINE, ROW_COPY)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -318,6 +379,14 @@ if AVAILABLE:
                       HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr):
         attn_combine_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), PACC, PML, O, sob, soh, som, sod,
                           H, nq, HEAD_D, BLOCK_M, SPLITS, ROUND_OUT)
+
+
+# ``direct_attention``'s successor writes: each kept key tile's [k|v] frames copied as whole rows read again from
+# the source (``_load_kept``) instead of stored from the dot operands' registers (``_write_kept``). Whole-solve
+# replays on the H200 (successor_session22_h200.md), staged direct body, registers / rows: B=4 14.77-14.84 /
+# 15.01-15.03 ms, B=16 24.65-24.69 / 25.50 (the extra L2 reads cost more than the scattered stores there); the
+# persistent block kernel takes rows (``dit_block.ROW_COPY``).
+SUCCESSOR_ROW_COPY = False
 
 
 def key_splits(nk: int, splits: int, block_n: int) -> tuple[int, int]:
@@ -600,7 +669,7 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
             cur_keys, counters if last else streams.src,
             HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, SPLITS=splits, ROUND_OUT=round_out,
             PV16=pv16_for(out, precision) if pv16 is None else pv16, TMA=tma, num_warps=num_warps,
-            num_stages=num_stages, LAST_COMBINE=last)
+            num_stages=num_stages, LAST_COMBINE=last, ROW_COPY=SUCCESSOR_ROW_COPY)
     if splits > 1 and not last:
         _attn_combine[(R, H, triton.cdiv(T, block_m))](pacc, pml, out, *out.stride(), H, T,
                                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits,
