@@ -206,9 +206,9 @@ def test_block_kernel_arena_writes_the_trimmed_successor(monkeypatch):
     """Trimmed solves on the block kernel's arena (``ARENA_SUCCESSOR``): the attention phase writes each row's
     trimmed successor while it reads the arena, and no trim copy follows; the result equals the arena solve
     trimmed afterwards bit for bit (same arithmetic). Batch 2 (one stacked cache) fills its bucket, batch 1
-    (per-stream caches) pads to 2 (a padding row, written nowhere). Width 20 and 60 old frames: two query blocks and two key tiles (one key split),
-    so both query blocks take their turn at writing; the span dropped (frames [5, 40)) crosses the tiles'
-    boundary."""
+    (per-stream caches) pads to 2 (a padding row, written nowhere). Width 20 and 60 old frames: two query
+    blocks and two key tiles (one key split), so both query blocks take their turn at writing; the span
+    dropped (frames [5, 40)) crosses the tiles' boundary."""
     from minicpmo_rt.code2wav import euler_graph
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -491,6 +491,10 @@ def test_block_kernel_shape_rules():
     assert splits[2] == {"qkv": 4, "proj": 4, "conv": 4, "fc1": 1, "fc2": 8}
     assert splits[4] == {"qkv": 2, "proj": 2, "conv": 2, "fc1": 1, "fc2": 4}
     assert dit_block.tile("fc2", 2048, 2, 200, 512, 132) == (64, 64, 4, 128)       # FP16 K steps still double
+    # fc1 (no splits to halve) takes 128-row tiles at batch 2 (FILL_WAVE_ROWS), keeps 64 at batch 1
+    assert dit_block.tile("fc1", 512, 1, 200, 2048, 132) == (128, 32, 1, 32)
+    assert dit_block.tile("fc1", 512, 1, 100, 2048, 132) == (64, 32, 1, 32)
+    assert dit_block.tile("fc1", 512, 1, 200, 2048, None) == (64, 32, 1, 32)
     assert dit_block.gemm_splits(2048, "fc2", 200, 512, None) == 8                  # no programs given: as tiled
     assert dit_block.wave_programs("cpu") is None
     cfg = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=3.0, depth=1, num_heads=2, head_dim=32,

@@ -61,12 +61,14 @@ log = logging.getLogger(__name__)
 
 # Trimmed solves on the persistent block kernel's arena write the successor from its attention phase
 # (``dit_block.dit_blocks(successor=...)``) instead of trimming a copy after the replay. Off: on the H200
-# (successor_session22_h200.md) the writes cost the replay more than the trim copy they save, off / on, as
-# called: B=1 8.05-8.23 / 8.28-8.34 ms, B=2 11.39-11.42 / 11.44-11.47 (replay B=1 7.25-7.27 / 7.55-7.60).
+# (successor_probe_session22_run2_succ_h200.md) the writes cost the replay more than the trim copy they save,
+# off / on, as called: B=1 8.05-8.23 / 8.28-8.34 ms, B=2 11.39-11.42 / 11.44-11.47 (replay B=1 7.25-7.27 /
+# 7.55-7.60).
 ARENA_SUCCESSOR = False
 # From this many rows (batch 2 with CFG) the block kernel's trimmed solves read the old caches in place by
-# default (its direct phase), below it they go through the arena. H200, as called (successor_session22_h200.md,
-# one run): arena B=1 8.05-8.23 / B=2 11.39-11.42 ms, direct 8.10-8.24 / 11.11-11.13.
+# default (its direct phase), below it they go through the arena. H200, as called (one run:
+# successor_probe_session22_run2_succ_h200.md and _direct12_h200.md): arena B=1 8.05-8.23 / B=2 11.39-11.42 ms,
+# direct 8.10-8.24 / 11.11-11.13.
 BLOCK_DIRECT_MIN_ROWS = 200
 
 
@@ -518,8 +520,8 @@ class WholeEulerSolver:
         if (self.direct is False or f is None or key.masked or not key.offset or f.attention == "sdpa"
                 or not f._triton(mu)):
             return False
-        rows = 2 * key.batch * key.query
-        if self.direct is None and f.uses_block_kernel(2 * key.batch, key.query, mu.device) and rows < BLOCK_DIRECT_MIN_ROWS:
+        block = f.uses_block_kernel(2 * key.batch, key.query, mu.device)
+        if self.direct is None and block and 2 * key.batch * key.query < BLOCK_DIRECT_MIN_ROWS:
             return False    # the block kernel's direct phase from BLOCK_DIRECT_MIN_ROWS rows (or with direct=True)
         return caches is None or all(c is not None and c.dtype == torch.float32 and c.data_ptr() % 64 == 0
                                      and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1) for c in caches)

@@ -70,6 +70,12 @@ MAX_ROWS = 256          # R*T above which the staged body (more CTAs per GEMM) i
 # only / every split phase (kept): B=2 11.40-11.42 / 10.96 / 9.89-9.92 ms; B=1 (<= 128 units, no change)
 # 7.29 / 7.32 / 7.23-7.31.
 FILL_WAVE = True
+# With FILL_WAVE, a phase that has no K splits left to halve (fc1, whose bias + GELU need whole K) doubles its row
+# tile (to at most 128) while its units outnumber the programs: at batch 2 fc1's 64 x 32 tiles make 256 units,
+# 128 x 32 ones 128. H200, whole-solve replays, off / on (fill_wave_rows_probe_session22_h200.md): B=2 10.85-10.87
+# / 10.52-10.53 ms (as called 11.40-11.57 / 11.16-11.22), B=1 unchanged (7.26-7.33 / 7.29-7.31; its 128 units
+# already fit, and a 128-row tile there cost 0.3 ms in fc1_tile_probe_session22_h200.md).
+FILL_WAVE_ROWS = True
 BLOCKS_PER_LAUNCH: int | None = None    # None: every block of an evaluation in one launch
 # Software-pipelining depth of the phases' loops (the launch's num_stages). Whole-solve replays on the H200
 # (block_kernel_stages_probe_session18_h200.md), 2 / 3 / 4 / 5 / 6 stages: B=1 9.64 / 8.02 / 7.72 / 7.78 /
@@ -97,8 +103,9 @@ BULK_PREFETCH = True
 LAST_COMBINE = True
 # The attention phase's successor writes (direct phase, or the arena with a successor) copy each kept key tile's
 # [k|v] frames as whole rows read again from L2 (``tiled_attention._load_kept``), not from the dot operands'
-# registers, whose layouts scatter the stores. Whole-solve replays on the H200 (successor_session22_h200.md),
-# direct phase, registers / rows: B=1 8.21-8.31 / 7.86-7.87 ms, B=2 11.48-11.50 / 10.79-10.80.
+# registers, whose layouts scatter the stores. Whole-solve replays on the H200
+# (successor_probe_session22_run2_direct12_h200.md), direct phase, registers / rows: B=1 8.21-8.31 / 7.86-7.87 ms,
+# B=2 11.48-11.50 / 10.79-10.80.
 ROW_COPY = True
 N_PHASES = 13
 
@@ -447,7 +454,8 @@ def tile(role: str, K: int, k_step_scale: int = 1, M: int | None = None, N: int 
     """(BM, BN, K splits, BK) of ``role``'s GEMM phase over inner size K: the role's tile with its
     splits halved (and BK dropped to 32) until every K slice is a whole number of K steps; given the
     phase's M x N output and ``nprog`` programs (CUDA), halved further while the units outnumber the
-    programs (``FILL_WAVE``); then BK times ``k_step_scale`` where the K slices stay whole numbers of
+    programs (``FILL_WAVE``), then with no splits left the row tile doubled up to 128 (``FILL_WAVE_ROWS``); then
+    BK times ``k_step_scale`` where the K slices stay whole numbers of
     steps (the splits never change: the workspace's partial buffers are sized by them)."""
     bm, bn, s, bk = TILES[role]
     if K % bk:
@@ -457,6 +465,8 @@ def tile(role: str, K: int, k_step_scale: int = 1, M: int | None = None, N: int 
     if FILL_WAVE and M is not None and N is not None and nprog is not None:
         while s > 1 and -(-M // bm) * -(-N // bn) * s > nprog:
             s //= 2
+        while FILL_WAVE_ROWS and bm < 128 and -(-M // bm) * -(-N // bn) * s > nprog:
+            bm *= 2
     if k_step_scale > 1 and (K // s) % (bk * k_step_scale) == 0:
         bk *= k_step_scale
     return bm, bn, s, bk

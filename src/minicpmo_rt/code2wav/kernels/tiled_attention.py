@@ -383,9 +383,9 @@ if AVAILABLE:
 
 # ``direct_attention``'s successor writes: each kept key tile's [k|v] frames copied as whole rows read again from
 # the source (``_load_kept``) instead of stored from the dot operands' registers (``_write_kept``). Whole-solve
-# replays on the H200 (successor_session22_h200.md), staged direct body, registers / rows: B=4 14.77-14.84 /
-# 15.01-15.03 ms, B=16 24.65-24.69 / 25.50 (the extra L2 reads cost more than the scattered stores there); the
-# persistent block kernel takes rows (``dit_block.ROW_COPY``).
+# replays on the H200 (successor_probe_session22_run2_rowcopy_h200.md), staged direct body, registers / rows:
+# B=4 14.77-14.84 / 15.01-15.03 ms, B=16 24.65-24.69 / 25.50 (the extra L2 reads cost more than the scattered
+# stores there); the persistent block kernel takes rows (``dit_block.ROW_COPY``).
 SUCCESSOR_ROW_COPY = False
 
 
