@@ -236,42 +236,6 @@ def test_block_kernel_arena_writes_the_trimmed_successor(monkeypatch):
         assert torch.equal(new, want)
 
 
-@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
-                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("block_kernel", [True, False])
-def test_arena_copies_inside_the_program_match_the_fill_and_trim(monkeypatch, block_kernel):
-    """Trimmed arena solves with ``OVERLAP_COPIES``: each step's old frames go into the arena and its trimmed
-    successor out through the address tables inside the program (``kernels.cache_copy``; on CUDA on a second
-    stream) instead of a fill before and a trim after; bit for bit the same result. The block kernel and the
-    staged body (direct path off); batch 2 stacked, batch 1 per-stream in a bucket of 2 (a padding row, read
-    and written nowhere); 60 old frames and a dropped span [5, 40) that crosses copy units."""
-    from minicpmo_rt.code2wav import euler_graph
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfm = tiny_cfm(seed=16).to(dev)
-    cfg = GraphConfig(batch_buckets=(2,), query_buckets=(20,), offset_bucket=4, offset_anchor=60)
-    make = lambda: WholeEulerSolver(cfm, body="fused", attention="triton-ieee", n_timesteps=2,  # noqa: E731
-                                    config=cfg, use_triton=True, block_kernel=block_kernel, direct=False)
-    trim = (5, 40)
-    for B, per_stream in ((2, False), (1, True)):
-        kw = chunk(B, 20, 60, seed=80 + B, device=dev)
-        kw["cnn_cache"], kw["att_cache"] = kw["cnn_cache"][:2], kw["att_cache"][:2]
-        att = kw.pop("att_cache")
-        cache = [torch.cat([att[:, :, i:i + 1], att[:, :, B + i:B + i + 1]], 2) for i in range(B)] if per_stream else att
-        monkeypatch.setattr(euler_graph, "OVERLAP_COPIES", False)
-        ref = make().solve(**kw, att_cache=cache, graph=False, trim=trim)
-        monkeypatch.setattr(euler_graph, "OVERLAP_COPIES", True)
-        solver = make()
-        got = solver.solve(**kw, att_cache=cache, graph=False, trim=trim)
-        (key, st), = solver._statics.items()
-        assert key.copies == (5, 40) and not key.direct and (st.ws.ctr is not None) == block_kernel
-        assert key in solver.precapture_keys((1, 2), 20, (60,), dev, trim)
-        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-        new, want = (_stacked(got[2]), _stacked(ref[2])) if per_stream else (got[2], ref[2])
-        assert new.shape == want.shape == (2, 2, 2 * B, 2, 45, 64)
-        assert torch.equal(new, want)
-
-
 def _stacked(per_stream):
     return torch.cat([a[:, :, 0:1] for a in per_stream] + [a[:, :, 1:2] for a in per_stream], 2)
 
@@ -374,8 +338,8 @@ def test_cuda_graph_matches_eager(body, tf32):
 @requires_cuda
 def test_cuda_precaptured_graphs_serve_the_flows_trimmed_solves(monkeypatch):
     """Full size, ten steps, TF32 (the flow's default): ``precapture`` with the flow's trim captures the steady
-    chunk's keys (batch 1: the block kernel through the arena, its copies in the graph with ``OVERLAP_COPIES``;
-    batch 2: its direct phase; batch 4: the staged direct body) on zero address tables, largest arena first. The flow's trimmed solves then replay them
+    chunk's keys (batch 1: the block kernel through the arena; batch 2: its direct phase; batch 4: the staged
+    direct body) on zero address tables, largest arena first. The flow's trimmed solves then replay them
     without a new capture, each equal to the same solve run eagerly (<= 1e-6). The arena's successor writes
     (``ARENA_SUCCESSOR``, opt-in) give batch 1 the same result bit for bit."""
     from minicpmo_rt.code2wav import euler_graph
@@ -385,9 +349,8 @@ def test_cuda_precaptured_graphs_serve_the_flows_trimmed_solves(monkeypatch):
         solver, trim = make(), (300, 100)
         assert solver.precapture((1, 2, 4), 50, (400,), "cuda", trim) == 3
         held = solver.graphs()
-        arena = (300, 350) if euler_graph.OVERLAP_COPIES else None      # batch 1: the arena, copies in its graph
-        assert {k.batch: (k.succ, k.direct, k.copies) for k in held} == {
-            1: (None, None, arena), 2: (None, (300, 350), None), 4: (None, (300, 350), None)}
+        assert {k.batch: (k.succ, k.direct) for k in held} == {1: (None, None), 2: (None, (300, 350)),
+                                                                  4: (None, (300, 350))}
         for B in (1, 2, 4):
             kw = chunk(B, 50, 400, seed=8 + B, C=512, H=8, D=64, depth=16, device="cuda")
             graphed = [t.clone() for t in solver.solve(**kw, graph=True, trim=trim)]

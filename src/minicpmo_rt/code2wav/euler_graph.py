@@ -50,7 +50,7 @@ import torch
 
 from . import bulk_copy
 from .fused_dit import SC_MSA, SH_MSA, FusedDiT, Modulation, dot_precision
-from .kernels import cache_copy, dit_block, euler_step
+from .kernels import dit_block, euler_step
 from .kernels.tiled_attention import StreamKV, stream_table
 from ..thinker.staging import HostStaging
 from .precision import matmul_tf32
@@ -70,12 +70,6 @@ ARENA_SUCCESSOR = False
 # successor_probe_session22_run2_succ_h200.md and _direct12_h200.md): arena B=1 8.05-8.23 / B=2 11.39-11.42 ms,
 # direct 8.10-8.24 / 11.11-11.13.
 BLOCK_DIRECT_MIN_ROWS = 200
-# Trimmed arena solves (the block kernel's batch-1 default) copy each step's old frames in and its trimmed
-# successor out inside the graph, through address tables, on a second stream beside the Euler steps that do not
-# need them (``kernels.cache_copy``), instead of a fill before the replay and a trim after it. Off: on the H200
-# (overlap_copies_probe_session22_h200.md) B=1 replay 7.23-7.24 -> 10.74 ms, as called 7.99-8.09 -> 11.31-11.33;
-# the block kernel's programs leave no room on their SMs for the copies' (registers), so the two serialise.
-OVERLAP_COPIES = False
 
 
 @dataclass(frozen=True)
@@ -97,7 +91,6 @@ class SolveKey:
     masked: bool
     direct: tuple[int, int] | None = None   # a direct solve's dropped frame span; None: through the arena
     succ: tuple[int, int] | None = None     # an arena solve whose block kernel writes the trimmed successor: its span
-    copies: tuple[int, int] | None = None   # an arena solve copying in / trimming out per step in its graph: the span
 
 
 def trim_span(frames: int, prompt_frames: int, keep: int) -> tuple[int, int]:
@@ -143,7 +136,6 @@ class _Static:
     pos: torch.Tensor | None = None     # slot pool: (2Bb, Q) frames the current K/V go to
     streams: StreamKV | None = None     # direct solve: each row's own old cache and trimmed successor
     successor: StreamKV | None = None   # arena solve writing the trimmed successors (key.succ): their table
-    copies: StreamKV | None = None      # arena solve with in-graph copies (key.copies): old caches and successors
     extra: dict = field(default_factory=dict)
 
 
@@ -170,7 +162,6 @@ class WholeEulerSolver:
         self.step_kernels = step_kernels
         self.direct = direct
         self._uploads: HostStaging | None = None     # _host_uploads
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}   # _side_stream
         self.dit = cfm.estimator
         self.body = body
         self.tf32 = bool(tf32)
@@ -282,7 +273,7 @@ class WholeEulerSolver:
             st.cnn_idx = torch.arange(Q, Q + self.K1, device=device)
             if key.masked:
                 st.mask = torch.ones(R, Q, Q + O, device=device, dtype=torch.bool)
-            span = key.direct or key.succ or key.copies
+            span = key.direct or key.succ
             if span:
                 d0, d1 = span
                 tables = torch.zeros(2, R, 4, device=device, dtype=torch.int64)     # [src, dst]
@@ -290,8 +281,6 @@ class WholeEulerSolver:
                 kv = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), span)
                 if key.direct:
                     st.streams = kv
-                elif key.copies:
-                    st.copies = kv
                 else:
                     st.successor = kv
                 st.extra["tables"] = tables
@@ -353,20 +342,13 @@ class WholeEulerSolver:
                                       dt, self.cfg_rate, f.L.norm_eps, has_v=has_v, ctr=ctr,
                                       precision=precision, rounded=rounded)
 
-        copies = _StepCopies(self, st) if st.copies is not None else None
         euler_step.cnn_roll(st.hist, None, st.cnn_in[0], st.cnn_idx)
         junction(0.0, False, mods[0])
         for s in range(S):
-            if copies is not None:
-                copies.before(s)
             f.blocks(mods[s], st.hist, st.kv[s], st.mask, ws, st.rows, st.pos, ctr_zeroed=ctr is not None,
                      streams=_at_step(st.streams, s), successor=_at_step(st.successor, s))
-            if copies is not None:
-                copies.after(s)
             euler_step.cnn_roll(st.hist, st.cnn_out[s], st.cnn_in[s + 1] if s + 1 < S else None, st.cnn_idx)
             junction(dts[s], True, mods[s + 1] if s + 1 < S else None)
-        if copies is not None:
-            copies.join()
 
     def _program_original(self, st: _Static) -> None:
         Bb = st.key.batch
@@ -500,8 +482,7 @@ class WholeEulerSolver:
         with matmul_tf32(self.tf32):
             st = self._static_for(key, device, want_graph=False)
             self._fill(st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L)
-            direct = (self._bind_streams(st, att_cache, B, per_stream) if key.direct or key.succ or key.copies
-                      else None)
+            direct = self._bind_streams(st, att_cache, B, per_stream) if key.direct or key.succ else None
             if want_graph and st.graph is None:     # captured on real inputs: a direct graph's warm-up
                 st = self._static_for(key, device, want_graph)  # runs read through the bound tables
             if st.graph is not None and want_graph:
@@ -527,8 +508,6 @@ class WholeEulerSolver:
             key = replace(key, direct=trim_span(key.query + key.offset, *trim))
         elif trim is not None and self._successor_applies(key, mu):
             key = replace(key, succ=trim_span(key.query + key.offset, *trim))
-        elif trim is not None and self._copies_apply(key, mu, caches):
-            key = replace(key, copies=trim_span(key.query + key.offset, *trim))
         return key
 
     def _direct_applies(self, key: SolveKey, mu: torch.Tensor, caches: Sequence[torch.Tensor | None] | None) -> bool:
@@ -544,15 +523,8 @@ class WholeEulerSolver:
         block = f.uses_block_kernel(2 * key.batch, key.query, mu.device)
         if self.direct is None and block and 2 * key.batch * key.query < BLOCK_DIRECT_MIN_ROWS:
             return False    # the block kernel's direct phase from BLOCK_DIRECT_MIN_ROWS rows (or with direct=True)
-        return _tables_fit(caches)
-
-    def _copies_apply(self, key: SolveKey, mu: torch.Tensor, caches) -> bool:
-        """Can this trimmed arena solve copy its caches in and out inside its program (``OVERLAP_COPIES``)? The
-        step kernels' program (the fused body with Triton), an unmasked steady shape with an old cache, and
-        caches the address tables can describe (``_tables_fit``)."""
-        f = self.fused
-        return (OVERLAP_COPIES and f is not None and not key.masked and bool(key.offset) and f._triton(mu)
-                and self.step_kernels is not False and _tables_fit(caches))
+        return caches is None or all(c is not None and c.dtype == torch.float32 and c.data_ptr() % 64 == 0
+                                     and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1) for c in caches)
 
     def _successor_applies(self, key: SolveKey, mu: torch.Tensor) -> bool:
         """Does this trimmed arena solve run the block kernel, whose attention can write the successors
@@ -570,7 +542,7 @@ class WholeEulerSolver:
         memory, returned): row r < Bb is stream r's cond half, row Bb + r its uncond half; padding rows
         read stream 0 and write nothing. An arena solve writing successors (``st.successor``) reads nothing
         through the tables: its source rows stay empty."""
-        tabled = st.streams or st.successor or st.copies
+        tabled = st.streams or st.successor
         Bb, n_out = st.key.batch, tabled.n_out
         dev = st.x.device
         if per_stream:
@@ -583,19 +555,12 @@ class WholeEulerSolver:
             dst = lambda i, half: (outs, half * B + i)          # noqa: E731
         rows = [(r % Bb, r // Bb) for r in range(2 * Bb)]
         base = tabled.base
-        if st.streams is None and st.copies is None:
+        if st.streams is None:
             src = lambda i, half: None      # noqa: E731
         tables = torch.stack([stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base),
                               stream_table([dst(i, h) if i < B else None for i, h in rows], base)])
         self._host_uploads(dev).upload(tables, out=st.extra["tables"])
         return outs
-
-    def _side_stream(self, device) -> torch.cuda.Stream:
-        """The second stream of the in-graph copies (``_StepCopies``), one per device."""
-        device = torch.device(device)
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device=device)
-        return self._streams[device]
 
     def _host_uploads(self, device) -> HostStaging:
         """The solver's host -> device uploads (index and address tables): through pinned buffers, since a
@@ -622,7 +587,7 @@ class WholeEulerSolver:
             st.cnn_in[:, :, Bb:Bb + B].copy_(cnn_cache[:, :, B:])
         copy = _copy_streams if isinstance(att_cache, list) else _copy_rows
         if self.body == "fused":
-            if L and st.streams is None and st.copies is None:   # the bulk of a chunk's copying (8.4 GB at batch 16): 16 bytes per access
+            if L and st.streams is None:   # the bulk of a chunk's copying (8.4 GB at batch 16): 16 bytes per access
                 copy(st.kv[..., Q:Q + L, :], att_cache, B, Bb)
             torch.arange(T, T + self.K1, out=st.cnn_idx)    # on the device: a host copy would wait for it
             if st.mask is not None:
@@ -668,53 +633,6 @@ class WholeEulerSolver:
 
 def _at_step(streams: StreamKV | None, s: int) -> StreamKV | None:
     return None if streams is None else streams.at_step(s)
-
-
-def _tables_fit(caches) -> bool:
-    """Can ``StreamKV`` tables describe these old caches? FP32, each (heads, frames, 2D) block contiguous and
-    64-byte aligned (None: assumed so, as the flow's own caches are)."""
-    return caches is None or all(c is not None and c.dtype == torch.float32 and c.data_ptr() % 64 == 0
-                                 and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1) for c in caches)
-
-
-class _StepCopies:
-    """A trimmed arena solve's copies inside its program (``OVERLAP_COPIES``): every step's old frames into the
-    arena and each step's trimmed successor out of it, through the solve's tables (``kernels.cache_copy``). On
-    CUDA they run on a second stream: all fills at once from the start, step s's trim once step s has run; step s
-    waits only for its own fill, and the program ends joined with them (so a graph captures the fork and join)."""
-
-    def __init__(self, solver: "WholeEulerSolver", st: _Static):
-        self.st, self.cp = st, st.copies
-        self.frames = st.key.query + st.key.offset
-        self.side = solver._side_stream(st.x.device) if st.x.is_cuda else None
-        self.filled: list = []
-        if self.side is None:       # one stream: fill everything first
-            for s in range(solver.S):
-                cache_copy.fill_step(st.kv, self.cp, s, st.key.query)
-            return
-        self.main = torch.cuda.current_stream(st.x.device)
-        self.side.wait_stream(self.main)        # the tables and outputs this call staged
-        with torch.cuda.stream(self.side):
-            for s in range(solver.S):
-                cache_copy.fill_step(st.kv, self.cp, s, st.key.query)
-                self.filled.append(torch.cuda.Event())
-                self.filled[-1].record(self.side)
-
-    def before(self, s: int) -> None:
-        if self.side is not None:
-            self.main.wait_event(self.filled[s])
-
-    def after(self, s: int) -> None:
-        if self.side is None:
-            cache_copy.trim_step(self.st.kv, self.cp, s, self.frames)
-            return
-        self.side.wait_stream(self.main)
-        with torch.cuda.stream(self.side):
-            cache_copy.trim_step(self.st.kv, self.cp, s, self.frames)
-
-    def join(self) -> None:
-        if self.side is not None:
-            self.main.wait_stream(self.side)
 
 
 def _trimmed(att, trim: tuple[int, int]):
