@@ -513,9 +513,8 @@ class WholeEulerSolver:
     def _direct_applies(self, key: SolveKey, mu: torch.Tensor, caches: Sequence[torch.Tensor | None] | None) -> bool:
         """Can this solve read its old cache in place (``direct_attention``)? The fused body with Triton
         attention (the staged body; the block kernel from ``BLOCK_DIRECT_MIN_ROWS`` rows or with ``direct=True``),
-        an unmasked steady shape,
-        and FP32 caches whose (heads, frames, 2D) blocks are contiguous and 64-byte aligned (what the
-        attention's offset tables describe; ``caches`` None: assumed so)."""
+        an unmasked steady shape, and FP32 caches whose (heads, frames, 2D) blocks are contiguous and 64-byte
+        aligned (what the attention's offset tables describe; ``caches`` None: assumed so)."""
         f = self.fused
         if (self.direct is False or f is None or key.masked or not key.offset or f.attention == "sdpa"
                 or not f._triton(mu)):

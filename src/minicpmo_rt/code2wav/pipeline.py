@@ -20,7 +20,9 @@ window of new codes (the first context is 3 x silence 4218). The flow decodes a 
 context and all but its last 3 codes (lookahead, sent again as the next payload's context);
 a final payload is decoded whole. The voice prompt is solved once per voice
 (``Flow.setup_cache`` on ``prompt + 3 x 4218``) and that state is shared read-only by every
-stream of that voice through ``PromptStateCache``.
+stream of that voice through ``PromptStateCache``. On CUDA the CFM solver's Whole-Euler graphs (at most
+``cfm_max_graphs``) for that voice's chunks are captured when the first stream opens (``precapture``, knob
+``cfm_graph_precapture``, default on), so no steady chunk waits for a capture.
 
 Opt-in slot pool (connector knob ``cfm_slot_pool``: true or a slot count; fused CFM body only): each
 stream's estimator cache is copied once into a resident slot of a ``slot_pool.SlotPool`` when the

@@ -454,9 +454,9 @@ def tile(role: str, K: int, k_step_scale: int = 1, M: int | None = None, N: int 
     """(BM, BN, K splits, BK) of ``role``'s GEMM phase over inner size K: the role's tile with its
     splits halved (and BK dropped to 32) until every K slice is a whole number of K steps; given the
     phase's M x N output and ``nprog`` programs (CUDA), halved further while the units outnumber the
-    programs (``FILL_WAVE``), then with no splits left the row tile doubled up to 128 (``FILL_WAVE_ROWS``); then
-    BK times ``k_step_scale`` where the K slices stay whole numbers of
-    steps (the splits never change: the workspace's partial buffers are sized by them)."""
+    programs (``FILL_WAVE``), then with no splits left the row tile doubled up to 128 (``FILL_WAVE_ROWS``);
+    then BK times ``k_step_scale`` where the K slices stay whole numbers of steps (the splits never change:
+    the workspace's partial buffers are sized by them)."""
     bm, bn, s, bk = TILES[role]
     if K % bk:
         bk = BK
