@@ -119,7 +119,12 @@ def inspect_snapshot(model: str, revision: str | None = None, extra: dict | None
         entry["dtypes"] = sorted(entry["dtypes"])
     asset_dir = snap.path / "assets" / "token2wav"
     assets = sorted(p.name for p in asset_dir.iterdir()) if asset_dir.is_dir() else []
-    choices = code2wav_choices(asset_dir, extra) if (asset_dir / "flow.yaml").is_file() else {}
+    has_flow = (asset_dir / "flow.yaml").is_file()
+    choices = code2wav_choices(asset_dir, extra) if has_flow else {}
+    graphs = {}
+    if has_flow:    # the CFM solver's Whole-Euler graphs on CUDA (cfm_max_graphs / cfm_graph_precapture)
+        from .code2wav.knobs import graph_budget, graph_precapture
+        graphs = {"max_graphs": graph_budget(extra), "precapture": graph_precapture(extra)}
     return {
         "path": str(snap.path),
         "model_id": snap.model_id,
@@ -131,6 +136,7 @@ def inspect_snapshot(model: str, revision: str | None = None, extra: dict | None
         "total_parameters": sum(v["parameters"] for v in per_prefix.values()),
         "token2wav_assets": assets,
         "code2wav_choice": choices,
+        "code2wav_graphs": graphs,
     }
 
 

@@ -45,6 +45,12 @@ def test_inspect_json(tiny_ckpt):
     assert info["revision_source"] == "content-hash" and info["version"] == "4.5"
     assert info["parts"]["tts."]["dtypes"] == ["BF16"]
     assert "original" in info["code2wav_choice"]["cpu"]  # auto: not CUDA -> original body
+    assert info["code2wav_graphs"] == {"max_graphs": 32, "precapture": True}   # the knobs' defaults
+    text = runner.invoke(app, ["inspect", "--model", str(tiny_ckpt)])
+    assert text.exit_code == 0 and "at most 32 Whole-Euler graphs" in text.output, text.output
+    from minicpmo_rt.snapshot_tools import inspect_snapshot
+    duplex = inspect_snapshot(str(tiny_ckpt), extra={"cfm_max_graphs": 128, "cfm_graph_precapture": False})
+    assert duplex["code2wav_graphs"] == {"max_graphs": 128, "precapture": False}
 
 
 @pytest.mark.parametrize("manifest", ["state_dict_manifest.json", "token2wav_manifest.json"])
