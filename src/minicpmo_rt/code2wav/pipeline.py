@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
@@ -316,8 +317,6 @@ class Code2Wav:
         (prompt, prompt + one chunk, ... up to the trimmed steady length prompt + ``HISTORY_FRAMES``), at
         every batch bucket, the flow's trim included, until the graph budget is spent. Returns the graphs held
         (0 off CUDA or without graphs)."""
-        import time
-
         solver = self.flow.chunk_solver
         if solver is None or self.device.type != "cuda" or not solver.config.enabled:
             return 0
