@@ -201,10 +201,11 @@ def main() -> None:
               f"{r['round_ms_16_streams']:.1f} | {r['ms_per_1s_chunk']:.1f} | {r['rtf_16_streams']:.3f} | "
               f"{format(r['pcm_rel_err_batched_vs_alone'], '.1e') if 'pcm_rel_err_batched_vs_alone' in r else '-'} |"
               for r in res["rows"]]
-    lines += ["", f"## HiFT alone: one steady 1-s chunk ({CHUNK_FRAMES} mel frames) for each of {n} streams", "",
-              f"| vocoding | path that ran | round of {n} streams (ms) | per 1-s chunk (ms) | RTF ({n} streams) "
-              "| PCM rel err vs per-stream eager |",
-              "|---|---|---|---|---|---|"]
+    if res["vocoder_rows"]:   # none with --skip-vocoder
+        lines += ["", f"## HiFT alone: one steady 1-s chunk ({CHUNK_FRAMES} mel frames) for each of {n} streams", "",
+                  f"| vocoding | path that ran | round of {n} streams (ms) | per 1-s chunk (ms) | RTF ({n} streams) "
+                  "| PCM rel err vs per-stream eager |",
+                  "|---|---|---|---|---|---|"]
     lines += [f"| {r['mode']} | {r['vocoder']} | {r['round_ms']:.2f} | {r['ms_per_1s_chunk']:.2f} | {r['rtf']:.4f} | "
               f"{'-' if r['pcm_rel_err_vs_eager'] is None else format(r['pcm_rel_err_vs_eager'], '.1e')} |"
               for r in res["vocoder_rows"]]

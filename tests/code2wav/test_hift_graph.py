@@ -77,6 +77,21 @@ def test_shape_graphs_capture_after_budget_and_copy_out():
         ShapeGraphs(lambda x: x, "t", capture_after=0)
 
 
+def test_capturing_at_once_captures_a_first_call_and_restores_the_threshold():
+    """``capturing_at_once`` (the warm-up stream's mode): a shape is captured at its first call inside it;
+    ``capture_after`` is back afterwards, also when the body raises."""
+    sg = FakeGraphs(lambda x: x * 2, "t", capture_after=2)
+    with sg.capturing_at_once():
+        assert torch.equal(sg(torch.ones(3)), torch.full((3,), 2.0))
+        assert len(sg.graphs) == 1
+    assert sg.capture_after == 2
+    sg(torch.ones(4))
+    assert len(sg.graphs) == 1                                    # outside: first sight runs eagerly
+    with pytest.raises(RuntimeError, match="boom"), sg.capturing_at_once():
+        raise RuntimeError("boom")
+    assert sg.capture_after == 2
+
+
 @pytest.mark.parametrize("variant", ["causal", "original"])
 def test_graph_runner_replays_through_streams_equal_eager(variant):
     """Streams (alone and batched) through a GraphedHiFT whose graphs replay into fixed memory:

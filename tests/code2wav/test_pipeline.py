@@ -160,3 +160,70 @@ def test_graph_knobs_reach_the_solver_and_precapture_covers_a_stream(tiny_ckpt, 
     assert len(solved) == 4 and len(set(solved)) == 3 and set(solved) <= set(planned)
     with pytest.raises(InputError, match="cfm_max_graphs"):
         Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_max_graphs": "lots"})
+
+
+@pytest.mark.parametrize("vocoder", ["stream", "whole"])
+def test_warm_up_stream_leaves_no_trace(tiny_ckpt, voice, vocoder):
+    """``warm_up`` pushes silence through a throwaway stream (on CUDA with every encoder and vocoder graph set
+    capturing at a shape's first call; on CPU there are none, so it returns {}). Afterwards the shared prompt
+    state is unchanged and unleased, the RNG state is as before (the original HiFT, ``whole``, draws its
+    excitation from it) and a new stream's PCM equals that of a fresh instance bit for bit."""
+    import torch
+
+    from minicpmo_rt.code2wav.prompt_state import PromptStateCache
+    from minicpmo_rt.code2wav.vocoder import VocoderSet
+
+    warm, fresh = (Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2) for _ in range(2))
+    for c in (warm, fresh):
+        voc = getattr(c.vocoders, vocoder)
+        c.vocoders = VocoderSet(voc, c.vocoders.whole)
+    warm.prompts = PromptStateCache(4, check=True)
+    torch.manual_seed(5)
+    rng = torch.random.get_rng_state()
+    assert warm.stream_graph_sets() == {}
+    assert warm.warm_up(voice, chunks=3) == {}
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    (key, entry), = warm.prompts._entries.items()
+    assert entry.leases == 0 and warm.prompts.verify(key)
+    codes = _codes(75, seed=7)
+    payloads = [[4218] * 3 + codes[:25], codes[22:50], codes[47:75]]
+    pcm = []
+    for c in (warm, fresh):
+        s = c.open_stream(voice)
+        torch.manual_seed(6)
+        pcm.append([s.push(p) for p in payloads])
+    for a, b in zip(*pcm):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        warm.warm_up(voice, chunks=0)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_first_stream_replays_from_its_first_chunk(tiny_ckpt, voice):
+    """On CUDA the first ``open_stream`` precaptures the CFM graphs and runs the warm-up stream: the first
+    real stream's five chunks (first, growing, steady) then capture nothing in any graph set (CFM, encoder,
+    HiFT stages), and its PCM equals that of an instance with ``cfm_graph_precapture: false`` (graphs
+    captured lazily, first calls eager) to <= 1e-5."""
+    warm = Code2Wav.from_snapshot(tiny_ckpt, device="cuda", n_timesteps=2)
+    cold = Code2Wav.from_snapshot(tiny_ckpt, device="cuda", n_timesteps=2, extra={"cfm_graph_precapture": False})
+    assert warm.precapture_pending and not cold.precapture_pending
+    s = warm.open_stream(voice)
+    assert not warm.precapture_pending
+    sets = warm.stream_graph_sets()
+    assert {"encoder", "HiFT f0", "HiFT decode"} <= set(sets)
+
+    def held():
+        return {k: len(g.graphs) for k, g in sets.items()}, len(warm.flow.chunk_solver.graphs())
+
+    before = held()
+    assert all(before[0].values()) and before[1], before
+    codes = _codes(125, seed=8)
+    payloads = [[4218] * 3 + codes[:25]] + [codes[i - 3:i + 25] for i in range(25, 125, 25)]
+    got = [s.push(p) for p in payloads]
+    assert held() == before
+    c = cold.open_stream(voice)
+    want = [c.push(p) for p in payloads]
+    for k, (a, b) in enumerate(zip(got, want)):
+        err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        print(f"chunk {k}: precaptured vs lazy {err:.2e}")
+        assert a.shape == b.shape and err <= 1e-5, (k, err)

@@ -169,3 +169,13 @@ def test_copied_step_outlives_static_buffers():
     step = _CopiedStep(graph_like)
     rows = [step(t)[0] for t in (1, 2, 3)]
     assert [float(r[0, 0]) for r in rows] == [1.0, 2.0, 3.0]
+
+
+def test_prepare_voice_solves_the_prompt_at_load(tiny_ckpt, voice):
+    """``prepare_voice`` runs ``Code2Wav.prepare`` while loading: the voice's prompt state is solved (and,
+    on CUDA, its graphs captured; none exist on CPU), so no first stream waits for it."""
+    pipe = TurnPipeline.from_snapshot(tiny_ckpt, capacity=1, n_timesteps=2, prepare_voice=voice)
+    c2w = pipe.code2wav
+    assert c2w.prompts.solves == 1 and not c2w.precapture_pending
+    c2w.open_stream(voice).close()
+    assert c2w.prompts.solves == 1

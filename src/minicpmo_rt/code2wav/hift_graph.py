@@ -79,6 +79,17 @@ class ShapeGraphs:
         self._logged: set[str] = set()
         self._pool = None
 
+    @contextlib.contextmanager
+    def capturing_at_once(self):
+        """Within: a key is captured at its first call (a warm-up stream calls each shape once or twice);
+        ``capture_after`` is restored on exit."""
+        before = self.capture_after
+        self.capture_after = 1
+        try:
+            yield self
+        finally:
+            self.capture_after = before
+
     def _log_once(self, what: str, msg: str) -> None:
         if what not in self._logged:
             self._logged.add(what)
@@ -177,6 +188,13 @@ class GraphedHiFT:
         # an input): graphed like F0 and decode, keyed by block length
         self.excite = (ShapeGraphs(model.run_excite, "HiFT excite", max_graphs, capture_after=capture_after)
                        if self.causal else None)
+
+    def shape_sets(self) -> dict[str, ShapeGraphs]:
+        """The graph sets by stage name (``excite`` only for the causal HiFT)."""
+        sets = {"f0": self.f0, "decode": self.decode}
+        if self.excite is not None:
+            sets["excite"] = self.excite
+        return sets
 
     def describe(self) -> str:
         """Which path ran, for logs and benchmarks."""

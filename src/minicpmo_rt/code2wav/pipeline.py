@@ -22,7 +22,9 @@ a final payload is decoded whole. The voice prompt is solved once per voice
 (``Flow.setup_cache`` on ``prompt + 3 x 4218``) and that state is shared read-only by every
 stream of that voice through ``PromptStateCache``. On CUDA the CFM solver's Whole-Euler graphs (at most
 ``cfm_max_graphs``) for that voice's chunks are captured when the first stream opens (``precapture``, knob
-``cfm_graph_precapture``, default on), so no steady chunk waits for a capture.
+``cfm_graph_precapture``, default on), so no steady chunk waits for a capture; then a throwaway stream of
+silence (``warm_up``) captures the encoder's and the stream vocoder's graphs for that voice's chunk shapes,
+so the first stream's chunks replay from its first chunk on.
 
 Opt-in slot pool (connector knob ``cfm_slot_pool``: true or a slot count; fused CFM body only): each
 stream's estimator cache is copied once into a resident slot of a ``slot_pool.SlotPool`` when the
@@ -36,6 +38,7 @@ longer than a slot) run the dense path.
 
 from __future__ import annotations
 
+import contextlib
 import contextlib
 import logging
 import time
@@ -54,6 +57,7 @@ from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow, split_encoder_cach
 from .frontend import PromptFeatures, VoiceFrontend
 from .knobs import Code2WavChoice, graph_budget, graph_precapture, row_offset_merge, slot_pool_slots
 from .prompt_state import PromptLease, PromptStateCache
+from .hift_graph import GraphedHiFT
 from .vocoder import VocoderSet, load_vocoders
 
 SAMPLE_RATE = 24000
@@ -63,6 +67,10 @@ N_CODES = 6561
 SILENCE_CODE = 4218
 REF_TOKENS = 150  # 6.0 s of reference at 25 Hz
 CONTEXT = 3
+WINDOW = 25  # new codes in a steady payload (1 s)
+# A warm-up stream's chunks: the first (no vocoder cache), a growing flow cache, then the steady
+# shape twice (the second replays what the first captured).
+WARM_UP_CHUNKS = 4
 ASSET_FILES = ("flow.yaml", "flow.pt", "hift.pt", "speech_tokenizer_v2_25hz.onnx", "campplus.onnx")
 
 Voice = Union[str, Path, PromptFeatures]
@@ -210,7 +218,8 @@ class Code2Wav:
         self.precapture_pending = graphs and budget > 0 and graph_precapture(extra)
         if graphs:
             log.info("Code2Wav CFM: Whole-Euler graphs, at most %d kept (cfm_max_graphs), %s", budget,
-                     "precaptured for the first stream's voice (cfm_graph_precapture)" if self.precapture_pending
+                     "precaptured, with the encoder and HiFT graphs, for the first stream's voice (cfm_graph_precapture; "
+                     "Code2Wav.prepare does it earlier)" if self.precapture_pending
                      else "each captured at its first solve")
         self.flow.encoder_graphs = EncoderGraphs(self.flow) if graphs else None
         if graphs:
@@ -305,11 +314,65 @@ class Code2Wav:
 
     # ---- streaming ----------------------------------------------------------------------------
     def open_stream(self, voice: Voice) -> "Code2WavStream":
-        stream = Code2WavStream(self, self.lease_prompt(voice))
         if self.precapture_pending:
-            self.precapture_pending = False
-            self.precapture(stream.prompt_frames)
-        return stream
+            self.prepare(voice)
+        return Code2WavStream(self, self.lease_prompt(voice))
+
+    def prepare(self, voice: Voice) -> dict[str, int]:
+        """Capture, before any stream needs them, the graphs a stream of ``voice`` replays: the CFM solver's
+        (``precapture``), then the encoder's and the stream vocoder's (``warm_up``), as upstream's precapture
+        does. ``open_stream`` runs this for the first stream's voice when ``cfm_graph_precapture`` is on (the
+        default, CUDA only); a server that knows its voice calls it at start-up instead, so that no request
+        waits for it (about 5 s on the H200 with the default budget; ``benchmarks/first_chunk_bench.py``).
+        Returns the graphs each set holds ({} off CUDA, where there are none)."""
+        self.precapture_pending = False
+        with self.lease_prompt(voice) as state:
+            n = self.precapture(state.flow_cache.prompt_frames)
+        if not self.stream_graph_sets():
+            return {"CFM": n} if n else {}
+        return {"CFM": n, **self.warm_up(voice)}
+
+    def stream_graph_sets(self) -> dict[str, Any]:
+        """The per-shape graph sets a stream's chunks replay besides the CFM solver's (``ShapeGraphs`` by name:
+        the encoder half, the stream vocoder's stages); empty off CUDA or with those graphs off."""
+        sets = {}
+        if self.flow.encoder_graphs is not None:
+            sets["encoder"] = self.flow.encoder_graphs.shapes
+        runner = self.vocoders.stream.runner
+        if isinstance(runner, GraphedHiFT):
+            sets.update({f"HiFT {name}": g for name, g in runner.shape_sets().items()})
+        return sets
+
+    @torch.inference_mode()
+    def warm_up(self, voice: Voice, chunks: int = WARM_UP_CHUNKS) -> dict[str, int]:
+        """Push ``chunks`` payloads of silence codes through a throwaway stream of ``voice`` with every graph set
+        of ``stream_graph_sets`` capturing a shape at its first call, so a real stream's chunks (first, growing
+        and steady) replay instead of running eagerly or capturing. Upstream's precapture takes the HiFT and
+        flow-encoder graphs too. Returns the graphs each set then holds ({} where there are none).
+
+        The stream leaves no trace: its prompt lease and slot (if any) are released, the graphs' capture
+        thresholds and the RNG state (the original HiFT's excitation draws from it) are restored."""
+        if chunks < 1:
+            raise ValueError(f"Code2Wav.warm_up: chunks must be >= 1, got {chunks}")
+        sets = self.stream_graph_sets()
+        t0 = time.perf_counter()
+        rng_devices = [self.device] if self.device.type == "cuda" else []
+        with contextlib.ExitStack() as stack:
+            for g in sets.values():
+                stack.enter_context(g.capturing_at_once())
+            stack.enter_context(torch.random.fork_rng(devices=rng_devices))
+            stream = Code2WavStream(self, self.lease_prompt(voice))
+            try:
+                payload = [SILENCE_CODE] * (CONTEXT + WINDOW)
+                for _ in range(chunks):
+                    stream.push(payload)
+            finally:
+                stream.close()
+        held = {name: len(g.graphs) for name, g in sets.items()}
+        if held:
+            log.info("Code2Wav: warm-up stream (%d chunks) in %.2f s; graphs held: %s", chunks,
+                     time.perf_counter() - t0, ", ".join(f"{k} {v}" for k, v in held.items()))
+        return held
 
     def precapture(self, prompt_frames: int) -> int:
         """Capture the CFM solver's Whole-Euler graphs for the streaming chunks of a voice whose prompt holds

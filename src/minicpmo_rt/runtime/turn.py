@@ -104,10 +104,11 @@ class TurnPipeline:
                       dtype: torch.dtype = torch.float32, with_code2wav: bool = True,
                       n_timesteps: int | None = None, capacity: int | None = None,
                       talker_params=None, sampling=None, thinker_fast: bool | None = None,
-                      thinker_max_len: int = 4096) -> "TurnPipeline":
+                      thinker_max_len: int = 4096, prepare_voice=None) -> "TurnPipeline":
         """Load every stage from a snapshot; ``capacity``/``n_timesteps`` override the profile.
         ``thinker_fast`` (default: on CUDA) decodes the Thinker on a static KV cache of
-        ``thinker_max_len`` positions through CUDA graphs."""
+        ``thinker_max_len`` positions through CUDA graphs. ``prepare_voice`` (a reference WAV): capture
+        Code2Wav's graphs for that voice now (``Code2Wav.prepare``) instead of when its first stream opens."""
         from ..checkpoint.snapshot import resolve_snapshot
         from ..checkpoint.tokenizer import load_tokenizer
         from ..code2wav.pipeline import Code2Wav
@@ -133,6 +134,8 @@ class TurnPipeline:
             c2w = Code2Wav.from_snapshot(snap.path, device=device,
                                          n_timesteps=n_timesteps or prof.code2wav.n_timesteps,
                                          extra=prof.code2wav.extra)
+            if prepare_voice is not None:
+                c2w.prepare(prepare_voice)
         decoder = None
         fast = thinker_fast if thinker_fast is not None else torch.device(device).type == "cuda"
         if fast:

@@ -1,0 +1,144 @@
+"""A fresh Code2Wav's first stream: time to open it and each of its first chunks, precapture off vs on.
+
+Full-size random weights, fp32 on CUDA, the knobs' default fast path (fused CFM body, Whole-Euler graphs,
+TF32 scoped to the DiT; encoder and causal HiFT from per-shape graphs), a 6-s voice prompt. Each run builds a
+new ``Code2Wav`` (new CFM solver, encoder graphs and ``GraphedHiFT``, so no graph survives from an earlier
+run) on the same weights, opens one stream and pushes six 1-s payloads (3 context + 25 codes), timing
+``open_stream`` and each ``push`` on the host with a device synchronisation (a stream's latency, not GPU
+time). With ``cfm_graph_precapture: false`` graphs are captured lazily: the CFM's at a shape's first solve,
+the encoder's and HiFT's at a shape's second call (the first runs eagerly). With it on (the default),
+the first ``open_stream`` precaptures the CFM graphs and runs the warm-up stream (``Code2Wav.prepare``); the
+third variant calls ``Code2Wav.prepare(voice)`` before the stream opens, as a server does at start-up (timed
+apart: "prepare (load)"). The prompt's solve falls in ``open_stream`` except where ``prepare`` did it.
+
+Run order: one discarded run (Triton's JIT and cuDNN's autotuning happen there, once per process), then
+the variants alternating, ``--runs`` each; the table gives each column's median. Writes JSON + Markdown to
+--out. ``--tiny --device cpu`` is a smoke run of the script (no graphs there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from minicpmo_rt.checkpoint.tiny import randomize_
+from minicpmo_rt.code2wav import flow_config, hift
+from minicpmo_rt.code2wav.flow import Flow
+from minicpmo_rt.code2wav.frontend import PromptFeatures
+from minicpmo_rt.code2wav.pipeline import Code2Wav
+from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet, build_generator
+
+CHUNKS = 6
+# (label, cfm_graph_precapture, Code2Wav.prepare before the stream opens)
+VARIANTS = (("precapture off (lazy graphs)", False, False), ("precapture on (default): at the first open_stream", True,
+            False), ("precapture on, Code2Wav.prepare(voice) at load", True, True))
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def one_run(flow, gen, feats, dev, precapture: bool, prepare: bool, payloads) -> dict:
+    voc = Vocoder(gen, CAUSAL)
+    c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
+    c2w.configure_fast_path({"cfm_graph_precapture": precapture})
+    _sync(dev)
+    t = time.perf_counter()
+    if prepare:
+        c2w.prepare(feats)
+        _sync(dev)
+    prepare_ms = 1000 * (time.perf_counter() - t)
+    t = time.perf_counter()
+    stream = c2w.open_stream(feats)
+    _sync(dev)
+    open_ms = 1000 * (time.perf_counter() - t)
+    chunks = []
+    for p in payloads:
+        t = time.perf_counter()
+        stream.push(p)
+        _sync(dev)
+        chunks.append(1000 * (time.perf_counter() - t))
+    stream.close()
+    sets = c2w.stream_graph_sets()
+    solver = c2w.flow.chunk_solver
+    graphs = {k: len(g.graphs) for k, g in sets.items()}
+    graphs["CFM"] = len(solver.graphs()) if solver is not None and hasattr(solver, "graphs") else 0
+    out = {"prepare_ms": prepare_ms, "open_ms": open_ms, "chunk_ms": chunks, "graphs": graphs, "choice": c2w.choice.describe()}
+    del c2w, stream, voc
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--runs", type=int, default=2, help="runs per variant (after one discarded run)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny flow/HiFT sizes (smoke run of the script)")
+    args = ap.parse_args()
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("minicpmo_rt.code2wav.pipeline").setLevel(logging.INFO)   # precapture / warm-up times
+    if args.runs < 1:
+        ap.error(f"--runs must be >= 1, got {args.runs}")
+    dev = torch.device(args.device)
+    torch.manual_seed(0)
+    flow = Flow(flow_config.TINY if args.tiny else flow_config.FULL_SIZE)
+    randomize_(flow, seed=1)
+    flow = flow.to(dev).eval()
+    gen = build_generator(CAUSAL, hift.TINY if args.tiny else hift.FULL_SIZE)
+    randomize_(gen, seed=2)
+    gen = gen.to(dev).eval()
+    g = torch.Generator().manual_seed(0)
+    feats = PromptFeatures(torch.randint(0, 6561, (1, 150), generator=g), torch.randn(1, 192, generator=g),
+                           torch.randn(1, 300, 80, generator=g), 300, "bench")
+    codes = torch.randint(0, 6561, (25 * CHUNKS,), generator=g).tolist()
+    payloads = [[4218] * 3 + codes[:25]] + [codes[i - 3:i + 25] for i in range(25, 25 * CHUNKS, 25)]
+
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
+    res = {"gpu": gpu, "torch": torch.__version__, "chunks": CHUNKS, "runs": {v[0]: [] for v in VARIANTS}}
+    print("discarded run (JIT, autotuning)", one_run(flow, gen, feats, dev, True, False, payloads), flush=True)
+    order = [v for _ in range(args.runs) for v in VARIANTS]
+    for label, pre, prep in order:
+        r = one_run(flow, gen, feats, dev, pre, prep, payloads)
+        res["runs"][label].append(r)
+        print(label, r, flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)   # after every run, so a cut-off run keeps its numbers
+        (args.out / "first_chunk_bench.json").write_text(json.dumps(res, indent=2))
+
+    med = {}
+    for label, *_ in VARIANTS:
+        runs = res["runs"][label]
+        med[label] = {"prepare_ms": statistics.median(r["prepare_ms"] for r in runs),
+                      "open_ms": statistics.median(r["open_ms"] for r in runs),
+                      "chunk_ms": [statistics.median(r["chunk_ms"][k] for r in runs) for k in range(CHUNKS)]}
+    res["medians"] = med
+    (args.out / "first_chunk_bench.json").write_text(json.dumps(res, indent=2))
+    lines = [f"# A fresh Code2Wav's first stream ({gpu}, torch {res['torch']})", "",
+             "Host time with a device synchronisation, ms, median of "
+             f"{args.runs} run(s) per variant after one discarded run; full-size random weights, 6-s prompt, "
+             "payloads of 3 context + 25 codes (1 s of audio each). Chunk 1 has no vocoder cache; chunks 2-3 "
+             "grow the flow cache; from chunk 3 the stream is steady (cache prompt + 100 frames).", "",
+             "| variant | prepare (load) | open_stream | " + " | ".join(f"chunk {k + 1}" for k in range(CHUNKS))
+             + " | open + first chunk | graphs held after the stream |",
+             "|---|---:|---:|" + "---:|" * CHUNKS + "---:|---|"]
+    for label, *_ in VARIANTS:
+        m = med[label]
+        held = ", ".join(f"{k} {v}" for k, v in res["runs"][label][-1]["graphs"].items())
+        lines.append(f"| {label} | {m['prepare_ms']:.1f} | {m['open_ms']:.1f} | " + " | ".join(f"{x:.1f}" for x in m["chunk_ms"])
+                     + f" | {m['open_ms'] + m['chunk_ms'][0]:.1f} | {held} |")
+    (args.out / "first_chunk_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
