@@ -39,7 +39,6 @@ longer than a slot) run the dense path.
 from __future__ import annotations
 
 import contextlib
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -55,9 +54,9 @@ from .encoder import EncoderCache
 from .encoder_graph import EncoderGraphs
 from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow, split_encoder_cache, stack_encoder_caches
 from .frontend import PromptFeatures, VoiceFrontend
+from .hift_graph import GraphedHiFT, ShapeGraphs
 from .knobs import Code2WavChoice, graph_budget, graph_precapture, row_offset_merge, slot_pool_slots
 from .prompt_state import PromptLease, PromptStateCache
-from .hift_graph import GraphedHiFT
 from .vocoder import VocoderSet, load_vocoders
 
 SAMPLE_RATE = 24000
@@ -218,8 +217,8 @@ class Code2Wav:
         self.precapture_pending = graphs and budget > 0 and graph_precapture(extra)
         if graphs:
             log.info("Code2Wav CFM: Whole-Euler graphs, at most %d kept (cfm_max_graphs), %s", budget,
-                     "precaptured, with the encoder and HiFT graphs, for the first stream's voice (cfm_graph_precapture; "
-                     "Code2Wav.prepare does it earlier)" if self.precapture_pending
+                     "precaptured, with the encoder and HiFT graphs, for the first stream's voice "
+                     "(cfm_graph_precapture; Code2Wav.prepare does it earlier)" if self.precapture_pending
                      else "each captured at its first solve")
         self.flow.encoder_graphs = EncoderGraphs(self.flow) if graphs else None
         if graphs:
@@ -323,7 +322,8 @@ class Code2Wav:
         (``precapture``), then the encoder's and the stream vocoder's (``warm_up``), as upstream's precapture
         does. ``open_stream`` runs this for the first stream's voice when ``cfm_graph_precapture`` is on (the
         default, CUDA only); a server that knows its voice calls it at start-up instead, so that no request
-        waits for it (about 5 s on the H200 with the default budget; ``benchmarks/first_chunk_bench.py``).
+        waits for it (about 5 s on the H200 with the default budget, minutes while Triton first compiles the
+        kernels; ``benchmarks/first_chunk_bench.py``).
         Returns the graphs each set holds ({} off CUDA, where there are none)."""
         self.precapture_pending = False
         with self.lease_prompt(voice) as state:
@@ -332,7 +332,7 @@ class Code2Wav:
             return {"CFM": n} if n else {}
         return {"CFM": n, **self.warm_up(voice)}
 
-    def stream_graph_sets(self) -> dict[str, Any]:
+    def stream_graph_sets(self) -> dict[str, ShapeGraphs]:
         """The per-shape graph sets a stream's chunks replay besides the CFM solver's (``ShapeGraphs`` by name:
         the encoder half, the stream vocoder's stages); empty off CUDA or with those graphs off."""
         sets = {}
