@@ -91,7 +91,8 @@ def inspect_cmd(
     graphs = info.get("code2wav_graphs")
     if graphs:
         typer.echo(f"code2wav graphs on CUDA: at most {graphs['max_graphs']} Whole-Euler graphs (cfm_max_graphs), "
-                   + ("precaptured, with the encoder and HiFT graphs, for the first stream's voice" if graphs["precapture"] and graphs["max_graphs"]
+                   + ("precaptured, with the encoder and HiFT graphs, for the first stream's voice"
+                      if graphs["precapture"] and graphs["max_graphs"]
                       else "each captured at its first solve") + " (cfm_graph_precapture)")
 
 
