@@ -59,6 +59,21 @@ def timed(fn, n):
     return out
 
 
+def bench_models(tiny: bool, dev: torch.device):
+    """Random flow (seed 1) and causal HiFT (seed 2), full size or ``tiny``, on ``dev`` in eval mode, and a
+    random 6-s voice prompt (150 tokens, 300 mel frames) -> (flow, generator, prompt features, the
+    ``torch.Generator`` that drew the prompt; callers draw their payloads from it next)."""
+    torch.manual_seed(0)
+    flow = Flow(flow_config.TINY if tiny else flow_config.FULL_SIZE)
+    randomize_(flow, seed=1)
+    gen = build_generator(CAUSAL, hift.TINY if tiny else hift.FULL_SIZE)
+    randomize_(gen, seed=2)
+    g = torch.Generator().manual_seed(0)
+    feats = PromptFeatures(torch.randint(0, 6561, (1, 150), generator=g), torch.randn(1, 192, generator=g),
+                           torch.randn(1, 300, 80, generator=g), 300, "bench")
+    return flow.to(dev).eval(), gen.to(dev).eval(), feats, g
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -73,20 +88,11 @@ def main() -> None:
                     "stacked caches against inference_chunk_many; the encoder half eager against its graphs")
     args = ap.parse_args()
     dev = torch.device(args.device)
-    torch.manual_seed(0)
-    flow = Flow(flow_config.TINY if args.tiny else flow_config.FULL_SIZE)
-    randomize_(flow, seed=1)
-    gen = build_generator(CAUSAL, hift.TINY if args.tiny else hift.FULL_SIZE)
-    randomize_(gen, seed=2)
-    gen = gen.to(dev).eval()
+    flow, gen, feats, g = bench_models(args.tiny, dev)
     # One model, two stream vocoders: the old per-stream eager path and the graphed one
     # (GraphedHiFT on CUDA; off CUDA it stays eager and the rows say so).
     voc = Vocoder(gen, CAUSAL, cuda_graphs=False)
     voc_fast = Vocoder(gen, CAUSAL)
-    g = torch.Generator().manual_seed(0)
-    feats = PromptFeatures(torch.randint(0, 6561, (1, 150), generator=g), torch.randn(1, 192, generator=g),
-                           torch.randn(1, 300, 80, generator=g), 300, "bench")
-    flow = flow.to(dev).eval()
     c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
     # shares the flow, so c2w.configure_fast_path (which installs flow.chunk_solver) applies to both
     c2w_fast = Code2Wav(flow, VocoderSet(voc_fast, voc_fast), frontend=None, n_timesteps=10)

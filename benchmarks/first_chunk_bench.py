@@ -28,12 +28,9 @@ from pathlib import Path
 
 import torch
 
-from minicpmo_rt.checkpoint.tiny import randomize_
-from minicpmo_rt.code2wav import flow_config, hift
-from minicpmo_rt.code2wav.flow import Flow
-from minicpmo_rt.code2wav.frontend import PromptFeatures
+from code2wav_pipeline_bench import bench_models
 from minicpmo_rt.code2wav.pipeline import Code2Wav
-from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet, build_generator
+from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
 
 CHUNKS = 6
 # (label, cfm_graph_precapture, Code2Wav.prepare before the stream opens)
@@ -92,16 +89,7 @@ def main() -> None:
     if args.runs < 1:
         ap.error(f"--runs must be >= 1, got {args.runs}")
     dev = torch.device(args.device)
-    torch.manual_seed(0)
-    flow = Flow(flow_config.TINY if args.tiny else flow_config.FULL_SIZE)
-    randomize_(flow, seed=1)
-    flow = flow.to(dev).eval()
-    gen = build_generator(CAUSAL, hift.TINY if args.tiny else hift.FULL_SIZE)
-    randomize_(gen, seed=2)
-    gen = gen.to(dev).eval()
-    g = torch.Generator().manual_seed(0)
-    feats = PromptFeatures(torch.randint(0, 6561, (1, 150), generator=g), torch.randn(1, 192, generator=g),
-                           torch.randn(1, 300, 80, generator=g), 300, "bench")
+    flow, gen, feats, g = bench_models(args.tiny, dev)
     codes = torch.randint(0, 6561, (25 * CHUNKS,), generator=g).tolist()
     payloads = [[4218] * 3 + codes[:25]] + [codes[i - 3:i + 25] for i in range(25, 25 * CHUNKS, 25)]
 

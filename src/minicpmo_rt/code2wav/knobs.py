@@ -137,13 +137,22 @@ def slot_pool_slots(extra: Mapping[str, Any] | None) -> int:
             return 0
         if v in ("on", "true", "yes"):
             return DEFAULT_POOL_SLOTS
-    try:
+    return _count(raw, "cfm_slot_pool", f"a number of stream slots; use true ({DEFAULT_POOL_SLOTS} slots), false, "
+                                         "or an integer >= 0")
+
+
+def _count(raw: Any, name: str, meaning: str) -> int:
+    """A non-negative integer knob value: an int, an integral float or a digit string; bools, negatives,
+    fractions and other text are refused, naming the knob and ``meaning`` (what it takes)."""
+    n = -1
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        n = raw
+    elif isinstance(raw, float) and raw.is_integer():
         n = int(raw)
-    except (TypeError, ValueError):
-        n = -1
-    if n < 0 or (isinstance(raw, float) and raw != n):
-        raise InputError(f"connector extra 'cfm_slot_pool'={raw!r} is not a number of stream slots; "
-                         f"use true ({DEFAULT_POOL_SLOTS} slots), false, or an integer >= 0")
+    elif isinstance(raw, str) and raw.strip().isdigit():
+        n = int(raw)
+    if n < 0:
+        raise InputError(f"connector extra {name!r}={raw!r} is not {meaning}")
     return n
 
 
@@ -163,23 +172,14 @@ def graph_budget(extra: Mapping[str, Any] | None) -> int:
     raw = (extra or {}).get("cfm_max_graphs")
     if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "unset", "default")):
         return DEFAULT_MAX_GRAPHS
-    n = -1      # bools, negatives, fractions and other text are refused
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        n = raw
-    elif isinstance(raw, float) and raw.is_integer():
-        n = int(raw)
-    elif isinstance(raw, str) and raw.strip().isdigit():
-        n = int(raw)
-    if n < 0:
-        raise InputError(f"connector extra 'cfm_max_graphs'={raw!r} is not a number of graphs; use an integer "
-                         f">= 0 (0: solve eagerly) or leave it unset ({DEFAULT_MAX_GRAPHS})")
-    return n
+    return _count(raw, "cfm_max_graphs", f"a number of graphs; use an integer >= 0 (0: solve eagerly) or leave it "
+                                          f"unset ({DEFAULT_MAX_GRAPHS})")
 
 
 def graph_precapture(extra: Mapping[str, Any] | None) -> bool:
     """Connector knob ``cfm_graph_precapture`` (default on): when the first stream opens, capture the
-    Whole-Euler graphs of its voice's streaming chunks at every batch bucket (``Code2Wav.precapture``),
-    so no steady chunk waits for a capture."""
+    Whole-Euler graphs of its voice's streaming chunks at every batch bucket, then the encoder's and HiFT's
+    graphs (``Code2Wav.prepare``), so no chunk waits for a capture."""
     setting = _parse_bool((extra or {}).get("cfm_graph_precapture"), "cfm_graph_precapture")
     return True if setting is None else setting
 
