@@ -120,7 +120,8 @@ def main() -> int:
                     sig[p.name], consts[(i,)] = "constexpr", v
                 else:
                     sig[p.name] = arg_type(v)
-                    if aligned(v):     # as the launch would specialise it (spills depend on it)
+                    # as the launch would specialise it (spills depend on it): not the kernel's do_not_specialize ones
+                    if aligned(v) and not (p.do_not_specialize or p.do_not_specialize_on_alignment):
                         attrs[(i,)] = [["tt.divisibility", 16]]
             src = ASTSource(self, signature=sig, constexprs=consts, attrs=attrs)
         except (AttributeError, KeyError, TypeError) as exc:

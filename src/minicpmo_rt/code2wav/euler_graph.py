@@ -80,7 +80,11 @@ class GraphConfig:
     offset_bucket: int = 50
     offset_anchor: int | None = None      # steady cache length (prompt + 100); None: grid from 0
     max_graphs: int = 32
-    warmups: int = 3
+    # Eager solves on a side stream before each capture. One is enough: it compiles (or loads) the kernels and
+    # makes cuBLAS's workspace, all a capture needs. H200, Code2Wav.prepare with 15 graphs, 3 / 2 / 1 warm-ups
+    # (precapture_probe_session24_h200.md): 8.3 / 5.7 / 4.5 s, the stream's PCM bit-identical, no graph
+    # captured mid-stream either way (the staged body's eager solves at batch 4-16 cost ~200 ms each, launches).
+    warmups: int = 1
 
 
 @dataclass(frozen=True)

@@ -322,8 +322,8 @@ class Code2Wav:
         (``precapture``), then the encoder's and the stream vocoder's (``warm_up``), as upstream's precapture
         does. ``open_stream`` runs this for the first stream's voice when ``cfm_graph_precapture`` is on (the
         default, CUDA only); a server that knows its voice calls it at start-up instead, so that no request
-        waits for it (about 5 s on the H200 with the default budget, minutes while Triton first compiles the
-        kernels; ``benchmarks/first_chunk_bench.py``).
+        waits for it (about 4.5 s on the H200 with the default budget, about 35 s while Triton first compiles the
+        kernels; ``benchmarks/precapture_probe.py``, ``benchmarks/triton_compile_census.py``).
         Returns the graphs each set holds ({} off CUDA, where there are none)."""
         self.precapture_pending = False
         with self.lease_prompt(voice) as state:

@@ -108,6 +108,14 @@ LAST_COMBINE = True
 # B=2 11.48-11.50 / 10.79-10.80.
 ROW_COPY = True
 N_PHASES = 13
+# The integers that change between the launches of one solve and with the cache length, trim and voice (Euler
+# step, cache lengths, trim span, key counts) are not specialised: Triton compiles a variant for each integer
+# argument that happens to be 1 or a multiple of 16, so on a cold cache the default voice's precapture compiled
+# this kernel 11 times (62 s, triton_compile_census_session24_before_h200.md; twice since, _session24_h200.md),
+# and a voice with another prompt length would compile more mid-stream. Whole-solve replays, unspecialised / specialised
+# (specialize_probe_session24_h200.md): B=1 7.28-7.31 / 7.32-7.35 ms, B=2 10.41-10.44 / 10.48-10.49.
+RUNTIME_INTS = ("step", "n_old", "n_out", "drop0", "drop1", "cur_keys", "kv_extent", "first", "n_blocks", "nk",
+                "keys_per_split")
 
 if AVAILABLE:
     import triton
@@ -204,7 +212,7 @@ if AVAILABLE:
                 tl.store(OUT + sp * M * N + offs_m[:, None] * N + offs_n[None, :], acc,
                          mask=row_ok[:, None] & col_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=RUNTIME_INTS)
     def _dit_block(HX, NORM, QKV, Q, KV_ALL, MASK, O, PACC, PML, Y, HIST, TAPSB, MLP, Y2, CTR, TCTR, ROWS, POS,
                    BASE, SRC, DST, step, n_old, n_out, drop0, drop1, cur_keys, kv_extent,
                    WQKV_ALL, BQKV_ALL, QNW_ALL, QNB_ALL, KNW_ALL, KNB_ALL, WPROJ_ALL, BPROJ_ALL, WT1_ALL, BC1_ALL,

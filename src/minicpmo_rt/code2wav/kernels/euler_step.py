@@ -26,6 +26,10 @@ import torch.nn.functional as F
 
 from . import AVAILABLE
 
+# The junction's batch rows and counts are not specialised: one compile serves every batch bucket (on a cold cache
+# 12 compiles before, triton_compile_census_session24_before_h200.md; 6 since, _session24_h200.md).
+JUNCTION_RUNTIME_INTS = ("Bb", "T", "n_ctr")
+
 if AVAILABLE:
     import triton
     import triton.language as tl
@@ -40,7 +44,7 @@ if AVAILABLE:
         sc = tl.load(SCALE + offs_c, mask=c_ok, other=0.0)
         store_operand(op, d / den[:, None] * sc[None, :] + sh[None, :], hm, ROUND)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=JUNCTION_RUNTIME_INTS)
     def _euler_junction(NORM, WF, BF, X, WX, HC, SHIFT, SCALE, H, CTR,
                         s_nr, s_nt, s_xb, s_xt, s_wf, s_wx, s_cr, s_ct, s_hr, s_ht, s_mod,
                         Bb, T, C, NM, n_ctr, dt, cfg, eps,

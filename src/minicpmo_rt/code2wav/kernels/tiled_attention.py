@@ -32,6 +32,15 @@ import torch
 
 from . import AVAILABLE, interpreting
 
+# As ``dit_block.RUNTIME_INTS``: the direct attention's integers that change from launch to launch (Euler step,
+# layer), the query count and the trim span are not specialised. Specialised, the default voice's precapture
+# compiled this kernel 81 times on a cold cache (120 s: step and layer each 0, 1 or other, times three cache
+# lengths and three batch forms; triton_compile_census_session24_before_h200.md), 9 times since (9 s,
+# _session24_h200.md). The cache lengths and key counts stay specialised (a few compiles per batch form):
+# unspecialised, the batch-16 replay took 24.74-24.77 ms against 24.62-24.63 (specialize_probe_session24_run2_
+# h200.md; B=1 and B=8 alike).
+DIRECT_RUNTIME_INTS = ("step", "layer", "nq", "drop0", "drop1")
+
 if AVAILABLE:
     import triton
     import triton.language as tl
@@ -339,7 +348,7 @@ if AVAILABLE:
         _finish(acc, m_i, l_i, b, h, mblk, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
                 HEAD_D, BLOCK_M, SPLITS, ROUND_OUT, CNT, LAST_COMBINE)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=DIRECT_RUNTIME_INTS)
     def _attn_direct(Q, CUR, BASE, SRC, DST, O, PACC, PML,
                      sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
                      step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys, CNT,

@@ -1,0 +1,151 @@
+"""Where ``Code2Wav.prepare`` spends its time, and what the CFM graphs' warm-up count buys.
+
+Full-size random weights on CUDA, the knobs' default fast path, a 6-s voice prompt (``bench_models``). Each
+run builds a fresh ``Code2Wav`` on the same weights with ``GraphConfig.warmups`` set to one of ``--warmups``,
+runs ``prepare(voice)`` with every Whole-Euler capture timed on the host with a device synchronisation (split
+into its warm-up solves and the capture itself), then pushes six 1-s payloads through a stream and keeps the
+PCM. Every variant's PCM is compared with the first variant's (the same kernels replay, so it should be
+bit-identical) and each stream chunk must replay without a new capture. Run order: one discarded run
+(Triton's JIT), then the variants alternating, ``--runs`` each. Writes JSON + Markdown to --out.
+``--tiny --device cpu`` is a smoke run of the script (no graphs there: the tables stay empty).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from code2wav_pipeline_bench import bench_models
+from first_chunk_bench import CHUNKS
+from minicpmo_rt.code2wav.pipeline import Code2Wav
+from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def one_run(flow, gen, feats, dev, warmups: int, payloads) -> dict:
+    voc = Vocoder(gen, CAUSAL)
+    c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
+    c2w.configure_fast_path({"cfm_graph_precapture": True})
+    solver = c2w.flow.chunk_solver
+    captures = []
+    if solver is not None and hasattr(solver, "config"):
+        solver.config = dataclasses.replace(solver.config, warmups=warmups)
+        program, capture, static_for = solver._program, solver._capture, solver._static_for
+        clock = {"warm": 0.0, "key": None}
+
+        def keyed_static_for(key, device, want_graph):
+            clock["key"] = key
+            return static_for(key, device, want_graph)
+
+        def timed_program(st):          # the warm-up solves run _program outside the capture
+            if torch.cuda.is_current_stream_capturing():
+                return program(st)
+            t = time.perf_counter()
+            program(st)
+            _sync(dev)
+            clock["warm"] += time.perf_counter() - t
+
+        def timed_capture(st):
+            clock["warm"] = 0.0
+            _sync(dev)
+            t = time.perf_counter()
+            capture(st)
+            _sync(dev)
+            total = time.perf_counter() - t
+            captures.append({"key": str(clock["key"]), "total_ms": 1000 * total, "warm_ms": 1000 * clock["warm"]})
+
+        solver._program, solver._capture, solver._static_for = timed_program, timed_capture, keyed_static_for
+    _sync(dev)
+    t = time.perf_counter()
+    held = c2w.prepare(feats)
+    _sync(dev)
+    prepare_ms = 1000 * (time.perf_counter() - t)
+    before = {k: len(g.graphs) for k, g in c2w.stream_graph_sets().items()}
+    n_cfm = len(solver.graphs()) if solver is not None and hasattr(solver, "graphs") else 0
+    stream = c2w.open_stream(feats)
+    pcm, chunk_ms = [], []
+    for p in payloads:
+        t = time.perf_counter()
+        pcm.append(stream.push(p))
+        _sync(dev)
+        chunk_ms.append(1000 * (time.perf_counter() - t))
+    stream.close()
+    after = {k: len(g.graphs) for k, g in c2w.stream_graph_sets().items()}
+    n_cfm_after = len(solver.graphs()) if solver is not None and hasattr(solver, "graphs") else 0
+    out = {"warmups": warmups, "prepare_ms": prepare_ms, "held": held, "chunk_ms": chunk_ms,
+           "captures": captures, "capture_ms": sum(c["total_ms"] for c in captures),
+           "capture_warm_ms": sum(c["warm_ms"] for c in captures),
+           "new_graphs_in_stream": (n_cfm_after - n_cfm) + sum(after[k] - before[k] for k in after)}
+    del c2w, stream, voc
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out, np.concatenate(pcm)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--runs", type=int, default=2, help="runs per variant (after one discarded run)")
+    ap.add_argument("--warmups", default="3,2,1", help="comma-separated GraphConfig.warmups values")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny flow/HiFT sizes (smoke run of the script)")
+    args = ap.parse_args()
+    counts = [int(x) for x in args.warmups.split(",")]
+    if args.runs < 1 or not counts or min(counts) < 1:
+        ap.error(f"--runs and every --warmups value must be >= 1, got {args.runs} and {args.warmups!r}")
+    dev = torch.device(args.device)
+    flow, gen, feats, g = bench_models(args.tiny, dev)
+    codes = torch.randint(0, 6561, (25 * CHUNKS,), generator=g).tolist()
+    payloads = [[4218] * 3 + codes[:25]] + [codes[i - 3:i + 25] for i in range(25, 25 * CHUNKS, 25)]
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
+    res = {"gpu": gpu, "torch": torch.__version__, "runs": {str(k): [] for k in counts}}
+    res["discarded_run"], ref = one_run(flow, gen, feats, dev, counts[0], payloads)
+    print("discarded run (JIT)", res["discarded_run"]["prepare_ms"], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for _ in range(args.runs):
+        for k in counts:
+            r, pcm = one_run(flow, gen, feats, dev, k, payloads)
+            r["pcm_max_abs_diff_vs_discarded"] = float(np.abs(pcm - ref).max())
+            res["runs"][str(k)].append(r)
+            print(k, {x: r[x] for x in ("prepare_ms", "capture_ms", "capture_warm_ms", "new_graphs_in_stream",
+                                         "pcm_max_abs_diff_vs_discarded")}, flush=True)
+            (args.out / "precapture_probe.json").write_text(json.dumps(res, indent=2))
+
+    lines = [f"# Code2Wav.prepare: CFM graph warm-ups ({gpu}, torch {res['torch']})", "",
+             f"Host ms with a device synchronisation, median of {args.runs} run(s) per variant after one discarded "
+             "run; full-size random weights, 6-s prompt. 'CFM captures' sums the Whole-Euler captures (their "
+             "warm-up solves, then the capture); the rest of prepare is the prompt solve and the warm-up stream.",
+             "", "| CFM warm-ups | prepare | CFM captures | of which warm-up solves | rest | steady chunk 5 | "
+             "new graphs in the stream | PCM max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for k in counts:
+        runs = res["runs"][str(k)]
+        med = {x: statistics.median(r[x] for r in runs) for x in ("prepare_ms", "capture_ms", "capture_warm_ms")}
+        lines.append(f"| {k} | {med['prepare_ms']:.0f} | {med['capture_ms']:.0f} | {med['capture_warm_ms']:.0f} | "
+                     f"{med['prepare_ms'] - med['capture_ms']:.0f} | "
+                     f"{statistics.median(r['chunk_ms'][4] for r in runs):.2f} | "
+                     f"{max(r['new_graphs_in_stream'] for r in runs)} | "
+                     f"{max(r['pcm_max_abs_diff_vs_discarded'] for r in runs):.1e} |")
+    caps = res["runs"][str(counts[0])][-1]["captures"]
+    if caps:
+        lines += ["", f"Per capture, last run with {counts[0]} warm-ups (ms):", "",
+                  "| key | total | warm-up solves |", "|---|---:|---:|"]
+        lines += [f"| {c['key']} | {c['total_ms']:.0f} | {c['warm_ms']:.0f} |" for c in caps]
+    (args.out / "precapture_probe.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
