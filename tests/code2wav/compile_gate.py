@@ -121,7 +121,7 @@ def main() -> int:
                 else:
                     sig[p.name] = arg_type(v)
                     # as the launch would specialise it (spills depend on it): not the kernel's do_not_specialize ones
-                    if aligned(v) and not (p.do_not_specialize or p.do_not_specialize_on_alignment):
+                    if aligned(v) and not (p.do_not_specialize or getattr(p, "do_not_specialize_on_alignment", 0)):
                         attrs[(i,)] = [["tt.divisibility", 16]]
             src = ASTSource(self, signature=sig, constexprs=consts, attrs=attrs)
         except (AttributeError, KeyError, TypeError) as exc:

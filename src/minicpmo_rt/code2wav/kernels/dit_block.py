@@ -112,8 +112,8 @@ N_PHASES = 13
 # step, cache lengths, trim span, key counts) are not specialised: Triton compiles a variant for each integer
 # argument that happens to be 1 or a multiple of 16, so on a cold cache the default voice's precapture compiled
 # this kernel 11 times (62 s, triton_compile_census_session24_before_h200.md; twice since, _session24_h200.md),
-# and a voice with another prompt length would compile more mid-stream. Whole-solve replays, unspecialised / specialised
-# (specialize_probe_session24_h200.md): B=1 7.28-7.31 / 7.32-7.35 ms, B=2 10.41-10.44 / 10.48-10.49.
+# and a voice with another prompt length would compile more mid-stream. Whole-solve replays, unspecialised /
+# specialised (specialize_probe_session24_h200.md): B=1 7.28-7.31 / 7.32-7.35 ms, B=2 10.41-10.44 / 10.48-10.49.
 RUNTIME_INTS = ("step", "n_old", "n_out", "drop0", "drop1", "cur_keys", "kv_extent", "first", "n_blocks", "nk",
                 "keys_per_split")
 
