@@ -9,8 +9,9 @@ Two launches with different keys are two compiles.
 
 The solves: the trimmed chunk solves a voice's first stream makes (cache lengths 300, 350 and 400 frames with
 the flow's trim, as ``Code2Wav.precapture`` captures them) at batch 1 (block kernel, arena), 2 (block kernel,
-direct phase), 4 and 16 (staged body, direct attention), each over 2 Euler steps and 2 DiT layers, so the
-step and layer take the values 0 and 1 that Triton would specialise. Prints one line per kernel and a JSON
+direct phase), 4 and 16 (staged body, direct attention), and the opt-in slot pool's solves at batch 1, 4 and
+16 over the same cache lengths, each over 2 Euler steps and 2 DiT layers, so the step and layer take the
+values 0 and 1 that Triton would specialise. Prints one line per kernel and a JSON
 summary; exit status 1 where a kernel's launches within one solve need more than one compile once their
 constexprs are set aside (an integer that changes from launch to launch is specialised: on the H200 that made
 the direct attention 81 compiles on a cold cache, ``triton_compile_census_session24_before_h200.md``), or
@@ -101,11 +102,13 @@ def main() -> int:
 
 def drive(current: dict) -> None:
     """The trimmed chunk solves of a voice's first stream (cache 300, 350, 400 frames; trim (300, 100)) at
-    batch 1, 2, 4 and 16, 2 Euler steps over a depth-2 DiT, on CPU tensors (kernels only keyed)."""
+    batch 1, 2, 4 and 16, and the slot pool's solves at batch 1, 4 and 16 over those lengths; 2 Euler steps over
+    a depth-2 DiT, on CPU tensors (kernels only keyed)."""
     from minicpmo_rt.code2wav import fused_dit
     from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
     from minicpmo_rt.code2wav.kernels import dit_block
     from minicpmo_rt.code2wav.precision import matmul_tf32
+    from minicpmo_rt.code2wav.slot_pool import SlotPool, SlotSolver
 
     cfm, est, caches = compile_gate.cuda_paths_on_cpu()
     dit_block.programs = lambda device: 132
@@ -121,6 +124,19 @@ def drive(current: dict) -> None:
                 current["solve"] = (B, L)
                 solver.solve(torch.zeros(B, 80, 50), torch.zeros(B, 80), torch.zeros(B, 80, 50), *caches(B, L),
                              graph=False, trim=(300, 100))
+        # the opt-in slot pool: each stream's cache resident in a slot, solved at its own length
+        for B in (1, 4, 16):
+            solver = SlotSolver(cfm, pool=None, attention="triton-tf32", tf32=True, n_timesteps=2,
+                                config=GraphConfig(enabled=False, batch_buckets=(B,), query_buckets=(50,)),
+                                use_triton=True, block_kernel=True if B == 1 else None, wide_gemm=B >= 8)
+            solver.pool = SlotPool(solver, slots=B, frames=464, device="cpu")
+            for L in (300, 350, 400):
+                handles = [solver.pool.admit(*[c[:, :, [i, B + i]] for c in caches(B, L)], 300) for i in range(B)]
+                current["solve"] = (f"slot pool {B}", L)
+                solver.solve_slots(handles, torch.zeros(B, 80, 50), torch.zeros(B, 80), torch.zeros(B, 80, 50),
+                                   graph=False)
+                for h in handles:
+                    h.release()
 
 
 if __name__ == "__main__":
