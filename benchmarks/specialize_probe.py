@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="all", help="';'-separated variants after the default, each the "
                     "comma-separated integers specialised again ('all': every one, Triton's default)")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device: it times CUDA-graph replays")
     kept = {name: getattr(mod, name) for mod, name, _ in KERNELS}
     tables = {"unspecialised (default)": kept}
     for v in args.variants.split(";"):

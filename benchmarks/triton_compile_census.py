@@ -41,10 +41,15 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=None, help="Triton cache folder (default: a new empty one)")
     ap.add_argument("--stream-chunks", type=int, default=6)
     args = ap.parse_args()
+    if args.cache_dir is not None and args.cache_dir.exists() and any(args.cache_dir.iterdir()):
+        ap.error(f"--cache-dir {args.cache_dir} is not empty: a census needs a cold cache; give a new folder or "
+                 "leave --cache-dir out (a new temporary one)")
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="triton_cold_"))
     os.environ["TRITON_CACHE_DIR"] = str(cache)     # before triton is imported anywhere
 
     import torch
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device: the census counts what Triton compiles for the GPU")
     from triton import knobs
 
     from code2wav_pipeline_bench import bench_models
