@@ -43,10 +43,31 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def one_run(flow, gen, feats, dev, precapture: bool, prepare: bool, payloads) -> dict:
+def stream_payloads(g: torch.Generator, chunks: int = CHUNKS) -> list[list[int]]:
+    """``chunks`` steady 1-s payloads of random codes drawn from ``g``: 3 context codes (silence first, then the
+    previous payload's last 3) + 25 new ones."""
+    codes = torch.randint(0, 6561, (25 * chunks,), generator=g).tolist()
+    return [[4218] * 3 + codes[:25]] + [codes[i - 3:i + 25] for i in range(25, 25 * chunks, 25)]
+
+
+def fresh_code2wav(flow, gen, extra: dict) -> Code2Wav:
+    """A new ``Code2Wav`` (its own CFM solver, encoder graphs and ``GraphedHiFT``, so no graph carries over)
+    on the shared flow and causal HiFT weights, its fast path configured from the knobs ``extra``."""
     voc = Vocoder(gen, CAUSAL)
     c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
-    c2w.configure_fast_path({"cfm_graph_precapture": precapture})
+    c2w.configure_fast_path(extra)
+    return c2w
+
+
+def release(dev: torch.device) -> None:
+    """Free what a dropped instance held (its graphs' memory pools) before the next run builds its own."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def one_run(flow, gen, feats, dev, precapture: bool, prepare: bool, payloads) -> dict:
+    c2w = fresh_code2wav(flow, gen, {"cfm_graph_precapture": precapture})
     _sync(dev)
     t = time.perf_counter()
     if prepare:
@@ -70,10 +91,8 @@ def one_run(flow, gen, feats, dev, precapture: bool, prepare: bool, payloads) ->
     graphs["CFM"] = len(solver.graphs()) if solver is not None and hasattr(solver, "graphs") else 0
     out = {"prepare_ms": prepare_ms, "open_ms": open_ms, "chunk_ms": chunks, "graphs": graphs,
            "choice": c2w.choice.describe()}
-    del c2w, stream, voc
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    del c2w, stream
+    release(dev)
     return out
 
 
@@ -90,8 +109,7 @@ def main() -> None:
         ap.error(f"--runs must be >= 1, got {args.runs}")
     dev = torch.device(args.device)
     flow, gen, feats, g = bench_models(args.tiny, dev)
-    codes = torch.randint(0, 6561, (25 * CHUNKS,), generator=g).tolist()
-    payloads = [[4218] * 3 + codes[:25]] + [codes[i - 3:i + 25] for i in range(25, 25 * CHUNKS, 25)]
+    payloads = stream_payloads(g)
 
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
     res = {"gpu": gpu, "torch": torch.__version__, "chunks": CHUNKS, "runs": {v[0]: [] for v in VARIANTS}}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import statistics
 import time
@@ -24,20 +23,11 @@ import numpy as np
 import torch
 
 from code2wav_pipeline_bench import bench_models
-from first_chunk_bench import CHUNKS
-from minicpmo_rt.code2wav.pipeline import Code2Wav
-from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+from first_chunk_bench import _sync, fresh_code2wav, release, stream_payloads
 
 
 def one_run(flow, gen, feats, dev, warmups: int, payloads) -> dict:
-    voc = Vocoder(gen, CAUSAL)
-    c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
-    c2w.configure_fast_path({"cfm_graph_precapture": True})
+    c2w = fresh_code2wav(flow, gen, {"cfm_graph_precapture": True})
     solver = c2w.flow.chunk_solver
     captures = []
     if solver is not None and hasattr(solver, "config"):
@@ -88,10 +78,8 @@ def one_run(flow, gen, feats, dev, warmups: int, payloads) -> dict:
            "captures": captures, "capture_ms": sum(c["total_ms"] for c in captures),
            "capture_warm_ms": sum(c["warm_ms"] for c in captures),
            "new_graphs_in_stream": (n_cfm_after - n_cfm) + sum(after[k] - before[k] for k in after)}
-    del c2w, stream, voc
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    del c2w, stream
+    release(dev)
     return out, np.concatenate(pcm)
 
 
@@ -108,8 +96,7 @@ def main() -> None:
         ap.error(f"--runs and every --warmups value must be >= 1, got {args.runs} and {args.warmups!r}")
     dev = torch.device(args.device)
     flow, gen, feats, g = bench_models(args.tiny, dev)
-    codes = torch.randint(0, 6561, (25 * CHUNKS,), generator=g).tolist()
-    payloads = [[4218] * 3 + codes[:25]] + [codes[i - 3:i + 25] for i in range(25, 25 * CHUNKS, 25)]
+    payloads = stream_payloads(g)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
     res = {"gpu": gpu, "torch": torch.__version__, "runs": {str(k): [] for k in counts}}
     res["discarded_run"], ref = one_run(flow, gen, feats, dev, counts[0], payloads)

@@ -53,8 +53,7 @@ def main() -> None:
     from triton import knobs
 
     from code2wav_pipeline_bench import bench_models
-    from minicpmo_rt.code2wav.pipeline import Code2Wav
-    from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
+    from first_chunk_bench import fresh_code2wav, stream_payloads
 
     compiles: list[dict] = []
     open_: dict = {}
@@ -74,10 +73,7 @@ def main() -> None:
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
     dev = torch.device("cuda")
     flow, gen, feats, g = bench_models(False, dev)
-    codes = torch.randint(0, 6561, (25 * args.stream_chunks,), generator=g).tolist()
-    voc = Vocoder(gen, CAUSAL)
-    c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
-    c2w.configure_fast_path({})
+    c2w = fresh_code2wav(flow, gen, {})
     marks = {}
     t = time.perf_counter()
     c2w.prepare(feats)
@@ -85,8 +81,8 @@ def main() -> None:
     marks["prepare_s"] = time.perf_counter() - t
     n_prepare = len(compiles)
     stream = c2w.open_stream(feats)
+    payloads = stream_payloads(g, args.stream_chunks)
     t = time.perf_counter()
-    payloads = [[4218] * 3 + codes[:25]] + [codes[i - 3:i + 25] for i in range(25, 25 * args.stream_chunks, 25)]
     for p in payloads:
         stream.push(p)
     torch.cuda.synchronize()

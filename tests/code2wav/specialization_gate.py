@@ -36,6 +36,15 @@ import compile_gate  # noqa: E402
 LENGTH_FREE = ("_dit_block", "_euler_junction")
 
 
+def _differing(keys: set[tuple]) -> list[str]:
+    """The arguments whose specialisation differs among launch keys ((name, specialisation) tuples)."""
+    values = defaultdict(set)
+    for key in keys:
+        for name, spec in key:
+            values[name].add(spec)
+    return sorted(n for n, v in values.items() if len(v) > 1)
+
+
 def main() -> int:
     try:
         from triton.backends.compiler import GPUTarget
@@ -80,15 +89,13 @@ def main() -> int:
     problems = []
     for (solve, kernel, consts), keys in per_solve.items():
         if len(keys) > 1:
-            diff = sorted({n for k in keys for n, v in k if len({dict(x)[n] for x in keys}) > 1})
             problems.append(f"{kernel} needs {len(keys)} compiles within the solve at (batch, cache) {solve}: "
-                            f"its launches differ in the specialisation of {diff} (add them to its "
+                            f"its launches differ in the specialisation of {_differing(keys)} (add them to its "
                             "do_not_specialize list)")
     for (batch, kernel, consts), keys in per_form.items():
         if kernel in LENGTH_FREE and len(keys) > 1:
-            diff = sorted({n for k in keys for n, v in k if len({dict(x)[n] for x in keys}) > 1})
             problems.append(f"{kernel} at batch {batch} needs {len(keys)} compiles over the cache lengths: "
-                            f"{diff} are specialised")
+                            f"{_differing(keys)} are specialised")
     summary = {k: len(v) for k, v in sorted(compiles.items())}
     for kernel, n in summary.items():
         print(f"kernel {kernel} {n} compile(s) over {sum(1 for x in launches if x[1] == kernel)} launches",
