@@ -64,6 +64,32 @@ def test_eager_solver_matches_reference(body, split_k, B, T, L):
         assert list(solver._statics) == [SolveKey(4, 6, 8, True)]
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_held_graphs_keep_their_arena_and_wider_solves_split_rows(monkeypatch, keep):
+    """``GraphConfig.keep_arena``: once graphs are held, a solve whose arena would outgrow the current one (4
+    masked rows need 4x a batch-1 arena) runs in row groups that fit it, so the held statics survive; the
+    result is the reference's. Off: the arena grows and drops them. A CUDA graph cannot exist on a CPU, so
+    "held" is mocked (``graphs``); the CUDA test of the flow's final chunks runs real ones."""
+    cfm = tiny_cfm(seed=4)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8, keep_arena=keep)
+    solver = WholeEulerSolver(cfm, body="fused", attention="sdpa", n_timesteps=S, config=cfg, use_triton=False)
+    solver.solve(**chunk(1, 6, 8, seed=1), graph=False)
+    arena = solver._arena.numel()
+    mu = torch.zeros(1, 80, 6)
+    assert solver.rows_in_arena(4, 5, 8, mu) == 4                  # nothing held: no reason to split
+    monkeypatch.setattr(solver, "graphs", lambda: list(solver._statics))
+    assert solver.rows_in_arena(4, 5, 8, mu) == (1 if keep else 4)
+    assert solver.rows_in_arena(1, 5, 8, mu) == 1
+    kw = chunk(4, 5, 8, seed=2)
+    got = solver.solve(**kw, graph=False)
+    assert_close(got, reference(cfm, kw), 1e-5)
+    if keep:
+        assert solver._arena.numel() == arena and SolveKey(1, 6, 8, False) in solver._statics
+        assert set(solver._statics) == {SolveKey(1, 6, 8, False), SolveKey(1, 6, 8, True)}
+    else:
+        assert solver._arena.numel() == 4 * arena and list(solver._statics) == [SolveKey(4, 6, 8, True)]
+
+
 @pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
                     reason="Triton needs CUDA or TRITON_INTERPRET=1")
 def test_block_kernel_solver_with_masks_matches_reference():

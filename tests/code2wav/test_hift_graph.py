@@ -77,6 +77,44 @@ def test_shape_graphs_capture_after_budget_and_copy_out():
         ShapeGraphs(lambda x: x, "t", capture_after=0)
 
 
+def test_batch_buckets_pad_rows_into_one_graph_and_cut_the_outputs():
+    """Rows pad up to the next batch bucket (copies of the last real row; rows on axis 1 for a layer-major
+    input and output), so 3 and 4 rows replay ONE graph; the caller gets its own rows only, equal to the
+    function on its rows, also after a bigger call left other rows in the padding. Beyond the last bucket
+    the key is exact. ``eager_calls`` / ``captures`` count the calls that did not replay."""
+    def fn(x, y):            # x (b, 3), y (2, b, 5): row-independent, outputs (b, 3) and (2, b, 5)
+        return x * 2 + y.sum((0, 2))[:, None], (y + 1).cumsum(2)
+
+    sg = FakeGraphs(fn, "t", capture_after=2, batch_buckets=(1, 2, 4), batch_axes=(0, 1), out_batch_axes=(0, 1))
+    g = torch.Generator().manual_seed(0)
+
+    def call(b, copy_out=False):
+        x, y = torch.randn(b, 3, generator=g), torch.randn(2, b, 5, generator=g)
+        got = sg(x, y, copy_out=copy_out)
+        want = fn(x, y)
+        assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        return got
+
+    call(3)
+    assert not sg.graphs and sg.eager_calls == 1                  # first sight of bucket 4: eager, unpadded
+    call(4)
+    assert len(sg.graphs) == 1 and sg.captures == 1               # 4 rows: bucket 4 captured
+    call(3), call(4), call(3)                                     # 3 rows replay it: stale padding is harmless
+    assert len(sg.graphs) == 1 and sg.replays == 4
+    [(shapes_x, _), (shapes_y, _)] = next(iter(sg.graphs))
+    assert shapes_x == (4, 3) and shapes_y == (2, 4, 5)
+    kept = call(3, copy_out=True)
+    assert all(o.is_contiguous() for o in kept)                   # a cut on axis 1 is copied out contiguous
+    call(5), call(5)
+    assert sorted(k[0][0][0] for k in sg.graphs) == [4, 5]        # past the last bucket: exact rows
+    with pytest.raises(ValueError, match="disagree on their batch size"):
+        sg(torch.ones(3, 3), torch.ones(2, 4, 5))
+    for bad in ((2, 1), (0, 1), (1, 1)):
+        with pytest.raises(ValueError, match="batch_buckets"):
+            ShapeGraphs(fn, "t", batch_buckets=bad)
+
+
 def test_capturing_at_once_captures_a_first_call_and_restores_the_threshold():
     """``capturing_at_once`` (the warm-up stream's mode): a shape is captured at its first call inside it;
     ``capture_after`` is back afterwards, also when the body raises."""
@@ -105,7 +143,9 @@ def test_graph_runner_replays_through_streams_equal_eager(variant):
         model.f0_predictor.classifier.bias += 150.0
     eager = Vocoder(model, variant)
     g = torch.Generator().manual_seed(1)
-    chunks = [[torch.randn(1, 80, n, generator=g) - 5 for n in plan] for plan in ([50, 50, 50, 9], [50, 50, 50, 20])]
+    # three streams: two rows of equal length pad to a bucket of 2, three to a bucket of 4
+    chunks = [[torch.randn(1, 80, n, generator=g) - 5 for n in plan]
+              for plan in ([50, 50, 50, 9], [50, 50, 50, 20], [50, 50, 50, 20])]
 
     def run(voc, many, max_batch=None):
         sts = [voc.open_stream(generator=torch.Generator().manual_seed(i)) for i in range(len(chunks))]
@@ -117,16 +157,15 @@ def test_graph_runner_replays_through_streams_equal_eager(variant):
 
     graphed = Vocoder(model, variant)
     graphed.runner = runner = GraphedHiFT(model, max_graphs=8, capture_after=2)
-    runner.f0 = FakeGraphs(runner.f0.fn, "f0", 8, capture_after=2)
-    runner.decode = FakeGraphs(runner.decode.fn, "decode", 8, capture_after=2)
-    if variant == "causal":  # the block excitation (tuple output: source, phase) replays too
-        runner.excite = FakeGraphs(runner.excite.fn, "excite", 8, capture_after=2)
-    else:
-        assert runner.excite is None
+    for sg in runner.shape_sets().values():
+        sg.__class__ = FakeGraphs          # the real sets' configuration (batch buckets), faked capture
+    # the causal HiFT's block excitation (tuple output: source, phase) replays too
+    assert (runner.excite is None) == (variant == "original")
     # max_batch=1: equal-key rows replay one graph back to back before any stream resumes
     for many, cap in ((False, None), (True, None), (True, 1)):
         want, got = run(eager, many, cap), run(graphed, many, cap)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert {k[0][0][0] for k in runner.decode.graphs} == {1, 4}, "3 rows run in the bucket of 4"
     assert runner.decode.replays > 0 and runner.f0.replays > 0 and runner.decode.graphs
     assert variant == "original" or (runner.excite.replays > 0 and runner.excite.graphs)
 

@@ -151,13 +151,18 @@ def test_graph_knobs_reach_the_solver_and_precapture_covers_a_stream(tiny_ckpt, 
     assert fast.precapture(s.prompt_frames) == 0 and not sv.graphs()
     seen, key_of = [], sv.solve_key
     sv.solve_key = lambda *a, **k: seen.append(key_of(*a, **k)) or seen[-1]
-    codes = _codes(100, seed=4)
+    codes = _codes(110, seed=4)
     for i in range(0, 100, 25):
         s.push(([4218] * 3 + codes[:25]) if i == 0 else codes[i - 3:i + 25])
+    s.push(codes[97:110], last=True)                       # a final chunk: narrower, masked
     solved = list(seen)
-    planned = sv.precapture_keys(**fast.precapture_plan(s.prompt_frames), device="cpu")
-    assert len(planned) == 3 * len(sv.config.batch_buckets)
-    assert len(solved) == 4 and len(set(solved)) == 3 and set(solved) <= set(planned)
+    plan = fast.precapture_plan(s.prompt_frames)
+    full = sv.precapture_keys(**{**plan, "final": False}, device="cpu")
+    planned = sv.precapture_keys(**plan, device="cpu")
+    assert len(full) == 3 * len(sv.config.batch_buckets) and set(full) < set(planned)
+    assert all(k.masked for k in set(planned) - set(full))    # final chunks' keys, where their arena fits
+    assert len(solved) == 5 and len(set(solved)) == 4 and set(solved) <= set(planned)
+    assert solved[-1].masked and solved[-1] not in full
     with pytest.raises(InputError, match="cfm_max_graphs"):
         Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_max_graphs": "lots"})
 
@@ -182,6 +187,7 @@ def test_warm_up_stream_leaves_no_trace(tiny_ckpt, voice, vocoder):
     rng = torch.random.get_rng_state()
     assert warm.stream_graph_sets() == {}
     assert warm.warm_up(voice, chunks=3) == {}
+    assert warm.warm_up(voice, chunks=2, batches=(3,)) == {}      # three streams in lockstep (push_many)
     assert torch.equal(torch.random.get_rng_state(), rng)
     (key, entry), = warm.prompts._entries.items()
     assert entry.leases == 0 and warm.prompts.verify(key)
@@ -196,14 +202,20 @@ def test_warm_up_stream_leaves_no_trace(tiny_ckpt, voice, vocoder):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="chunks must be >= 1"):
         warm.warm_up(voice, chunks=0)
+    for bad in ((), (0,), (1.5,)):
+        with pytest.raises(ValueError, match="batches must be stream counts"):
+            warm.warm_up(voice, batches=bad)
+    assert warm.warm_up_batches() == (1,)     # no CFM solver on the CPU reference path: one stream
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_first_stream_replays_from_its_first_chunk(tiny_ckpt, voice):
-    """On CUDA the first ``open_stream`` precaptures the CFM graphs and runs the warm-up stream: the first
-    real stream's five chunks (first, growing, steady) then capture nothing in any graph set (CFM, encoder,
-    HiFT stages), and its PCM equals that of an instance with ``cfm_graph_precapture: false`` (graphs
-    captured lazily, first calls eager) to <= 1e-5."""
+    """On CUDA the first ``open_stream`` precaptures the CFM graphs and runs the warm-up streams at every batch
+    bucket: the first real stream's five chunks (first, growing, steady), then rounds of 3 concurrent streams
+    (``push_many``, padded to the bucket of 4) capture nothing and run nothing eagerly in any graph set (CFM,
+    encoder, HiFT stages), and the PCM equals that of an instance with ``cfm_graph_precapture: false``
+    (graphs captured lazily, first calls eager) to <= 1e-5. The trio's final chunks then keep every CFM graph
+    and the arena (``GraphConfig.keep_arena``; their batch-1 key was precaptured)."""
     warm = Code2Wav.from_snapshot(tiny_ckpt, device="cuda", n_timesteps=2)
     cold = Code2Wav.from_snapshot(tiny_ckpt, device="cuda", n_timesteps=2, extra={"cfm_graph_precapture": False})
     assert warm.precapture_pending and not cold.precapture_pending
@@ -213,17 +225,27 @@ def test_cuda_first_stream_replays_from_its_first_chunk(tiny_ckpt, voice):
     assert {"encoder", "HiFT f0", "HiFT decode"} <= set(sets)
 
     def held():
-        return {k: len(g.graphs) for k, g in sets.items()}, len(warm.flow.chunk_solver.graphs())
+        return ({k: (len(g.graphs), g.captures, g.eager_calls) for k, g in sets.items()},
+                len(warm.flow.chunk_solver.graphs()))
 
     before = held()
     assert all(before[0].values()) and before[1], before
     codes = _codes(125, seed=8)
     payloads = [[4218] * 3 + codes[:25]] + [codes[i - 3:i + 25] for i in range(25, 125, 25)]
     got = [s.push(p) for p in payloads]
+    trio = [warm.open_stream(voice) for _ in range(3)]
+    got += [w for p in payloads for w in warm.push_many([(t, p, False) for t in trio])]
     assert held() == before
+    solver = warm.flow.chunk_solver
+    graphs, arena = {k: id(st.graph) for k, st in solver._statics.items()}, solver._arena.numel()
+    got += warm.push_many([(t, codes[-13:], True) for t in trio])    # final chunks: masked, in rows that fit
+    assert {k: id(st.graph) for k, st in solver._statics.items()} == graphs and solver._arena.numel() == arena
     c = cold.open_stream(voice)
     want = [c.push(p) for p in payloads]
+    trio = [cold.open_stream(voice) for _ in range(3)]    # batched: TF32 rounds a batch-4 solve apart from batch 1
+    want += [w for p in payloads for w in cold.push_many([(t, p, False) for t in trio])]
+    want += cold.push_many([(t, codes[-13:], True) for t in trio])
     for k, (a, b) in enumerate(zip(got, want)):
         err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-        print(f"chunk {k}: precaptured vs lazy {err:.2e}")
+        print(f"output {k}: precaptured vs lazy {err:.2e}")
         assert a.shape == b.shape and err <= 1e-5, (k, err)

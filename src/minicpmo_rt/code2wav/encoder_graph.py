@@ -10,23 +10,28 @@ they are part of the key. The outputs are copied out, so callers own what they g
 A shape is captured on its second call (its first runs eagerly), so one-off shapes (a final chunk's
 odd length, a cache still growing) never take a graph; with ``max_graphs`` held, the least recently
 replayed graph makes room (logged once). A capture failure turns the graphs off (logged once).
+Rows pad to batch buckets (``hift_graph.ROW_BUCKETS``: the conformer is row-independent), so the
+batch sizes of a round of concurrent streams, which wander as streams come and go, share 5 graphs
+per cache shape; the budget holds every bucket of a stream's four cache shapes (first, growing,
+steady).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from .encoder import EncoderCache
-from .hift_graph import ShapeGraphs
+from .hift_graph import ROW_BUCKETS, ShapeGraphs
 
 __all__ = ["EncoderGraphs"]
 
 
 @dataclass(frozen=True)
 class EncoderKey:
-    batch: int
+    batch: int                   # the batch bucket: the rows the graph runs
     tokens: int
     cached_tokens: int
     last_chunk: bool
@@ -40,10 +45,12 @@ def _tf32_flags() -> tuple[bool, bool]:
 class EncoderGraphs:
     """``flow``'s encoder half (see the module docstring); ``run`` has ``Flow._encode``'s contract."""
 
-    def __init__(self, flow, max_graphs: int = 8, warmups: int = 2):
+    def __init__(self, flow, max_graphs: int = 24, warmups: int = 2, batch_buckets: Sequence[int] = ROW_BUCKETS):
         self.flow = flow
+        # (token, cnn, att) in, (h, cnn, att) out: the attention cache is layer-major, its rows on axis 1
         self.shapes = ShapeGraphs(self._body, "encoder", max_graphs, warmups, capture_after=2,
-                                  key_extra=_tf32_flags, evict=True)
+                                  key_extra=_tf32_flags, evict=True, batch_buckets=batch_buckets,
+                                  batch_axes=(0, 0, 1), out_batch_axes=(0, 0, 1))
 
     @property
     def max_graphs(self) -> int:

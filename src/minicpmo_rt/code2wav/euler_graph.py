@@ -85,6 +85,11 @@ class GraphConfig:
     # (precapture_probe_session24_h200.md): 8.3 / 5.7 / 4.5 s, the stream's PCM bit-identical, no graph
     # captured mid-stream either way (the staged body's eager solves at batch 4-16 cost ~200 ms each, launches).
     warmups: int = 1
+    # Once graphs are held, a solve whose arena would outgrow the current one (a masked final chunk of several
+    # streams needs query + offset frames per row, a direct steady solve only the query's) runs in row groups
+    # that fit instead: growing the arena drops every graph that views it, and recapturing the precaptured set
+    # costs seconds in the middle of a stream (stream_churn_bench). False: grow, as before.
+    keep_arena: bool = True
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,8 @@ class WholeEulerSolver:
         self._pool = None
         self._graphs_off_reason: str | None = None if config.enabled else "disabled"
         self._logged: set[str] = set()
+        self.captures = 0         # graphs captured, and arena growths that dropped graphs (for logs, benchmarks)
+        self.arena_regrowths = 0
 
     # ------------------------------------------------------------------ schedule
     def _schedule(self, device) -> tuple[list[float], list[float]]:
@@ -245,12 +252,30 @@ class WholeEulerSolver:
         return SolveKey(Bb, Q, O, masked=(Q != T or O != L))
 
     # ------------------------------------------------------------------ buffers
-    def _arena_view(self, key: SolveKey, device) -> torch.Tensor:
+    def _arena_shape(self, key: SolveKey) -> tuple[int, ...]:
         frames = key.query if key.direct else key.query + key.offset
-        shape = (self.S, self.depth, 2 * key.batch, self.H, frames, 2 * self.D)
+        return (self.S, self.depth, 2 * key.batch, self.H, frames, 2 * self.D)
+
+    def rows_in_arena(self, B: int, T: int, L: int, mu: torch.Tensor, trim: tuple[int, int] | None = None,
+                      caches: Sequence[torch.Tensor | None] | None = None) -> int:
+        """How many of B rows one solve takes (``GraphConfig.keep_arena``): B, or while graphs are held and
+        B's arena would outgrow the current one, the largest batch bucket below B whose solve fits it (B
+        when none does: then the arena grows, as without the rule)."""
+        if not (self.config.keep_arena and self.fused is not None and self._arena is not None and self.graphs()):
+            return B
+        have = self._arena.numel()
+        for b in [B] + [k for k in sorted(self.config.batch_buckets, reverse=True) if k < B]:
+            key = self.solve_key(b, T, L, mu, trim, caches)
+            if math.prod(self._arena_shape(key)) <= have:
+                return b
+        return B
+
+    def _arena_view(self, key: SolveKey, device) -> torch.Tensor:
+        shape = self._arena_shape(key)
         n = math.prod(shape)
         if self._arena is None or self._arena.numel() < n or self._arena.device != torch.device(device):
             if self._statics:
+                self.arena_regrowths += any(s.graph is not None for s in self._statics.values())
                 self._log_once(f"grow{n}", f"Whole-Euler arena grows to {n * 4 / 2**30:.2f} GiB; "
                                            f"dropping {len(self._statics)} graph(s) that view it")
             self._statics.clear()
@@ -388,6 +413,7 @@ class WholeEulerSolver:
         with torch.cuda.graph(g, pool=self._pool):
             self._program(st)
         st.graph = g
+        self.captures += 1
 
     def _static_for(self, key: SolveKey, device, want_graph: bool) -> _Static:
         st = self._statics.get(key)
@@ -417,16 +443,23 @@ class WholeEulerSolver:
         return [k for k, s in self._statics.items() if s.graph is not None]
 
     def precapture_keys(self, batches: Sequence[int], query: int, offsets: Sequence[int], device="cuda",
-                        trim: tuple[int, int] | None = None) -> list[SolveKey]:
+                        trim: tuple[int, int] | None = None, final: bool = False) -> list[SolveKey]:
         """The keys ``solve`` will take for B rows of width ``query`` over each offset (with the flow's
-        ``trim``), each once, the largest arena first (a larger one would regrow it and drop the graphs)."""
+        ``trim``), each once, the largest arena first (a larger one would regrow it and drop the graphs).
+        ``final``: also the keys of narrower (final) chunks over those offsets (masked: one key per
+        bucket, whatever the width), for the batches whose arena fits the one the full-width keys need
+        (more rows solve in groups that fit, ``GraphConfig.keep_arena``)."""
         mu = torch.empty(1, self.n_mel, query, device=device)
         keys = dict.fromkeys(self.solve_key(B, query, L, mu, trim) for L in offsets for B in batches)
-        frames = lambda k: 2 * k.batch * (k.query if k.direct else k.query + k.offset)  # noqa: E731
-        return sorted(keys, key=frames, reverse=True)
+        size = lambda k: math.prod(self._arena_shape(k))  # noqa: E731
+        if final and query > 1 and keys:
+            most = max(map(size, keys))
+            narrow = (self.solve_key(B, query - 1, L, mu, trim) for L in offsets for B in batches)
+            keys.update(dict.fromkeys(k for k in narrow if size(k) <= most))
+        return sorted(keys, key=size, reverse=True)
 
     def precapture(self, batches: Sequence[int], query: int, offsets: Sequence[int], device="cuda",
-                   trim: tuple[int, int] | None = None) -> int:
+                   trim: tuple[int, int] | None = None, final: bool = False) -> int:
         """Capture graphs ahead of the first chunk (``precapture_keys``); returns how many are held now.
         Stops where the budget is spent or a capture fails (the solver then runs eagerly, as ``solve``)."""
         device = torch.device(device)
@@ -435,7 +468,7 @@ class WholeEulerSolver:
         if device.index is None:    # as solve's inputs name it: the arena compares devices
             device = torch.device("cuda", torch.cuda.current_device())
         with torch.inference_mode(), matmul_tf32(self.tf32):
-            for key in self.precapture_keys(batches, query, offsets, device, trim):
+            for key in self.precapture_keys(batches, query, offsets, device, trim, final):
                 if self._graphs_off_reason or len(self.graphs()) >= self.config.max_graphs:
                     break
                 self._static_for(key, device, want_graph=True)
@@ -471,8 +504,10 @@ class WholeEulerSolver:
         L = 0 if one is None else one.shape[4]
         if one is not None and one.shape[0] != self.S:
             raise ValueError(f"estimator cache has {one.shape[0]} steps, the solver {self.S}")
-        big = max(self.config.batch_buckets)
-        if B > big:   # groups of the largest bucket
+        big = min(B, max(self.config.batch_buckets))
+        if big > 1:   # rows that would regrow the arena (dropping the graphs) run in groups that fit it
+            big = self.rows_in_arena(big, T, L, mu, trim, att_cache if per_stream else [att_cache])
+        if B > big:   # groups of the largest bucket, or of those that fit the arena
             outs = [self.solve(mu[i:i + big], spks[i:i + big], cond[i:i + big],
                                None if cnn_cache is None else _rows(cnn_cache, B, i, min(B, i + big)),
                                None if att_cache is None else (att_cache[i:i + big] if per_stream

@@ -21,7 +21,7 @@ runs as fused Triton kernels (``kernels.snake``), in the graphs and eagerly alik
 
 A steady 1-s stream chunk (8 cached + 50 new mel frames, 3840 cached excitation samples)
 therefore costs two replays plus the excitation's few kernels; batch rows of equal length run
-together. Matmuls run with TF32 off (``precision.ieee_fp32``) during capture and replay; cuDNN's
+together, padded to a batch bucket (``ROW_BUCKETS``) so a wandering batch size reuses few graphs. Matmuls run with TF32 off (``precision.ieee_fp32``) during capture and replay; cuDNN's
 own flag is left to the process, as the precision policy requires. A capture failure or a
 spent graph budget falls back to the eager model (logged once).
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Callable, ContextManager, Optional, Union
+from typing import Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 
@@ -46,9 +46,13 @@ from .hift import HiFTGenerator
 from .hift_causal import CausalHiFTGenerator
 from .precision import ieee_fp32
 
-__all__ = ["ShapeGraphs", "GraphedHiFT"]
+__all__ = ["ShapeGraphs", "GraphedHiFT", "ROW_BUCKETS"]
 
 log = logging.getLogger(__name__)
+
+# Batch buckets of the per-shape graph sets (encoder, HiFT stages): the CFM solver's default buckets,
+# so one round of concurrent streams pads to the same sizes in every stage.
+ROW_BUCKETS = (1, 2, 4, 8, 16)
 
 
 class ShapeGraphs:
@@ -59,15 +63,34 @@ class ShapeGraphs:
     A key is captured on its ``capture_after``-th call (earlier calls run eagerly), so shapes
     seen once never spend the ``max_graphs`` budget. With the budget spent, new keys run eagerly,
     or with ``evict`` replace the least recently replayed graph. ``copy_out=True`` returns a
-    replay's outputs in fresh memory (the graph's own outputs are overwritten by its next replay)."""
+    replay's outputs in fresh memory (the graph's own outputs are overwritten by its next replay).
+
+    ``batch_buckets`` (ascending; empty = off): a call of ``b`` rows runs in the graph of the smallest
+    bucket >= b, its inputs padded with copies of a real row along their ``batch_axes`` (default 0)
+    and its outputs cut back to ``b`` rows along ``out_batch_axes`` (default 0). A server whose batch
+    sizes wander over 1..16 then holds 5 graphs per shape instead of 16, and replays a size it met
+    only once. Only for row-independent ``fn``s (the padded rows' outputs are dropped); rounding may
+    differ from an unpadded call as between any two batch sizes. Beyond the largest bucket keys are
+    exact. ``eager_calls`` and ``captures`` count the graphable calls that did not just replay."""
 
     SEEN_LIMIT = 256  # keys counted towards capture_after; older counts are forgotten
 
     def __init__(self, fn: Callable, name: str, max_graphs: int = 8, warmups: int = 2,
                  capture_context: Callable[[], ContextManager] = contextlib.nullcontext,
-                 capture_after: int = 1, key_extra: Callable[[], tuple] | None = None, evict: bool = False):
+                 capture_after: int = 1, key_extra: Callable[[], tuple] | None = None, evict: bool = False,
+                 batch_buckets: Sequence[int] = (), batch_axes: Sequence[int] | None = None,
+                 out_batch_axes: Sequence[int] | None = None):
         if capture_after < 1:
             raise ValueError(f"{name}: capture_after must be >= 1, got {capture_after}")
+        buckets = tuple(int(b) for b in batch_buckets)
+        if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"{name}: batch_buckets must be distinct positive sizes in ascending order, "
+                             f"got {tuple(batch_buckets)}")
+        self.batch_buckets = buckets
+        self.batch_axes = None if batch_axes is None else tuple(batch_axes)
+        self.out_batch_axes = None if out_batch_axes is None else tuple(out_batch_axes)
+        self.eager_calls = 0   # graphable calls that ran eagerly (first sight, budget spent, capture failed)
+        self.captures = 0
         self.fn, self.name, self.max_graphs, self.warmups = fn, name, max_graphs, warmups
         self.capture_context = capture_context
         self.capture_after = capture_after
@@ -98,11 +121,50 @@ class ShapeGraphs:
     def _graphable(self, xs: tuple[torch.Tensor, ...]) -> bool:
         return not self.off and xs[0].is_cuda
 
+    def _axes(self, axes: Optional[tuple[int, ...]], n: int, what: str) -> tuple[int, ...]:
+        axes = axes or (0,) * n
+        if len(axes) != n:
+            raise ValueError(f"{self.name}: {n} {what} but {len(axes)} batch axes {axes}")
+        return axes
+
+    def _rows(self, xs: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+        """(rows of the call, rows of the graph it runs in): equal unless a batch bucket pads the call."""
+        if not self.batch_buckets:
+            return 0, 0
+        axes = self._axes(self.batch_axes, len(xs), "tensor inputs")
+        rows = {x.shape[a] for x, a in zip(xs, axes)}
+        if len(rows) != 1:
+            raise ValueError(f"{self.name}: the inputs disagree on their batch size along axes {axes}: shapes "
+                             f"{[tuple(x.shape) for x in xs]}")
+        b = rows.pop()
+        return b, next((k for k in self.batch_buckets if k >= b), b)
+
+    def _pad(self, xs: tuple[torch.Tensor, ...], b: int, rows: int) -> tuple[torch.Tensor, ...]:
+        """``xs`` grown to ``rows`` along their batch axes by repeating their last real row."""
+        out = []
+        for x, a in zip(xs, self._axes(self.batch_axes, len(xs), "tensor inputs")):
+            shape = list(x.shape)
+            shape[a] = rows - b
+            out.append(torch.cat([x, x.narrow(a, b - 1, 1).expand(shape)], a))
+        return tuple(out)
+
+    def _cut(self, out, b: int):
+        """A padded replay's outputs cut back to the call's ``b`` rows (views of the graph's outputs)."""
+        outs = out if isinstance(out, tuple) else (out,)
+        cut = tuple(o.narrow(a, 0, b) for o, a in zip(outs, self._axes(self.out_batch_axes, len(outs), "outputs")))
+        return cut if isinstance(out, tuple) else cut[0]
+
     def __call__(self, *xs: torch.Tensor, copy_out: bool = False, **static):
         fn = functools.partial(self.fn, **static) if static else self.fn
         if not self._graphable(xs):
             return fn(*xs)
-        key = tuple((tuple(x.shape), x.dtype) for x in xs) + tuple(sorted(static.items()))
+        b, rows = self._rows(xs)
+        if rows != b:
+            axes = self._axes(self.batch_axes, len(xs), "tensor inputs")
+            key = tuple((tuple(rows if i == a else n for i, n in enumerate(x.shape)), x.dtype) for x, a in zip(xs, axes))
+        else:
+            key = tuple((tuple(x.shape), x.dtype) for x in xs)
+        key += tuple(sorted(static.items()))
         if self.key_extra is not None:
             key += self.key_extra()
         entry = self.graphs.get(key)
@@ -112,11 +174,13 @@ class ShapeGraphs:
                 if len(self._seen) >= self.SEEN_LIMIT:
                     self._seen.pop(next(iter(self._seen)))
                 self._seen[key] = seen
+                self.eager_calls += 1
                 return fn(*xs)
             if len(self.graphs) >= self.max_graphs:
                 if not self.evict:
                     self._log_once("budget", f"{self.name}: graph budget ({self.max_graphs}) spent; new lengths run "
                                              "eagerly")
+                    self.eager_calls += 1
                     return fn(*xs)
                 del self.graphs[next(iter(self.graphs))]      # the least recently replayed
                 if not self.graphs:   # a private pool nobody uses any more must not be captured into
@@ -124,24 +188,33 @@ class ShapeGraphs:
                 self._log_once("evict", f"{self.name} graph budget ({self.max_graphs}) held: new shapes replace the "
                                         "least recently replayed graph (not logged again)")
             try:
-                entry = self._capture(xs, fn)
+                entry = self._capture(self._pad(xs, b, rows) if rows != b else xs, fn)
             except Exception as exc:  # noqa: BLE001 - any capture failure: eager from now on
                 self.off = f"capture failed: {exc}"
                 self._log_once("capture", f"{self.name}: CUDA graph capture failed ({exc}); running eagerly")
+                self.eager_calls += 1
                 return fn(*xs)
+            self.captures += 1
             self.graphs[key] = entry
         elif self.evict:
             self.graphs[key] = self.graphs.pop(key)           # now the most recently replayed
         graph, static_in, static_out = entry
-        for s, x in zip(static_in, xs):
-            s.copy_(x)
+        if rows != b:
+            # the real rows only: the padding keeps rows of an earlier call (finite; their outputs are dropped)
+            for s, x, a in zip(static_in, xs, axes):
+                s.narrow(a, 0, b).copy_(x)
+        else:
+            for s, x in zip(static_in, xs):
+                s.copy_(x)
         graph.replay()
         self.replays += 1
+        out = self._cut(static_out, b) if rows != b else static_out
         if not copy_out:
-            return static_out
-        if isinstance(static_out, tuple):
-            return tuple(o.clone() for o in static_out)
-        return static_out.clone()
+            return out
+        # contiguous copies: a cut along a later axis is a strided view
+        if isinstance(out, tuple):
+            return tuple(o.clone(memory_format=torch.contiguous_format) for o in out)
+        return out.clone(memory_format=torch.contiguous_format)
 
     def _capture(self, xs, fn):
         with self.capture_context():
@@ -167,12 +240,14 @@ class GraphedHiFT:
     """``HiFTGenerator.forward`` with its deterministic parts replayed from CUDA graphs; also the
     stage runner (``run_f0`` / ``run_excite`` / ``run_decode``) streams of either HiFT variant call.
 
-    ``max_graphs`` bounds each of the F0 and decode graph sets (keys = batch rows and lengths);
+    ``max_graphs`` bounds each of the F0 and decode graph sets (keys = batch bucket and lengths;
+    ``batch_buckets``, default ``ROW_BUCKETS``, pads a call's rows up to the next bucket);
     ``capture_after`` is how often a key must be called before it is captured. A replay writes
     the graph's own buffers, so one caller at a time (as with the flow's graphs)."""
 
     def __init__(self, model: Union[HiFTGenerator, CausalHiFTGenerator], max_graphs: int = 8,
-                 capture_after: int = 1, channels_last: Optional[bool] = None):
+                 capture_after: int = 1, channels_last: Optional[bool] = None,
+                 batch_buckets: Sequence[int] = ROW_BUCKETS):
         self.model = model
         self.causal = isinstance(model, CausalHiFTGenerator)
         # Weight norm computed once here instead of in every forward and replay (the state_dict is
@@ -180,13 +255,15 @@ class GraphedHiFT:
         # the conv weights are kept time-major, so the convs run NHWC without layout conversions.
         model.freeze_weight_norm(channels_last)
         # finalize=False: the causal HiFT's look-ahead form (the original ignores the flag)
+        # every stage is row-independent with batch-first inputs and outputs: rows pad to batch buckets
         self.f0 = ShapeGraphs(functools.partial(model.run_f0, finalize=False), "HiFT f0", max_graphs,
-                              capture_after=capture_after)
+                              capture_after=capture_after, batch_buckets=batch_buckets)
         self.decode = ShapeGraphs(functools.partial(model.run_decode, finalize=False), "HiFT decode", max_graphs,
-                                  capture_after=capture_after)
+                                  capture_after=capture_after, batch_buckets=batch_buckets)
         # the causal HiFT's block excitation has no randomness (fixed noise-table rows come in as
         # an input): graphed like F0 and decode, keyed by block length
-        self.excite = (ShapeGraphs(model.run_excite, "HiFT excite", max_graphs, capture_after=capture_after)
+        self.excite = (ShapeGraphs(model.run_excite, "HiFT excite", max_graphs, capture_after=capture_after,
+                                   batch_buckets=batch_buckets)
                        if self.causal else None)
 
     def shape_sets(self) -> dict[str, ShapeGraphs]:

@@ -22,9 +22,13 @@ a final payload is decoded whole. The voice prompt is solved once per voice
 (``Flow.setup_cache`` on ``prompt + 3 x 4218``) and that state is shared read-only by every
 stream of that voice through ``PromptStateCache``. On CUDA the CFM solver's Whole-Euler graphs (at most
 ``cfm_max_graphs``) for that voice's chunks are captured when the first stream opens (``precapture``, knob
-``cfm_graph_precapture``, default on), so no steady chunk waits for a capture; then a throwaway stream of
-silence (``warm_up``) captures the encoder's and the stream vocoder's graphs for that voice's chunk shapes,
-so the first stream's chunks replay from its first chunk on.
+``cfm_graph_precapture``, default on), so no steady chunk waits for a capture; then throwaway streams of
+silence (``warm_up``, 1, 2, 4, 8 and 16 of them in lockstep) capture the encoder's and the stream vocoder's
+graphs for that voice's chunk shapes at every batch bucket (their rows pad to ``hift_graph.ROW_BUCKETS``),
+so the first stream's chunks replay from its first chunk on, and so do rounds of concurrent streams however
+their number wanders. A final chunk of several streams needs a larger CFM arena than a steady one; with
+graphs held it solves in row groups that fit the arena instead of growing it (which would drop every graph:
+``GraphConfig.keep_arena``).
 
 Opt-in slot pool (connector knob ``cfm_slot_pool``: true or a slot count; fused CFM body only): each
 stream's estimator cache is copied once into a resident slot of a ``slot_pool.SlotPool`` when the
@@ -317,20 +321,27 @@ class Code2Wav:
             self.prepare(voice)
         return Code2WavStream(self, self.lease_prompt(voice))
 
-    def prepare(self, voice: Voice) -> dict[str, int]:
+    def prepare(self, voice: Voice, batches: Sequence[int] | None = None) -> dict[str, int]:
         """Capture, before any stream needs them, the graphs a stream of ``voice`` replays: the CFM solver's
-        (``precapture``), then the encoder's and the stream vocoder's (``warm_up``), as upstream's precapture
-        does. ``open_stream`` runs this for the first stream's voice when ``cfm_graph_precapture`` is on (the
-        default, CUDA only); a server that knows its voice calls it at start-up instead, so that no request
-        waits for it (about 4.5 s on the H200 with the default budget, about 35 s while Triton first compiles the
-        kernels; ``benchmarks/precapture_probe.py``, ``benchmarks/triton_compile_census.py``).
-        Returns the graphs each set holds ({} off CUDA, where there are none)."""
+        (``precapture``), then the encoder's and the stream vocoder's (``warm_up``, at ``batches`` concurrent
+        streams: default every batch bucket of the CFM solver, which ``push_many``'s rounds pad to), as
+        upstream's precapture does. ``open_stream`` runs this for the first stream's voice when
+        ``cfm_graph_precapture`` is on (the default, CUDA only); a server that knows its voice calls it at
+        start-up instead, so that no request waits for it (about 4.2-5.5 s on the H200 with the default budget,
+        about 35 s while Triton first compiles the kernels; ``benchmarks/precapture_probe.py``,
+        ``benchmarks/triton_compile_census.py``). Returns the graphs each set holds ({} off CUDA)."""
         self.precapture_pending = False
         with self.lease_prompt(voice) as state:
             n = self.precapture(state.flow_cache.prompt_frames)
         if not self.stream_graph_sets():
             return {"CFM": n} if n else {}
-        return {"CFM": n, **self.warm_up(voice)}
+        return {"CFM": n, **self.warm_up(voice, batches=self.warm_up_batches() if batches is None else batches)}
+
+    def warm_up_batches(self) -> tuple[int, ...]:
+        """The concurrent streams ``prepare``'s warm-up runs at: the CFM solver's batch buckets."""
+        solver = self.flow.chunk_solver
+        config = getattr(solver, "config", None)
+        return tuple(config.batch_buckets) if config is not None else (1,)
 
     def stream_graph_sets(self) -> dict[str, ShapeGraphs]:
         """The per-shape graph sets a stream's chunks replay besides the CFM solver's (``ShapeGraphs`` by name:
@@ -344,41 +355,54 @@ class Code2Wav:
         return sets
 
     @torch.inference_mode()
-    def warm_up(self, voice: Voice, chunks: int = WARM_UP_CHUNKS) -> dict[str, int]:
-        """Push ``chunks`` payloads of silence codes through a throwaway stream of ``voice`` with every graph set
+    def warm_up(self, voice: Voice, chunks: int = WARM_UP_CHUNKS, batches: Sequence[int] = (1,)) -> dict[str, int]:
+        """Push ``chunks`` payloads of silence codes through throwaway streams of ``voice`` with every graph set
         of ``stream_graph_sets`` capturing a shape at its first call, so a real stream's chunks (first, growing
-        and steady) replay instead of running eagerly or capturing. Upstream's precapture takes the HiFT and
-        flow-encoder graphs too. Returns the graphs each set then holds ({} where there are none).
+        and steady) replay instead of running eagerly or capturing. For each ``b`` in ``batches``, ``b`` streams
+        run in lockstep through ``push_many`` (one stream: ``push``), so rounds of ``b`` concurrent streams, and
+        those the graph sets pad to ``b`` rows, replay too. Upstream's precapture takes the HiFT and
+        flow-encoder graphs as well. Returns the graphs each set then holds ({} where there are none).
 
-        The stream leaves no trace: its prompt lease and slot (if any) are released, the graphs' capture
+        The streams leave no trace: their prompt leases and slots (if any) are released, the graphs' capture
         thresholds and the RNG state (the original HiFT's excitation draws from it) are restored."""
         if chunks < 1:
             raise ValueError(f"Code2Wav.warm_up: chunks must be >= 1, got {chunks}")
+        batches = tuple(batches)
+        if not batches or any(int(b) != b or b < 1 for b in batches):
+            raise ValueError(f"Code2Wav.warm_up: batches must be stream counts >= 1, got {batches}")
         sets = self.stream_graph_sets()
         t0 = time.perf_counter()
         rng_devices = [self.device] if self.device.type == "cuda" else []
+        payload = [SILENCE_CODE] * (CONTEXT + WINDOW)
         with contextlib.ExitStack() as stack:
             for g in sets.values():
                 stack.enter_context(g.capturing_at_once())
             stack.enter_context(torch.random.fork_rng(devices=rng_devices))
-            stream = Code2WavStream(self, self.lease_prompt(voice))
-            try:
-                payload = [SILENCE_CODE] * (CONTEXT + WINDOW)
-                for _ in range(chunks):
-                    stream.push(payload)
-            finally:
-                stream.close()
+            for b in batches:
+                streams: list[Code2WavStream] = []
+                try:
+                    streams += [Code2WavStream(self, self.lease_prompt(voice)) for _ in range(b)]
+                    for _ in range(chunks):
+                        if b == 1:
+                            streams[0].push(payload)
+                        else:
+                            self.push_many([(s, payload, False) for s in streams])
+                finally:
+                    for s in streams:
+                        s.close()
         held = {name: len(g.graphs) for name, g in sets.items()}
         if held:
-            log.info("Code2Wav: warm-up stream (%d chunks) in %.2f s; graphs held: %s", chunks,
-                     time.perf_counter() - t0, ", ".join(f"{k} {v}" for k, v in held.items()))
+            log.info("Code2Wav: warm-up streams (%d chunks at %s concurrent) in %.2f s; graphs held: %s", chunks,
+                     "/".join(map(str, batches)), time.perf_counter() - t0,
+                     ", ".join(f"{k} {v}" for k, v in held.items()))
         return held
 
     def precapture(self, prompt_frames: int) -> int:
         """Capture the CFM solver's Whole-Euler graphs for the streaming chunks of a voice whose prompt holds
         ``prompt_frames`` mel frames: the full query width over each cache length a stream passes through
         (prompt, prompt + one chunk, ... up to the trimmed steady length prompt + ``HISTORY_FRAMES``), at
-        every batch bucket, the flow's trim included, until the graph budget is spent. Returns the graphs held
+        every batch bucket, the flow's trim included, and a final (narrower) chunk over each of them at the
+        batches whose arena fits (``WholeEulerSolver.precapture_keys``), until the graph budget is spent. Returns the graphs held
         (0 off CUDA or without graphs)."""
         solver = self.flow.chunk_solver
         if solver is None or self.device.type != "cuda" or not solver.config.enabled:
@@ -395,7 +419,8 @@ class Code2Wav:
         config = self.flow.chunk_solver.config
         q = max(config.query_buckets)
         offsets = list(range(prompt_frames, prompt_frames + HISTORY_FRAMES, q)) + [prompt_frames + HISTORY_FRAMES]
-        return dict(batches=config.batch_buckets, query=q, offsets=offsets, trim=(prompt_frames, HISTORY_FRAMES))
+        return dict(batches=config.batch_buckets, query=q, offsets=offsets, trim=(prompt_frames, HISTORY_FRAMES),
+                    final=True)
 
     @torch.inference_mode()
     def push_many(self, items: Sequence[tuple["Code2WavStream", Sequence[int], bool]],

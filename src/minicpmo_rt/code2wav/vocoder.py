@@ -40,7 +40,7 @@ from ..errors import CheckpointError, InputError
 from .hift import (FULL_SIZE, SAMPLE_RATE, HiFTConfig, HiFTGenerator, HiFTStream, StageRunner, Steps, drive_many,
                    fuse_weight_norm)
 from .hift_causal import BoundedStream, CausalHiFTGenerator
-from .hift_graph import GraphedHiFT
+from .hift_graph import ROW_BUCKETS, GraphedHiFT
 
 ORIGINAL = "original"
 CAUSAL = "causal"
@@ -148,7 +148,8 @@ class Vocoder:
 
     ``cuda_graphs`` (default on): when the model is on CUDA at construction, its streams run the
     generator stages through one shared ``GraphedHiFT`` (at most ``max_graphs`` F0 and as many
-    decode graphs; a length is captured on its second call). Off, or off CUDA: eagerly.
+    decode graphs; a length is captured on its second call; ``push_many``'s batched calls pad their
+    rows to ``batch_buckets``). Off, or off CUDA: eagerly.
 
     ``stream_block_frames`` is the causal streams' internal decode block. Default: 16 (as
     upstream) on the eager path; 50 with graphs, so a steady 1-s chunk (50 mel frames) is one F0,
@@ -161,12 +162,14 @@ class Vocoder:
     sample_rate: int = SAMPLE_RATE
     cuda_graphs: bool = True
     max_graphs: int = 32
+    batch_buckets: tuple[int, ...] = ROW_BUCKETS
     stream_block_frames: Optional[int] = None
     runner: StageRunner = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         on_cuda = self.model.conv_pre.bias.device.type == "cuda"
-        self.runner = (GraphedHiFT(self.model, self.max_graphs, capture_after=2) if self.cuda_graphs and on_cuda
+        self.runner = (GraphedHiFT(self.model, self.max_graphs, capture_after=2,
+                                   batch_buckets=self.batch_buckets) if self.cuda_graphs and on_cuda
                        else self.model)
         if self.stream_block_frames is None:
             self.stream_block_frames = 50 if isinstance(self.runner, GraphedHiFT) else 16

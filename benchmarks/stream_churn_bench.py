@@ -1,0 +1,238 @@
+"""Concurrent streams that come and go: what batch buckets and a warm-up at every bucket buy a server.
+
+Full-size random weights, fp32 on CUDA, the knobs' default fast path (fused CFM body, Whole-Euler graphs,
+TF32 scoped to the DiT; encoder and causal HiFT from per-shape graphs), a 6-s voice prompt. ``--slots``
+(default 16) request slots each run utterances back to back: an utterance lasts 3-10 chunks (1 s of audio
+each: 3 context + 25 codes; its last payload is final, 3 + 10 codes), then the slot idles 0-2 rounds. The
+schedule is drawn once from a seeded RNG (every variant replays the same one). A round pushes one payload
+into every active stream through ``Code2Wav.push_many``; streams at the same point of their utterance share
+a solve, so the batch sizes the encoder and HiFT graph sets see wander over 1..16 from round to round.
+
+Variants (each on a fresh ``Code2Wav``, so no graph carries over; ``prepare(voice)`` before the first round,
+timed apart):
+  * ``before``: the graph sets as they were (encoder and HiFT keyed by exact row count, encoder budget 8,
+    the warm-up stream alone; the CFM arena regrows for a wider solve, dropping every graph; no final-chunk
+    keys precaptured);
+  * ``+ arena kept``: ``GraphConfig.keep_arena`` (a masked final chunk of several streams solves in row
+    groups that fit the arena) and the final-chunk keys precaptured;
+  * ``+ batch buckets``: encoder and HiFT rows pad to ``ROW_BUCKETS`` (their budgets as now);
+  * ``+ warm-up at every bucket (default)``: ``prepare`` warms 1, 2, 4, 8, 16 streams, not one;
+  * ``default + slot pool, row-offset merging (opt-in)``: the knobs ``cfm_slot_pool`` (one slot per request
+    slot) and ``cfm_row_offset_merge``: streams at different points of their utterances share one CFM solve
+    (``--no-slot-pool`` leaves this row out).
+
+Per variant: ``prepare`` time, every round's host time with a device synchronisation (median, 90th
+percentile, max, total), and what the encoder and HiFT graph sets did during the rounds (eager calls,
+captures) plus the CFM graphs captured mid-run. Run order: one discarded run of the default (Triton's JIT,
+cuDNN's autotuning), then the variants alternating, ``--runs`` each. Writes JSON + Markdown to --out
+(after every run, so a cut-off run keeps its numbers). ``--tiny --device cpu`` is a smoke run of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from code2wav_pipeline_bench import bench_models
+from first_chunk_bench import release
+from minicpmo_rt.code2wav.encoder_graph import EncoderGraphs
+from minicpmo_rt.code2wav.pipeline import Code2Wav
+from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    buckets: bool                      # encoder and HiFT rows pad to ROW_BUCKETS
+    warm: tuple[int, ...] | None       # prepare's warm-up batches (None: its default, every bucket)
+    keep_arena: bool                   # GraphConfig.keep_arena, and the final chunks' keys precaptured
+    pool: bool = False                 # cfm_slot_pool (one slot per request slot) + cfm_row_offset_merge
+
+
+VARIANTS = (Variant("before", False, (1,), False),
+            Variant("+ arena kept", False, (1,), True),
+            Variant("+ batch buckets", True, (1,), True),
+            Variant("+ warm-up at every bucket (default)", True, None, True))
+POOLED = Variant("default + slot pool, row-offset merging (opt-in)", True, None, True, pool=True)
+SILENCE = 4218
+
+
+def schedule(slots: int, rounds: int, seed: int) -> list[list[tuple[int, int, bool]]]:
+    """Per round, the active slots as (slot, chunk index in its utterance, final)."""
+    rng = random.Random(seed)
+    plan: list[list[tuple[int, int, bool]]] = [[] for _ in range(rounds)]
+    for slot in range(slots):
+        r = rng.randrange(0, 4)                   # staggered first arrivals
+        while r < rounds:
+            n = rng.randint(3, 10)
+            for k in range(n):
+                if r + k < rounds:
+                    plan[r + k].append((slot, k, k == n - 1))
+            r += n + rng.randint(0, 2)
+    return plan
+
+
+def payload(g: np.random.Generator, final: bool) -> list[int]:
+    return [SILENCE] * 3 + g.integers(0, 6561, 10 if final else 25).tolist()
+
+
+def build(flow, gen, v: Variant, slots: int) -> Code2Wav:
+    """A fresh instance on the shared weights, its graph sets configured as ``v`` says."""
+    voc = Vocoder(gen, CAUSAL, **({} if v.buckets else {"batch_buckets": ()}))
+    c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
+    c2w.configure_fast_path({"cfm_slot_pool": slots, "cfm_row_offset_merge": True} if v.pool else {})
+    if c2w.flow.encoder_graphs is not None and not v.buckets:
+        c2w.flow.encoder_graphs = EncoderGraphs(c2w.flow, max_graphs=8, batch_buckets=())    # as before
+    solver = c2w.flow.chunk_solver
+    if not v.keep_arena and solver is not None:
+        solver.config = replace(solver.config, keep_arena=False)
+        plan = c2w.precapture_plan
+        c2w.precapture_plan = lambda prompt_frames: {**plan(prompt_frames), "final": False}
+    return c2w
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _counts(c2w: Code2Wav) -> dict:
+    out = {k: {"eager": g.eager_calls, "captures": g.captures, "held": len(g.graphs)}
+           for k, g in c2w.stream_graph_sets().items()}
+    solver = c2w.flow.chunk_solver
+    graphs = solver is not None and hasattr(solver, "graphs")
+    out["CFM"] = {"held": len(solver.graphs()) if graphs else 0, "captures": solver.captures if graphs else 0,
+                  "arena_regrowths": solver.arena_regrowths if graphs else 0}
+    if c2w.slot_solver is not None:     # the pooled streams' solves (a WholeEulerSolver of its own)
+        out["CFM"]["captures"] += c2w.slot_solver.captures
+        out["CFM"]["arena_regrowths"] += c2w.slot_solver.arena_regrowths
+    return out
+
+
+def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int) -> dict:
+    c2w = build(flow, gen, v, slots)
+    _sync(dev)
+    t = time.perf_counter()
+    c2w.prepare(feats, batches=v.warm)
+    _sync(dev)
+    prepare_ms = 1000 * (time.perf_counter() - t)
+    before = _counts(c2w)
+    g = np.random.default_rng(seed)
+    streams: dict[int, object] = {}
+    rounds, batches = [], []
+    for active in plan:
+        t = time.perf_counter()
+        items = []
+        for slot, k, final in active:
+            if k == 0:
+                streams[slot] = c2w.open_stream(feats)
+            items.append((streams[slot], payload(g, final), final))
+        if items:
+            c2w.push_many(items)
+        _sync(dev)
+        rounds.append(1000 * (time.perf_counter() - t))
+        batches.append(len(items))
+    after = _counts(c2w)
+    during = {k: {m: after[k][m] - before[k].get(m, 0) for m in after[k]} for k in after}
+    out = {"prepare_ms": prepare_ms, "round_ms": rounds, "streams_per_round": batches, "during_rounds": during,
+           "held_after": {k: v["held"] for k, v in after.items()}, "choice": c2w.choice.describe()}
+    del c2w, streams
+    release(dev)
+    return out
+
+
+def summary(r: dict) -> dict:
+    ms = sorted(r["round_ms"])
+    return {"prepare_ms": r["prepare_ms"], "median": statistics.median(ms), "p90": ms[int(0.9 * (len(ms) - 1))],
+            "max": ms[-1], "total": sum(ms),
+            "eager": sum(v["eager"] for k, v in r["during_rounds"].items() if k != "CFM"),
+            "captures": sum(v["captures"] for k, v in r["during_rounds"].items() if k != "CFM"),
+            "cfm_captures": r["during_rounds"]["CFM"]["captures"],
+            "cfm_regrowths": r["during_rounds"]["CFM"]["arena_regrowths"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--runs", type=int, default=2, help="runs per variant (after one discarded run)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny flow/HiFT sizes (smoke run of the script)")
+    ap.add_argument("--no-slot-pool", action="store_true", help="leave out the opt-in slot pool's row")
+    args = ap.parse_args()
+    for name in ("slots", "rounds", "runs"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("minicpmo_rt.code2wav.pipeline").setLevel(logging.INFO)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("stream_churn_bench: --device cuda but torch sees no CUDA device; run it on the GPU "
+                         "machine, or pass --tiny --device cpu for a smoke run of the script")
+    flow, gen, feats, _ = bench_models(args.tiny, dev)
+    plan = schedule(args.slots, args.rounds, args.seed)
+    variants = VARIANTS if args.no_slot_pool else VARIANTS + (POOLED,)
+    sizes = [len(a) for a in plan]
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
+    res = {"gpu": gpu, "torch": torch.__version__, "slots": args.slots, "rounds": args.rounds, "seed": args.seed,
+           "streams_per_round": sizes, "runs": {v.label: [] for v in variants}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "stream_churn_bench.json"
+    res["discarded_run"] = summary(one_run(flow, gen, feats, dev, variants[-1], plan, args.seed, args.slots))
+    print("discarded run (JIT, autotuning)", res["discarded_run"], flush=True)
+    for variant in [v for _ in range(args.runs) for v in variants]:
+        r = one_run(flow, gen, feats, dev, variant, plan, args.seed, args.slots)
+        res["runs"][variant.label].append(r)
+        print(variant.label, summary(r), flush=True)
+        path.write_text(json.dumps(res, indent=2))
+
+    med = {}
+    for label in (v.label for v in variants):
+        s = [summary(r) for r in res["runs"][label]]
+        med[label] = {k: statistics.median(x[k] for x in s) for k in s[0]}
+    res["medians"] = med
+    path.write_text(json.dumps(res, indent=2))
+    base = med[VARIANTS[0].label]
+    lines = [f"# Streams that come and go ({gpu}, torch {res['torch']})", "",
+             f"{args.slots} request slots over {args.rounds} rounds (1 s of audio per stream per round), utterances "
+             f"of 3-10 chunks with 0-2 idle rounds between them, seed {args.seed}: {min(sizes)}-{max(sizes)} "
+             f"active streams per round (median {statistics.median(sizes):g}). Host time of a round with a device "
+             f"synchronisation, ms; medians over {args.runs} run(s) per variant after one discarded run. "
+             "Eager / captures: calls of the encoder and HiFT graph sets during the rounds that did not replay "
+             "(summed over the sets); CFM: Whole-Euler graphs captured during the rounds, and arena growths that "
+             "dropped the graphs held.", "",
+             "| variant | prepare (ms) | round median | round p90 | round max | all rounds | vs before | "
+             "eager calls | captures | CFM captures | CFM arena regrowths |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label in (v.label for v in variants):
+        m = med[label]
+        lines.append(f"| {label} | {m['prepare_ms']:.0f} | {m['median']:.1f} | {m['p90']:.1f} | {m['max']:.1f} | "
+                     f"{m['total']:.0f} | {base['total'] / m['total']:.2f}x | {m['eager']:.0f} | "
+                     f"{m['captures']:.0f} | {m['cfm_captures']:.0f} | {m['cfm_regrowths']:.0f} |")
+    last = {v.label: res["runs"][v.label][-1] for v in variants}
+    lines += ["", "Per graph set, last run of each variant (eager calls / captures during the rounds; graphs held "
+                  "after them):", "", "| variant | " + " | ".join(last[VARIANTS[0].label]["during_rounds"]) + " |",
+              "|---|" + "---|" * len(last[VARIANTS[0].label]["during_rounds"])]
+    for label, r in last.items():
+        cells = []
+        for k, v in r["during_rounds"].items():
+            held = r["held_after"][k]
+            cells.append(f"{v['captures']} captures; {held} held" if k == "CFM"
+                         else f"{v['eager']} / {v['captures']}; {held} held")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    (args.out / "stream_churn_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
