@@ -25,7 +25,8 @@ Per variant: ``prepare`` time, every round's host time with a device synchronisa
 percentile, max, total), and what the encoder and HiFT graph sets did during the rounds (eager calls,
 captures) plus the CFM graphs captured mid-run. Run order: one discarded run of the default (Triton's JIT,
 cuDNN's autotuning), then the variants alternating, ``--runs`` each. Writes JSON + Markdown to --out
-(after every run, so a cut-off run keeps its numbers). ``--tiny --device cpu`` is a smoke run of the script.
+(after every run, so a cut-off run keeps its numbers), and a plot of every round's time (PNG; ``--replot JSON``
+draws it again from a results file). ``--tiny --device cpu`` is a smoke run of the script.
 """
 
 from __future__ import annotations
@@ -159,6 +160,31 @@ def summary(r: dict) -> dict:
             "cfm_regrowths": r["during_rounds"]["CFM"]["arena_regrowths"]}
 
 
+def plot(res: dict, path: Path) -> None:
+    """Every round's time (last run of each variant, log scale) over the streams active in it."""
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, (ax, nx) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for label, runs in res["runs"].items():
+        if runs:
+            ax.plot(range(1, len(runs[-1]["round_ms"]) + 1), runs[-1]["round_ms"], label=label, lw=1.2)
+    ax.set_yscale("log")
+    ax.set_ylabel("round time, ms (log)")
+    ax.axhline(1000, color="grey", ls=":", lw=1)
+    ax.set_title(f"Code2Wav, {res['slots']} request slots whose streams come and go ({res['gpu']})")
+    ax.legend(fontsize=8)
+    nx.bar(range(1, len(res["streams_per_round"]) + 1), res["streams_per_round"], color="grey")
+    nx.set_ylabel("streams")
+    nx.set_xlabel("round (1 s of audio per active stream)")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -169,7 +195,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny flow/HiFT sizes (smoke run of the script)")
     ap.add_argument("--no-slot-pool", action="store_true", help="leave out the opt-in slot pool's row")
+    ap.add_argument("--replot", type=Path, help="only draw the plot of a results JSON into --out")
     args = ap.parse_args()
+    if args.replot is not None:
+        if not args.replot.is_file():
+            ap.error(f"--replot {args.replot}: no such file; pass a stream_churn_bench JSON")
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(json.loads(args.replot.read_text()), args.out / "stream_churn_bench.png")
+        return
     for name in ("slots", "rounds", "runs"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -231,6 +264,7 @@ def main() -> None:
                          else f"{v['eager']} / {v['captures']}; {held} held")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     (args.out / "stream_churn_bench.md").write_text("\n".join(lines) + "\n")
+    plot(res, args.out / "stream_churn_bench.png")
     print("\n".join(lines))
 
 

@@ -182,3 +182,18 @@ def test_open_streams_keep_their_slot_solver_across_a_reconfiguration(tiny_ckpt,
     out += [c2w.push_many([(s, *plan[1])])[0], s.push(*plan[2])]
     assert max(_rel(a, b) for a, b in zip(out, ref)) <= 1e-5
     assert old.pool.free_slots == 2
+
+
+def test_a_pool_made_inside_inference_mode_admits_streams_outside_it(tiny_ckpt, voice):
+    """The pool is made at the first admission, which may come from inside ``torch.inference_mode`` (the
+    warm-up streams of ``prepare`` are): its tensors are then inference tensors, and a stream opened later
+    outside inference mode must still be admitted (found on the H200: RuntimeError "Inplace update to
+    inference tensor outside InferenceMode")."""
+    c2w = _fast(Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True, "cfm_slot_pool": 2}))
+    with torch.inference_mode():
+        c2w.open_stream(voice).close()
+    assert c2w.slot_solver.pool is not None
+    s = c2w.open_stream(voice)
+    assert s.handle is not None
+    assert s.push(_payloads(3)[0][0]).size > 0
+    s.close()

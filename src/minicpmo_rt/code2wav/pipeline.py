@@ -256,8 +256,11 @@ class Code2Wav:
             self._logged.add(what)
             log.warning(msg, *args)
 
+    @torch.inference_mode()
     def _admit(self, state: PromptState):
-        """A slot holding the prompt's estimator cache, or None (pool off or full, prompt too long)."""
+        """A slot holding the prompt's estimator cache, or None (pool off or full, prompt too long). In inference
+        mode whatever the caller's: the pool may have been made inside it (``warm_up``'s streams), and its
+        inference tensors take in-place writes only there."""
         sv = self.slot_solver
         if sv is None:
             return None
