@@ -140,9 +140,10 @@ def test_rows_pad_to_batch_buckets_and_keep_their_own_cache_rows():
 @requires_cuda
 def test_cuda_graphed_encoder_equals_eager(caplog):
     """Graph replays give the eager encoder's mu and next cache over a stream of chunks (batch 1 bit for
-    bit; batch 3, padded to the bucket of 4, within fp32 rounding; a final chunk); outputs are the caller's own (a later replay leaves them as they
-    were); a changed TF32 flag captures a new graph; past the budget the least recently replayed graph
-    makes room (logged once) and the replacements still give the eager result."""
+    bit; batch 3, padded to the bucket of 4, within fp32 rounding; a final chunk); outputs are the
+    caller's own (a later replay leaves them as they were); a changed TF32 flag captures a new graph;
+    past the budget the least recently replayed graph makes room (logged once) and the replacements
+    still give the eager result."""
     flow = tiny_flow("cuda")
     g = torch.Generator().manual_seed(2)
     graphs = EncoderGraphs(flow, max_graphs=10)

@@ -88,7 +88,9 @@ class GraphConfig:
     # Once graphs are held, a solve whose arena would outgrow the current one (a masked final chunk of several
     # streams needs query + offset frames per row, a direct steady solve only the query's) runs in row groups
     # that fit instead: growing the arena drops every graph that views it, and recapturing the precaptured set
-    # costs seconds in the middle of a stream (stream_churn_bench). False: grow, as before.
+    # costs seconds in the middle of a stream (stream_churn_bench). False: grow, as before. The trade: a prompt
+    # whose length is off the offset grid (not the frontend's 6 s) makes every chunk masked, and many such
+    # streams then solve in small groups every round; a server with such prompts may prefer False.
     keep_arena: bool = True
 
 

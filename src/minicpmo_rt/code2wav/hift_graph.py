@@ -21,8 +21,9 @@ runs as fused Triton kernels (``kernels.snake``), in the graphs and eagerly alik
 
 A steady 1-s stream chunk (8 cached + 50 new mel frames, 3840 cached excitation samples)
 therefore costs two replays plus the excitation's few kernels; batch rows of equal length run
-together, padded to a batch bucket (``ROW_BUCKETS``) so a wandering batch size reuses few graphs. Matmuls run with TF32 off (``precision.ieee_fp32``) during capture and replay; cuDNN's
-own flag is left to the process, as the precision policy requires. A capture failure or a
+together, padded to a batch bucket (``ROW_BUCKETS``) so a wandering batch size reuses few graphs.
+Matmuls run with TF32 off (``precision.ieee_fp32``) during capture and replay; cuDNN's own flag is
+left to the process, as the precision policy requires. A capture failure or a
 spent graph budget falls back to the eager model (logged once).
 
 Streams use it as their *runner* (``hift.StageCall``): ``run_f0`` / ``run_decode`` replay the
@@ -159,9 +160,9 @@ class ShapeGraphs:
         if not self._graphable(xs):
             return fn(*xs)
         b, rows = self._rows(xs)
-        if rows != b:
+        if rows != b:       # keyed by the padded shapes: every row count of a bucket shares its graph
             axes = self._axes(self.batch_axes, len(xs), "tensor inputs")
-            key = tuple((tuple(rows if i == a else n for i, n in enumerate(x.shape)), x.dtype) for x, a in zip(xs, axes))
+            key = tuple((tuple(x.shape[:a]) + (rows,) + tuple(x.shape[a + 1:]), x.dtype) for x, a in zip(xs, axes))
         else:
             key = tuple((tuple(x.shape), x.dtype) for x in xs)
         key += tuple(sorted(static.items()))
