@@ -208,6 +208,28 @@ def test_warm_up_stream_leaves_no_trace(tiny_ckpt, voice, vocoder):
     assert warm.warm_up_batches() == (1,)     # no CFM solver on the CPU reference path: one stream
 
 
+def test_warm_up_stops_at_the_batch_that_runs_out_of_memory(tiny_ckpt, voice, monkeypatch, caplog):
+    """A warm-up round that runs out of device memory stops the warm-up there with a warning (no larger
+    batch is tried) and leaves no lease behind. Running out of GPU memory cannot happen on a CPU, so
+    ``push_many`` raises the CUDA error here on purpose."""
+    import logging
+
+    import torch
+
+    c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2)
+    tried = []
+
+    def oom(items, *a, **k):
+        tried.append(len(items))
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+
+    monkeypatch.setattr(c2w, "push_many", oom)
+    with caplog.at_level(logging.WARNING):
+        assert c2w.warm_up(voice, chunks=2, batches=(1, 3, 5)) == {}
+    assert tried == [3] and "3 concurrent streams ran out of device memory" in caplog.text
+    assert all(e.leases == 0 for e in c2w.prompts._entries.values())
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_first_stream_replays_from_its_first_chunk(tiny_ckpt, voice):
     """On CUDA the first ``open_stream`` precaptures the CFM graphs and runs the warm-up streams at every batch

@@ -367,7 +367,8 @@ class Code2Wav:
         flow-encoder graphs as well. Returns the graphs each set then holds ({} where there are none).
 
         The streams leave no trace: their prompt leases and slots (if any) are released, the graphs' capture
-        thresholds and the RNG state (the original HiFT's excitation draws from it) are restored."""
+        thresholds and the RNG state (the original HiFT's excitation draws from it) are restored. Running out
+        of device memory at some batch stops the warm-up there (logged); what it captured stays."""
         if chunks < 1:
             raise ValueError(f"Code2Wav.warm_up: chunks must be >= 1, got {chunks}")
         batches = tuple(batches)
@@ -390,6 +391,11 @@ class Code2Wav:
                             streams[0].push(payload)
                         else:
                             self.push_many([(s, payload, False) for s in streams])
+                except torch.cuda.OutOfMemoryError as exc:
+                    # a small GPU: what is captured stays, larger rounds capture when they come (or run eagerly)
+                    log.warning("Code2Wav warm-up: %d concurrent streams ran out of device memory (%s); not warming "
+                                "%s or more", b, str(exc).splitlines()[0] if str(exc) else "OOM", b)
+                    break
                 finally:
                     for s in streams:
                         s.close()
