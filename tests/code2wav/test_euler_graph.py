@@ -66,10 +66,11 @@ def test_eager_solver_matches_reference(body, split_k, B, T, L):
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_held_graphs_keep_their_arena_and_wider_solves_split_rows(monkeypatch, keep):
-    """``GraphConfig.keep_arena``: once graphs are held, a solve whose arena would outgrow the current one (4
-    masked rows need 4x a batch-1 arena) runs in row groups that fit it, so the held statics survive; the
-    result is the reference's. Off: the arena grows and drops them. A CUDA graph cannot exist on a CPU, so
-    "held" is mocked (``graphs``); the CUDA test of the flow's final chunks runs real ones."""
+    """``GraphConfig.keep_arena``: once graphs are held, a final (narrower) chunk whose arena would outgrow the
+    current one (4 masked rows need 4x a batch-1 arena) runs in row groups that fit it, so the held statics
+    survive; the result is the reference's. A full-width chunk masked by its offset (a recurring shape)
+    still grows it. Off: the arena grows and drops them. A CUDA graph cannot exist on a CPU, so "held" is
+    mocked (``graphs``); the CUDA test of the flow's final chunks runs real ones."""
     cfm = tiny_cfm(seed=4)
     cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8, keep_arena=keep)
     solver = WholeEulerSolver(cfm, body="fused", attention="sdpa", n_timesteps=S, config=cfg, use_triton=False)
@@ -80,6 +81,7 @@ def test_held_graphs_keep_their_arena_and_wider_solves_split_rows(monkeypatch, k
     monkeypatch.setattr(solver, "graphs", lambda: list(solver._statics))
     assert solver.rows_in_arena(4, 5, 8, mu) == (1 if keep else 4)
     assert solver.rows_in_arena(1, 5, 8, mu) == 1
+    assert solver.rows_in_arena(4, 6, 7, mu) == 4                  # full width, masked by offset: grows
     kw = chunk(4, 5, 8, seed=2)
     got = solver.solve(**kw, graph=False)
     assert_close(got, reference(cfm, kw), 1e-5)

@@ -85,12 +85,13 @@ class GraphConfig:
     # (precapture_probe_session24_h200.md): 8.3 / 5.7 / 4.5 s, the stream's PCM bit-identical, no graph
     # captured mid-stream either way (the staged body's eager solves at batch 4-16 cost ~200 ms each, launches).
     warmups: int = 1
-    # Once graphs are held, a solve whose arena would outgrow the current one (a masked final chunk of several
-    # streams needs query + offset frames per row, a direct steady solve only the query's) runs in row groups
-    # that fit instead: growing the arena drops every graph that views it, and recapturing the precaptured set
-    # costs seconds in the middle of a stream (stream_churn_bench). False: grow, as before. The trade: a prompt
-    # whose length is off the offset grid (not the frontend's 6 s) makes every chunk masked, and many such
-    # streams then solve in small groups every round; a server with such prompts may prefer False.
+    # Once graphs are held, a chunk narrower than its query bucket (a final chunk: one per utterance) whose
+    # arena would outgrow the current one (masked, it needs query + offset frames per row; a direct steady
+    # solve only the query's) runs in row groups that fit instead: growing the arena drops every graph that
+    # views it, and recapturing the precaptured set costs seconds in the middle of a stream
+    # (stream_churn_bench). Full-width chunks still grow it: masked ones (a prompt off the offset grid, not
+    # the frontend's 6 s) recur every round, so one regrowth costs less than splitting them for good.
+    # False: always grow, as before.
     keep_arena: bool = True
 
 
@@ -260,10 +261,13 @@ class WholeEulerSolver:
 
     def rows_in_arena(self, B: int, T: int, L: int, mu: torch.Tensor, trim: tuple[int, int] | None = None,
                       caches: Sequence[torch.Tensor | None] | None = None) -> int:
-        """How many of B rows one solve takes (``GraphConfig.keep_arena``): B, or while graphs are held and
-        B's arena would outgrow the current one, the largest batch bucket below B whose solve fits it (B
-        when none does: then the arena grows, as without the rule)."""
+        """How many of B rows one solve takes (``GraphConfig.keep_arena``): B, or for a chunk narrower than its
+        query bucket while graphs are held and B's arena would outgrow the current one, the largest batch
+        bucket below B whose solve fits it (B when none does: then the arena grows, as without the rule)."""
         if not (self.config.keep_arena and self.fused is not None and self._arena is not None and self.graphs()):
+            return B
+        Q = self._snap(T, self.config.query_buckets)
+        if Q is None or T >= Q:     # full width: a steady shape recurs; grow once rather than split for good
             return B
         have = self._arena.numel()
         for b in [B] + [k for k in sorted(self.config.batch_buckets, reverse=True) if k < B]:
