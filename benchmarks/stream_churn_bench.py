@@ -45,6 +45,7 @@ import torch
 
 from code2wav_pipeline_bench import bench_models
 from first_chunk_bench import release
+from minicpmo_rt.atomic import atomic_write
 from minicpmo_rt.code2wav.encoder_graph import EncoderGraphs
 from minicpmo_rt.code2wav.pipeline import Code2Wav
 from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
@@ -160,6 +161,11 @@ def summary(r: dict) -> dict:
             "cfm_regrowths": r["during_rounds"]["CFM"]["arena_regrowths"]}
 
 
+def _write(path: Path, text: str) -> None:
+    """Replace ``path`` whole or not at all (a run cut off mid-write keeps the previous file)."""
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
 def plot(res: dict, path: Path) -> None:
     """Every round's time (last run of each variant, log scale) over the streams active in it."""
     import matplotlib
@@ -227,14 +233,14 @@ def main() -> None:
         r = one_run(flow, gen, feats, dev, variant, plan, args.seed, args.slots)
         res["runs"][variant.label].append(r)
         print(variant.label, summary(r), flush=True)
-        path.write_text(json.dumps(res, indent=2))
+        _write(path, json.dumps(res, indent=2))
 
     med = {}
     for label in (v.label for v in variants):
         s = [summary(r) for r in res["runs"][label]]
         med[label] = {k: statistics.median(x[k] for x in s) for k in s[0]}
     res["medians"] = med
-    path.write_text(json.dumps(res, indent=2))
+    _write(path, json.dumps(res, indent=2))
     base = med[VARIANTS[0].label]
     lines = [f"# Streams that come and go ({gpu}, torch {res['torch']})", "",
              f"{args.slots} request slots over {args.rounds} rounds (1 s of audio per stream per round), utterances "
@@ -263,7 +269,7 @@ def main() -> None:
             cells.append(f"{v['captures']} captures; {held} held" if k == "CFM"
                          else f"{v['eager']} / {v['captures']}; {held} held")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    (args.out / "stream_churn_bench.md").write_text("\n".join(lines) + "\n")
+    _write(args.out / "stream_churn_bench.md", "\n".join(lines) + "\n")
     plot(res, args.out / "stream_churn_bench.png")
     print("\n".join(lines))
 
