@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from code2wav_pipeline_bench import bench_models
-from first_chunk_bench import release
+from first_chunk_bench import _sync, release
 from minicpmo_rt.atomic import atomic_write
 from minicpmo_rt.code2wav.encoder_graph import EncoderGraphs
 from minicpmo_rt.code2wav.pipeline import Code2Wav
@@ -99,11 +99,6 @@ def build(flow, gen, v: Variant, slots: int) -> Code2Wav:
         plan = c2w.precapture_plan
         c2w.precapture_plan = lambda prompt_frames: {**plan(prompt_frames), "final": False}
     return c2w
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _counts(c2w: Code2Wav) -> dict:

@@ -264,10 +264,10 @@ class WholeEulerSolver:
         """How many of B rows one solve takes (``GraphConfig.keep_arena``): B, or for a chunk narrower than its
         query bucket while graphs are held and B's arena would outgrow the current one, the largest batch
         bucket below B whose solve fits it (B when none does: then the arena grows, as without the rule)."""
-        if not (self.config.keep_arena and self.fused is not None and self._arena is not None and self.graphs()):
-            return B
         Q = self._snap(T, self.config.query_buckets)
         if Q is None or T >= Q:     # full width: a steady shape recurs; grow once rather than split for good
+            return B
+        if not (self.config.keep_arena and self.fused is not None and self._arena is not None and self.graphs()):
             return B
         have = self._arena.numel()
         for b in [B] + [k for k in sorted(self.config.batch_buckets, reverse=True) if k < B]:

@@ -128,22 +128,24 @@ class ShapeGraphs:
             raise ValueError(f"{self.name}: {n} {what} but {len(axes)} batch axes {axes}")
         return axes
 
-    def _rows(self, xs: tuple[torch.Tensor, ...]) -> tuple[int, int]:
-        """(rows of the call, rows of the graph it runs in): equal unless a batch bucket pads the call."""
+    def _rows(self, xs: tuple[torch.Tensor, ...]) -> tuple[int, int, tuple[int, ...]]:
+        """(rows of the call, rows of the graph it runs in, the inputs' batch axes): the rows are equal
+        unless a batch bucket pads the call."""
         if not self.batch_buckets:
-            return 0, 0
+            return 0, 0, ()
         axes = self._axes(self.batch_axes, len(xs), "tensor inputs")
         rows = {x.shape[a] for x, a in zip(xs, axes)}
         if len(rows) != 1:
             raise ValueError(f"{self.name}: the inputs disagree on their batch size along axes {axes}: shapes "
                              f"{[tuple(x.shape) for x in xs]}")
         b = rows.pop()
-        return b, next((k for k in self.batch_buckets if k >= b), b)
+        return b, next((k for k in self.batch_buckets if k >= b), b), axes
 
-    def _pad(self, xs: tuple[torch.Tensor, ...], b: int, rows: int) -> tuple[torch.Tensor, ...]:
-        """``xs`` grown to ``rows`` along their batch axes by repeating their last real row."""
+    @staticmethod
+    def _pad(xs: tuple[torch.Tensor, ...], b: int, rows: int, axes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """``xs`` grown to ``rows`` along their batch ``axes`` by repeating their last real row."""
         out = []
-        for x, a in zip(xs, self._axes(self.batch_axes, len(xs), "tensor inputs")):
+        for x, a in zip(xs, axes):
             shape = list(x.shape)
             shape[a] = rows - b
             out.append(torch.cat([x, x.narrow(a, b - 1, 1).expand(shape)], a))
@@ -159,9 +161,8 @@ class ShapeGraphs:
         fn = functools.partial(self.fn, **static) if static else self.fn
         if not self._graphable(xs):
             return fn(*xs)
-        b, rows = self._rows(xs)
+        b, rows, axes = self._rows(xs)
         if rows != b:       # keyed by the padded shapes: every row count of a bucket shares its graph
-            axes = self._axes(self.batch_axes, len(xs), "tensor inputs")
             key = tuple((tuple(x.shape[:a]) + (rows,) + tuple(x.shape[a + 1:]), x.dtype) for x, a in zip(xs, axes))
         else:
             key = tuple((tuple(x.shape), x.dtype) for x in xs)
@@ -189,7 +190,7 @@ class ShapeGraphs:
                 self._log_once("evict", f"{self.name} graph budget ({self.max_graphs}) held: new shapes replace the "
                                         "least recently replayed graph (not logged again)")
             try:
-                entry = self._capture(self._pad(xs, b, rows) if rows != b else xs, fn)
+                entry = self._capture(self._pad(xs, b, rows, axes) if rows != b else xs, fn)
             except Exception as exc:  # noqa: BLE001 - any capture failure: eager from now on
                 self.off = f"capture failed: {exc}"
                 self._log_once("capture", f"{self.name}: CUDA graph capture failed ({exc}); running eagerly")
@@ -277,7 +278,7 @@ class GraphedHiFT:
     def describe(self) -> str:
         """Which path ran, for logs and benchmarks."""
         d, f, e = self.decode, self.f0, self.excite
-        sets = [f, d] + ([e] if e is not None else [])
+        sets = list(self.shape_sets().values())
         off = next((g.off for g in sets if g.off), None)
         state = f"off ({off})" if off else "on"
         excite = f" + {len(e.graphs)} excitation" if e is not None else ""
