@@ -7,6 +7,10 @@ into its warm-up solves and the capture itself), then pushes six 1-s payloads th
 PCM. Every variant's PCM is compared with the first variant's (the same kernels replay, so it should be
 bit-identical) and each stream chunk must replay without a new capture. Run order: one discarded run
 (Triton's JIT), then the variants alternating, ``--runs`` each. Writes JSON + Markdown to --out.
+
+``--shape-warmups 2,1`` varies instead (or as well: every pair) the eager calls before each capture of the
+encoder and HiFT graph sets (``ShapeGraphs.warmups``, the sets of ``Code2Wav.stream_graph_sets``), which
+``prepare``'s warm-up streams capture at every batch bucket.
 ``--tiny --device cpu`` is a smoke run of the script (no graphs there: the tables stay empty).
 """
 
@@ -24,10 +28,14 @@ import torch
 
 from code2wav_pipeline_bench import bench_models
 from first_chunk_bench import _sync, fresh_code2wav, release, stream_payloads
+from stream_churn_bench import _write
 
 
-def one_run(flow, gen, feats, dev, warmups: int, payloads) -> dict:
+def one_run(flow, gen, feats, dev, warmups: int, payloads, shape_warmups: int | None = None) -> dict:
     c2w = fresh_code2wav(flow, gen, {"cfm_graph_precapture": True})
+    if shape_warmups is not None:
+        for sets in c2w.stream_graph_sets().values():
+            sets.warmups = shape_warmups
     solver = c2w.flow.chunk_solver
     captures = []
     if solver is not None and hasattr(solver, "config"):
@@ -74,7 +82,7 @@ def one_run(flow, gen, feats, dev, warmups: int, payloads) -> dict:
     stream.close()
     after = {k: len(g.graphs) for k, g in c2w.stream_graph_sets().items()}
     n_cfm_after = len(solver.graphs()) if solver is not None and hasattr(solver, "graphs") else 0
-    out = {"warmups": warmups, "prepare_ms": prepare_ms, "held": held, "chunk_ms": chunk_ms,
+    out = {"warmups": warmups, "shape_warmups": shape_warmups, "prepare_ms": prepare_ms, "held": held, "chunk_ms": chunk_ms,
            "captures": captures, "capture_ms": sum(c["total_ms"] for c in captures),
            "capture_warm_ms": sum(c["warm_ms"] for c in captures),
            "new_graphs_in_stream": (n_cfm_after - n_cfm) + sum(after[k] - before[k] for k in after)}
@@ -83,54 +91,70 @@ def one_run(flow, gen, feats, dev, warmups: int, payloads) -> dict:
     return out, np.concatenate(pcm)
 
 
+def _label(v: tuple[int, int | None]) -> str:
+    return f"{v[0]}" + ("" if v[1] is None else f" / {v[1]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--runs", type=int, default=2, help="runs per variant (after one discarded run)")
     ap.add_argument("--warmups", default="3,2,1", help="comma-separated GraphConfig.warmups values")
+    ap.add_argument("--shape-warmups", default="", help="comma-separated ShapeGraphs.warmups values for the "
+                    "encoder and HiFT graph sets (default: leave theirs); variants are every (--warmups, "
+                    "--shape-warmups) pair")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny flow/HiFT sizes (smoke run of the script)")
     args = ap.parse_args()
-    counts = [int(x) for x in args.warmups.split(",")]
-    if args.runs < 1 or not counts or min(counts) < 1:
-        ap.error(f"--runs and every --warmups value must be >= 1, got {args.runs} and {args.warmups!r}")
+    try:
+        counts = [int(x) for x in args.warmups.split(",")]
+        shapes = [int(x) for x in args.shape_warmups.split(",")] if args.shape_warmups else [None]
+    except ValueError:
+        ap.error(f"--warmups and --shape-warmups take comma-separated integers, got {args.warmups!r} and "
+                 f"{args.shape_warmups!r}")
+    if args.runs < 1 or not counts or min(counts) < 1 or any(k is not None and k < 0 for k in shapes):
+        ap.error(f"--runs and every --warmups value must be >= 1 and --shape-warmups >= 0, got {args.runs}, "
+                 f"{args.warmups!r} and {args.shape_warmups!r}")
+    variants = [(k, w) for k in counts for w in shapes]
     dev = torch.device(args.device)
     flow, gen, feats, g = bench_models(args.tiny, dev)
     payloads = stream_payloads(g)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
-    res = {"gpu": gpu, "torch": torch.__version__, "runs": {str(k): [] for k in counts}}
-    res["discarded_run"], ref = one_run(flow, gen, feats, dev, counts[0], payloads)
+    res = {"gpu": gpu, "torch": torch.__version__, "runs": {_label(v): [] for v in variants}}
+    res["discarded_run"], ref = one_run(flow, gen, feats, dev, *variants[0][:1], payloads, variants[0][1])
     print("discarded run (JIT)", res["discarded_run"]["prepare_ms"], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     for _ in range(args.runs):
-        for k in counts:
-            r, pcm = one_run(flow, gen, feats, dev, k, payloads)
+        for v in variants:
+            r, pcm = one_run(flow, gen, feats, dev, v[0], payloads, v[1])
             r["pcm_max_abs_diff_vs_discarded"] = float(np.abs(pcm - ref).max())
-            res["runs"][str(k)].append(r)
-            print(k, {x: r[x] for x in ("prepare_ms", "capture_ms", "capture_warm_ms", "new_graphs_in_stream",
-                                         "pcm_max_abs_diff_vs_discarded")}, flush=True)
-            (args.out / "precapture_probe.json").write_text(json.dumps(res, indent=2))
+            res["runs"][_label(v)].append(r)
+            print(_label(v), {x: r[x] for x in ("prepare_ms", "capture_ms", "capture_warm_ms", "new_graphs_in_stream",
+                                                "pcm_max_abs_diff_vs_discarded")}, flush=True)
+            _write(args.out / "precapture_probe.json", json.dumps(res, indent=2))
 
-    lines = [f"# Code2Wav.prepare: CFM graph warm-ups ({gpu}, torch {res['torch']})", "",
+    head = "CFM warm-ups" + (" / encoder+HiFT warm-ups" if shapes != [None] else "")
+    lines = [f"# Code2Wav.prepare: graph warm-ups ({gpu}, torch {res['torch']})", "",
              f"Host ms with a device synchronisation, median of {args.runs} run(s) per variant after one discarded "
              "run; full-size random weights, 6-s prompt. 'CFM captures' sums the Whole-Euler captures (their "
-             "warm-up solves, then the capture); the rest of prepare is the prompt solve and the warm-up stream.",
-             "", "| CFM warm-ups | prepare | CFM captures | of which warm-up solves | rest | steady chunk 5 | "
+             "warm-up solves, then the capture); the rest of prepare is the prompt solve and the warm-up streams "
+             "(the encoder and HiFT captures among them).",
+             "", f"| {head} | prepare | CFM captures | of which warm-up solves | rest | steady chunk 5 | "
              "new graphs in the stream | PCM max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for k in counts:
-        runs = res["runs"][str(k)]
+    for v in variants:
+        runs = res["runs"][_label(v)]
         med = {x: statistics.median(r[x] for r in runs) for x in ("prepare_ms", "capture_ms", "capture_warm_ms")}
-        lines.append(f"| {k} | {med['prepare_ms']:.0f} | {med['capture_ms']:.0f} | {med['capture_warm_ms']:.0f} | "
+        lines.append(f"| {_label(v)} | {med['prepare_ms']:.0f} | {med['capture_ms']:.0f} | {med['capture_warm_ms']:.0f} | "
                      f"{med['prepare_ms'] - med['capture_ms']:.0f} | "
                      f"{statistics.median(r['chunk_ms'][4] for r in runs):.2f} | "
                      f"{max(r['new_graphs_in_stream'] for r in runs)} | "
                      f"{max(r['pcm_max_abs_diff_vs_discarded'] for r in runs):.1e} |")
-    caps = res["runs"][str(counts[0])][-1]["captures"]
+    caps = res["runs"][_label(variants[0])][-1]["captures"]
     if caps:
-        lines += ["", f"Per capture, last run with {counts[0]} warm-ups (ms):", "",
+        lines += ["", f"Per capture, last run of {_label(variants[0])} (ms):", "",
                   "| key | total | warm-up solves |", "|---|---:|---:|"]
         lines += [f"| {c['key']} | {c['total_ms']:.0f} | {c['warm_ms']:.0f} |" for c in caps]
-    (args.out / "precapture_probe.md").write_text("\n".join(lines) + "\n")
+    _write(args.out / "precapture_probe.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

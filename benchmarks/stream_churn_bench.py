@@ -16,10 +16,15 @@ timed apart):
   * ``+ arena kept``: ``GraphConfig.keep_arena`` (a masked final chunk of several streams solves in row
     groups that fit the arena) and the final-chunk keys precaptured;
   * ``+ batch buckets``: encoder and HiFT rows pad to ``ROW_BUCKETS`` (their budgets as now);
-  * ``+ warm-up at every bucket (default)``: ``prepare`` warms 1, 2, 4, 8, 16 streams, not one;
+  * ``+ warm-up at every bucket``: ``prepare`` warms 1, 2, 4, 8, 16 streams, not one;
+  * ``+ arena sized for 4 final rows (default)``: ``GraphConfig.final_batch`` = 4 (the rows above it, 0: only the
+    final keys that fit the steady arena, batch 1);
   * ``default + slot pool, row-offset merging (opt-in)``: the knobs ``cfm_slot_pool`` (one slot per request
     slot) and ``cfm_row_offset_merge``: streams at different points of their utterances share one CFM solve
     (``--no-slot-pool`` leaves this row out).
+
+``--finals`` runs instead the default with ``final_batch`` 0, 2, 4 and 8 (what sizing the arena for more final
+rows buys, and costs in memory); ``--only`` keeps the variants whose labels hold one of its substrings.
 
 Per variant: ``prepare`` time, every round's host time with a device synchronisation (median, 90th
 percentile, max, total), and what the encoder and HiFT graph sets did during the rounds (eager calls,
@@ -57,13 +62,17 @@ class Variant:
     warm: tuple[int, ...] | None       # prepare's warm-up batches (None: its default, every bucket)
     keep_arena: bool                   # GraphConfig.keep_arena, and the final chunks' keys precaptured
     pool: bool = False                 # cfm_slot_pool (one slot per request slot) + cfm_row_offset_merge
+    final_batch: int | None = None     # GraphConfig.final_batch (None: the default)
 
 
-VARIANTS = (Variant("before", False, (1,), False),
-            Variant("+ arena kept", False, (1,), True),
-            Variant("+ batch buckets", True, (1,), True),
-            Variant("+ warm-up at every bucket (default)", True, None, True))
+VARIANTS = (Variant("before", False, (1,), False, final_batch=0),
+            Variant("+ arena kept", False, (1,), True, final_batch=0),
+            Variant("+ batch buckets", True, (1,), True, final_batch=0),
+            Variant("+ warm-up at every bucket", True, None, True, final_batch=0),
+            Variant("+ arena sized for 4 final rows (default)", True, None, True))
 POOLED = Variant("default + slot pool, row-offset merging (opt-in)", True, None, True, pool=True)
+# what sizing the arena for more final rows buys (GraphConfig.final_batch)
+FINALS = tuple(Variant(f"default, final keys to batch {b}", True, None, True, final_batch=b) for b in (0, 2, 4, 8))
 SILENCE = 4218
 
 
@@ -94,6 +103,8 @@ def build(flow, gen, v: Variant, slots: int) -> Code2Wav:
     if c2w.flow.encoder_graphs is not None and not v.buckets:
         c2w.flow.encoder_graphs = EncoderGraphs(c2w.flow, max_graphs=8, batch_buckets=())    # as before
     solver = c2w.flow.chunk_solver
+    if v.final_batch is not None and solver is not None:
+        solver.config = replace(solver.config, final_batch=v.final_batch)
     if not v.keep_arena and solver is not None:
         solver.config = replace(solver.config, keep_arena=False)
         plan = c2w.precapture_plan
@@ -114,6 +125,34 @@ def _counts(c2w: Code2Wav) -> dict:
     return out
 
 
+def _count_solves(c2w: Code2Wav, log: list) -> bool:
+    """Note every CFM solve call (the dense solver's ``solve``, the slot solver's ``solve_slots``) in ``log`` as
+    [rows, mel frames, replays or eager programs it ran] (a dense solve runs more than one where its rows split
+    into groups: past the largest bucket, or to fit the arena, ``keep_arena``), through instance attributes of
+    this run's own solvers. False: no such solver (the reference path off CUDA)."""
+    found = False
+    for solver, name in ((c2w.flow.chunk_solver, "solve"), (c2w.slot_solver, "solve_slots")):
+        if solver is None or not hasattr(solver, name):
+            continue
+        inner, depth = getattr(solver, name), [0]
+
+        def counted(*a, _inner=inner, _depth=depth, _mu_at=1 if name == "solve_slots" else 0, **k):
+            mu = a[_mu_at] if len(a) > _mu_at else k["mu"]
+            if _depth[0] == 0:
+                log.append([int(mu.shape[0]), int(mu.shape[-1]), 0])
+            before = len(log) and log[-1][2]
+            _depth[0] += 1
+            try:
+                return _inner(*a, **k)
+            finally:
+                _depth[0] -= 1
+                if log[-1][2] == before:    # no group below this call: it ran one program itself
+                    log[-1][2] += 1
+        setattr(solver, name, counted)
+        found = True
+    return found
+
+
 def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int) -> dict:
     c2w = build(flow, gen, v, slots)
     _sync(dev)
@@ -122,10 +161,16 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int) -> d
     _sync(dev)
     prepare_ms = 1000 * (time.perf_counter() - t)
     before = _counts(c2w)
+    solver = c2w.flow.chunk_solver
+    arena = getattr(solver, "_arena", None)
+    arena_gib = 0.0 if arena is None else arena.numel() * arena.element_size() / 2**30
+    solves: list[tuple[int, int]] = []
+    counting = _count_solves(c2w, solves)
     g = np.random.default_rng(seed)
     streams: dict[int, object] = {}
-    rounds, batches = [], []
+    rounds, batches, per_round = [], [], []
     for active in plan:
+        solves.clear()
         t = time.perf_counter()
         items = []
         for slot, k, final in active:
@@ -137,10 +182,12 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int) -> d
         _sync(dev)
         rounds.append(1000 * (time.perf_counter() - t))
         batches.append(len(items))
+        per_round.append(list(solves))
     after = _counts(c2w)
     during = {k: {m: after[k][m] - before[k].get(m, 0) for m in after[k]} for k in after}
-    out = {"prepare_ms": prepare_ms, "round_ms": rounds, "streams_per_round": batches, "during_rounds": during,
-           "held_after": {k: v["held"] for k, v in after.items()}, "choice": c2w.choice.describe()}
+    out = {"prepare_ms": prepare_ms, "arena_gib": arena_gib, "round_ms": rounds, "streams_per_round": batches, "during_rounds": during,
+           "held_after": {k: v["held"] for k, v in after.items()}, "choice": c2w.choice.describe(),
+           "cfm_solves": per_round if counting else None}
     del c2w, streams
     release(dev)
     return out
@@ -148,12 +195,23 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int) -> d
 
 def summary(r: dict) -> dict:
     ms = sorted(r["round_ms"])
-    return {"prepare_ms": r["prepare_ms"], "median": statistics.median(ms), "p90": ms[int(0.9 * (len(ms) - 1))],
+    return {"prepare_ms": r["prepare_ms"], "arena_gib": r.get("arena_gib", float("nan")), "median": statistics.median(ms), "p90": ms[int(0.9 * (len(ms) - 1))],
             "max": ms[-1], "total": sum(ms),
             "eager": sum(v["eager"] for k, v in r["during_rounds"].items() if k != "CFM"),
             "captures": sum(v["captures"] for k, v in r["during_rounds"].items() if k != "CFM"),
             "cfm_captures": r["during_rounds"]["CFM"]["captures"],
-            "cfm_regrowths": r["during_rounds"]["CFM"]["arena_regrowths"]}
+            "cfm_regrowths": r["during_rounds"]["CFM"]["arena_regrowths"],
+            **_solve_stats(r.get("cfm_solves"))}
+
+
+def _solve_stats(per_round: list | None) -> dict:
+    """CFM solve programs (replays or eager runs) per round (median) and rows per program (mean) of a run
+    (results of older runs lack them)."""
+    if not per_round:
+        return {}
+    return {"solves_per_round": statistics.median(sum(c[2] for c in rnd) for rnd in per_round),
+            "rows_per_solve": sum(c[0] for rnd in per_round for c in rnd)
+            / max(sum(c[2] for rnd in per_round for c in rnd), 1)}
 
 
 def _write(path: Path, text: str) -> None:
@@ -196,6 +254,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny flow/HiFT sizes (smoke run of the script)")
     ap.add_argument("--no-slot-pool", action="store_true", help="leave out the opt-in slot pool's row")
+    ap.add_argument("--finals", action="store_true", help="instead: the default with its arena sized for final "
+                    "chunks of 0 (the default), 2, 4 and 8 streams (GraphConfig.final_batch)")
+    ap.add_argument("--only", default="", help="'|'-separated substrings: only the variants whose labels hold "
+                    "one (the first one kept is the 'vs' column's base), e.g. 'default'")
     ap.add_argument("--replot", type=Path, help="only draw the plot of a results JSON into --out")
     args = ap.parse_args()
     if args.replot is not None:
@@ -216,6 +278,14 @@ def main() -> None:
     flow, gen, feats, _ = bench_models(args.tiny, dev)
     plan = schedule(args.slots, args.rounds, args.seed)
     variants = VARIANTS if args.no_slot_pool else VARIANTS + (POOLED,)
+    if args.finals:
+        variants = FINALS
+    if args.only:
+        want = [w.strip() for w in args.only.split("|") if w.strip()]
+        variants = tuple(v for v in variants if any(w in v.label for w in want))
+        if not variants:
+            ap.error(f"--only {args.only!r} matches no variant; labels: "
+                     + "; ".join(v.label for v in VARIANTS + (POOLED,) + FINALS))
     sizes = [len(a) for a in plan]
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
     res = {"gpu": gpu, "torch": torch.__version__, "slots": args.slots, "rounds": args.rounds, "seed": args.seed,
@@ -236,7 +306,7 @@ def main() -> None:
         med[label] = {k: statistics.median(x[k] for x in s) for k in s[0]}
     res["medians"] = med
     _write(path, json.dumps(res, indent=2))
-    base = med[VARIANTS[0].label]
+    base = med[variants[0].label]
     lines = [f"# Streams that come and go ({gpu}, torch {res['torch']})", "",
              f"{args.slots} request slots over {args.rounds} rounds (1 s of audio per stream per round), utterances "
              f"of 3-10 chunks with 0-2 idle rounds between them, seed {args.seed}: {min(sizes)}-{max(sizes)} "
@@ -244,19 +314,23 @@ def main() -> None:
              f"synchronisation, ms; medians over {args.runs} run(s) per variant after one discarded run. "
              "Eager / captures: calls of the encoder and HiFT graph sets during the rounds that did not replay "
              "(summed over the sets); CFM: Whole-Euler graphs captured during the rounds, and arena growths that "
-             "dropped the graphs held.", "",
-             "| variant | prepare (ms) | round median | round p90 | round max | all rounds | vs before | "
-             "eager calls | captures | CFM captures | CFM arena regrowths |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "dropped the graphs held; arena: its size after prepare. CFM solves: graph replays (or eager "
+             "programs) per round, a group of streams splitting into several where its rows outgrow the arena "
+             "(final chunks, GraphConfig.keep_arena).", "",
+             "| variant | prepare (ms) | round median | round p90 | round max | all rounds | vs first row | "
+             "eager calls | captures | CFM captures | CFM arena regrowths | CFM arena (GiB) | CFM solves per round | "
+             "rows per solve |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label in (v.label for v in variants):
         m = med[label]
         lines.append(f"| {label} | {m['prepare_ms']:.0f} | {m['median']:.1f} | {m['p90']:.1f} | {m['max']:.1f} | "
                      f"{m['total']:.0f} | {base['total'] / m['total']:.2f}x | {m['eager']:.0f} | "
-                     f"{m['captures']:.0f} | {m['cfm_captures']:.0f} | {m['cfm_regrowths']:.0f} |")
+                     f"{m['captures']:.0f} | {m['cfm_captures']:.0f} | {m['cfm_regrowths']:.0f} | "
+                     f"{m['arena_gib']:.2f} | {format(m['solves_per_round'], 'g') if 'solves_per_round' in m else '-'} | "
+                     f"{format(m['rows_per_solve'], '.1f') if 'rows_per_solve' in m else '-'} |")
     last = {v.label: res["runs"][v.label][-1] for v in variants}
+    sets = last[variants[0].label]["during_rounds"]
     lines += ["", "Per graph set, last run of each variant (eager calls / captures during the rounds; graphs held "
-                  "after them):", "", "| variant | " + " | ".join(last[VARIANTS[0].label]["during_rounds"]) + " |",
-              "|---|" + "---|" * len(last[VARIANTS[0].label]["during_rounds"])]
+                  "after them):", "", "| variant | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
     for label, r in last.items():
         cells = []
         for k, v in r["during_rounds"].items():

@@ -94,6 +94,36 @@ def test_held_graphs_keep_their_arena_and_wider_solves_split_rows(monkeypatch, k
 
 @pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
                     reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_final_batch_sizes_the_arena_for_final_chunks():
+    """``GraphConfig.final_batch``: precapture also takes the final (narrower, masked) chunks' keys up to that
+    batch where their arena (query + offset frames per row) outgrows the direct steady solves' (query frames
+    only), the largest first so the arena is sized once; 0 keeps the final keys that fit (batch 1 here: 2 x 80
+    frames, as batch 4's 8 x 20). Once sized, held graphs keep batch-4 finals in one solve (``rows_in_arena``)."""
+    import math
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # the direct path needs Triton on the inputs' device
+    cfm = tiny_cfm(seed=3).to(dev)
+    trim = (20, 40)
+    mu = torch.zeros(1, 80, 19, device=dev)
+    for final_batch, finals in ((0, {1}), (2, {1, 2}), (4, {1, 2, 4})):
+        cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(20,), offset_bucket=20, offset_anchor=60,
+                          final_batch=final_batch)
+        sv = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", n_timesteps=S, config=cfg,
+                              use_triton=True, block_kernel=False)
+        keys = sv.precapture_keys((1, 2, 4), 20, (60,), dev, trim, final=True)
+        assert {k.batch for k in keys if not k.masked} == {1, 2, 4} and all(k.direct for k in keys if not k.masked)
+        assert {k.batch for k in keys if k.masked} == finals
+        sizes = [math.prod(sv._arena_shape(k)) for k in keys]
+        assert sizes == sorted(sizes, reverse=True)
+        sv._arena = torch.zeros(sizes[0], device=dev)   # what precapture's first (largest) key allocates
+        sv.graphs = lambda: [keys[0]]                   # "held": a CUDA graph cannot exist on a CPU
+        assert sv.rows_in_arena(4, 19, 60, mu, trim) == max(finals)
+    with pytest.raises(ValueError, match="final_batch"):
+        GraphConfig(final_batch=-1)
+
+
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
 def test_block_kernel_solver_with_masks_matches_reference():
     """The persistent block kernel inside the Euler solver, on the padded (masked) bucket: batch 3
     -> 4, width 5 -> 6, offset 7 -> 8. CPU: Triton's interpreter, one phase per launch, FP32 dots;

@@ -1,5 +1,6 @@
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -236,8 +237,8 @@ def test_cuda_first_stream_replays_from_its_first_chunk(tiny_ckpt, voice):
     bucket: the first real stream's five chunks (first, growing, steady), then rounds of 3 concurrent streams
     (``push_many``, padded to the bucket of 4) capture nothing and run nothing eagerly in any graph set (CFM,
     encoder, HiFT stages), and the PCM equals that of an instance with ``cfm_graph_precapture: false``
-    (graphs captured lazily, first calls eager) to <= 1e-5. The trio's final chunks then keep every CFM graph
-    and the arena (``GraphConfig.keep_arena``; their batch-1 key was precaptured)."""
+    (graphs captured lazily, first calls eager) to <= 1e-5. The trio's final chunks then replay one solve (their
+    batch-4 key was precaptured, ``GraphConfig.final_batch``) and keep every CFM graph and the arena."""
     warm = Code2Wav.from_snapshot(tiny_ckpt, device="cuda", n_timesteps=2)
     cold = Code2Wav.from_snapshot(tiny_ckpt, device="cuda", n_timesteps=2, extra={"cfm_graph_precapture": False})
     assert warm.precapture_pending and not cold.precapture_pending
@@ -260,8 +261,15 @@ def test_cuda_first_stream_replays_from_its_first_chunk(tiny_ckpt, voice):
     assert held() == before
     solver = warm.flow.chunk_solver
     graphs, arena = {k: id(st.graph) for k, st in solver._statics.items()}, solver._arena.numel()
-    got += warm.push_many([(t, codes[-13:], True) for t in trio])    # final chunks: masked, in rows that fit
+    replays = []
+    solver._static_for = lambda key, *a, _f=solver._static_for, **k: replays.append(key) or _f(key, *a, **k)
+    got += warm.push_many([(t, codes[-13:], True) for t in trio])    # final chunks: masked, one batch-4 solve
+    del solver._static_for
+    assert [(k.batch, k.masked) for k in replays] == [(4, True)]
     assert {k: id(st.graph) for k, st in solver._statics.items()} == graphs and solver._arena.numel() == arena
+    # the lazy instance's held graphs would split its trio's finals into rows that fit its smaller arena (batch
+    # 1, which TF32 rounds apart from batch 4): there the arena grows instead
+    cold.flow.chunk_solver.config = replace(cold.flow.chunk_solver.config, keep_arena=False)
     c = cold.open_stream(voice)
     want = [c.push(p) for p in payloads]
     trio = [cold.open_stream(voice) for _ in range(3)]    # batched: TF32 rounds a batch-4 solve apart from batch 1

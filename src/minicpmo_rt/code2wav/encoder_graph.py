@@ -45,7 +45,8 @@ def _tf32_flags() -> tuple[bool, bool]:
 class EncoderGraphs:
     """``flow``'s encoder half (see the module docstring); ``run`` has ``Flow._encode``'s contract."""
 
-    def __init__(self, flow, max_graphs: int = 24, warmups: int = 2, batch_buckets: Sequence[int] = ROW_BUCKETS):
+    def __init__(self, flow, max_graphs: int = 24, warmups: int = ShapeGraphs.WARMUPS,
+                 batch_buckets: Sequence[int] = ROW_BUCKETS):
         self.flow = flow
         # (token, cnn, att) in, (h, cnn, att) out: the attention cache is layer-major, its rows on axis 1
         self.shapes = ShapeGraphs(self._body, "encoder", max_graphs, warmups, capture_after=2,

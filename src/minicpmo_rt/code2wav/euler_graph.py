@@ -93,6 +93,20 @@ class GraphConfig:
     # the frontend's 6 s) recur every round, so one regrowth costs less than splitting them for good.
     # False: always grow, as before.
     keep_arena: bool = True
+    # Final chunks' keys up to this batch bucket are precaptured even where their arena outgrows the steady
+    # solves' (a masked chunk holds query + offset frames per row, a direct steady one only the query's), so
+    # the arena is sized for them once, before any graph views it, and that many streams ending in one round
+    # share one solve instead of ``keep_arena``'s groups of one. 0: only the final keys that fit the steady
+    # arena (batch 1 with the default grid). H200, stream_churn_bench (16 slots, 60 rounds, medians of 2;
+    # stream_churn_finals_session26_h200.md), 0 / 2 / 4 / 8: arena 0.98 / 1.10 / 2.20 / 4.39 GiB, all rounds
+    # 5901 / 5671 / 5755 / 5528 ms, rounds with final chunks (median) 98.9 / 93.8 / 91.7 / 90.0 ms, their
+    # solves 127 / 78 / 58 / 54 programs for 127 final rows; prepare +0.2 / +1.0 / +1.4 s.
+    final_batch: int = 4
+
+    def __post_init__(self):
+        if self.final_batch < 0:
+            raise ValueError(f"GraphConfig.final_batch must be >= 0 (0: only the final keys that fit the steady "
+                             f"arena), got {self.final_batch}")
 
 
 @dataclass(frozen=True)
@@ -453,15 +467,15 @@ class WholeEulerSolver:
         """The keys ``solve`` will take for B rows of width ``query`` over each offset (with the flow's
         ``trim``), each once, the largest arena first (a larger one would regrow it and drop the graphs).
         ``final``: also the keys of narrower (final) chunks over those offsets (masked: one key per
-        bucket, whatever the width), for the batches whose arena fits the one the full-width keys need
-        (more rows solve in groups that fit, ``GraphConfig.keep_arena``)."""
+        bucket, whatever the width), for the batches whose arena fits the one the full-width keys need or
+        that ``GraphConfig.final_batch`` covers (more rows solve in groups that fit, ``keep_arena``)."""
         mu = torch.empty(1, self.n_mel, query, device=device)
         keys = dict.fromkeys(self.solve_key(B, query, L, mu, trim) for L in offsets for B in batches)
         size = lambda k: math.prod(self._arena_shape(k))  # noqa: E731
         if final and query > 1 and keys:
             most = max(map(size, keys))
             narrow = (self.solve_key(B, query - 1, L, mu, trim) for L in offsets for B in batches)
-            keys.update(dict.fromkeys(k for k in narrow if size(k) <= most))
+            keys.update(dict.fromkeys(k for k in narrow if size(k) <= most or k.batch <= self.config.final_batch))
         return sorted(keys, key=size, reverse=True)
 
     def precapture(self, batches: Sequence[int], query: int, offsets: Sequence[int], device="cuda",

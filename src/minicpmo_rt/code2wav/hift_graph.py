@@ -75,8 +75,12 @@ class ShapeGraphs:
     exact. ``eager_calls`` and ``captures`` count the graphable calls that did not just replay."""
 
     SEEN_LIMIT = 256  # keys counted towards capture_after; older counts are forgotten
+    # Eager calls on a side stream before each capture. One is enough (cuDNN's and cuBLAS's workspaces, Triton's
+    # kernels): H200, Code2Wav.prepare with the encoder and HiFT sets at 2 / 1 (precapture_probe_session26_h200.md,
+    # medians of 3): 6.60 / 6.02 s, the stream's PCM bit-identical, nothing captured mid-stream either way.
+    WARMUPS = 1
 
-    def __init__(self, fn: Callable, name: str, max_graphs: int = 8, warmups: int = 2,
+    def __init__(self, fn: Callable, name: str, max_graphs: int = 8, warmups: int = WARMUPS,
                  capture_context: Callable[[], ContextManager] = contextlib.nullcontext,
                  capture_after: int = 1, key_extra: Callable[[], tuple] | None = None, evict: bool = False,
                  batch_buckets: Sequence[int] = (), batch_axes: Sequence[int] | None = None,
