@@ -122,6 +122,28 @@ def test_final_batch_sizes_the_arena_for_final_chunks():
         GraphConfig(final_batch=-1)
 
 
+def test_precapture_skips_a_key_that_does_not_fit(monkeypatch, caplog):
+    """A precapture key whose buffers raise CUDA's out-of-memory error (here the largest, a final chunk's) is
+    skipped with one warning and the rest are still taken, largest first. Mocked: an out-of-memory error and
+    a CUDA device cannot be produced on a CPU machine; the CUDA tests run real precaptures."""
+    cfm = tiny_cfm(seed=5)
+    sv = WholeEulerSolver(cfm, body="fused", attention="sdpa", n_timesteps=S, use_triton=False)
+    keys = [SolveKey(4, 50, 400, True), SolveKey(16, 50, 400, False), SolveKey(1, 50, 400, False)]
+    taken = []
+
+    def static_for(key, device, want_graph):
+        if key.masked:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (mocked)")
+        taken.append(key)
+    monkeypatch.setattr(sv, "precapture_keys", lambda *a, **k: keys)
+    monkeypatch.setattr(sv, "_static_for", static_for)
+    monkeypatch.setattr(sv, "graphs", lambda: list(taken))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    with caplog.at_level("WARNING"):
+        assert sv.precapture((1, 4, 16), 50, (400,), device="cuda:0", trim=(300, 100), final=True) == 2
+    assert taken == keys[1:] and caplog.text.count("does not fit in device memory") == 1
+
+
 @pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
                     reason="Triton needs CUDA or TRITON_INTERPRET=1")
 def test_block_kernel_solver_with_masks_matches_reference():

@@ -481,7 +481,9 @@ class WholeEulerSolver:
     def precapture(self, batches: Sequence[int], query: int, offsets: Sequence[int], device="cuda",
                    trim: tuple[int, int] | None = None, final: bool = False) -> int:
         """Capture graphs ahead of the first chunk (``precapture_keys``); returns how many are held now.
-        Stops where the budget is spent or a capture fails (the solver then runs eagerly, as ``solve``)."""
+        Stops where the budget is spent or a capture fails (the solver then runs eagerly, as ``solve``). A key
+        whose buffers do not fit in device memory is skipped (logged once): the largest come first, so on a
+        small device the arena is sized by the next key that fits, and ``keep_arena`` splits wider solves."""
         device = torch.device(device)
         if device.type != "cuda" or not self.config.enabled:
             return 0
@@ -491,7 +493,13 @@ class WholeEulerSolver:
             for key in self.precapture_keys(batches, query, offsets, device, trim, final):
                 if self._graphs_off_reason or len(self.graphs()) >= self.config.max_graphs:
                     break
-                self._static_for(key, device, want_graph=True)
+                try:
+                    self._static_for(key, device, want_graph=True)
+                except torch.cuda.OutOfMemoryError:
+                    self._log_once("precapture-oom", f"Whole-Euler precapture: {key} does not fit in device "
+                                                     "memory, skipped (such solves run in row groups that fit, "
+                                                     "or allocate when met)")
+                    torch.cuda.empty_cache()
         return len(self.graphs())
 
     # ------------------------------------------------------------------ solve

@@ -411,7 +411,8 @@ class Code2Wav:
         ``prompt_frames`` mel frames: the full query width over each cache length a stream passes through
         (prompt, prompt + one chunk, ... up to the trimmed steady length prompt + ``HISTORY_FRAMES``), at
         every batch bucket, the flow's trim included, and a final (narrower) chunk over each of them at the
-        batches whose arena fits (``WholeEulerSolver.precapture_keys``), until the graph budget is spent.
+        batches whose arena fits or ``GraphConfig.final_batch`` covers (``WholeEulerSolver.precapture_keys``),
+        until the graph budget is spent.
         Returns the graphs held (0 off CUDA or without graphs). The keys are shapes only: every voice with
         this prompt length (all of them: ``frontend`` makes every reference 6 s) replays these graphs."""
         solver = self.flow.chunk_solver
