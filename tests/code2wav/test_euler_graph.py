@@ -1,6 +1,7 @@
 """Whole-Euler solver vs the reference CFM solve (cfm.CausalConditionalCFM.forward_chunk)."""
 
 import contextlib
+import math
 import os
 
 import pytest
@@ -99,8 +100,6 @@ def test_final_batch_sizes_the_arena_for_final_chunks():
     batch where their arena (query + offset frames per row) outgrows the direct steady solves' (query frames
     only), the largest first so the arena is sized once; 0 keeps the final keys that fit (batch 1 here: 2 x 80
     frames, as batch 4's 8 x 20). Once sized, held graphs keep batch-4 finals in one solve (``rows_in_arena``)."""
-    import math
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"     # the direct path needs Triton on the inputs' device
     cfm = tiny_cfm(seed=3).to(dev)
     trim = (20, 40)
