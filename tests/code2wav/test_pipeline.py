@@ -168,6 +168,69 @@ def test_graph_knobs_reach_the_solver_and_precapture_covers_a_stream(tiny_ckpt, 
         Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_max_graphs": "lots"})
 
 
+def test_a_prompt_of_another_length_solves_unmasked(tiny_ckpt):
+    """A ``PromptFeatures`` that is not the frontend's 6 s (140 tokens, 280 mel frames): the flow's trimmed
+    solves anchor the offset grid at its own steady length (``GraphConfig.anchor_at_trim``, on in Code2Wav's
+    solver), so every chunk of its stream solves unmasked and exactly at its cache length, and the precapture
+    plan for that prompt holds each key. On the configured 6-s grid its steady cache (380 frames) would snap to
+    400 and every steady chunk would be masked (through the arena, Q + offset frames per row)."""
+    import torch
+
+    from minicpmo_rt.code2wav.frontend import PromptFeatures
+
+    fast = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True})
+    sv = fast.flow.chunk_solver
+    assert sv.config.anchor_at_trim and sv.config.offset_anchor == 400
+    sv.fused.use_triton = False    # the torch stages: the same keys, faster on CPU
+    g = torch.Generator().manual_seed(3)
+    feats = PromptFeatures(torch.randint(0, 6561, (1, 140), generator=g), torch.randn(1, 192, generator=g),
+                           torch.randn(1, 280, 80, generator=g), 280, "short prompt")
+    s = fast.open_stream(feats)
+    assert s.prompt_frames == 280
+    seen, key_of = [], sv.solve_key
+    sv.solve_key = lambda *a, **k: seen.append(key_of(*a, **k)) or seen[-1]
+    codes = _codes(130, seed=5)
+    for i in range(0, 125, 25):
+        s.push(([4218] * 3 + codes[:25]) if i == 0 else codes[i - 3:i + 25])
+    assert [(k.offset, k.masked) for k in seen] == [(280, False), (330, False), (380, False), (380, False),
+                                                    (380, False)]
+    assert set(seen) <= set(sv.precapture_keys(**fast.precapture_plan(280), device="cpu"))
+    sv.config = replace(sv.config, anchor_at_trim=False)
+    assert key_of(1, 50, 380, torch.zeros(1, 80, 50), trim=(280, 100)).masked
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_prompt_of_another_length_replays_its_precaptured_graphs(tiny_ckpt):
+    """On CUDA a 280-frame prompt's stream (first, growing and steady chunks) replays the graphs precaptured
+    for that prompt (offsets 280 / 330 / 380, unmasked): no capture and no arena regrowth mid-stream, and its
+    PCM equals a lazily captured instance's to <= 1e-5."""
+    import torch
+
+    from minicpmo_rt.code2wav.frontend import PromptFeatures
+
+    g = torch.Generator().manual_seed(3)
+    feats = PromptFeatures(torch.randint(0, 6561, (1, 140), generator=g), torch.randn(1, 192, generator=g),
+                           torch.randn(1, 280, 80, generator=g), 280, "short prompt")
+    codes = _codes(130, seed=5)
+    payloads = [[4218] * 3 + codes[:25]] + [codes[i - 3:i + 25] for i in range(25, 125, 25)]
+    warm = Code2Wav.from_snapshot(tiny_ckpt, device="cuda", n_timesteps=2)
+    s = warm.open_stream(feats)     # precaptures for this prompt
+    solver = warm.flow.chunk_solver
+    held, captures = {k for k, st in solver._statics.items() if st.graph is not None}, solver.captures
+    assert {k.offset for k in held if not k.masked} == {280, 330, 380}
+    seen, key_of = [], solver.solve_key
+    solver.solve_key = lambda *a, **k: seen.append(key_of(*a, **k)) or seen[-1]
+    got = [s.push(p) for p in payloads]
+    assert [k.offset for k in seen] == [280, 330, 380, 380, 380] and not any(k.masked for k in seen)
+    assert set(seen) <= held and solver.captures == captures and solver.arena_regrowths == 0
+    cold = Code2Wav.from_snapshot(tiny_ckpt, device="cuda", n_timesteps=2, extra={"cfm_graph_precapture": False})
+    c = cold.open_stream(feats)
+    want = [c.push(p) for p in payloads]
+    for k, (a, b) in enumerate(zip(got, want)):
+        err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        assert a.shape == b.shape and err <= 1e-5, (k, err)
+
+
 @pytest.mark.parametrize("vocoder", ["stream", "whole"])
 def test_warm_up_stream_leaves_no_trace(tiny_ckpt, voice, vocoder):
     """``warm_up`` pushes silence through a throwaway stream (on CUDA with every encoder and vocoder graph set

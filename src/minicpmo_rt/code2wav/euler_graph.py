@@ -8,8 +8,9 @@
 * as one graph replay per chunk, keyed by (batch bucket, query-width bucket, cache-offset
   bucket, masked). Widths snap up to a bucket (x zero-padded, mu/cond replicate-padded,
   padded keys masked, padded queries reuse row 0's mask so they never produce NaN);
-  offsets snap up on a grid anchored at the steady length (prompt + 100), so the steady
-  solve is never padded and runs unmasked; batches snap to a power of two (padded rows
+  offsets snap up on a grid anchored at the steady length (prompt + 100: the configured one,
+  or with ``GraphConfig.anchor_at_trim`` the trimmed call's own), so the steady solve is never
+  padded and runs unmasked; batches snap to a power of two (padded rows
   are independent and discarded) and larger batches run in groups.
 
 Each step stages ``[x | mu | spk | cond]`` for the ``[cond rows | uncond rows]`` batch, runs
@@ -89,8 +90,9 @@ class GraphConfig:
     # arena would outgrow the current one (masked, it needs query + offset frames per row; a direct steady
     # solve only the query's) runs in row groups that fit instead: growing the arena drops every graph that
     # views it, and recapturing the precaptured set costs seconds in the middle of a stream
-    # (stream_churn_bench). Full-width chunks still grow it: masked ones (a prompt off the offset grid, not
-    # the frontend's 6 s) recur every round, so one regrowth costs less than splitting them for good.
+    # (stream_churn_bench). Full-width chunks still grow it: masked ones (an offset off the grid: a prompt that
+    # is not the frontend's 6 s, without ``anchor_at_trim``) recur every round, so one regrowth costs less than
+    # splitting them for good.
     # False: always grow, as before.
     keep_arena: bool = True
     # Final chunks' keys up to this batch bucket are precaptured even where their arena outgrows the steady
@@ -102,6 +104,13 @@ class GraphConfig:
     # 5901 / 5671 / 5755 / 5528 ms, rounds with final chunks (median) 98.9 / 93.8 / 91.7 / 90.0 ms, their
     # solves 127 / 78 / 58 / 54 programs for 127 final rows; prepare +0.2 / +1.0 / +1.4 s.
     final_batch: int = 4
+    # With ``solve(trim=(prompt, keep))``, anchor the offset grid at the call's own steady length prompt + keep
+    # instead of ``offset_anchor``: a voice whose prompt is not the frontend's 6 s (a
+    # ``PromptFeatures`` of another length) then solves its steady chunks unmasked and direct, like the
+    # default voice, instead of masked through the arena (Q + offset frames per row: at batch 16 an arena of
+    # ~9 GiB, grown mid-stream, dropping every graph). The same grid as ``offset_anchor`` for a 6-s prompt.
+    # Code2Wav's solver turns it on; off, every call snaps onto ``offset_anchor``'s grid.
+    anchor_at_trim: bool = False
 
     def __post_init__(self):
         if self.final_batch < 0:
@@ -250,13 +259,14 @@ class WholeEulerSolver:
         fits = [b for b in buckets if b >= value]
         return min(fits) if fits else None
 
-    def snap_offset(self, L: int) -> int:
-        g, a = self.config.offset_bucket, self.config.offset_anchor
+    def snap_offset(self, L: int, anchor: int | None = None) -> int:
+        """L snapped up onto the offset grid, anchored at ``anchor`` (default: the configured one)."""
+        g, a = self.config.offset_bucket, self.config.offset_anchor if anchor is None else anchor
         if a is None:
             return max(g, math.ceil(L / g) * g) if L else 0
         return a + math.ceil((L - a) / g) * g if L > a else max(0, a - ((a - L) // g) * g)
 
-    def key_for(self, B: int, T: int, L: int) -> SolveKey | None:
+    def key_for(self, B: int, T: int, L: int, anchor: int | None = None) -> SolveKey | None:
         Bb = self._snap(B, self.config.batch_buckets)
         if Bb is None:
             return None
@@ -265,7 +275,7 @@ class WholeEulerSolver:
         Q = self._snap(T, self.config.query_buckets)
         if Q is None:
             return None
-        O = self.snap_offset(L)
+        O = self.snap_offset(L, anchor)
         return SolveKey(Bb, Q, O, masked=(Q != T or O != L))
 
     # ------------------------------------------------------------------ buffers
@@ -294,10 +304,11 @@ class WholeEulerSolver:
         shape = self._arena_shape(key)
         n = math.prod(shape)
         if self._arena is None or self._arena.numel() < n or self._arena.device != torch.device(device):
-            if self._statics:
-                self.arena_regrowths += any(s.graph is not None for s in self._statics.values())
+            held = sum(s.graph is not None for s in self._statics.values())
+            if held:    # eager statics (CPU, graphs off) are rebuilt at no cost: nothing worth a warning
+                self.arena_regrowths += 1
                 self._log_once(f"grow{n}", f"Whole-Euler arena grows to {n * 4 / 2**30:.2f} GiB; "
-                                           f"dropping {len(self._statics)} graph(s) that view it")
+                                           f"dropping {held} graph(s) that view it")
             self._statics.clear()
             # The dropped graphs were the private pool's only users; capturing into a pool whose
             # use count fell to zero trips the caching allocator, so later graphs get a new pool.
@@ -568,7 +579,8 @@ class WholeEulerSolver:
         shape (an exact, unmasked one beyond the buckets), then with ``trim`` the direct path or the arena's
         successor writes where they apply. ``mu`` stands for the solve's inputs (device, dtype); ``caches``
         the old attention caches (None: assumed FP32 and aligned, as the flow's own are; ``precapture``)."""
-        key = self.key_for(B, T, L)
+        anchor = sum(trim) if trim is not None and self.config.anchor_at_trim else None
+        key = self.key_for(B, T, L, anchor)
         if key is None:   # beyond the buckets: an exact, unmasked shape
             key = SolveKey(B, T, L, False)
         if trim is not None and self._direct_applies(key, mu, caches):

@@ -208,11 +208,13 @@ class Code2Wav:
         from .euler_graph import GraphConfig, solver_from_knobs
 
         # Offsets snap on a grid anchored at the steady cache (prompt + 100 frames): a 6-s
-        # reference gives 150 tokens, 300 prompt frames.
+        # reference gives 150 tokens, 300 prompt frames; the flow's trimmed solves anchor it at
+        # their own prompt's (anchor_at_trim), so a PromptFeatures of another length runs unmasked too.
         anchor = 2 * int(REF_TOKENS) + 100
         budget = graph_budget(extra)
         solver, choice = solver_from_knobs(self.flow.decoder, dict(extra or {}), self.device,
-                                           GraphConfig(offset_anchor=anchor, max_graphs=budget),
+                                           GraphConfig(offset_anchor=anchor, max_graphs=budget,
+                                                       anchor_at_trim=True),
                                            n_timesteps=self.n_timesteps)
         self.choice = choice
         fast = choice.body == "fused" or self.device.type == "cuda"
