@@ -24,7 +24,9 @@ timed apart):
     (``--no-slot-pool`` leaves this row out).
 
 ``--finals`` runs instead the default with ``final_batch`` 0, 2, 4 and 8 (what sizing the arena for more final
-rows buys, and costs in memory); ``--only`` keeps the variants whose labels hold one of its substrings.
+rows buys, and costs in memory); ``--grids --prompt-frames 280`` a voice whose prompt is not 6 s with the
+offset grid anchored at a 6-s prompt's steady length (masked steady chunks) or at its own
+(``GraphConfig.anchor_at_trim``); ``--only`` keeps the variants whose labels hold one of its substrings.
 
 Per variant: ``prepare`` time, every round's host time with a device synchronisation (median, 90th
 percentile, max, total), and what the encoder and HiFT graph sets did during the rounds (eager calls,
@@ -52,6 +54,7 @@ from code2wav_pipeline_bench import bench_models
 from first_chunk_bench import _sync, release
 from minicpmo_rt.atomic import atomic_write
 from minicpmo_rt.code2wav.encoder_graph import EncoderGraphs
+from minicpmo_rt.code2wav.frontend import PromptFeatures
 from minicpmo_rt.code2wav.pipeline import Code2Wav
 from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
 
@@ -63,6 +66,7 @@ class Variant:
     keep_arena: bool                   # GraphConfig.keep_arena, and the final chunks' keys precaptured
     pool: bool = False                 # cfm_slot_pool (one slot per request slot) + cfm_row_offset_merge
     final_batch: int | None = None     # GraphConfig.final_batch (None: the default)
+    anchor_at_trim: bool | None = None  # GraphConfig.anchor_at_trim (None: Code2Wav's default, on)
 
 
 VARIANTS = (Variant("before", False, (1,), False, final_batch=0),
@@ -73,6 +77,9 @@ VARIANTS = (Variant("before", False, (1,), False, final_batch=0),
 POOLED = Variant("default + slot pool, row-offset merging (opt-in)", True, None, True, pool=True)
 # what sizing the arena for more final rows buys (GraphConfig.final_batch)
 FINALS = tuple(Variant(f"default, final keys to batch {b}", True, None, True, final_batch=b) for b in (0, 2, 4, 8))
+# a prompt that is not 6 s (--prompt-frames): the offset grid at the 6-s prompt's steady length, or at its own
+GRIDS = (Variant("grid anchored at a 6-s prompt's steady length (before)", True, None, True, anchor_at_trim=False),
+         Variant("grid anchored at each call's prompt + 100 (default)", True, None, True))
 SILENCE = 4218
 
 
@@ -105,6 +112,8 @@ def build(flow, gen, v: Variant, slots: int) -> Code2Wav:
     solver = c2w.flow.chunk_solver
     if v.final_batch is not None and solver is not None:
         solver.config = replace(solver.config, final_batch=v.final_batch)
+    if v.anchor_at_trim is not None and solver is not None:
+        solver.config = replace(solver.config, anchor_at_trim=v.anchor_at_trim)
     if not v.keep_arena and solver is not None:
         solver.config = replace(solver.config, keep_arena=False)
         plan = c2w.precapture_plan
@@ -256,6 +265,11 @@ def main() -> None:
     ap.add_argument("--no-slot-pool", action="store_true", help="leave out the opt-in slot pool's row")
     ap.add_argument("--finals", action="store_true", help="instead: the default with its arena sized for final "
                     "chunks of 0 (the default), 2, 4 and 8 streams (GraphConfig.final_batch)")
+    ap.add_argument("--grids", action="store_true", help="instead: the default with the CFM offset grid anchored "
+                    "at a 6-s prompt's steady length or at each call's own (GraphConfig.anchor_at_trim); with "
+                    "--prompt-frames other than 300 the two differ")
+    ap.add_argument("--prompt-frames", type=int, default=300, help="the voice prompt's mel frames (even, 2-300; "
+                    "default 300: the frontend's 6 s), cut from the same random prompt")
     ap.add_argument("--only", default="", help="'|'-separated substrings: only the variants whose labels hold "
                     "one (the first one kept is the 'vs' column's base), e.g. 'default'")
     ap.add_argument("--replot", type=Path, help="only draw the plot of a results JSON into --out")
@@ -269,6 +283,9 @@ def main() -> None:
     for name in ("slots", "rounds", "runs"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not (2 <= args.prompt_frames <= 300 and args.prompt_frames % 2 == 0):
+        ap.error(f"--prompt-frames must be even and in 2..300 (two mel frames per prompt token), "
+                 f"got {args.prompt_frames}")
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("minicpmo_rt.code2wav.pipeline").setLevel(logging.INFO)
     dev = torch.device(args.device)
@@ -276,19 +293,25 @@ def main() -> None:
         raise SystemExit("stream_churn_bench: --device cuda but torch sees no CUDA device; run it on the GPU "
                          "machine, or pass --tiny --device cpu for a smoke run of the script")
     flow, gen, feats, _ = bench_models(args.tiny, dev)
+    if args.prompt_frames != feats.mel_frames:    # the same random prompt, cut (tokens at half the mel rate)
+        n = args.prompt_frames
+        feats = PromptFeatures(feats.tokens[:, :n // 2], feats.spk_embedding, feats.mel[:, :n], n, f"bench-{n}")
     plan = schedule(args.slots, args.rounds, args.seed)
     variants = VARIANTS if args.no_slot_pool else VARIANTS + (POOLED,)
     if args.finals:
         variants = FINALS
+    if args.grids:
+        variants = GRIDS
     if args.only:
         want = [w.strip() for w in args.only.split("|") if w.strip()]
         variants = tuple(v for v in variants if any(w in v.label for w in want))
         if not variants:
             ap.error(f"--only {args.only!r} matches no variant; labels: "
-                     + "; ".join(v.label for v in VARIANTS + (POOLED,) + FINALS))
+                     + "; ".join(v.label for v in VARIANTS + (POOLED,) + FINALS + GRIDS))
     sizes = [len(a) for a in plan]
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
     res = {"gpu": gpu, "torch": torch.__version__, "slots": args.slots, "rounds": args.rounds, "seed": args.seed,
+           "prompt_frames": args.prompt_frames,
            "streams_per_round": sizes, "runs": {v.label: [] for v in variants}}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "stream_churn_bench.json"
@@ -308,7 +331,8 @@ def main() -> None:
     _write(path, json.dumps(res, indent=2))
     base = med[variants[0].label]
     lines = [f"# Streams that come and go ({gpu}, torch {res['torch']})", "",
-             f"{args.slots} request slots over {args.rounds} rounds (1 s of audio per stream per round), utterances "
+             f"{args.slots} request slots over {args.rounds} rounds (1 s of audio per stream per round), a voice "
+             f"prompt of {args.prompt_frames} mel frames, utterances "
              f"of 3-10 chunks with 0-2 idle rounds between them, seed {args.seed}: {min(sizes)}-{max(sizes)} "
              f"active streams per round (median {statistics.median(sizes):g}). Host time of a round with a device "
              f"synchronisation, ms; medians over {args.runs} run(s) per variant after one discarded run. "
