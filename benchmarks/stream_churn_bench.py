@@ -263,9 +263,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny flow/HiFT sizes (smoke run of the script)")
     ap.add_argument("--no-slot-pool", action="store_true", help="leave out the opt-in slot pool's row")
-    ap.add_argument("--finals", action="store_true", help="instead: the default with its arena sized for final "
+    sets = ap.add_mutually_exclusive_group()
+    sets.add_argument("--finals", action="store_true", help="instead: the default with its arena sized for final "
                     "chunks of 0 (the default), 2, 4 and 8 streams (GraphConfig.final_batch)")
-    ap.add_argument("--grids", action="store_true", help="instead: the default with the CFM offset grid anchored "
+    sets.add_argument("--grids", action="store_true", help="instead: the default with the CFM offset grid anchored "
                     "at a 6-s prompt's steady length or at each call's own (GraphConfig.anchor_at_trim); with "
                     "--prompt-frames other than 300 the two differ")
     ap.add_argument("--prompt-frames", type=int, default=300, help="the voice prompt's mel frames (even, 2-300; "
