@@ -26,8 +26,9 @@ stream of that voice through ``PromptStateCache``. On CUDA the CFM solver's Whol
 silence (``warm_up``, 1, 2, 4, 8 and 16 of them in lockstep) capture the encoder's and the stream vocoder's
 graphs for that voice's chunk shapes at every batch bucket (their rows pad to ``hift_graph.ROW_BUCKETS``),
 so the first stream's chunks replay from its first chunk on, and so do rounds of concurrent streams however
-their number wanders. A final chunk of several streams needs a larger CFM arena than a steady one; with
-graphs held it solves in row groups that fit the arena instead of growing it (which would drop every graph:
+their number wanders. A final chunk of several streams needs a larger CFM arena than a steady one: the
+precapture sizes the arena for the final chunks of up to ``GraphConfig.final_batch`` streams, and with graphs
+held more rows solve in groups that fit it instead of growing it (which would drop every graph:
 ``GraphConfig.keep_arena``).
 
 Opt-in slot pool (connector knob ``cfm_slot_pool``: true or a slot count; fused CFM body only): each
