@@ -17,13 +17,18 @@ timed apart):
     groups that fit the arena) and the final-chunk keys precaptured;
   * ``+ batch buckets``: encoder and HiFT rows pad to ``ROW_BUCKETS`` (their budgets as now);
   * ``+ warm-up at every bucket``: ``prepare`` warms 1, 2, 4, 8, 16 streams, not one;
-  * ``+ arena sized for 4 final rows (default)``: ``GraphConfig.final_batch`` = 4 (the rows above it, 0: only the
+  * ``+ arena sized for 4 final rows``: ``GraphConfig.final_batch`` = 4 (the rows above it, 0: only the
     final keys that fit the steady arena, batch 1);
+  * ``+ final chunks join the steady solve (default)``: ``Code2Wav.join_finals`` (a final chunk's rows join the
+    steady solve of the streams that go on, padded, attending their own frames only; the rows above it solve
+    final chunks apart);
   * ``default + slot pool, row-offset merging (opt-in)``: the knobs ``cfm_slot_pool`` (one slot per request
     slot) and ``cfm_row_offset_merge``: streams at different points of their utterances share one CFM solve
     (``--no-slot-pool`` leaves this row out).
 
-``--finals`` runs instead the default with ``final_batch`` 0, 2, 4 and 8 (what sizing the arena for more final
+``--joins`` runs instead final chunks solving apart against joining the steady solve (``Code2Wav.join_finals``,
+the default) and joining with the arena sized for no more final rows (``final_batch`` 0). ``--finals`` runs
+instead the default with ``final_batch`` 0, 2, 4 and 8 (what sizing the arena for more final
 rows buys, and costs in memory); ``--grids --prompt-frames 280`` a voice whose prompt is not 6 s with the
 offset grid anchored at a 6-s prompt's steady length (masked steady chunks) or at its own
 (``GraphConfig.anchor_at_trim``); ``--only`` keeps the variants whose labels hold one of its substrings.
@@ -67,16 +72,23 @@ class Variant:
     pool: bool = False                 # cfm_slot_pool (one slot per request slot) + cfm_row_offset_merge
     final_batch: int | None = None     # GraphConfig.final_batch (None: the default)
     anchor_at_trim: bool | None = None  # GraphConfig.anchor_at_trim (None: Code2Wav's default, on)
+    join_finals: bool = True           # Code2Wav.join_finals: final chunks join the steady solve
 
 
-VARIANTS = (Variant("before", False, (1,), False, final_batch=0),
-            Variant("+ arena kept", False, (1,), True, final_batch=0),
-            Variant("+ batch buckets", True, (1,), True, final_batch=0),
-            Variant("+ warm-up at every bucket", True, None, True, final_batch=0),
-            Variant("+ arena sized for 4 final rows (default)", True, None, True))
+VARIANTS = (Variant("before", False, (1,), False, final_batch=0, join_finals=False),
+            Variant("+ arena kept", False, (1,), True, final_batch=0, join_finals=False),
+            Variant("+ batch buckets", True, (1,), True, final_batch=0, join_finals=False),
+            Variant("+ warm-up at every bucket", True, None, True, final_batch=0, join_finals=False),
+            Variant("+ arena sized for 4 final rows", True, None, True, join_finals=False),
+            Variant("+ final chunks join the steady solve (default)", True, None, True))
 POOLED = Variant("default + slot pool, row-offset merging (opt-in)", True, None, True, pool=True)
 # what sizing the arena for more final rows buys (GraphConfig.final_batch)
 FINALS = tuple(Variant(f"default, final keys to batch {b}", True, None, True, final_batch=b) for b in (0, 2, 4, 8))
+# final chunks in a solve of their own, or joining the steady one (Code2Wav.join_finals), and whether the arena
+# sized for 4 final rows (GraphConfig.final_batch) still pays once they join
+JOINS = (Variant("final chunks solve apart (before)", True, None, True, join_finals=False),
+         Variant("final chunks join the steady solve (default)", True, None, True),
+         Variant("final chunks join, final keys to batch 0 only", True, None, True, final_batch=0))
 # a prompt that is not 6 s (--prompt-frames): the offset grid at the 6-s prompt's steady length, or at its own
 GRIDS = (Variant("grid anchored at a 6-s prompt's steady length (before)", True, None, True, anchor_at_trim=False),
          Variant("grid anchored at each call's prompt + 100 (default)", True, None, True))
@@ -107,6 +119,7 @@ def build(flow, gen, v: Variant, slots: int) -> Code2Wav:
     voc = Vocoder(gen, CAUSAL, **({} if v.buckets else {"batch_buckets": ()}))
     c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
     c2w.configure_fast_path({"cfm_slot_pool": slots, "cfm_row_offset_merge": True} if v.pool else {})
+    c2w.join_finals = v.join_finals
     if c2w.flow.encoder_graphs is not None and not v.buckets:
         c2w.flow.encoder_graphs = EncoderGraphs(c2w.flow, max_graphs=8, batch_buckets=())    # as before
     solver = c2w.flow.chunk_solver
@@ -177,7 +190,7 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int) -> d
     counting = _count_solves(c2w, solves)
     g = np.random.default_rng(seed)
     streams: dict[int, object] = {}
-    rounds, batches, per_round = [], [], []
+    rounds, batches, per_round, finals = [], [], [], []
     for active in plan:
         solves.clear()
         t = time.perf_counter()
@@ -191,10 +204,12 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int) -> d
         _sync(dev)
         rounds.append(1000 * (time.perf_counter() - t))
         batches.append(len(items))
+        finals.append(sum(final for _, _, final in active))
         per_round.append(list(solves))
     after = _counts(c2w)
     during = {k: {m: after[k][m] - before[k].get(m, 0) for m in after[k]} for k in after}
-    out = {"prepare_ms": prepare_ms, "arena_gib": arena_gib, "round_ms": rounds, "streams_per_round": batches, "during_rounds": during,
+    out = {"prepare_ms": prepare_ms, "arena_gib": arena_gib, "round_ms": rounds, "streams_per_round": batches,
+           "finals_per_round": finals, "during_rounds": during,
            "held_after": {k: v["held"] for k, v in after.items()}, "choice": c2w.choice.describe(),
            "cfm_solves": per_round if counting else None}
     del c2w, streams
@@ -210,7 +225,17 @@ def summary(r: dict) -> dict:
             "captures": sum(v["captures"] for k, v in r["during_rounds"].items() if k != "CFM"),
             "cfm_captures": r["during_rounds"]["CFM"]["captures"],
             "cfm_regrowths": r["during_rounds"]["CFM"]["arena_regrowths"],
-            **_solve_stats(r.get("cfm_solves"))}
+            **_solve_stats(r.get("cfm_solves")), **_final_stats(r)}
+
+
+def _final_stats(r: dict) -> dict:
+    """Median time of the rounds with final chunks and of those without (results of older runs lack them)."""
+    if "finals_per_round" not in r:
+        return {}
+    w = [t for t, n in zip(r["round_ms"], r["finals_per_round"]) if n]
+    wo = [t for t, n in zip(r["round_ms"], r["finals_per_round"]) if not n]
+    return {"with_finals": statistics.median(w) if w else float("nan"),
+            "without_finals": statistics.median(wo) if wo else float("nan")}
 
 
 def _solve_stats(per_round: list | None) -> dict:
@@ -266,6 +291,9 @@ def main() -> None:
     sets = ap.add_mutually_exclusive_group()
     sets.add_argument("--finals", action="store_true", help="instead: the default with its arena sized for final "
                     "chunks of 0 (the default), 2, 4 and 8 streams (GraphConfig.final_batch)")
+    sets.add_argument("--joins", action="store_true", help="instead: final chunks solving apart, joining the "
+                      "steady solve (Code2Wav.join_finals, the default), and joining with the arena sized for "
+                      "no final rows beyond batch 1 (GraphConfig.final_batch 0)")
     sets.add_argument("--grids", action="store_true", help="instead: the default with the CFM offset grid anchored "
                     "at a 6-s prompt's steady length or at each call's own (GraphConfig.anchor_at_trim); with "
                     "--prompt-frames other than 300 the two differ")
@@ -303,12 +331,14 @@ def main() -> None:
         variants = FINALS
     if args.grids:
         variants = GRIDS
+    if args.joins:
+        variants = JOINS
     if args.only:
         want = [w.strip() for w in args.only.split("|") if w.strip()]
         variants = tuple(v for v in variants if any(w in v.label for w in want))
         if not variants:
             ap.error(f"--only {args.only!r} matches no variant; labels: "
-                     + "; ".join(v.label for v in VARIANTS + (POOLED,) + FINALS + GRIDS))
+                     + "; ".join(v.label for v in VARIANTS + (POOLED,) + FINALS + GRIDS + JOINS))
     sizes = [len(a) for a in plan]
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
     res = {"gpu": gpu, "torch": torch.__version__, "slots": args.slots, "rounds": args.rounds, "seed": args.seed,
@@ -341,14 +371,17 @@ def main() -> None:
              "(summed over the sets); CFM: Whole-Euler graphs captured during the rounds, and arena growths that "
              "dropped the graphs held; arena: its size after prepare. CFM solves: graph replays (or eager "
              "programs) per round, a group of streams splitting into several where its rows outgrow the arena "
-             "(final chunks, GraphConfig.keep_arena).", "",
+             "(final chunks, GraphConfig.keep_arena). With / without finals: the median of the rounds in which "
+             "some stream sent its final chunk, and of the others.", "",
              "| variant | prepare (ms) | round median | round p90 | round max | all rounds | vs first row | "
+             "rounds with finals | without | "
              "eager calls | captures | CFM captures | CFM arena regrowths | CFM arena (GiB) | CFM solves per round | "
-             "rows per solve |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "rows per solve |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label in (v.label for v in variants):
         m = med[label]
         lines.append(f"| {label} | {m['prepare_ms']:.0f} | {m['median']:.1f} | {m['p90']:.1f} | {m['max']:.1f} | "
-                     f"{m['total']:.0f} | {base['total'] / m['total']:.2f}x | {m['eager']:.0f} | "
+                     f"{m['total']:.0f} | {base['total'] / m['total']:.2f}x | {m.get('with_finals', float('nan')):.1f} | "
+                     f"{m.get('without_finals', float('nan')):.1f} | {m['eager']:.0f} | "
                      f"{m['captures']:.0f} | {m['cfm_captures']:.0f} | {m['cfm_regrowths']:.0f} | "
                      f"{m['arena_gib']:.2f} | {format(m['solves_per_round'], 'g') if 'solves_per_round' in m else '-'} | "
                      f"{format(m['rows_per_solve'], '.1f') if 'rows_per_solve' in m else '-'} |")

@@ -105,6 +105,74 @@ def test_batched_streams_equal_streams_pushed_alone(c2w, voice):
     assert _rel(batched[2][0], batched[2][1]) > 1e-2
 
 
+def test_final_chunks_join_the_steady_solve_of_streams_that_go_on(c2w, voice):
+    """Three streams in step; in round 4 (caches at the trimmed steady length) stream 1 sends its final 3 + 10
+    codes (26 frames) and stream 2 a final 3 + 25 (56, wider than a steady chunk's 50) while stream 0 goes on
+    with 3 + 25. With ``join_finals`` on the fused body the 26-frame final joins stream 0's steady solve (its
+    rows padded, attending their own frames only: one solve of two rows and the wide final alone); the
+    reference body (no rows of their own widths) and ``join_finals=False`` solve each shape apart. Every
+    stream's PCM equals the stream pushed alone, and stream 0 goes on from the joined solve's cache."""
+    plans = [_payloads(41, (25, 25, 25, 25, 25, 10)), _payloads(42, (25, 25, 25, 10)),
+             _payloads(43, (25, 25, 25, 25))]
+    alone = []
+    for plan in plans:
+        s = c2w.open_stream(voice)
+        alone.append([s.push(p, last) for p, last in plan])
+    fused = c2w.flow.joins_widths(c2w.n_timesteps)
+    assert fused == (c2w.flow.chunk_solver is not None)
+    for join in (True, False):
+        c2w.join_finals = join
+        streams = [c2w.open_stream(voice) for _ in plans]
+        calls, joined = [], []
+        many, joint = c2w.flow.inference_chunk_many, c2w.flow.inference_chunks_joined
+
+        def spy_many(token, *a, **k):
+            calls.append(token.shape[0])
+            return many(token, *a, **k)
+
+        def spy_joint(parts, *a, **k):
+            joined.append([(p.token.shape[1], p.last, p.token.shape[0]) for p in parts])
+            return joint(parts, *a, **k)
+
+        c2w.flow.inference_chunk_many, c2w.flow.inference_chunks_joined = spy_many, spy_joint
+        try:
+            got = [[] for _ in plans]
+            for k in range(len(plans[0])):
+                live = [(j, s) for j, s in enumerate(streams) if k < len(plans[j])]
+                outs = c2w.push_many([(s, *plans[j][k]) for j, s in live])
+                for (j, _), out in zip(live, outs):
+                    got[j].append(out)
+        finally:
+            c2w.join_finals = True
+            del c2w.flow.inference_chunk_many, c2w.flow.inference_chunks_joined
+        if join and fused:
+            assert joined == [[(28, False, 1), (13, True, 1)]]       # round 4: steady + the narrow final
+            assert calls == [3, 3, 3, 1, 1, 1]      # the wide final alone in round 4, stream 0's last two alone
+        else:
+            assert joined == [] and calls == [3, 3, 3, 1, 1, 1, 1, 1]
+        for j in range(len(plans)):
+            assert len(got[j]) == len(alone[j])
+            for k, (a, b) in enumerate(zip(got[j], alone[j])):
+                assert a.shape == b.shape and np.abs(b).max() > 0
+                assert _rel(a, b) <= 1e-5, (join, j, k, _rel(a, b))
+        assert all(s.finished for s in streams)
+
+
+def test_inference_chunks_joined_refuses_a_narrow_part_that_is_not_final(c2w, voice):
+    """Only a final chunk may solve narrower than the widest part (its padding frames would enter its cache);
+    parts with their cache counts and rows out of step are refused by name."""
+    from minicpmo_rt.code2wav.flow import ChunkPart
+
+    a, b = c2w.open_stream(voice), c2w.open_stream(voice)
+    spk = torch.cat([a.spk, b.spk])
+    wide = ChunkPart(torch.randint(0, 6561, (1, 28)), spk[:1], [a.cache])
+    with pytest.raises(InputError, match="not final"):
+        c2w.flow.inference_chunks_joined([wide, ChunkPart(torch.randint(0, 6561, (1, 13)), spk[1:], [b.cache])])
+    with pytest.raises(InputError, match="one cache per row"):
+        c2w.flow.inference_chunks_joined([wide, ChunkPart(torch.randint(0, 6561, (1, 13)), spk, [b.cache], True)])
+    a.close(), b.close()
+
+
 def test_mismatched_streams_run_alone_and_match(c2w, voice):
     plan_a, plan_b = _payloads(21), _payloads(22)
     ref = []
@@ -266,5 +334,61 @@ def test_inference_chunk_many_direct_solves_match_the_reference(tiny_ckpt, voice
             assert len({c.estimator_att.untyped_storage().data_ptr() for c in got}) == 2
             caches = got
     assert drops, "no chunk took the direct path with a trim"
+    for s in streams:
+        s.close()
+
+
+@pytest.mark.parametrize("n_steady", [1, 3])
+def test_joined_final_rides_the_direct_solve_and_matches_the_reference(tiny_ckpt, voice, n_steady):
+    """A final chunk (3 + 10 codes, 26 frames) joined to ``n_steady`` streams' steady chunks (50 frames) at the
+    trimmed steady cache: ONE direct solve (each row's own cache read in place, the final row's padding frames
+    never attended: its current-frame count in the source table, no successor written for it), with IEEE dots
+    (on the CPU under Triton's interpreter), against the reference flow path solving each part apart: every mel
+    and the steady streams' next caches within 1e-5. The caches reach the steady length on the reference path
+    (cheap on the CPU). On CUDA batch 2 runs the persistent block kernel's direct phase, batch 4 the staged
+    body's direct attention; on the CPU only batch 2 runs (~25 s on 2 CPUs; batch 4 would take ~50 s more)."""
+    from minicpmo_rt.code2wav import kernels
+    from minicpmo_rt.code2wav.flow import ChunkPart
+    if not (kernels.AVAILABLE and kernels.interpreting()) and not torch.cuda.is_available():
+        pytest.skip("the direct path needs Triton (CUDA or TRITON_INTERPRET=1)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and n_steady > 1:
+        pytest.skip("batch 4 through Triton's interpreter: run on CUDA (batch 2 covers the logic on the CPU)")
+    c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True}, device=dev)
+    f, solver = c2w.flow, c2w.flow.chunk_solver
+    solver.fused.use_triton, solver.fused.attention, solver.tf32 = True, "triton-ieee", False
+    n = n_steady + 1
+    streams = [c2w.open_stream(voice) for _ in range(n)]
+    caches = [s.cache for s in streams]
+    spk = torch.cat([s.spk for s in streams])
+    g = torch.Generator().manual_seed(9)
+    with torch.inference_mode():
+        f.chunk_solver = None
+        try:
+            for _ in range(3):      # past prompt + 100 frames: the trimmed steady length
+                _, caches = f.inference_chunk_many(torch.randint(0, 6561, (n, 28), generator=g).to(dev), spk, caches)
+            steady = torch.randint(0, 6561, (n_steady, 28), generator=g).to(dev)
+            final = torch.randint(0, 6561, (1, 13), generator=g).to(dev)
+            mel_ref, want = f.inference_chunk_many(steady, spk[:n_steady], caches[:n_steady])
+            fin_ref, _ = f.inference_chunk(final, spk[n_steady:], caches[n_steady], last_chunk=True)
+        finally:
+            f.chunk_solver = solver
+        keys, static_for = [], solver._static_for
+        solver._static_for = lambda key, *a, **k: (keys.append(key), static_for(key, *a, **k))[1]
+        try:
+            (mel, got), (fin, none) = f.inference_chunks_joined(
+                [ChunkPart(steady, spk[:n_steady], caches[:n_steady]),
+                 ChunkPart(final, spk[n_steady:], caches[n_steady:], last=True)])
+        finally:
+            del solver._static_for
+    assert len(set(keys)) == 1 and keys[0].direct and not keys[0].masked, keys      # one solve, direct
+    assert keys[0].batch == (2 if n == 2 else 4), keys
+    assert none is None and fin.shape == fin_ref.shape == (1, 80, 26)
+    assert _rel(mel.cpu().numpy(), mel_ref.cpu().numpy()) < 1e-5
+    assert _rel(fin.cpu().numpy(), fin_ref.cpu().numpy()) < 1e-5
+    for a, b in zip(got, want):
+        for name in ("estimator_cnn", "estimator_att", "conformer_cnn", "conformer_att"):
+            assert getattr(a, name).shape == getattr(b, name).shape
+            assert _rel(getattr(a, name).cpu().numpy(), getattr(b, name).cpu().numpy()) < 1e-5, name
     for s in streams:
         s.close()

@@ -226,10 +226,10 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     n_out = T + n_old - 20
     outs = [torch.full((S, depth, 2, H, n_out, 2 * D), float("nan"), device=dev) for _ in range(2)]
     base = outs[1]          # any aligned FP32 tensor: the tables hold element offsets from it
-    src = stream_table([olds[0][:, :, 0], olds[1][:, :, 1], olds[0][:, :, 0]], base).to(dev)
+    src = stream_table([olds[0][:, :, 0], olds[1][:, :, 1], olds[0][:, :, 0]], base, current=[T] * R).to(dev)
     dst = stream_table([outs[0][:, :, 0], outs[1][:, :, 1], None], base).to(dev)
     # (tensor, batch row) pairs, as a solve passes them, read the same rows off pointer and strides
-    assert torch.equal(stream_table([(olds[0], 0), (olds[1], 1), (olds[0], 0)], base), src.cpu())
+    assert torch.equal(stream_table([(olds[0], 0), (olds[1], 1), (olds[0], 0)], base, [T] * R), src.cpu())
     with pytest.raises(ValueError, match="batch row"):
         stream_table([(olds[0], 2)], base)
     streams = StreamKV(base, src, dst, n_old, n_out, drop).at_step(1)
@@ -248,6 +248,52 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     with pytest.raises(ValueError, match="aligned"):       # 4 elements (16 bytes) off the 64-byte grid
         stream_table([olds[0].view(-1)[4:4 + olds[0].numel() // 2].view(S, depth, 1, H, n_old, 2 * D)[:, :, 0]],
                      base)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_direct_attention_narrow_rows_attend_only_their_own_frames(splits):
+    """A row whose source-table entry counts fewer current frames than the chunk's T (a stream's final chunk
+    solved among full-width rows) attends [its first w current frames | its old frames]: the frames past w
+    (padding, here NaN-free garbage) never reach its output, and it writes no successor (not present). Full-width
+    rows in the same launch are unchanged, bit for bit, against a launch without narrow rows. 16-key tiles: w
+    = 3 ends inside the first tile, w = 17 one frame into the second."""
+    from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV, direct_attention, stream_table
+
+    gen = torch.Generator().manual_seed(12)
+    R, H, D, T, n_old = 4, 2, 16, 20, 37
+    dev = device()
+    q = torch.randn(R, H, T, D, generator=gen).to(dev)
+    if not usable_on(q):
+        pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
+    cur = torch.randn(R, H, T, 2 * D, generator=gen).to(dev)
+    old = torch.randn(R, 1, 1, H, n_old, 2 * D, generator=gen).to(dev)
+    widths = [T, 3, 17, T]
+    outs = torch.full((R, 1, 1, H, T + n_old, 2 * D), float("nan"), device=dev)
+
+    def run(current, present):
+        src = stream_table(list(old[:, :, :]), outs, current=current).to(dev)
+        dst = stream_table([outs[r] if present[r] else None for r in range(R)], outs).to(dev)
+        o = torch.full((R, T, H, D), float("nan"), device=dev)
+        direct_attention(q, cur, StreamKV(outs, src, dst, n_old, T + n_old, (T + n_old, T + n_old)), 0,
+                         o.transpose(1, 2), precision="ieee", block_m=16, block_n=16, splits=splits)
+        return o.transpose(1, 2).cpu()
+
+    full = run([T] * R, [True] * R)
+    outs.fill_(float("nan"))
+    o = run(widths, [w == T for w in widths])
+    for r, w in enumerate(widths):
+        keys = torch.cat([cur[r, :, :w], old[r, 0, 0]], 1).cpu()
+        ref = reference(q[r:r + 1].cpu(), keys[None, ..., :D], keys[None, ..., D:], None)[0]
+        assert rel_err(o[r], ref) < 1e-5, r
+        if w == T:
+            assert torch.equal(o[r], full[r])
+            assert not torch.isnan(outs[r]).any()
+        else:
+            assert torch.isnan(outs[r]).all()       # a narrow row's successor is never written
+    with pytest.raises(ValueError, match="at least one"):
+        stream_table(list(old[:, :, :]), outs, current=[T, 0, T, T])
+    with pytest.raises(ValueError, match="counts for"):
+        stream_table(list(old[:, :, :]), outs, current=[T])
 
 
 def test_direct_key_splits_start_every_split_on_a_key_tile_of_its_source():
@@ -322,7 +368,7 @@ def test_last_split_combines_in_the_same_launch(direct):
         cur = torch.randn(R, H, T, 2 * D, generator=gen).to(dev)
         old = torch.randn(R, H, nk - T, 2 * D, generator=gen).to(dev)
         outs = torch.zeros(R, H, nk, 2 * D, device=dev)
-        streams = StreamKV(outs, stream_table(list(old[:, None, None]), outs).to(dev),
+        streams = StreamKV(outs, stream_table(list(old[:, None, None]), outs, current=[T] * R).to(dev),
                            stream_table(list(outs[:, None, None]), outs).to(dev), nk - T, nk, (0, 0))
 
         def run(counters):

@@ -284,18 +284,19 @@ class WholeEulerSolver:
         return (self.S, self.depth, 2 * key.batch, self.H, frames, 2 * self.D)
 
     def rows_in_arena(self, B: int, T: int, L: int, mu: torch.Tensor, trim: tuple[int, int] | None = None,
-                      caches: Sequence[torch.Tensor | None] | None = None) -> int:
+                      caches: Sequence[torch.Tensor | None] | None = None, ragged: bool = False) -> int:
         """How many of B rows one solve takes (``GraphConfig.keep_arena``): B, or for a chunk narrower than its
-        query bucket while graphs are held and B's arena would outgrow the current one, the largest batch
-        bucket below B whose solve fits it (B when none does: then the arena grows, as without the rule)."""
+        query bucket (or with narrower rows, ``ragged``, that the direct path cannot take) while graphs are
+        held and B's arena would outgrow the current one, the largest batch bucket below B whose solve fits it
+        (B when none does: then the arena grows, as without the rule)."""
         Q = self._snap(T, self.config.query_buckets)
-        if Q is None or T >= Q:     # full width: a steady shape recurs; grow once rather than split for good
-            return B
+        if Q is None or (T >= Q and not (ragged and not self.solve_key(B, T, L, mu, trim, caches, True).direct)):
+            return B    # full width: a steady shape recurs; grow once rather than split for good
         if not (self.config.keep_arena and self.fused is not None and self._arena is not None and self.graphs()):
             return B
         have = self._arena.numel()
         for b in [B] + [k for k in sorted(self.config.batch_buckets, reverse=True) if k < B]:
-            key = self.solve_key(b, T, L, mu, trim, caches)
+            key = self.solve_key(b, T, L, mu, trim, caches, ragged)
             if math.prod(self._arena_shape(key)) <= have:
                 return b
         return B
@@ -518,7 +519,7 @@ class WholeEulerSolver:
     def solve(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
               cnn_cache: torch.Tensor | None = None, att_cache: torch.Tensor | Sequence[torch.Tensor] | None = None,
               temperature: float = 1.0, graph: bool = True, copy_out: bool = True,
-              trim: tuple[int, int] | None = None):
+              trim: tuple[int, int] | None = None, widths: Sequence[int] | None = None):
         """mu, cond (B, 80, T); spks (B, 80) projected; caches (S, depth, 2B, ...) or None.
 
         Returns (mel (B, 80, T), new cnn cache (S, depth, 2B, 2C, K-1), new att cache
@@ -534,8 +535,26 @@ class WholeEulerSolver:
         attention cache comes back in the same form, one (S, depth, 2, H, T+L, 2D) per stream (views
         with ``copy_out=False``), so a batch of streams needs no stacked copy of its largest state
         on the way in or out.
+
+        ``widths``: each row's own frame count (at most T; the fused body only): a row narrower than T is a
+        stream's final chunk solved among full-width rows (mu / cond past its width are padding). Its mel
+        frames past its width are padding, its caches are not computed (its CNN cache rows unspecified, its
+        attention cache None in the per-stream form, unspecified rows in the stacked one): a final chunk's
+        stream ends. Where the direct path applies every row keeps
+        it (each row's current-frame count in its source table: one graph for any mix of widths); else the
+        solve is masked, row by row.
         """
         B, _, T = mu.shape
+        if widths is not None:
+            widths = [int(w) for w in widths]
+            if len(widths) != B or not all(1 <= w <= T for w in widths):
+                raise ValueError(f"solve: widths {widths} for {B} rows of {T} frames; one per row, each in 1..{T}")
+            if self.body != "fused" and min(widths) < T:
+                raise ValueError("solve: rows of their own widths need the fused body (the original body takes "
+                                 "no mask); solve each width apart")
+            if min(widths) == T:
+                widths = None
+        ragged = widths is not None
         per_stream = isinstance(att_cache, (list, tuple))
         if per_stream:
             att_cache = _check_streams(att_cache, B)
@@ -545,22 +564,24 @@ class WholeEulerSolver:
             raise ValueError(f"estimator cache has {one.shape[0]} steps, the solver {self.S}")
         big = min(B, max(self.config.batch_buckets))
         if big > 1:   # rows that would regrow the arena (dropping the graphs) run in groups that fit it
-            big = self.rows_in_arena(big, T, L, mu, trim, att_cache if per_stream else [att_cache])
+            big = self.rows_in_arena(big, T, L, mu, trim, att_cache if per_stream else [att_cache], ragged)
         if B > big:   # groups of the largest bucket, or of those that fit the arena
             outs = [self.solve(mu[i:i + big], spks[i:i + big], cond[i:i + big],
                                None if cnn_cache is None else _rows(cnn_cache, B, i, min(B, i + big)),
                                None if att_cache is None else (att_cache[i:i + big] if per_stream
                                                                else _rows(att_cache, B, i, min(B, i + big))),
-                               temperature, graph, True, trim) for i in range(0, B, big)]
+                               temperature, graph, True, trim, None if widths is None else widths[i:i + big])
+                    for i in range(0, B, big)]
             att = ([a for o in outs for a in o[2]] if per_stream else _cat_rows([o[2] for o in outs]))
             return torch.cat([o[0] for o in outs], 0), _cat_rows([o[1] for o in outs]), att
         device = mu.device
-        key = self.solve_key(B, T, L, mu, trim, att_cache if per_stream else [att_cache])
+        key = self.solve_key(B, T, L, mu, trim, att_cache if per_stream else [att_cache], ragged)
         want_graph = (graph and device.type == "cuda" and self._graphs_off_reason is None)
         with matmul_tf32(self.tf32):
             st = self._static_for(key, device, want_graph=False)
-            self._fill(st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L)
-            direct = self._bind_streams(st, att_cache, B, per_stream) if key.direct or key.succ else None
+            self._fill(st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L, widths)
+            direct = (self._bind_streams(st, att_cache, B, per_stream, T, widths) if key.direct or key.succ
+                      else None)
             if want_graph and st.graph is None:     # captured on real inputs: a direct graph's warm-up
                 st = self._static_for(key, device, want_graph)  # runs read through the bound tables
             if st.graph is not None and want_graph:
@@ -571,20 +592,26 @@ class WholeEulerSolver:
             mel, cnn, _ = self._read(st, B, T, 0, copy_out, with_att=False)
             return mel, cnn, direct
         mel, cnn, att = self._read(st, B, T, L, copy_out, per_stream, copy_att=trim is None)
+        if widths is not None and per_stream:     # a narrow row's cache holds padding frames: none comes back
+            att = [None if w < T else a for a, w in zip(att, widths)]
         return mel, cnn, att if trim is None else _trimmed(att, trim)
 
     def solve_key(self, B: int, T: int, L: int, mu: torch.Tensor, trim: tuple[int, int] | None = None,
-                  caches: Sequence[torch.Tensor | None] | None = None) -> SolveKey:
+                  caches: Sequence[torch.Tensor | None] | None = None, ragged: bool = False) -> SolveKey:
         """The key (and so the graph) ``solve`` runs B rows of width T over L cached frames under: the bucketed
         shape (an exact, unmasked one beyond the buckets), then with ``trim`` the direct path or the arena's
         successor writes where they apply. ``mu`` stands for the solve's inputs (device, dtype); ``caches``
-        the old attention caches (None: assumed FP32 and aligned, as the flow's own are; ``precapture``)."""
+        the old attention caches (None: assumed FP32 and aligned, as the flow's own are; ``precapture``).
+        ``ragged``: some rows are narrower than T (``solve(widths=)``): the direct key as for full-width rows
+        (its tables carry the widths), else a masked one (the mask does)."""
         anchor = sum(trim) if trim is not None and self.config.anchor_at_trim else None
         key = self.key_for(B, T, L, anchor)
         if key is None:   # beyond the buckets: an exact, unmasked shape
             key = SolveKey(B, T, L, False)
         if trim is not None and self._direct_applies(key, mu, caches):
             key = replace(key, direct=trim_span(key.query + key.offset, *trim))
+        elif ragged:
+            key = replace(key, masked=True)
         elif trim is not None and self._successor_applies(key, mu):
             key = replace(key, succ=trim_span(key.query + key.offset, *trim))
         return key
@@ -615,16 +642,23 @@ class WholeEulerSolver:
         with matmul_tf32(self.tf32):
             return dot_precision(mu) == "tf32" or not f._block_auto
 
-    def _bind_streams(self, st: _Static, att_cache, B: int, per_stream: bool):
+    def _bind_streams(self, st: _Static, att_cache, B: int, per_stream: bool, T: int,
+                      widths: Sequence[int] | None = None):
         """Point a direct solve's address tables at this call's caches and at new successors (their own
         memory, returned): row r < Bb is stream r's cond half, row Bb + r its uncond half; padding rows
-        read stream 0 and write nothing. An arena solve writing successors (``st.successor``) reads nothing
-        through the tables: its source rows stay empty."""
+        read stream 0 and write nothing. Each source row carries how many of the chunk's T frames its row
+        attends (``widths``; default T); a narrower row writes no successor (None in a per-stream list). An
+        arena solve writing successors (``st.successor``) reads nothing through the tables: its source rows
+        stay empty."""
         tabled = st.streams or st.successor
         Bb, n_out = st.key.batch, tabled.n_out
         dev = st.x.device
+        wide = [True] * B if widths is None else [w >= T for w in widths]
+        current = [T if widths is None or i >= B else widths[i] for i, _ in
+                   ((r % Bb, r // Bb) for r in range(2 * Bb))]
         if per_stream:
-            outs = [torch.empty(self.S, self.depth, 2, self.H, n_out, 2 * self.D, device=dev) for _ in range(B)]
+            outs = [torch.empty(self.S, self.depth, 2, self.H, n_out, 2 * self.D, device=dev) if wide[i] else None
+                    for i in range(B)]
             src = lambda i, half: (att_cache[i], half)      # noqa: E731  (stream_table: the view [:, :, half])
             dst = lambda i, half: (outs[i], half)           # noqa: E731
         else:
@@ -635,8 +669,8 @@ class WholeEulerSolver:
         base = tabled.base
         if st.streams is None:
             src = lambda i, half: None      # noqa: E731
-        tables = torch.stack([stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base),
-                              stream_table([dst(i, h) if i < B else None for i, h in rows], base)])
+        tables = torch.stack([stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base, current),
+                              stream_table([dst(i, h) if i < B and wide[i] else None for i, h in rows], base)])
         self._host_uploads(dev).upload(tables, out=st.extra["tables"])
         return outs
 
@@ -647,12 +681,16 @@ class WholeEulerSolver:
             self._uploads = HostStaging(device, slots=2)
         return self._uploads
 
-    def _fill(self, st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L) -> None:
+    def _fill(self, st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L, widths=None) -> None:
         Bb, Q, O = st.key.batch, st.key.query, st.key.offset
         z = self.cfm.noise(L, T, temperature).to(mu.dtype).transpose(1, 2)      # (1, T, 80)
         st.z[:B, :T].copy_(z.expand(B, -1, -1))
         st.mu[:B, :T].copy_(mu.transpose(1, 2))
         st.cond[:B, :T].copy_(cond.transpose(1, 2))
+        for i, w in enumerate(widths or ()):
+            if w < T:   # a narrow row's padding: replicated like a narrow chunk's (finite; never attended)
+                st.mu[i, w:T].copy_(st.mu[i, w - 1:w].expand(T - w, -1))
+                st.cond[i, w:T].copy_(st.cond[i, w - 1:w].expand(T - w, -1))
         if T < Q:   # x zero-padded, mu / cond replicate-padded
             st.z[:, T:].zero_()
             st.mu[:B, T:].copy_(st.mu[:B, T - 1:T].expand(-1, Q - T, -1))
@@ -669,10 +707,13 @@ class WholeEulerSolver:
                 copy(st.kv[..., Q:Q + L, :], att_cache, B, Bb)
             torch.arange(T, T + self.K1, out=st.cnn_idx)    # on the device: a host copy would wait for it
             if st.mask is not None:
-                keys = torch.zeros(Q + O, dtype=torch.bool)
-                keys[:T] = True
-                keys[Q:Q + L] = True
-                st.mask.copy_(keys[None, None, :].expand(st.mask.shape))
+                keys = torch.zeros(Bb, Q + O, dtype=torch.bool)
+                keys[:, :T] = True
+                for i, w in enumerate(widths or ()):
+                    keys[i, w:T] = False
+                keys[:, Q:Q + L] = True
+                keys = torch.cat([keys, keys])      # the uncond rows as their cond rows
+                st.mask.copy_(keys[:, None, :].expand(st.mask.shape))
         elif L:
             copy(st.att_in, att_cache, B, Bb)
 
@@ -716,7 +757,7 @@ def _at_step(streams: StreamKV | None, s: int) -> StreamKV | None:
 def _trimmed(att, trim: tuple[int, int]):
     """An attention cache (or per-stream list of them) trimmed like the flow's, in memory of its own."""
     if isinstance(att, list):
-        return [_trimmed(a, trim) for a in att]
+        return [None if a is None else _trimmed(a, trim) for a in att]
     out = trim_frames(att, *trim)
     return bulk_copy.clone(att) if out is att else out
 

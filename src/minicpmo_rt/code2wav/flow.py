@@ -122,6 +122,31 @@ def split_flow_cache(cache: FlowCache, sizes: Sequence[int]) -> list[FlowCache]:
     return out
 
 
+@dataclass(frozen=True)
+class ChunkPart:
+    """Streams whose payloads have one length and final flag, in ``Flow.inference_chunks_joined``: token
+    (b, n), spk (b, 192), their b caches in row order, and whether the payloads are final."""
+
+    token: torch.Tensor
+    spk: torch.Tensor
+    caches: Sequence[FlowCache]
+    last: bool = False
+
+
+def check_joint_caches(caches: Sequence[FlowCache], who: str) -> None:
+    """Caches solved in one batch must agree in every shape and in their prompt frames (the trim)."""
+    names = ("conformer_cnn", "conformer_att", "estimator_cnn", "estimator_att")
+    for i, c in enumerate(caches[1:], 1):
+        for name in names:
+            if getattr(c, name).shape != getattr(caches[0], name).shape:
+                raise InputError(f"{who}: cache {i}'s {name} has shape {tuple(getattr(c, name).shape)}, cache 0's "
+                                 f"{tuple(getattr(caches[0], name).shape)}; streams solved together need equal cache "
+                                 "shapes (solve the others apart)")
+    if any(c.prompt_frames != caches[0].prompt_frames for c in caches):     # every stream is trimmed at one p
+        raise InputError(f"{who}: the caches' prompt frames differ ({sorted({c.prompt_frames for c in caches})}); "
+                         "solve those streams apart")
+
+
 def trim_estimator_att(att: torch.Tensor, prompt_frames: int, keep: int = HISTORY_FRAMES) -> torch.Tensor:
     """Past ``prompt_frames + keep`` frames, keep the first ``prompt_frames`` and the last ``keep``
     along the frame axis (upstream's rule, applied to its newest-first layout as it is)."""
@@ -283,17 +308,8 @@ class Flow(nn.Module):
         if not caches or token.shape[0] != len(caches) or spk.shape[0] != len(caches):
             raise InputError(f"inference_chunk_many: {len(caches)} caches for {token.shape[0]} token rows and "
                              f"{spk.shape[0]} speaker rows; pass one cache per row")
-        names = ("conformer_cnn", "conformer_att", "estimator_cnn", "estimator_att")
-        for i, c in enumerate(caches[1:], 1):
-            for name in names:
-                if getattr(c, name).shape != getattr(caches[0], name).shape:
-                    raise InputError(f"inference_chunk_many: cache {i}'s {name} has shape "
-                                     f"{tuple(getattr(c, name).shape)}, cache 0's {tuple(getattr(caches[0], name).shape)}; "
-                                     "streams solved together need equal cache shapes (solve the others apart)")
+        check_joint_caches(caches, "inference_chunk_many")
         p = caches[0].prompt_frames
-        if any(c.prompt_frames != p for c in caches):     # both paths below trim every stream at p
-            raise InputError(f"inference_chunk_many: the caches' prompt frames differ "
-                             f"({sorted({c.prompt_frames for c in caches})}); solve those streams apart")
         if len(caches) == 1:
             mel, new = self.inference_chunk(token, spk, caches[0], last_chunk, n_timesteps)
             return mel, [new]
@@ -312,6 +328,81 @@ class Flow(nn.Module):
         encs = split_encoder_cache(self.trim_encoder_cache(enc_cache, p), [1] * len(caches))
         return mel, [FlowCache(enc.cnn, enc.att, _cfg_rows(cnn, i, i + 1), att, p)
                      for i, (enc, att) in enumerate(zip(encs, atts))]
+
+    def chunk_frames(self, n_tokens: int, last: bool) -> int:
+        """Mel frames a chunk of ``n_tokens`` decodes: all of a final one's, else all but the lookahead."""
+        return (n_tokens if last else n_tokens - self.pre_lookahead_len) * self.up_rate
+
+    def joins_widths(self, n_timesteps: int) -> bool:
+        """Can ``inference_chunks_joined`` run its parts as one CFM solve (the chunk solver with the fused
+        body, rows of their own widths) rather than one solve per part?"""
+        sv = self.chunk_solver
+        return sv is not None and sv.S == n_timesteps and sv.body == "fused"
+
+    @torch.inference_mode()
+    def inference_chunks_joined(self, parts: Sequence[ChunkPart], n_timesteps: int | None = None
+                                ) -> list[tuple[torch.Tensor, list[FlowCache] | None]]:
+        """``inference_chunk_many`` for several payload shapes of streams whose caches agree, in ONE CFM solve:
+        each part's encoder half runs as its own call, then every row solves together at the widest part's
+        width, a narrower part's rows (which must be final chunks: their streams end) padded and attending
+        their own frames only (``WholeEulerSolver.solve(widths=)``). So the final chunks of streams ending in a
+        round join the steady chunks of the others instead of a solve of their own.
+
+        Returns per part (mel (b, 80, its frames), its b next caches; None for a final part: its streams end).
+        Where the solver cannot take rows of their own widths (``joins_widths``), each part solves apart, with
+        the same results."""
+        if not parts:
+            raise InputError("inference_chunks_joined: no parts")
+        caches = [c for part in parts for c in part.caches]
+        for i, part in enumerate(parts):
+            b = len(part.caches)
+            if not b or part.token.shape[0] != b or part.spk.shape[0] != b:
+                raise InputError(f"inference_chunks_joined: part {i} has {b} caches for {part.token.shape[0]} token "
+                                 f"rows and {part.spk.shape[0]} speaker rows; pass one cache per row")
+        check_joint_caches(caches, "inference_chunks_joined")
+        frames = [self.chunk_frames(part.token.shape[1], part.last) for part in parts]
+        T = max(frames)
+        for i, (part, f) in enumerate(zip(parts, frames)):
+            if f < T and not part.last:
+                raise InputError(f"inference_chunks_joined: part {i} decodes {f} frames, fewer than the widest "
+                                 f"part's {T}, and is not final; only a stream's final chunk may solve narrower "
+                                 "(its cache would lack the padding frames)")
+        n_timesteps = caches[0].n_timesteps if n_timesteps is None else n_timesteps
+        if len(parts) == 1 or not self.joins_widths(n_timesteps):
+            out = []
+            for part in parts:
+                mel, new = self.inference_chunk_many(part.token, part.spk, list(part.caches), part.last, n_timesteps)
+                out.append((mel, None if part.last else new))
+            return out
+        if any(c.n_timesteps != n_timesteps for c in caches):
+            raise InputError(f"n_timesteps={n_timesteps} but a cache was set up with another step count "
+                             f"({sorted({c.n_timesteps for c in caches})})")
+        p = caches[0].prompt_frames
+        mus, spks, encs, widths = [], [], [], []
+        for part, f in zip(parts, frames):
+            enc = part.caches[0].encoder if len(part.caches) == 1 else stack_encoder_caches(
+                [c.encoder for c in part.caches])
+            h, sp, enc = self.encode_chunk(part.token, part.spk, enc, part.last)
+            mus.append(F.pad(h, (0, T - f)))
+            spks.append(sp)
+            encs.append(enc)
+            widths += [f] * len(part.caches)
+        mu = torch.cat(mus, 0)
+        mel, cnn, atts = self.chunk_solver.solve(mu, torch.cat(spks, 0), torch.zeros_like(mu),
+                                                 _stack_cfg([c.estimator_cnn for c in caches]),
+                                                 [c.estimator_att for c in caches], copy_out=False,
+                                                 trim=(p, HISTORY_FRAMES), widths=widths)
+        out, r = [], 0
+        for part, f, enc in zip(parts, frames, encs):
+            b = len(part.caches)
+            news = None
+            if not part.last:
+                split = split_encoder_cache(self.trim_encoder_cache(enc, p), [1] * b)
+                news = [FlowCache(e.cnn, e.att, _cfg_rows(cnn, r + j, r + j + 1), atts[r + j], p)
+                        for j, e in enumerate(split)]
+            out.append((mel[r:r + b] if f == T else mel[r:r + b, :, :f].contiguous(), news))
+            r += b
+        return out
 
     @torch.inference_mode()
     def encode_chunk(self, token: torch.Tensor, spk: torch.Tensor, encoder: EncoderCache, last_chunk: bool = False

@@ -8,7 +8,9 @@
     pcms = c2w.push_many([(s1, p1, False), (s2, p2, False)])      # one flow solve for both
 
 ``push_many`` runs streams whose caches and payloads have equal shapes (the steady state of
-concurrent streams) as one encoder + CFM solve (``Flow.inference_chunk_many``: on the fast path
+concurrent streams) as one encoder + CFM solve (and the final chunks of streams ending in that round join it,
+their rows padded to the steady width and attending their own frames only: ``join_finals``,
+``Flow.inference_chunks_joined``) (``Flow.inference_chunk_many``: on the fast path
 each stream's estimator cache goes straight into the solver's rows and its trimmed successor
 straight out, no stacked copy; on CUDA the encoder half replays from ``encoder_graph.EncoderGraphs``),
 then vocodes them through
@@ -124,12 +126,13 @@ class PromptState:
     flow_cache: FlowCache
 
 
-def _batch_key(cache: FlowCache, spk: torch.Tensor, n_codes: int, last: bool) -> tuple:
-    """Streams with equal keys can share one flow solve: every cache shape but the batch axis,
-    the trimming anchor (prompt frames), the payload length and the final flag agree."""
+def _batch_key(cache: FlowCache, spk: torch.Tensor) -> tuple:
+    """Streams with equal keys can share one flow solve: every cache shape but the batch axis and the
+    trimming anchor (prompt frames) agree (their payloads then group by length and final flag, the final
+    ones joining a wider solve: ``Code2Wav.join_finals``)."""
     def but(t: torch.Tensor, axis: int) -> tuple:
         return tuple(t.shape[:axis]) + tuple(t.shape[axis + 1:])
-    return (n_codes, last, cache.prompt_frames, cache.estimator_att.dtype, str(cache.estimator_att.device),
+    return (cache.prompt_frames, cache.estimator_att.dtype, str(cache.estimator_att.device),
             but(cache.conformer_cnn, 0), but(cache.conformer_att, 1), but(cache.estimator_cnn, 2),
             but(cache.estimator_att, 2), tuple(spk.shape[1:]))
 
@@ -185,6 +188,10 @@ class Code2Wav:
         self.slot_solver = None          # SlotSolver when the opt-in slot pool is on (cfm_slot_pool)
         self.slot_pool_slots = 0
         self.row_offset_merge = False    # pooled streams of different cache lengths in one solve
+        # The final chunks of streams ending in a round join the round's wider (steady) solve of streams with
+        # the same cache shape, their rows attending their own frames only (Flow.inference_chunks_joined),
+        # instead of a solve of their own. False: every payload length and final flag solves apart.
+        self.join_finals = True
         self.precapture_pending = False  # cfm_graph_precapture: capture when the first stream opens
         self._logged: set[str] = set()
 
@@ -443,7 +450,9 @@ class Code2Wav:
 
         Streams whose caches have the same shapes (the steady state of concurrent streams)
         and whose payloads have the same length and final flag run ONE flow solve together
-        (at most ``max_batch`` rows each); the rest run alone as ``push``. Vocoding goes through
+        (at most ``max_batch`` rows each), which with ``join_finals`` the final chunks no wider than it of
+        streams with those cache shapes join (each payload shape its own encoder call); the rest run alone
+        as ``push``. Vocoding goes through
         ``Vocoder.push_many``: HiFT calls of equal shapes run batched (at most ``max_batch``
         rows), each stream keeping its own vocoder state; ``batch_vocoding=False`` runs every
         HiFT call alone (the per-stream path, for comparison). Same result as pushing each
@@ -459,35 +468,32 @@ class Code2Wav:
                 raise InputError("push_many: a stream belongs to another Code2Wav; push it through its own owner")
         tokens = [s._check(payload, bool(last)) for s, payload, last in items]
         groups: dict[tuple, list[int]] = {}
+        dense: dict[tuple, dict[tuple[int, bool], list[int]]] = {}
         for i, ((s, _, last), tok) in enumerate(zip(items, tokens)):
             if tok.shape[1]:
                 # pooled streams of one payload length share a CFM solve; across cache lengths and prompts
                 # only with row-offset merging. Their encoder halves group by cache shape inside it.
                 if s.handle is None:
-                    key = _batch_key(s.cache, s.spk, tok.shape[1], bool(last))
+                    dense.setdefault(_batch_key(s.cache, s.spk), {}).setdefault((tok.shape[1], bool(last)),
+                                                                                []).append(i)
                 else:   # streams admitted before a reconfiguration keep their own (older) slot solver
                     key = ("pooled", id(s.slot_solver), tok.shape[1], bool(last)) + (
                         () if self.row_offset_merge else (s.handle.length, s.prompt_frames))
-                groups.setdefault(key, []).append(i)
+                    groups.setdefault(key, []).append(i)
         mels: list[torch.Tensor | None] = [None] * len(items)
+        cap = max_batch or len(items)
         # Caches advance only once every solve and the vocoding succeeded.
         with _round() as rnd:
+            for shapes in dense.values():
+                for members in self._dense_solves(shapes):
+                    for k in range(0, len(members), cap):
+                        self._solve_dense(members[k:k + cap], items, tokens, mels, rnd)
             for key, members in groups.items():
                 last = bool(items[members[0]][2])
-                pooled = streams[members[0]].handle is not None
-                cap = max_batch or len(items)
-                if pooled:
-                    cap = min(cap, max(streams[members[0]].slot_solver.config.batch_buckets))
-                for k in range(0, len(members), cap):
-                    rows = members[k:k + cap]
-                    if pooled:
-                        mel = self._solve_pooled([streams[i] for i in rows], [tokens[i] for i in rows], last, rnd)
-                    else:
-                        token = torch.cat([tokens[i] for i in rows], 0).to(self.device)
-                        spk = torch.cat([streams[i].spk for i in rows], 0)
-                        mel, news = self.flow.inference_chunk_many(token, spk, [streams[i].cache for i in rows],
-                                                                   last_chunk=last, n_timesteps=self.n_timesteps)
-                        rnd.commits += [_setter(streams[i], "cache", news[r]) for r, i in enumerate(rows)]
+                pooled_cap = min(cap, max(streams[members[0]].slot_solver.config.batch_buckets))
+                for k in range(0, len(members), pooled_cap):
+                    rows = members[k:k + pooled_cap]
+                    mel = self._solve_pooled([streams[i] for i in rows], [tokens[i] for i in rows], last, rnd)
                     for r, i in enumerate(rows):
                         mels[i] = mel[r:r + 1]
             empty = torch.zeros(1, 80, 0, device=self.device)
@@ -500,6 +506,50 @@ class Code2Wav:
                 s.close()
             out.append(wav[0].cpu().numpy().astype(np.float32))
         return out
+
+    def _dense_solves(self, shapes: dict[tuple[int, bool], list[int]]) -> list[list[int]]:
+        """The solves of dense streams whose caches agree, grouped by (payload length, final): each group its
+        own solve, except that with ``join_finals`` (and a solver that takes rows of their own widths) the
+        final groups no wider than the widest non-final one (or, with none, than the widest final one) join
+        its solve. Each solve lists its items' indices, group by group."""
+        keys = list(shapes)
+        frames = {k: self.flow.chunk_frames(*k) for k in keys}
+        if len(keys) < 2 or not self.join_finals or not self.flow.joins_widths(self.n_timesteps):
+            return [shapes[k] for k in keys]
+        host = max([k for k in keys if not k[1]] or keys, key=lambda k: (frames[k], len(shapes[k])))
+        joined = [host] + [k for k in keys if k != host and k[1] and frames[k] <= frames[host]]
+        return [[i for k in joined for i in shapes[k]]] + [shapes[k] for k in keys if k not in joined]
+
+    def _solve_dense(self, rows: Sequence[int], items, tokens: Sequence[torch.Tensor],
+                     mels: list, rnd: _Round) -> None:
+        """One flow solve over dense streams ``rows`` (indices into ``items``; consecutive rows of one payload
+        shape form a part): their mels into ``mels``, their new caches into ``rnd.commits``."""
+        from .flow import ChunkPart
+
+        streams = [items[i][0] for i in rows]
+        parts: list[tuple[list[int], bool]] = []
+        for i in rows:
+            shape = (tokens[i].shape[1], bool(items[i][2]))
+            if parts and (tokens[parts[-1][0][0]].shape[1], parts[-1][1]) == shape:
+                parts[-1][0].append(i)
+            else:
+                parts.append(([i], shape[1]))
+        if len(parts) == 1:
+            token = torch.cat([tokens[i] for i in rows], 0).to(self.device)
+            spk = torch.cat([s.spk for s in streams], 0)
+            mel, news = self.flow.inference_chunk_many(token, spk, [s.cache for s in streams],
+                                                       last_chunk=parts[0][1], n_timesteps=self.n_timesteps)
+            results = [(mel, news)]
+        else:
+            results = self.flow.inference_chunks_joined(
+                [ChunkPart(torch.cat([tokens[i] for i in idx], 0).to(self.device),
+                           torch.cat([items[i][0].spk for i in idx], 0), [items[i][0].cache for i in idx], last)
+                 for idx, last in parts], n_timesteps=self.n_timesteps)
+        for (idx, last), (mel, news) in zip(parts, results):
+            for r, i in enumerate(idx):
+                mels[i] = mel[r:r + 1]
+                if news is not None:    # a final chunk's stream closes: its cache is not needed
+                    rnd.commits.append(_setter(items[i][0], "cache", news[r]))
 
     def _solve_pooled(self, streams: Sequence["Code2WavStream"], tokens: Sequence[torch.Tensor], last: bool,
                       rnd: _Round) -> torch.Tensor:

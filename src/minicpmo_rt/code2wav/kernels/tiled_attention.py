@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 import torch
 
@@ -326,12 +327,15 @@ if AVAILABLE:
         """``direct_attention``'s unit (also a phase of the persistent block kernel): query block ``mblk`` x
         key split ``split`` of (row b, head h). The keys are this chunk's [k|v] (CUR) followed by row b's own
         old frames, found through its SRC table row [offset from BASE, step stride, layer stride, present]
-        (elements); every key tile read is also written into row b's trimmed successor (DST row, if
+        (elements; its last entry: how many of this chunk's nq frames row b attends, the rest being
+        padding); every key tile read is also written into row b's trimmed successor (DST row, if
         present) by one of the query blocks. The key splits count the current frames as ``cur_keys`` keys
         (``direct_key_splits``: nq rounded up to a key tile, so every split walks whole tiles of each source)."""
         offs_m, row_ok, q, m_i, l_i, acc = _query_block(Q, b, h, mblk, sqb, sqh, sqm, sqd, nq, HEAD_D, BLOCK_M)
         src, _ = stream_row(BASE, SRC, b, h, step, layer, n_old, HEAD_D)
         dst, present = stream_row(BASE, DST, b, h, step, layer, n_out, HEAD_D)
+        # a narrower row (a stream's final chunk in a steady solve) attends its own first n_cur frames only
+        n_cur = tl.minimum(tl.load(SRC + b * 4 + 3), nq).to(tl.int32)
         n_mblk = tl.cdiv(nq, BLOCK_M)
         # split coordinates: the current frames span cur_keys (>= nq) keys, the old ones follow
         k_lo = split * keys_per_split
@@ -339,7 +343,7 @@ if AVAILABLE:
         cur = CUR + b.to(tl.int64) * scb + h * sch
         # the current frames (queries and keys alike), then the old ones: each source loads with its own
         # contiguous strides; the softmax does not depend on the order the keys arrive in
-        m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, nq), 0, row_ok, dst, present,
+        m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, n_cur), 0, row_ok, dst, present,
                                      mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA,
                                      ROW_COPY)
         m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, cur_keys) - cur_keys, k_hi - cur_keys,
@@ -530,8 +534,11 @@ class StreamKV:
     """Where ``direct_attention`` finds each batch row's old [k|v] frames and writes its trimmed successor.
 
     ``src`` / ``dst``: (R, 4) int64 device tables (``stream_table``), row r = [offset of row r's (step 0,
-    layer 0, head 0, frame 0) element from ``base``, step stride, layer stride, present] (in elements; each
-    row's (heads, frames, 2D) block contiguous). A ``dst`` row not present is not written (padding rows).
+    layer 0, head 0, frame 0) element from ``base``, step stride, layer stride, last] (in elements; each
+    row's (heads, frames, 2D) block contiguous). ``dst``'s last entry: present (a row not present is not
+    written: padding rows, and narrow rows, whose successor would lack their padding frames); ``src``'s: how
+    many of this chunk's frames the row attends (``stream_table(current=)``; fewer than the chunk's for a
+    stream's final chunk solved with full-width rows, its frames past that being padding).
     Frames [drop0, drop1) of the concatenated [current | old] order are left out of the successor (the
     flow's trim), which holds ``n_out`` frames. ``step``: the Euler step the tables are read at."""
 
@@ -547,12 +554,19 @@ class StreamKV:
         return replace(self, step=step)
 
 
-def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], base: torch.Tensor) -> torch.Tensor:
+def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], base: torch.Tensor,
+                 current: Sequence[int] | None = None) -> torch.Tensor:
     """The (R, 4) table of ``StreamKV`` for R row views (steps, depth, heads, frames, 2D) relative to
     ``base``; a pair (t, j) stands for the view ``t[:, :, j]`` of a (steps, depth, rows, heads, frames, 2D)
     tensor (read off its pointer and strides: a solve's tables cost no view per row); None: a row not
     present (not written). Offsets and strides must be multiples of 16 elements (64 bytes), what the kernel
-    declares to the compiler."""
+    declares to the compiler. ``current`` makes a source table: each row's count of this chunk's frames it
+    attends (its last entry); without it, a destination table (the last entry: present)."""
+    if current is not None and len(current) != len(rows):
+        raise ValueError(f"stream_table: {len(current)} current-frame counts for {len(rows)} rows")
+    if current is not None and any(int(c) < 1 for c in current):
+        raise ValueError(f"stream_table: current-frame counts {list(current)}; every row attends at least one "
+                         "frame of its chunk")
     if base.dtype != torch.float32 or base.data_ptr() % 64:
         raise ValueError(f"stream_table: base must be a 64-byte aligned FP32 tensor (got {base.dtype} at "
                          f"{base.data_ptr() % 64} bytes past 64-byte alignment)")
@@ -574,7 +588,7 @@ def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], bas
         if t.dtype != torch.float32 or st[2:] != (shape[3] * shape[4], shape[4], 1):
             raise ValueError(f"stream_table: a row view {tuple(shape)} with strides {st} and dtype "
                              f"{t.dtype}; each (heads, frames, 2D) block must be contiguous FP32")
-        row = ((ptr - origin) // 4, st[0], st[1], 1)
+        row = ((ptr - origin) // 4, st[0], st[1], 1 if current is None else int(current[len(out)]))
         if any(v % 16 for v in row[:3]) or (shape[3] * shape[4]) % 16:
             raise ValueError(f"stream_table: a row view at {ptr} with strides {st} is not "
                              "aligned to 16 elements (64 bytes)")
