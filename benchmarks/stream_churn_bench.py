@@ -175,7 +175,37 @@ def _count_solves(c2w: Code2Wav, log: list) -> bool:
     return found
 
 
-def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int) -> dict:
+STAGES = ("encoder", "CFM", "vocoder")
+
+
+def _time_stages(c2w: Code2Wav, dev, spent: dict) -> None:
+    """Add the host time (device synchronised before and after) of every encoder call, CFM solve and vocoding
+    round of this instance into ``spent`` (by stage), through instance attributes; nested calls count once.
+    The synchronisations cost a little themselves, so a breakdown run's rounds are a bit slower."""
+    targets = [(c2w.flow, "encode_chunk", "encoder"), (c2w.flow.chunk_solver, "solve", "CFM"),
+               (c2w.slot_solver, "solve_slots", "CFM"), (c2w.vocoders.stream, "push_many", "vocoder")]
+    depth = [0]
+    for obj, name, stage in targets:
+        if obj is None or not hasattr(obj, name):
+            continue
+        inner = getattr(obj, name)
+
+        def timed(*a, _inner=inner, _stage=stage, **k):
+            if depth[0]:
+                return _inner(*a, **k)
+            _sync(dev)
+            t = time.perf_counter()
+            depth[0] += 1
+            try:
+                return _inner(*a, **k)
+            finally:
+                depth[0] -= 1
+                _sync(dev)
+                spent[_stage] = spent.get(_stage, 0.0) + 1000 * (time.perf_counter() - t)
+        setattr(obj, name, timed)
+
+
+def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, breakdown: bool = False) -> dict:
     c2w = build(flow, gen, v, slots)
     _sync(dev)
     t = time.perf_counter()
@@ -188,11 +218,16 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int) -> d
     arena_gib = 0.0 if arena is None else arena.numel() * arena.element_size() / 2**30
     solves: list[tuple[int, int]] = []
     counting = _count_solves(c2w, solves)
+    spent: dict = {}
+    stages = []
+    if breakdown:
+        _time_stages(c2w, dev, spent)
     g = np.random.default_rng(seed)
     streams: dict[int, object] = {}
     rounds, batches, per_round, finals = [], [], [], []
     for active in plan:
         solves.clear()
+        spent.clear()
         t = time.perf_counter()
         items = []
         for slot, k, final in active:
@@ -205,11 +240,12 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int) -> d
         rounds.append(1000 * (time.perf_counter() - t))
         batches.append(len(items))
         finals.append(sum(final for _, _, final in active))
+        stages.append(dict(spent))
         per_round.append(list(solves))
     after = _counts(c2w)
     during = {k: {m: after[k][m] - before[k].get(m, 0) for m in after[k]} for k in after}
     out = {"prepare_ms": prepare_ms, "arena_gib": arena_gib, "round_ms": rounds, "streams_per_round": batches,
-           "finals_per_round": finals, "during_rounds": during,
+           "finals_per_round": finals, "during_rounds": during, "stages_per_round": stages if breakdown else None,
            "held_after": {k: v["held"] for k, v in after.items()}, "choice": c2w.choice.describe(),
            "cfm_solves": per_round if counting else None}
     del c2w, streams
@@ -225,7 +261,18 @@ def summary(r: dict) -> dict:
             "captures": sum(v["captures"] for k, v in r["during_rounds"].items() if k != "CFM"),
             "cfm_captures": r["during_rounds"]["CFM"]["captures"],
             "cfm_regrowths": r["during_rounds"]["CFM"]["arena_regrowths"],
-            **_solve_stats(r.get("cfm_solves")), **_final_stats(r)}
+            **_solve_stats(r.get("cfm_solves")), **_final_stats(r), **_stage_stats(r)}
+
+
+def _stage_stats(r: dict) -> dict:
+    """Per stage, the median over rounds of its time in a round (``--breakdown``), and of the rest of the round
+    (host work outside the three stages: payload checks, grouping, cache commits, PCM copies)."""
+    per = r.get("stages_per_round")
+    if not per:
+        return {}
+    out = {f"stage_{k}": statistics.median(p.get(k, 0.0) for p in per) for k in STAGES}
+    out["stage_rest"] = statistics.median(t - sum(p.values()) for t, p in zip(r["round_ms"], per))
+    return out
 
 
 def _final_stats(r: dict) -> dict:
@@ -302,6 +349,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="'|'-separated substrings: only the variants whose labels hold "
                     "one (the first one kept is the 'vs' column's base), e.g. 'default'")
     ap.add_argument("--replot", type=Path, help="only draw the plot of a results JSON into --out")
+    ap.add_argument("--breakdown", action="store_true", help="also time each round's encoder calls, CFM solves and "
+                    "vocoding (synchronised before and after each: the rounds run a little slower)")
     args = ap.parse_args()
     if args.replot is not None:
         if not args.replot.is_file():
@@ -349,7 +398,7 @@ def main() -> None:
     res["discarded_run"] = summary(one_run(flow, gen, feats, dev, variants[-1], plan, args.seed, args.slots))
     print("discarded run (JIT, autotuning)", res["discarded_run"], flush=True)
     for variant in [v for _ in range(args.runs) for v in variants]:
-        r = one_run(flow, gen, feats, dev, variant, plan, args.seed, args.slots)
+        r = one_run(flow, gen, feats, dev, variant, plan, args.seed, args.slots, args.breakdown)
         res["runs"][variant.label].append(r)
         print(variant.label, summary(r), flush=True)
         _write(path, json.dumps(res, indent=2))
@@ -396,6 +445,14 @@ def main() -> None:
             cells.append(f"{v['captures']} captures; {held} held" if k == "CFM"
                          else f"{v['eager']} / {v['captures']}; {held} held")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if args.breakdown:
+        lines += ["", "Where a round's time goes (`--breakdown`: the device synchronised around every encoder call, CFM "
+                      "solve and vocoding round; medians over rounds, then over runs; ms):", "",
+                  "| variant | encoder | CFM | vocoder | rest (host) |", "|---|---:|---:|---:|---:|"]
+        for label in (v.label for v in variants):
+            m = med[label]
+            lines.append(f"| {label} | " + " | ".join(f"{m.get('stage_' + k, float('nan')):.1f}"
+                                                    for k in STAGES + ("rest",)) + " |")
     _write(args.out / "stream_churn_bench.md", "\n".join(lines) + "\n")
     plot(res, args.out / "stream_churn_bench.png")
     print("\n".join(lines))
