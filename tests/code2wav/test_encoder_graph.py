@@ -43,6 +43,48 @@ def test_position_tables_are_made_once_and_bounded():
     assert len(enc._pos_tables) == POS_TABLES_KEPT and (7, like.device, like.dtype, False) not in enc._pos_tables
 
 
+def test_position_projection_is_made_once_and_follows_the_weights():
+    """Outside autograd a layer's ``linear_pos`` of a position table is made once per size and handed out
+    again (bit-identical to computing it); an in-place change of the weights (a load) makes a new one; with
+    autograd on nothing is kept (the gradient must reach the weights); at most POS_TABLES_KEPT are kept."""
+    enc = tiny_flow().encoder
+    attn = enc.encoders[0].self_attn
+    like = torch.zeros(1)
+    table = enc._pos(7, like)
+    with torch.no_grad():
+        a = attn._projected(table)
+        assert attn._projected(table) is a and torch.equal(a, attn.linear_pos(table))
+        attn.linear_pos.weight.mul_(2.0)
+        b = attn._projected(table)
+        assert b is not a and torch.equal(b, attn.linear_pos(table))
+        for size in range(20, 20 + POS_TABLES_KEPT):
+            attn._projected(enc._pos(size, like))
+        assert len(attn._proj) == POS_TABLES_KEPT
+    kept = dict(attn._proj)
+    c = attn._projected(table)
+    assert c.requires_grad and attn._proj == kept
+
+
+def test_keepalive_collects_what_caches_hand_out_during_a_capture():
+    """``keepalive()`` collects every tensor ``keep_for_graph`` hands out inside it, nested collectors each
+    their own, and outside one nothing is collected; the encoder's tables and projections go through it."""
+    from minicpmo_rt.code2wav.keepalive import keep_for_graph, keepalive
+
+    x, y = torch.zeros(2), torch.ones(2)
+    assert keep_for_graph(x) is x
+    with keepalive() as outer:
+        keep_for_graph(x)
+        with keepalive() as inner:
+            keep_for_graph(y)
+        assert inner == [y]
+    assert len(outer) == 1 and outer[0] is x
+    enc = tiny_flow().encoder
+    with torch.no_grad(), keepalive() as held:
+        table = enc._pos(9, torch.zeros(1))
+        p = enc.encoders[0].self_attn._projected(table)
+    assert [id(t) for t in held] == [id(table), id(p)]
+
+
 def test_off_cuda_the_graphs_run_the_eager_encoder():
     flow = tiny_flow()
     cache, spk = prompt_cache(flow)
@@ -71,7 +113,7 @@ class _FakeShapes(ShapeGraphs):
                 for o, n in zip(out, fn(*static_in)):
                     o.copy_(n)
 
-        return Replay(), static_in, out
+        return Replay(), static_in, out, []
 
 
 class _CPUGraphs(EncoderGraphs):
@@ -190,3 +232,34 @@ def test_cuda_graphed_encoder_equals_eager(caplog):
             torch.backends.cuda.matmul.allow_tf32 = saved
     assert len(graphs.graphs()) == 10
     assert caplog.text.count("encoder graph budget") == 1
+
+
+@requires_cuda
+def test_cuda_graph_keeps_the_tables_it_reads_alive():
+    """A captured encoder graph reads position tables and their projections from the encoder's bounded
+    caches. Dropped from the caches, their memory freed and refilled with NaN, the replay still gives the
+    eager result bit for bit: the graph's entry holds them (``keepalive``)."""
+    flow = tiny_flow("cuda")
+    graphs = EncoderGraphs(flow, max_graphs=4)
+    g = torch.Generator().manual_seed(6)
+    with torch.inference_mode():
+        cache, spk = prompt_cache(flow, 1, seed=3)
+        tok = torch.randint(0, TINY.vocab_size, (1, 8), generator=g).cuda()
+        want = flow.encode_chunk(tok, spk, cache.encoder)
+        flow.encoder_graphs = graphs
+        for _ in range(2):      # eager, then captured
+            flow.encode_chunk(tok, spk, cache.encoder)
+        entry = next(iter(graphs.shapes.graphs.values()))
+        # two position tables (token and upsampled rates) and each layer's projection of its table
+        assert len(entry[3]) == 2 + len(flow.encoder.encoders) + len(flow.encoder.up_encoders)
+        sizes = {t.numel() for t in entry[3]}
+        flow.encoder._pos_tables.clear()
+        for layer in list(flow.encoder.encoders) + list(flow.encoder.up_encoders):
+            layer.self_attn._proj.clear()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        junk = [torch.full((n,), float("nan"), device="cuda") for n in sizes for _ in range(8)]
+        got = flow.encode_chunk(tok, spk, cache.encoder)
+        del junk
+    assert graphs.shapes.replays >= 1
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2].att, want[2].att)

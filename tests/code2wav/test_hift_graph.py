@@ -59,7 +59,7 @@ class FakeGraphs(ShapeGraphs):
                 for o, n in zip(out, new) if isinstance(out, tuple) else ((out, new),):
                     o.copy_(n)
 
-        return Replay(), static_in, out
+        return Replay(), static_in, out, []
 
 
 def test_shape_graphs_capture_after_budget_and_copy_out():

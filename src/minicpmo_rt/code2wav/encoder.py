@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .flow_config import EncoderConfig
+from .keepalive import capturing, keep_for_graph
 
 
 @dataclass
@@ -92,6 +93,28 @@ class RelPositionAttention(nn.Module):
         self.pos_bias_v = nn.Parameter(torch.empty(n_head, self.d_k))
         nn.init.xavier_uniform_(self.pos_bias_u)
         nn.init.xavier_uniform_(self.pos_bias_v)
+        self._proj: dict[tuple, torch.Tensor] = {}
+
+    def _projected(self, pos_table: torch.Tensor) -> torch.Tensor:
+        """``linear_pos(pos_table)``: the same for every call of one size while the weights stay as they are,
+        so outside autograd it is made once per (size, device, dtype, weight version) and kept (the oldest
+        dropped past POS_TABLES_KEPT): a streamed chunk's 10 layers otherwise redo a (2*t2-1) x d x d GEMM
+        each call whatever the batch (at batch 1 more work than the layers' own rows). Not kept when made
+        inside a graph capture (its values exist only once the graph replays)."""
+        w = self.linear_pos.weight
+        if torch.is_grad_enabled() or torch.is_inference(w):   # an inference tensor has no version counter
+            return self.linear_pos(pos_table)
+        key = (pos_table.shape[1], pos_table.device, pos_table.dtype, torch.is_inference_mode_enabled(),
+               w.data_ptr(), w._version)
+        p = self._proj.get(key)
+        if p is None:
+            p = self.linear_pos(pos_table)
+            if capturing(pos_table.device):
+                return p
+            if len(self._proj) >= POS_TABLES_KEPT:
+                self._proj.pop(next(iter(self._proj)))      # the oldest
+            self._proj[key] = p
+        return keep_for_graph(p)
 
     def forward(self, x: torch.Tensor, pos_table: torch.Tensor,
                 cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +133,7 @@ class RelPositionAttention(nn.Module):
         new_cache = torch.cat([k, v], dim=-1)
         t2 = k.shape[2]
 
-        p = self.linear_pos(pos_table).view(1, -1, self.h, self.d_k).transpose(1, 2)  # (1, h, 2*t2-1, d_k)
+        p = self._projected(pos_table).view(1, -1, self.h, self.d_k).transpose(1, 2)  # (1, h, 2*t2-1, d_k)
         content = torch.matmul((q + self.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))  # (b, h, t1, t2)
         position = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))  # (b, h, t1, 2*t2-1)
         # Query i sits at absolute position (t2 - t1 + i); key j at j. Its distance i' - j is
@@ -225,14 +248,15 @@ class UpsampleConformerEncoderV2(nn.Module):
 
     def _pos(self, size: int, like: torch.Tensor) -> torch.Tensor:
         """The position table for ``size`` frames, made once per (size, device, dtype) and kept (a
-        streamed chunk's sizes repeat; a table made on the host cannot be copied inside a CUDA graph)."""
+        streamed chunk's sizes repeat; a table made on the host cannot be copied inside a CUDA graph).
+        A graph captured reading it keeps it alive past its eviction (``keepalive``)."""
         key = (size, like.device, like.dtype, torch.is_inference_mode_enabled())   # inference tensors stay there
         table = self._pos_tables.get(key)
         if table is None:
             if len(self._pos_tables) >= POS_TABLES_KEPT:
                 self._pos_tables.pop(next(iter(self._pos_tables)))     # the oldest
             table = self._pos_tables[key] = rel_position_table(size, self.cfg.output_size, like.device, like.dtype)
-        return table
+        return keep_for_graph(table)
 
     def forward(self, xs: torch.Tensor) -> torch.Tensor:
         """Whole sequence: xs (b, t, input_size) embedded tokens -> (b, stride*t, d).

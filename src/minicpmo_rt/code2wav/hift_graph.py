@@ -45,6 +45,7 @@ import torch
 
 from .hift import HiFTGenerator
 from .hift_causal import CausalHiFTGenerator
+from .keepalive import keepalive
 from .precision import ieee_fp32
 
 __all__ = ["ShapeGraphs", "GraphedHiFT", "ROW_BUCKETS"]
@@ -204,7 +205,7 @@ class ShapeGraphs:
             self.graphs[key] = entry
         elif self.evict:
             self.graphs[key] = self.graphs.pop(key)           # now the most recently replayed
-        graph, static_in, static_out = entry
+        graph, static_in, static_out, _ = entry
         if rows != b:
             # the real rows only: the padding keeps rows of an earlier call (finite; their outputs are dropped)
             for s, x, a in zip(static_in, xs, axes):
@@ -237,9 +238,10 @@ class ShapeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool):
+        with keepalive() as held, torch.cuda.graph(g, pool=self._pool):
             out = fn(*static_in)
-        return g, static_in, out
+        # the cached tensors the capture read (the encoder's position tables) live as long as the graph
+        return g, static_in, out, held
 
 
 class GraphedHiFT:
