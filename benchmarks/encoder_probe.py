@@ -10,6 +10,10 @@ length), then a steady chunk's encoder half timed, medians of ``--reps`` calls, 
   * ``stack + split + trim``: the cache copies around it in ``inference_chunk_many`` (stack the streams'
     caches, trim the new one, split it per stream);
   * ``replay (events)``: the same call's device time between CUDA events;
+  * ``half, stacked``: the whole encoder half as ``inference_chunk_many`` ran it before session 27 (stack the
+    caches, ``encode_chunk`` copying its outputs out, trim the batch, split it per stream), and ``half, cut
+    out``: ``Flow.encode_streams`` (each stream's trimmed cache copied straight out of the graph's output),
+    where the tree has it;
   * ``eager``: ``Flow._encode`` without graphs (host time with synchronisation).
 
 Then a ``torch.profiler`` table of one eager call at the largest batch: device time by kernel name (top
@@ -83,6 +87,16 @@ def probe(c2w: Code2Wav, feats, dev, b: int, reps: int, g: torch.Generator) -> t
                    flow.trim_encoder_cache(new, p), [1] * b) if b > 1 else flow.trim_encoder_cache(new, p), dev, reps)
                + (_host_ms(lambda: stack_encoder_caches(encs), dev, reps) if b > 1 else 0.0),
                "replay_event_ms": _event_ms(call, dev, reps)}
+
+        def stacked():
+            e = stack_encoder_caches(encs) if b > 1 else encs[0]
+            _, _, nxt = flow.encode_chunk(token, spk, e, False)
+            t = flow.trim_encoder_cache(nxt, p)
+            return split_encoder_cache(t, [1] * b) if b > 1 else t
+
+        row["half_stacked_ms"] = _host_ms(stacked, dev, reps)
+        if hasattr(flow, "encode_streams"):
+            row["half_cut_ms"] = _host_ms(lambda: flow.encode_streams(token, spk, encs, False, [p] * b), dev, reps)
         graphs, flow.encoder_graphs = flow.encoder_graphs, None
         try:
             eager = lambda: flow.encode_chunk(token, spk, enc, False)  # noqa: E731
@@ -154,11 +168,13 @@ def main() -> None:
     lines = [f"# The flow's encoder half of a steady chunk ({gpu}, torch {res['torch']})", "",
              "Full-size random weights, default fast path; the streams' caches at the trimmed steady length. "
              f"Medians of {args.reps} calls, ms.", "",
-             "| batch | as called (graph) | replay (events) | stack + split + trim copies | eager |",
-             "|---:|---:|---:|---:|---:|"]
+             "| batch | as called (graph) | replay (events) | stack + split + trim copies | eager | "
+             "half, stacked | half, cut out |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         lines.append(f"| {r['batch']} | {r['as_called_ms']:.3f} | {r['replay_event_ms']:.3f} | "
-                     f"{r['stack_split_trim_ms']:.3f} | {r['eager_ms']:.3f} |")
+                     f"{r['stack_split_trim_ms']:.3f} | {r['eager_ms']:.3f} | {r['half_stacked_ms']:.3f} | "
+                     f"{r.get('half_cut_ms', float('nan')):.3f} |")
     lines += ["", f"One eager call at batch {batches[-1]}, device time by kernel (top {args.top}):", "",
               "| kernel | count | us |", "|---|---:|---:|"]
     lines += [f"| {k['kernel']} | {k['count']} | {k['device_us']:.0f} |" for k in res["kernels"]]

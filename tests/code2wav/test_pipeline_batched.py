@@ -243,6 +243,28 @@ def test_stack_split_round_trip(c2w, voice):
             assert torch.equal(getattr(got, name), getattr(want, name))
 
 
+@pytest.mark.parametrize("frames", [60, 140, 141])
+def test_trim_split_conformer_att_equals_trim_then_split(frames):
+    """Each row's trimmed conformer cache cut straight out of the batch (one copy of what it keeps) equals
+    trimming the batch and splitting it, bit for bit, rows at their own prompt frames, below the trim length
+    (a copy), each row in memory of its own; an odd prompt length (no whole tokens) is refused by name."""
+    from minicpmo_rt.code2wav.flow import split_encoder_cache, trim_conformer_att, trim_split_conformer_att
+    from minicpmo_rt.code2wav.encoder import EncoderCache
+
+    g = torch.Generator().manual_seed(frames)
+    att = torch.randn(5, 3, 2, frames, 8, generator=g)
+    prompts = [20, 30, 26]
+    got = trim_split_conformer_att(att, prompts, 3, keep=40)
+    for i, p in enumerate(prompts):
+        want = split_encoder_cache(EncoderCache(torch.zeros(3, 1, 1), trim_conformer_att(att, p, 3, keep=40)),
+                                   [1, 1, 1])[i].att
+        assert torch.equal(got[i], want), (i, p)
+        assert got[i].is_contiguous() and got[i].untyped_storage().data_ptr() != att.untyped_storage().data_ptr()
+    if frames > 61:
+        with pytest.raises(ValueError, match="even"):
+            trim_split_conformer_att(att, [21], 3, keep=40)
+
+
 def test_inference_chunk_many_equals_stack_chunk_split(c2w, voice):
     """Several streams' own caches in one flow chunk: the mel and every next cache equal (bit for
     bit) those of stacking the caches, one ``inference_chunk`` and splitting, on the fast path

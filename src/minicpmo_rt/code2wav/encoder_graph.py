@@ -65,8 +65,10 @@ class EncoderGraphs:
         # ShapeGraphs keys: ((token shape, dtype), (cnn ...), (att shape, dtype), ("last_chunk", v), *flags)
         return [EncoderKey(k[0][0][0], k[0][0][1], k[2][0][3] // 2, k[3][1], k[4:]) for k in self.shapes.graphs]
 
-    def run(self, token: torch.Tensor, cache: EncoderCache, last_chunk: bool) -> tuple[torch.Tensor, EncoderCache]:
+    def run(self, token: torch.Tensor, cache: EncoderCache, last_chunk: bool,
+            copy_out: bool = True) -> tuple[torch.Tensor, EncoderCache]:
         """token (b, n) int64 on the device, cache the stream(s)' encoder cache -> (h (b, frames, 80)
-        before the transpose, next encoder cache, untrimmed), owned by the caller."""
-        h, cnn, att = self.shapes(token, cache.cnn, cache.att, copy_out=True, last_chunk=bool(last_chunk))
+        before the transpose, next encoder cache, untrimmed), owned by the caller (``copy_out=False``: views of
+        a graph's outputs where one replayed, valid until it replays again)."""
+        h, cnn, att = self.shapes(token, cache.cnn, cache.att, copy_out=copy_out, last_chunk=bool(last_chunk))
         return h, EncoderCache(cnn, att)

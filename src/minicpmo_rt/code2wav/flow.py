@@ -170,6 +170,34 @@ def trim_conformer_att(att: torch.Tensor, prompt_frames: int, n_token_layers: in
     return bulk_copy.cat([tok.repeat(1, 1, 1, 2, 1), mel], dim=0)
 
 
+def trim_split_conformer_att(att: torch.Tensor, prompt_frames: Sequence[int], n_token_layers: int,
+                             keep: int = HISTORY_FRAMES) -> list[torch.Tensor]:
+    """Each batch row of a packed conformer cache (layers, b, heads, frames, 2*d_k), trimmed as
+    ``trim_conformer_att`` trims it at that row's prompt frames, in memory of its own: one copy of each kept
+    frame range straight into the row's new cache (``split_encoder_cache(trim_conformer_att(...))`` copies the
+    batch ~4 times: the trim's three concatenations and the split)."""
+    frames = att.shape[3]
+    out = []
+    for i, p in enumerate(prompt_frames):
+        row = att[:, i:i + 1]
+        if frames <= p + keep:
+            out.append(bulk_copy.clone(row))
+            continue
+        if p % 2 or keep % 2:
+            raise ValueError(f"trim_split_conformer_att: prompt frames {p} and kept frames {keep} must be even "
+                             "(two mel frames per token)")
+        half, nt = frames // 2, p // 2 + keep // 2          # token-rate frames stored, and kept
+        new = torch.empty(att.shape[0], 1, att.shape[2], p + keep, att.shape[4], dtype=att.dtype, device=att.device)
+        tok, mel = new[:n_token_layers], new[n_token_layers:]
+        bulk_copy.copy_(tok[..., :p // 2, :], row[:n_token_layers, :, :, :p // 2])
+        bulk_copy.copy_(tok[..., p // 2:nt, :], row[:n_token_layers, :, :, half - keep // 2:half])
+        bulk_copy.copy_(tok[..., nt:, :], tok[..., :nt, :])      # stored twice along time, as packed
+        bulk_copy.copy_(mel[..., :p, :], row[n_token_layers:, :, :, :p])
+        bulk_copy.copy_(mel[..., p:, :], row[n_token_layers:, :, :, frames - keep:])
+        out.append(new)
+    return out
+
+
 class Flow(nn.Module):
     """``CausalMaskedDiffWithXvec`` (see module docstring). Parameter names are upstream's."""
 
@@ -320,12 +348,10 @@ class Flow(nn.Module):
         if any(c.n_timesteps != n_timesteps for c in caches):
             raise InputError(f"n_timesteps={n_timesteps} but a cache was set up with another step count "
                              f"({sorted({c.n_timesteps for c in caches})})")
-        encoder = stack_encoder_caches([c.encoder for c in caches])
-        h, spk, enc_cache = self.encode_chunk(token, spk, encoder, last_chunk)
+        h, spk, encs = self.encode_streams(token, spk, [c.encoder for c in caches], last_chunk, [p] * len(caches))
         mel, cnn, atts = self.chunk_solver.solve(h, spk, torch.zeros_like(h), _stack_cfg([c.estimator_cnn for c in caches]),
                                                  [c.estimator_att for c in caches], copy_out=False,
                                                  trim=(p, HISTORY_FRAMES))
-        encs = split_encoder_cache(self.trim_encoder_cache(enc_cache, p), [1] * len(caches))
         return mel, [FlowCache(enc.cnn, enc.att, _cfg_rows(cnn, i, i + 1), att, p)
                      for i, (enc, att) in enumerate(zip(encs, atts))]
 
@@ -379,10 +405,9 @@ class Flow(nn.Module):
                              f"({sorted({c.n_timesteps for c in caches})})")
         p = caches[0].prompt_frames
         mus, spks, encs, widths = [], [], [], []
-        for part, f in zip(parts, frames):
-            enc = part.caches[0].encoder if len(part.caches) == 1 else stack_encoder_caches(
-                [c.encoder for c in part.caches])
-            h, sp, enc = self.encode_chunk(part.token, part.spk, enc, part.last)
+        for part, f in zip(parts, frames):      # a final part's streams end: no next encoder caches
+            h, sp, enc = self.encode_streams(part.token, part.spk, [c.encoder for c in part.caches], part.last,
+                                             None if part.last else [p] * len(part.caches))
             mus.append(F.pad(h, (0, T - f)))
             spks.append(sp)
             encs.append(enc)
@@ -397,25 +422,43 @@ class Flow(nn.Module):
             b = len(part.caches)
             news = None
             if not part.last:
-                split = split_encoder_cache(self.trim_encoder_cache(enc, p), [1] * b)
                 news = [FlowCache(e.cnn, e.att, _cfg_rows(cnn, r + j, r + j + 1), atts[r + j], p)
-                        for j, e in enumerate(split)]
+                        for j, e in enumerate(enc)]
             out.append((mel[r:r + b] if f == T else mel[r:r + b, :, :f].contiguous(), news))
             r += b
         return out
 
     @torch.inference_mode()
-    def encode_chunk(self, token: torch.Tensor, spk: torch.Tensor, encoder: EncoderCache, last_chunk: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor, EncoderCache]:
+    def encode_streams(self, token: torch.Tensor, spk: torch.Tensor, encoders: Sequence[EncoderCache],
+                       last_chunk: bool, prompt_frames: Sequence[int] | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, list[EncoderCache] | None]:
+        """The encoder half for b streams' own caches (token, spk: b rows in their order): (mu (b, 80, frames),
+        projected speaker (b, 80), each stream's next encoder cache trimmed at its ``prompt_frames`` in memory of
+        its own; None with ``prompt_frames`` None, when the streams end). The next caches are cut straight out
+        of the encoder's output (``trim_split_conformer_att``: one copy of what each stream keeps)."""
+        enc = encoders[0] if len(encoders) == 1 else stack_encoder_caches(encoders)
+        h, spk, new = self.encode_chunk(token, spk, enc, last_chunk, copy_out=False)
+        if prompt_frames is None:
+            return h, spk, None
+        atts = trim_split_conformer_att(new.att, prompt_frames, len(self.encoder.encoders))
+        return h, spk, [EncoderCache(bulk_copy.clone(new.cnn[i:i + 1]), a) for i, a in enumerate(atts)]
+
+    @torch.inference_mode()
+    def encode_chunk(self, token: torch.Tensor, spk: torch.Tensor, encoder: EncoderCache, last_chunk: bool = False,
+                     copy_out: bool = True) -> tuple[torch.Tensor, torch.Tensor, EncoderCache]:
         """The encoder half of ``inference_chunk``: (mu (b, 80, frames), projected speaker (b, 80), next
-        encoder cache, untrimmed: ``trim_encoder_cache``). The opt-in slot pool runs the CFM half itself."""
+        encoder cache, untrimmed: ``trim_encoder_cache``). The opt-in slot pool runs the CFM half itself.
+        ``copy_out=False``: from CUDA graphs the next cache may be a view of a graph's output, valid until that
+        graph replays again (``encode_streams`` copies what each stream keeps out of it at once)."""
         self._check_tokens(token, "tokens")
         if token.shape[1] <= (0 if last_chunk else self.pre_lookahead_len):
             raise InputError(f"chunk of {token.shape[1]} tokens: a non-final chunk needs new tokens plus "
                              f"{self.pre_lookahead_len} lookahead, a final one at least 1")
         spk = self._speaker(spk)
-        run = self._encode if self.encoder_graphs is None else self.encoder_graphs.run
-        h, enc_cache = run(token.long(), encoder, last_chunk)
+        if self.encoder_graphs is None:
+            h, enc_cache = self._encode(token.long(), encoder, last_chunk)
+        else:
+            h, enc_cache = self.encoder_graphs.run(token.long(), encoder, last_chunk, copy_out=copy_out)
         return h.transpose(1, 2).contiguous(), spk, enc_cache
 
     def _encode(self, token: torch.Tensor, encoder: EncoderCache, last_chunk: bool) -> tuple[torch.Tensor, EncoderCache]:

@@ -59,7 +59,7 @@ from ..checkpoint.snapshot import resolve_snapshot
 from ..errors import CheckpointError, InputError
 from .encoder import EncoderCache
 from .encoder_graph import EncoderGraphs
-from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow, split_encoder_cache, stack_encoder_caches
+from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow
 from .frontend import PromptFeatures, VoiceFrontend
 from .hift_graph import GraphedHiFT, ShapeGraphs
 from .knobs import Code2WavChoice, graph_budget, graph_precapture, row_offset_merge, slot_pool_slots
@@ -578,12 +578,12 @@ class Code2Wav:
         for r, s in enumerate(streams):
             groups.setdefault(_encoder_key(s.encoder, s.spk), []).append(r)
         for rows in groups.values():
-            enc = streams[rows[0]].encoder if len(rows) == 1 else stack_encoder_caches([streams[r].encoder for r in rows])
-            h, sp, enc = flow.encode_chunk(torch.cat([tokens[r] for r in rows], 0).to(self.device),
-                                           torch.cat([streams[r].spk for r in rows], 0), enc, last)
-            for j, (r, e) in enumerate(zip(rows, [enc] if len(rows) == 1 else split_encoder_cache(enc, [1] * len(rows)))):
-                mu[r], spk[r] = h[j:j + 1], sp[j:j + 1]
-                encs[r] = flow.trim_encoder_cache(e, streams[r].prompt_frames)
+            h, sp, new = flow.encode_streams(torch.cat([tokens[r] for r in rows], 0).to(self.device),
+                                             torch.cat([streams[r].spk for r in rows], 0),
+                                             [streams[r].encoder for r in rows], last,
+                                             [streams[r].prompt_frames for r in rows])
+            for j, (r, e) in enumerate(zip(rows, new)):
+                mu[r], spk[r], encs[r] = h[j:j + 1], sp[j:j + 1], e
         handles = [s.handle for s in streams]
         saved = [(h, h.frames, h._arr, h._arr_of) for h in handles]
         idx = torch.tensor([r for h in handles for r in pool.rows(h.slot)], device=pool.cnn.device)
