@@ -302,7 +302,12 @@ class Flow(nn.Module):
         n_timesteps = cache.n_timesteps if n_timesteps is None else n_timesteps
         if n_timesteps != cache.n_timesteps:
             raise InputError(f"n_timesteps={n_timesteps} but the cache was set up with {cache.n_timesteps} steps")
-        h, spk, enc_cache = self.encode_chunk(token, spk, cache.encoder, last_chunk)
+        p = cache.prompt_frames
+        if token.shape[0] == 1:     # one stream: its next encoder cache cut out trimmed, in one copy
+            h, spk, (enc_cache,) = self.encode_streams(token, spk, [cache.encoder], last_chunk, [p])
+        else:
+            h, spk, enc_cache = self.encode_chunk(token, spk, cache.encoder, last_chunk)
+            enc_cache = self.trim_encoder_cache(enc_cache, p)
         if self.chunk_solver is not None and self.chunk_solver.S == n_timesteps:
             # The fast path (fused body / Whole-Euler graphs): same contract as forward_chunk. The
             # solver trims: its steady solve reads the old cache in place and writes the successor,
@@ -316,8 +321,6 @@ class Flow(nn.Module):
                 h, spk, torch.zeros_like(h), n_timesteps=n_timesteps,
                 cnn_cache=cache.estimator_cnn, att_cache=cache.estimator_att)
             est_att = trim_estimator_att(est_att, cache.prompt_frames)
-        p = cache.prompt_frames
-        enc_cache = self.trim_encoder_cache(enc_cache, p)
         return mel, FlowCache(enc_cache.cnn, enc_cache.att, est_cnn, est_att, p)
 
     @torch.inference_mode()
