@@ -713,7 +713,9 @@ class WholeEulerSolver:
                     keys[i, w:T] = False
                 keys[:, Q:Q + L] = True
                 keys = torch.cat([keys, keys])      # the uncond rows as their cond rows
-                st.mask.copy_(keys[:, None, :].expand(st.mask.shape))
+                # pinned staging: a copy from pageable memory would wait for the device
+                self._host_uploads(st.mask.device).upload(keys[:, None, :].expand(st.mask.shape).contiguous(),
+                                                          out=st.mask)
         elif L:
             copy(st.att_in, att_cache, B, Bb)
 

@@ -214,6 +214,7 @@ class Flow(nn.Module):
         self.chunk_solver = None
         # Optional CUDA graphs of the encoder half (code2wav.encoder_graph.EncoderGraphs); eager when None.
         self.encoder_graphs = None
+        self._uploads = None     # HostStaging for host tensors (to_device)
 
     @property
     def pre_lookahead_len(self) -> int:
@@ -232,6 +233,21 @@ class Flow(nn.Module):
             lo, hi = int(token.min()), int(token.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise InputError(f"{name}: codes must lie in 0..{self.cfg.vocab_size - 1}; found {lo}..{hi}")
+
+    def to_device(self, token: torch.Tensor) -> torch.Tensor:
+        """A tensor (codes, row indices) on the model's device. A host tensor goes up through pinned staging
+        without waiting: a copy
+        from pageable memory (``.to(device)``) waits for every kernel queued before it, so a round of
+        concurrent streams would stop the host at each group's encoder call instead of queueing ahead."""
+        dev = self.input_embedding.weight.device
+        if token.device == dev:
+            return token
+        if token.device.type == "cpu" and dev.type == "cuda":
+            if self._uploads is None or self._uploads.device != dev:
+                from ..thinker.staging import HostStaging
+                self._uploads = HostStaging(dev, slots=32)
+            return self._uploads.upload(token)
+        return token.to(dev)
 
     def _speaker(self, spk: torch.Tensor) -> torch.Tensor:
         if spk.dim() != 2 or spk.shape[1] != self.cfg.spk_embed_dim:
@@ -452,12 +468,15 @@ class Flow(nn.Module):
         """The encoder half of ``inference_chunk``: (mu (b, 80, frames), projected speaker (b, 80), next
         encoder cache, untrimmed: ``trim_encoder_cache``). The opt-in slot pool runs the CFM half itself.
         ``copy_out=False``: from CUDA graphs the next cache may be a view of a graph's output, valid until that
-        graph replays again (``encode_streams`` copies what each stream keeps out of it at once)."""
+        graph replays again (``encode_streams`` copies what each stream keeps out of it at once). ``token`` may
+        be on the host: checked there and uploaded without a device synchronisation (``to_device``); on the
+        device its range check waits for the device."""
         self._check_tokens(token, "tokens")
         if token.shape[1] <= (0 if last_chunk else self.pre_lookahead_len):
             raise InputError(f"chunk of {token.shape[1]} tokens: a non-final chunk needs new tokens plus "
                              f"{self.pre_lookahead_len} lookahead, a final one at least 1")
         spk = self._speaker(spk)
+        token = self.to_device(token.long())
         if self.encoder_graphs is None:
             h, enc_cache = self._encode(token.long(), encoder, last_chunk)
         else:

@@ -535,14 +535,14 @@ class Code2Wav:
             else:
                 parts.append(([i], shape[1]))
         if len(parts) == 1:
-            token = torch.cat([tokens[i] for i in rows], 0).to(self.device)
+            token = torch.cat([tokens[i] for i in rows], 0)     # host codes: the flow uploads them without a sync
             spk = torch.cat([s.spk for s in streams], 0)
             mel, news = self.flow.inference_chunk_many(token, spk, [s.cache for s in streams],
                                                        last_chunk=parts[0][1], n_timesteps=self.n_timesteps)
             results = [(mel, news)]
         else:
             results = self.flow.inference_chunks_joined(
-                [ChunkPart(torch.cat([tokens[i] for i in idx], 0).to(self.device),
+                [ChunkPart(torch.cat([tokens[i] for i in idx], 0),
                            torch.cat([items[i][0].spk for i in idx], 0), [items[i][0].cache for i in idx], last)
                  for idx, last in parts], n_timesteps=self.n_timesteps)
         for (idx, last), (mel, news) in zip(parts, results):
@@ -567,7 +567,7 @@ class Code2Wav:
             mels = []
             for s, tok in zip(streams, tokens):
                 cnn, att = s.handle.dense()
-                mel, new = flow.inference_chunk(tok.to(self.device), s.spk,
+                mel, new = flow.inference_chunk(tok, s.spk,
                                                 FlowCache(s.encoder.cnn, s.encoder.att, cnn, att, s.prompt_frames),
                                                 last_chunk=last, n_timesteps=self.n_timesteps)
                 mels.append(mel)
@@ -578,7 +578,7 @@ class Code2Wav:
         for r, s in enumerate(streams):
             groups.setdefault(_encoder_key(s.encoder, s.spk), []).append(r)
         for rows in groups.values():
-            h, sp, new = flow.encode_streams(torch.cat([tokens[r] for r in rows], 0).to(self.device),
+            h, sp, new = flow.encode_streams(torch.cat([tokens[r] for r in rows], 0),
                                              torch.cat([streams[r].spk for r in rows], 0),
                                              [streams[r].encoder for r in rows], last,
                                              [streams[r].prompt_frames for r in rows])
@@ -586,7 +586,7 @@ class Code2Wav:
                 mu[r], spk[r], encs[r] = h[j:j + 1], sp[j:j + 1], e
         handles = [s.handle for s in streams]
         saved = [(h, h.frames, h._arr, h._arr_of) for h in handles]
-        idx = torch.tensor([r for h in handles for r in pool.rows(h.slot)], device=pool.cnn.device)
+        idx = flow.to_device(torch.tensor([r for h in handles for r in pool.rows(h.slot)]))
         cnn = pool.cnn.index_select(2, idx)
 
         def restore():
@@ -648,7 +648,7 @@ class Code2WavStream:
         if not token.shape[1]:
             return self._vocode(torch.zeros(1, 80, 0, device=self.owner.device), last)
         if self.handle is None:
-            mel, self.cache = self.owner.flow.inference_chunk(token.to(self.owner.device), self.spk, self.cache,
+            mel, self.cache = self.owner.flow.inference_chunk(token, self.spk, self.cache,
                                                               last_chunk=last, n_timesteps=self.owner.n_timesteps)
             return self._vocode(mel, last)
         with _round() as rnd:
