@@ -8,12 +8,12 @@
     pcms = c2w.push_many([(s1, p1, False), (s2, p2, False)])      # one flow solve for both
 
 ``push_many`` runs streams whose caches and payloads have equal shapes (the steady state of
-concurrent streams) as one encoder + CFM solve (and the final chunks of streams ending in that round join it,
-their rows padded to the steady width and attending their own frames only: ``join_finals``,
-``Flow.inference_chunks_joined``) (``Flow.inference_chunk_many``: on the fast path
+concurrent streams) as one encoder + CFM solve (``Flow.inference_chunk_many``: on the fast path
 each stream's estimator cache goes straight into the solver's rows and its trimmed successor
-straight out, no stacked copy; on CUDA the encoder half replays from ``encoder_graph.EncoderGraphs``),
-then vocodes them through
+straight out, no stacked copy; on CUDA the encoder half replays from ``encoder_graph.EncoderGraphs``).
+The final chunks of streams that end in that round join that solve: their rows are padded to the steady
+width and attend their own frames only (``join_finals``, ``Flow.inference_chunks_joined``). It then
+vocodes them through
 ``Vocoder.push_many``: HiFT calls of equal shapes run as one batch (each stream keeping its own
 vocoder state and excitation), from CUDA graphs on CUDA (``vocoder_graphs``).
 
@@ -59,7 +59,7 @@ from ..checkpoint.snapshot import resolve_snapshot
 from ..errors import CheckpointError, InputError
 from .encoder import EncoderCache
 from .encoder_graph import EncoderGraphs
-from .flow import HISTORY_FRAMES, Flow, FlowCache, load_flow
+from .flow import HISTORY_FRAMES, ChunkPart, Flow, FlowCache, load_flow
 from .frontend import PromptFeatures, VoiceFrontend
 from .hift_graph import GraphedHiFT, ShapeGraphs
 from .knobs import Code2WavChoice, graph_budget, graph_precapture, row_offset_merge, slot_pool_slots
@@ -450,9 +450,9 @@ class Code2Wav:
 
         Streams whose caches have the same shapes (the steady state of concurrent streams)
         and whose payloads have the same length and final flag run ONE flow solve together
-        (at most ``max_batch`` rows each), which with ``join_finals`` the final chunks no wider than it of
-        streams with those cache shapes join (each payload shape its own encoder call); the rest run alone
-        as ``push``. Vocoding goes through
+        (at most ``max_batch`` rows each). With ``join_finals``, final chunks of streams with those cache
+        shapes join that solve when they are no wider (each payload shape keeps its own encoder call); the
+        rest run alone as ``push``. Vocoding goes through
         ``Vocoder.push_many``: HiFT calls of equal shapes run batched (at most ``max_batch``
         rows), each stream keeping its own vocoder state; ``batch_vocoding=False`` runs every
         HiFT call alone (the per-stream path, for comparison). Same result as pushing each
@@ -524,8 +524,6 @@ class Code2Wav:
                      mels: list, rnd: _Round) -> None:
         """One flow solve over dense streams ``rows`` (indices into ``items``; consecutive rows of one payload
         shape form a part): their mels into ``mels``, their new caches into ``rnd.commits``."""
-        from .flow import ChunkPart
-
         streams = [items[i][0] for i in rows]
         parts: list[tuple[list[int], bool]] = []
         for i in rows:
