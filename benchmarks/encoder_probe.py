@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from code2wav_bench import timed
 from code2wav_pipeline_bench import bench_models
 from first_chunk_bench import _sync
 from minicpmo_rt.atomic import atomic_write
@@ -52,17 +53,10 @@ def _host_ms(fn, dev, reps: int) -> float:
 
 
 def _event_ms(fn, dev, reps: int) -> float:
+    """Median CUDA-event time of ``reps`` calls (``code2wav_bench.timed``); NaN off CUDA."""
     if dev.type != "cuda":
         return float("nan")
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    return statistics.median(timed(fn, budget_s=float("inf"), max_reps=reps, min_reps=reps))
 
 
 def probe(c2w: Code2Wav, feats, dev, b: int, reps: int, g: torch.Generator) -> tuple[dict, tuple]:

@@ -65,6 +65,21 @@ def rel_position_table(size: int, d_model: int, device: torch.device | None = No
 POS_TABLES_KEPT = 16
 
 
+def _kept(memo: dict, key: tuple, make, device: torch.device) -> torch.Tensor:
+    """``memo[key]``, made by ``make()`` when missing and kept (the oldest dropped past POS_TABLES_KEPT), handed
+    out through ``keep_for_graph``. One made inside a graph capture is not kept: its values exist only once the
+    graph replays."""
+    t = memo.get(key)
+    if t is None:
+        t = make()
+        if capturing(device):
+            return t
+        if len(memo) >= POS_TABLES_KEPT:
+            memo.pop(next(iter(memo)))      # the oldest
+        memo[key] = t
+    return keep_for_graph(t)
+
+
 class LinearEmbed(nn.Module):
     """Linear -> LayerNorm -> (dropout), then scaled by sqrt(d) as the rel-pos encoder does."""
 
@@ -98,23 +113,14 @@ class RelPositionAttention(nn.Module):
     def _projected(self, pos_table: torch.Tensor) -> torch.Tensor:
         """``linear_pos(pos_table)``: the same for every call of one size while the weights stay as they are,
         so outside autograd it is made once per (size, device, dtype, weight version) and kept (the oldest
-        dropped past POS_TABLES_KEPT): a streamed chunk's 10 layers otherwise redo a (2*t2-1) x d x d GEMM
-        each call whatever the batch (at batch 1 more work than the layers' own rows). Not kept when made
-        inside a graph capture (its values exist only once the graph replays)."""
+        dropped past POS_TABLES_KEPT, ``_kept``): a streamed chunk's 10 layers otherwise redo a (2*t2-1) x d x d
+        GEMM each call whatever the batch (at batch 1 more work than the layers' own rows)."""
         w = self.linear_pos.weight
         if torch.is_grad_enabled() or torch.is_inference(w):   # an inference tensor has no version counter
             return self.linear_pos(pos_table)
         key = (pos_table.shape[1], pos_table.device, pos_table.dtype, torch.is_inference_mode_enabled(),
                w.data_ptr(), w._version)
-        p = self._proj.get(key)
-        if p is None:
-            p = self.linear_pos(pos_table)
-            if capturing(pos_table.device):
-                return p
-            if len(self._proj) >= POS_TABLES_KEPT:
-                self._proj.pop(next(iter(self._proj)))      # the oldest
-            self._proj[key] = p
-        return keep_for_graph(p)
+        return _kept(self._proj, key, lambda: self.linear_pos(pos_table), pos_table.device)
 
     def forward(self, x: torch.Tensor, pos_table: torch.Tensor,
                 cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,12 +257,8 @@ class UpsampleConformerEncoderV2(nn.Module):
         streamed chunk's sizes repeat; a table made on the host cannot be copied inside a CUDA graph).
         A graph captured reading it keeps it alive past its eviction (``keepalive``)."""
         key = (size, like.device, like.dtype, torch.is_inference_mode_enabled())   # inference tensors stay there
-        table = self._pos_tables.get(key)
-        if table is None:
-            if len(self._pos_tables) >= POS_TABLES_KEPT:
-                self._pos_tables.pop(next(iter(self._pos_tables)))     # the oldest
-            table = self._pos_tables[key] = rel_position_table(size, self.cfg.output_size, like.device, like.dtype)
-        return keep_for_graph(table)
+        return _kept(self._pos_tables, key,
+                     lambda: rel_position_table(size, self.cfg.output_size, like.device, like.dtype), like.device)
 
     def forward(self, xs: torch.Tensor) -> torch.Tensor:
         """Whole sequence: xs (b, t, input_size) embedded tokens -> (b, stride*t, d).

@@ -290,8 +290,13 @@ class WholeEulerSolver:
         held and B's arena would outgrow the current one, the largest batch bucket below B whose solve fits it
         (B when none does: then the arena grows, as without the rule)."""
         Q = self._snap(T, self.config.query_buckets)
-        if Q is None or (T >= Q and not (ragged and not self.solve_key(B, T, L, mu, trim, caches, True).direct)):
-            return B    # full width: a steady shape recurs; grow once rather than split for good
+        if Q is None:
+            return B
+        # rows narrower than their bucket hold query + offset frames each in a masked arena solve; full-width
+        # ones are a steady shape that recurs: grow once rather than split for good
+        narrow = T < Q or (ragged and not self.solve_key(B, T, L, mu, trim, caches, True).direct)
+        if not narrow:
+            return B
         if not (self.config.keep_arena and self.fused is not None and self._arena is not None and self.graphs()):
             return B
         have = self._arena.numel()
@@ -654,8 +659,6 @@ class WholeEulerSolver:
         Bb, n_out = st.key.batch, tabled.n_out
         dev = st.x.device
         wide = [True] * B if widths is None else [w >= T for w in widths]
-        current = [T if widths is None or i >= B else widths[i] for i, _ in
-                   ((r % Bb, r // Bb) for r in range(2 * Bb))]
         if per_stream:
             outs = [torch.empty(self.S, self.depth, 2, self.H, n_out, 2 * self.D, device=dev) if wide[i] else None
                     for i in range(B)]
@@ -666,6 +669,7 @@ class WholeEulerSolver:
             src = lambda i, half: (att_cache, half * B + i)     # noqa: E731
             dst = lambda i, half: (outs, half * B + i)          # noqa: E731
         rows = [(r % Bb, r // Bb) for r in range(2 * Bb)]
+        current = [widths[i] if widths is not None and i < B else T for i, _ in rows]
         base = tabled.base
         if st.streams is None:
             src = lambda i, half: None      # noqa: E731

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..checkpoint.weights import load_strict
 from ..errors import CheckpointError, InputError
+from ..thinker.staging import HostStaging
 from . import bulk_copy
 from .cfm import CausalConditionalCFM
 from .encoder import EncoderCache, UpsampleConformerEncoderV2
@@ -147,6 +148,13 @@ def check_joint_caches(caches: Sequence[FlowCache], who: str) -> None:
                          "solve those streams apart")
 
 
+def check_steps(caches: Sequence[FlowCache], n_timesteps: int) -> None:
+    """Caches solved with ``n_timesteps`` Euler steps must have been set up with that many."""
+    if any(c.n_timesteps != n_timesteps for c in caches):
+        raise InputError(f"n_timesteps={n_timesteps} but a cache was set up with another step count "
+                         f"({sorted({c.n_timesteps for c in caches})})")
+
+
 def trim_estimator_att(att: torch.Tensor, prompt_frames: int, keep: int = HISTORY_FRAMES) -> torch.Tensor:
     """Past ``prompt_frames + keep`` frames, keep the first ``prompt_frames`` and the last ``keep``
     along the frame axis (upstream's rule, applied to its newest-first layout as it is)."""
@@ -236,15 +244,14 @@ class Flow(nn.Module):
 
     def to_device(self, token: torch.Tensor) -> torch.Tensor:
         """A tensor (codes, row indices) on the model's device. A host tensor goes up through pinned staging
-        without waiting: a copy
-        from pageable memory (``.to(device)``) waits for every kernel queued before it, so a round of
-        concurrent streams would stop the host at each group's encoder call instead of queueing ahead."""
+        without waiting: a copy from pageable memory (``.to(device)``) waits for every kernel queued before
+        it, so a round of concurrent streams would stop the host at each group's encoder call instead of
+        queueing ahead."""
         dev = self.input_embedding.weight.device
         if token.device == dev:
             return token
         if token.device.type == "cpu" and dev.type == "cuda":
             if self._uploads is None or self._uploads.device != dev:
-                from ..thinker.staging import HostStaging
                 self._uploads = HostStaging(dev, slots=32)
             return self._uploads.upload(token)
         return token.to(dev)
@@ -364,9 +371,7 @@ class Flow(nn.Module):
         if self.chunk_solver is None or self.chunk_solver.S != n_timesteps:
             mel, new = self.inference_chunk(token, spk, stack_flow_caches(caches), last_chunk, n_timesteps)
             return mel, split_flow_cache(new, [1] * len(caches))
-        if any(c.n_timesteps != n_timesteps for c in caches):
-            raise InputError(f"n_timesteps={n_timesteps} but a cache was set up with another step count "
-                             f"({sorted({c.n_timesteps for c in caches})})")
+        check_steps(caches, n_timesteps)
         h, spk, encs = self.encode_streams(token, spk, [c.encoder for c in caches], last_chunk, [p] * len(caches))
         mel, cnn, atts = self.chunk_solver.solve(h, spk, torch.zeros_like(h), _stack_cfg([c.estimator_cnn for c in caches]),
                                                  [c.estimator_att for c in caches], copy_out=False,
@@ -419,9 +424,7 @@ class Flow(nn.Module):
                 mel, new = self.inference_chunk_many(part.token, part.spk, list(part.caches), part.last, n_timesteps)
                 out.append((mel, None if part.last else new))
             return out
-        if any(c.n_timesteps != n_timesteps for c in caches):
-            raise InputError(f"n_timesteps={n_timesteps} but a cache was set up with another step count "
-                             f"({sorted({c.n_timesteps for c in caches})})")
+        check_steps(caches, n_timesteps)
         p = caches[0].prompt_frames
         mus, spks, encs, widths = [], [], [], []
         for part, f in zip(parts, frames):      # a final part's streams end: no next encoder caches
@@ -478,9 +481,9 @@ class Flow(nn.Module):
         spk = self._speaker(spk)
         token = self.to_device(token.long())
         if self.encoder_graphs is None:
-            h, enc_cache = self._encode(token.long(), encoder, last_chunk)
+            h, enc_cache = self._encode(token, encoder, last_chunk)
         else:
-            h, enc_cache = self.encoder_graphs.run(token.long(), encoder, last_chunk, copy_out=copy_out)
+            h, enc_cache = self.encoder_graphs.run(token, encoder, last_chunk, copy_out=copy_out)
         return h.transpose(1, 2).contiguous(), spk, enc_cache
 
     def _encode(self, token: torch.Tensor, encoder: EncoderCache, last_chunk: bool) -> tuple[torch.Tensor, EncoderCache]:

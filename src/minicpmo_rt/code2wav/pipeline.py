@@ -522,16 +522,13 @@ class Code2Wav:
 
     def _solve_dense(self, rows: Sequence[int], items, tokens: Sequence[torch.Tensor],
                      mels: list, rnd: _Round) -> None:
-        """One flow solve over dense streams ``rows`` (indices into ``items``; consecutive rows of one payload
-        shape form a part): their mels into ``mels``, their new caches into ``rnd.commits``."""
+        """One flow solve over dense streams ``rows`` (indices into ``items``; the rows of one payload shape
+        form a part): their mels into ``mels``, their new caches into ``rnd.commits``."""
         streams = [items[i][0] for i in rows]
-        parts: list[tuple[list[int], bool]] = []
+        by_shape: dict[tuple[int, bool], list[int]] = {}     # (payload length, final) -> its rows
         for i in rows:
-            shape = (tokens[i].shape[1], bool(items[i][2]))
-            if parts and (tokens[parts[-1][0][0]].shape[1], parts[-1][1]) == shape:
-                parts[-1][0].append(i)
-            else:
-                parts.append(([i], shape[1]))
+            by_shape.setdefault((tokens[i].shape[1], bool(items[i][2])), []).append(i)
+        parts = [(idx, last) for (_, last), idx in by_shape.items()]
         if len(parts) == 1:
             token = torch.cat([tokens[i] for i in rows], 0)     # host codes: the flow uploads them without a sync
             spk = torch.cat([s.spk for s in streams], 0)
