@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Before/after of whole serving rounds (stream_churn_bench.py, the default variant only) on one GPU
 # machine: a warm-up run of this tree (compiles Triton kernels into the shared cache), then baseline and
-# this tree alternating three times each so drift does not favour one side. Then the table:
+# this tree alternating PAIRS times (default 3) so drift does not favour one side. Then the table:
 #   git archive <commit> src | tar -x -C _base      # an untracked copy travels with the tree
 #   OUT=DIR bash benchmarks/churn_ab.sh _base/src
 #   python benchmarks/churn_ab_table.py DIR --out benchmarks/results/NAME   # writes NAME.json and NAME.md
@@ -10,7 +10,9 @@ export PYTHONUNBUFFERED=1
 OLD=$(cd "${1:?baseline src folder}" && pwd) NEW=$PWD/src OUT=${OUT:-/tmp/churn_ab}
 mkdir -p "$OUT"
 i=0
-for v in warm base new base new base new; do
+order="warm"
+for _ in $(seq "${PAIRS:-3}"); do order="$order base new"; done
+for v in $order; do
   i=$((i+1))
   if [ $v = base ]; then P=$OLD; else P=$NEW; fi
   PYTHONPATH=$P:$PWD/tests timeout 150 python benchmarks/stream_churn_bench.py --only "(default)" --no-slot-pool \

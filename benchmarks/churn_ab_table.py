@@ -46,7 +46,7 @@ def main() -> None:
     med = {s: {k: statistics.median(r[k] for r in rs) for k, _ in FIELDS} for s, rs in sides.items()}
     lines = [f"# {args.title}", "",
              "`benchmarks/churn_ab.sh` (stream_churn_bench.py, default variant, 2 runs per call, baseline and new "
-             "alternating 3 times after a discarded warm-up call); medians over each side's "
+             f"alternating {len(sides['base']) // 2} times after a discarded warm-up call); medians over each side's "
              f"{len(sides['base'])} runs, ms.", "",
              "| side | " + " | ".join(t for _, t in FIELDS) + " |", "|---|" + "---:|" * len(FIELDS)]
     for s in ("base", "new"):

@@ -168,6 +168,9 @@ def test_graph_runner_replays_through_streams_equal_eager(variant):
     assert {k[0][0][0] for k in runner.decode.graphs} == {1, 4}, "3 rows run in the bucket of 4"
     assert runner.decode.replays > 0 and runner.f0.replays > 0 and runner.decode.graphs
     assert variant == "original" or (runner.excite.replays > 0 and runner.excite.graphs)
+    # the causal HiFT's final calls (zero look-ahead, the steady history's length) replay graphs of their own
+    finals = [k for k in runner.decode.graphs if ("finalize", True) in k]
+    assert bool(finals) == (variant == "causal")
 
 
 # Ops that read a device value back to the host: each synchronizes, which a CUDA graph

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minicpmo_rt.code2wav.hift_graph import GraphedHiFT
+from minicpmo_rt.code2wav.hift import StageCall
+from minicpmo_rt.code2wav.hift_graph import ROW_BUCKETS, GraphedHiFT
 from minicpmo_rt.code2wav.vocoder import CAUSAL, ORIGINAL, WHOLE_FILE, Vocoder, load_vocoder, load_vocoders, \
     write_tiny_hift
 from minicpmo_rt.errors import InputError
@@ -76,13 +77,20 @@ def pushed_many(voc: Vocoder, chunks, max_batch=None) -> list[list[torch.Tensor]
 
 
 class Counting:
-    """A runner that records (op, batch rows) of every stage call, then runs it eagerly."""
+    """A runner that records (op, batch rows) of every stage call, then runs it eagerly. With ``buckets`` it
+    reports the batch buckets a graph runner pads rows to (``row_bucket``), as ``GraphedHiFT`` does, so
+    ``drive_many`` plans its calls as it would for the graphs; ``frames`` then records each call's frame
+    counts too."""
 
-    def __init__(self, model, fail_on: int | None = None):
+    def __init__(self, model, fail_on: int | None = None, buckets: tuple[int, ...] | None = None):
         self.model, self.calls, self.fail_on = model, [], fail_on
+        self.frames: list[tuple[str, int, bool]] = []
+        if buckets is not None:
+            self.row_bucket = lambda rows: next((b for b in buckets if b >= rows), rows)
 
     def _run(self, op, *args, **kw):
         self.calls.append((op, args[0].shape[0]))
+        self.frames.append((op, args[0].shape[-1], kw.get("finalize")))
         if self.fail_on is not None and len(self.calls) == self.fail_on:
             raise RuntimeError("injected failure")
         return getattr(self.model, "run_" + op)(*args, **kw)
@@ -152,6 +160,104 @@ def test_batched_equals_alone_in_float32(assets, variant):
     assert rel_err(got[0][2], got[1][2]) > 1e-2
 
 
+def pushed_staggered(voc: Vocoder, chunks, starts) -> list[list[torch.Tensor]]:
+    """Like ``pushed_many``, but stream j pushes its first chunk in round ``starts[j]``: streams at their first,
+    steady and final chunks meet in one round, as on a server."""
+    streams = open_streams(voc, len(chunks))
+    out: list[list[torch.Tensor]] = [[] for _ in chunks]
+    for r in range(max(s + len(c) for s, c in zip(starts, chunks))):
+        idx = [j for j in range(len(chunks)) if 0 <= r - starts[j] < len(chunks[j])]
+        items = [(streams[j], chunks[j][r - starts[j]].to(voc.device), r - starts[j] == len(chunks[j]) - 1)
+                 for j in idx]
+        for j, wav in zip(idx, voc.push_many(items)):
+            out[j].append(wav)
+    return out
+
+
+# Round 2: streams 0-2 at a steady chunk (3 rows: a bucket of 4 has one free row), stream 3 at its final
+# chunk (26 frames: a shorter look-ahead call, then the final call), stream 4 at its first chunk.
+STAGGERED = ([50, 50, 50, 50], [50, 50, 50, 50], [50, 50, 50, 50], [50, 50, 26], [50, 50])
+STARTS = (0, 0, 0, 0, 2)
+
+
+def test_look_ahead_calls_fill_the_rows_a_bucket_pads(assets):
+    """With a runner that pads rows to batch buckets, a shorter look-ahead F0 / decode call runs in a longer
+    call's padding rows (zero frames appended, output cut back): in float64 each stream's samples equal it
+    pushed alone (<= 1e-10: a bookkeeping bug, a wrong cut or a padded frame leaking into a row shows at
+    1e-3..1), and the round needs fewer calls than with exact-shape groups only."""
+    voc = vocoder(assets, CAUSAL, torch.float64)
+    voc.stream_block_frames = 50   # the graphs' default: one look-ahead call per stage and chunk
+    chunks = mels(7, torch.float64, plans=STAGGERED)
+    want = pushed_alone(voc, chunks)
+    voc.runner = exact = Counting(voc.model)
+    pushed_staggered(voc, chunks, STARTS)
+    voc.runner = filled = Counting(voc.model, buckets=ROW_BUCKETS)
+    got = pushed_staggered(voc, chunks, STARTS)
+    worst = compare(got, want)
+    print(f"look-ahead calls in padding rows: worst rel err vs alone {worst:.1e}")
+    assert worst <= 1e-10
+    assert sum(w.shape[1] for w in got[3]) == sum(STAGGERED[3]) * 480 + 8 * 480   # all audio came out
+    for op in ("f0", "decode"):
+        n_exact, n_filled = (sum(1 for o, _ in r.calls if o == op) for r in (exact, filled))
+        assert n_filled < n_exact, (op, n_exact, n_filled)
+        assert sum(b for o, b in filled.calls if o == op) == sum(b for o, b in exact.calls if o == op)
+    # no call outgrew its bucket, and final calls (zero look-ahead) never took padding
+    assert all(b in ROW_BUCKETS or b <= 4 for _, b in filled.calls)
+    assert sorted(f for o, f, fin in filled.frames if fin) == sorted(f for o, f, fin in exact.frames if fin)
+
+
+def test_look_ahead_stages_ignore_frames_after_their_own(assets):
+    """Why padding is exact: the causal HiFT's look-ahead F0 and decode calls give the same output frames when
+    any frames follow the input's own (random here, not zeros), float64. The final call (zero look-ahead)
+    does not: its last frames read what follows, so final calls never pad."""
+    model = vocoder(assets, CAUSAL, torch.float64).model
+    g = torch.Generator().manual_seed(11)
+    mel = torch.randn(1, 80, 47, generator=g, dtype=torch.float64) - 5
+    source = torch.randn(1, 1, 47 * 480, generator=g, dtype=torch.float64) * 0.1
+    more_mel = torch.cat([mel, torch.randn(1, 80, 39, generator=g, dtype=torch.float64)], 2)
+    more_source = torch.cat([source, torch.randn(1, 1, 39 * 480, generator=g, dtype=torch.float64)], 2)
+    for finalize in (False, True):
+        f0, f0_more = model.run_f0(mel, finalize=finalize), model.run_f0(more_mel, finalize=finalize)
+        wav = model.run_decode(mel, source, finalize=finalize)
+        wav_more = model.run_decode(more_mel, more_source, finalize=finalize)
+        f0_err = rel_err(f0_more[:, :f0.shape[1]], f0)
+        wav_err = rel_err(wav_more[:, :wav.shape[1]], wav)
+        if finalize:
+            assert f0_err > 1e-6 and wav_err > 1e-6
+        else:
+            assert f0.shape[1] == 47 - 3 and wav.shape[1] == (47 - 5) * 480
+            assert f0_err <= 1e-12 and wav_err <= 1e-12
+
+
+def test_plan_calls_fill_padding_rows_longest_first():
+    """``_plan_calls``: exact-shape groups (capped), then each call's padding rows (up to its bucket, never past
+    the cap) taken by shorter calls of its ragged family, longest first; other families and calls without
+    ``per_frame`` never mix."""
+    from minicpmo_rt.code2wav.hift import _plan_calls
+
+    def call(frames: int, finalize=False, channels=80):
+        mel = torch.zeros(1, channels, frames)
+        return StageCall("f0", (mel,), finalize, None if finalize else (1, 1))
+
+    bucket = lambda n: next(b for b in (1, 2, 4, 8, 16) if b >= n)   # noqa: E731
+    # 3 steady (room for 1 in a bucket of 4), then shorter calls of 50, 37, 37 frames
+    waiting = {0: call(61), 1: call(61), 2: call(61), 3: call(37), 4: call(50), 5: call(37)}
+    assert sorted(map(sorted, _plan_calls(waiting, 16, bucket))) == [[0, 1, 2, 4], [3, 5]]
+    assert sorted(map(sorted, _plan_calls(waiting, 16, None))) == [[0, 1, 2], [3, 5], [4]]
+    # the cap bounds a call even where its bucket has room: 3 rows capped at 3 take nobody
+    assert sorted(map(sorted, _plan_calls(waiting, 3, bucket))) == [[0, 1, 2], [3, 5], [4]]
+    # a call of 2 rows in a bucket of 2 has no room; the 37-frame pair's bucket is full too
+    two = {0: call(61), 1: call(61), 2: call(37), 3: call(37), 4: call(20)}
+    assert sorted(map(sorted, _plan_calls(two, 16, bucket))) == [[0, 1], [2, 3], [4]]
+    # final calls (no per_frame) and other channel counts stay apart
+    mixed = {0: call(61), 1: call(61), 2: call(61), 3: call(11, finalize=True), 4: call(40, channels=64)}
+    assert sorted(map(sorted, _plan_calls(mixed, 16, bucket))) == [[0, 1, 2], [3], [4]]
+    # a remainder of 5 rows (bucket 8) takes 3 shorter rows; the fifth shorter row runs alone
+    many = {i: call(61) for i in range(5)} | {5 + i: call(30 - i) for i in range(4)}
+    plan = _plan_calls(many, 16, bucket)
+    assert sorted(map(sorted, plan)) == [[0, 1, 2, 3, 4, 5, 6, 7], [8]]
+
+
 def test_streams_sharing_the_global_rng_draw_in_item_order(assets):
     """Original-HiFT streams without a generator (the pipeline's default) share torch's global
     RNG: push_many gives what pushing them one after another in item order gives."""
@@ -195,7 +301,9 @@ def test_graph_runner_on_cpu_is_the_eager_path_exactly(assets, variant):
     voc = vocoder(assets, variant)
     assert voc.runner is voc.model  # CPU: eager by default
     chunks = mels(4, plans=SHORT)
-    want_alone, want_many = pushed_alone(voc, chunks), pushed_many(voc, chunks)
+    want_alone = pushed_alone(voc, chunks)
+    voc.runner = Counting(voc.model, buckets=ROW_BUCKETS)   # the graph runner's call plan (padding rows filled)
+    want_many = pushed_many(voc, chunks)
     voc.runner = GraphedHiFT(voc.model, max_graphs=4, capture_after=2)
     for got, want in ((pushed_alone(voc, chunks), want_alone), (pushed_many(voc, chunks), want_many)):
         for g_rows, w_rows in zip(got, want):

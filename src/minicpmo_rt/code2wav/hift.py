@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Generator, Optional, Protocol, Sequence
+from typing import Any, Callable, Generator, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -706,9 +706,26 @@ class StageCall:
     op: str
     args: tuple[torch.Tensor, ...]
     finalize: Optional[bool] = None
+    # Set when the stage is causal to the right of its inputs: frames appended after a row's own (zeros) change
+    # none of its output frames. Per argument, then for the output, the entries per frame along the last axis
+    # (the causal HiFT's look-ahead calls: F0 (1, 1), decode (1, hop, hop)). Calls that agree on everything
+    # but their frame counts may then run as one call, shorter rows padded (``ragged_key``).
+    per_frame: Optional[tuple[int, ...]] = None
 
     def key(self) -> tuple:
         return (self.op, self.finalize) + tuple((tuple(a.shape), a.dtype, a.device) for a in self.args)
+
+    def ragged_key(self) -> Optional[tuple]:
+        """``key()`` without the frame counts, for calls that may pad (``per_frame``); else None."""
+        if self.per_frame is None:
+            return None
+        return (self.op, self.finalize, self.per_frame) + tuple(
+            (tuple(a.shape[:-1]), a.dtype, a.device) for a in self.args)
+
+    @property
+    def frames(self) -> int:
+        """The call's frame count (``per_frame`` calls)."""
+        return self.args[0].shape[-1] // self.per_frame[0]
 
 
 # A stream's push as a coroutine: yields StageCalls, receives each one's (batch-1) result,
@@ -728,12 +745,20 @@ class StageRunner(Protocol):
 def run_stage(runner: StageRunner, calls: Sequence[StageCall]) -> list[Any]:
     """Equal-key calls as ONE call whose batch rows are the calls, in order -> per-row results.
 
-    A single call runs on its own tensors as given (no copy), so a stream driven alone makes
+    Calls of one ``ragged_key`` but fewer frames than the longest are padded with zero frames and
+    their outputs cut back to their own frames: the same values as alone, up to the batched call's
+    rounding. A single call runs on its own tensors as given (no copy), so a stream driven alone makes
     exactly the calls it always made. Tuple results (the causal excitation's (source, phase))
     are split element-wise."""
     first = calls[0]
+    short = [0] * len(calls)     # frames each row lacks against the longest
     if len(calls) == 1:
         args = first.args
+    elif first.per_frame is not None and len({c.frames for c in calls}) > 1:
+        longest = max(c.frames for c in calls)
+        short = [longest - c.frames for c in calls]
+        args = tuple(torch.cat([F.pad(c.args[k], (0, d * first.per_frame[k])) if d else c.args[k]
+                                for c, d in zip(calls, short)]) for k in range(len(first.args)))
     else:
         args = tuple(torch.cat([c.args[k] for c in calls]) for k in range(len(first.args)))
     fn = getattr(runner, "run_" + first.op)
@@ -742,7 +767,48 @@ def run_stage(runner: StageRunner, calls: Sequence[StageCall]) -> list[Any]:
         return [out]
     if isinstance(out, tuple):
         return list(zip(*(o.split(1) for o in out)))
+    if any(short):
+        per = first.per_frame[-1]
+        n = out.shape[-1]
+        return [o.narrow(-1, 0, n - d * per) for o, d in zip(out.split(1), short)]
     return list(out.split(1))
+
+
+def _plan_calls(waiting: dict[int, StageCall], cap: int, bucket: Optional[Callable[[int], int]]) -> list[list[int]]:
+    """The batched calls of one lockstep round: the waiting streams grouped by ``key()``, at most ``cap`` rows a
+    call. With ``bucket`` (rows -> the rows a call of that many runs at, e.g. a graph's batch bucket), the rows a
+    call would pad up to anyway take shorter calls of its ``ragged_key`` (longest first), which then need no
+    call of their own: the padded call costs what it did, one call fewer runs."""
+    groups: dict[tuple, list[int]] = {}
+    for i, call in waiting.items():
+        groups.setdefault(call.key(), []).append(i)
+    plan = [rows[k:k + cap] for rows in groups.values() for k in range(0, len(rows), cap)]
+    if bucket is None:
+        return plan
+    families: dict[tuple, list[list[int]]] = {}
+    out = []
+    for rows in plan:
+        rk = waiting[rows[0]].ragged_key()
+        if rk is None:
+            out.append(rows)
+        else:
+            families.setdefault(rk, []).append(rows)
+    for calls in families.values():
+        # longest frames first; among equal frames the fuller call first (it keeps its rows)
+        calls.sort(key=lambda rows: (-waiting[rows[0]].frames, -len(rows)))
+        left = [list(rows) for rows in calls]
+        for k, rows in enumerate(left):
+            if not rows:
+                continue
+            room = min(bucket(len(rows)), cap) - len(rows)
+            for later in left[k + 1:]:
+                if room <= 0:
+                    break
+                moved, later[:] = later[:room], later[room:]
+                rows += moved
+                room -= len(moved)
+            out.append(rows)
+    return out
 
 
 def drive(steps: Steps, runner: StageRunner) -> torch.Tensor:
@@ -762,13 +828,15 @@ def drive_many(steps: Sequence[Steps], runner: StageRunner,
 
     Each round, the calls the streams are waiting on are grouped by ``StageCall.key`` and each
     group runs as one batched call (at most ``max_batch`` rows); then the streams resume in
-    item order. A stream's state and random draws stay its own: only the stage calls are shared,
+    item order. A runner with ``row_bucket`` (``GraphedHiFT``: calls pad to graph batch buckets) also
+    fills a call's padding rows with shorter calls of its ``StageCall.ragged_key`` (``_plan_calls``). A stream's state and random draws stay its own: only the stage calls are shared,
     and those are row-independent. Streams that share one RNG (the original HiFT's global-RNG
     default) draw in item order, as pushing them one after another would, because each such
     stream draws once per push."""
     results: list[Optional[torch.Tensor]] = [None] * len(steps)
     waiting: dict[int, StageCall] = {}
     cap = max_batch or max(1, len(steps))
+    bucket = getattr(runner, "row_bucket", None)
 
     def resume(i: int, value: Any) -> None:
         try:
@@ -781,14 +849,9 @@ def drive_many(steps: Sequence[Steps], runner: StageRunner,
         for i in range(len(steps)):
             resume(i, None)
         while waiting:
-            groups: dict[tuple, list[int]] = {}
-            for i, call in waiting.items():
-                groups.setdefault(call.key(), []).append(i)
             got: dict[int, Any] = {}
-            for rows in groups.values():
-                for k in range(0, len(rows), cap):
-                    part = rows[k:k + cap]
-                    got.update(zip(part, run_stage(runner, [waiting[i] for i in part])))
+            for part in _plan_calls(waiting, cap, bucket):
+                got.update(zip(part, run_stage(runner, [waiting[i] for i in part])))
             for i in sorted(got):
                 resume(i, got[i])
     return results  # type: ignore[return-value]

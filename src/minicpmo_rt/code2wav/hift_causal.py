@@ -445,7 +445,9 @@ class BoundedStream:
         if f0_ready > self.source_end:
             start = max(0, self.source_end - self.f0_left)
             feats = self.mel[:, :, start - self.mel_offset:]
-            f0 = (yield StageCall(F0, (feats,), finalize)).to(feats)[:, self.source_end - start:]
+            # look-ahead calls are causal beyond their own frames: they may run padded with longer ones
+            f0 = (yield StageCall(F0, (feats,), finalize, None if finalize else (1, 1))
+                  ).to(feats)[:, self.source_end - start:]
             parts = [self.source]
             for block in f0.split(self.block_frames, dim=1):
                 parts.append((yield from self._excitation_block(block, self.source_end)))
@@ -458,7 +460,8 @@ class BoundedStream:
             start = max(0, self.emitted - self.history)
             feats = self.mel[:, :, start - self.mel_offset:self.source_end - self.mel_offset]
             source = self.source[:, :, (start - self.source_offset) * self.hop:]
-            speech = (yield StageCall(DECODE, (feats, source), finalize))[:, (self.emitted - start) * self.hop:]
+            speech = (yield StageCall(DECODE, (feats, source), finalize,
+                                      None if finalize else (1, self.hop, self.hop)))[:, (self.emitted - start) * self.hop:]
             if speech.shape[1] != (speech_ready - self.emitted) * self.hop:
                 raise RuntimeError(f"BoundedStream: decoded {speech.shape[1]} samples, expected "
                                    f"{(speech_ready - self.emitted) * self.hop}")

@@ -27,9 +27,10 @@ left to the process, as the precision policy requires. A capture failure or a
 spent graph budget falls back to the eager model (logged once).
 
 Streams use it as their *runner* (``hift.StageCall``): ``run_f0`` / ``run_decode`` replay the
-graphs for either HiFT variant (the causal one's look-ahead calls, ``finalize=False``; its one
-final call per utterance runs eagerly), ``run_excite`` replays the causal block excitation's
-graphs (deterministic: its noise-table rows are an input).
+graphs for either HiFT variant (the causal one's look-ahead calls and its final call per utterance,
+keyed by ``finalize``), ``run_excite`` replays the causal block excitation's graphs (deterministic:
+its noise-table rows are an input). ``row_bucket`` lets ``hift.drive_many`` run shorter look-ahead
+calls in the rows a batched call pads up to anyway.
 One ``GraphedHiFT`` per model serves every stream of it; ``capture_after=2`` keeps one-off
 lengths (a final chunk) from spending the graph budget.
 """
@@ -262,12 +263,13 @@ class GraphedHiFT:
         # unchanged; freeze the model again after loading other weights). On CUDA (by default)
         # the conv weights are kept time-major, so the convs run NHWC without layout conversions.
         model.freeze_weight_norm(channels_last)
-        # finalize=False: the causal HiFT's look-ahead form (the original ignores the flag)
-        # every stage is row-independent with batch-first inputs and outputs: rows pad to batch buckets
-        self.f0 = ShapeGraphs(functools.partial(model.run_f0, finalize=False), "HiFT f0", max_graphs,
-                              capture_after=capture_after, batch_buckets=batch_buckets)
-        self.decode = ShapeGraphs(functools.partial(model.run_decode, finalize=False), "HiFT decode", max_graphs,
-                                  capture_after=capture_after, batch_buckets=batch_buckets)
+        # every stage is row-independent with batch-first inputs and outputs: rows pad to batch buckets.
+        # The causal HiFT's finalize flag is part of a graph's key (its look-ahead calls and the final call of an
+        # utterance, whose lengths are those of the stream's steady history); the original ignores the flag.
+        self.f0 = ShapeGraphs(model.run_f0, "HiFT f0", max_graphs, capture_after=capture_after,
+                              batch_buckets=batch_buckets)
+        self.decode = ShapeGraphs(model.run_decode, "HiFT decode", max_graphs, capture_after=capture_after,
+                                  batch_buckets=batch_buckets)
         # the causal HiFT's block excitation has no randomness (fixed noise-table rows come in as
         # an input): graphed like F0 and decode, keyed by block length
         self.excite = (ShapeGraphs(model.run_excite, "HiFT excite", max_graphs, capture_after=capture_after,
@@ -291,24 +293,26 @@ class GraphedHiFT:
         return (f"CUDA graphs {state}: {len(f.graphs)} F0{excite} + {len(d.graphs)} decode graphs, "
                 f"{sum(g.replays for g in sets)} replays")
 
-    def _eager(self, finalize: bool) -> bool:
-        # The causal HiFT's final call (zero look-ahead) comes once per utterance at a length
-        # that varies: capturing it would cost more than its single replay saves.
-        return self.causal and finalize
+    def row_bucket(self, rows: int) -> int:
+        """The rows a stage call of ``rows`` rows runs at (its graph's batch bucket): ``hift.drive_many`` fills
+        the padding with shorter look-ahead calls instead of running them apart."""
+        return next((b for b in self.f0.batch_buckets if b >= rows), rows)
+
+    def _final(self, finalize: bool) -> dict:
+        # A causal utterance's final call (zero look-ahead) covers the steady history plus the look-ahead
+        # frames, the same lengths for every stream that ends after a steady chunk: graphed like the others
+        # (capture_after keeps the odd lengths of very short utterances eager).
+        return {"finalize": bool(finalize)} if self.causal else {}
 
     @torch.inference_mode()
     def run_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         with ieee_fp32():
-            if self._eager(finalize):
-                return self.model.run_f0(mel, finalize=True)
-            return self.f0(mel, copy_out=True)
+            return self.f0(mel, copy_out=True, **self._final(finalize))
 
     @torch.inference_mode()
     def run_decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         with ieee_fp32():
-            if self._eager(finalize):
-                return self.model.run_decode(mel, source, finalize=True)
-            return self.decode(mel, source, copy_out=True)
+            return self.decode(mel, source, copy_out=True, **self._final(finalize))
 
     @torch.inference_mode()
     def run_excite(self, f0: torch.Tensor, phase: torch.Tensor,

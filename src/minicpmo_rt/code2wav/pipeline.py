@@ -369,9 +369,10 @@ class Code2Wav:
 
     @torch.inference_mode()
     def warm_up(self, voice: Voice, chunks: int = WARM_UP_CHUNKS, batches: Sequence[int] = (1,)) -> dict[str, int]:
-        """Push ``chunks`` payloads of silence codes through throwaway streams of ``voice`` with every graph set
-        of ``stream_graph_sets`` capturing a shape at its first call, so a real stream's chunks (first, growing
-        and steady) replay instead of running eagerly or capturing. For each ``b`` in ``batches``, ``b`` streams
+        """Push ``chunks`` payloads of silence codes, then an empty final one, through throwaway streams of
+        ``voice`` with every graph set of ``stream_graph_sets`` capturing a shape at its first call, so a real
+        stream's chunks (first, growing and steady) and its vocoder's final call replay instead of running
+        eagerly or capturing. For each ``b`` in ``batches``, ``b`` streams
         run in lockstep through ``push_many`` (one stream: ``push``), so rounds of ``b`` concurrent streams, and
         those the graph sets pad to ``b`` rows, replay too. Upstream's precapture takes the HiFT and
         flow-encoder graphs as well. Returns the graphs each set then holds ({} where there are none).
@@ -401,6 +402,12 @@ class Code2Wav:
                             streams[0].push(payload)
                         else:
                             self.push_many([(s, payload, False) for s in streams])
+                    # an empty final payload: the vocoder's final call alone, whose lengths (the steady
+                    # history plus the look-ahead frames) are those of every stream that ends after a steady chunk
+                    if b == 1:
+                        streams[0].push([], last=True)
+                    else:
+                        self.push_many([(s, [], True) for s in streams])
                 except torch.cuda.OutOfMemoryError as exc:
                     # a small GPU: what is captured stays, larger rounds capture when they come (or run eagerly)
                     log.warning("Code2Wav warm-up: %d concurrent streams ran out of device memory (%s); not warming "
