@@ -231,7 +231,9 @@ class Vocoder:
 
         The streams step in lockstep; generator calls whose inputs have equal shapes (equal mel
         lengths and cache states: the steady state of concurrent streams) run as ONE batched call
-        of at most ``max_batch`` rows, the rest alone. Each stream draws its own excitation (its
+        of at most ``max_batch`` rows, the rest alone. From graphs (rows padded to a batch bucket) the
+        causal HiFT's shorter look-ahead calls (a stream's first or final chunk) fill a longer call's
+        padding rows instead of running apart (``hift.drive_many``). Each stream draws its own excitation (its
         generator / phase state) exactly as alone, so the samples equal each stream pushed alone
         up to the batched call's rounding. If anything fails, every stream is restored to its
         state before the call (the global RNG, which generator-less original-HiFT streams
