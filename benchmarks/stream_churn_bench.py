@@ -175,6 +175,26 @@ def _count_solves(c2w: Code2Wav, log: list) -> bool:
     return found
 
 
+def _count_hift_calls(c2w: Code2Wav, log: list):
+    """Note every HiFT stage call of the stream vocoder's runner (F0, excitation, decode; a batched call once)
+    in ``log`` as (op, rows), through instance attributes of the runner; returns what removes them (an eager
+    runner is the model, which later runs share)."""
+    runner = c2w.vocoders.stream.runner
+    ops = [op for op in ("f0", "excite", "decode") if hasattr(runner, "run_" + op)]
+    for op in ops:
+        inner = getattr(runner, "run_" + op)
+
+        def counted(*a, _inner=inner, _op=op, **k):
+            log.append((_op, int(a[0].shape[0])))
+            return _inner(*a, **k)
+        setattr(runner, "run_" + op, counted)
+
+    def undo():
+        for op in ops:
+            delattr(runner, "run_" + op)
+    return undo
+
+
 STAGES = ("encoder", "CFM", "vocoder")
 
 
@@ -218,15 +238,18 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, brea
     arena_gib = 0.0 if arena is None else arena.numel() * arena.element_size() / 2**30
     solves: list[tuple[int, int]] = []
     counting = _count_solves(c2w, solves)
+    hift_log: list[tuple[str, int]] = []
+    uncount = _count_hift_calls(c2w, hift_log)
     spent: dict = {}
     stages = []
     if breakdown:
         _time_stages(c2w, dev, spent)
     g = np.random.default_rng(seed)
     streams: dict[int, object] = {}
-    rounds, batches, per_round, finals = [], [], [], []
+    rounds, batches, per_round, finals, hift_calls = [], [], [], [], []
     for active in plan:
         solves.clear()
+        hift_log.clear()
         spent.clear()
         t = time.perf_counter()
         items = []
@@ -242,12 +265,14 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, brea
         finals.append(sum(final for _, _, final in active))
         stages.append(dict(spent))
         per_round.append(list(solves))
+        hift_calls.append(list(hift_log))
+    uncount()
     after = _counts(c2w)
     during = {k: {m: after[k][m] - before[k].get(m, 0) for m in after[k]} for k in after}
     out = {"prepare_ms": prepare_ms, "arena_gib": arena_gib, "round_ms": rounds, "streams_per_round": batches,
            "finals_per_round": finals, "during_rounds": during, "stages_per_round": stages if breakdown else None,
            "held_after": {k: v["held"] for k, v in after.items()}, "choice": c2w.choice.describe(),
-           "cfm_solves": per_round if counting else None}
+           "cfm_solves": per_round if counting else None, "hift_calls": hift_calls}
     del c2w, streams
     release(dev)
     return out
@@ -261,7 +286,18 @@ def summary(r: dict) -> dict:
             "captures": sum(v["captures"] for k, v in r["during_rounds"].items() if k != "CFM"),
             "cfm_captures": r["during_rounds"]["CFM"]["captures"],
             "cfm_regrowths": r["during_rounds"]["CFM"]["arena_regrowths"],
-            **_solve_stats(r.get("cfm_solves")), **_final_stats(r), **_stage_stats(r)}
+            **_solve_stats(r.get("cfm_solves")), **_final_stats(r), **_stage_stats(r), **_hift_stats(r)}
+
+
+def _hift_stats(r: dict) -> dict:
+    """HiFT stage calls per round (median; a batched call counts once) and rows per call (mean) of a run (results
+    of older runs lack them)."""
+    per = r.get("hift_calls")
+    if not per:
+        return {}
+    calls = [c for rnd in per for c in rnd]
+    return {"hift_calls_per_round": statistics.median(len(rnd) for rnd in per),
+            "rows_per_hift_call": sum(rows for _, rows in calls) / max(len(calls), 1)}
 
 
 def _stage_stats(r: dict) -> dict:
@@ -421,11 +457,13 @@ def main() -> None:
              "dropped the graphs held; arena: its size after prepare. CFM solves: graph replays (or eager "
              "programs) per round, a group of streams splitting into several where its rows outgrow the arena "
              "(final chunks, GraphConfig.keep_arena). With / without finals: the median of the rounds in which "
-             "some stream sent its final chunk, and of the others.", "",
+             "some stream sent its final chunk, and of the others. HiFT calls: the stream vocoder's stage calls "
+             "(F0, excitation, decode) per round, a batched call counted once.", "",
              "| variant | prepare (ms) | round median | round p90 | round max | all rounds | vs first row | "
              "rounds with finals | without | "
              "eager calls | captures | CFM captures | CFM arena regrowths | CFM arena (GiB) | CFM solves per round | "
-             "rows per solve |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "rows per solve | HiFT calls per round | rows per HiFT call |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label in (v.label for v in variants):
         m = med[label]
         lines.append(f"| {label} | {m['prepare_ms']:.0f} | {m['median']:.1f} | {m['p90']:.1f} | {m['max']:.1f} | "
@@ -433,7 +471,9 @@ def main() -> None:
                      f"{m.get('without_finals', float('nan')):.1f} | {m['eager']:.0f} | "
                      f"{m['captures']:.0f} | {m['cfm_captures']:.0f} | {m['cfm_regrowths']:.0f} | "
                      f"{m['arena_gib']:.2f} | {format(m['solves_per_round'], 'g') if 'solves_per_round' in m else '-'} | "
-                     f"{format(m['rows_per_solve'], '.1f') if 'rows_per_solve' in m else '-'} |")
+                     f"{format(m['rows_per_solve'], '.1f') if 'rows_per_solve' in m else '-'} | "
+                     f"{format(m['hift_calls_per_round'], 'g') if 'hift_calls_per_round' in m else '-'} | "
+                     f"{format(m['rows_per_hift_call'], '.1f') if 'rows_per_hift_call' in m else '-'} |")
     last = {v.label: res["runs"][v.label][-1] for v in variants}
     sets = last[variants[0].label]["during_rounds"]
     lines += ["", "Per graph set, last run of each variant (eager calls / captures during the rounds; graphs held "
