@@ -766,6 +766,8 @@ def run_stage(runner: StageRunner, calls: Sequence[StageCall]) -> list[Any]:
     if len(calls) == 1:
         return [out]
     if isinstance(out, tuple):
+        if any(short):
+            raise TypeError(f"run_stage: {first.op} returned a tuple; only single-output stages may pad (per_frame)")
         return list(zip(*(o.split(1) for o in out)))
     if any(short):
         per = first.per_frame[-1]
@@ -828,9 +830,10 @@ def drive_many(steps: Sequence[Steps], runner: StageRunner,
 
     Each round, the calls the streams are waiting on are grouped by ``StageCall.key`` and each
     group runs as one batched call (at most ``max_batch`` rows); then the streams resume in
-    item order. A runner with ``row_bucket`` (``GraphedHiFT``: calls pad to graph batch buckets) also
-    fills a call's padding rows with shorter calls of its ``StageCall.ragged_key`` (``_plan_calls``). A stream's state and random draws stay its own: only the stage calls are shared,
-    and those are row-independent. Streams that share one RNG (the original HiFT's global-RNG
+    item order. A runner with ``row_bucket`` (``GraphedHiFT``: calls pad to graph batch buckets)
+    also fills a call's padding rows with shorter calls of its ``StageCall.ragged_key``
+    (``_plan_calls``). A stream's state and random draws stay its own: only the stage calls are
+    shared, and those are row-independent. Streams that share one RNG (the original HiFT's global-RNG
     default) draw in item order, as pushing them one after another would, because each such
     stream draws once per push."""
     results: list[Optional[torch.Tensor]] = [None] * len(steps)
