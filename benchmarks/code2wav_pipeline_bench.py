@@ -59,6 +59,20 @@ def timed(fn, n):
     return out
 
 
+def bench_device(script: str, device: str) -> torch.device:
+    """``--device`` as a torch device; a clear exit where it names CUDA and torch sees none."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{script}: --device cuda but torch sees no CUDA device; run it on the GPU machine, or pass "
+                         "--tiny --device cpu for a smoke run of the script")
+    return dev
+
+
+def device_label(dev: torch.device) -> str:
+    """The GPU's name for a results file, or what a CPU smoke run was."""
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
+
+
 def bench_models(tiny: bool, dev: torch.device):
     """Random flow (seed 1) and causal HiFT (seed 2), full size or ``tiny``, on ``dev`` in eval mode, and a
     random 6-s voice prompt (150 tokens, 300 mel frames) -> (flow, generator, prompt features, the
@@ -96,7 +110,7 @@ def main() -> None:
     c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
     # shares the flow, so c2w.configure_fast_path (which installs flow.chunk_solver) applies to both
     c2w_fast = Code2Wav(flow, VocoderSet(voc_fast, voc_fast), frontend=None, n_timesteps=10)
-    gpu = torch.cuda.get_device_name() if dev.type == "cuda" else f"{dev.type} (smoke run)"
+    gpu = device_label(dev)
     res = {"gpu": gpu, "torch": torch.__version__, "streams": args.streams, "rows": [], "vocoder_rows": []}
     print(f"vocoder paths: old = {voc.describe_stream_path()}; new = {voc_fast.describe_stream_path()} "
           "(batched through Vocoder.push_many)", flush=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from code2wav_bench import timed
-from code2wav_pipeline_bench import bench_models
+from code2wav_pipeline_bench import bench_device, bench_models, device_label
 from first_chunk_bench import _sync
 from minicpmo_rt.atomic import atomic_write
 from minicpmo_rt.code2wav.flow import split_encoder_cache, stack_encoder_caches
@@ -141,15 +141,12 @@ def main() -> None:
         ap.error(f"--batches {args.batches!r}: expected comma-separated integers, e.g. 1,4,16")
     if not batches or min(batches) < 1 or args.reps < 1:
         ap.error("--batches needs sizes >= 1 and --reps >= 1")
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("encoder_probe: --device cuda but torch sees no CUDA device; pass --tiny --device cpu for "
-                         "a smoke run")
+    dev = bench_device("encoder_probe", args.device)
     flow, gen, feats, g = bench_models(args.tiny, dev)
     voc = Vocoder(gen, CAUSAL)
     c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
     c2w.configure_fast_path({})
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
+    gpu = device_label(dev)
     res = {"gpu": gpu, "torch": torch.__version__, "rows": [], "kernels": []}
     last = None
     for b in batches:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from code2wav_pipeline_bench import bench_models
+from code2wav_pipeline_bench import bench_models, device_label
 from minicpmo_rt.code2wav.pipeline import Code2Wav
 from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
 
@@ -111,7 +111,7 @@ def main() -> None:
     flow, gen, feats, g = bench_models(args.tiny, dev)
     payloads = stream_payloads(g)
 
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
+    gpu = device_label(dev)
     res = {"gpu": gpu, "torch": torch.__version__, "chunks": CHUNKS, "runs": {v[0]: [] for v in VARIANTS}}
     res["discarded_run"] = one_run(flow, gen, feats, dev, True, False, payloads)   # JIT compiles land here
     print("discarded run (JIT, autotuning)", res["discarded_run"], flush=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stream_churn_bench import VARIANTS, _write, build, payload, schedule
+from stream_churn_bench import VARIANTS, _write, build, push_round, schedule
 from code2wav_pipeline_bench import bench_models
 from minicpmo_rt.code2wav import hift
 from minicpmo_rt.code2wav.hift_graph import ROW_BUCKETS, GraphedHiFT
@@ -54,13 +54,7 @@ def run(plan_name: str, flow, gen, feats, slots: int, rounds: int, seed: int) ->
         per_round = []
         for active in schedule(slots, rounds, seed):
             log.clear()
-            items = []
-            for slot, k, final in active:
-                if k == 0:
-                    streams[slot] = c2w.open_stream(feats)
-                items.append((streams[slot], payload(g, final), final))
-            if items:
-                c2w.push_many(items)
+            push_round(c2w, feats, streams, active, g)
             per_round.append(list(log))
     finally:
         hift.run_stage = inner

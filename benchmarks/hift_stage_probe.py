@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from code2wav_bench import timed
-from code2wav_pipeline_bench import bench_models
+from code2wav_pipeline_bench import bench_device, bench_models, device_label
 from encoder_probe import _host_ms
 from minicpmo_rt.atomic import atomic_write
 from minicpmo_rt.code2wav.hift import StageCall
@@ -91,15 +91,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("hift_stage_probe: --device cuda but torch sees no CUDA device; run it on the GPU machine, "
-                         "or pass --tiny --device cpu for a smoke run of the script")
+    dev = bench_device("hift_stage_probe", args.device)
     _, gen, _, _ = bench_models(args.tiny, dev)
     voc = Vocoder(gen, CAUSAL)
     runner = voc.runner
     calls = stream_calls(voc.model, voc.stream_block_frames, dev)
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
+    gpu = device_label(dev)
     res = {"gpu": gpu, "torch": torch.__version__, "block_frames": voc.stream_block_frames,
            "path": voc.describe_stream_path(), "buckets": list(ROW_BUCKETS), "rows": []}
     for label, call in calls:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from code2wav_pipeline_bench import bench_models
+from code2wav_pipeline_bench import bench_models, device_label
 from first_chunk_bench import _sync, fresh_code2wav, release, stream_payloads
 from stream_churn_bench import _write
 
@@ -119,7 +119,7 @@ def main() -> None:
     dev = torch.device(args.device)
     flow, gen, feats, g = bench_models(args.tiny, dev)
     payloads = stream_payloads(g)
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
+    gpu = device_label(dev)
     res = {"gpu": gpu, "torch": torch.__version__, "runs": {_label(v): [] for v in variants}}
     res["discarded_run"], ref = one_run(flow, gen, feats, dev, *variants[0][:1], payloads, variants[0][1])
     print("discarded run (JIT)", res["discarded_run"]["prepare_ms"], flush=True)

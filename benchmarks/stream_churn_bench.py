@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from code2wav_pipeline_bench import bench_models
+from code2wav_pipeline_bench import bench_device, bench_models, device_label
 from first_chunk_bench import _sync, release
 from minicpmo_rt.atomic import atomic_write
 from minicpmo_rt.code2wav.encoder_graph import EncoderGraphs
@@ -112,6 +112,19 @@ def schedule(slots: int, rounds: int, seed: int) -> list[list[tuple[int, int, bo
 
 def payload(g: np.random.Generator, final: bool) -> list[int]:
     return [SILENCE] * 3 + g.integers(0, 6561, 10 if final else 25).tolist()
+
+
+def push_round(c2w: Code2Wav, feats, streams: dict, active, g: np.random.Generator) -> int:
+    """One round of the schedule: a stream opens in each slot whose utterance starts, then every active slot
+    pushes its payload (one ``push_many``) -> the streams pushed."""
+    items = []
+    for slot, k, final in active:
+        if k == 0:
+            streams[slot] = c2w.open_stream(feats)
+        items.append((streams[slot], payload(g, final), final))
+    if items:
+        c2w.push_many(items)
+    return len(items)
 
 
 def build(flow, gen, v: Variant, slots: int) -> Code2Wav:
@@ -252,16 +265,10 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, brea
         hift_log.clear()
         spent.clear()
         t = time.perf_counter()
-        items = []
-        for slot, k, final in active:
-            if k == 0:
-                streams[slot] = c2w.open_stream(feats)
-            items.append((streams[slot], payload(g, final), final))
-        if items:
-            c2w.push_many(items)
+        pushed = push_round(c2w, feats, streams, active, g)
         _sync(dev)
         rounds.append(1000 * (time.perf_counter() - t))
-        batches.append(len(items))
+        batches.append(pushed)
         finals.append(sum(final for _, _, final in active))
         stages.append(dict(spent))
         per_round.append(list(solves))
@@ -402,10 +409,7 @@ def main() -> None:
                  f"got {args.prompt_frames}")
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("minicpmo_rt.code2wav.pipeline").setLevel(logging.INFO)
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("stream_churn_bench: --device cuda but torch sees no CUDA device; run it on the GPU "
-                         "machine, or pass --tiny --device cpu for a smoke run of the script")
+    dev = bench_device("stream_churn_bench", args.device)
     flow, gen, feats, _ = bench_models(args.tiny, dev)
     if args.prompt_frames != feats.mel_frames:    # the same random prompt, cut (tokens at half the mel rate)
         n = args.prompt_frames
@@ -425,7 +429,7 @@ def main() -> None:
             ap.error(f"--only {args.only!r} matches no variant; labels: "
                      + "; ".join(v.label for v in VARIANTS + (POOLED,) + FINALS + GRIDS + JOINS))
     sizes = [len(a) for a in plan]
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"
+    gpu = device_label(dev)
     res = {"gpu": gpu, "torch": torch.__version__, "slots": args.slots, "rounds": args.rounds, "seed": args.seed,
            "prompt_frames": args.prompt_frames,
            "streams_per_round": sizes, "runs": {v.label: [] for v in variants}}
