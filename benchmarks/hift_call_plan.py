@@ -1,5 +1,6 @@
 """The stream vocoder's HiFT stage calls over the churn benchmark's schedule, planned as on the GPU: exact-shape
-groups only, or with a call's padding rows filled by shorter look-ahead calls (``hift._plan_calls``).
+groups only, with a call's padding rows filled by shorter look-ahead calls, or also with calls of fewer than
+``GraphedHiFT.GROW_ROWS`` rows grown past their bucket to take shorter calls along (``hift._plan_calls``).
 
 The plan depends only on the calls' shapes and the graph runner's batch buckets, not on the device or the
 weights, so this runs on the CPU: tiny random weights, the graph runner (``GraphedHiFT``, eager off CUDA, with
@@ -26,7 +27,12 @@ from code2wav_pipeline_bench import bench_models
 from minicpmo_rt.code2wav import hift
 from minicpmo_rt.code2wav.hift_graph import ROW_BUCKETS, GraphedHiFT
 
-PLANS = ("exact shapes only", "padding rows filled")
+PLANS = ("exact shapes only", "padding rows filled", "padding rows filled, small calls grown")
+
+
+class Grown(GraphedHiFT):
+    """The graph runner planning as on CUDA (``grow_rows`` is 0 off CUDA, where its calls are eager)."""
+    grow_rows = GraphedHiFT.GROW_ROWS
 
 
 def bucket(rows: int) -> int:
@@ -38,7 +44,7 @@ def run(plan_name: str, flow, gen, feats, slots: int, rounds: int, seed: int) ->
     c2w = build(flow, gen, next(v for v in VARIANTS if "(default)" in v.label), slots)
     voc = c2w.vocoders.stream
     voc.stream_block_frames = 50
-    voc.runner = GraphedHiFT(voc.model, 32, capture_after=2)
+    voc.runner = (Grown if plan_name == PLANS[2] else GraphedHiFT)(voc.model, 32, capture_after=2)
     if plan_name == PLANS[0]:
         voc.runner.row_bucket = None        # drive_many then groups exact shapes only
     log: list[tuple] = []

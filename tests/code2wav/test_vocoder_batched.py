@@ -79,14 +79,15 @@ def pushed_many(voc: Vocoder, chunks, max_batch=None) -> list[list[torch.Tensor]
 class Counting:
     """A runner that records (op, batch rows) of every stage call, then runs it eagerly. With ``buckets`` it
     reports the batch buckets a graph runner pads rows to (``row_bucket``), as ``GraphedHiFT`` does, so
-    ``drive_many`` plans its calls as it would for the graphs; ``frames`` then records each call's frame
-    counts too."""
+    ``drive_many`` plans its calls as it would for the graphs (``grow``: its ``grow_rows``); ``frames`` then
+    records each call's frame counts too."""
 
-    def __init__(self, model, fail_on: int | None = None, buckets: tuple[int, ...] | None = None):
+    def __init__(self, model, fail_on: int | None = None, buckets: tuple[int, ...] | None = None, grow: int = 0):
         self.model, self.calls, self.fail_on = model, [], fail_on
         self.frames: list[tuple[str, int, bool]] = []
         if buckets is not None:
             self.row_bucket = lambda rows: next((b for b in buckets if b >= rows), rows)
+            self.grow_rows = grow
 
     def _run(self, op, *args, **kw):
         self.calls.append((op, args[0].shape[0]))
@@ -207,6 +208,29 @@ def test_look_ahead_calls_fill_the_rows_a_bucket_pads(assets):
     assert sorted(f for o, f, fin in filled.frames if fin) == sorted(f for o, f, fin in exact.frames if fin)
 
 
+def test_small_calls_grow_past_their_bucket(assets):
+    """With ``grow_rows`` (``GraphedHiFT``: 4), a one-row steady call grows to a bucket of 2 to take a starting
+    stream's shorter look-ahead call along instead of both running at batch 1: in float64 each stream's samples
+    equal it pushed alone (<= 1e-10, as above), with fewer F0 and decode calls than padding rows alone give."""
+    voc = vocoder(assets, CAUSAL, torch.float64)
+    voc.stream_block_frames = 50
+    plans, starts = ([50, 50, 50, 50], [50, 50]), (0, 2)    # round 2: a steady chunk meets a first chunk
+    chunks = mels(8, torch.float64, plans=plans)
+    want = pushed_alone(voc, chunks)
+    voc.runner = filled = Counting(voc.model, buckets=ROW_BUCKETS)
+    pushed_staggered(voc, chunks, starts)
+    voc.runner = grown = Counting(voc.model, buckets=ROW_BUCKETS, grow=4)
+    got = pushed_staggered(voc, chunks, starts)
+    worst = compare(got, want)
+    print(f"grown calls: worst rel err vs alone {worst:.1e}")
+    assert worst <= 1e-10
+    for op in ("f0", "decode"):
+        n_filled, n_grown = (sum(1 for o, _ in r.calls if o == op) for r in (filled, grown))
+        assert n_grown < n_filled, (op, n_filled, n_grown)
+        assert sum(b for o, b in grown.calls if o == op) == sum(b for o, b in filled.calls if o == op)
+    assert grown.calls.count(("decode", 2)) == filled.calls.count(("decode", 2)) + 1
+
+
 def test_look_ahead_stages_ignore_frames_after_their_own(assets):
     """Why padding is exact: the causal HiFT's look-ahead F0 and decode calls give the same output frames when
     any frames follow the input's own (random here, not zeros), float64. The final call (zero look-ahead)
@@ -257,6 +281,20 @@ def test_plan_calls_fill_padding_rows_longest_first():
     many = {i: call(61) for i in range(5)} | {5 + i: call(30 - i) for i in range(4)}
     plan = _plan_calls(many, 16, bucket)
     assert sorted(map(sorted, plan)) == [[0, 1, 2, 3, 4, 5, 6, 7], [8]]
+    # growing past the bucket (grow=4): whole shorter calls join a call of fewer rows, up to 4 rows
+    assert sorted(map(sorted, _plan_calls({0: call(61), 1: call(37)}, 16, bucket, grow=4))) == [[0, 1]]
+    assert sorted(map(sorted, _plan_calls({0: call(61), 1: call(37)}, 16, bucket))) == [[0], [1]]
+    # one row grows to 2 (a 50-frame call), then to 4 (the 37-frame pair)
+    three = {0: call(61), 1: call(50), 2: call(37), 3: call(37)}
+    assert sorted(map(sorted, _plan_calls(three, 16, bucket, grow=4))) == [[0, 1, 2, 3]]
+    # 3 rows fill their padding row with one of the pair; the other would need a 5th row: it runs alone
+    assert sorted(map(sorted, _plan_calls({0: call(61), 1: call(61), 2: call(61), 3: call(37), 4: call(37)},
+                                          16, bucket, grow=4))) == [[0, 1, 2, 3], [4]]
+    # the cap bounds growth; final calls never grow or join
+    assert sorted(map(sorted, _plan_calls({0: call(61), 1: call(37), 2: call(37)}, 2, bucket, grow=4))) == \
+        [[0], [1, 2]]
+    assert sorted(map(sorted, _plan_calls({0: call(61), 1: call(11, finalize=True)}, 16, bucket, grow=4))) == \
+        [[0], [1]]
 
 
 def test_streams_sharing_the_global_rng_draw_in_item_order(assets):
@@ -387,6 +425,39 @@ def test_cuda_graphed_batched_matches_eager_alone(variant, with_pitch):
     assert r.decode.off is None and r.f0.off is None
     assert r.decode.graphs and r.decode.replays > 0 and r.f0.replays > 0
     assert max(key[0][0][0] for key in r.decode.graphs) >= 4  # batched rows replayed from a graph
+
+
+@requires_cuda
+def test_cuda_small_calls_grow_and_match_eager_alone(monkeypatch):
+    """Full-size causal HiFT on CUDA, the default graph runner: a steady stream's one-row calls grow to a bucket
+    of 2 to take a starting stream's look-ahead calls along (``GraphedHiFT.grow_rows``), and both streams'
+    samples match each pushed alone eagerly within the tolerance above."""
+    from minicpmo_rt.code2wav import hift
+    from minicpmo_rt.code2wav.hift import FULL_SIZE, fuse_weight_norm
+    from minicpmo_rt.code2wav.vocoder import build_generator
+    from test_fused_dit import randomize
+
+    model = fuse_weight_norm(randomize(build_generator(CAUSAL, FULL_SIZE), seed=11, mild=True)).cuda().eval()
+    graphed, eager = Vocoder(model, CAUSAL), Vocoder(model, CAUSAL, cuda_graphs=False)
+    assert graphed.runner.grow_rows == 4
+    graphed.stream_block_frames = eager.stream_block_frames = 50
+    g = torch.Generator().manual_seed(3)
+    chunks = [[torch.randn(1, 80, n, generator=g) - 5 for n in plan] for plan in ([50] * 4, [50, 50])]
+    calls = []
+    inner = hift.run_stage
+
+    def logged(runner, batch):
+        calls.append((batch[0].op, len(batch), batch[0].finalize))
+        return inner(runner, batch)
+    monkeypatch.setattr(hift, "run_stage", logged)
+    with ieee_cudnn():
+        want = pushed_alone(eager, chunks)
+        calls.clear()
+        got = pushed_staggered(graphed, chunks, (0, 2))
+    worst = compare(got, want)
+    print(f"grown calls on CUDA: {graphed.describe_stream_path()}; worst rel err vs eager alone {worst:.2e}")
+    assert worst <= 1e-4
+    assert ("decode", 2, False) in calls and ("f0", 2, False) in calls, calls
 
 
 def test_noise_table_moves_to_the_accelerator_once():

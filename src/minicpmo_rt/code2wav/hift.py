@@ -776,11 +776,14 @@ def run_stage(runner: StageRunner, calls: Sequence[StageCall]) -> list[Any]:
     return list(out.split(1))
 
 
-def _plan_calls(waiting: dict[int, StageCall], cap: int, bucket: Optional[Callable[[int], int]]) -> list[list[int]]:
+def _plan_calls(waiting: dict[int, StageCall], cap: int, bucket: Optional[Callable[[int], int]],
+                grow: int = 0) -> list[list[int]]:
     """The batched calls of one lockstep round: the waiting streams grouped by ``key()``, at most ``cap`` rows a
     call. With ``bucket`` (rows -> the rows a call of that many runs at, e.g. a graph's batch bucket), the rows a
     call would pad up to anyway take shorter calls of its ``ragged_key`` (longest first), which then need no
-    call of their own: the padded call costs what it did, one call fewer runs."""
+    call of their own: the padded call costs what it did, one call fewer runs. A call of fewer than ``grow`` rows
+    may also grow past its bucket, up to ``grow`` rows, to take whole shorter calls along: where small calls cost
+    about the same at any bucket (latency-bound), one call of two buckets' rows beats two calls."""
     groups: dict[tuple, list[int]] = {}
     for i, call in waiting.items():
         groups.setdefault(call.key(), []).append(i)
@@ -799,16 +802,25 @@ def _plan_calls(waiting: dict[int, StageCall], cap: int, bucket: Optional[Callab
         # longest frames first; among equal frames the fuller call first (it keeps its rows)
         calls.sort(key=lambda rows: (-waiting[rows[0]].frames, -len(rows)))
         left = [list(rows) for rows in calls]
+        limit = min(grow, cap)
         for k, rows in enumerate(left):
             if not rows:
                 continue
-            room = min(bucket(len(rows)), cap) - len(rows)
-            for later in left[k + 1:]:
-                if room <= 0:
+            while True:
+                room = min(bucket(len(rows)), cap) - len(rows)
+                for later in left[k + 1:]:
+                    if room <= 0:
+                        break
+                    moved, later[:] = later[:room], later[room:]
+                    rows += moved
+                    room -= len(moved)
+                # past the bucket only whole calls move (a part left behind would still cost a call); the grown
+                # call's new padding rows are then offered again
+                nxt = next((later for later in left[k + 1:] if later and len(rows) + len(later) <= limit), None)
+                if nxt is None:
                     break
-                moved, later[:] = later[:room], later[room:]
-                rows += moved
-                room -= len(moved)
+                rows += nxt
+                nxt.clear()
             out.append(rows)
     return out
 
@@ -831,15 +843,17 @@ def drive_many(steps: Sequence[Steps], runner: StageRunner,
     Each round, the calls the streams are waiting on are grouped by ``StageCall.key`` and each
     group runs as one batched call (at most ``max_batch`` rows); then the streams resume in
     item order. A runner with ``row_bucket`` (``GraphedHiFT``: calls pad to graph batch buckets)
-    also fills a call's padding rows with shorter calls of its ``StageCall.ragged_key``
-    (``_plan_calls``). A stream's state and random draws stay its own: only the stage calls are
-    shared, and those are row-independent. Streams that share one RNG (the original HiFT's global-RNG
+    also fills a call's padding rows with shorter calls of its ``StageCall.ragged_key``, and one with
+    ``grow_rows`` lets small calls grow past their bucket to take such calls along (``_plan_calls``).
+    A stream's state and random draws stay its own: only the stage calls are shared, and those are
+    row-independent. Streams that share one RNG (the original HiFT's global-RNG
     default) draw in item order, as pushing them one after another would, because each such
     stream draws once per push."""
     results: list[Optional[torch.Tensor]] = [None] * len(steps)
     waiting: dict[int, StageCall] = {}
     cap = max_batch or max(1, len(steps))
     bucket = getattr(runner, "row_bucket", None)
+    grow = getattr(runner, "grow_rows", 0) if bucket is not None else 0
 
     def resume(i: int, value: Any) -> None:
         try:
@@ -853,7 +867,7 @@ def drive_many(steps: Sequence[Steps], runner: StageRunner,
             resume(i, None)
         while waiting:
             got: dict[int, Any] = {}
-            for part in _plan_calls(waiting, cap, bucket):
+            for part in _plan_calls(waiting, cap, bucket, grow):
                 got.update(zip(part, run_stage(runner, [waiting[i] for i in part])))
             for i in sorted(got):
                 resume(i, got[i])

@@ -30,7 +30,8 @@ Streams use it as their *runner* (``hift.StageCall``): ``run_f0`` / ``run_decode
 graphs for either HiFT variant (the causal one's look-ahead calls and its final call per utterance,
 keyed by ``finalize``), ``run_excite`` replays the causal block excitation's graphs (deterministic:
 its noise-table rows are an input). ``row_bucket`` lets ``hift.drive_many`` run shorter look-ahead
-calls in the rows a batched call pads up to anyway.
+calls in the rows a batched call pads up to anyway, and ``grow_rows`` lets a small call grow past its
+bucket to take them along.
 One ``GraphedHiFT`` per model serves every stream of it; ``capture_after=2`` keeps one-off
 lengths (a final chunk) from spending the graph budget.
 """
@@ -292,6 +293,19 @@ class GraphedHiFT:
         excite = f" + {len(e.graphs)} excitation" if e is not None else ""
         return (f"CUDA graphs {state}: {len(f.graphs)} F0{excite} + {len(d.graphs)} decode graphs, "
                 f"{sum(g.replays for g in sets)} replays")
+
+    # On CUDA, calls of fewer rows than this may grow past their bucket to take shorter look-ahead calls along
+    # (``hift._plan_calls``). Small graphed calls are latency-bound: on the H200 a steady decode call (86 frames)
+    # took 2.60 / 3.26 / 4.69 / 7.96 / 14.75 ms at buckets 1 / 2 / 4 / 8 / 16 and a final chunk's look-ahead call
+    # (62 frames) 2.52 / 2.88 / 3.91 ms at 1 / 2 / 4, so one call grown to 2 or 4 rows beat two calls in every
+    # pairing (0.64-0.86 of their time), while growing to 8 rows paid little or cost time (0.93-1.41;
+    # benchmarks/results/hift_stage_probe_session29_h200.md). Off CUDA the calls are eager, their cost grows
+    # with the rows, and the streams keep the batching the eager runner gives them.
+    GROW_ROWS = 4
+
+    @property
+    def grow_rows(self) -> int:
+        return self.GROW_ROWS if self.model.conv_pre.bias.device.type == "cuda" else 0
 
     def row_bucket(self, rows: int) -> int:
         """The rows a stage call of ``rows`` rows runs at (its graph's batch bucket): ``hift.drive_many`` fills
