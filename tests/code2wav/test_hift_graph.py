@@ -289,3 +289,44 @@ def test_cuda_graph_matches_eager_and_keeps_ieee():
     assert tf32_enabled() is True                          # ...is restored after capture and replay
     assert len(graphed.decode.graphs) == 2 and graphed.decode.off is None
     torch.backends.cuda.matmul.allow_tf32 = False
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", ["causal", "original"])
+def test_cuda_time_major_convs_run_without_copies(variant):
+    """On CUDA the frozen HiFT's convs get time-major operands; through ``F.conv1d`` torch copies each input to
+    channel-major and back to NHWC (two copies per conv). Run as the 2-D conv of their views
+    (``hift.conv1d_as_2d``, the default) the decode makes no such copies and gives the same samples: cuDNN
+    gets the same NHWC operands (IEEE convs here). H200: causal bit-identical; original 3.4e-6, where cuDNN
+    picks another algorithm for a transposed conv or a view's alignment, and the other summation order
+    (~1e-7 per conv) passes through ~40 convs: bound 1e-5."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minicpmo_rt.code2wav.hift import FULL_SIZE, conv1d_as_2d, fuse_weight_norm
+    from minicpmo_rt.code2wav.vocoder import build_generator
+
+    model = fuse_weight_norm(randomize(build_generator(variant, FULL_SIZE), seed=11, mild=True)).cuda().eval()
+    assert model.freeze_weight_norm() > 0
+    g = torch.Generator().manual_seed(2)
+    mel = (torch.randn(2, 80, 86, generator=g) - 5).cuda()
+    source = (0.01 * torch.randn(2, 1, 86 * 480, generator=g)).cuda()
+
+    def decode():
+        return model.decode(mel, source, finalize=False) if variant == "causal" else model.decode(mel, source)
+
+    def copies(fn) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return sum(1 for e in prof.events() if e.name == "aten::copy_")
+
+    with torch.inference_mode(), ieee_fp32(), ieee_cudnn():
+        assert model.time_major()       # frozen tensors are read with grad off
+        with conv1d_as_2d(False):
+            want = decode()
+            n_old = copies(decode)
+        got = decode()
+        n_new = copies(decode)
+    err = rel_err(got, want)
+    print(f"{variant}: conv2d views vs conv1d {err:.1e}; aten::copy_ per decode {n_old} -> {n_new}")
+    assert err <= 1e-5
+    assert n_old - n_new >= 2 * 70, (n_old, n_new)   # two per conv gone (80 convs causal, 77 original)

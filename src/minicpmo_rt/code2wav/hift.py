@@ -176,6 +176,34 @@ def is_time_major(t: torch.Tensor) -> bool:
     return t.ndim == 3 and t.shape[1] > 1 and t.stride(1) == 1 and (t.shape[2] == 1 or t.stride(2) == t.shape[1])
 
 
+# Whether a CUDA conv on a time-major input with a time-major weight runs as the 2-D conv of their
+# [N, C, 1, T] views (the default) instead of through ``F.conv1d``. torch's 1-D convolution makes every
+# 3-D input contiguous before it widens it to 2-D ("avoid accidentally going through NHWC"), then, the
+# weight being channels-last, copies it back to NHWC for cuDNN: two transposing copies of the whole
+# activation per conv, 158 per steady decode call, 6.6 of its 14.3 ms at batch 16 on the H200
+# (benchmarks/results/hift_decode_kernels_session29_h200.md). The 2-D call hands cuDNN the same NHWC
+# operands without them. Changed only through ``conv1d_as_2d`` (which restores it).
+_conv_as_2d = True
+
+
+@contextlib.contextmanager
+def conv1d_as_2d(enabled: bool):
+    """Inside the block the HiFT's CUDA convs on time-major operands run as 2-D convs of their views
+    (``enabled``, the default outside) or through ``F.conv1d`` (the copies above; for comparisons).
+    CUDA graphs keep the path that was active when they were captured."""
+    global _conv_as_2d
+    prev, _conv_as_2d = _conv_as_2d, bool(enabled)
+    try:
+        yield
+    finally:
+        _conv_as_2d = prev
+
+
+def _as_2d(x: torch.Tensor, weight: torch.Tensor, m: nn.Module) -> bool:
+    return (_conv_as_2d and x.is_cuda and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+            and is_time_major(x) and is_time_major(weight))
+
+
 def to_time_major(t: torch.Tensor) -> torch.Tensor:
     """The same values [N, C, T], laid out time-major."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
@@ -297,6 +325,12 @@ class Conv1d(nn.Conv1d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(x, conv_weight(self), self.bias)
 
+    def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if _as_2d(x, weight, self):     # the [N, C, 1, T] views are channels-last: cuDNN reads them in place
+            return F.conv2d(x.unsqueeze(2), weight.unsqueeze(2), bias, (1, self.stride[0]), (0, self.padding[0]),
+                            (1, self.dilation[0]), self.groups).squeeze(2)
+        return super()._conv_forward(x, weight, bias)
+
     def conv_padded(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """The conv on an input that already carries the module's explicit padding (the
         ``PaddedConv1d`` kind); ``bias=False`` leaves the bias to a fused kernel after it."""
@@ -313,7 +347,12 @@ class ConvTranspose1d(nn.ConvTranspose1d):
     def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
         if output_size is not None:
             return super().forward(x, output_size)
-        return F.conv_transpose1d(x, conv_weight(self), self.bias, self.stride, self.padding,
+        w = conv_weight(self)
+        if _as_2d(x, w, self):      # as Conv1d: no transposing copies around cuDNN
+            return F.conv_transpose2d(x.unsqueeze(2), w.unsqueeze(2), self.bias, (1, self.stride[0]),
+                                      (0, self.padding[0]), (0, self.output_padding[0]), self.groups,
+                                      (1, self.dilation[0])).squeeze(2)
+        return F.conv_transpose1d(x, w, self.bias, self.stride, self.padding,
                                   self.output_padding, self.groups, self.dilation)
 
     def act_forward(self, x: torch.Tensor, slope: float) -> torch.Tensor:
