@@ -123,7 +123,7 @@ def main() -> None:
     for b in batches:
         mel, source = (a.repeat(b, *([1] * (a.ndim - 1))) for a in steady.args)
         for tf32, as_2d in ((True, False), (True, True), (False, False), (False, True)):
-            with torch.inference_mode(), ieee_fp32(), cudnn_tf32(tf32), conv1d_as_2d(as_2d):
+            with torch.inference_mode(), ieee_fp32(), cudnn_tf32(tf32), conv1d_as_2d(None if as_2d else False):
                 def eager():
                     return model.run_decode(mel, source, finalize=False)
 

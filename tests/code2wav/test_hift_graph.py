@@ -291,12 +291,61 @@ def test_cuda_graph_matches_eager_and_keeps_ieee():
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+@pytest.mark.parametrize("variant", ["causal", "original"])
+def test_conv_views_compute_what_conv1d_does(variant):
+    """The 2-D-view formulation of the HiFT's convs (``hift.conv1d_as_2d``: CUDA takes it by default, ``True``
+    forces it here) maps stride, padding, dilation and the transposed convs' output padding onto the views'
+    width axis: each of the model's convs, on a time-major input (as the fused kernels leave them on CUDA),
+    gives what ``F.conv1d`` / ``F.conv_transpose1d`` give. Float64 on the CPU with time-major weights, so only
+    the summation order may differ (<= 1e-12); every conv must really take the 2-D path, and a channel-major
+    input keeps the 1-D one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minicpmo_rt.code2wav.hift import TINY, Conv1d, ConvTranspose1d, conv1d_as_2d, conv_weight, \
+        freeze_weight_norm
+    from minicpmo_rt.code2wav.vocoder import build_generator
+
+    model = randomize(build_generator(variant, TINY), seed=3).double().eval()
+    freeze_weight_norm(model, channels_last=True)
+    g = torch.Generator().manual_seed(4)
+
+    def ops(fn) -> list[str]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = fn()
+        return out, [e.name for e in prof.events() if e.name.startswith("aten::conv")]
+
+    convs = [(n, m) for n, m in model.named_modules() if isinstance(m, (Conv1d, ConvTranspose1d))]
+    assert len(convs) >= 70 and any(isinstance(m, ConvTranspose1d) for _, m in convs) == (variant == "original")
+    worst = 0.0
+    with torch.inference_mode():
+        for name, m in convs:
+            x = torch.randn(2, 64, m.in_channels, generator=g, dtype=torch.float64).transpose(1, 2)
+
+            def conv(x=x, m=m):
+                return m(x) if isinstance(m, ConvTranspose1d) else m._conv_forward(x, conv_weight(m), m.bias)
+            with conv1d_as_2d(False):
+                want, names_1d = ops(conv)
+            with conv1d_as_2d(True):
+                got, names_2d = ops(conv)
+                _, names_cm = ops(lambda: conv(x.contiguous()))     # channel-major: no views
+            assert got.shape == want.shape, name
+            worst = max(worst, rel_err(got, want))
+            kind = "conv_transpose" if isinstance(m, ConvTranspose1d) else "conv"
+            assert f"aten::{kind}1d" in names_1d and f"aten::{kind}2d" not in names_1d, (name, names_1d)
+            assert f"aten::{kind}2d" in names_2d and f"aten::{kind}1d" not in names_2d, (name, names_2d)
+            assert f"aten::{kind}1d" in names_cm, (name, names_cm)
+            with torch.no_grad():   # the default off CUDA is F.conv1d
+                assert torch.equal(conv(), want), name
+    print(f"{variant}: {len(convs)} convs, 2-D views vs F.conv1d worst {worst:.1e}")
+    assert worst <= 1e-12
+
+
 @requires_cuda
 @pytest.mark.parametrize("variant", ["causal", "original"])
 def test_cuda_time_major_convs_run_without_copies(variant):
     """On CUDA the frozen HiFT's convs get time-major operands; through ``F.conv1d`` torch copies each input to
     channel-major and back to NHWC (two copies per conv). Run as the 2-D conv of their views
-    (``hift.conv1d_as_2d``, the default) the decode makes no such copies and gives the same samples: cuDNN
+    (``hift.conv1d_as_2d``, the default on CUDA) the decode makes no such copies and gives the same samples: cuDNN
     gets the same NHWC operands (IEEE convs here). H200: causal bit-identical; original 3.4e-6, where cuDNN
     picks another algorithm for a transposed conv or a view's alignment, and the other summation order
     (~1e-7 per conv) passes through ~40 convs: bound 1e-5."""

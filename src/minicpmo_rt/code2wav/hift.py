@@ -176,23 +176,24 @@ def is_time_major(t: torch.Tensor) -> bool:
     return t.ndim == 3 and t.shape[1] > 1 and t.stride(1) == 1 and (t.shape[2] == 1 or t.stride(2) == t.shape[1])
 
 
-# Whether a CUDA conv on a time-major input with a time-major weight runs as the 2-D conv of their
-# [N, C, 1, T] views (the default) instead of through ``F.conv1d``. torch's 1-D convolution makes every
-# 3-D input contiguous before it widens it to 2-D ("avoid accidentally going through NHWC"), then, the
-# weight being channels-last, copies it back to NHWC for cuDNN: two transposing copies of the whole
-# activation per conv, 158 per steady decode call, 6.6 of its 14.3 ms at batch 16 on the H200
-# (benchmarks/results/hift_decode_kernels_session29_h200.md). The 2-D call hands cuDNN the same NHWC
-# operands without them. Changed only through ``conv1d_as_2d`` (which restores it).
-_conv_as_2d = True
+# Where a conv on a time-major input with a time-major weight runs as the 2-D conv of their [N, C, 1, T]
+# views instead of through ``F.conv1d``. torch's 1-D convolution makes every 3-D input contiguous before it
+# widens it to 2-D ("avoid accidentally going through NHWC"), then, the weight being channels-last, copies it
+# back to NHWC for cuDNN: two transposing copies of the whole activation per conv, 158 per steady decode call,
+# 6.6 of its 14.3 ms at batch 16 on the H200 (benchmarks/results/hift_decode_kernels_session29_h200.md). The
+# 2-D call hands cuDNN the same NHWC operands without them. Changed only through ``conv1d_as_2d`` (which
+# restores it).
+_conv_as_2d: Optional[bool] = None
 
 
 @contextlib.contextmanager
-def conv1d_as_2d(enabled: bool):
-    """Inside the block the HiFT's CUDA convs on time-major operands run as 2-D convs of their views
-    (``enabled``, the default outside) or through ``F.conv1d`` (the copies above; for comparisons).
-    CUDA graphs keep the path that was active when they were captured."""
+def conv1d_as_2d(mode: Optional[bool]):
+    """Inside the block the HiFT's convs on time-major operands run as 2-D convs of their views: ``None`` (the
+    default outside) on CUDA tensors; ``True`` on any device (CPU tests of the formulation); ``False`` never
+    (``F.conv1d``, with the copies above; for comparisons). CUDA graphs keep the path that was active when
+    they were captured."""
     global _conv_as_2d
-    prev, _conv_as_2d = _conv_as_2d, bool(enabled)
+    prev, _conv_as_2d = _conv_as_2d, mode
     try:
         yield
     finally:
@@ -200,8 +201,10 @@ def conv1d_as_2d(enabled: bool):
 
 
 def _as_2d(x: torch.Tensor, weight: torch.Tensor, m: nn.Module) -> bool:
-    return (_conv_as_2d and x.is_cuda and m.padding_mode == "zeros" and not isinstance(m.padding, str)
-            and is_time_major(x) and is_time_major(weight))
+    if _conv_as_2d is False or (_conv_as_2d is None and not x.is_cuda):
+        return False
+    return (m.padding_mode == "zeros" and not isinstance(m.padding, str) and is_time_major(x)
+            and is_time_major(weight))
 
 
 def to_time_major(t: torch.Tensor) -> torch.Tensor:
