@@ -132,7 +132,7 @@ def main() -> None:
                 flops = conv_flops(eager)
                 row = {"batch": b, "cudnn_tf32": tf32, "conv2d_views": as_2d, "conv_gflop": flops / 1e9}
                 if dev.type == "cuda":
-                    # a fresh runner per setting: graphs keep the precision they were captured with
+                    # a fresh runner per setting: graphs keep the precision and conv path they were captured with
                     runner = Vocoder(gen, CAUSAL).runner
                     for _ in range(3):
                         replay()
