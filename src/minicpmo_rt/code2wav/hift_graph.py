@@ -299,8 +299,11 @@ class GraphedHiFT:
     # took 2.60 / 3.26 / 4.69 / 7.96 / 14.75 ms at buckets 1 / 2 / 4 / 8 / 16 and a final chunk's look-ahead call
     # (62 frames) 2.52 / 2.88 / 3.91 ms at 1 / 2 / 4, so one call grown to 2 or 4 rows beat two calls in every
     # pairing (0.64-0.86 of their time), while growing to 8 rows paid little or cost time (0.93-1.41;
-    # benchmarks/results/hift_stage_probe_session29_h200.md). Off CUDA the calls are eager, their cost grows
-    # with the rows, and the streams keep the batching the eager runner gives them.
+    # benchmarks/results/hift_stage_probe_session29_h200.md). Those times predate the convs' 2-D views
+    # (hift.conv1d_as_2d), which made the steady call 1.99 / 2.95 / 8.15 ms at 1 / 4 / 16 rows
+    # (hift_decode_kernels_session29_h200.md): a 4-row call still costs less than two 1-row calls.
+    # Off CUDA the calls are eager, their cost grows with the rows, and the streams keep the batching the
+    # eager runner gives them.
     GROW_ROWS = 4
 
     @property
