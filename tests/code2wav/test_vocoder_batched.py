@@ -105,6 +105,12 @@ class Counting:
     def run_decode(self, *a, **k):
         return self._run("decode", *a, **k)
 
+    def run_decode_first(self, *a, **k):
+        return self._run("decode_first", *a, **k)
+
+    def run_decode_next(self, *a, **k):
+        return self._run("decode_next", *a, **k)
+
 
 def compare(got, want) -> float:
     worst = 0.0

@@ -207,6 +207,24 @@ def _as_2d(x: torch.Tensor, weight: torch.Tensor, m: nn.Module) -> bool:
             and is_time_major(weight))
 
 
+# The left context a carried decode call (``hift_carry``) gives each stride-1 causal conv: while set, a conv's
+# left padding is overwritten with the stream's own earlier input and its input's last frames are kept for
+# the next call (``Carry.splice``). Changed only through ``carrying`` (which restores it).
+_carry: Any = None
+
+
+@contextlib.contextmanager
+def carrying(carry: Any):
+    """Inside the block the stride-1 convs with left padding read and leave their left context in ``carry``
+    (``hift_carry.Carry``). CUDA graphs keep the carry they were captured with: its tensors are the graph's."""
+    global _carry
+    prev, _carry = _carry, carry
+    try:
+        yield carry
+    finally:
+        _carry = prev
+
+
 def to_time_major(t: torch.Tensor) -> torch.Tensor:
     """The same values [N, C, T], laid out time-major."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
@@ -336,7 +354,10 @@ class Conv1d(nn.Conv1d):
 
     def conv_padded(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """The conv on an input that already carries the module's explicit padding (the
-        ``PaddedConv1d`` kind); ``bias=False`` leaves the bias to a fused kernel after it."""
+        ``PaddedConv1d`` kind); ``bias=False`` leaves the bias to a fused kernel after it. While a carry is
+        active (``carrying``) a stride-1 conv's left padding is the stream's own earlier input instead."""
+        if _carry is not None and self.stride[0] == 1 and getattr(self, "left", 0):
+            x = _carry.splice(self, x, self.left)
         return self._conv_forward(x, conv_weight(self), self.bias if bias else None)
 
     def act_forward(self, x: torch.Tensor, slope: float) -> torch.Tensor:
@@ -609,16 +630,20 @@ class _HiFTBody(nn.Module):
             return down.conv_padded(s_stft[:, :, margin - down.left:])
         return down(s_stft)
 
-    def trunk(self, x: torch.Tensor, s_stft: torch.Tensor, margin: int = 0) -> torch.Tensor:
+    def trunk(self, x: torch.Tensor, s_stft: Optional[torch.Tensor], margin: int = 0,
+              sources: Optional[Sequence[torch.Tensor]] = None, spectrum: bool = False) -> torch.Tensor:
         """conv_pre output + excitation STFT (after ``margin`` zero frames) -> waveform (before any
-        trimming / clamp)."""
+        trimming / clamp). ``sources``: each stage's downsampled excitation, given instead of the STFT, and
+        then the last stage takes no reflection padding (a carried call continues a stream, ``hift_carry``);
+        ``spectrum``: the one-sided spectrum the iSTFT would take, instead of the waveform."""
         c = self.cfg
         n = len(c.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
             x = up.act_forward(x, c.lrelu_slope)  # up(F.leaky_relu(x, slope))
-            if i == len(self.ups) - 1:
+            if i == len(self.ups) - 1 and sources is None:
                 x = reflect_pad_left1(x)
-            x = x + self.source_resblocks[i](self._source_down(i, s_stft, margin))
+            src = self._source_down(i, s_stft, margin) if sources is None else sources[i]
+            x = x + self.source_resblocks[i](src)
             acc = self.resblocks[i * n](x)
             for j in range(1, n):
                 acc = acc + self.resblocks[i * n + j](x)
@@ -628,7 +653,7 @@ class _HiFTBody(nn.Module):
         magnitude = torch.exp(x[:, :half]).clamp(max=1e2)
         phase = torch.sin(x[:, half:])  # upstream's sin() of the phase logits, kept for fidelity
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        return istft(spec, self.stft_window, c.hop_len)
+        return spec if spectrum else istft(spec, self.stft_window, c.hop_len)
 
 
 class HiFTGenerator(_HiFTBody):
@@ -737,6 +762,8 @@ def fuse_weight_norm(model: nn.Module) -> nn.Module:
 # ----------------------------------------------------------------------------- stream steps
 
 F0, EXCITE, DECODE = "f0", "excite", "decode"
+# the causal stream's carried look-ahead decodes (``hift_carry``): its first, which keeps the state, and the later
+DECODE_FIRST, DECODE_NEXT = "decode_first", "decode_next"
 
 
 @dataclass(frozen=True)

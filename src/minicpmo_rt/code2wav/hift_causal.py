@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from .hift import (DECODE, EXCITE, F0, FULL_SIZE, MEL_BINS, Conv1d, HiFTConfig, PaddedConv1d, SourceModule,
-                   StageCall, StageRunner, Steps, _HiFTBody, _kernels, causal_padding, drive, frozen,
-                   fused_kernels_for)
+from .hift import (DECODE, DECODE_FIRST, DECODE_NEXT, EXCITE, F0, FULL_SIZE, MEL_BINS, Conv1d, HiFTConfig,
+                   PaddedConv1d, SourceModule, StageCall, StageRunner, Steps, _HiFTBody, _kernels, causal_padding,
+                   drive, frozen, fused_kernels_for)
 
 # Upstream's noise tables cover 300 s of 24 kHz audio; positions wrap beyond that.
 NOISE_TABLE_SECONDS = 300
@@ -316,6 +316,17 @@ class CausalHiFTGenerator(_HiFTBody):
     def run_decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         return self.decode(mel, source, finalize)
 
+    def run_decode_first(self, mel: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An utterance's first look-ahead decode, keeping the carried state (``hift_carry.decode_first``)."""
+        from . import hift_carry
+        return hift_carry.decode_first(self, mel, source)
+
+    def run_decode_next(self, mel: torch.Tensor, source: torch.Tensor,
+                        state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A later look-ahead decode of new frames only (``hift_carry.decode_next``)."""
+        from . import hift_carry
+        return hift_carry.decode_next(self, mel, source, state)
+
     def run_excite(self, f0: torch.Tensor, phase: torch.Tensor,
                    noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A stream block's excitation: F0 [B, n] (Hz), harmonic phase [B, 1, H] (float64 cycles,
@@ -393,7 +404,7 @@ class BoundedStream:
     """
 
     def __init__(self, model: CausalHiFTGenerator, block_frames: int = 16, lead_silence: bool = True,
-                 runner: Optional[StageRunner] = None):
+                 runner: Optional[StageRunner] = None, carry: bool = False):
         if model.cfg.hop != 480 or model.cfg.sampling_rate != 24000:
             raise ValueError("BoundedStream needs the 24 kHz, 480-samples-per-frame causal HiFT")
         if block_frames < 1:
@@ -407,6 +418,9 @@ class BoundedStream:
         self.f0_right = model.f0_predictor.look_ahead
         self.history = model.history_frames()
         self.decoder_right = model.cfg.conv_pre_look_right + 1
+        # carry: look-ahead decodes after the first take the convs' left context from the call before
+        # (``hift_carry``) instead of re-decoding the history; the final decode stays bounded
+        self.carry = carry
         self.reset()
 
     def reset(self) -> None:
@@ -417,8 +431,10 @@ class BoundedStream:
         self.mel_offset = self.source_offset = self.source_end = self.emitted = 0
         self.finished = False
         self.started = False
+        self.carried: Optional[torch.Tensor] = None
 
-    _STATE = ("mel", "source", "phase", "mel_offset", "source_offset", "source_end", "emitted", "finished", "started")
+    _STATE = ("mel", "source", "phase", "mel_offset", "source_offset", "source_end", "emitted", "finished", "started",
+              "carried")
 
     def snapshot(self) -> dict:
         """The stream's state (tensors are replaced, never mutated in place, so sharing is safe)."""
@@ -456,7 +472,9 @@ class BoundedStream:
         # 2. audio for every frame whose conv_pre look-ahead (+1 iSTFT frame) is available
         speech_ready = max(0, self.source_end - (0 if finalize else self.decoder_right))
         speech = self.mel.new_zeros(1, 0)
-        if speech_ready > self.emitted:
+        if speech_ready > self.emitted and self.carry and not finalize:
+            speech = yield from self._carried_decode(speech_ready)
+        elif speech_ready > self.emitted:
             start = max(0, self.emitted - self.history)
             feats = self.mel[:, :, start - self.mel_offset:self.source_end - self.mel_offset]
             source = self.source[:, :, (start - self.source_offset) * self.hop:]
@@ -472,6 +490,29 @@ class BoundedStream:
         self.mel = self.mel[:, :, keep_mel - self.mel_offset:].clone()
         self.source = self.source[:, :, (keep_source - self.source_offset) * self.hop:].clone()
         self.mel_offset, self.source_offset = keep_mel, keep_source
+        return speech
+
+    def _carried_decode(self, speech_ready: int) -> Generator[StageCall, Any, torch.Tensor]:
+        """Audio frames [emitted, speech_ready) through the carried decode (``hift_carry``): the first one of an
+        utterance decodes from frame 0 and keeps the state, later ones decode new trunk frames only."""
+        hop = self.hop
+        if self.carried is None:
+            if self.emitted or self.mel_offset or self.source_offset:
+                raise RuntimeError("BoundedStream: a carried decode must start with the utterance")
+            feats = self.mel[:, :, :self.source_end]
+            speech, self.carried = yield StageCall(DECODE_FIRST, (feats, self.source))
+        else:
+            c0, c1 = self.emitted + 1, speech_ready + 1
+            right = self.model.cfg.conv_pre_look_right
+            feats = self.mel[:, :, c0 - self.mel_offset:c1 + right - self.mel_offset]
+            n_fft, hop_len = self.model.stft_window.shape[0], self.model.cfg.hop_len
+            base = self.source_offset * hop
+            source = self.source[:, :, c0 * hop - (n_fft // 2 - hop_len) - base:c1 * hop + n_fft // 2 - base]
+            speech, self.carried = yield StageCall(DECODE_NEXT, (feats, source, self.carried))
+        if speech.shape[1] != (speech_ready - self.emitted) * hop:
+            raise RuntimeError(f"BoundedStream: carried decode gave {speech.shape[1]} samples, expected "
+                               f"{(speech_ready - self.emitted) * hop}")
+        self.emitted = speech_ready
         return speech
 
     def push(self, mel: torch.Tensor, last: bool = False) -> torch.Tensor:

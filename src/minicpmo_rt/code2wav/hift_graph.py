@@ -276,12 +276,21 @@ class GraphedHiFT:
         self.excite = (ShapeGraphs(model.run_excite, "HiFT excite", max_graphs, capture_after=capture_after,
                                    batch_buckets=batch_buckets)
                        if self.causal else None)
+        # the causal streams' carried look-ahead decodes (hift_carry; opt-in per Vocoder): state in, state out
+        self.decode_first = self.decode_next = None
+        if self.causal:
+            self.decode_first = ShapeGraphs(model.run_decode_first, "HiFT decode (first, carried)", max_graphs,
+                                            capture_after=capture_after, batch_buckets=batch_buckets)
+            self.decode_next = ShapeGraphs(model.run_decode_next, "HiFT decode (carried)", max_graphs,
+                                           capture_after=capture_after, batch_buckets=batch_buckets)
 
     def shape_sets(self) -> dict[str, ShapeGraphs]:
-        """The graph sets by stage name (``excite`` only for the causal HiFT)."""
+        """The graph sets by stage name (``excite`` and the carried decodes only for the causal HiFT)."""
         sets = {"f0": self.f0, "decode": self.decode}
         if self.excite is not None:
             sets["excite"] = self.excite
+            sets["decode_first"] = self.decode_first
+            sets["decode_next"] = self.decode_next
         return sets
 
     def describe(self) -> str:
@@ -291,7 +300,9 @@ class GraphedHiFT:
         off = next((g.off for g in sets if g.off), None)
         state = f"off ({off})" if off else "on"
         excite = f" + {len(e.graphs)} excitation" if e is not None else ""
-        return (f"CUDA graphs {state}: {len(f.graphs)} F0{excite} + {len(d.graphs)} decode graphs, "
+        carried = len(self.decode_first.graphs) + len(self.decode_next.graphs) if self.causal else 0
+        carried_s = f" + {carried} carried decode" if carried else ""
+        return (f"CUDA graphs {state}: {len(f.graphs)} F0{excite} + {len(d.graphs)} decode{carried_s} graphs, "
                 f"{sum(g.replays for g in sets)} replays")
 
     # On CUDA, calls of fewer rows than this may grow past their bucket to take shorter look-ahead calls along
@@ -330,6 +341,17 @@ class GraphedHiFT:
     def run_decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         with ieee_fp32():
             return self.decode(mel, source, copy_out=True, **self._final(finalize))
+
+    @torch.inference_mode()
+    def run_decode_first(self, mel: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with ieee_fp32():
+            return self.decode_first(mel, source, copy_out=True)
+
+    @torch.inference_mode()
+    def run_decode_next(self, mel: torch.Tensor, source: torch.Tensor,
+                        state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with ieee_fp32():
+            return self.decode_next(mel, source, state, copy_out=True)
 
     @torch.inference_mode()
     def run_excite(self, f0: torch.Tensor, phase: torch.Tensor,

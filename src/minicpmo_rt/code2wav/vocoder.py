@@ -164,6 +164,9 @@ class Vocoder:
     max_graphs: int = 32
     batch_buckets: tuple[int, ...] = ROW_BUCKETS
     stream_block_frames: Optional[int] = None
+    # opt-in: causal streams decode only new frames after their first chunk, carrying each conv's left context
+    # (``hift_carry``) instead of re-decoding ~31 frames of history per decode block
+    stream_carry: bool = False
     runner: StageRunner = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -179,6 +182,8 @@ class Vocoder:
     def describe_stream_path(self) -> str:
         """Which path stream vocoding takes (for logs and benchmarks)."""
         block = f", decode blocks of {self.stream_block_frames} frames" if self.variant == CAUSAL else ""
+        if self.variant == CAUSAL and self.stream_carry:
+            block += ", carried context"
         if isinstance(self.runner, GraphedHiFT):
             return f"{self.variant} HiFT, {self.runner.describe()}{block}"
         return f"{self.variant} HiFT, eager{block}"
@@ -221,7 +226,8 @@ class Vocoder:
             block_frames = self.stream_block_frames
         if self.variant == CAUSAL:
             return BoundedStream(self.model, block_frames=block_frames,
-                                 lead_silence=True if lead_silence is None else lead_silence, runner=self.runner)
+                                 lead_silence=True if lead_silence is None else lead_silence, runner=self.runner,
+                                 carry=self.stream_carry)
         return HiFTStream(self.model, lead_silence=bool(lead_silence), generator=generator, runner=self.runner)
 
     def push_many(self, items: Sequence[tuple[VocoderStream, torch.Tensor, bool]],
