@@ -139,3 +139,13 @@ def test_graph_budget_and_precapture_knobs():
         True, True, True, False, False, True]
     with pytest.raises(InputError, match="cfm_graph_precapture"):
         graph_precapture({"cfm_graph_precapture": "sometimes"})
+
+
+def test_hift_carry_knob():
+    """``hift_carry`` (opt-in, default off): accepted spellings, and a named error for the rest."""
+    from minicpmo_rt.code2wav.knobs import hift_carry
+
+    assert [hift_carry(e) for e in (None, {}, {"hift_carry": True}, {"hift_carry": "on"}, {"hift_carry": "false"},
+                                    {"hift_carry": "auto"})] == [False, False, True, True, False, False]
+    with pytest.raises(InputError, match="hift_carry"):
+        hift_carry({"hift_carry": "sometimes"})

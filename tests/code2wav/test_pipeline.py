@@ -114,6 +114,26 @@ def test_fused_fast_path_stream_matches_reference(tiny_ckpt, voice):
     assert err < 1e-5, err
 
 
+def test_hift_carry_knob_streams_the_same_audio(tiny_ckpt, voice):
+    """``hift_carry: true`` makes the causal stream vocoder carry its convs' context (``Vocoder.stream_carry``);
+    a whole streamed utterance equals the default's (fp32 on the CPU, the same samples in another summation
+    order: <= 1e-5)."""
+    ref = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2)
+    carried = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"hift_carry": True})
+    assert carried.vocoders.stream.variant == "causal"      # the tiny checkpoint ships 1.0.7's causal HiFT
+    assert not ref.vocoders.stream.stream_carry and carried.vocoders.stream.stream_carry
+    codes = _codes(100, seed=6)
+    a = ref.stream_codes(codes, voice)
+    model = carried.vocoders.stream.model
+    calls = []
+    model.run_decode_next = lambda *args: calls.append(args[0].shape) or type(model).run_decode_next(model, *args)
+    b = carried.stream_codes(codes, voice)
+    assert len(calls) >= 2      # the chunks after the first decoded their new frames only
+    assert a.shape == b.shape
+    err = float(np.linalg.norm(a - b) / np.linalg.norm(a))
+    assert err < 1e-5, err
+
+
 def test_stream_caches_do_not_alias_the_solver_buffers(tiny_ckpt, voice):
     """The flow takes the solver's caches as views of its buffers and copies them once (the trim, or a
     clone while the cache is still short): a kept FlowCache must survive later solves unchanged and

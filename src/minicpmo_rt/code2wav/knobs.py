@@ -184,6 +184,13 @@ def graph_precapture(extra: Mapping[str, Any] | None) -> bool:
     return True if setting is None else setting
 
 
+def hift_carry(extra: Mapping[str, Any] | None) -> bool:
+    """Connector knob ``hift_carry`` (opt-in, default off): the causal vocoder's streams decode only each
+    chunk's new frames after their first, carrying every causal conv's left context (``hift_carry``) instead
+    of re-decoding ~31 frames of history per chunk. Same samples up to rounding."""
+    return bool(_parse_bool((extra or {}).get("hift_carry"), "hift_carry"))
+
+
 def resolve_code2wav(extra: Mapping[str, Any] | None, facts: DeviceFacts,
                      env: Mapping[str, str] | None = None) -> Code2WavChoice:
     """Resolve the knobs; ``env`` defaults to ``os.environ``."""

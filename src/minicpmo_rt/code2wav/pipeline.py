@@ -62,9 +62,9 @@ from .encoder_graph import EncoderGraphs
 from .flow import HISTORY_FRAMES, ChunkPart, Flow, FlowCache, load_flow
 from .frontend import PromptFeatures, VoiceFrontend
 from .hift_graph import GraphedHiFT, ShapeGraphs
-from .knobs import Code2WavChoice, graph_budget, graph_precapture, row_offset_merge, slot_pool_slots
+from .knobs import Code2WavChoice, graph_budget, graph_precapture, hift_carry, row_offset_merge, slot_pool_slots
 from .prompt_state import PromptLease, PromptStateCache
-from .vocoder import VocoderSet, load_vocoders
+from .vocoder import CAUSAL, VocoderSet, load_vocoders
 
 SAMPLE_RATE = 24000
 CODE_RATE = 25
@@ -239,6 +239,10 @@ class Code2Wav:
             log.info("Code2Wav encoder half of a chunk from CUDA graphs (a shape captured on its second call, "
                      "at most %d kept)", self.flow.encoder_graphs.max_graphs)
         self._configure_slot_pool(slot_pool_slots(extra), row_offset_merge(extra), choice, solver.config)
+        stream_voc = self.vocoders.stream
+        stream_voc.stream_carry = hift_carry(extra) and stream_voc.variant == CAUSAL
+        if stream_voc.stream_carry:
+            log.info("Code2Wav vocoder: streams decode new frames only, carrying the convs' context (hift_carry)")
         return choice
 
     def _configure_slot_pool(self, slots: int, merge: bool, choice: Code2WavChoice, config) -> None:
