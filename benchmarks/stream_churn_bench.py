@@ -26,7 +26,8 @@ timed apart):
     slot) and ``cfm_row_offset_merge``: streams at different points of their utterances share one CFM solve
     (``--no-slot-pool`` leaves this row out).
 
-``--joins`` runs instead final chunks solving apart against joining the steady solve (``Code2Wav.join_finals``,
+``--carry`` runs instead the default against the default with carried HiFT decoding (``Vocoder.stream_carry``,
+the ``hift_carry`` knob, opt-in). ``--joins`` runs instead final chunks solving apart against joining the steady solve (``Code2Wav.join_finals``,
 the default) and joining with the arena sized for no more final rows (``final_batch`` 0). ``--finals`` runs
 instead the default with ``final_batch`` 0, 2, 4 and 8 (what sizing the arena for more final
 rows buys, and costs in memory); ``--grids --prompt-frames 280`` a voice whose prompt is not 6 s with the
@@ -73,6 +74,7 @@ class Variant:
     final_batch: int | None = None     # GraphConfig.final_batch (None: the default)
     anchor_at_trim: bool | None = None  # GraphConfig.anchor_at_trim (None: Code2Wav's default, on)
     join_finals: bool = True           # Code2Wav.join_finals: final chunks join the steady solve
+    carry: bool = False                # Vocoder.stream_carry (the hift_carry knob): carried HiFT decoding
 
 
 VARIANTS = (Variant("before", False, (1,), False, final_batch=0, join_finals=False),
@@ -92,6 +94,9 @@ JOINS = (Variant("final chunks solve apart (before)", True, None, True, join_fin
 # a prompt that is not 6 s (--prompt-frames): the offset grid at the 6-s prompt's steady length, or at its own
 GRIDS = (Variant("grid anchored at a 6-s prompt's steady length (before)", True, None, True, anchor_at_trim=False),
          Variant("grid anchored at each call's prompt + 100 (default)", True, None, True))
+# the stream vocoder re-decoding its history (default) or carrying its convs' context (hift_carry, opt-in)
+CARRY = (Variant("final chunks join the steady solve (default)", True, None, True),
+         Variant("default + carried HiFT decoding (hift_carry, opt-in)", True, None, True, carry=True))
 SILENCE = 4218
 
 
@@ -129,7 +134,7 @@ def push_round(c2w: Code2Wav, feats, streams: dict, active, g: np.random.Generat
 
 def build(flow, gen, v: Variant, slots: int) -> Code2Wav:
     """A fresh instance on the shared weights, its graph sets configured as ``v`` says."""
-    voc = Vocoder(gen, CAUSAL, **({} if v.buckets else {"batch_buckets": ()}))
+    voc = Vocoder(gen, CAUSAL, stream_carry=v.carry, **({} if v.buckets else {"batch_buckets": ()}))
     c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
     c2w.configure_fast_path({"cfm_slot_pool": slots, "cfm_row_offset_merge": True} if v.pool else {})
     c2w.join_finals = v.join_finals
@@ -384,6 +389,8 @@ def main() -> None:
     sets.add_argument("--joins", action="store_true", help="instead: final chunks solving apart, joining the "
                       "steady solve (Code2Wav.join_finals, the default), and joining with the arena sized for "
                       "no final rows beyond batch 1 (GraphConfig.final_batch 0)")
+    sets.add_argument("--carry", action="store_true", help="instead: the default against the default with the "
+                      "stream vocoder carrying its convs' context (Vocoder.stream_carry, the hift_carry knob)")
     sets.add_argument("--grids", action="store_true", help="instead: the default with the CFM offset grid anchored "
                     "at a 6-s prompt's steady length or at each call's own (GraphConfig.anchor_at_trim); with "
                     "--prompt-frames other than 300 the two differ")
@@ -420,6 +427,8 @@ def main() -> None:
         variants = FINALS
     if args.grids:
         variants = GRIDS
+    if args.carry:
+        variants = CARRY
     if args.joins:
         variants = JOINS
     if args.only:
@@ -427,7 +436,7 @@ def main() -> None:
         variants = tuple(v for v in variants if any(w in v.label for w in want))
         if not variants:
             ap.error(f"--only {args.only!r} matches no variant; labels: "
-                     + "; ".join(v.label for v in VARIANTS + (POOLED,) + FINALS + GRIDS + JOINS))
+                     + "; ".join(v.label for v in VARIANTS + (POOLED,) + FINALS + GRIDS + JOINS + CARRY))
     sizes = [len(a) for a in plan]
     gpu = device_label(dev)
     res = {"gpu": gpu, "torch": torch.__version__, "slots": args.slots, "rounds": args.rounds, "seed": args.seed,
