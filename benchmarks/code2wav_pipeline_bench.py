@@ -68,6 +68,17 @@ def bench_device(script: str, device: str) -> torch.device:
     return dev
 
 
+def parse_batches(ap, text: str) -> list[int]:
+    """A ``--batches`` value ("1,4,16") as batch sizes >= 1; a parser error naming it otherwise."""
+    try:
+        batches = [int(b) for b in text.split(",")]
+    except ValueError:
+        ap.error(f"--batches must be comma-separated integers, got {text!r}")
+    if not batches or min(batches) < 1:
+        ap.error(f"--batches must be >= 1, got {text!r}")
+    return batches
+
+
 def device_label(dev: torch.device) -> str:
     """The GPU's name for a results file, or what a CPU smoke run was."""
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (smoke run)"

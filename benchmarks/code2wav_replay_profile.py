@@ -60,21 +60,22 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def profile_kernels(fn) -> tuple[dict, list[dict]]:
-    """(per-class {us, count}, top kernels) of one call of ``fn``."""
+def profile_kernels(fn, classify=kernel_class, classes=CLASSES) -> tuple[dict, list[dict]]:
+    """(per-class {us, count}, top kernels) of one call of ``fn`` (after one unprofiled call); ``classify``
+    maps a kernel's name to one of ``classes`` (other benchmarks pass their own)."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    by_class = {c: {"us": 0.0, "count": 0} for c in CLASSES}
+    by_class = {c: {"us": 0.0, "count": 0} for c in classes}
     by_name: dict[str, list] = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        c = by_class[kernel_class(e.name)]
+        c = by_class[classify(e.name)]
         c["us"] += us
         c["count"] += 1
         a = by_name.setdefault(e.name[:100], [0, 0.0])

@@ -20,17 +20,13 @@ from pathlib import Path
 
 import torch
 
-from code2wav_pipeline_bench import bench_device, bench_models, device_label
+from code2wav_pipeline_bench import bench_device, bench_models, device_label, parse_batches
+from first_chunk_bench import _sync
 from minicpmo_rt.atomic import atomic_write
 from minicpmo_rt.code2wav.hift import fuse_weight_norm
 from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder
 
 WARM = 3
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def main() -> None:
@@ -41,12 +37,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny HiFT (smoke run of the script)")
     args = ap.parse_args()
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        ap.error(f"--batches must be comma-separated integers, got {args.batches!r}")
-    if not batches or min(batches) < 1 or args.rounds < 1:
-        ap.error("--batches and --rounds must be >= 1")
+    batches = parse_batches(ap, args.batches)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     dev = bench_device("hift_carry_bench", args.device)
     _, gen, _, _ = bench_models(args.tiny, dev)
     gen = fuse_weight_norm(gen)
@@ -64,10 +57,10 @@ def main() -> None:
                 chunk = [(torch.randn(1, 80, 50, generator=g) - 5).to(dev) for _ in range(b)]
                 outs = {}
                 for name, v in sides.items():
-                    sync(dev)
+                    _sync(dev)
                     t = time.perf_counter()
                     outs[name] = v.push_many([(s, c, False) for s, c in zip(streams[name], chunk)])
-                    sync(dev)
+                    _sync(dev)
                     if r >= WARM:
                         times[name].append((time.perf_counter() - t) * 1e3)
                 for x, y in zip(outs["carried"], outs["bounded"]):

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from code2wav_bench import timed
-from code2wav_pipeline_bench import bench_device, bench_models, device_label
+from code2wav_pipeline_bench import bench_device, bench_models, device_label, parse_batches
+from code2wav_replay_profile import profile_kernels
 from hift_stage_probe import stream_calls
 from minicpmo_rt.atomic import atomic_write
 from minicpmo_rt.code2wav.hift import conv1d_as_2d, fuse_weight_norm
@@ -66,30 +67,6 @@ def cudnn_tf32(on: bool):
         torch.backends.cudnn.allow_tf32 = before
 
 
-def profile_classes(fn) -> tuple[dict, list[dict]]:
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    by = {c: {"us": 0.0, "count": 0} for c in CLASSES}
-    names: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        c = by[kernel_class(e.name)]
-        c["us"] += us
-        c["count"] += 1
-        a = names.setdefault(e.name[:90], [0, 0.0])
-        a[0] += 1
-        a[1] += us
-    top = sorted(({"kernel": k, "count": v[0], "us": round(v[1], 1)} for k, v in names.items()),
-                 key=lambda r: -r["us"])
-    return by, top[:12]
-
-
 def conv_flops(fn) -> int:
     from torch.utils.flop_counter import FlopCounterMode
     with FlopCounterMode(display=False) as fc:
@@ -105,12 +82,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny HiFT (smoke run of the script)")
     args = ap.parse_args()
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        ap.error(f"--batches must be comma-separated integers, got {args.batches!r}")
-    if not batches or min(batches) < 1:
-        ap.error(f"--batches must be >= 1, got {args.batches!r}")
+    batches = parse_batches(ap, args.batches)
     dev = bench_device("hift_decode_kernels", args.device)
     _, gen, _, _ = bench_models(args.tiny, dev)
     gen = fuse_weight_norm(gen)     # as load_vocoder serves it
@@ -137,7 +109,7 @@ def main() -> None:
                     for _ in range(3):
                         replay()
                     row["replay_ms"] = statistics.median(timed(replay, args.budget))
-                    by, top = profile_classes(eager)
+                    by, top = profile_kernels(eager, kernel_class, CLASSES)
                     row["classes"] = {k: {"ms": v["us"] / 1e3, "count": v["count"]} for k, v in by.items()}
                     row["kernels_ms"] = sum(v["us"] for v in by.values()) / 1e3
                     conv_ms = row["classes"]["conv TF32"]["ms"] + row["classes"]["conv FP32"]["ms"]

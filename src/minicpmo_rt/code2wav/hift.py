@@ -525,14 +525,22 @@ def istft(spec: torch.Tensor, window: torch.Tensor, hop: int) -> torch.Tensor:
     CUDA graph capture. The envelope depends only on the window, hop and frame count, never on
     the data, so ``check_nola`` verifies it once when the model is built.
     """
+    y, envelope = istft_sums(spec, window, hop)
+    half = window.shape[0] // 2
+    return y[:, half:y.shape[1] - half] / envelope[:, half:y.shape[1] - half]
+
+
+def istft_sums(spec: torch.Tensor, window: torch.Tensor, hop: int,
+               envelope: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``istft``'s two overlap-added sums before the trim and the division: the windowed frames' [B, L] and
+    (with ``envelope``) the squared window's [1, L], L = n + hop * (frames - 1) (``hift_carry`` carries the
+    first one's tail)."""
     n = window.shape[0]
     n_frames = spec.shape[2]
     length = n + hop * (n_frames - 1)
     frames = torch.fft.irfft(spec.transpose(1, 2), n=n, dim=-1) * window.view(1, 1, n)
-    y = _overlap_add(frames, length, hop)
-    envelope = _overlap_add(window.pow(2).expand(1, n_frames, n), length, hop)
-    half = n // 2
-    return y[:, half:length - half] / envelope[:, half:length - half]
+    env = _overlap_add(window.pow(2).expand(1, n_frames, n), length, hop) if envelope else None
+    return _overlap_add(frames, length, hop), env
 
 
 def check_nola(window: torch.Tensor, hop: int, where: str) -> None:
@@ -607,12 +615,14 @@ class _HiFTBody(nn.Module):
         source downsampler pads, so each reads a view instead of padding a copy."""
         return max((getattr(d, "left", 0) for d in self.source_downs), default=0) if time_major else 0
 
-    def source_stft(self, source: torch.Tensor, margin: int = 0, time_major: bool = False) -> torch.Tensor:
+    def source_stft(self, source: torch.Tensor, margin: int = 0, time_major: bool = False,
+                    center: bool = True) -> torch.Tensor:
         """[B, 1, L] excitation -> [B, n_fft + 2, margin + L / hop_len + 1] (real | imag), after
-        ``margin`` zero frames; time-major if asked (same values)."""
+        ``margin`` zero frames; time-major if asked (same values). ``center=False``: only the frames whose
+        window lies inside the excitation, (L - n_fft) / hop_len + 1 of them (``hift_carry``)."""
         c = self.cfg
         spec = torch.stft(source.squeeze(1), c.n_fft, c.hop_len, c.n_fft, window=self.stft_window,
-                          return_complex=True)
+                          center=center, return_complex=True)
         spec = torch.view_as_real(spec)
         if not time_major:
             s_stft = torch.cat([spec[..., 0], spec[..., 1]], dim=1)

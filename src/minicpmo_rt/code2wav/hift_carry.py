@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .hift import _overlap_add, carrying
+from .hift import _overlap_add, carrying, istft_sums
 
 if TYPE_CHECKING:
     from .hift_causal import CausalHiFTGenerator
@@ -106,18 +105,16 @@ def layout(model: "CausalHiFTGenerator") -> CarryLayout:
 
 def _envelope(model: "CausalHiFTGenerator", like: torch.Tensor) -> torch.Tensor:
     """The iSTFT's squared-window overlap-add over the steady part: one period of hop_len values (the
-    same sums the whole-signal iSTFT divides by away from its start)."""
-    w = model.stft_window.to(like)
-    n, hop = w.shape[0], model.cfg.hop_len
-    frames = 2 * (n // hop) + 1
-    env = _overlap_add(w.pow(2).expand(1, frames, n), n + hop * (frames - 1), hop)
-    return env[0, n:n + hop]
-
-
-def _spectral_frames(model: "CausalHiFTGenerator", spec: torch.Tensor) -> torch.Tensor:
-    """One-sided spectrum [B, n/2+1, F] -> windowed time frames [B, F, n] (istft's c2r FFT and window)."""
-    w = model.stft_window
-    return torch.fft.irfft(spec.transpose(1, 2), n=w.shape[0], dim=-1) * w.view(1, 1, -1)
+    same sums the whole-signal iSTFT divides by away from its start). Kept per device and dtype."""
+    key = ("_carry_envelope", like.device, like.dtype)
+    env = model.__dict__.get(key)
+    if env is None:
+        w = model.stft_window.to(like)
+        n, hop = w.shape[0], model.cfg.hop_len
+        frames = 2 * (n // hop) + 1
+        env = _overlap_add(w.pow(2).expand(1, frames, n), n + hop * (frames - 1), hop)[0, n:n + hop]
+        model.__dict__[key] = env
+    return env
 
 
 def decode_first(model: "CausalHiFTGenerator", mel: torch.Tensor,
@@ -126,27 +123,15 @@ def decode_first(model: "CausalHiFTGenerator", mel: torch.Tensor,
     (``decode(mel, source, finalize=False)``'s audio [B, (T-5)*hop], the carried state [B, size])."""
     c = model.cfg
     lay = layout(model)
-    tm = model.time_major()
-    margin = model.stft_margin(tm)
-    s_stft = model.source_stft(source, margin, tm)
-    r = c.conv_pre_look_right
-    pre = model.conv_pre
-    x = pre.conv_padded(F.pad(mel, (pre.left, 0)) if pre.left else mel)
-    s_stft = s_stft[:, :, :-(c.hop // c.hop_len) * r]
+    x, s_stft, margin = model.decode_inputs(mel, source, finalize=False)
     # each strided downsampler's padded input ends with its last k - s STFT frames
     downs = {i: s_stft[:, :, s_stft.shape[2] - n:] for i, n in lay.downs}
     with carrying(Carry()) as carry:
         spec = model.trunk(x, s_stft, margin, spectrum=True)
-    frames = _spectral_frames(model, spec)
-    n, hop = model.stft_window.shape[0], c.hop_len
-    length = n + hop * (frames.shape[1] - 1)
-    y = _overlap_add(frames, length, hop)
-    env = _overlap_add(model.stft_window.pow(2).expand(1, frames.shape[1], n), length, hop)
-    half = n // 2
-    wav = y[:, half:length - half] / env[:, half:length - half]
-    wav = wav[:, :-c.hop]
-    tail = y[:, length - lay.tail:]
-    state = lay.pack(carry.new, downs, tail)
+    y, env = istft_sums(spec, model.stft_window, c.hop_len)
+    half, length = model.stft_window.shape[0] // 2, y.shape[1]
+    wav = (y[:, half:length - half] / env[:, half:length - half])[:, :-c.hop]
+    state = lay.pack(carry.new, downs, y[:, length - lay.tail:])
     return wav.clamp(-c.audio_limit, c.audio_limit), state
 
 
@@ -163,23 +148,15 @@ def decode_next(model: "CausalHiFTGenerator", mel: torch.Tensor, source: torch.T
     if m < 1 or source.shape[2] != m * c.hop + n_fft - hop:
         raise ValueError(f"decode_next: mel [B, 80, m + {c.conv_pre_look_right}] with m >= 1 and excitation "
                          f"[B, 1, m*{c.hop} + {n_fft - hop}]; got {list(mel.shape)}, {list(source.shape)}")
-    spec = torch.stft(source.squeeze(1), n_fft, hop, n_fft, window=model.stft_window, center=False,
-                      return_complex=True)
-    ri = torch.view_as_real(spec)                                  # [B, bins, F, 2]
     tm = model.time_major()
-    b, bins, n_frames, _ = ri.shape
-    if tm:
-        s_new = ri.new_empty(b, n_frames, 2, bins)
-        s_new.copy_(ri.permute(0, 2, 3, 1))
-        s_new = s_new.view(b, n_frames, 2 * bins).transpose(1, 2)
-    else:
-        s_new = torch.cat([ri[..., 0], ri[..., 1]], dim=1)
+    s_new = model.source_stft(source, 0, tm, center=False)        # the new frames (120 c0, 120 c1]
+    b, ch, n_frames = s_new.shape
     sources, new_downs = [], {}
     for i, down in enumerate(model.source_downs):
         if i in downs:
             k = downs[i].shape[2]
-            inp = (s_new.new_empty(b, k + n_frames, 2 * bins).transpose(1, 2) if tm
-                   else s_new.new_empty(b, 2 * bins, k + n_frames))
+            inp = (s_new.new_empty(b, k + n_frames, ch).transpose(1, 2) if tm
+                   else s_new.new_empty(b, ch, k + n_frames))
             inp[:, :, :k].copy_(downs[i])
             inp[:, :, k:].copy_(s_new)
             new_downs[i] = inp[:, :, inp.shape[2] - k:]
@@ -190,9 +167,8 @@ def decode_next(model: "CausalHiFTGenerator", mel: torch.Tensor, source: torch.T
     x = pre.conv_padded(mel)
     with carrying(Carry(convs)) as carry:
         spec = model.trunk(x, None, sources=sources, spectrum=True)
-    frames = _spectral_frames(model, spec)                         # [B, 120 m, n_fft]
-    length = n_fft + hop * (frames.shape[1] - 1)
-    new = _overlap_add(frames, length, hop)
+    new = istft_sums(spec, model.stft_window, hop, envelope=False)[0]    # steady: the kept envelope period
+    length = new.shape[1]
     out_len = m * c.hop
     buf = new.new_zeros(b, out_len + lay.tail)
     buf[:, :lay.tail] = tail

@@ -292,22 +292,27 @@ class CausalHiFTGenerator(_HiFTBody):
         comes from the last 4 mel frames and the last frame of audio (whose iSTFT
         overlap is incomplete) is dropped: [B, (T-5)*hop]."""
         c = self.cfg
-        tm = self.time_major()
-        margin = self.stft_margin(tm)
-        s_stft = self.source_stft(source, margin, tm)
-        if finalize:
-            x = self.conv_pre(mel)
-        else:
-            # the last r frames are conv_pre's look-ahead: its right "padding" is real frames
-            # (== self.conv_pre(mel[..., :-r], right_context=mel[..., -r:]), without the cat)
-            r = c.conv_pre_look_right
-            pre = self.conv_pre
-            x = pre.conv_padded(F.pad(mel, (pre.left, 0)) if pre.left else mel)
-            s_stft = s_stft[:, :, :-int(math.prod(c.upsample_rates)) * r]
+        x, s_stft, margin = self.decode_inputs(mel, source, finalize)
         wav = self.trunk(x, s_stft, margin)
         if not finalize:
             wav = wav[:, :-c.hop]
         return wav.clamp(-c.audio_limit, c.audio_limit)
+
+    def decode_inputs(self, mel: torch.Tensor, source: torch.Tensor,
+                      finalize: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``decode``'s trunk inputs: (conv_pre's output, the excitation STFT cut to match it, its margin)."""
+        c = self.cfg
+        tm = self.time_major()
+        margin = self.stft_margin(tm)
+        s_stft = self.source_stft(source, margin, tm)
+        if finalize:
+            return self.conv_pre(mel), s_stft, margin
+        # the last r frames are conv_pre's look-ahead: its right "padding" is real frames
+        # (== self.conv_pre(mel[..., :-r], right_context=mel[..., -r:]), without the cat)
+        r = c.conv_pre_look_right
+        pre = self.conv_pre
+        x = pre.conv_padded(F.pad(mel, (pre.left, 0)) if pre.left else mel)
+        return x, s_stft[:, :, :-int(math.prod(c.upsample_rates)) * r], margin
 
     # -- the stages a stream runner calls (``hift.StageCall``) -----------------------------------
     def run_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
