@@ -19,8 +19,10 @@ FIELDS = (("median", "round median"), ("total", "all rounds"), ("with_finals", "
           ("without_finals", "without"), ("prepare_ms", "prepare"))
 
 
-def load(folder: Path) -> dict[str, list[dict]]:
+def load(folder: Path) -> tuple[dict[str, list[dict]], list[str]]:
+    """(each side's run summaries, the devices the runs name: GPU and torch)."""
     sides: dict[str, list[dict]] = {}
+    devices: set[str] = set()
     # run_N_SIDE/stream_churn_bench.json as churn_ab.sh leaves them, or flat copies churn_N_SIDE.json
     found = [(p.name, p / "stream_churn_bench.json") for p in folder.glob("run_*_*")]
     found += [(p.stem, p) for p in folder.glob("churn_*_*.json")]
@@ -28,12 +30,14 @@ def load(folder: Path) -> dict[str, list[dict]]:
         side = name.split("_", 2)[2]
         if side == "warm" or not path.exists():
             continue
-        for per_run in json.loads(path.read_text())["runs"].values():
+        res = json.loads(path.read_text())
+        devices.add(f"{res.get('gpu', 'unknown device')}, torch {res.get('torch', '?')}")
+        for per_run in res["runs"].values():
             sides.setdefault(side, []).extend(summary(r) for r in per_run)
     if not {"base", "new"} <= sides.keys():
         raise SystemExit(f"{folder}: expected run_N_base and run_N_new folders from churn_ab.sh, found "
                          f"{sorted(sides)}; run churn_ab.sh with OUT={folder} first")
-    return sides
+    return sides, sorted(devices)
 
 
 def main() -> None:
@@ -42,9 +46,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="path without suffix: writes .json and .md")
     ap.add_argument("--title", default="Serving rounds before/after")
     args = ap.parse_args()
-    sides = load(args.folder)
+    sides, devices = load(args.folder)
     med = {s: {k: statistics.median(r[k] for r in rs) for k, _ in FIELDS} for s, rs in sides.items()}
-    lines = [f"# {args.title}", "",
+    lines = [f"# {args.title} ({'; '.join(devices)})", "",
              "`benchmarks/churn_ab.sh` (stream_churn_bench.py, default variant, 2 runs per call, baseline and new "
              f"alternating {len(sides['base']) // 2} times after a discarded warm-up call); medians over each side's "
              f"{len(sides['base'])} runs, ms.", "",
@@ -55,7 +59,7 @@ def main() -> None:
     lines += ["", "Every run's round median: " + "; ".join(
         f"{s}: " + ", ".join(f"{r['median']:.1f}" for r in sides[s]) for s in ("base", "new")), ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    _write(args.out.with_suffix(".json"), json.dumps({"medians": med, "runs": sides}, indent=1))
+    _write(args.out.with_suffix(".json"), json.dumps({"devices": devices, "medians": med, "runs": sides}, indent=1))
     _write(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -74,6 +74,40 @@ def conv_flops(fn) -> int:
     return int(fc.get_total_flops())
 
 
+def markdown(res: dict) -> str:
+    """The results file's Markdown (``--from-json`` writes it again from a results JSON)."""
+    lines = [f"# Steady causal-HiFT decode call, GPU time by kernel class ({res['gpu']}, torch {res['torch']})", "",
+             f"{res['path']}. One steady decode call (mel {tuple(res['call'])}, its excitation) repeated to B rows. "
+             "`replay`: the graph replay's median (CUDA events); the classes: one eager call's kernels under the "
+             "profiler (the same kernels), ms (count). `conv TFLOP/s`: the convolutions' FLOPs over their kernels' "
+             "time.", "",
+             "| B | cuDNN TF32 | convs | replay ms | kernels ms | " + " | ".join(CLASSES) + " | conv GFLOP | "
+             "conv TFLOP/s |",
+             "|---:|---|---|---:|---:|" + "---:|" * len(CLASSES) + "---:|---:|"]
+    for r in res["rows"]:
+        if "classes" not in r:
+            continue
+        cells = " | ".join(f"{r['classes'][c]['ms']:.2f} ({r['classes'][c]['count']})" for c in CLASSES)
+        lines.append(f"| {r['batch']} | {'on' if r['cudnn_tf32'] else 'off'} | "
+                     f"{'2-D views' if r['conv2d_views'] else 'F.conv1d'} | {r['replay_ms']:.2f} | "
+                     f"{r['kernels_ms']:.2f} | {cells} | {r['conv_gflop']:.1f} | {r['conv_tflops']:.1f} |")
+    replay = {(r["batch"], r["cudnn_tf32"], r["conv2d_views"]): r["replay_ms"] for r in res["rows"] if "replay_ms" in r}
+    pairs = [(b, tf32) for b, tf32, views in replay if views and (b, tf32, False) in replay]
+    if pairs:
+        lines += ["", "Replay, F.conv1d against the 2-D views, side by side (ms):", "",
+                  "| B | cuDNN TF32 | F.conv1d | 2-D views | F.conv1d / views |", "|---:|---|---:|---:|---:|"]
+        for b, tf32 in pairs:
+            old, new = replay[b, tf32, False], replay[b, tf32, True]
+            lines.append(f"| {b} | {'on' if tf32 else 'off'} | {old:.2f} | {new:.2f} | {old / new:.2f}x |")
+    for r in res["rows"]:
+        if r.get("top"):
+            lines += ["", f"Top kernels, B={r['batch']}, cuDNN TF32 {'on' if r['cudnn_tf32'] else 'off'}, "
+                          f"{'2-D views' if r['conv2d_views'] else 'F.conv1d'}:", "",
+                      "| kernel | count | us |", "|---|---:|---:|"]
+            lines += [f"| `{t['kernel']}` | {t['count']} | {t['us']} |" for t in r["top"]]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -81,7 +115,15 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.5, help="seconds of replays per timing")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny HiFT (smoke run of the script)")
+    ap.add_argument("--from-json", type=Path, help="only write the Markdown again from a results JSON into --out")
     args = ap.parse_args()
+    if args.from_json is not None:
+        if not args.from_json.is_file():
+            ap.error(f"--from-json {args.from_json}: no such file; pass a hift_decode_kernels JSON")
+        text = markdown(json.loads(args.from_json.read_text()))
+        args.out.mkdir(parents=True, exist_ok=True)
+        atomic_write(args.out / "hift_decode_kernels.md", lambda f: f.write(text.encode()))
+        return
     batches = parse_batches(ap, args.batches)
     dev = bench_device("hift_decode_kernels", args.device)
     _, gen, _, _ = bench_models(args.tiny, dev)
@@ -119,28 +161,7 @@ def main() -> None:
             print({k: v for k, v in row.items() if k != "top"}, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out / "hift_decode_kernels.json", lambda f: f.write(json.dumps(res, indent=2).encode()))
-    lines = [f"# Steady causal-HiFT decode call, GPU time by kernel class ({res['gpu']}, torch {res['torch']})", "",
-             f"{res['path']}. One steady decode call (mel {tuple(res['call'])}, its excitation) repeated to B rows. "
-             "`replay`: the graph replay's median (CUDA events); the classes: one eager call's kernels under the "
-             "profiler (the same kernels), ms (count). `conv TFLOP/s`: the convolutions' FLOPs over their kernels' "
-             "time.", "",
-             "| B | cuDNN TF32 | convs | replay ms | kernels ms | " + " | ".join(CLASSES) + " | conv GFLOP | "
-             "conv TFLOP/s |",
-             "|---:|---|---|---:|---:|" + "---:|" * len(CLASSES) + "---:|---:|"]
-    for r in res["rows"]:
-        if "classes" not in r:
-            continue
-        cells = " | ".join(f"{r['classes'][c]['ms']:.2f} ({r['classes'][c]['count']})" for c in CLASSES)
-        lines.append(f"| {r['batch']} | {'on' if r['cudnn_tf32'] else 'off'} | "
-                     f"{'2-D views' if r['conv2d_views'] else 'F.conv1d'} | {r['replay_ms']:.2f} | "
-                     f"{r['kernels_ms']:.2f} | {cells} | {r['conv_gflop']:.1f} | {r['conv_tflops']:.1f} |")
-    for r in res["rows"]:
-        if r.get("top"):
-            lines += ["", f"Top kernels, B={r['batch']}, cuDNN TF32 {'on' if r['cudnn_tf32'] else 'off'}, "
-                          f"{'2-D views' if r['conv2d_views'] else 'F.conv1d'}:", "",
-                      "| kernel | count | us |", "|---|---:|---:|"]
-            lines += [f"| `{t['kernel']}` | {t['count']} | {t['us']} |" for t in r["top"]]
-    text = "\n".join(lines) + "\n"
+    text = markdown(res)
     atomic_write(args.out / "hift_decode_kernels.md", lambda f: f.write(text.encode()))
     print(text)
 
