@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU runs a session left pending, as steps of one device call (a call may last 10 minutes, so split the
+# steps over two calls: `tests carry prepare` then `churn stage`). Each step writes into its own folder,
+# packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files); log.txt has everything printed.
+#   bash benchmarks/gpu_pending.sh tests carry prepare
+# Steps (in the order given):
+#   tests    CUDA tests of the carried HiFT decode, the conv views and the vocoder / HiFT-graph paths
+#   carry    hift_carry_bench.py: steady decode rounds, bounded against carried, batches 1, 4, 16
+#   prepare  precapture_probe.py: Code2Wav.prepare with the HiFT's conv views against F.conv1d
+#   churn    stream_churn_bench.py --carry: 16-slot serving rounds, the default against hift_carry
+#   stage    hift_stage_probe.py: every stage call at every bucket (GROW_ROWS), after the conv views
+# Before the call, here: copy ../shared/minicpmo45 into _shared/ and download soundfile's wheels into _wheels/
+# (see benchmarks/results/code2wav_session29_h200.md), and carry both. SMOKE=1 runs the benchmark steps on the
+# CPU at tiny sizes (a check of this script, not a measurement).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tc}
+OUT=${OUT:?set OUT to the folder that comes back}
+W=${W:-/tmp/gpu_pending}
+mkdir -p "$OUT" "$W"
+if [ -d _wheels ]; then python -m pip install -q --no-deps _wheels/*.whl || exit 1; fi
+if [ -d _shared/minicpmo45 ] && [ ! -d ../shared/minicpmo45 ]; then mkdir -p ../shared && cp -r _shared/minicpmo45 ../shared/; fi
+tiny=(); if [ -n "${SMOKE:-}" ]; then tiny=(--tiny --device cpu); fi
+export PYTHONPATH=$PWD/src:$PWD/tests:$PWD/benchmarks
+{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"; } \
+  | tee -a "$OUT/log.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/log.txt"
+
+step() {   # step NAME TIMEOUT_S COMMAND...: run, log, pack its folder
+  local name=$1 limit=$2; shift 2
+  mkdir -p "$W/$name"
+  echo "== $name ($(date -u +%T)): $*" | tee -a "$OUT/log.txt"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$W/$name/output.txt" | tee -a "$OUT/log.txt" | grep -E "passed|failed|Error|^\| " | tail -40
+  echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
+  tar -czf "$OUT/$name.tar.gz" -C "$W" "$name"
+}
+
+for s in "$@"; do
+  case $s in
+    tests) step tests 240 python -m pytest -q -p no:cacheprovider -k cuda tests/code2wav/test_hift_carry.py \
+             tests/code2wav/test_hift_graph.py tests/code2wav/test_vocoder_batched.py tests/code2wav/test_hift_fast.py ;;
+    carry) step carry 200 python benchmarks/hift_carry_bench.py --out "$W/carry" --batches 1,4,16 "${tiny[@]}" ;;
+    prepare) step prepare 240 python benchmarks/precapture_probe.py --out "$W/prepare" --warmups 1 \
+               --conv-views default,off --runs 2 "${tiny[@]}" ;;
+    churn) step churn 400 python benchmarks/stream_churn_bench.py --carry --no-slot-pool --out "$W/churn" "${tiny[@]}" ;;
+    stage) step stage 200 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
+    *) echo "gpu_pending.sh: unknown step '$s' (tests, carry, prepare, churn, stage)" >&2; exit 2 ;;
+  esac
+done
