@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs a session left pending, as steps of one device call (a call may last 10 minutes, so split the
-# steps over two calls: `tests carry prepare` then `churn stage`). Each step writes into its own folder,
+# steps over calls: `jtests tests carry prepare`, then `starts churn`, then `stage`). Each step writes into its own folder,
 # packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files); log.txt has everything printed.
 #   bash benchmarks/gpu_pending.sh tests carry prepare
 # Steps (in the order given):
@@ -8,6 +8,9 @@
 #   carry    hift_carry_bench.py: steady decode rounds, bounded against carried, batches 1, 4, 16
 #   prepare  precapture_probe.py: Code2Wav.prepare with the HiFT's conv views against F.conv1d
 #   churn    stream_churn_bench.py --carry: 16-slot serving rounds, the default against hift_carry
+#   starts   stream_churn_bench.py --starts: the default against cfm_join_starts (first and second chunks in the
+#            steady solve), and that with hift_carry (rounds, CFM solves per round)
+#   jtests   CUDA tests of rows of their own cache lengths (direct attention, block kernel, staged body)
 #   stage    hift_stage_probe.py: every stage call at every bucket (GROW_ROWS), after the conv views
 # Before the call, here: copy ../shared/minicpmo45 into _shared/ and download soundfile's wheels into _wheels/
 # (see benchmarks/results/code2wav_session29_h200.md), and carry both. SMOKE=1 runs the benchmark steps on the
@@ -43,7 +46,11 @@ for s in "$@"; do
     prepare) step prepare 240 python benchmarks/precapture_probe.py --out "$W/prepare" --warmups 1 \
                --conv-views default,off --runs 2 "${tiny[@]}" ;;
     churn) step churn 400 python benchmarks/stream_churn_bench.py --carry --no-slot-pool --out "$W/churn" "${tiny[@]}" ;;
+    starts) step starts 450 python benchmarks/stream_churn_bench.py --starts --out "$W/starts" "${tiny[@]}" ;;
+    jtests) step jtests 300 python -m pytest -q -p no:cacheprovider tests/code2wav/test_tiled_attention.py \
+              tests/code2wav/test_pipeline_batched.py tests/code2wav/test_pipeline.py \
+              -k "own_cache_lengths or join_the_steady or join_starts or joined or direct" ;;
     stage) step stage 200 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
-    *) echo "gpu_pending.sh: unknown step '$s' (tests, carry, prepare, churn, stage)" >&2; exit 2 ;;
+    *) echo "gpu_pending.sh: unknown step '$s' (tests, carry, prepare, churn, starts, jtests, stage)" >&2; exit 2 ;;
   esac
 done

@@ -27,7 +27,8 @@ timed apart):
     (``--no-slot-pool`` leaves this row out).
 
 ``--carry`` runs instead the default against the default with carried HiFT decoding (``Vocoder.stream_carry``,
-the ``hift_carry`` knob, opt-in). ``--joins`` runs instead final chunks solving apart against joining the steady solve (``Code2Wav.join_finals``,
+the ``hift_carry`` knob, opt-in). ``--starts`` runs the default against streams' first and second chunks joining
+the steady solve (``cfm_join_starts``, opt-in), and that with ``hift_carry`` as well. ``--joins`` runs instead final chunks solving apart against joining the steady solve (``Code2Wav.join_finals``,
 the default) and joining with the arena sized for no more final rows (``final_batch`` 0). ``--finals`` runs
 instead the default with ``final_batch`` 0, 2, 4 and 8 (what sizing the arena for more final
 rows buys, and costs in memory); ``--grids --prompt-frames 280`` a voice whose prompt is not 6 s with the
@@ -75,6 +76,7 @@ class Variant:
     anchor_at_trim: bool | None = None  # GraphConfig.anchor_at_trim (None: Code2Wav's default, on)
     join_finals: bool = True           # Code2Wav.join_finals: final chunks join the steady solve
     carry: bool = False                # Vocoder.stream_carry (the hift_carry knob): carried HiFT decoding
+    join_starts: bool = False          # cfm_join_starts: first and second chunks join the steady solve
 
 
 VARIANTS = (Variant("before", False, (1,), False, final_batch=0, join_finals=False),
@@ -97,6 +99,12 @@ GRIDS = (Variant("grid anchored at a 6-s prompt's steady length (before)", True,
 # the stream vocoder re-decoding its history (default) or carrying its convs' context (hift_carry, opt-in)
 CARRY = (Variant("final chunks join the steady solve (default)", True, None, True),
          Variant("default + carried HiFT decoding (hift_carry, opt-in)", True, None, True, carry=True))
+# first and second chunks in solves of their own cache length (default) or joining the steady solve
+# (cfm_join_starts, opt-in), and with carried HiFT decoding as well
+STARTS = (Variant("final chunks join the steady solve (default)", True, None, True),
+          Variant("default + first and second chunks join (cfm_join_starts, opt-in)", True, None, True,
+                  join_starts=True),
+          Variant("default + cfm_join_starts + hift_carry (opt-ins)", True, None, True, join_starts=True, carry=True))
 SILENCE = 4218
 
 
@@ -136,7 +144,8 @@ def build(flow, gen, v: Variant, slots: int) -> Code2Wav:
     """A fresh instance on the shared weights, its graph sets configured as ``v`` says."""
     voc = Vocoder(gen, CAUSAL, stream_carry=v.carry, **({} if v.buckets else {"batch_buckets": ()}))
     c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
-    c2w.configure_fast_path({"cfm_slot_pool": slots, "cfm_row_offset_merge": True} if v.pool else {})
+    c2w.configure_fast_path({**({"cfm_slot_pool": slots, "cfm_row_offset_merge": True} if v.pool else {}),
+                             **({"cfm_join_starts": True} if v.join_starts else {})})
     c2w.join_finals = v.join_finals
     if c2w.flow.encoder_graphs is not None and not v.buckets:
         c2w.flow.encoder_graphs = EncoderGraphs(c2w.flow, max_graphs=8, batch_buckets=())    # as before
@@ -389,6 +398,8 @@ def main() -> None:
     sets.add_argument("--joins", action="store_true", help="instead: final chunks solving apart, joining the "
                       "steady solve (Code2Wav.join_finals, the default), and joining with the arena sized for "
                       "no final rows beyond batch 1 (GraphConfig.final_batch 0)")
+    sets.add_argument("--starts", action="store_true", help="instead: the default against first and second chunks "
+                      "joining the steady solve (cfm_join_starts), and that with carried HiFT decoding")
     sets.add_argument("--carry", action="store_true", help="instead: the default against the default with the "
                       "stream vocoder carrying its convs' context (Vocoder.stream_carry, the hift_carry knob)")
     sets.add_argument("--grids", action="store_true", help="instead: the default with the CFM offset grid anchored "
@@ -429,6 +440,8 @@ def main() -> None:
         variants = GRIDS
     if args.carry:
         variants = CARRY
+    if args.starts:
+        variants = STARTS
     if args.joins:
         variants = JOINS
     if args.only:
@@ -436,7 +449,7 @@ def main() -> None:
         variants = tuple(v for v in variants if any(w in v.label for w in want))
         if not variants:
             ap.error(f"--only {args.only!r} matches no variant; labels: "
-                     + "; ".join(v.label for v in VARIANTS + (POOLED,) + FINALS + GRIDS + JOINS + CARRY))
+                     + "; ".join(v.label for v in VARIANTS + (POOLED,) + FINALS + GRIDS + JOINS + CARRY + STARTS))
     sizes = [len(a) for a in plan]
     gpu = device_label(dev)
     res = {"gpu": gpu, "torch": torch.__version__, "slots": args.slots, "rounds": args.rounds, "seed": args.seed,

@@ -204,7 +204,7 @@ def test_direct_attention_launch_shape_and_guard():
     """The direct path's launch shape (one query block per (row, head) up to 64 queries; keys split to
     ~256 programs), and ``blocks`` refusing per-stream caches where the direct
     attention cannot serve them (a mask, pooled rows, SDPA attention) instead of reading the wrong keys."""
-    from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV
+    from minicpmo_rt.code2wav.kernels.tiled_attention import TABLE_WIDTH, StreamKV
     fused = FusedDiT(our_dit(seed=1))
     assert fused._direct_shape(8, 8, 50)[:3] == (64, 4, 3)          # batch 4: 64 rows x heads -> 4 key splits
     assert fused._direct_shape(16, 8, 50)[:3] == (64, 2, 3)         # batch 8: 128 rows x heads -> 2 key splits
@@ -217,7 +217,7 @@ def test_direct_attention_launch_shape_and_guard():
     ws.h.zero_()
     hist = fused.new_hist(R, T, "cpu")
     kv = torch.zeros(L.depth, R, L.heads, T, 2 * L.head_dim)
-    table = torch.zeros(R, 4, dtype=torch.int64)
+    table = torch.zeros(R, TABLE_WIDTH, dtype=torch.int64)
     streams = StreamKV(kv, table, table, 3, T + 3, (T + 3, T + 3))
     mod = fused.modulation(torch.full((R,), 0.3))
     mask = torch.ones(R, T, T + 3, dtype=torch.bool)

@@ -149,3 +149,13 @@ def test_hift_carry_knob():
                                     {"hift_carry": "auto"})] == [False, False, True, True, False, False]
     with pytest.raises(InputError, match="hift_carry"):
         hift_carry({"hift_carry": "sometimes"})
+
+
+def test_cfm_join_starts_knob():
+    """``cfm_join_starts`` (opt-in, default off): accepted spellings, and a named error for the rest."""
+    from minicpmo_rt.code2wav.knobs import cfm_join_starts
+
+    assert [cfm_join_starts(e) for e in (None, {}, {"cfm_join_starts": True}, {"cfm_join_starts": "on"},
+                                         {"cfm_join_starts": "false"})] == [False, False, True, True, False]
+    with pytest.raises(InputError, match="cfm_join_starts"):
+        cfm_join_starts({"cfm_join_starts": "sometimes"})

@@ -188,6 +188,33 @@ def test_graph_knobs_reach_the_solver_and_precapture_covers_a_stream(tiny_ckpt, 
         Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_max_graphs": "lots"})
 
 
+def test_join_starts_knob_reaches_the_flow_and_precaptures_its_keys(tiny_ckpt, voice):
+    """``cfm_join_starts: true`` on the fused body sets ``Code2Wav.join_starts`` (the reference body ignores it),
+    and the precapture plan then also holds, for every batch bucket from 2 whose steady key is direct, that key
+    with rows of their own cache lengths (``SolveKey.rows``; direct keys need Triton: under the interpreter
+    here, else the set is empty on both sides)."""
+    from dataclasses import replace
+
+    import torch
+
+    ref = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_join_starts": True})
+    assert not ref.join_starts
+    fast = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True, "cfm_join_starts": True})
+    assert fast.join_starts
+    sv, p = fast.flow.chunk_solver, fast.open_stream(voice).prompt_frames
+    from minicpmo_rt.code2wav import kernels
+    triton_here = kernels.AVAILABLE and (kernels.interpreting() or torch.cuda.is_available())
+    if triton_here:     # the direct path's attention (on the CPU: under the interpreter; keys only, no solve)
+        sv.fused.use_triton, sv.fused.attention = True, "triton-ieee"
+    plan = fast.precapture_plan(p)
+    keys = sv.precapture_keys(**plan, device="cpu")
+    plain = sv.precapture_keys(**{**plan, "row_lengths": False}, device="cpu")
+    steady = {k for k in plain if k.direct and k.batch > 1 and k.offset == p + 100 and not k.masked}
+    assert {k for k in keys if k.rows} == {replace(k, rows=True) for k in steady}
+    assert set(keys) - {k for k in keys if k.rows} == set(plain)
+    assert len(steady) == (len(sv.config.batch_buckets) - 1 if triton_here else 0)
+
+
 def test_a_prompt_of_another_length_solves_unmasked(tiny_ckpt):
     """A ``PromptFeatures`` that is not the frontend's 6 s (140 tokens, 280 mel frames): the flow's trimmed
     solves anchor the offset grid at its own steady length (``GraphConfig.anchor_at_trim``, on in Code2Wav's

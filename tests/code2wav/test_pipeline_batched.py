@@ -158,6 +158,56 @@ def test_final_chunks_join_the_steady_solve_of_streams_that_go_on(c2w, voice):
         assert all(s.finished for s in streams)
 
 
+def test_join_starts_groups_first_chunks_with_steady_ones_and_streams_the_same_audio(c2w, voice):
+    """``join_starts`` (knob ``cfm_join_starts``): streams starting one round apart (their caches at three
+    lengths in round 2: steady, second, first) reach the flow in ONE ``inference_chunks_joined`` call per round
+    on the fused body, a part per cache length. Here (CPU, the fused body's SDPA fallback) the solver cannot
+    read rows of several lengths in place (``WholeEulerSolver.joins_lengths``), so the flow solves each length
+    apart; the direct path's joined solve is ``test_first_and_second_chunks_join_the_steady_direct_solve``. Every
+    stream's PCM equals the stream pushed alone, with the knob on and off; the reference body ignores it."""
+    plans = [_payloads(51, (25, 25, 25, 10)), _payloads(52, (25, 25, 10)), _payloads(53, (25, 10))]
+    alone = []
+    for plan in plans:
+        s = c2w.open_stream(voice)
+        alone.append([s.push(p, last) for p, last in plan])
+    fused = c2w.flow.joins_widths(c2w.n_timesteps)
+    for join in (True, False):
+        c2w.join_starts = join
+        streams = [c2w.open_stream(voice) for _ in plans]
+        joined = []
+        joint = c2w.flow.inference_chunks_joined
+
+        def spy_joint(parts, *a, **k):
+            joined.append(sorted(p.caches[0].estimator_frames for p in parts))
+            return joint(parts, *a, **k)
+
+        c2w.flow.inference_chunks_joined = spy_joint
+        try:
+            got = [[] for _ in plans]
+            for k in range(len(plans[0])):      # stream j starts in round j, all end in round 3
+                live = [(j, s) for j, s in enumerate(streams) if j <= k < j + len(plans[j])]
+                outs = c2w.push_many([(s, *plans[j][k - j]) for j, s in live])
+                for (j, _), out in zip(live, outs):
+                    got[j].append(out)
+        finally:
+            c2w.join_starts = False
+            del c2w.flow.inference_chunks_joined
+        p = streams[0].prompt_frames
+        if join and fused:      # rounds 1-3 join every length (the flow then splits them, its calls recorded too)
+            mixed = [sorted(set(j)) for j in joined if len(set(j)) > 1]
+            assert mixed == [[p, p + 50], [p, p + 50, p + 100], [p + 50, p + 100]], joined
+        elif fused:             # without the knob only round 3's finals join, each of its own length
+            assert all(len(set(j)) == 1 for j in joined), joined
+        else:
+            assert joined == []
+        for j in range(len(plans)):
+            assert len(got[j]) == len(alone[j])
+            for k, (a, b) in enumerate(zip(got[j], alone[j])):
+                assert a.shape == b.shape and np.abs(b).max() > 0
+                assert _rel(a, b) <= 1e-5, (join, j, k, _rel(a, b))
+        assert all(s.finished for s in streams)
+
+
 def test_inference_chunks_joined_refuses_a_narrow_part_that_is_not_final(c2w, voice):
     """Only a final chunk may solve narrower than the widest part (its padding frames would enter its cache);
     parts with their cache counts and rows out of step are refused by name."""
@@ -412,5 +462,61 @@ def test_joined_final_rides_the_direct_solve_and_matches_the_reference(tiny_ckpt
         for name in ("estimator_cnn", "estimator_att", "conformer_cnn", "conformer_att"):
             assert getattr(a, name).shape == getattr(b, name).shape
             assert _rel(getattr(a, name).cpu().numpy(), getattr(b, name).cpu().numpy()) < 1e-5, name
+    for s in streams:
+        s.close()
+
+
+@pytest.mark.parametrize("starts", [("first",), ("first", "second")])
+def test_first_and_second_chunks_join_the_steady_direct_solve(tiny_ckpt, voice, starts):
+    """Streams at their first chunk (estimator cache = the prompt's frames) and second (prompt + 50) joined to a
+    steady stream (prompt + 100) in ONE direct solve (``SolveKey.rows``: each row reads its own cache in place,
+    the fixed noise at its own offset, and writes its own successor trimmed by its own length), with IEEE dots
+    (on the CPU under Triton's interpreter), against the reference flow path solving each stream apart: every
+    mel and next cache within 1e-5, each next cache as long as the reference's. On CUDA batch 2 runs the
+    persistent block kernel's direct phase, batch 3 (bucket 4) the staged body's direct attention; on the CPU
+    only batch 2 (~30 s on 2 CPUs)."""
+    from minicpmo_rt.code2wav import kernels
+    from minicpmo_rt.code2wav.flow import ChunkPart
+    if not (kernels.AVAILABLE and kernels.interpreting()) and not torch.cuda.is_available():
+        pytest.skip("the direct path needs Triton (CUDA or TRITON_INTERPRET=1)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and len(starts) > 1:
+        pytest.skip("batch 3 through Triton's interpreter: run on CUDA (batch 2 covers the logic on the CPU)")
+    c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True}, device=dev)
+    f, solver = c2w.flow, c2w.flow.chunk_solver
+    solver.fused.use_triton, solver.fused.attention, solver.tf32 = True, "triton-ieee", False
+    n = 1 + len(starts)
+    streams = [c2w.open_stream(voice) for _ in range(n)]
+    spk = torch.cat([s.spk for s in streams])
+    g = torch.Generator().manual_seed(10)
+    tok = lambda b: torch.randint(0, 6561, (b, 28), generator=g).to(dev)      # noqa: E731
+    with torch.inference_mode():
+        f.chunk_solver = None
+        try:        # stream 0 to the steady length, stream 2 (if any) to its second chunk
+            caches = [s.cache for s in streams]
+            for _ in range(2):
+                caches[0] = f.inference_chunk(tok(1), spk[:1], caches[0])[1]
+            if n > 2:
+                caches[2] = f.inference_chunk(tok(1), spk[2:3], caches[2])[1]
+            p = caches[0].prompt_frames
+            assert [c.estimator_frames for c in caches] == [p + 100, p, p + 50][:n]
+            toks = [tok(1) for _ in range(n)]
+            want = [f.inference_chunk(t, spk[i:i + 1], c) for i, (t, c) in enumerate(zip(toks, caches))]
+        finally:
+            f.chunk_solver = solver
+        keys, static_for = [], solver._static_for
+        solver._static_for = lambda key, *a, **k: (keys.append(key), static_for(key, *a, **k))[1]
+        try:
+            got = f.inference_chunks_joined([ChunkPart(t, spk[i:i + 1], [c]) for i, (t, c) in
+                                             enumerate(zip(toks, caches))])
+        finally:
+            del solver._static_for
+    assert len(set(keys)) == 1 and keys[0].direct and keys[0].rows and keys[0].offset == p + 100, keys
+    for (mel, news), (mel_ref, new_ref) in zip(got, want):
+        assert _rel(mel.cpu().numpy(), mel_ref.cpu().numpy()) < 1e-5
+        for name in ("estimator_cnn", "estimator_att", "conformer_cnn", "conformer_att"):
+            a, b = getattr(news[0], name), getattr(new_ref, name)
+            assert a.shape == b.shape, name
+            assert _rel(a.cpu().numpy(), b.cpu().numpy()) < 1e-5, name
     for s in streams:
         s.close()

@@ -296,6 +296,55 @@ def test_direct_attention_narrow_rows_attend_only_their_own_frames(splits):
         stream_table(list(old[:, :, :]), outs, current=[T])
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_direct_attention_rows_of_their_own_cache_lengths(splits):
+    """``StreamKV(row_lengths=True)``: rows whose old caches differ in length (a stream's first and second
+    chunks, prompt and prompt + 50 frames, solved among steady ones at prompt + 100) each attend [current |
+    their own old frames] and write their own successor, trimmed by their own span (the longest row
+    dropping frames, the shorter ones none), all read from the tables. The key splits are sized for the
+    longest row, so with 3 splits a short row leaves its last split empty. 16-key tiles, IEEE dots; the
+    padding row (3) reads row 0's cache and writes nothing."""
+    from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV, direct_attention, stream_table
+
+    gen = torch.Generator().manual_seed(13)
+    R, H, D, T = 4, 2, 16, 20
+    p, keep = 24, 2 * T           # the flow's proportions: 50-frame chunks, 100 frames kept
+    lengths = [p + keep, p, p + T, p + keep]       # steady (longest), first, second chunk; padding
+    dev = device()
+    q = torch.randn(R, H, T, D, generator=gen).to(dev)
+    if not usable_on(q):
+        pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
+    cur = torch.randn(R, H, T, 2 * D, generator=gen).to(dev)
+    olds = [torch.randn(1, 1, 1, H, n, 2 * D, generator=gen).to(dev) for n in lengths[:3]]
+
+    def span(n):        # the flow's trim of a [current | old] cache of T + n frames (euler_graph.trim_span)
+        return (T + n, T + n) if T + n <= p + keep else (p, T + n - keep)
+
+    spans = [span(n) for n in lengths[:3]]
+    outs = [torch.full((1, 1, 1, H, T + n - (d1 - d0), 2 * D), float("nan"), device=dev)
+            for n, (d0, d1) in zip(lengths, spans)]
+    assert spans[0] != (T + lengths[0],) * 2 and spans[1] == (T + p,) * 2       # only the longest row drops
+    base = outs[0]
+    src = stream_table([o[:, :, 0] for o in olds] + [olds[0][:, :, 0]], base, current=[T] * R).to(dev)
+    dst = stream_table([o[:, :, 0] for o in outs] + [None], base, drops=spans + [(0, 0)]).to(dev)
+    assert src[:, 4].tolist() == lengths and dst[:3, 4].tolist() == [o.shape[4] for o in outs]
+    n_old = max(lengths)
+    streams = StreamKV(base, src, dst, n_old, outs[0].shape[4], spans[0], row_lengths=True)
+    o = torch.full((R, T, H, D), float("nan"), device=dev)
+    direct_attention(q, cur, streams, 0, o.transpose(1, 2), precision="ieee", block_m=16, block_n=16,
+                     splits=splits)
+    for r in range(R):
+        old = olds[min(r, 3) if r < 3 else 0][0, 0, 0]
+        full = torch.cat([cur[r], old], 1).cpu()
+        ref = reference(q[r:r + 1].cpu(), full[None, ..., :D], full[None, ..., D:], None)[0]
+        assert rel_err(o.transpose(1, 2)[r].cpu(), ref) < 1e-5, r
+        if r < 3:
+            d0, d1 = spans[r]
+            assert torch.equal(outs[r][0, 0, 0].cpu(), torch.cat([full[:, :d0], full[:, d1:]], 1)), r
+    with pytest.raises(ValueError, match="spans for"):
+        stream_table([o[:, :, 0] for o in outs], base, drops=spans[:1])
+
+
 def test_direct_key_splits_start_every_split_on_a_key_tile_of_its_source():
     """Batch 4's direct attention (2 splits, 64-key tiles, 50 current + 400 old frames): counting the current
     frames as one whole tile, split 0 walks 1 current + 3 old tiles and split 1 the old frames from 192 (4
@@ -324,7 +373,7 @@ def test_direct_attention_refuses_tma_where_the_device_cannot(monkeypatch):
     monkeypatch.setattr(ta, "device_tma", lambda device: False)
     R, H, T, D = 1, 1, 4, 16
     q = torch.zeros(R, H, T, D)
-    tables = torch.zeros(R, 4, dtype=torch.int64)
+    tables = torch.zeros(R, ta.TABLE_WIDTH, dtype=torch.int64)
     streams = ta.StreamKV(q, tables, tables, 0, T, (T, T))
     with pytest.raises(ValueError, match="cannot build TMA descriptors.*tma=False"):
         ta.direct_attention(q, torch.zeros(R, H, T, 2 * D), streams, 0, torch.zeros(R, H, T, D), tma=True)

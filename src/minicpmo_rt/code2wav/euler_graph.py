@@ -52,7 +52,7 @@ import torch
 from . import bulk_copy
 from .fused_dit import SC_MSA, SH_MSA, FusedDiT, Modulation, dot_precision
 from .kernels import dit_block, euler_step
-from .kernels.tiled_attention import StreamKV, stream_table
+from .kernels.tiled_attention import TABLE_WIDTH, StreamKV, stream_table
 from ..thinker.staging import HostStaging
 from .precision import matmul_tf32
 
@@ -126,6 +126,9 @@ class SolveKey:
     masked: bool
     direct: tuple[int, int] | None = None   # a direct solve's dropped frame span; None: through the arena
     succ: tuple[int, int] | None = None     # an arena solve whose block kernel writes the trimmed successor: its span
+    # a direct solve whose rows hold caches of their own lengths (at most ``offset``: a stream's first and second
+    # chunks joining steady ones); each row's old frames, successor and dropped span come from the tables
+    rows: bool = False
 
 
 def trim_span(frames: int, prompt_frames: int, keep: int) -> tuple[int, int]:
@@ -342,9 +345,9 @@ class WholeEulerSolver:
             span = key.direct or key.succ
             if span:
                 d0, d1 = span
-                tables = torch.zeros(2, R, 4, device=device, dtype=torch.int64)     # [src, dst]
+                tables = torch.zeros(2, R, TABLE_WIDTH, device=device, dtype=torch.int64)     # [src, dst]
                 # the tables hold offsets from the arena, a pointer with an alignment the compiler knows
-                kv = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), span)
+                kv = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), span, row_lengths=key.rows)
                 if key.direct:
                     st.streams = kv
                 else:
@@ -480,14 +483,20 @@ class WholeEulerSolver:
         return [k for k, s in self._statics.items() if s.graph is not None]
 
     def precapture_keys(self, batches: Sequence[int], query: int, offsets: Sequence[int], device="cuda",
-                        trim: tuple[int, int] | None = None, final: bool = False) -> list[SolveKey]:
+                        trim: tuple[int, int] | None = None, final: bool = False,
+                        row_lengths: bool = False) -> list[SolveKey]:
         """The keys ``solve`` will take for B rows of width ``query`` over each offset (with the flow's
         ``trim``), each once, the largest arena first (a larger one would regrow it and drop the graphs).
         ``final``: also the keys of narrower (final) chunks over those offsets (masked: one key per
         bucket, whatever the width), for the batches whose arena fits the one the full-width keys need or
-        that ``GraphConfig.final_batch`` covers (more rows solve in groups that fit, ``keep_arena``)."""
+        that ``GraphConfig.final_batch`` covers (more rows solve in groups that fit, ``keep_arena``).
+        ``row_lengths``: also the direct keys at the longest offset with rows of their own cache lengths
+        (``SolveKey.rows``: first and second chunks joining steady ones), from batch 2."""
         mu = torch.empty(1, self.n_mel, query, device=device)
         keys = dict.fromkeys(self.solve_key(B, query, L, mu, trim) for L in offsets for B in batches)
+        if row_lengths and offsets:
+            steady = (self.solve_key(B, query, max(offsets), mu, trim) for B in batches if B > 1)
+            keys.update(dict.fromkeys(replace(k, rows=True) for k in steady if k.direct))
         size = lambda k: math.prod(self._arena_shape(k))  # noqa: E731
         if final and query > 1 and keys:
             most = max(map(size, keys))
@@ -496,7 +505,7 @@ class WholeEulerSolver:
         return sorted(keys, key=size, reverse=True)
 
     def precapture(self, batches: Sequence[int], query: int, offsets: Sequence[int], device="cuda",
-                   trim: tuple[int, int] | None = None, final: bool = False) -> int:
+                   trim: tuple[int, int] | None = None, final: bool = False, row_lengths: bool = False) -> int:
         """Capture graphs ahead of the first chunk (``precapture_keys``); returns how many are held now.
         Stops where the budget is spent or a capture fails (the solver then runs eagerly, as ``solve``). A key
         whose buffers do not fit in device memory is skipped (logged once): the largest come first, so on a
@@ -507,7 +516,7 @@ class WholeEulerSolver:
         if device.index is None:    # as solve's inputs name it: the arena compares devices
             device = torch.device("cuda", torch.cuda.current_device())
         with torch.inference_mode(), matmul_tf32(self.tf32):
-            for key in self.precapture_keys(batches, query, offsets, device, trim, final):
+            for key in self.precapture_keys(batches, query, offsets, device, trim, final, row_lengths):
                 if self._graphs_off_reason or len(self.graphs()) >= self.config.max_graphs:
                     break
                 try:
@@ -541,6 +550,11 @@ class WholeEulerSolver:
         with ``copy_out=False``), so a batch of streams needs no stacked copy of its largest state
         on the way in or out.
 
+        Per-stream caches may differ in length (with ``trim``, where the direct path applies; else ValueError):
+        a stream's first and second chunks (caches of prompt and prompt + 50 frames) then solve among the
+        steady ones (``SolveKey.rows``, keyed at the longest). Each row reads the fixed noise at its own cache
+        length and its old frames in place, and gets its own successor, trimmed by its own length.
+
         ``widths``: each row's own frame count (at most T; the fused body only): a row narrower than T is a
         stream's final chunk solved among full-width rows (mu / cond past its width are padding). Its mel
         frames past its width are padding, its caches are not computed (its CNN cache rows unspecified, its
@@ -562,8 +576,9 @@ class WholeEulerSolver:
         ragged = widths is not None
         per_stream = isinstance(att_cache, (list, tuple))
         if per_stream:
-            att_cache = _check_streams(att_cache, B)
-        one = att_cache[0] if per_stream else att_cache      # a stream's or the batch's cache: its shape
+            att_cache = _check_streams(att_cache, B, lengths_differ=trim is not None)
+        # a stream's or the batch's cache: its shape (per-stream caches of several lengths: the longest)
+        one = max(att_cache, key=lambda c: c.shape[4]) if per_stream else att_cache
         L = 0 if one is None else one.shape[4]
         if one is not None and one.shape[0] != self.S:
             raise ValueError(f"estimator cache has {one.shape[0]} steps, the solver {self.S}")
@@ -581,11 +596,17 @@ class WholeEulerSolver:
             return torch.cat([o[0] for o in outs], 0), _cat_rows([o[1] for o in outs]), att
         device = mu.device
         key = self.solve_key(B, T, L, mu, trim, att_cache if per_stream else [att_cache], ragged)
+        if per_stream and any(c.shape[4] != L for c in att_cache):
+            if not key.direct:
+                raise ValueError(f"solve: per-stream caches of {sorted({c.shape[4] for c in att_cache})} frames "
+                                 f"solve together only on the direct path, not under {key}; solve each length "
+                                 "apart (Flow.joins_lengths says when they may join)")
+            key = replace(key, rows=True)
         want_graph = (graph and device.type == "cuda" and self._graphs_off_reason is None)
         with matmul_tf32(self.tf32):
             st = self._static_for(key, device, want_graph=False)
             self._fill(st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L, widths)
-            direct = (self._bind_streams(st, att_cache, B, per_stream, T, widths) if key.direct or key.succ
+            direct = (self._bind_streams(st, att_cache, B, per_stream, T, widths, trim) if key.direct or key.succ
                       else None)
             if want_graph and st.graph is None:     # captured on real inputs: a direct graph's warm-up
                 st = self._static_for(key, device, want_graph)  # runs read through the bound tables
@@ -600,6 +621,21 @@ class WholeEulerSolver:
         if widths is not None and per_stream:     # a narrow row's cache holds padding frames: none comes back
             att = [None if w < T else a for a, w in zip(att, widths)]
         return mel, cnn, att if trim is None else _trimmed(att, trim)
+
+    def joins_lengths(self, T: int, caches: Sequence[torch.Tensor], mu: torch.Tensor, trim: tuple[int, int],
+                      ragged: bool = False) -> bool:
+        """Can ``solve`` take these per-stream caches of several lengths together (``SolveKey.rows``)? Every row
+        group it would run (groups of the largest batch bucket) whose lengths differ must take the direct
+        path, at full query width."""
+        if self.fused is None or self._snap(T, self.config.query_buckets) != T:
+            return False
+        big = min(len(caches), max(self.config.batch_buckets))
+        for i in range(0, len(caches), big):
+            group = caches[i:i + big]
+            lengths = {c.shape[4] for c in group}
+            if len(lengths) > 1 and not self.solve_key(len(group), T, max(lengths), mu, trim, group, ragged).direct:
+                return False
+        return True
 
     def solve_key(self, B: int, T: int, L: int, mu: torch.Tensor, trim: tuple[int, int] | None = None,
                   caches: Sequence[torch.Tensor | None] | None = None, ragged: bool = False) -> SolveKey:
@@ -648,20 +684,26 @@ class WholeEulerSolver:
             return dot_precision(mu) == "tf32" or not f._block_auto
 
     def _bind_streams(self, st: _Static, att_cache, B: int, per_stream: bool, T: int,
-                      widths: Sequence[int] | None = None):
+                      widths: Sequence[int] | None = None, trim: tuple[int, int] | None = None):
         """Point a direct solve's address tables at this call's caches and at new successors (their own
         memory, returned): row r < Bb is stream r's cond half, row Bb + r its uncond half; padding rows
         read stream 0 and write nothing. Each source row carries how many of the chunk's T frames its row
         attends (``widths``; default T); a narrower row writes no successor (None in a per-stream list). An
         arena solve writing successors (``st.successor``) reads nothing through the tables: its source rows
-        stay empty."""
+        stay empty. With ``SolveKey.rows`` each stream's successor is trimmed by its own length (``trim``)."""
         tabled = st.streams or st.successor
         Bb, n_out = st.key.batch, tabled.n_out
         dev = st.x.device
         wide = [True] * B if widths is None else [w >= T for w in widths]
+        spans = None
+        if st.key.rows:     # per-stream caches of their own lengths (solve checked): their own trims
+            Q = st.key.query
+            spans = [trim_span(Q + c.shape[4], *trim) for c in att_cache]
         if per_stream:
-            outs = [torch.empty(self.S, self.depth, 2, self.H, n_out, 2 * self.D, device=dev) if wide[i] else None
-                    for i in range(B)]
+            outs = [torch.empty(self.S, self.depth, 2, self.H,
+                                n_out if spans is None else Q + c.shape[4] - (spans[i][1] - spans[i][0]),
+                                2 * self.D, device=dev) if wide[i] else None
+                    for i, c in enumerate(att_cache)]
             src = lambda i, half: (att_cache[i], half)      # noqa: E731  (stream_table: the view [:, :, half])
             dst = lambda i, half: (outs[i], half)           # noqa: E731
         else:
@@ -673,8 +715,10 @@ class WholeEulerSolver:
         base = tabled.base
         if st.streams is None:
             src = lambda i, half: None      # noqa: E731
+        drops = None if spans is None else [spans[i] if i < B else (0, 0) for i, _ in rows]
         tables = torch.stack([stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base, current),
-                              stream_table([dst(i, h) if i < B and wide[i] else None for i, h in rows], base)])
+                              stream_table([dst(i, h) if i < B and wide[i] else None for i, h in rows], base,
+                                           drops=drops)])
         self._host_uploads(dev).upload(tables, out=st.extra["tables"])
         return outs
 
@@ -687,8 +731,17 @@ class WholeEulerSolver:
 
     def _fill(self, st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L, widths=None) -> None:
         Bb, Q, O = st.key.batch, st.key.query, st.key.offset
-        z = self.cfm.noise(L, T, temperature).to(mu.dtype).transpose(1, 2)      # (1, T, 80)
-        st.z[:B, :T].copy_(z.expand(B, -1, -1))
+        if st.key.rows:     # each row's noise at its own cache length, one copy per run of equal lengths
+            i = 0
+            while i < B:
+                n = att_cache[i].shape[4]
+                j = next((k for k in range(i, B) if att_cache[k].shape[4] != n), B)
+                z = self.cfm.noise(n, T, temperature).to(mu.dtype).transpose(1, 2)
+                st.z[i:j, :T].copy_(z.expand(j - i, -1, -1))
+                i = j
+        else:
+            z = self.cfm.noise(L, T, temperature).to(mu.dtype).transpose(1, 2)      # (1, T, 80)
+            st.z[:B, :T].copy_(z.expand(B, -1, -1))
         st.mu[:B, :T].copy_(mu.transpose(1, 2))
         st.cond[:B, :T].copy_(cond.transpose(1, 2))
         for i, w in enumerate(widths or ()):
@@ -778,15 +831,19 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor, B: int, Bb: int) -> None:
     bulk_copy.copy_(dst[:, :, Bb:Bb + B], src[:, :, B:])
 
 
-def _check_streams(caches, B: int) -> list[torch.Tensor]:
+def _check_streams(caches, B: int, lengths_differ: bool = False) -> list[torch.Tensor]:
+    """B per-stream caches of one shape (``lengths_differ``: but for their frame counts)."""
     caches = list(caches)
     if len(caches) != B:
         raise ValueError(f"{len(caches)} per-stream attention caches for a batch of {B}")
     shape = caches[0].shape
     for i, c in enumerate(caches):
-        if c.dim() != 6 or c.shape[2] != 2 or c.shape != shape:
+        same = (c.shape[:4] + c.shape[5:] == shape[:4] + shape[5:]) if lengths_differ else c.shape == shape
+        if c.dim() != 6 or c.shape[2] != 2 or not same:
+            but = " but for the frames" if lengths_differ else ""
             raise ValueError(f"per-stream attention cache {i} has shape {tuple(c.shape)}; every stream's must be "
-                             f"(steps, depth, 2, heads, frames, 2*head_dim) and equal to stream 0's {tuple(shape)}")
+                             f"(steps, depth, 2, heads, frames, 2*head_dim) and equal to stream 0's {tuple(shape)}"
+                             f"{but}")
     return caches
 
 

@@ -389,6 +389,16 @@ class Flow(nn.Module):
         sv = self.chunk_solver
         return sv is not None and sv.S == n_timesteps and sv.body == "fused"
 
+    def _joins_lengths(self, parts: Sequence[ChunkPart], caches: Sequence[FlowCache], T: int,
+                       n_timesteps: int) -> bool:
+        """Can parts whose caches differ in length solve as one (``inference_chunks_joined``)?"""
+        if not self.joins_widths(n_timesteps) or any(c.n_timesteps != n_timesteps for c in caches):
+            return False
+        p = caches[0].prompt_frames
+        mu = torch.empty(1, self.cfg.output_size, T, device=caches[0].estimator_att.device)
+        ragged = any(self.chunk_frames(part.token.shape[1], part.last) < T for part in parts)
+        return self.chunk_solver.joins_lengths(T, [c.estimator_att for c in caches], mu, (p, HISTORY_FRAMES), ragged)
+
     @torch.inference_mode()
     def inference_chunks_joined(self, parts: Sequence[ChunkPart], n_timesteps: int | None = None
                                 ) -> list[tuple[torch.Tensor, list[FlowCache] | None]]:
@@ -397,6 +407,11 @@ class Flow(nn.Module):
         width, a narrower part's rows (which must be final chunks: their streams end) padded and attending
         their own frames only (``WholeEulerSolver.solve(widths=)``). So the final chunks of streams ending in a
         round join the steady chunks of the others instead of a solve of their own.
+
+        Parts may also differ in cache length (each part's caches agree; the prompt frames agree across
+        parts): a stream's first and second chunks (estimator caches of prompt and prompt + 50 frames) then
+        join the steady chunks where the solver reads each row's cache in place (``WholeEulerSolver.
+        joins_lengths``: each row its own noise offset and trim); elsewhere each cache length solves apart.
 
         Returns per part (mel (b, 80, its frames), its b next caches; None for a final part: its streams end).
         Where the solver cannot take rows of their own widths (``joins_widths``), each part solves apart, with
@@ -409,7 +424,12 @@ class Flow(nn.Module):
             if not b or part.token.shape[0] != b or part.spk.shape[0] != b:
                 raise InputError(f"inference_chunks_joined: part {i} has {b} caches for {part.token.shape[0]} token "
                                  f"rows and {part.spk.shape[0]} speaker rows; pass one cache per row")
-        check_joint_caches(caches, "inference_chunks_joined")
+            check_joint_caches(part.caches, f"inference_chunks_joined (part {i})")
+        lengths = {c.estimator_frames for c in caches}
+        if len(lengths) == 1:
+            check_joint_caches(caches, "inference_chunks_joined")
+        elif len({c.prompt_frames for c in caches}) > 1:
+            check_joint_caches(caches, "inference_chunks_joined")       # raises, naming the prompt frames
         frames = [self.chunk_frames(part.token.shape[1], part.last) for part in parts]
         T = max(frames)
         for i, (part, f) in enumerate(zip(parts, frames)):
@@ -418,6 +438,15 @@ class Flow(nn.Module):
                                  f"part's {T}, and is not final; only a stream's final chunk may solve narrower "
                                  "(its cache would lack the padding frames)")
         n_timesteps = caches[0].n_timesteps if n_timesteps is None else n_timesteps
+        if len(lengths) > 1 and not self._joins_lengths(parts, caches, T, n_timesteps):
+            by_length: dict[int, list[int]] = {}        # each cache length apart, in its parts' order
+            for i, part in enumerate(parts):
+                by_length.setdefault(part.caches[0].estimator_frames, []).append(i)
+            out: list = [None] * len(parts)
+            for idx in by_length.values():
+                for i, res in zip(idx, self.inference_chunks_joined([parts[i] for i in idx], n_timesteps)):
+                    out[i] = res
+            return out
         if len(parts) == 1 or not self.joins_widths(n_timesteps):
             out = []
             for part in parts:

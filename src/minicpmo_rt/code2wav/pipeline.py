@@ -62,7 +62,8 @@ from .encoder_graph import EncoderGraphs
 from .flow import HISTORY_FRAMES, ChunkPart, Flow, FlowCache, load_flow
 from .frontend import PromptFeatures, VoiceFrontend
 from .hift_graph import GraphedHiFT, ShapeGraphs
-from .knobs import Code2WavChoice, graph_budget, graph_precapture, hift_carry, row_offset_merge, slot_pool_slots
+from .knobs import (Code2WavChoice, cfm_join_starts, graph_budget, graph_precapture, hift_carry, row_offset_merge,
+                    slot_pool_slots)
 from .prompt_state import PromptLease, PromptStateCache
 from .vocoder import CAUSAL, VocoderSet, load_vocoders
 
@@ -137,6 +138,16 @@ def _batch_key(cache: FlowCache, spk: torch.Tensor) -> tuple:
             but(cache.estimator_att, 2), tuple(spk.shape[1:]))
 
 
+def _join_key(cache: FlowCache, spk: torch.Tensor) -> tuple:
+    """``_batch_key`` but for the caches' lengths (the encoder's and the estimator's frames): streams with equal
+    keys may share one solve with ``join_starts`` (a stream's first and second chunks among steady ones)."""
+    def but(t: torch.Tensor, *axes: int) -> tuple:
+        return tuple(n for a, n in enumerate(t.shape) if a not in axes)
+    return (cache.prompt_frames, cache.estimator_att.dtype, str(cache.estimator_att.device),
+            but(cache.conformer_cnn, 0), but(cache.conformer_att, 1, 3), but(cache.estimator_cnn, 2),
+            but(cache.estimator_att, 2, 4), tuple(spk.shape[1:]))
+
+
 def _encoder_key(enc: EncoderCache, spk: torch.Tensor) -> tuple:
     """Pooled streams run their encoder halves together when these shapes agree."""
     return (tuple(enc.cnn.shape[1:]), tuple(enc.att.shape[:1]) + tuple(enc.att.shape[2:]), tuple(spk.shape[1:]))
@@ -192,6 +203,9 @@ class Code2Wav:
         # the same cache shape, their rows attending their own frames only (Flow.inference_chunks_joined),
         # instead of a solve of their own. False: every payload length and final flag solves apart.
         self.join_finals = True
+        # Opt-in (cfm_join_starts): streams' first and second chunks, whose caches are shorter, join the steady
+        # solve too, where the solver reads each stream's cache in place (Flow.inference_chunks_joined).
+        self.join_starts = False
         self.precapture_pending = False  # cfm_graph_precapture: capture when the first stream opens
         self._logged: set[str] = set()
 
@@ -239,6 +253,10 @@ class Code2Wav:
             log.info("Code2Wav encoder half of a chunk from CUDA graphs (a shape captured on its second call, "
                      "at most %d kept)", self.flow.encoder_graphs.max_graphs)
         self._configure_slot_pool(slot_pool_slots(extra), row_offset_merge(extra), choice, solver.config)
+        self.join_starts = cfm_join_starts(extra) and choice.body == "fused"
+        if self.join_starts:
+            log.info("Code2Wav CFM: streams' first and second chunks join the steady solve where caches are read "
+                     "in place (cfm_join_starts)")
         stream_voc = self.vocoders.stream
         stream_voc.stream_carry = hift_carry(extra) and stream_voc.variant == CAUSAL
         if stream_voc.stream_carry:
@@ -452,7 +470,7 @@ class Code2Wav:
         q = max(config.query_buckets)
         offsets = list(range(prompt_frames, prompt_frames + HISTORY_FRAMES, q)) + [prompt_frames + HISTORY_FRAMES]
         return dict(batches=config.batch_buckets, query=q, offsets=offsets, trim=(prompt_frames, HISTORY_FRAMES),
-                    final=True)
+                    final=True, row_lengths=self.join_starts)
 
     @torch.inference_mode()
     def push_many(self, items: Sequence[tuple["Code2WavStream", Sequence[int], bool]],
@@ -484,9 +502,10 @@ class Code2Wav:
             if tok.shape[1]:
                 # pooled streams of one payload length share a CFM solve; across cache lengths and prompts
                 # only with row-offset merging. Their encoder halves group by cache shape inside it.
-                if s.handle is None:
-                    dense.setdefault(_batch_key(s.cache, s.spk), {}).setdefault((tok.shape[1], bool(last)),
-                                                                                []).append(i)
+                if s.handle is None:    # by cache shape, or with join_starts by all of it but the lengths
+                    shape = _batch_key(s.cache, s.spk)
+                    dense.setdefault(_join_key(s.cache, s.spk) if self.join_starts else shape, {}).setdefault(
+                        (tok.shape[1], bool(last), shape), []).append(i)
                 else:   # streams admitted before a reconfiguration keep their own (older) slot solver
                     key = ("pooled", id(s.slot_solver), tok.shape[1], bool(last)) + (
                         () if self.row_offset_merge else (s.handle.length, s.prompt_frames))
@@ -518,28 +537,44 @@ class Code2Wav:
             out.append(wav[0].cpu().numpy().astype(np.float32))
         return out
 
-    def _dense_solves(self, shapes: dict[tuple[int, bool], list[int]]) -> list[list[int]]:
-        """The solves of dense streams whose caches agree, grouped by (payload length, final): each group its
-        own solve, except that with ``join_finals`` (and a solver that takes rows of their own widths) the
-        final groups no wider than the widest non-final one (or, with none, than the widest final one) join
-        its solve. Each solve lists its items' indices, group by group."""
+    def _dense_solves(self, shapes: dict[tuple, list[int]]) -> list[list[int]]:
+        """The solves of dense streams whose caches agree (with ``join_starts``: but for their lengths), grouped
+        by (payload length, final, cache shape): each group its own solve, except that with ``join_finals`` (and
+        a solver that takes rows of their own widths) the final groups of a cache shape no wider than its
+        widest non-final one (or, with none, than its widest final one) join its solve. With ``join_starts``
+        the host is the widest non-final group of any cache shape (the most rows first: the steady streams),
+        and the non-final groups of its width and the final groups no wider join it (the flow solves each
+        cache length apart where it cannot read them together). Each solve lists its items' indices, group by
+        group."""
         keys = list(shapes)
-        frames = {k: self.flow.chunk_frames(*k) for k in keys}
+        frames = {k: self.flow.chunk_frames(k[0], k[1]) for k in keys}
         if len(keys) < 2 or not self.join_finals or not self.flow.joins_widths(self.n_timesteps):
             return [shapes[k] for k in keys]
-        host = max([k for k in keys if not k[1]] or keys, key=lambda k: (frames[k], len(shapes[k])))
-        joined = [host] + [k for k in keys if k != host and k[1] and frames[k] <= frames[host]]
-        return [[i for k in joined for i in shapes[k]]] + [shapes[k] for k in keys if k not in joined]
+        solves, rest = [], keys
+        if self.join_starts:
+            host = max([k for k in keys if not k[1]] or keys, key=lambda k: (frames[k], len(shapes[k])))
+            joined = [host] + [k for k in keys if k != host and (frames[k] == frames[host] if not k[1]
+                                                               else frames[k] <= frames[host])]
+            solves.append([i for k in joined for i in shapes[k]])
+            rest = [k for k in keys if k not in joined]
+        for shape in dict.fromkeys(k[2] for k in rest):     # each cache shape: its finals join its widest
+            own = [k for k in rest if k[2] == shape]
+            host = max([k for k in own if not k[1]] or own, key=lambda k: (frames[k], len(shapes[k])))
+            joined = [host] + [k for k in own if k != host and k[1] and frames[k] <= frames[host]]
+            solves.append([i for k in joined for i in shapes[k]])
+            solves += [shapes[k] for k in own if k not in joined]
+        return solves
 
     def _solve_dense(self, rows: Sequence[int], items, tokens: Sequence[torch.Tensor],
                      mels: list, rnd: _Round) -> None:
         """One flow solve over dense streams ``rows`` (indices into ``items``; the rows of one payload shape
         form a part): their mels into ``mels``, their new caches into ``rnd.commits``."""
         streams = [items[i][0] for i in rows]
-        by_shape: dict[tuple[int, bool], list[int]] = {}     # (payload length, final) -> its rows
+        by_shape: dict[tuple, list[int]] = {}     # (payload length, final, cache shape) -> its rows
         for i in rows:
-            by_shape.setdefault((tokens[i].shape[1], bool(items[i][2])), []).append(i)
-        parts = [(idx, last) for (_, last), idx in by_shape.items()]
+            by_shape.setdefault((tokens[i].shape[1], bool(items[i][2]), _batch_key(items[i][0].cache,
+                                                                                    items[i][0].spk)), []).append(i)
+        parts = [(idx, key[1]) for key, idx in by_shape.items()]
         if len(parts) == 1:
             token = torch.cat([tokens[i] for i in rows], 0)     # host codes: the flow uploads them without a sync
             spk = torch.cat([s.spk for s in streams], 0)

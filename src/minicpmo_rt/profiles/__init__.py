@@ -21,7 +21,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 _UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 _EXTRA_KEYS = {"token2wav_allow_tf32", "code2wav_allow_tf32", "cfm_fused_body", "cfm_slot_pool",
                "cfm_row_offset_merge", "cfm_fp16_operands", "cfm_max_graphs", "cfm_graph_precapture", "enable_hift_graph",
-               "hift_carry"}
+               "hift_carry", "cfm_join_starts"}
 
 
 def parse_size(value: Any, where: str) -> int:

@@ -46,7 +46,7 @@ import torch
 
 from . import AVAILABLE, interpreting
 from .dit_ops import bulk_prefetch_on
-from .tiled_attention import check_counters, direct_key_splits, key_splits, pv16_for
+from .tiled_attention import TABLE_WIDTH, check_counters, direct_key_splits, key_splits, pv16_for
 
 # GEMM tiles (rows BM x columns BN, K split S ways) per role at ~100 rows; H200 probe
 # (benchmarks/results/persistent_probe_h200.json): us per phase incl. the barrier, vs the same GEMM
@@ -233,7 +233,8 @@ if AVAILABLE:
                    PHASE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, TIMED: tl.constexpr,
                    PV16: tl.constexpr = False, DIRECT: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                    BULK_PREFETCH: tl.constexpr = False, LAST_COMBINE: tl.constexpr = False,
-                   SUCC: tl.constexpr = False, ROW_COPY: tl.constexpr = True):
+                   SUCC: tl.constexpr = False, ROW_COPY: tl.constexpr = True,
+                   ROW_LENGTHS: tl.constexpr = False):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         M = R * T
@@ -305,7 +306,8 @@ if AVAILABLE:
                         direct_tile(bh // H, bh % H, mblk, split, H, Q, KV, BASE, SRC, DST, O, PACC, PML,
                                     T * HD, D, HD, 1, skv_r, skv_h, T * HD, D, HD, 1, step, i, T, n_old, n_out,
                                     drop0, drop1, attn_scale, keys_per_split, cur_keys, D, A_BM, A_BN, PRECISION,
-                                    A_SPLITS, ROUND, PV16, CNT=TCTR, LAST_COMBINE=LAST_COMBINE, ROW_COPY=ROW_COPY)
+                                    A_SPLITS, ROUND, PV16, CNT=TCTR, LAST_COMBINE=LAST_COMBINE, ROW_COPY=ROW_COPY,
+                                    ROW_LENGTHS=ROW_LENGTHS)
                     else:
                         if SUCC:    # the arena's frames are read here; the trimmed successor is written too
                             succ, present = stream_row(BASE, DST, bh // H, bh % H, step, i, n_out, D)
@@ -598,12 +600,12 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
     if kv.stride(4) != 1:
         raise ValueError(f"dit_blocks: kv's last dim must be contiguous, got strides {kv.stride()}")
     if streams is not None and (mask is not None or pos is not None or nk != T or kv.stride(3) != D2
-                                or streams.src.shape != (R, 4)):
+                                or streams.src.shape != (R, TABLE_WIDTH)):
         raise ValueError("dit_blocks: per-stream caches (streams) take no mask and no pooled rows, and kv must "
                          f"hold exactly this chunk's {T} frames with contiguous [k|v] rows; got kv "
                          f"{tuple(kv.shape)} strides {kv.stride()}, tables {tuple(streams.src.shape)}")
     if successor is not None and (streams is not None or mask is not None or pos is not None
-                                  or successor.dst.shape != (R, 4)
+                                  or successor.dst.shape != (R, TABLE_WIDTH)
                                   or nk - (successor.drop[1] - successor.drop[0]) != successor.n_out):
         raise ValueError("dit_blocks: a successor is written from the arena's unmasked, unpooled frames (no "
                          f"streams), {nk} frames less the dropped {successor.drop} making its {successor.n_out}; "
@@ -678,7 +680,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                 PRECISION=precision, PV16=pv16_for(o, precision) if pv16 is None else pv16,
                 TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps,
                 DIRECT=streams is not None, PREFETCH=prefetch, BULK_PREFETCH=bulk, SUCC=successor is not None,
-                ROW_COPY=ROW_COPY)
+                ROW_COPY=ROW_COPY, ROW_LENGTHS=streams is not None and streams.row_lengths)
     if phase_by_phase:     # one launch per block and phase: the launch boundary is the barrier
         for b in range(first, first + n_blocks):
             for p in range(N_PHASES):

@@ -130,13 +130,14 @@ if AVAILABLE:
     @triton.jit
     def stream_row(BASE, TABLE, b, h, step, layer, n_frames, HEAD_D: tl.constexpr):
         """Row b's (step, layer, head h) frames through its ``StreamKV`` table row [offset from BASE, step
-        stride, layer stride, present] (elements): (pointer to its frame 0, present). The offsets are
+        stride, layer stride, present, ...] (elements, ``TABLE_WIDTH`` = 8 per row): (pointer to its frame 0,
+        present). The offsets are
         declared multiples of 16 elements (``stream_table`` checks): a pointer made from a loaded integer
         carries no alignment, and its loads and stores would not vectorise."""
-        ptr = BASE + tl.multiple_of(tl.load(TABLE + b * 4) + step * tl.load(TABLE + b * 4 + 1)
-                                    + layer * tl.load(TABLE + b * 4 + 2) + h.to(tl.int64) * n_frames * (2 * HEAD_D),
+        ptr = BASE + tl.multiple_of(tl.load(TABLE + b * 8) + step * tl.load(TABLE + b * 8 + 1)
+                                    + layer * tl.load(TABLE + b * 8 + 2) + h.to(tl.int64) * n_frames * (2 * HEAD_D),
                                     16)
-        return ptr, tl.load(TABLE + b * 4 + 3) != 0
+        return ptr, tl.load(TABLE + b * 8 + 3) != 0
 
     @triton.jit
     def _kept_frames(offs_n, w_hi, f0, drop0, drop1, HEAD_D: tl.constexpr):
@@ -323,19 +324,28 @@ if AVAILABLE:
                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr = False,
-                    CNT=None, LAST_COMBINE: tl.constexpr = False, ROW_COPY: tl.constexpr = True):
+                    CNT=None, LAST_COMBINE: tl.constexpr = False, ROW_COPY: tl.constexpr = True,
+                    ROW_LENGTHS: tl.constexpr = False):
         """``direct_attention``'s unit (also a phase of the persistent block kernel): query block ``mblk`` x
         key split ``split`` of (row b, head h). The keys are this chunk's [k|v] (CUR) followed by row b's own
         old frames, found through its SRC table row [offset from BASE, step stride, layer stride, present]
         (elements; its last entry: how many of this chunk's nq frames row b attends, the rest being
         padding); every key tile read is also written into row b's trimmed successor (DST row, if
         present) by one of the query blocks. The key splits count the current frames as ``cur_keys`` keys
-        (``direct_key_splits``: nq rounded up to a key tile, so every split walks whole tiles of each source)."""
+        (``direct_key_splits``: nq rounded up to a key tile, so every split walks whole tiles of each source).
+        ROW_LENGTHS: each row's old-frame count, successor length and dropped span come from its table rows
+        instead of n_old / n_out / drop0 / drop1 (which then only size the key splits: n_old the longest); a row
+        with fewer old frames leaves its last splits empty (the combine weighs an empty split 0)."""
+        if ROW_LENGTHS:     # a stream's first chunks (shorter caches) in a steady solve
+            n_old = tl.load(SRC + b * 8 + 4).to(tl.int32)
+            n_out = tl.load(DST + b * 8 + 4).to(tl.int32)
+            drop0 = tl.load(DST + b * 8 + 5).to(tl.int32)
+            drop1 = tl.load(DST + b * 8 + 6).to(tl.int32)
         offs_m, row_ok, q, m_i, l_i, acc = _query_block(Q, b, h, mblk, sqb, sqh, sqm, sqd, nq, HEAD_D, BLOCK_M)
         src, _ = stream_row(BASE, SRC, b, h, step, layer, n_old, HEAD_D)
         dst, present = stream_row(BASE, DST, b, h, step, layer, n_out, HEAD_D)
         # a narrower row (a stream's final chunk in a steady solve) attends its own first n_cur frames only
-        n_cur = tl.minimum(tl.load(SRC + b * 4 + 3), nq).to(tl.int32)
+        n_cur = tl.minimum(tl.load(SRC + b * 8 + 3), nq).to(tl.int32)
         n_mblk = tl.cdiv(nq, BLOCK_M)
         # split coordinates: the current frames span cur_keys (>= nq) keys, the old ones follow
         k_lo = split * keys_per_split
@@ -358,11 +368,12 @@ if AVAILABLE:
                      step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys, CNT,
                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                      SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr,
-                     LAST_COMBINE: tl.constexpr, ROW_COPY: tl.constexpr):
+                     LAST_COMBINE: tl.constexpr, ROW_COPY: tl.constexpr, ROW_LENGTHS: tl.constexpr):
         direct_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                     tl.num_programs(1), Q, CUR, BASE, SRC, DST, O, PACC, PML, sqb, sqh, sqm, sqd, scb, sch,
                     sob, soh, som, sod, step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
-                    HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16, TMA, CNT, LAST_COMBINE, ROW_COPY)
+                    HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16, TMA, CNT, LAST_COMBINE, ROW_COPY,
+                    ROW_LENGTHS)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -533,14 +544,19 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 class StreamKV:
     """Where ``direct_attention`` finds each batch row's old [k|v] frames and writes its trimmed successor.
 
-    ``src`` / ``dst``: (R, 4) int64 device tables (``stream_table``), row r = [offset of row r's (step 0,
-    layer 0, head 0, frame 0) element from ``base``, step stride, layer stride, last] (in elements; each
-    row's (heads, frames, 2D) block contiguous). ``dst``'s last entry: present (a row not present is not
+    ``src`` / ``dst``: (R, ``TABLE_WIDTH``) int64 device tables (``stream_table``), row r = [offset of row r's
+    (step 0, layer 0, head 0, frame 0) element from ``base``, step stride, layer stride, last, frames, drop0,
+    drop1, 0] (in elements; each row's (heads, frames, 2D) block contiguous; ``frames``: the view's frame
+    count, ``drop0``/``drop1``: the row's own dropped span, read with ``row_lengths``). ``dst``'s fourth
+    entry: present (a row not present is not
     written: padding rows, and narrow rows, whose successor would lack their padding frames); ``src``'s: how
     many of this chunk's frames the row attends (``stream_table(current=)``; fewer than the chunk's for a
     stream's final chunk solved with full-width rows, its frames past that being padding).
     Frames [drop0, drop1) of the concatenated [current | old] order are left out of the successor (the
-    flow's trim), which holds ``n_out`` frames. ``step``: the Euler step the tables are read at."""
+    flow's trim), which holds ``n_out`` frames. ``step``: the Euler step the tables are read at.
+    ``row_lengths``: the rows' old frames, successor lengths and dropped spans differ (a stream's first and
+    second chunks, whose caches are shorter, joining a steady solve): the kernels read them from the tables,
+    and ``n_old`` is the longest row's (it sizes the key splits), ``n_out`` and ``drop`` that row's."""
 
     base: torch.Tensor
     src: torch.Tensor
@@ -549,21 +565,31 @@ class StreamKV:
     n_out: int
     drop: tuple[int, int]
     step: int = 0
+    row_lengths: bool = False
 
     def at_step(self, step: int) -> "StreamKV":
         return replace(self, step=step)
 
 
+# Entries per row of a ``StreamKV`` table (the kernels index rows by this literal).
+TABLE_WIDTH = 8
+
+
 def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], base: torch.Tensor,
-                 current: Sequence[int] | None = None) -> torch.Tensor:
-    """The (R, 4) table of ``StreamKV`` for R row views (steps, depth, heads, frames, 2D) relative to
-    ``base``; a pair (t, j) stands for the view ``t[:, :, j]`` of a (steps, depth, rows, heads, frames, 2D)
-    tensor (read off its pointer and strides: a solve's tables cost no view per row); None: a row not
-    present (not written). Offsets and strides must be multiples of 16 elements (64 bytes), what the kernel
-    declares to the compiler. ``current`` makes a source table: each row's count of this chunk's frames it
-    attends (its last entry); without it, a destination table (the last entry: present)."""
+                 current: Sequence[int] | None = None,
+                 drops: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+    """The (R, ``TABLE_WIDTH``) table of ``StreamKV`` for R row views (steps, depth, heads, frames, 2D)
+    relative to ``base``; a pair (t, j) stands for the view ``t[:, :, j]`` of a (steps, depth, rows, heads,
+    frames, 2D) tensor (read off its pointer and strides: a solve's tables cost no view per row); None: a row
+    not present (not written). Offsets and strides must be multiples of 16 elements (64 bytes), what the
+    kernel declares to the compiler. ``current`` makes a source table: each row's count of this chunk's
+    frames it attends (its fourth entry); without it, a destination table (the fourth entry: present). Each
+    row's fifth entry is its view's frame count; ``drops`` (a destination table's) the rows' own dropped
+    spans (sixth and seventh; default none)."""
     if current is not None and len(current) != len(rows):
         raise ValueError(f"stream_table: {len(current)} current-frame counts for {len(rows)} rows")
+    if drops is not None and len(drops) != len(rows):
+        raise ValueError(f"stream_table: {len(drops)} dropped spans for {len(rows)} rows")
     if current is not None and any(int(c) < 1 for c in current):
         raise ValueError(f"stream_table: current-frame counts {list(current)}; every row attends at least one "
                          "frame of its chunk")
@@ -574,7 +600,7 @@ def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], bas
     out = []
     for r in rows:
         if r is None:
-            out.append((0, 0, 0, 0))
+            out.append((0,) * TABLE_WIDTH)
             continue
         if isinstance(r, tuple):
             t, j = r
@@ -592,7 +618,8 @@ def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], bas
         if any(v % 16 for v in row[:3]) or (shape[3] * shape[4]) % 16:
             raise ValueError(f"stream_table: a row view at {ptr} with strides {st} is not "
                              "aligned to 16 elements (64 bytes)")
-        out.append(row)
+        d0, d1 = (shape[3], shape[3]) if drops is None else drops[len(out)]
+        out.append(row + (shape[3], int(d0), int(d1), 0))
     return torch.tensor(out, dtype=torch.int64)
 
 
@@ -663,14 +690,14 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
     if cur.shape != (R, H, T, 2 * D) or cur.stride()[2:] != (2 * D, 1):
         raise ValueError(f"direct_attention: cur {tuple(cur.shape)} strides {cur.stride()}; expected "
                          f"{(R, H, T, 2 * D)} with each frame's [k|v] contiguous")
-    if streams.src.shape != (R, 4) or streams.dst.shape != (R, 4):
+    if streams.src.shape != (R, TABLE_WIDTH) or streams.dst.shape != (R, TABLE_WIDTH):
         raise ValueError(f"direct_attention: stream tables {tuple(streams.src.shape)} / {tuple(streams.dst.shape)}"
-                         f" for {R} rows; expected ({R}, 4)")
+                         f" for {R} rows; expected ({R}, {TABLE_WIDTH})")
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"precision must be 'tf32' or 'ieee', got {precision!r}")
     nk = T + streams.n_old
     d0, d1 = streams.drop
-    if nk - (d1 - d0) != streams.n_out:
+    if not streams.row_lengths and nk - (d1 - d0) != streams.n_out:
         raise ValueError(f"direct_attention: {nk} key frames less the dropped [{d0}, {d1}) is not the successor's "
                          f"{streams.n_out}")
     splits, per_split, cur_keys = direct_key_splits(T, streams.n_old, splits, block_n)
@@ -692,7 +719,7 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
             cur_keys, counters if last else streams.src,
             HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, SPLITS=splits, ROUND_OUT=round_out,
             PV16=pv16_for(out, precision) if pv16 is None else pv16, TMA=tma, num_warps=num_warps,
-            num_stages=num_stages, LAST_COMBINE=last, ROW_COPY=SUCCESSOR_ROW_COPY)
+            num_stages=num_stages, LAST_COMBINE=last, ROW_COPY=SUCCESSOR_ROW_COPY, ROW_LENGTHS=streams.row_lengths)
     if splits > 1 and not last:
         _attn_combine[(R, H, triton.cdiv(T, block_m))](pacc, pml, out, *out.stride(), H, T,
                                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits,
