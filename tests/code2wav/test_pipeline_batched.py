@@ -520,3 +520,54 @@ def test_first_and_second_chunks_join_the_steady_direct_solve(tiny_ckpt, voice, 
             assert _rel(a.cpu().numpy(), b.cpu().numpy()) < 1e-5, name
     for s in streams:
         s.close()
+
+
+def test_join_starts_streams_through_the_direct_path(tiny_ckpt, voice):
+    """``cfm_join_starts`` where the solver reads caches in place (CUDA; on the CPU only with Triton's interpreter
+    and MINICPMO_SLOW_TESTS=1, ~4 min): three streams starting one round apart reach ONE CFM solve per round, on
+    a key with rows of their own cache lengths in rounds 1 and 2 (second + first; steady + second + first).
+    Round 3 holds only final chunks (26 frames, narrower than the query bucket: masked solves through the arena,
+    which reads no cache in place), so its two cache lengths solve apart. IEEE dots. Every stream's PCM matches
+    the stream pushed alone (batch 1, its own solves) within 1e-4."""
+    import os
+
+    from minicpmo_rt.code2wav import kernels
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and not (kernels.AVAILABLE and kernels.interpreting() and os.environ.get("MINICPMO_SLOW_TESTS")):
+        pytest.skip("needs CUDA (or TRITON_INTERPRET=1 and MINICPMO_SLOW_TESTS=1: ~4 min on 2 CPUs)")
+    c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, device=dev,
+                                 extra={"cfm_fused_body": True, "cfm_join_starts": True, "cfm_graph_precapture": False})
+    assert c2w.join_starts
+    solver = c2w.flow.chunk_solver
+    solver.fused.use_triton, solver.fused.attention, solver.tf32 = True, "triton-ieee", False
+    plans = [_payloads(61, (25, 25, 25, 10)), _payloads(62, (25, 25, 10)), _payloads(63, (25, 10))]
+    alone = []
+    for plan in plans:
+        s = c2w.open_stream(voice)
+        alone.append([s.push(p, last) for p, last in plan])
+    streams = [c2w.open_stream(voice) for _ in plans]
+    keys, solve = [], solver.solve
+
+    def spy(mu, *a, **k):
+        keys.append([])
+        return solve(mu, *a, **k)
+
+    static_for = solver._static_for
+    solver.solve = spy
+    solver._static_for = lambda key, *a, **k: (keys[-1].append(key) if keys else None, static_for(key, *a, **k))[1]
+    try:
+        got, per_round = [[] for _ in plans], []
+        for k in range(len(plans[0])):
+            n = len(keys)
+            live = [(j, s) for j, s in enumerate(streams) if j <= k < j + len(plans[j])]
+            for (j, _), out in zip(live, c2w.push_many([(s, *plans[j][k - j]) for j, s in live])):
+                got[j].append(out)
+            per_round.append(keys[n:])
+    finally:
+        del solver.solve, solver._static_for
+    assert [len(r) for r in per_round] == [1, 1, 1, 2], per_round      # one solve per round but the finals'
+    assert all(key.rows and key.direct for key in per_round[1][0] + per_round[2][0]), per_round
+    assert not any(key.rows for solve in per_round[3] for key in solve), per_round
+    for j in range(len(plans)):
+        for k, (a, b) in enumerate(zip(got[j], alone[j])):
+            assert a.shape == b.shape and _rel(a, b) <= 1e-4, (j, k, _rel(a, b))
