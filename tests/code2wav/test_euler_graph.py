@@ -315,6 +315,48 @@ def test_block_kernel_arena_writes_the_trimmed_successor(monkeypatch):
         assert torch.equal(new, want)
 
 
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_direct_solve_takes_rows_of_their_own_cache_lengths():
+    """Per-stream caches of 8, 2 and 6 frames in ONE direct solve on the staged Triton body (``SolveKey.rows``,
+    keyed at 8; batch 3 pads to 4): each stream's mel, CNN cache and successor equal that stream solved alone
+    at its own length (its own key, noise offset and trim: the flow's trim (5, 4) drops [5, 10), nothing, and
+    [5, 8) of the three), within 1e-6 (IEEE dots; the keys reach the softmax in another grouping). The
+    solver refuses lengths it cannot read in place (SDPA attention), naming the way out, and
+    ``joins_lengths`` says which solver can take them."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfm = tiny_cfm(seed=14).to(dev)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
+    lengths, trim, T = [8, 2, 6], (5, 4), 6
+    B = len(lengths)
+    kw = chunk(B, T, 0, seed=41, device=dev)
+    kw.pop("att_cache")
+    g = torch.Generator().manual_seed(42)
+    streams = [torch.randn(S, 2, 2, 2, n, 64, generator=g).to(dev) for n in lengths]
+    solver = WholeEulerSolver(cfm, body="fused", attention="triton-ieee", n_timesteps=S, config=cfg,
+                              use_triton=True, block_kernel=False)
+    assert solver.joins_lengths(T, streams, kw["mu"], trim)
+    mel, cnn, new = solver.solve(**kw, att_cache=streams, graph=False, copy_out=True, trim=trim)
+    assert [k.rows for k in solver._statics] == [True] and next(iter(solver._statics)).offset == 8
+    assert [a.shape[4] for a in new] == [T + n - (d1 - d0) for n, (d0, d1) in
+                                         ((n, trim_span(T + n, *trim)) for n in lengths)]
+    for i, n in enumerate(lengths):
+        one = {k: (v[i:i + 1] if k != "cnn_cache" else torch.cat([v[:, :, i:i + 1], v[:, :, B + i:B + i + 1]], 2))
+               for k, v in kw.items() if v is not None}
+        alone = WholeEulerSolver(cfm, body="fused", attention="triton-ieee", n_timesteps=S, config=cfg,
+                                 use_triton=True, block_kernel=False)
+        m1, c1, a1 = alone.solve(**one, att_cache=[streams[i]], graph=False, copy_out=True, trim=trim)
+        assert rel_err(mel[i:i + 1], m1) < 1e-6, i
+        assert rel_err(torch.cat([cnn[:, :, i:i + 1], cnn[:, :, B + i:B + i + 1]], 2), c1) < 1e-6, i
+        assert new[i].shape == a1[0].shape and rel_err(new[i], a1[0]) < 1e-6, i
+    sdpa = WholeEulerSolver(cfm, body="fused", attention="sdpa", n_timesteps=S, config=cfg, use_triton=False)
+    assert not sdpa.joins_lengths(T, streams, kw["mu"], trim)
+    with pytest.raises(ValueError, match="only on the direct path.*joins_lengths"):
+        sdpa.solve(**kw, att_cache=streams, graph=False, trim=trim)
+    with pytest.raises(ValueError, match="but for the frames"):        # only the frame counts may differ
+        solver.solve(**kw, att_cache=[streams[0], streams[1][:, :1], streams[2]], graph=False, trim=trim)
+
+
 def _stacked(per_stream):
     return torch.cat([a[:, :, 0:1] for a in per_stream] + [a[:, :, 1:2] for a in per_stream], 2)
 

@@ -600,7 +600,7 @@ class WholeEulerSolver:
             if not key.direct:
                 raise ValueError(f"solve: per-stream caches of {sorted({c.shape[4] for c in att_cache})} frames "
                                  f"solve together only on the direct path, not under {key}; solve each length "
-                                 "apart (Flow.joins_lengths says when they may join)")
+                                 "apart (WholeEulerSolver.joins_lengths says when they may join)")
             key = replace(key, rows=True)
         want_graph = (graph and device.type == "cuda" and self._graphs_off_reason is None)
         with matmul_tf32(self.tf32):
