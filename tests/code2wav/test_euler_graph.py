@@ -321,8 +321,8 @@ def test_direct_solve_takes_rows_of_their_own_cache_lengths():
     """Per-stream caches of 8, 2 and 6 frames in ONE direct solve on the staged Triton body (``SolveKey.rows``,
     keyed at 8; batch 3 pads to 4): each stream's mel, CNN cache and successor equal that stream solved alone
     at its own length (its own key, noise offset and trim: the flow's trim (5, 4) drops [5, 10), nothing, and
-    [5, 8) of the three), within 1e-6 (IEEE dots; the keys reach the softmax in another grouping). The
-    solver refuses lengths it cannot read in place (SDPA attention), naming the way out, and
+    [5, 8) of the three), within 1e-6 (IEEE dots; the keys reach the softmax in another grouping); also with
+    the 2-frame stream's chunk a final one of 3 frames among them (``widths``). The solver refuses lengths it cannot read in place (SDPA attention), naming the way out, and
     ``joins_lengths`` says which solver can take them."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfm = tiny_cfm(seed=14).to(dev)
@@ -349,6 +349,16 @@ def test_direct_solve_takes_rows_of_their_own_cache_lengths():
         assert rel_err(mel[i:i + 1], m1) < 1e-6, i
         assert rel_err(torch.cat([cnn[:, :, i:i + 1], cnn[:, :, B + i:B + i + 1]], 2), c1) < 1e-6, i
         assert new[i].shape == a1[0].shape and rel_err(new[i], a1[0]) < 1e-6, i
+    # a stream's final chunk among them (row 1: 3 of the 6 frames, its padding never attended, no successor)
+    mel_w, _, new_w = solver.solve(**kw, att_cache=streams, graph=False, copy_out=True, trim=trim, widths=[6, 3, 6])
+    assert new_w[1] is None and all(torch.equal(new_w[i], new[i]) for i in (0, 2))
+    assert torch.equal(mel_w[0::2], mel[0::2])
+    alone = WholeEulerSolver(cfm, body="fused", attention="triton-ieee", n_timesteps=S, config=cfg,
+                             use_triton=True, block_kernel=False)
+    one = dict(mu=kw["mu"][1:2, :, :3], spks=kw["spks"][1:2], cond=kw["cond"][1:2, :, :3],
+               cnn_cache=torch.cat([kw["cnn_cache"][:, :, 1:2], kw["cnn_cache"][:, :, B + 1:B + 2]], 2))
+    m1, _, _ = alone.solve(**one, att_cache=[streams[1]], graph=False, copy_out=True, trim=trim)
+    assert rel_err(mel_w[1:2, :, :3], m1) < 1e-6
     sdpa = WholeEulerSolver(cfm, body="fused", attention="sdpa", n_timesteps=S, config=cfg, use_triton=False)
     assert not sdpa.joins_lengths(T, streams, kw["mu"], trim)
     with pytest.raises(ValueError, match="only on the direct path.*joins_lengths"):
