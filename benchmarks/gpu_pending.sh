@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU runs a session left pending, as steps of one device call (a call may last 10 minutes, so split the
-# steps over calls: `jtests tests carry prepare`, then `starts churn`, then `stage`). Each step writes into its own folder,
-# packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files); log.txt has everything printed.
-#   bash benchmarks/gpu_pending.sh tests carry prepare
+# The GPU runs a session left pending, as steps of device calls. A call may last 10 minutes and each step has
+# its own cap (the timeouts below), so group them by priority into three calls, each capped at under 10 minutes:
+# `jtests tests` (the new code's correctness first), then `starts carry`, then `churn prepare stage`. Each step
+# writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
+# log.txt has everything printed.
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh jtests tests
 # Steps (in the order given):
 #   tests    CUDA tests of the carried HiFT decode, the conv views and the vocoder / HiFT-graph paths
 #   carry    hift_carry_bench.py: steady decode rounds, bounded against carried, batches 1, 4, 16
@@ -42,15 +44,15 @@ for s in "$@"; do
   case $s in
     tests) step tests 240 python -m pytest -q -p no:cacheprovider -k cuda tests/code2wav/test_hift_carry.py \
              tests/code2wav/test_hift_graph.py tests/code2wav/test_vocoder_batched.py tests/code2wav/test_hift_fast.py ;;
-    carry) step carry 200 python benchmarks/hift_carry_bench.py --out "$W/carry" --batches 1,4,16 "${tiny[@]}" ;;
-    prepare) step prepare 240 python benchmarks/precapture_probe.py --out "$W/prepare" --warmups 1 \
+    carry) step carry 180 python benchmarks/hift_carry_bench.py --out "$W/carry" --batches 1,4,16 "${tiny[@]}" ;;
+    prepare) step prepare 150 python benchmarks/precapture_probe.py --out "$W/prepare" --warmups 1 \
                --conv-views default,off --runs 2 "${tiny[@]}" ;;
-    churn) step churn 400 python benchmarks/stream_churn_bench.py --carry --no-slot-pool --out "$W/churn" "${tiny[@]}" ;;
-    starts) step starts 450 python benchmarks/stream_churn_bench.py --starts --out "$W/starts" "${tiny[@]}" ;;
+    churn) step churn 300 python benchmarks/stream_churn_bench.py --carry --no-slot-pool --out "$W/churn" "${tiny[@]}" ;;
+    starts) step starts 380 python benchmarks/stream_churn_bench.py --starts --out "$W/starts" "${tiny[@]}" ;;
     jtests) step jtests 300 python -m pytest -q -p no:cacheprovider tests/code2wav/test_tiled_attention.py \
-              tests/code2wav/test_pipeline_batched.py tests/code2wav/test_pipeline.py \
+              tests/code2wav/test_euler_graph.py tests/code2wav/test_pipeline_batched.py tests/code2wav/test_pipeline.py \
               -k "own_cache_lengths or join_the_steady or join_starts or joined or direct" ;;
-    stage) step stage 200 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
+    stage) step stage 120 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
     *) echo "gpu_pending.sh: unknown step '$s' (tests, carry, prepare, churn, starts, jtests, stage)" >&2; exit 2 ;;
   esac
 done
