@@ -122,6 +122,7 @@ class _CPUGraphs(EncoderGraphs):
     def __init__(self, flow, max_graphs):
         super().__init__(flow, max_graphs)
         self.shapes.__class__ = _FakeShapes    # the real set's configuration (buckets, axes, budget), faked capture
+        self.padded.__class__ = _FakeShapes
 
     @property
     def captures(self):
@@ -263,3 +264,41 @@ def test_cuda_graph_keeps_the_tables_it_reads_alive():
         del junk
     assert graphs.shapes.replays >= 1
     assert torch.equal(got[0], want[0]) and torch.equal(got[2].att, want[2].att)
+
+
+def test_streams_of_several_cache_lengths_encode_in_one_call():
+    """``Flow.encode_streams`` over three streams whose encoder caches differ in length (the prompt's only; one
+    chunk more; twelve more, past the trim): one call, the shorter caches padded at the front and their padding
+    masked (``pad_encoder_caches``, ``forward_chunk(pad=)``), equals each stream encoded alone: its mu and its
+    next cache (trimmed at its prompt, padding left out) within 1e-6, FP32. The same through the graph set's
+    bookkeeping (``EncoderGraphs.padded``, a batch bucket of 4 padding the third row up; captures faked on the
+    CPU), which keeps the unpadded calls' graphs apart."""
+    from minicpmo_rt.code2wav.flow import HISTORY_FRAMES
+
+    flow = tiny_flow()
+    cache, spk = prompt_cache(flow)
+    g = torch.Generator().manual_seed(7)
+    tok = lambda: torch.randint(0, TINY.vocab_size, (1, 8), generator=g)     # noqa: E731
+    p = cache.prompt_frames
+    encs = []
+    with torch.inference_mode():
+        for n in (0, 1, 12):
+            enc = cache.encoder
+            for _ in range(n):
+                enc = flow.encode_streams(tok(), spk, [enc], False, [p])[2][0]
+            encs.append(enc)
+        assert len({e.att.shape[3] for e in encs}) == 3 and encs[2].att.shape[3] == p + HISTORY_FRAMES
+        toks = torch.cat([tok() for _ in encs])
+        spks = spk.expand(3, -1)
+        alone = [flow.encode_streams(toks[i:i + 1], spks[i:i + 1], [e], False, [p]) for i, e in enumerate(encs)]
+        for graphs in (None, _CPUGraphs(flow, 8)):
+            flow.encoder_graphs = graphs
+            for _ in range(3 if graphs else 1):      # a graph's first call runs eagerly, its second captures
+                h, sp, news = flow.encode_streams(toks, spks, encs, False, [p] * 3)
+            for i, (ha, _, na) in enumerate(alone):
+                assert rel_err(h[i:i + 1], ha) < 1e-6, i
+                assert news[i].att.shape == na[0].att.shape and rel_err(news[i].att, na[0].att) < 1e-6, i
+                assert torch.equal(news[i].cnn, na[0].cnn) or rel_err(news[i].cnn, na[0].cnn) < 1e-6, i
+            if graphs is not None:
+                assert graphs.padded.captures == 1 and graphs.padded.replays >= 1 and not graphs.shapes.graphs
+        flow.encoder_graphs = None

@@ -524,7 +524,7 @@ def test_first_and_second_chunks_join_the_steady_direct_solve(tiny_ckpt, voice, 
 
 def test_join_starts_streams_through_the_direct_path(tiny_ckpt, voice):
     """``cfm_join_starts`` where the solver reads caches in place (CUDA; on the CPU only with Triton's interpreter
-    and MINICPMO_SLOW_TESTS=1, ~4 min): three streams starting one round apart reach ONE CFM solve per round, on
+    and MINICPMO_SLOW_TESTS=1, ~5-7 min): three streams starting one round apart reach ONE CFM solve per round, on
     a key with rows of their own cache lengths in rounds 1 and 2 (second + first; steady + second + first).
     Round 3 holds only final chunks (26 frames, narrower than the query bucket: masked solves through the arena,
     which reads no cache in place), so its two cache lengths solve apart. IEEE dots. Every stream's PCM matches
@@ -534,7 +534,7 @@ def test_join_starts_streams_through_the_direct_path(tiny_ckpt, voice):
     from minicpmo_rt.code2wav import kernels
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu" and not (kernels.AVAILABLE and kernels.interpreting() and os.environ.get("MINICPMO_SLOW_TESTS")):
-        pytest.skip("needs CUDA (or TRITON_INTERPRET=1 and MINICPMO_SLOW_TESTS=1: ~4 min on 2 CPUs)")
+        pytest.skip("needs CUDA (or TRITON_INTERPRET=1 and MINICPMO_SLOW_TESTS=1: ~5-7 min on 2 CPUs)")
     c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, device=dev,
                                  extra={"cfm_fused_body": True, "cfm_join_starts": True, "cfm_graph_precapture": False})
     assert c2w.join_starts

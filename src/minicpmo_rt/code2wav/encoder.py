@@ -122,9 +122,11 @@ class RelPositionAttention(nn.Module):
                w.data_ptr(), w._version)
         return _kept(self._proj, key, lambda: self.linear_pos(pos_table), pos_table.device)
 
-    def forward(self, x: torch.Tensor, pos_table: torch.Tensor,
-                cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, pos_table: torch.Tensor, cache: torch.Tensor | None = None,
+                key_ok: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x (b, t1, d); pos_table (1, 2*t2-1, d) with t2 = cached + t1; cache (b, h, t2-t1, 2*d_k).
+        ``key_ok`` (b, t2) bool: the keys each row attends (rows whose caches were padded at the front to a
+        common length, ``UpsampleConformerEncoderV2.forward_chunk(pad=)``); None: all.
 
         Returns the output (b, t1, d) and the new cache (b, h, t2, 2*d_k).
         """
@@ -149,6 +151,8 @@ class RelPositionAttention(nn.Module):
         column = (t1 - 1 - i + j).expand(b, self.h, t1, t2)
         position = position.gather(-1, column)
         scores = (content + position) / math.sqrt(self.d_k)
+        if key_ok is not None:
+            scores = scores.masked_fill(~key_ok[:, None, None, :], float("-inf"))
         attn = torch.softmax(scores, dim=-1)
         out = torch.matmul(attn, v).transpose(1, 2).reshape(b, t1, self.h * self.d_k)
         return self.linear_out(out), new_cache
@@ -174,9 +178,9 @@ class ConformerLayer(nn.Module):
         self.norm_ff = nn.LayerNorm(d, eps=1e-12)
         self.norm_mha = nn.LayerNorm(d, eps=1e-12)
 
-    def forward(self, x: torch.Tensor, pos_table: torch.Tensor,
-                cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        att, new_cache = self.self_attn(self.norm_mha(x), pos_table, cache)
+    def forward(self, x: torch.Tensor, pos_table: torch.Tensor, cache: torch.Tensor | None = None,
+                key_ok: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        att, new_cache = self.self_attn(self.norm_mha(x), pos_table, cache, key_ok)
         x = x + att
         x = x + self.feed_forward(self.norm_ff(x))
         return x, new_cache
@@ -278,12 +282,16 @@ class UpsampleConformerEncoderV2(nn.Module):
             x, _ = layer(x, pos)
         return self.after_norm(x)
 
-    def forward_chunk(self, xs: torch.Tensor, last_chunk: bool = False,
-                      cache: EncoderCache | None = None) -> tuple[torch.Tensor, EncoderCache]:
+    def forward_chunk(self, xs: torch.Tensor, last_chunk: bool = False, cache: EncoderCache | None = None,
+                      pad: torch.Tensor | None = None) -> tuple[torch.Tensor, EncoderCache]:
         """One streaming chunk: xs (b, n, input_size) embedded tokens -> (b, stride*m, d).
 
         A non-final chunk's last ``pre_lookahead_len`` tokens are lookahead only (m = n - L);
         with ``last_chunk`` they are encoded too against zero future (m = n).
+        ``pad`` (b,) int64: rows whose caches are shorter, padded at the front (the oldest end) with that many
+        token frames (``pad_encoder_caches``), which no query attends. The relative positions of the real
+        frames are unchanged (every position shifts by the padding), so each row computes what it would
+        alone; its new cache keeps the padding in front (``trim_split_conformer_att(pads=)`` drops it).
         """
         n_tok = len(self.encoders)
         stride = self.cfg.up_stride
@@ -303,16 +311,21 @@ class UpsampleConformerEncoderV2(nn.Module):
         x = self.embed(xs)
         x, new_cnn_pre = self.pre_lookahead_layer(x, cnn_pre, pad_future=last_chunk)
         pos = self._pos(past + x.shape[1], x)
+        ok_tok = ok_up = None
+        if pad is not None:     # key frame j of a row is real from its padding on (token, then mel rate)
+            ok_tok = torch.arange(past + x.shape[1], device=x.device)[None, :] >= pad[:, None]
         new_tok = []
         for layer, c in zip(self.encoders, att_tok):
-            x, nc = layer(x, pos, c)
+            x, nc = layer(x, pos, c, ok_tok)
             new_tok.append(nc)
         x, new_cnn_up = self.up_layer(x.transpose(1, 2), cnn_up)
         x = self.up_embed(x.transpose(1, 2))
         pos = self._pos(past * stride + x.shape[1], x)
+        if pad is not None:
+            ok_up = torch.arange(past * stride + x.shape[1], device=x.device)[None, :] >= stride * pad[:, None]
         new_up = []
         for layer, c in zip(self.up_encoders, att_up):
-            x, nc = layer(x, pos, c)
+            x, nc = layer(x, pos, c, ok_up)
             new_up.append(nc)
         x = self.after_norm(x)
 

@@ -52,6 +52,11 @@ class EncoderGraphs:
         self.shapes = ShapeGraphs(self._body, "encoder", max_graphs, warmups, capture_after=2,
                                   key_extra=_tf32_flags, evict=True, batch_buckets=batch_buckets,
                                   batch_axes=(0, 0, 1), out_batch_axes=(0, 0, 1))
+        # rows whose caches were padded at the front to a common length (a stream's first and second chunks
+        # among steady ones, cfm_join_starts): the padding counts come in as a fourth input
+        self.padded = ShapeGraphs(self._body_padded, "encoder (rows of their own lengths)", max_graphs, warmups,
+                                  capture_after=2, key_extra=_tf32_flags, evict=True, batch_buckets=batch_buckets,
+                                  batch_axes=(0, 0, 1, 0), out_batch_axes=(0, 0, 1))
 
     @property
     def max_graphs(self) -> int:
@@ -61,14 +66,24 @@ class EncoderGraphs:
         h, enc = self.flow._encode(token, EncoderCache(cnn, att), last_chunk)
         return h, enc.cnn, enc.att
 
+    def _body_padded(self, token: torch.Tensor, cnn: torch.Tensor, att: torch.Tensor, pad: torch.Tensor, *,
+                     last_chunk: bool):
+        h, enc = self.flow._encode(token, EncoderCache(cnn, att), last_chunk, pad)
+        return h, enc.cnn, enc.att
+
     def graphs(self) -> list[EncoderKey]:
         # ShapeGraphs keys: ((token shape, dtype), (cnn ...), (att shape, dtype), ("last_chunk", v), *flags)
         return [EncoderKey(k[0][0][0], k[0][0][1], k[2][0][3] // 2, k[3][1], k[4:]) for k in self.shapes.graphs]
 
     def run(self, token: torch.Tensor, cache: EncoderCache, last_chunk: bool,
-            copy_out: bool = True) -> tuple[torch.Tensor, EncoderCache]:
+            copy_out: bool = True, pad: torch.Tensor | None = None) -> tuple[torch.Tensor, EncoderCache]:
         """token (b, n) int64 on the device, cache the stream(s)' encoder cache -> (h (b, frames, 80)
         before the transpose, next encoder cache, untrimmed), owned by the caller (``copy_out=False``: views of
-        a graph's outputs where one replayed, valid until it replays again)."""
+        a graph's outputs where one replayed, valid until it replays again). ``pad`` (b,) int64 on the device:
+        rows padded at the front (``Flow.encode_streams``), through graphs of their own."""
+        if pad is not None:
+            h, cnn, att = self.padded(token, cache.cnn, cache.att, pad, copy_out=copy_out,
+                                      last_chunk=bool(last_chunk))
+            return h, EncoderCache(cnn, att)
         h, cnn, att = self.shapes(token, cache.cnn, cache.att, copy_out=copy_out, last_chunk=bool(last_chunk))
         return h, EncoderCache(cnn, att)

@@ -82,6 +82,23 @@ def stack_encoder_caches(encs: Sequence[EncoderCache]) -> EncoderCache:
     return EncoderCache(bulk_copy.cat([e.cnn for e in encs], 0), bulk_copy.cat([e.att for e in encs], 1))
 
 
+def pad_encoder_caches(encs: Sequence[EncoderCache], n_token_layers: int) -> tuple[EncoderCache, list[int]]:
+    """Encoder caches of several lengths batched at the longest: each shorter row padded at the front (the
+    oldest end) with zeros, and how many token frames each row's padding holds (``forward_chunk(pad=)``
+    masks them). The token-rate layers are read from the first half of their packed length only, so only
+    that half is written."""
+    past = max(e.token_frames for e in encs)
+    a0 = encs[0].att
+    att = torch.zeros(a0.shape[0], len(encs), a0.shape[2], 2 * past, a0.shape[4], dtype=a0.dtype, device=a0.device)
+    pads = []
+    for r, e in enumerate(encs):
+        n, d = e.token_frames, past - e.token_frames
+        bulk_copy.copy_(att[:n_token_layers, r:r + 1, :, d:past], e.att[:n_token_layers, :, :, :n])
+        bulk_copy.copy_(att[n_token_layers:, r:r + 1, :, 2 * d:], e.att[n_token_layers:])
+        pads.append(d)
+    return EncoderCache(bulk_copy.cat([e.cnn for e in encs], 0), att), pads
+
+
 def split_encoder_cache(enc: EncoderCache, sizes: Sequence[int]) -> list[EncoderCache]:
     """Inverse of ``stack_encoder_caches``: caches of ``sizes`` rows each, in their own memory."""
     out, i = [], 0
@@ -179,29 +196,42 @@ def trim_conformer_att(att: torch.Tensor, prompt_frames: int, n_token_layers: in
 
 
 def trim_split_conformer_att(att: torch.Tensor, prompt_frames: Sequence[int], n_token_layers: int,
-                             keep: int = HISTORY_FRAMES) -> list[torch.Tensor]:
+                             keep: int = HISTORY_FRAMES, pads: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Each batch row of a packed conformer cache (layers, b, heads, frames, 2*d_k), trimmed as
     ``trim_conformer_att`` trims it at that row's prompt frames, in memory of its own: one copy of each kept
     frame range straight into the row's new cache (``split_encoder_cache(trim_conformer_att(...))`` copies the
-    batch ~4 times: the trim's three concatenations and the split)."""
+    batch ~4 times: the trim's three concatenations and the split). ``pads``: each row's front padding in token
+    frames (``pad_encoder_caches``), left out."""
     frames = att.shape[3]
+    half = frames // 2
     out = []
     for i, p in enumerate(prompt_frames):
         row = att[:, i:i + 1]
-        if frames <= p + keep:
-            out.append(bulk_copy.clone(row))
+        d = 0 if pads is None else int(pads[i])
+        fr = frames - 2 * d                                  # the row's own packed length
+        tok_src, mel_src = row[:n_token_layers, :, :, d:half], row[n_token_layers:, :, :, 2 * d:]
+        if fr <= p + keep:
+            if not d:
+                out.append(bulk_copy.clone(row))
+                continue
+            new = torch.empty(att.shape[0], 1, att.shape[2], fr, att.shape[4], dtype=att.dtype, device=att.device)
+            tok = new[:n_token_layers]
+            bulk_copy.copy_(tok[..., :fr // 2, :], tok_src)
+            bulk_copy.copy_(tok[..., fr // 2:, :], tok_src)           # stored twice along time, as packed
+            bulk_copy.copy_(new[n_token_layers:], mel_src)
+            out.append(new)
             continue
         if p % 2 or keep % 2:
             raise ValueError(f"trim_split_conformer_att: prompt frames {p} and kept frames {keep} must be even "
                              "(two mel frames per token)")
-        half, nt = frames // 2, p // 2 + keep // 2          # token-rate frames stored, and kept
+        nt = p // 2 + keep // 2                              # token-rate frames kept
         new = torch.empty(att.shape[0], 1, att.shape[2], p + keep, att.shape[4], dtype=att.dtype, device=att.device)
         tok, mel = new[:n_token_layers], new[n_token_layers:]
-        bulk_copy.copy_(tok[..., :p // 2, :], row[:n_token_layers, :, :, :p // 2])
-        bulk_copy.copy_(tok[..., p // 2:nt, :], row[:n_token_layers, :, :, half - keep // 2:half])
+        bulk_copy.copy_(tok[..., :p // 2, :], tok_src[..., :p // 2, :])
+        bulk_copy.copy_(tok[..., p // 2:nt, :], tok_src[..., fr // 2 - keep // 2:, :])
         bulk_copy.copy_(tok[..., nt:, :], tok[..., :nt, :])      # stored twice along time, as packed
-        bulk_copy.copy_(mel[..., :p, :], row[n_token_layers:, :, :, :p])
-        bulk_copy.copy_(mel[..., p:, :], row[n_token_layers:, :, :, frames - keep:])
+        bulk_copy.copy_(mel[..., :p, :], mel_src[..., :p, :])
+        bulk_copy.copy_(mel[..., p:, :], mel_src[..., fr - keep:, :])
         out.append(new)
     return out
 
@@ -455,10 +485,24 @@ class Flow(nn.Module):
             return out
         check_steps(caches, n_timesteps)
         p = caches[0].prompt_frames
+        # parts of one payload shape share an encoder call whatever their cache lengths (the shorter caches
+        # padded at the front and masked); a final part's streams end: no next encoder caches
+        encoded: list = [None] * len(parts)
+        by_payload: dict[tuple[int, bool], list[int]] = {}
+        for i, part in enumerate(parts):
+            by_payload.setdefault((part.token.shape[1], part.last), []).append(i)
+        for (_, last), idx in by_payload.items():
+            encoders = [c.encoder for i in idx for c in parts[i].caches]
+            h, sp, enc = self.encode_streams(torch.cat([parts[i].token for i in idx]),
+                                             torch.cat([parts[i].spk for i in idx]), encoders, last,
+                                             None if last else [p] * len(encoders))
+            r = 0
+            for i in idx:
+                b = len(parts[i].caches)
+                encoded[i] = (h[r:r + b], sp[r:r + b], None if enc is None else enc[r:r + b])
+                r += b
         mus, spks, encs, widths = [], [], [], []
-        for part, f in zip(parts, frames):      # a final part's streams end: no next encoder caches
-            h, sp, enc = self.encode_streams(part.token, part.spk, [c.encoder for c in part.caches], part.last,
-                                             None if part.last else [p] * len(part.caches))
+        for part, f, (h, sp, enc) in zip(parts, frames, encoded):
             mus.append(F.pad(h, (0, T - f)))
             spks.append(sp)
             encs.append(enc)
@@ -486,39 +530,51 @@ class Flow(nn.Module):
         """The encoder half for b streams' own caches (token, spk: b rows in their order): (mu (b, 80, frames),
         projected speaker (b, 80), each stream's next encoder cache trimmed at its ``prompt_frames`` in memory of
         its own; None with ``prompt_frames`` None, when the streams end). The next caches are cut straight out
-        of the encoder's output (``trim_split_conformer_att``: one copy of what each stream keeps)."""
-        enc = encoders[0] if len(encoders) == 1 else stack_encoder_caches(encoders)
-        h, spk, new = self.encode_chunk(token, spk, enc, last_chunk, copy_out=False)
+        of the encoder's output (``trim_split_conformer_att``: one copy of what each stream keeps). Caches of
+        several lengths (a stream's first and second chunks among steady ones) run as one call, the shorter
+        padded at the front and masked (``pad_encoder_caches``)."""
+        pads = None
+        if len(encoders) == 1:
+            enc = encoders[0]
+        elif len({e.att.shape[3] for e in encoders}) > 1:
+            enc, pads = pad_encoder_caches(encoders, len(self.encoder.encoders))
+        else:
+            enc = stack_encoder_caches(encoders)
+        h, spk, new = self.encode_chunk(token, spk, enc, last_chunk, copy_out=False, pads=pads)
         if prompt_frames is None:
             return h, spk, None
-        atts = trim_split_conformer_att(new.att, prompt_frames, len(self.encoder.encoders))
+        atts = trim_split_conformer_att(new.att, prompt_frames, len(self.encoder.encoders), pads=pads)
         return h, spk, [EncoderCache(bulk_copy.clone(new.cnn[i:i + 1]), a) for i, a in enumerate(atts)]
 
     @torch.inference_mode()
     def encode_chunk(self, token: torch.Tensor, spk: torch.Tensor, encoder: EncoderCache, last_chunk: bool = False,
-                     copy_out: bool = True) -> tuple[torch.Tensor, torch.Tensor, EncoderCache]:
+                     copy_out: bool = True, pads: Sequence[int] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, EncoderCache]:
         """The encoder half of ``inference_chunk``: (mu (b, 80, frames), projected speaker (b, 80), next
         encoder cache, untrimmed: ``trim_encoder_cache``). The opt-in slot pool runs the CFM half itself.
         ``copy_out=False``: from CUDA graphs the next cache may be a view of a graph's output, valid until that
         graph replays again (``encode_streams`` copies what each stream keeps out of it at once). ``token`` may
         be on the host: checked there and uploaded without a device synchronisation (``to_device``); on the
-        device its range check waits for the device."""
+        device its range check waits for the device. ``pads``: each row's front padding of a batch of caches of
+        several lengths (``pad_encoder_caches``); the next cache keeps it."""
         self._check_tokens(token, "tokens")
         if token.shape[1] <= (0 if last_chunk else self.pre_lookahead_len):
             raise InputError(f"chunk of {token.shape[1]} tokens: a non-final chunk needs new tokens plus "
                              f"{self.pre_lookahead_len} lookahead, a final one at least 1")
         spk = self._speaker(spk)
         token = self.to_device(token.long())
+        pad = None if pads is None else self.to_device(torch.tensor(pads, dtype=torch.long))
         if self.encoder_graphs is None:
-            h, enc_cache = self._encode(token, encoder, last_chunk)
+            h, enc_cache = self._encode(token, encoder, last_chunk, pad)
         else:
-            h, enc_cache = self.encoder_graphs.run(token, encoder, last_chunk, copy_out=copy_out)
+            h, enc_cache = self.encoder_graphs.run(token, encoder, last_chunk, copy_out=copy_out, pad=pad)
         return h.transpose(1, 2).contiguous(), spk, enc_cache
 
-    def _encode(self, token: torch.Tensor, encoder: EncoderCache, last_chunk: bool) -> tuple[torch.Tensor, EncoderCache]:
+    def _encode(self, token: torch.Tensor, encoder: EncoderCache, last_chunk: bool,
+                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, EncoderCache]:
         """Embedding -> conformer chunk -> ``encoder_proj``: (h (b, frames, 80), next encoder cache), what
-        ``encoder_graphs`` captures."""
-        h, enc_cache = self.encoder.forward_chunk(self.input_embedding(token), last_chunk, encoder)
+        ``encoder_graphs`` captures (``pad``: rows padded at the front, ``forward_chunk(pad=)``)."""
+        h, enc_cache = self.encoder.forward_chunk(self.input_embedding(token), last_chunk, encoder, pad)
         return self.encoder_proj(h), enc_cache
 
     def trim_encoder_cache(self, cache: EncoderCache, prompt_frames: int) -> EncoderCache:

@@ -195,7 +195,8 @@ def cfm_join_starts(extra: Mapping[str, Any] | None) -> bool:
     """Connector knob ``cfm_join_starts`` (opt-in, default off): a stream's first and second chunks, whose
     estimator caches are shorter than the steady ones', join the steady CFM solve of the other streams where
     the solver reads each stream's cache in place (each row its own noise offset and trim), instead of a
-    solve per cache length. Same mel up to summation order."""
+    solve per cache length; their encoder halves join too (the shorter caches padded at the front and
+    masked). Same mel up to summation order."""
     return bool(_parse_bool((extra or {}).get("cfm_join_starts"), "cfm_join_starts"))
 
 

@@ -384,6 +384,8 @@ class Code2Wav:
         sets = {}
         if self.flow.encoder_graphs is not None:
             sets["encoder"] = self.flow.encoder_graphs.shapes
+            if self.join_starts:    # streams of several cache lengths in one call (captured as they come)
+                sets["encoder (padded)"] = self.flow.encoder_graphs.padded
         runner = self.vocoders.stream.runner
         if isinstance(runner, GraphedHiFT):
             sets.update({f"HiFT {name}": g for name, g in runner.shape_sets().items()})
