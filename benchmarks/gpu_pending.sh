@@ -51,7 +51,7 @@ for s in "$@"; do
     starts) step starts 380 python benchmarks/stream_churn_bench.py --starts --out "$W/starts" "${tiny[@]}" ;;
     jtests) step jtests 300 python -m pytest -q -p no:cacheprovider tests/code2wav/test_tiled_attention.py \
               tests/code2wav/test_euler_graph.py tests/code2wav/test_pipeline_batched.py tests/code2wav/test_pipeline.py \
-              -k "own_cache_lengths or join_the_steady or join_starts or joined or direct" ;;
+              tests/code2wav/test_encoder_graph.py -k "own_cache_lengths or join_the_steady or join_starts or joined or direct or padded" ;;
     stage) step stage 120 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
     *) echo "gpu_pending.sh: unknown step '$s' (tests, carry, prepare, churn, starts, jtests, stage)" >&2; exit 2 ;;
   esac

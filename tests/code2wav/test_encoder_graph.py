@@ -266,16 +266,13 @@ def test_cuda_graph_keeps_the_tables_it_reads_alive():
     assert torch.equal(got[0], want[0]) and torch.equal(got[2].att, want[2].att)
 
 
-def test_streams_of_several_cache_lengths_encode_in_one_call():
-    """``Flow.encode_streams`` over three streams whose encoder caches differ in length (the prompt's only; one
-    chunk more; twelve more, past the trim): one call, the shorter caches padded at the front and their padding
-    masked (``pad_encoder_caches``, ``forward_chunk(pad=)``), equals each stream encoded alone: its mu and its
-    next cache (trimmed at its prompt, padding left out) within 1e-6, FP32. The same through the graph set's
-    bookkeeping (``EncoderGraphs.padded``, a batch bucket of 4 padding the third row up; captures faked on the
-    CPU), which keeps the unpadded calls' graphs apart."""
+def _several_lengths(device: str, make_graphs, tol: float = 1e-6) -> "EncoderGraphs":
+    """Three streams' encoder caches of three lengths (the prompt's only; one chunk more; twelve more, past the
+    trim) encoded in one ``Flow.encode_streams`` call, eagerly and through ``make_graphs(flow)`` (three calls:
+    eager, capture, replay), against each stream alone: mu and the next cache within ``tol``. Returns the graphs."""
     from minicpmo_rt.code2wav.flow import HISTORY_FRAMES
 
-    flow = tiny_flow()
+    flow = tiny_flow(device)
     cache, spk = prompt_cache(flow)
     g = torch.Generator().manual_seed(7)
     tok = lambda: torch.randint(0, TINY.vocab_size, (1, 8), generator=g)     # noqa: E731
@@ -291,14 +288,32 @@ def test_streams_of_several_cache_lengths_encode_in_one_call():
         toks = torch.cat([tok() for _ in encs])
         spks = spk.expand(3, -1)
         alone = [flow.encode_streams(toks[i:i + 1], spks[i:i + 1], [e], False, [p]) for i, e in enumerate(encs)]
-        for graphs in (None, _CPUGraphs(flow, 8)):
+        for graphs in (None, make_graphs(flow)):
             flow.encoder_graphs = graphs
             for _ in range(3 if graphs else 1):      # a graph's first call runs eagerly, its second captures
                 h, sp, news = flow.encode_streams(toks, spks, encs, False, [p] * 3)
             for i, (ha, _, na) in enumerate(alone):
-                assert rel_err(h[i:i + 1], ha) < 1e-6, i
-                assert news[i].att.shape == na[0].att.shape and rel_err(news[i].att, na[0].att) < 1e-6, i
-                assert torch.equal(news[i].cnn, na[0].cnn) or rel_err(news[i].cnn, na[0].cnn) < 1e-6, i
-            if graphs is not None:
-                assert graphs.padded.captures == 1 and graphs.padded.replays >= 1 and not graphs.shapes.graphs
+                assert rel_err(h[i:i + 1], ha) < tol, i
+                assert news[i].att.shape == na[0].att.shape and rel_err(news[i].att, na[0].att) < tol, i
+                assert torch.equal(news[i].cnn, na[0].cnn) or rel_err(news[i].cnn, na[0].cnn) < tol, i
         flow.encoder_graphs = None
+    return graphs
+
+
+def test_streams_of_several_cache_lengths_encode_in_one_call():
+    """``Flow.encode_streams`` over three streams whose encoder caches differ in length: one call, the shorter
+    caches padded at the front and their padding masked (``pad_encoder_caches``, ``forward_chunk(pad=)``),
+    equals each stream encoded alone (``_several_lengths``), FP32 on the CPU. The same through the graph set's
+    bookkeeping (``EncoderGraphs.padded``, a batch bucket of 4 padding the third row up; captures faked on the
+    CPU), which keeps the unpadded calls' graphs apart."""
+    graphs = _several_lengths("cpu", lambda flow: _CPUGraphs(flow, 8))
+    assert graphs.padded.captures == 1 and graphs.padded.replays >= 1 and not graphs.shapes.graphs
+
+
+@requires_cuda
+def test_cuda_padded_encoder_graphs_equal_each_stream_alone():
+    """``_several_lengths`` on CUDA with real graphs (``EncoderGraphs.padded`` captured on the second call and
+    replayed on the third), IEEE matmuls (the encoder's default outside the CFM); 1e-5: cuBLAS picks its kernels
+    by the rows, so a batch of 4 and a row alone sum in other orders."""
+    graphs = _several_lengths("cuda", EncoderGraphs, 1e-5)
+    assert graphs.padded.captures == 1 and graphs.padded.replays >= 1 and not graphs.shapes.graphs
