@@ -276,6 +276,25 @@ def drive() -> None:
                              graph=False, trim=(300, 100))
             assert all((k.direct if direct else k.succ) and st.ws.ctr is not None for k, st in solver._statics.items())
         euler_graph.ARENA_SUCCESSOR = False
+        # rows of their own cache lengths (cfm_join_starts: a stream's first and second chunks among steady ones;
+        # the ROW_LENGTHS variants): the block kernel's direct phase at batch 2 (its CUDA default), the staged
+        # body's direct attention at 4 and 16 with in-kernel TMA descriptors (Hopper's path: no spills; with
+        # pointer loads, the SM80 path, the variant spills 84 bytes per thread on SM90, within SPILL_LIMIT, where
+        # the default one spills none), FP16 operands too
+        for B, operands, tma in ((2, "fp32", True), (4, "fp32", True), (4, "fp32", False), (16, "fp32", True),
+                                 (16, "fp16", True)):
+            fused_dit.device_tma = lambda device, v=tma: v
+            cfg = GraphConfig(enabled=False, batch_buckets=(2, 4, 16), query_buckets=(50,), offset_anchor=400)
+            solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
+                                      config=cfg, use_triton=True, wide_gemm=B >= 8, gemm_operands=operands,
+                                      block_kernel=True if B == 2 else None)
+            fused_dit.dot_precision = lambda t: "tf32"
+            streams = [torch.zeros(S, est.depth, 2, H, n, 2 * D) for n in ([400, 300, 350] * B)[:B]]
+            with matmul_tf32(True):
+                solver.solve(torch.zeros(B, 80, 50), torch.zeros(B, 80), torch.zeros(B, 80, 50), caches(B, 400)[0],
+                             streams, graph=False, trim=(300, 100))
+            assert all(k.direct and k.rows for k in solver._statics), "the compile gate's joined solve took no rows key"
+        fused_dit.device_tma = lambda device: False
         # slot pool: pooled caches (rows/pos), a stride-0 key mask, the block kernel at B=1, TMA at B=16
         fused_dit.dot_precision = lambda t: "tf32"
         for B in (1, 4, 8, 16):
