@@ -319,6 +319,31 @@ def test_warm_up_stream_leaves_no_trace(tiny_ckpt, voice, vocoder):
     assert warm.warm_up_batches() == (1,)     # no CFM solver on the CPU reference path: one stream
 
 
+def test_warm_up_with_join_starts_pushes_a_fresh_stream_among_steady_ones(tiny_ckpt, voice):
+    """With ``join_starts`` the warm-up at each batch from 2 has one more round in which a fresh stream (its first
+    chunk) joins steady ones, so the encoder's padded graphs are captured before serving; the fresh stream
+    leaves unfinished and no prompt lease stays behind. Without the knob, every warm-up round is in lockstep."""
+    c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True})
+    c2w.flow.chunk_solver.fused.use_triton = False     # the torch stages: the same grouping, faster on CPU
+    rounds, push_many = [], c2w.push_many
+
+    def spy(items, *a, **k):
+        rounds.append(sorted({s.cache.estimator_frames for s, payload, _ in items if payload}))
+        return push_many(items, *a, **k)
+
+    c2w.push_many = spy
+    for join in (False, True):
+        c2w.join_starts = join
+        rounds.clear()
+        c2w.warm_up(voice, chunks=2, batches=(1, 3))
+        mixed = [r for r in rounds if len(r) > 1]
+        assert len(mixed) == (1 if join else 0), rounds
+        if join:
+            assert mixed[0][0] < mixed[0][-1]            # the fresh stream's prompt-only cache among longer ones
+        assert all(e.leases == 0 for e in c2w.prompts._entries.values())
+    c2w.join_starts = False
+
+
 def test_warm_up_stops_at_the_batch_that_runs_out_of_memory(tiny_ckpt, voice, monkeypatch, caplog):
     """A warm-up round that runs out of device memory stops the warm-up there with a warning (no larger
     batch is tried) and leaves no lease behind. Running out of GPU memory cannot happen on a CPU, so

@@ -398,8 +398,10 @@ class Code2Wav:
         stream's chunks (first, growing and steady) and its vocoder's final call replay instead of running
         eagerly or capturing. For each ``b`` in ``batches``, ``b`` streams
         run in lockstep through ``push_many`` (one stream: ``push``), so rounds of ``b`` concurrent streams, and
-        those the graph sets pad to ``b`` rows, replay too. Upstream's precapture takes the HiFT and
-        flow-encoder graphs as well. Returns the graphs each set then holds ({} where there are none).
+        those the graph sets pad to ``b`` rows, replay too. With ``join_starts`` one more round at each ``b`` from
+        2 has a fresh stream among the steady ones (the encoder call of several cache lengths). Upstream's
+        precapture takes the HiFT and flow-encoder graphs as well. Returns the graphs each set then holds ({}
+        where there are none).
 
         The streams leave no trace: their prompt leases and slots (if any) are released, the graphs' capture
         thresholds and the RNG state (the original HiFT's excitation draws from it) are restored. Running out
@@ -426,9 +428,16 @@ class Code2Wav:
                             streams[0].push(payload)
                         else:
                             self.push_many([(s, payload, False) for s in streams])
+                    if self.join_starts and b > 1:
+                        # a fresh stream among steady ones: the round a stream's first chunk joins (the encoder's
+                        # padded graph at this bucket; the CFM's rows key is precaptured). It leaves unfinished.
+                        streams[-1].close()
+                        streams[-1] = Code2WavStream(self, self.lease_prompt(voice))
+                        self.push_many([(s, payload, False) for s in streams])
+                        streams.pop().close()
                     # an empty final payload: the vocoder's final call alone, whose lengths (the steady
                     # history plus the look-ahead frames) are those of every stream that ends after a steady chunk
-                    if b == 1:
+                    if len(streams) == 1:
                         streams[0].push([], last=True)
                     else:
                         self.push_many([(s, [], True) for s in streams])
