@@ -29,6 +29,15 @@ def _payloads(seed: int, windows=(25, 25, 25, 25, 10)):
     return out
 
 
+def _same_audio(got, alone, tag) -> None:
+    """Each stream's PCM chunks (``got[j]``) equal those of the stream pushed alone within 1e-5."""
+    for j in range(len(alone)):
+        assert len(got[j]) == len(alone[j])
+        for k, (a, b) in enumerate(zip(got[j], alone[j])):
+            assert a.shape == b.shape and np.abs(b).max() > 0
+            assert _rel(a, b) <= 1e-5, (tag, j, k, _rel(a, b))
+
+
 class StageSpy:
     """Stands in for a vocoder's runner: records (op, batch rows) of every HiFT stage call, runs
     it on the model, and raises on call ``fail_on`` (1-based) if given."""
@@ -150,11 +159,7 @@ def test_final_chunks_join_the_steady_solve_of_streams_that_go_on(c2w, voice):
             assert calls == [3, 3, 3, 1, 1, 1]      # the wide final alone in round 4, stream 0's last two alone
         else:
             assert joined == [] and calls == [3, 3, 3, 1, 1, 1, 1, 1]
-        for j in range(len(plans)):
-            assert len(got[j]) == len(alone[j])
-            for k, (a, b) in enumerate(zip(got[j], alone[j])):
-                assert a.shape == b.shape and np.abs(b).max() > 0
-                assert _rel(a, b) <= 1e-5, (join, j, k, _rel(a, b))
+        _same_audio(got, alone, join)
         assert all(s.finished for s in streams)
 
 
@@ -200,11 +205,7 @@ def test_join_starts_groups_first_chunks_with_steady_ones_and_streams_the_same_a
             assert all(len(set(j)) == 1 for j in joined), joined
         else:
             assert joined == []
-        for j in range(len(plans)):
-            assert len(got[j]) == len(alone[j])
-            for k, (a, b) in enumerate(zip(got[j], alone[j])):
-                assert a.shape == b.shape and np.abs(b).max() > 0
-                assert _rel(a, b) <= 1e-5, (join, j, k, _rel(a, b))
+        _same_audio(got, alone, join)
         assert all(s.finished for s in streams)
 
 

@@ -456,10 +456,8 @@ class Flow(nn.Module):
                                  f"rows and {part.spk.shape[0]} speaker rows; pass one cache per row")
             check_joint_caches(part.caches, f"inference_chunks_joined (part {i})")
         lengths = {c.estimator_frames for c in caches}
-        if len(lengths) == 1:
+        if len(lengths) == 1 or len({c.prompt_frames for c in caches}) > 1:     # the latter raises, naming them
             check_joint_caches(caches, "inference_chunks_joined")
-        elif len({c.prompt_frames for c in caches}) > 1:
-            check_joint_caches(caches, "inference_chunks_joined")       # raises, naming the prompt frames
         frames = [self.chunk_frames(part.token.shape[1], part.last) for part in parts]
         T = max(frames)
         for i, (part, f) in enumerate(zip(parts, frames)):

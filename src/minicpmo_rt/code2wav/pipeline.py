@@ -561,16 +561,19 @@ class Code2Wav:
         frames = {k: self.flow.chunk_frames(k[0], k[1]) for k in keys}
         if len(keys) < 2 or not self.join_finals or not self.flow.joins_widths(self.n_timesteps):
             return [shapes[k] for k in keys]
+        def widest(ks):     # the widest non-final group (or, with none, final one), the most rows first
+            return max([k for k in ks if not k[1]] or ks, key=lambda k: (frames[k], len(shapes[k])))
+
         solves, rest = [], keys
         if self.join_starts:
-            host = max([k for k in keys if not k[1]] or keys, key=lambda k: (frames[k], len(shapes[k])))
+            host = widest(keys)
             joined = [host] + [k for k in keys if k != host and (frames[k] == frames[host] if not k[1]
                                                                else frames[k] <= frames[host])]
             solves.append([i for k in joined for i in shapes[k]])
             rest = [k for k in keys if k not in joined]
         for shape in dict.fromkeys(k[2] for k in rest):     # each cache shape: its finals join its widest
             own = [k for k in rest if k[2] == shape]
-            host = max([k for k in own if not k[1]] or own, key=lambda k: (frames[k], len(shapes[k])))
+            host = widest(own)
             joined = [host] + [k for k in own if k != host and k[1] and frames[k] <= frames[host]]
             solves.append([i for k in joined for i in shapes[k]])
             solves += [shapes[k] for k in own if k not in joined]
