@@ -206,9 +206,9 @@ def test_join_starts_knob_reaches_the_flow_and_precaptures_its_keys(tiny_ckpt, v
     triton_here = kernels.AVAILABLE and (kernels.interpreting() or torch.cuda.is_available())
     if triton_here:     # the direct path's attention (on the CPU: under the interpreter; keys only, no solve)
         sv.fused.use_triton, sv.fused.attention = True, "triton-ieee"
-    plan = fast.precapture_plan(p)
-    keys = sv.precapture_keys(**plan, device="cpu")
-    plain = sv.precapture_keys(**{**plan, "row_lengths": False}, device="cpu")
+    plan, dev = fast.precapture_plan(p), "cuda" if torch.cuda.is_available() else "cpu"   # Triton's device
+    keys = sv.precapture_keys(**plan, device=dev)
+    plain = sv.precapture_keys(**{**plan, "row_lengths": False}, device=dev)
     steady = {k for k in plain if k.direct and k.batch > 1 and k.offset == p + 100 and not k.masked}
     assert {k for k in keys if k.rows} == {replace(k, rows=True) for k in steady}
     assert set(keys) - {k for k in keys if k.rows} == set(plain)
