@@ -1,6 +1,7 @@
 """Whole-Euler solver vs the reference CFM solve (cfm.CausalConditionalCFM.forward_chunk)."""
 
 import contextlib
+from dataclasses import replace
 import math
 import os
 
@@ -323,7 +324,8 @@ def test_direct_solve_takes_rows_of_their_own_cache_lengths():
     at its own length (its own key, noise offset and trim: the flow's trim (5, 4) drops [5, 10), nothing, and
     [5, 8) of the three), within 1e-6 (IEEE dots; the keys reach the softmax in another grouping); also with
     the 2-frame stream's chunk a final one of 3 frames among them (``widths``). The solver refuses lengths it cannot read in place (SDPA attention), naming the way out, and
-    ``joins_lengths`` says which solver can take them."""
+    ``joins_lengths`` says which solver can take them. Rows all shorter than the steady length (trim's sum)
+    solve under the steady key where that is direct (``anchor_at_trim``), so the precaptured graph serves them."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfm = tiny_cfm(seed=14).to(dev)
     cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
@@ -359,6 +361,17 @@ def test_direct_solve_takes_rows_of_their_own_cache_lengths():
                cnn_cache=torch.cat([kw["cnn_cache"][:, :, 1:2], kw["cnn_cache"][:, :, B + 1:B + 2]], 2))
     m1, _, _ = alone.solve(**one, att_cache=[streams[1]], graph=False, copy_out=True, trim=trim)
     assert rel_err(mel_w[1:2, :, :3], m1) < 1e-6
+    # rows all shorter than the steady length (a round of second and first chunks alone): where the steady key
+    # is a direct one (the offset grid anchored at the trim, as in Code2Wav), they solve under it, so the rows
+    # graph precaptured at the steady length serves them; each still equals its own solve
+    at_trim = WholeEulerSolver(cfm, body="fused", attention="triton-ieee", n_timesteps=S, use_triton=True,
+                               config=replace(cfg, anchor_at_trim=True), block_kernel=False)
+    short = dict(mu=kw["mu"][1:], spks=kw["spks"][1:], cond=kw["cond"][1:],
+                 cnn_cache=torch.cat([kw["cnn_cache"][:, :, 1:B], kw["cnn_cache"][:, :, B + 1:]], 2))
+    mel_s, _, new_s = at_trim.solve(**short, att_cache=streams[1:], graph=False, copy_out=True, trim=trim)
+    assert [(k.rows, k.offset, k.masked) for k in at_trim._statics] == [(True, sum(trim), False)]
+    for r, i in enumerate((1, 2)):
+        assert rel_err(mel_s[r:r + 1], mel[i:i + 1]) < 1e-6 and rel_err(new_s[r], new[i]) < 1e-6, i
     sdpa = WholeEulerSolver(cfm, body="fused", attention="sdpa", n_timesteps=S, config=cfg, use_triton=False)
     assert not sdpa.joins_lengths(T, streams, kw["mu"], trim)
     with pytest.raises(ValueError, match="only on the direct path.*joins_lengths"):

@@ -597,6 +597,7 @@ class WholeEulerSolver:
         device = mu.device
         key = self.solve_key(B, T, L, mu, trim, att_cache if per_stream else [att_cache], ragged)
         if per_stream and any(c.shape[4] != L for c in att_cache):
+            key = self._rows_key(B, T, L, mu, trim, att_cache, ragged)
             if not key.direct:
                 raise ValueError(f"solve: per-stream caches of {sorted({c.shape[4] for c in att_cache})} frames "
                                  f"solve together only on the direct path, not under {key}; solve each length "
@@ -633,9 +634,22 @@ class WholeEulerSolver:
         for i in range(0, len(caches), big):
             group = caches[i:i + big]
             lengths = {c.shape[4] for c in group}
-            if len(lengths) > 1 and not self.solve_key(len(group), T, max(lengths), mu, trim, group, ragged).direct:
+            if len(lengths) > 1 and not self._rows_key(len(group), T, max(lengths), mu, trim, group, ragged).direct:
                 return False
         return True
+
+    def _rows_key(self, B: int, T: int, L: int, mu: torch.Tensor, trim: tuple[int, int],
+                  caches: Sequence[torch.Tensor], ragged: bool) -> SolveKey:
+        """The key per-stream caches of several lengths (the longest L) solve under: the steady length's
+        (``sum(trim)``) where that is a direct key, else the longest's. The rows read their own lengths from
+        the tables; the key's length only sizes the key splits, and a shorter row leaves its last ones empty.
+        So a round of starting streams alone (second and first chunks) replays the steady rows graph that
+        ``precapture(row_lengths=True)`` took, instead of capturing one mid-serving."""
+        if L < sum(trim):
+            steady = self.solve_key(B, T, sum(trim), mu, trim, caches, ragged)
+            if steady.direct:
+                return steady
+        return self.solve_key(B, T, L, mu, trim, caches, ragged)
 
     def solve_key(self, B: int, T: int, L: int, mu: torch.Tensor, trim: tuple[int, int] | None = None,
                   caches: Sequence[torch.Tensor | None] | None = None, ragged: bool = False) -> SolveKey:
