@@ -269,8 +269,9 @@ def test_cuda_graph_keeps_the_tables_it_reads_alive():
 def _several_lengths(device: str, make_graphs, tol: float = 1e-6) -> "EncoderGraphs":
     """Three streams' encoder caches of three lengths (the prompt's only; one chunk more; twelve more, past the
     trim) encoded in one ``Flow.encode_streams`` call, eagerly and through ``make_graphs(flow)`` (three calls:
-    eager, capture, replay), against each stream alone: mu and the next cache within ``tol``. Returns the graphs."""
-    from minicpmo_rt.code2wav.flow import HISTORY_FRAMES
+    eager, capture, replay), against each stream alone: mu and the next cache within ``tol``; eagerly also the two
+    shorter ones alone, padded to the steady length (``pad_to``). Returns the graphs."""
+    from minicpmo_rt.code2wav.flow import HISTORY_FRAMES, pad_encoder_caches
 
     flow = tiny_flow(device)
     cache, spk = prompt_cache(flow)
@@ -296,6 +297,13 @@ def _several_lengths(device: str, make_graphs, tol: float = 1e-6) -> "EncoderGra
                 assert rel_err(h[i:i + 1], ha) < tol, i
                 assert news[i].att.shape == na[0].att.shape and rel_err(news[i].att, na[0].att) < tol, i
                 assert torch.equal(news[i].cnn, na[0].cnn) or rel_err(news[i].cnn, na[0].cnn) < tol, i
+            if graphs is None:  # starting streams alone, padded to the steady length (the shape warm_up captures)
+                steady = (p + HISTORY_FRAMES) // 2
+                assert pad_encoder_caches(encs[:2], len(flow.encoder.encoders), steady)[1] == [
+                    steady - e.token_frames for e in encs[:2]]
+                h, _, news = flow.encode_streams(toks[:2], spks[:2], encs[:2], False, [p] * 2, pad_to=steady)
+                for i, (ha, _, na) in enumerate(alone[:2]):
+                    assert rel_err(h[i:i + 1], ha) < tol and rel_err(news[i].att, na[0].att) < tol, i
         flow.encoder_graphs = None
     return graphs
 

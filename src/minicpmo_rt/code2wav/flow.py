@@ -82,12 +82,13 @@ def stack_encoder_caches(encs: Sequence[EncoderCache]) -> EncoderCache:
     return EncoderCache(bulk_copy.cat([e.cnn for e in encs], 0), bulk_copy.cat([e.att for e in encs], 1))
 
 
-def pad_encoder_caches(encs: Sequence[EncoderCache], n_token_layers: int) -> tuple[EncoderCache, list[int]]:
-    """Encoder caches of several lengths batched at the longest: each shorter row padded at the front (the
-    oldest end) with zeros, and how many token frames each row's padding holds (``forward_chunk(pad=)``
-    masks them). The token-rate layers are read from the first half of their packed length only, so only
-    that half is written."""
-    past = max(e.token_frames for e in encs)
+def pad_encoder_caches(encs: Sequence[EncoderCache], n_token_layers: int,
+                       pad_to: int | None = None) -> tuple[EncoderCache, list[int]]:
+    """Encoder caches of several lengths batched at the longest (or at ``pad_to`` token frames where that is
+    longer): each shorter row padded at the front (the oldest end) with zeros, and how many token frames each
+    row's padding holds (``forward_chunk(pad=)`` masks them). The token-rate layers are read from the first
+    half of their packed length only, so only that half is written."""
+    past = max([e.token_frames for e in encs] + [pad_to or 0])
     a0 = encs[0].att
     att = torch.zeros(a0.shape[0], len(encs), a0.shape[2], 2 * past, a0.shape[4], dtype=a0.dtype, device=a0.device)
     pads = []
@@ -493,7 +494,7 @@ class Flow(nn.Module):
             encoders = [c.encoder for i in idx for c in parts[i].caches]
             h, sp, enc = self.encode_streams(torch.cat([parts[i].token for i in idx]),
                                              torch.cat([parts[i].spk for i in idx]), encoders, last,
-                                             None if last else [p] * len(encoders))
+                                             None if last else [p] * len(encoders), (p + HISTORY_FRAMES) // 2)
             r = 0
             for i in idx:
                 b = len(parts[i].caches)
@@ -523,19 +524,20 @@ class Flow(nn.Module):
 
     @torch.inference_mode()
     def encode_streams(self, token: torch.Tensor, spk: torch.Tensor, encoders: Sequence[EncoderCache],
-                       last_chunk: bool, prompt_frames: Sequence[int] | None
+                       last_chunk: bool, prompt_frames: Sequence[int] | None, pad_to: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, list[EncoderCache] | None]:
         """The encoder half for b streams' own caches (token, spk: b rows in their order): (mu (b, 80, frames),
         projected speaker (b, 80), each stream's next encoder cache trimmed at its ``prompt_frames`` in memory of
         its own; None with ``prompt_frames`` None, when the streams end). The next caches are cut straight out
         of the encoder's output (``trim_split_conformer_att``: one copy of what each stream keeps). Caches of
         several lengths (a stream's first and second chunks among steady ones) run as one call, the shorter
-        padded at the front and masked (``pad_encoder_caches``)."""
+        padded at the front and masked (``pad_encoder_caches``), to at least ``pad_to`` token frames: the steady
+        length, so that starting streams alone take the shape ``warm_up`` captured."""
         pads = None
         if len(encoders) == 1:
             enc = encoders[0]
         elif len({e.att.shape[3] for e in encoders}) > 1:
-            enc, pads = pad_encoder_caches(encoders, len(self.encoder.encoders))
+            enc, pads = pad_encoder_caches(encoders, len(self.encoder.encoders), pad_to)
         else:
             enc = stack_encoder_caches(encoders)
         h, spk, new = self.encode_chunk(token, spk, enc, last_chunk, copy_out=False, pads=pads)
