@@ -261,6 +261,8 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, brea
     prepare_ms = 1000 * (time.perf_counter() - t)
     before = _counts(c2w)
     solver = c2w.flow.chunk_solver
+    held = lambda: {k for k, st in getattr(solver, "_statics", {}).items() if st.graph is not None}  # noqa: E731
+    keys_before = held()
     arena = getattr(solver, "_arena", None)
     arena_gib = 0.0 if arena is None else arena.numel() * arena.element_size() / 2**30
     solves: list[tuple[int, int]] = []
@@ -293,7 +295,8 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, brea
     out = {"prepare_ms": prepare_ms, "arena_gib": arena_gib, "round_ms": rounds, "streams_per_round": batches,
            "finals_per_round": finals, "during_rounds": during, "stages_per_round": stages if breakdown else None,
            "held_after": {k: v["held"] for k, v in after.items()}, "choice": c2w.choice.describe(),
-           "cfm_solves": per_round if counting else None, "hift_calls": hift_calls}
+           "cfm_solves": per_round if counting else None, "hift_calls": hift_calls,
+           "cfm_keys_captured": sorted(map(str, held() - keys_before))}     # mid-serving: what prepare missed
     del c2w, streams
     release(dev)
     return out
@@ -501,16 +504,21 @@ def main() -> None:
                      f"{format(m['hift_calls_per_round'], 'g') if 'hift_calls_per_round' in m else '-'} | "
                      f"{format(m['rows_per_hift_call'], '.1f') if 'rows_per_hift_call' in m else '-'} |")
     last = {v.label: res["runs"][v.label][-1] for v in variants}
-    sets = last[variants[0].label]["during_rounds"]
+    sets = list(dict.fromkeys(k for r in last.values() for k in r["during_rounds"]))     # a variant's own sets too
     lines += ["", "Per graph set, last run of each variant (eager calls / captures during the rounds; graphs held "
-                  "after them):", "", "| variant | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
+                  "after them; - where the variant has no such set):", "",
+              "| variant | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
     for label, r in last.items():
         cells = []
-        for k, v in r["during_rounds"].items():
-            held = r["held_after"][k]
-            cells.append(f"{v['captures']} captures; {held} held" if k == "CFM"
+        for k in sets:
+            v, held = r["during_rounds"].get(k), r["held_after"].get(k)
+            cells.append("-" if v is None else f"{v['captures']} captures; {held} held" if k == "CFM"
                          else f"{v['eager']} / {v['captures']}; {held} held")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    missed = {label: r.get("cfm_keys_captured") for label, r in last.items() if r.get("cfm_keys_captured")}
+    if missed:
+        lines += ["", "Whole-Euler graphs captured during the rounds (keys `prepare` did not take), last run:", ""]
+        lines += [f"- {label}: " + ", ".join(f"`{k}`" for k in keys) for label, keys in missed.items()]
     if args.breakdown:
         lines += ["", "Where a round's time goes (`--breakdown`: the device synchronised around every encoder call, CFM "
                       "solve and vocoding round; medians over rounds, then over runs; ms):", "",
