@@ -174,6 +174,12 @@ def _counts(c2w: Code2Wav) -> dict:
     return out
 
 
+def _shape_key(key: tuple) -> str:
+    """An encoder / HiFT graph key (input shapes and dtypes, then static arguments) as a short string."""
+    return " ".join("x".join(map(str, k[0])) if isinstance(k, tuple) and len(k) == 2 and isinstance(k[0], tuple)
+                    else str(k) for k in key)
+
+
 def _count_solves(c2w: Code2Wav, log: list) -> bool:
     """Note every CFM solve call (the dense solver's ``solve``, the slot solver's ``solve_slots``) in ``log`` as
     [rows, mel frames, replays or eager programs it ran] (a dense solve runs more than one where its rows split
@@ -263,6 +269,7 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, brea
     solver = c2w.flow.chunk_solver
     held = lambda: {k for k, st in getattr(solver, "_statics", {}).items() if st.graph is not None}  # noqa: E731
     keys_before = held()
+    sets_before = {name: set(g.graphs) for name, g in c2w.stream_graph_sets().items()}
     arena = getattr(solver, "_arena", None)
     arena_gib = 0.0 if arena is None else arena.numel() * arena.element_size() / 2**30
     solves: list[tuple[int, int]] = []
@@ -296,7 +303,9 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, brea
            "finals_per_round": finals, "during_rounds": during, "stages_per_round": stages if breakdown else None,
            "held_after": {k: v["held"] for k, v in after.items()}, "choice": c2w.choice.describe(),
            "cfm_solves": per_round if counting else None, "hift_calls": hift_calls,
-           "cfm_keys_captured": sorted(map(str, held() - keys_before))}     # mid-serving: what prepare missed
+           "cfm_keys_captured": sorted(map(str, held() - keys_before)),     # mid-serving: what prepare missed
+           "set_keys_captured": {name: sorted(_shape_key(k) for k in set(g.graphs) - sets_before.get(name, set()))
+                                 for name, g in c2w.stream_graph_sets().items()}}
     del c2w, streams
     release(dev)
     return out
@@ -519,6 +528,12 @@ def main() -> None:
     if missed:
         lines += ["", "Whole-Euler graphs captured during the rounds (keys `prepare` did not take), last run:", ""]
         lines += [f"- {label}: " + ", ".join(f"`{k}`" for k in keys) for label, keys in missed.items()]
+    shapes = {label: {n: ks for n, ks in (r.get("set_keys_captured") or {}).items() if ks} for label, r in last.items()}
+    if any(shapes.values()):
+        lines += ["", "Encoder / HiFT graphs captured during the rounds (input shapes, then static arguments), last "
+                      "run:", ""]
+        lines += [f"- {label}, {n}: " + ", ".join(f"`{k}`" for k in ks)
+                  for label, sets in shapes.items() for n, ks in sets.items()]
     if args.breakdown:
         lines += ["", "Where a round's time goes (`--breakdown`: the device synchronised around every encoder call, CFM "
                       "solve and vocoding round; medians over rounds, then over runs; ms):", "",
