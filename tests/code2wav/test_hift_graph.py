@@ -173,6 +173,80 @@ def test_graph_runner_replays_through_streams_equal_eager(variant):
     assert bool(finals) == (variant == "causal")
 
 
+def test_frames_to_held_picks_the_fewest_frames_of_a_matching_graph():
+    """``ShapeGraphs.frames_to_held``: 0 for a held shape of its own, for other static arguments, dtypes, row
+    buckets or other non-frame dims; else the fewest frames to a held longer graph (every input growing by the
+    same frames at its own entries per frame)."""
+    sg = FakeGraphs(lambda m, s, finalize: m.sum(1) + s[:, 0, ::4], "t", capture_after=1, batch_buckets=(1, 2, 4))
+    for n in (20, 30):
+        sg(torch.zeros(2, 3, n), torch.zeros(2, 1, 4 * n), finalize=False)
+    per = (1, 4)
+    assert sg.frames_to_held((torch.zeros(2, 3, 12), torch.zeros(2, 1, 48)), per, finalize=False) == 8
+    assert sg.frames_to_held((torch.zeros(2, 3, 25), torch.zeros(2, 1, 100)), per, finalize=False) == 5
+    assert sg.frames_to_held((torch.zeros(1, 3, 25), torch.zeros(1, 1, 100)), per, finalize=False) == 0  # bucket 1
+    assert sg.frames_to_held((torch.zeros(2, 3, 20), torch.zeros(2, 1, 80)), per, finalize=False) == 0   # own
+    assert sg.frames_to_held((torch.zeros(2, 3, 31), torch.zeros(2, 1, 124)), per, finalize=False) == 0  # longest
+    assert sg.frames_to_held((torch.zeros(2, 3, 12), torch.zeros(2, 1, 48)), per, finalize=True) == 0
+    assert sg.frames_to_held((torch.zeros(4, 3, 12), torch.zeros(4, 1, 48)), per, finalize=False) == 0  # bucket 4
+    assert sg.frames_to_held((torch.zeros(2, 5, 12), torch.zeros(2, 1, 48)), per, finalize=False) == 0
+    assert sg.frames_to_held((torch.zeros(2, 3, 12), torch.zeros(2, 1, 50)), per, finalize=False) == 0  # uneven
+    assert ShapeGraphs(lambda x: x, "cpu").frames_to_held((torch.zeros(1, 3, 5),), (1,)) == 0
+
+
+def test_final_look_ahead_calls_pad_to_a_held_graph(monkeypatch):
+    """A stream's final chunk has a length of its own, so its look-ahead F0 and decode calls (causal beyond their
+    own frames) would run eagerly or spend the graph budget. With graphs of longer calls held, they pad with zero
+    frames and replay one (``GraphedHiFT.frames_to_graph``, ``ShapeGraphs.frames_to_held``), the output cut back.
+    Tiny causal HiFT in float64, captures faked on the CPU, every shape captured at its first call: each
+    stream's samples equal the eager streams' within 1e-10 (a padded frame leaking in or a wrong cut shows at
+    1e-3..1), and the final round adds no F0 or decode graph. Without the padding (control) it adds them."""
+    from minicpmo_rt.code2wav.hift import TINY
+    from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, build_generator
+
+    model = randomize(build_generator(CAUSAL, TINY), seed=5).double()
+    with torch.no_grad():  # F0 ~150 Hz: voiced, so the F0 stage's output reaches the samples
+        model.f0_predictor.classifier.bias += 150.0
+    g = torch.Generator().manual_seed(3)
+    plans = ([50, 50, 23], [50, 50, 31])
+    chunks = [[torch.randn(1, 80, n, generator=g, dtype=torch.float64) - 5 for n in plan] for plan in plans]
+
+    def look_ahead_graphs(runner):      # the final calls (zero look-ahead) never pad: graphs of their own
+        return sum(("finalize", False) in key for sg in (runner.f0, runner.decode) for key in sg.graphs)
+
+    def run(voc, runner=None):
+        if runner is not None:      # as prepare's warm-up: a stream alone holds the batch-1 graphs too
+            warm = voc.open_stream()
+            for c in chunks[0][:2]:
+                warm.push(c, False)
+        sts = [voc.open_stream() for _ in plans]
+        out, grown = [], None
+        for k in range(len(plans[0])):
+            if k == len(plans[0]) - 1 and runner is not None:
+                held = look_ahead_graphs(runner)
+            out += voc.push_many([(s, c[k], k == len(plans[0]) - 1) for s, c in zip(sts, chunks)])
+        if runner is not None:
+            grown = look_ahead_graphs(runner) - held
+        return out, grown
+
+    def graphed():
+        voc = Vocoder(model, CAUSAL, stream_block_frames=50)
+        voc.runner = runner = GraphedHiFT(model, max_graphs=16, capture_after=1)
+        for sg in runner.shape_sets().values():
+            sg.__class__ = FakeGraphs
+        return voc, runner
+
+    want, _ = run(Vocoder(model, CAUSAL, stream_block_frames=50))
+    voc, runner = graphed()
+    got, grown = run(voc, runner)
+    assert max(rel_err(a, b) for a, b in zip(got, want)) <= 1e-10
+    assert grown == 0, grown      # the final chunks' look-ahead calls replayed the held graphs
+    monkeypatch.setattr(GraphedHiFT, "frames_to_graph", lambda *a, **k: 0)
+    voc, runner = graphed()
+    got, grown = run(voc, runner)
+    assert max(rel_err(a, b) for a, b in zip(got, want)) <= 1e-10
+    assert grown >= 2, grown
+
+
 # Ops that read a device value back to the host: each synchronizes, which a CUDA graph
 # capture cannot contain (cudaErrorStreamCaptureInvalidated). ``aten.equal`` is how
 # ``torch.istft`` reads its window-envelope check back.

@@ -826,9 +826,10 @@ def run_stage(runner: StageRunner, calls: Sequence[StageCall]) -> list[Any]:
 
     Calls of one ``ragged_key`` but fewer frames than the longest are padded with zero frames and
     their outputs cut back to their own frames: the same values as alone, up to the batched call's
-    rounding. A single call runs on its own tensors as given (no copy), so a stream driven alone makes
-    exactly the calls it always made. Tuple results (the causal excitation's (source, phase))
-    are split element-wise."""
+    rounding. A runner with ``frames_to_graph`` (``GraphedHiFT``) may pad such a call further, to the frames of
+    a graph it holds, instead of running it eagerly. Otherwise a single call runs on its own tensors as given
+    (no copy), so a stream driven alone makes exactly the calls it always made. Tuple results (the causal
+    excitation's (source, phase)) are split element-wise."""
     first = calls[0]
     short = [0] * len(calls)     # frames each row lacks against the longest
     if len(calls) == 1:
@@ -840,19 +841,23 @@ def run_stage(runner: StageRunner, calls: Sequence[StageCall]) -> list[Any]:
                                 for c, d in zip(calls, short)]) for k in range(len(first.args)))
     else:
         args = tuple(torch.cat([c.args[k] for c in calls]) for k in range(len(first.args)))
+    to_graph = getattr(runner, "frames_to_graph", None)
+    if first.per_frame is not None and to_graph is not None:
+        more = to_graph(first.op, args, first.per_frame[:len(args)], first.finalize)
+        if more:
+            args = tuple(F.pad(a, (0, more * per)) for a, per in zip(args, first.per_frame))
+            short = [d + more for d in short]
     fn = getattr(runner, "run_" + first.op)
     out = fn(*args) if first.finalize is None else fn(*args, finalize=first.finalize)
-    if len(calls) == 1:
-        return [out]
     if isinstance(out, tuple):
         if any(short):
             raise TypeError(f"run_stage: {first.op} returned a tuple; only single-output stages may pad (per_frame)")
-        return list(zip(*(o.split(1) for o in out)))
+        return [out] if len(calls) == 1 else list(zip(*(o.split(1) for o in out)))
     if any(short):
         per = first.per_frame[-1]
         n = out.shape[-1]
         return [o.narrow(-1, 0, n - d * per) for o, d in zip(out.split(1), short)]
-    return list(out.split(1))
+    return [out] if len(calls) == 1 else list(out.split(1))
 
 
 def _plan_calls(waiting: dict[int, StageCall], cap: int, bucket: Optional[Callable[[int], int]],

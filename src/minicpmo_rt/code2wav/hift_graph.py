@@ -164,11 +164,7 @@ class ShapeGraphs:
         cut = tuple(o.narrow(a, 0, b) for o, a in zip(outs, self._axes(self.out_batch_axes, len(outs), "outputs")))
         return cut if isinstance(out, tuple) else cut[0]
 
-    def __call__(self, *xs: torch.Tensor, copy_out: bool = False, **static):
-        fn = functools.partial(self.fn, **static) if static else self.fn
-        if not self._graphable(xs):
-            return fn(*xs)
-        b, rows, axes = self._rows(xs)
+    def _key(self, xs: tuple[torch.Tensor, ...], b: int, rows: int, axes: tuple[int, ...], static: dict) -> tuple:
         if rows != b:       # keyed by the padded shapes: every row count of a bucket shares its graph
             key = tuple((tuple(x.shape[:a]) + (rows,) + tuple(x.shape[a + 1:]), x.dtype) for x, a in zip(xs, axes))
         else:
@@ -176,6 +172,42 @@ class ShapeGraphs:
         key += tuple(sorted(static.items()))
         if self.key_extra is not None:
             key += self.key_extra()
+        return key
+
+    def frames_to_held(self, xs: tuple[torch.Tensor, ...], per_frame: Sequence[int], **static) -> int:
+        """For a call that is causal beyond its own frames (``hift.StageCall.per_frame``: each input's entries
+        per frame along its last axis): how many zero frames to append so that it replays a graph this set
+        holds, the fewest that do. 0 when its own shape has a graph, when no longer one of its kind is held, or
+        when the set runs eagerly. A stream's final chunk has a length of its own (its look-ahead calls would
+        run eagerly, ~5x a replay, or spend the graph budget); padded, it replays a steady or first chunk's."""
+        if not self.graphs or not self._graphable(xs):
+            return 0
+        b, rows, axes = self._rows(xs)
+        key = self._key(xs, b, rows, axes, static)
+        if key in self.graphs:
+            return 0
+        n = len(xs)
+        best = 0
+        for held in self.graphs:
+            if len(held) != len(key) or held[n:] != key[n:]:
+                continue
+            extra = set()
+            for (shape, dtype), (own, own_dtype), per in zip(held[:n], key[:n], per_frame):
+                grow = shape[-1] - own[-1]
+                if dtype != own_dtype or shape[:-1] != own[:-1] or grow <= 0 or grow % per:
+                    break
+                extra.add(grow // per)
+            else:
+                if len(extra) == 1 and (not best or min(extra) < best):
+                    best = min(extra)
+        return best
+
+    def __call__(self, *xs: torch.Tensor, copy_out: bool = False, **static):
+        fn = functools.partial(self.fn, **static) if static else self.fn
+        if not self._graphable(xs):
+            return fn(*xs)
+        b, rows, axes = self._rows(xs)
+        key = self._key(xs, b, rows, axes, static)
         entry = self.graphs.get(key)
         if entry is None:
             seen = self._seen.pop(key, 0) + 1
@@ -320,6 +352,15 @@ class GraphedHiFT:
     @property
     def grow_rows(self) -> int:
         return self.GROW_ROWS if self.model.conv_pre.bias.device.type == "cuda" else 0
+
+    def frames_to_graph(self, op: str, args: tuple[torch.Tensor, ...], per_frame: Sequence[int],
+                        finalize: Optional[bool] = None) -> int:
+        """Zero frames to append to a look-ahead F0 or decode call (``hift.run_stage``) so that it replays a
+        held graph of a longer call instead of running eagerly (``ShapeGraphs.frames_to_held``)."""
+        sets = {"f0": self.f0, "decode": self.decode}
+        if op not in sets:
+            return 0
+        return sets[op].frames_to_held(args, per_frame, **self._final(bool(finalize)))
 
     def row_bucket(self, rows: int) -> int:
         """The rows a stage call of ``rows`` rows runs at (its graph's batch bucket): ``hift.drive_many`` fills
