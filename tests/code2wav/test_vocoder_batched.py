@@ -215,7 +215,7 @@ def test_look_ahead_calls_fill_the_rows_a_bucket_pads(assets):
 
 
 def test_small_calls_grow_past_their_bucket(assets):
-    """With ``grow_rows`` (``GraphedHiFT``: 4), a one-row steady call grows to a bucket of 2 to take a starting
+    """With ``grow_rows`` (``GraphedHiFT``: 8; 4 here), a one-row steady call grows to a bucket of 2 to take a starting
     stream's shorter look-ahead call along instead of both running at batch 1: in float64 each stream's samples
     equal it pushed alone (<= 1e-10, as above), with fewer F0 and decode calls than padding rows alone give."""
     voc = vocoder(assets, CAUSAL, torch.float64)
@@ -296,6 +296,14 @@ def test_plan_calls_fill_padding_rows_longest_first():
     # 3 rows fill their padding row with one of the pair; the other would need a 5th row: it runs alone
     assert sorted(map(sorted, _plan_calls({0: call(61), 1: call(61), 2: call(61), 3: call(37), 4: call(37)},
                                           16, bucket, grow=4))) == [[0, 1, 2, 3], [4]]
+    # with GraphedHiFT's grow of 8 the second of the pair joins too (a bucket of 8); 4 steady rows take a
+    # pair (6 rows); 8 steady rows never grow to 16
+    assert sorted(map(sorted, _plan_calls({0: call(61), 1: call(61), 2: call(61), 3: call(37), 4: call(37)},
+                                          16, bucket, grow=8))) == [[0, 1, 2, 3, 4]]
+    four = {i: call(61) for i in range(4)} | {4: call(37), 5: call(37)}
+    assert sorted(map(sorted, _plan_calls(four, 16, bucket, grow=8))) == [[0, 1, 2, 3, 4, 5]]
+    eight = {i: call(61) for i in range(8)} | {8: call(37)}
+    assert sorted(map(sorted, _plan_calls(eight, 16, bucket, grow=8))) == [list(range(8)), [8]]
     # the cap bounds growth; final calls never grow or join
     assert sorted(map(sorted, _plan_calls({0: call(61), 1: call(37), 2: call(37)}, 2, bucket, grow=4))) == \
         [[0], [1, 2]]
@@ -445,7 +453,7 @@ def test_cuda_small_calls_grow_and_match_eager_alone(monkeypatch):
 
     model = fuse_weight_norm(randomize(build_generator(CAUSAL, FULL_SIZE), seed=11, mild=True)).cuda().eval()
     graphed, eager = Vocoder(model, CAUSAL), Vocoder(model, CAUSAL, cuda_graphs=False)
-    assert graphed.runner.grow_rows == 4
+    assert graphed.runner.grow_rows == 8
     graphed.stream_block_frames = eager.stream_block_frames = 50
     g = torch.Generator().manual_seed(3)
     chunks = [[torch.randn(1, 80, n, generator=g) - 5 for n in plan] for plan in ([50] * 4, [50, 50])]

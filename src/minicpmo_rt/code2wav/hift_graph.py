@@ -337,17 +337,15 @@ class GraphedHiFT:
         return (f"CUDA graphs {state}: {len(f.graphs)} F0{excite} + {len(d.graphs)} decode{carried_s} graphs, "
                 f"{sum(g.replays for g in sets)} replays")
 
-    # On CUDA, calls of fewer rows than this may grow past their bucket to take shorter look-ahead calls along
-    # (``hift._plan_calls``). Small graphed calls are latency-bound: on the H200 a steady decode call (86 frames)
-    # took 2.60 / 3.26 / 4.69 / 7.96 / 14.75 ms at buckets 1 / 2 / 4 / 8 / 16 and a final chunk's look-ahead call
-    # (62 frames) 2.52 / 2.88 / 3.91 ms at 1 / 2 / 4, so one call grown to 2 or 4 rows beat two calls in every
-    # pairing (0.64-0.86 of their time), while growing to 8 rows paid little or cost time (0.93-1.41;
-    # benchmarks/results/hift_stage_probe_session29_h200.md). Those times predate the convs' 2-D views
-    # (hift.conv1d_as_2d), which made the steady call 1.99 / 2.95 / 8.15 ms at 1 / 4 / 16 rows
-    # (hift_decode_kernels_session29_h200.md): a 4-row call still costs less than two 1-row calls.
-    # Off CUDA the calls are eager, their cost grows with the rows, and the streams keep the batching the
-    # eager runner gives them.
-    GROW_ROWS = 4
+    # On CUDA a call may grow past its bucket, up to this many rows, to take whole shorter look-ahead calls along
+    # (``hift._plan_calls``). Small graphed calls are latency-bound. Session 29 (before the convs' 2-D views) set
+    # 4: growing to 2 or 4 rows beat two calls in every pairing, growing to 8 paid little or cost time (0.93-1.41
+    # of two calls). After the views (benchmarks/results/hift_stage_probe_session31_h200.md, H200, as called) a
+    # steady decode call takes 1.91 / 2.23 / 2.88 / 4.51 / 8.16 ms at buckets 1 / 2 / 4 / 8 / 16, and one call
+    # grown to 8 rows costs 0.84-0.96 of a steady call plus a final chunk's look-ahead call (1.03 for 1 + 4 rows),
+    # so growth now goes to 8; past 8 it cost 1.17-1.26. Off CUDA the calls are eager, their cost grows with the
+    # rows, and the streams keep the batching the eager runner gives them.
+    GROW_ROWS = 8
 
     @property
     def grow_rows(self) -> int:
