@@ -595,7 +595,6 @@ class WholeEulerSolver:
             att = ([a for o in outs for a in o[2]] if per_stream else _cat_rows([o[2] for o in outs]))
             return torch.cat([o[0] for o in outs], 0), _cat_rows([o[1] for o in outs]), att
         device = mu.device
-        key = self.solve_key(B, T, L, mu, trim, att_cache if per_stream else [att_cache], ragged)
         if per_stream and any(c.shape[4] != L for c in att_cache):
             key = self._rows_key(B, T, L, mu, trim, att_cache, ragged)
             if not key.direct:
@@ -603,6 +602,8 @@ class WholeEulerSolver:
                                  f"solve together only on the direct path, not under {key}; solve each length "
                                  "apart (WholeEulerSolver.joins_lengths says when they may join)")
             key = replace(key, rows=True)
+        else:
+            key = self.solve_key(B, T, L, mu, trim, att_cache if per_stream else [att_cache], ragged)
         want_graph = (graph and device.type == "cuda" and self._graphs_off_reason is None)
         with matmul_tf32(self.tf32):
             st = self._static_for(key, device, want_graph=False)
