@@ -267,7 +267,7 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, brea
     prepare_ms = 1000 * (time.perf_counter() - t)
     before = _counts(c2w)
     solver = c2w.flow.chunk_solver
-    held = lambda: {k for k, st in getattr(solver, "_statics", {}).items() if st.graph is not None}  # noqa: E731
+    held = lambda: set(solver.graphs()) if hasattr(solver, "graphs") else set()  # noqa: E731  (as _counts)
     keys_before = held()
     sets_before = {name: set(g.graphs) for name, g in c2w.stream_graph_sets().items()}
     arena = getattr(solver, "_arena", None)
