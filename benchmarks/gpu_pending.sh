@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs a session left pending, as steps of device calls. A call may last 10 minutes and each step has
 # its own cap (the timeouts below), so group them by priority into calls of under 10 minutes each. Session 31
-# ran `jtests tests`, `starts carry`, `prepare`, `churn stage`; pending after it: `tests ab` (one call). Each
+# ran `jtests tests`, `starts carry`, `prepare`, `churn stage`; session 32 `tests`, `ab`, then (final chunks'
+# encoder calls padded, encode_ends) `ftests`, `ab` with CHURN_ARGS="--final-codes 1,25" against bbf0517. Each
 # step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -16,7 +17,8 @@
 #   stage    hift_stage_probe.py: every stage call at every bucket (GROW_ROWS), after the conv views
 #   ab       churn_ab.sh: the default's 16-slot serving rounds, the tree in _base/src (a baseline: `git archive
 #            <commit> src | tar -x -C _base`) against this one, 3 alternating pairs (session 31: 6c7caf9, before
-#            the final chunks' padded HiFT look-ahead calls and GROW_ROWS 8)
+#            the final chunks' padded HiFT look-ahead calls and GROW_ROWS 8); CHURN_ARGS passes options on
+#   ftests   CUDA tests of the final chunks' padded encoder calls (EncoderGraphs.ended, warm-up, serving)
 # Before the call, here: copy ../shared/minicpmo45 into _shared/ and download soundfile's wheels into _wheels/
 # (see benchmarks/results/code2wav_session29_h200.md), and carry both. SMOKE=1 runs the benchmark steps on the
 # CPU at tiny sizes (a check of this script, not a measurement).
@@ -55,12 +57,15 @@ for s in "$@"; do
     jtests) step jtests 300 python -m pytest -q -p no:cacheprovider tests/code2wav/test_tiled_attention.py \
               tests/code2wav/test_euler_graph.py tests/code2wav/test_pipeline_batched.py tests/code2wav/test_pipeline.py \
               tests/code2wav/test_encoder_graph.py -k "own_cache_lengths or join_the_steady or join_starts or joined or direct or padded" ;;
+    ftests) step ftests 300 python -m pytest -q -p no:cacheprovider tests/code2wav/test_encoder_graph.py \
+              tests/code2wav/test_pipeline.py -k cuda ;;
     stage) step stage 120 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
     ab) [ -d _base/src ] || { echo "gpu_pending.sh ab: no _base/src (git archive <commit> src | tar -x -C _base)" >&2
           exit 2; }
         step ab 560 env OUT="$W/ab" bash benchmarks/churn_ab.sh _base/src
         python benchmarks/churn_ab_table.py "$W/ab" --out "$W/ab/churn_ab" 2>&1 | tail -8 | tee -a "$OUT/log.txt"
         tar -czf "$OUT/ab.tar.gz" -C "$W" ab ;;
-    *) echo "gpu_pending.sh: unknown step '$s' (tests, carry, prepare, churn, starts, jtests, stage, ab)" >&2; exit 2 ;;
+    *) echo "gpu_pending.sh: unknown step '$s' (tests, carry, prepare, churn, starts, jtests, stage, ab, ftests)" >&2
+       exit 2 ;;
   esac
 done

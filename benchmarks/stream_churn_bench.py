@@ -3,7 +3,8 @@
 Full-size random weights, fp32 on CUDA, the knobs' default fast path (fused CFM body, Whole-Euler graphs,
 TF32 scoped to the DiT; encoder and causal HiFT from per-shape graphs), a 6-s voice prompt. ``--slots``
 (default 16) request slots each run utterances back to back: an utterance lasts 3-10 chunks (1 s of audio
-each: 3 context + 25 codes; its last payload is final, 3 + 10 codes), then the slot idles 0-2 rounds. The
+each: 3 context + 25 codes; its last payload is final, 3 + 10 codes, or 3 + a count drawn from ``--final-codes``
+LO..HI), then the slot idles 0-2 rounds. The
 schedule is drawn once from a seeded RNG (every variant replays the same one). A round pushes one payload
 into every active stream through ``Code2Wav.push_many``; streams at the same point of their utterance share
 a solve, so the batch sizes the encoder and HiFT graph sets see wander over 1..16 from round to round.
@@ -52,6 +53,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, replace
+from typing import Optional
 from pathlib import Path
 
 import numpy as np
@@ -123,18 +125,27 @@ def schedule(slots: int, rounds: int, seed: int) -> list[list[tuple[int, int, bo
     return plan
 
 
-def payload(g: np.random.Generator, final: bool) -> list[int]:
-    return [SILENCE] * 3 + g.integers(0, 6561, 10 if final else 25).tolist()
+def payload(g: np.random.Generator, final: bool, final_new: int = 10) -> list[int]:
+    return [SILENCE] * 3 + g.integers(0, 6561, final_new if final else 25).tolist()
 
 
-def push_round(c2w: Code2Wav, feats, streams: dict, active, g: np.random.Generator) -> int:
+def final_lengths(plan: list, lo: int, hi: int, seed: int) -> dict[tuple[int, int], int]:
+    """(round, slot) -> the new codes of that final payload, drawn uniformly from lo..hi (``--final-codes``), from
+    an RNG of its own: the same for every variant, and the payloads' codes stay as drawn without it."""
+    rng = random.Random(seed + 1)
+    return {(r, slot): rng.randint(lo, hi) for r, active in enumerate(plan) for slot, _, final in active if final}
+
+
+def push_round(c2w: Code2Wav, feats, streams: dict, active, g: np.random.Generator,
+               final_new: Optional[dict] = None) -> int:
     """One round of the schedule: a stream opens in each slot whose utterance starts, then every active slot
-    pushes its payload (one ``push_many``) -> the streams pushed."""
+    pushes its payload (one ``push_many``) -> the streams pushed. ``final_new``: slot -> the new codes of its
+    final payload (default 10)."""
     items = []
     for slot, k, final in active:
         if k == 0:
             streams[slot] = c2w.open_stream(feats)
-        items.append((streams[slot], payload(g, final), final))
+        items.append((streams[slot], payload(g, final, (final_new or {}).get(slot, 10)), final))
     if items:
         c2w.push_many(items)
     return len(items)
@@ -258,7 +269,8 @@ def _time_stages(c2w: Code2Wav, dev, spent: dict) -> None:
         setattr(obj, name, timed)
 
 
-def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, breakdown: bool = False) -> dict:
+def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, breakdown: bool = False,
+            final_codes: Optional[dict] = None) -> dict:
     c2w = build(flow, gen, v, slots)
     _sync(dev)
     t = time.perf_counter()
@@ -288,7 +300,8 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, brea
         hift_log.clear()
         spent.clear()
         t = time.perf_counter()
-        pushed = push_round(c2w, feats, streams, active, g)
+        pushed = push_round(c2w, feats, streams, active, g,
+                            {slot: n for (r, slot), n in (final_codes or {}).items() if r == len(rounds)})
         _sync(dev)
         rounds.append(1000 * (time.perf_counter() - t))
         batches.append(pushed)
@@ -394,6 +407,24 @@ def plot(res: dict, path: Path) -> None:
     tmp.replace(path)
 
 
+def _code_range(text: str) -> tuple[int, int]:
+    """``--final-codes`` LO,HI (or one number) -> (lo, hi), 1 <= lo <= hi <= 25."""
+    try:
+        parts = [int(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or not 1 <= parts[0] <= parts[1] <= 25:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LO,HI with 1 <= LO <= HI <= 25 (a final payload's "
+                                         "new codes), e.g. 1,25")
+    return parts[0], parts[1]
+
+
+def _range_text(r) -> str:
+    return f"{r[0]}" if r[0] == r[1] else f"{r[0]}-{r[1]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -419,6 +450,8 @@ def main() -> None:
                     "--prompt-frames other than 300 the two differ")
     ap.add_argument("--prompt-frames", type=int, default=300, help="the voice prompt's mel frames (even, 2-300; "
                     "default 300: the frontend's 6 s), cut from the same random prompt")
+    ap.add_argument("--final-codes", type=_code_range, default=(10, 10), metavar="LO,HI",
+                    help="new codes of each final payload, drawn uniformly from LO..HI (1-25; default 10,10: all 10)")
     ap.add_argument("--only", default="", help="'|'-separated substrings: only the variants whose labels hold "
                     "one (the first one kept is the 'vs' column's base), e.g. 'default'")
     ap.add_argument("--replot", type=Path, help="only draw the plot of a results JSON into --out")
@@ -445,6 +478,8 @@ def main() -> None:
         n = args.prompt_frames
         feats = PromptFeatures(feats.tokens[:, :n // 2], feats.spk_embedding, feats.mel[:, :n], n, f"bench-{n}")
     plan = schedule(args.slots, args.rounds, args.seed)
+    lo, hi = args.final_codes
+    final_codes = final_lengths(plan, lo, hi, args.seed) if (lo, hi) != (10, 10) else None
     variants = VARIANTS if args.no_slot_pool else VARIANTS + (POOLED,)
     if args.finals:
         variants = FINALS
@@ -465,14 +500,15 @@ def main() -> None:
     sizes = [len(a) for a in plan]
     gpu = device_label(dev)
     res = {"gpu": gpu, "torch": torch.__version__, "slots": args.slots, "rounds": args.rounds, "seed": args.seed,
-           "prompt_frames": args.prompt_frames,
+           "prompt_frames": args.prompt_frames, "final_codes": list(args.final_codes),
            "streams_per_round": sizes, "runs": {v.label: [] for v in variants}}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "stream_churn_bench.json"
-    res["discarded_run"] = summary(one_run(flow, gen, feats, dev, variants[-1], plan, args.seed, args.slots))
+    res["discarded_run"] = summary(one_run(flow, gen, feats, dev, variants[-1], plan, args.seed, args.slots,
+                                           final_codes=final_codes))
     print("discarded run (JIT, autotuning)", res["discarded_run"], flush=True)
     for variant in [v for _ in range(args.runs) for v in variants]:
-        r = one_run(flow, gen, feats, dev, variant, plan, args.seed, args.slots, args.breakdown)
+        r = one_run(flow, gen, feats, dev, variant, plan, args.seed, args.slots, args.breakdown, final_codes)
         res["runs"][variant.label].append(r)
         print(variant.label, summary(r), flush=True)
         _write(path, json.dumps(res, indent=2))
@@ -487,7 +523,8 @@ def main() -> None:
     lines = [f"# Streams that come and go ({gpu}, torch {res['torch']})", "",
              f"{args.slots} request slots over {args.rounds} rounds (1 s of audio per stream per round), a voice "
              f"prompt of {args.prompt_frames} mel frames, utterances "
-             f"of 3-10 chunks with 0-2 idle rounds between them, seed {args.seed}: {min(sizes)}-{max(sizes)} "
+             f"of 3-10 chunks with 0-2 idle rounds between them, final payloads of 3 + {_range_text(args.final_codes)} "
+             f"codes, seed {args.seed}: {min(sizes)}-{max(sizes)} "
              f"active streams per round (median {statistics.median(sizes):g}). Host time of a round with a device "
              f"synchronisation, ms; medians over {args.runs} run(s) per variant after one discarded run. "
              "Eager / captures: calls of the encoder and HiFT graph sets during the rounds that did not replay "

@@ -123,6 +123,7 @@ class _CPUGraphs(EncoderGraphs):
         super().__init__(flow, max_graphs)
         self.shapes.__class__ = _FakeShapes    # the real set's configuration (buckets, axes, budget), faked capture
         self.padded.__class__ = _FakeShapes
+        self.ended.__class__ = _FakeShapes
 
     @property
     def captures(self):
@@ -325,3 +326,76 @@ def test_cuda_padded_encoder_graphs_equal_each_stream_alone():
     by the rows, so a batch of 4 and a row alone sum in other orders."""
     graphs = _several_lengths("cuda", EncoderGraphs, 1e-5)
     assert graphs.padded.captures == 1 and graphs.padded.replays >= 1 and not graphs.shapes.graphs
+
+
+def _final_chunks(device: str, make_graphs, tol: float = 1e-6) -> "EncoderGraphs":
+    """Final chunks of three lengths (3, 8 and 5 tokens) of three streams whose encoder caches also differ in length
+    (the prompt's only; one chunk more; past the trim), in ONE ``Flow.encode_ends`` call: tokens padded at the
+    back and masked, caches padded at the front. Each row's mu equals its stream's final chunk encoded alone
+    (``encode_streams(last_chunk=True)``) within ``tol``; a padding frame leaking into a real one shows at
+    1e-2..1. Eagerly (no ``tokens_to`` off the graph path), then through ``make_graphs(flow)`` with
+    ``tokens_to`` 10 and three rounds of other lengths, which share one shape: eager, capture, replay. Returns
+    the graphs."""
+    from minicpmo_rt.code2wav.flow import HISTORY_FRAMES
+
+    flow = tiny_flow(device)
+    cache, spk = prompt_cache(flow)
+    g = torch.Generator().manual_seed(9)
+    p = cache.prompt_frames
+    steady = (p + HISTORY_FRAMES) // 2
+    encs = []
+    with torch.inference_mode():
+        for n in (0, 1, 12):
+            enc = cache.encoder
+            for _ in range(n):
+                enc = flow.encode_streams(torch.randint(0, TINY.vocab_size, (1, 8), generator=g), spk, [enc],
+                                          False, [p])[2][0]
+            encs.append(enc)
+        spks = spk.expand(3, -1)
+        for graphs, rounds in ((None, [(3, 8, 5)]), (make_graphs(flow), [(3, 8, 5), (2, 6, 4), (7, 1, 3)])):
+            for lengths in rounds:
+                toks = [torch.randint(0, TINY.vocab_size, (1, n), generator=g) for n in lengths]
+                flow.encoder_graphs = None      # each stream alone, eagerly
+                alone = [flow.encode_streams(t, spk, [e], True, None)[0] for t, e in zip(toks, encs)]
+                flow.encoder_graphs = graphs
+                hs, sp = flow.encode_ends(toks, spks, encs, tokens_to=10, pad_to=steady)
+                assert sp.shape[0] == 3
+                for i, (h, a) in enumerate(zip(hs, alone)):
+                    assert h.shape == a.shape == (1, 80, 2 * lengths[i]), (h.shape, a.shape)
+                    assert rel_err(h, a) < tol, (lengths, i, rel_err(h, a))
+    flow.encoder_graphs = None
+    return graphs
+
+
+def test_final_chunks_of_several_lengths_encode_in_one_call():
+    """``_final_chunks`` on the CPU: eagerly, and through the graph set's bookkeeping (``EncoderGraphs.ended``,
+    captures faked on the CPU): final chunks of any lengths up to ``tokens_to`` share one graph, apart from the
+    other sets'."""
+    graphs = _final_chunks("cpu", lambda flow: _CPUGraphs(flow, 8))
+    assert graphs.ended.captures == 1 and graphs.ended.replays == 2 and graphs.ended.eager_calls == 1
+    assert not graphs.shapes.graphs and not graphs.padded.graphs
+
+
+@requires_cuda
+def test_cuda_final_chunks_of_several_lengths_replay_one_graph():
+    """``_final_chunks`` on CUDA with real graphs (``EncoderGraphs.ended``: captured on the second round of
+    lengths, which replays it, and replayed on the third), IEEE matmuls; 1e-5: cuBLAS picks its kernels by the rows and lengths."""
+    graphs = _final_chunks("cuda", EncoderGraphs, 1e-5)
+    assert graphs.ended.captures == 1 and graphs.ended.replays == 2
+
+
+def test_back_padding_is_for_final_chunks_and_rows_must_match():
+    """``forward_chunk(valid=)`` on a non-final chunk (whose look-ahead tokens are real) and ``encode_ends`` with
+    caches or speaker rows that do not match the token rows are refused, naming what to pass."""
+    import pytest
+
+    from minicpmo_rt.errors import InputError
+
+    flow = tiny_flow()
+    cache, spk = prompt_cache(flow)
+    tok = torch.randint(0, TINY.vocab_size, (1, 8))
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="final chunks only"):
+            flow.encoder.forward_chunk(flow.input_embedding(tok), False, cache.encoder, valid=torch.tensor([5]))
+        with pytest.raises(InputError, match="one cache and one speaker row per token row"):
+            flow.encode_ends([tok, tok], spk, [cache.encoder])

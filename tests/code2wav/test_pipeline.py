@@ -382,7 +382,9 @@ def test_cuda_first_stream_replays_from_its_first_chunk(tiny_ckpt, voice, ieee_c
     (``push_many``, padded to the bucket of 4) capture nothing and run nothing eagerly in any graph set (CFM,
     encoder, HiFT stages), and the PCM equals that of an instance with ``cfm_graph_precapture: false``
     (graphs captured lazily, first calls eager) to <= 1e-5. The trio's final chunks then replay one solve (their
-    batch-4 key was precaptured, ``GraphConfig.final_batch``) and keep every CFM graph and the arena.
+    batch-4 key was precaptured, ``GraphConfig.final_batch``) and keep every CFM graph and the arena. Their
+    encoder call and that of the first stream's final payload of another length replay the warm-up's graphs of
+    final chunks (``Flow.encode_ends``).
 
     cuDNN runs in IEEE here: under its process-default TF32 the trio's vocoder final call, replayed at the
     bucket of 4 on the precaptured instance and eager at 3 rows on the lazy one, rounds apart by 2.7e-4 (H200;
@@ -413,10 +415,17 @@ def test_cuda_first_stream_replays_from_its_first_chunk(tiny_ckpt, voice, ieee_c
     solver = warm.flow.chunk_solver
     graphs, arena = {k: id(st.graph) for k, st in solver._statics.items()}, solver._arena.numel()
     replays = []
+    ended = sets["encoder (final chunks)"]
+    ended_before = (ended.captures, ended.eager_calls, ended.replays)
     solver._static_for = lambda key, *a, _f=solver._static_for, **k: replays.append(key) or _f(key, *a, **k)
     got += warm.push_many([(t, codes[-13:], True) for t in trio])    # final chunks: masked, one batch-4 solve
     del solver._static_for
     assert [(k.batch, k.masked) for k in replays] == [(4, True)]
+    last = codes[-3:] + codes[:4]       # a final payload of another length, one stream alone
+    got.append(s.push(last, last=True))
+    # the finals' encoder calls (13 and 7 codes, padded to a steady payload's: encode_ends) replayed the graphs
+    # the warm-up captured at buckets 4 and 1
+    assert (ended.captures, ended.eager_calls) == ended_before[:2] and ended.replays == ended_before[2] + 2
     assert {k: id(st.graph) for k, st in solver._statics.items()} == graphs and solver._arena.numel() == arena
     # the lazy instance's held graphs would split its trio's finals into rows that fit its smaller arena (batch
     # 1, which TF32 rounds apart from batch 4): there the arena grows instead
@@ -426,6 +435,7 @@ def test_cuda_first_stream_replays_from_its_first_chunk(tiny_ckpt, voice, ieee_c
     trio = [cold.open_stream(voice) for _ in range(3)]    # batched: TF32 rounds a batch-4 solve apart from batch 1
     want += [w for p in payloads for w in cold.push_many([(t, p, False) for t in trio])]
     want += cold.push_many([(t, codes[-13:], True) for t in trio])
+    want.append(c.push(last, last=True))
     for k, (a, b) in enumerate(zip(got, want)):
         err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
         print(f"output {k}: precaptured vs lazy {err:.2e}")

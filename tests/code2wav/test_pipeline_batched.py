@@ -75,14 +75,18 @@ def test_batched_streams_equal_streams_pushed_alone(c2w, voice):
         s = c2w.open_stream(voice)
         alone.append([s.push(p, last) for p, last in plan])
     streams = [c2w.open_stream(voice) for _ in plans]
-    calls = []
-    real = c2w.flow.inference_chunk_many
+    calls, joined = [], []
+    real, joint = c2w.flow.inference_chunk_many, c2w.flow.inference_chunks_joined
 
     def spy(token, *a, **k):
         calls.append(token.shape[0])
         return real(token, *a, **k)
 
-    c2w.flow.inference_chunk_many = spy
+    def spy_joint(parts, *a, **k):
+        joined.append([p.token.shape[0] for p in parts])
+        return joint(parts, *a, **k)
+
+    c2w.flow.inference_chunk_many, c2w.flow.inference_chunks_joined = spy, spy_joint
     voc = c2w.vocoders.stream
     voc.runner = stages = StageSpy(voc.model)
     try:
@@ -91,9 +95,12 @@ def test_batched_streams_equal_streams_pushed_alone(c2w, voice):
             frames.append(streams[0].cache.estimator_frames)
             batched.append(c2w.push_many([(s, plan[k][0], plan[k][1]) for s, plan in zip(streams, plans)]))
     finally:
-        del c2w.flow.inference_chunk_many
+        del c2w.flow.inference_chunk_many, c2w.flow.inference_chunks_joined
         voc.runner = voc.model
-    assert calls == [3] * len(plans[0])  # one solve per round, all three rows in it
+    # one solve per round, all three rows in it; the final round's through inference_chunks_joined (its encoder
+    # half pads: encode_ends), which on the reference body solves through inference_chunk_many
+    fused = c2w.flow.joins_widths(c2w.n_timesteps)
+    assert joined == [[3]] and calls == [3] * (len(plans[0]) - fused)
     # the vocoding was batched too: the streams stay in step, so every HiFT stage call had 3 rows
     assert stages.calls and {rows for _, rows in stages.calls} == {3}
     assert {op for op, _ in stages.calls} == ({"f0", "excite", "decode"} if voc.variant == "causal" else {"f0", "decode"})
@@ -119,8 +126,9 @@ def test_final_chunks_join_the_steady_solve_of_streams_that_go_on(c2w, voice):
     codes (26 frames) and stream 2 a final 3 + 25 (56, wider than a steady chunk's 50) while stream 0 goes on
     with 3 + 25. With ``join_finals`` on the fused body the 26-frame final joins stream 0's steady solve (its
     rows padded, attending their own frames only: one solve of two rows and the wide final alone); the
-    reference body (no rows of their own widths) and ``join_finals=False`` solve each shape apart. Every
-    stream's PCM equals the stream pushed alone, and stream 0 goes on from the joined solve's cache."""
+    reference body (no rows of their own widths) and ``join_finals=False`` solve each shape apart. Every final
+    chunk's encoder half pads (``Flow.encode_ends``). Every stream's PCM equals the stream pushed alone, and
+    stream 0 goes on from the joined solve's cache."""
     plans = [_payloads(41, (25, 25, 25, 25, 25, 10)), _payloads(42, (25, 25, 25, 10)),
              _payloads(43, (25, 25, 25, 25))]
     alone = []
@@ -154,11 +162,14 @@ def test_final_chunks_join_the_steady_solve_of_streams_that_go_on(c2w, voice):
         finally:
             c2w.join_finals = True
             del c2w.flow.inference_chunk_many, c2w.flow.inference_chunks_joined
-        if join and fused:
-            assert joined == [[(28, False, 1), (13, True, 1)]]       # round 4: steady + the narrow final
-            assert calls == [3, 3, 3, 1, 1, 1]      # the wide final alone in round 4, stream 0's last two alone
+        # every round with a final chunk goes through inference_chunks_joined (the finals' encoder calls pad:
+        # encode_ends); the reference body solves each part there through inference_chunk_many
+        if join and fused:      # round 4: steady + the narrow final, then the wide final; round 6: the final
+            assert joined == [[(28, False, 1), (13, True, 1)], [(28, True, 1)], [(13, True, 1)]]
+            assert calls == [3, 3, 3, 1]            # stream 0's steady chunk alone in round 5
         else:
-            assert joined == [] and calls == [3, 3, 3, 1, 1, 1, 1, 1]
+            assert joined == [[(13, True, 1)], [(28, True, 1)], [(13, True, 1)]]
+            assert calls == ([3, 3, 3, 1, 1, 1, 1, 1] if not fused else [3, 3, 3, 1, 1])
         _same_audio(got, alone, join)
         assert all(s.finished for s in streams)
 
@@ -201,10 +212,8 @@ def test_join_starts_groups_first_chunks_with_steady_ones_and_streams_the_same_a
         if join and fused:      # rounds 1-3 join every length (the flow then splits them, its calls recorded too)
             mixed = [sorted(set(j)) for j in joined if len(set(j)) > 1]
             assert mixed == [[p, p + 50], [p, p + 50, p + 100], [p + 50, p + 100]], joined
-        elif fused:             # without the knob only round 3's finals join, each of its own length
-            assert all(len(set(j)) == 1 for j in joined), joined
-        else:
-            assert joined == []
+        else:       # without the knob (or on the reference body) only round 3's finals, each of its own length
+            assert joined and all(len(set(j)) == 1 for j in joined), joined
         _same_audio(got, alone, join)
         assert all(s.finished for s in streams)
 

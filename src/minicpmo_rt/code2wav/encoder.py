@@ -80,6 +80,18 @@ def _kept(memo: dict, key: tuple, make, device: torch.device) -> torch.Tensor:
     return keep_for_graph(t)
 
 
+def _real_keys(n: int, start: torch.Tensor | None, end: torch.Tensor | None,
+               device: torch.device) -> torch.Tensor | None:
+    """(b, n) bool: key frames [start, end) of each row (None: from 0 / to n); None where every key is real."""
+    if start is None and end is None:
+        return None
+    j = torch.arange(n, device=device)[None, :]
+    ok = None if start is None else j >= start[:, None]
+    if end is not None:
+        ok = j < end[:, None] if ok is None else ok & (j < end[:, None])
+    return ok
+
+
 class LinearEmbed(nn.Module):
     """Linear -> LayerNorm -> (dropout), then scaled by sqrt(d) as the rel-pos encoder does."""
 
@@ -283,7 +295,8 @@ class UpsampleConformerEncoderV2(nn.Module):
         return self.after_norm(x)
 
     def forward_chunk(self, xs: torch.Tensor, last_chunk: bool = False, cache: EncoderCache | None = None,
-                      pad: torch.Tensor | None = None) -> tuple[torch.Tensor, EncoderCache]:
+                      pad: torch.Tensor | None = None, valid: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, EncoderCache]:
         """One streaming chunk: xs (b, n, input_size) embedded tokens -> (b, stride*m, d).
 
         A non-final chunk's last ``pre_lookahead_len`` tokens are lookahead only (m = n - L);
@@ -292,6 +305,11 @@ class UpsampleConformerEncoderV2(nn.Module):
         token frames (``pad_encoder_caches``), which no query attends. The relative positions of the real
         frames are unchanged (every position shifts by the padding), so each row computes what it would
         alone; its new cache keeps the padding in front (``trim_split_conformer_att(pads=)`` drops it).
+        ``valid`` (b,) int64, final chunks only: each row's own token count, the rest padding at the back (final
+        chunks of several lengths in one call, ``Flow.encode_ends``). Their embeddings are zeroed, which is the
+        zero future a final chunk's look-ahead conv sees anyway, and no query attends them; every later op is
+        causal or per frame, so each row's first ``stride * valid`` output frames are what it gives alone. Its
+        new cache is not: the padding frames are in it (a final chunk's stream ends).
         """
         n_tok = len(self.encoders)
         stride = self.cfg.up_stride
@@ -308,12 +326,16 @@ class UpsampleConformerEncoderV2(nn.Module):
             att_up = [None] * len(self.up_encoders)
             cnn_pre = cnn_up = None
 
+        if valid is not None and not last_chunk:
+            raise ValueError("forward_chunk: valid (rows padded at the back) is for final chunks only: a non-final "
+                             "chunk's look-ahead tokens are real")
         x = self.embed(xs)
+        if valid is not None:
+            x = x * (torch.arange(x.shape[1], device=x.device)[None, :] < valid[:, None]).unsqueeze(-1).to(x.dtype)
         x, new_cnn_pre = self.pre_lookahead_layer(x, cnn_pre, pad_future=last_chunk)
         pos = self._pos(past + x.shape[1], x)
-        ok_tok = ok_up = None
-        if pad is not None:     # key frame j of a row is real from its padding on (token, then mel rate)
-            ok_tok = torch.arange(past + x.shape[1], device=x.device)[None, :] >= pad[:, None]
+        # key frame j of a row is real from its front padding on and before its back padding (token, then mel rate)
+        ok_tok = _real_keys(past + x.shape[1], pad, None if valid is None else past + valid, x.device)
         new_tok = []
         for layer, c in zip(self.encoders, att_tok):
             x, nc = layer(x, pos, c, ok_tok)
@@ -321,8 +343,8 @@ class UpsampleConformerEncoderV2(nn.Module):
         x, new_cnn_up = self.up_layer(x.transpose(1, 2), cnn_up)
         x = self.up_embed(x.transpose(1, 2))
         pos = self._pos(past * stride + x.shape[1], x)
-        if pad is not None:
-            ok_up = torch.arange(past * stride + x.shape[1], device=x.device)[None, :] >= stride * pad[:, None]
+        ok_up = _real_keys(past * stride + x.shape[1], None if pad is None else stride * pad,
+                           None if valid is None else stride * (past + valid), x.device)
         new_up = []
         for layer, c in zip(self.up_encoders, att_up):
             x, nc = layer(x, pos, c, ok_up)

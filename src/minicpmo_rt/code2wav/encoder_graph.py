@@ -57,6 +57,13 @@ class EncoderGraphs:
         self.padded = ShapeGraphs(self._body_padded, "encoder (rows of their own lengths)", max_graphs, warmups,
                                   capture_after=2, key_extra=_tf32_flags, evict=True, batch_buckets=batch_buckets,
                                   batch_axes=(0, 0, 1, 0), out_batch_axes=(0, 0, 1))
+        # final chunks of streams that end (``Flow.encode_ends``): rows of their own token counts padded at the
+        # back to one length, and their caches at the front to the steady length, so every final chunk of a round
+        # replays one graph per bucket (which ``Code2Wav.warm_up`` captures) whatever its length; front padding
+        # and token counts come in as inputs
+        self.ended = ShapeGraphs(self._body_ended, "encoder (final chunks)", max_graphs, warmups, capture_after=2,
+                                 key_extra=_tf32_flags, evict=True, batch_buckets=batch_buckets,
+                                 batch_axes=(0, 0, 1, 0, 0), out_batch_axes=(0, 0, 1))
 
     @property
     def max_graphs(self) -> int:
@@ -71,16 +78,31 @@ class EncoderGraphs:
         h, enc = self.flow._encode(token, EncoderCache(cnn, att), last_chunk, pad)
         return h, enc.cnn, enc.att
 
+    def _body_ended(self, token: torch.Tensor, cnn: torch.Tensor, att: torch.Tensor, pad: torch.Tensor,
+                    valid: torch.Tensor):
+        h, enc = self.flow._encode(token, EncoderCache(cnn, att), True, pad, valid)
+        return h, enc.cnn, enc.att
+
     def graphs(self) -> list[EncoderKey]:
         # ShapeGraphs keys: ((token shape, dtype), (cnn ...), (att shape, dtype), ("last_chunk", v), *flags)
         return [EncoderKey(k[0][0][0], k[0][0][1], k[2][0][3] // 2, k[3][1], k[4:]) for k in self.shapes.graphs]
 
     def run(self, token: torch.Tensor, cache: EncoderCache, last_chunk: bool,
-            copy_out: bool = True, pad: torch.Tensor | None = None) -> tuple[torch.Tensor, EncoderCache]:
+            copy_out: bool = True, pad: torch.Tensor | None = None, valid: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, EncoderCache]:
         """token (b, n) int64 on the device, cache the stream(s)' encoder cache -> (h (b, frames, 80)
         before the transpose, next encoder cache, untrimmed), owned by the caller (``copy_out=False``: views of
         a graph's outputs where one replayed, valid until it replays again). ``pad`` (b,) int64 on the device:
-        rows padded at the front (``Flow.encode_streams``), through graphs of their own."""
+        rows padded at the front (``Flow.encode_streams``), through graphs of their own. ``valid`` (b,) int64 on the
+        device (final chunks only): each row's own token count, the rest padding at the back (``Flow.encode_ends``),
+        through the ``ended`` graphs (``pad`` zeros where None); the next cache is then not each row's own."""
+        if valid is not None:
+            if not last_chunk:
+                raise ValueError("EncoderGraphs.run: valid (rows padded at the back) is for final chunks only")
+            if pad is None:
+                pad = torch.zeros_like(valid)
+            h, cnn, att = self.ended(token, cache.cnn, cache.att, pad, valid, copy_out=copy_out)
+            return h, EncoderCache(cnn, att)
         if pad is not None:
             h, cnn, att = self.padded(token, cache.cnn, cache.att, pad, copy_out=copy_out,
                                       last_chunk=bool(last_chunk))

@@ -431,7 +431,8 @@ class Flow(nn.Module):
         return self.chunk_solver.joins_lengths(T, [c.estimator_att for c in caches], mu, (p, HISTORY_FRAMES), ragged)
 
     @torch.inference_mode()
-    def inference_chunks_joined(self, parts: Sequence[ChunkPart], n_timesteps: int | None = None
+    def inference_chunks_joined(self, parts: Sequence[ChunkPart], n_timesteps: int | None = None,
+                                final_tokens: int | None = None
                                 ) -> list[tuple[torch.Tensor, list[FlowCache] | None]]:
         """``inference_chunk_many`` for several payload shapes of streams whose caches agree, in ONE CFM solve:
         each part's encoder half runs as its own call, then every row solves together at the widest part's
@@ -444,9 +445,13 @@ class Flow(nn.Module):
         join the steady chunks where the solver reads each row's cache in place (``WholeEulerSolver.
         joins_lengths``: each row its own noise offset and trim); elsewhere each cache length solves apart.
 
+        The final parts' encoder halves run as one call whatever their lengths (``encode_ends``, tokens padded at
+        the back to at least ``final_tokens``, the steady payload's, on the graph path), also for a final part
+        alone.
+
         Returns per part (mel (b, 80, its frames), its b next caches; None for a final part: its streams end).
         Where the solver cannot take rows of their own widths (``joins_widths``), each part solves apart, with
-        the same results."""
+        the same results (and next caches for the final parts too)."""
         if not parts:
             raise InputError("inference_chunks_joined: no parts")
         caches = [c for part in parts for c in part.caches]
@@ -473,10 +478,11 @@ class Flow(nn.Module):
                 by_length.setdefault(part.caches[0].estimator_frames, []).append(i)
             out: list = [None] * len(parts)
             for idx in by_length.values():
-                for i, res in zip(idx, self.inference_chunks_joined([parts[i] for i in idx], n_timesteps)):
+                for i, res in zip(idx, self.inference_chunks_joined([parts[i] for i in idx], n_timesteps,
+                                                                    final_tokens)):
                     out[i] = res
             return out
-        if len(parts) == 1 or not self.joins_widths(n_timesteps):
+        if not self.joins_widths(n_timesteps) or (len(parts) == 1 and not parts[0].last):
             out = []
             for part in parts:
                 mel, new = self.inference_chunk_many(part.token, part.spk, list(part.caches), part.last, n_timesteps)
@@ -485,16 +491,27 @@ class Flow(nn.Module):
         check_steps(caches, n_timesteps)
         p = caches[0].prompt_frames
         # parts of one payload shape share an encoder call whatever their cache lengths (the shorter caches
-        # padded at the front and masked); a final part's streams end: no next encoder caches
+        # padded at the front and masked); the final parts all share one (their streams end: no next caches)
         encoded: list = [None] * len(parts)
-        by_payload: dict[tuple[int, bool], list[int]] = {}
+        steady = (p + HISTORY_FRAMES) // 2
+        ends = [i for i, part in enumerate(parts) if part.last]
+        if ends:
+            hs, sp = self.encode_ends([parts[i].token for i in ends], torch.cat([parts[i].spk for i in ends]),
+                                      [c.encoder for i in ends for c in parts[i].caches], final_tokens, steady)
+            r = 0
+            for i, h in zip(ends, hs):
+                b = len(parts[i].caches)
+                encoded[i] = (h, sp[r:r + b], None)
+                r += b
+        by_payload: dict[int, list[int]] = {}
         for i, part in enumerate(parts):
-            by_payload.setdefault((part.token.shape[1], part.last), []).append(i)
-        for (_, last), idx in by_payload.items():
+            if not part.last:
+                by_payload.setdefault(part.token.shape[1], []).append(i)
+        for idx in by_payload.values():
             encoders = [c.encoder for i in idx for c in parts[i].caches]
             h, sp, enc = self.encode_streams(torch.cat([parts[i].token for i in idx]),
-                                             torch.cat([parts[i].spk for i in idx]), encoders, last,
-                                             None if last else [p] * len(encoders), (p + HISTORY_FRAMES) // 2)
+                                             torch.cat([parts[i].spk for i in idx]), encoders, False,
+                                             [p] * len(encoders), steady)
             r = 0
             for i in idx:
                 b = len(parts[i].caches)
@@ -547,8 +564,44 @@ class Flow(nn.Module):
         return h, spk, [EncoderCache(bulk_copy.clone(new.cnn[i:i + 1]), a) for i, a in enumerate(atts)]
 
     @torch.inference_mode()
+    def encode_ends(self, tokens: Sequence[torch.Tensor], spk: torch.Tensor, encoders: Sequence[EncoderCache],
+                    tokens_to: int | None = None, pad_to: int | None = None
+                    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The encoder half of final chunks of streams that end, in ONE call whatever their lengths: ``tokens``
+        groups of rows (b_i, n_i), whose caches are ``encoders`` in row order; spk (b, 192) -> (mu per group
+        (b_i, 80, up_rate * n_i), projected speaker (b, 80)). No next caches: the padding leaves them wrong.
+
+        Each row's tokens are padded at the back to the longest and masked (``forward_chunk(valid=)``); caches
+        of several lengths are padded at the front (``pad_encoder_caches``). On the graph path the tokens pad to
+        at least ``tokens_to`` (the steady payload's) and the caches to at least ``pad_to`` token frames (the
+        steady length's), so that the final chunks of every round, of any length, replay one graph per batch
+        bucket (``EncoderGraphs.ended``, which ``Code2Wav.warm_up`` captures) instead of running eagerly,
+        capturing, or evicting the steady chunks' graphs."""
+        rows = sum(t.shape[0] for t in tokens)
+        if not tokens or rows != len(encoders) or spk.shape[0] != rows:
+            raise InputError(f"encode_ends: {len(encoders)} encoder caches and {spk.shape[0]} speaker rows for "
+                             f"{rows} token rows; pass one cache and one speaker row per token row")
+        graphed = self.encoder_graphs is not None
+        lengths = [t.shape[1] for t in tokens]
+        n = max(lengths + [(tokens_to or 0) if graphed else 0])
+        token = torch.cat([F.pad(t.long(), (0, n - t.shape[1])) for t in tokens])
+        valid = [t.shape[1] for t in tokens for _ in range(t.shape[0])]
+        past = {e.att.shape[3] // 2 for e in encoders}
+        pads = None
+        if len(past) > 1 or (graphed and pad_to and max(past) < pad_to):
+            enc, pads = pad_encoder_caches(encoders, len(self.encoder.encoders), pad_to if graphed else None)
+        else:
+            enc = encoders[0] if len(encoders) == 1 else stack_encoder_caches(encoders)
+        h, spk, _ = self.encode_chunk(token, spk, enc, True, copy_out=False, pads=pads, valid=valid)
+        out, r = [], 0
+        for t in tokens:
+            out.append(h[r:r + t.shape[0], :, :self.chunk_frames(t.shape[1], True)])
+            r += t.shape[0]
+        return out, spk
+
+    @torch.inference_mode()
     def encode_chunk(self, token: torch.Tensor, spk: torch.Tensor, encoder: EncoderCache, last_chunk: bool = False,
-                     copy_out: bool = True, pads: Sequence[int] | None = None
+                     copy_out: bool = True, pads: Sequence[int] | None = None, valid: Sequence[int] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, EncoderCache]:
         """The encoder half of ``inference_chunk``: (mu (b, 80, frames), projected speaker (b, 80), next
         encoder cache, untrimmed: ``trim_encoder_cache``). The opt-in slot pool runs the CFM half itself.
@@ -556,7 +609,8 @@ class Flow(nn.Module):
         graph replays again (``encode_streams`` copies what each stream keeps out of it at once). ``token`` may
         be on the host: checked there and uploaded without a device synchronisation (``to_device``); on the
         device its range check waits for the device. ``pads``: each row's front padding of a batch of caches of
-        several lengths (``pad_encoder_caches``); the next cache keeps it."""
+        several lengths (``pad_encoder_caches``); the next cache keeps it. ``valid``: a final chunk's rows' own token
+        counts, the rest padding at the back (``encode_ends``; the next cache is then not each row's own)."""
         self._check_tokens(token, "tokens")
         if token.shape[1] <= (0 if last_chunk else self.pre_lookahead_len):
             raise InputError(f"chunk of {token.shape[1]} tokens: a non-final chunk needs new tokens plus "
@@ -564,17 +618,20 @@ class Flow(nn.Module):
         spk = self._speaker(spk)
         token = self.to_device(token.long())
         pad = None if pads is None else self.to_device(torch.tensor(pads, dtype=torch.long))
+        ok = None if valid is None else self.to_device(torch.tensor(valid, dtype=torch.long))
         if self.encoder_graphs is None:
-            h, enc_cache = self._encode(token, encoder, last_chunk, pad)
+            h, enc_cache = self._encode(token, encoder, last_chunk, pad, ok)
         else:
-            h, enc_cache = self.encoder_graphs.run(token, encoder, last_chunk, copy_out=copy_out, pad=pad)
+            h, enc_cache = self.encoder_graphs.run(token, encoder, last_chunk, copy_out=copy_out, pad=pad, valid=ok)
         return h.transpose(1, 2).contiguous(), spk, enc_cache
 
     def _encode(self, token: torch.Tensor, encoder: EncoderCache, last_chunk: bool,
-                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, EncoderCache]:
+                pad: torch.Tensor | None = None, valid: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, EncoderCache]:
         """Embedding -> conformer chunk -> ``encoder_proj``: (h (b, frames, 80), next encoder cache), what
-        ``encoder_graphs`` captures (``pad``: rows padded at the front, ``forward_chunk(pad=)``)."""
-        h, enc_cache = self.encoder.forward_chunk(self.input_embedding(token), last_chunk, encoder, pad)
+        ``encoder_graphs`` captures (``pad``: rows padded at the front, ``valid``: rows' own token counts of
+        final chunks padded at the back, ``forward_chunk(pad=, valid=)``)."""
+        h, enc_cache = self.encoder.forward_chunk(self.input_embedding(token), last_chunk, encoder, pad, valid)
         return self.encoder_proj(h), enc_cache
 
     def trim_encoder_cache(self, cache: EncoderCache, prompt_frames: int) -> EncoderCache:

@@ -75,6 +75,9 @@ SILENCE_CODE = 4218
 REF_TOKENS = 150  # 6.0 s of reference at 25 Hz
 CONTEXT = 3
 WINDOW = 25  # new codes in a steady payload (1 s)
+# A final payload's encoder call pads its codes to a steady payload's (``Flow.encode_ends``): one graph per
+# batch bucket for final chunks of any length
+FINAL_TOKENS = CONTEXT + WINDOW
 # A warm-up stream's chunks: the first (no vocoder cache), a growing flow cache, then the steady
 # shape twice (the second replays what the first captured).
 WARM_UP_CHUNKS = 4
@@ -384,6 +387,7 @@ class Code2Wav:
         sets = {}
         if self.flow.encoder_graphs is not None:
             sets["encoder"] = self.flow.encoder_graphs.shapes
+            sets["encoder (final chunks)"] = self.flow.encoder_graphs.ended
             if self.join_starts:    # streams of several cache lengths in one call (captured as they come)
                 sets["encoder (padded)"] = self.flow.encoder_graphs.padded
         runner = self.vocoders.stream.runner
@@ -399,7 +403,9 @@ class Code2Wav:
         eagerly or capturing. For each ``b`` in ``batches``, ``b`` streams
         run in lockstep through ``push_many`` (one stream: ``push``), so rounds of ``b`` concurrent streams, and
         those the graph sets pad to ``b`` rows, replay too. With ``join_starts`` one more round at each ``b`` from
-        2 has a fresh stream among the steady ones (the encoder call of several cache lengths). Upstream's
+        2 has a fresh stream among the steady ones (the encoder call of several cache lengths). The final chunks'
+        encoder call (``Flow.encode_ends``: one shape for final payloads of any length) runs at each ``b`` too.
+        Upstream's
         precapture takes the HiFT and flow-encoder graphs as well. Returns the graphs each set then holds ({}
         where there are none).
 
@@ -435,6 +441,7 @@ class Code2Wav:
                         streams[-1] = Code2WavStream(self, self.lease_prompt(voice))
                         self.push_many([(s, payload, False) for s in streams])
                         streams.pop().close()
+                    self._warm_final_encoder(streams)
                     # an empty final payload: the vocoder's final call alone, whose lengths (the steady
                     # history plus the look-ahead frames) are those of every stream that ends after a steady chunk
                     if len(streams) == 1:
@@ -455,6 +462,17 @@ class Code2Wav:
                      "/".join(map(str, batches)), time.perf_counter() - t0,
                      ", ".join(f"{k} {v}" for k, v in held.items()))
         return held
+
+    def _warm_final_encoder(self, streams: Sequence["Code2WavStream"]) -> None:
+        """The final chunks' encoder call (``Flow.encode_ends``, every final payload padded to FINAL_TOKENS codes
+        and every cache to the steady length) at these streams' bucket, as a round of final chunks makes it; the
+        streams' state is not touched. Dense streams only (the slot pool's finals take their own path)."""
+        if self.flow.encoder_graphs is None or any(s.handle is not None for s in streams):
+            return
+        p = streams[0].cache.prompt_frames
+        token = torch.full((len(streams), CONTEXT + 1), SILENCE_CODE, dtype=torch.long)
+        self.flow.encode_ends([token], torch.cat([s.spk for s in streams]), [s.cache.encoder for s in streams],
+                              FINAL_TOKENS, (p + HISTORY_FRAMES) // 2)
 
     def precapture(self, prompt_frames: int) -> int:
         """Capture the CFM solver's Whole-Euler graphs for the streaming chunks of a voice whose prompt holds
@@ -589,7 +607,7 @@ class Code2Wav:
             by_shape.setdefault((tokens[i].shape[1], bool(items[i][2]), _batch_key(items[i][0].cache,
                                                                                     items[i][0].spk)), []).append(i)
         parts = [(idx, key[1]) for key, idx in by_shape.items()]
-        if len(parts) == 1:
+        if len(parts) == 1 and not parts[0][1]:
             token = torch.cat([tokens[i] for i in rows], 0)     # host codes: the flow uploads them without a sync
             spk = torch.cat([s.spk for s in streams], 0)
             mel, news = self.flow.inference_chunk_many(token, spk, [s.cache for s in streams],
@@ -599,7 +617,7 @@ class Code2Wav:
             results = self.flow.inference_chunks_joined(
                 [ChunkPart(torch.cat([tokens[i] for i in idx], 0),
                            torch.cat([items[i][0].spk for i in idx], 0), [items[i][0].cache for i in idx], last)
-                 for idx, last in parts], n_timesteps=self.n_timesteps)
+                 for idx, last in parts], n_timesteps=self.n_timesteps, final_tokens=FINAL_TOKENS)
         for (idx, last), (mel, news) in zip(parts, results):
             for r, i in enumerate(idx):
                 mels[i] = mel[r:r + 1]
@@ -702,6 +720,10 @@ class Code2WavStream:
         token = self._check(payload, last)
         if not token.shape[1]:
             return self._vocode(torch.zeros(1, 80, 0, device=self.owner.device), last)
+        if self.handle is None and last:   # the stream ends: its final chunk's encoder call pads (encode_ends)
+            (mel, _), = self.owner.flow.inference_chunks_joined([ChunkPart(token, self.spk, [self.cache], True)],
+                                                                self.owner.n_timesteps, FINAL_TOKENS)
+            return self._vocode(mel, last)
         if self.handle is None:
             mel, self.cache = self.owner.flow.inference_chunk(token, self.spk, self.cache,
                                                               last_chunk=last, n_timesteps=self.owner.n_timesteps)
