@@ -50,8 +50,9 @@ def test_carried_streams_equal_the_bounded_ones(assets, block):
 
 def test_carried_streams_batch_as_rows(assets):
     """Streams at their first, steady and final chunks in one round (``push_many``, rows padded to buckets and
-    small calls grown as on the GPU): each equals its bounded stream pushed alone (float64, <= 1e-12), and the
-    carried decodes of several streams ran as one call."""
+    small calls grown as on the GPU): each equals its bounded stream pushed alone (float64, <= 1e-10: batched
+    GEMMs sum in other orders, 3.1e-12 seen on one CPU; a wrong carry shows at 1e-3..1), and the carried decodes
+    of several streams ran as one call."""
     voc = vocoder(assets, CAUSAL, torch.float64)
     voc.stream_block_frames = 50
     chunks = mels(7, torch.float64, plans=STAGGERED)
@@ -61,7 +62,7 @@ def test_carried_streams_batch_as_rows(assets):
     got = pushed_staggered(voc, chunks, STARTS)
     worst = compare(got, want)
     print(f"carried, batched: worst rel err vs bounded alone {worst:.1e}")
-    assert worst <= 1e-12
+    assert worst <= 1e-10
     assert max(b for o, b in runner.calls if o == "decode_next") >= 3
     assert max(b for o, b in runner.calls if o == "decode_first") >= 2
 

@@ -247,6 +247,50 @@ def test_final_look_ahead_calls_pad_to_a_held_graph(monkeypatch):
     assert grown >= 2, grown
 
 
+def test_final_excitation_blocks_pad_to_a_whole_block():
+    """With a runner that replays graphs (``GraphedHiFT.pads_final_blocks``, CUDA) an utterance's last excitation
+    block, of whatever length, runs padded with zero-F0 frames to a whole block and is cut back, so it replays
+    the steady blocks' graph. Tiny causal HiFT in float64 (voiced, so the excitation reaches the samples), final
+    pushes of 3, 17 and 31 frames: every excitation call of the padding streams has a whole block, their samples
+    equal the unpadded streams' within 1e-12 and the phase carried after the last block is bit-identical (a zero
+    F0 advances none); without the runner's flag (the control) the final blocks keep their lengths."""
+    from minicpmo_rt.code2wav.hift import TINY
+    from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, build_generator
+
+    model = randomize(build_generator(CAUSAL, TINY), seed=6).double()
+    with torch.no_grad():
+        model.f0_predictor.classifier.bias += 150.0
+
+    class Runner:       # the eager stages, counting the excitation calls' frames
+        def __init__(self, pads):
+            self.pads_final_blocks, self.frames = pads, []
+
+        def run_f0(self, mel, finalize=True):
+            return model.run_f0(mel, finalize)
+
+        def run_decode(self, mel, source, finalize=True):
+            return model.run_decode(mel, source, finalize)
+
+        def run_excite(self, f0, phase, noise):
+            self.frames.append(f0.shape[1])
+            return model.run_excite(f0, phase, noise)
+
+    g = torch.Generator().manual_seed(4)
+    for final in (3, 17, 31):
+        mel = [torch.randn(1, 80, n, generator=g, dtype=torch.float64) - 5 for n in (50, 50, final)]
+        out = {}
+        for pads in (True, False):
+            voc = Vocoder(model, CAUSAL, stream_block_frames=50)
+            voc.runner = runner = Runner(pads)
+            st = voc.open_stream()
+            wav = torch.cat([st.push(m, k == 2) for k, m in enumerate(mel)], dim=1)
+            out[pads] = (wav, st.phase, runner.frames)
+        (a, pa, fa), (b, pb, fb) = out[True], out[False]
+        assert a.shape == b.shape and rel_err(a, b) <= 1e-12, (final, rel_err(a, b))
+        assert torch.equal(pa, pb), final
+        assert fa[-1] == 50 and fb[-1] < 50 and fa[:-1] == fb[:-1], (final, fa, fb)
+
+
 # Ops that read a device value back to the host: each synchronizes, which a CUDA graph
 # capture cannot contain (cudaErrorStreamCaptureInvalidated). ``aten.equal`` is how
 # ``torch.istft`` reads its window-envelope check back.

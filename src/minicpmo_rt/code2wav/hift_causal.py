@@ -453,11 +453,20 @@ class BoundedStream:
     def delay_samples(self) -> int:
         return self.model.delay_frames * self.hop
 
-    def _excitation_block(self, f0: torch.Tensor, frame_offset: int) -> Generator[StageCall, Any, torch.Tensor]:
-        """F0 [1, n] of frames [frame_offset, +n) -> excitation [1, 1, n*hop], phase carried in float64."""
+    def _excitation_block(self, f0: torch.Tensor, frame_offset: int,
+                          pad_to: int = 0) -> Generator[StageCall, Any, torch.Tensor]:
+        """F0 [1, n] of frames [frame_offset, +n) -> excitation [1, 1, n*hop], phase carried in float64.
+
+        ``pad_to``: a shorter block runs padded with zero-F0 frames to that many (and their noise rows), its
+        excitation cut back. Exact: each sample's excitation depends on its own frame's F0 and noise and on the
+        phase before it, and a zero F0 advances no phase, so even the phase after the block is the same. An
+        utterance's last block, of any length, then replays the steady blocks' graph."""
+        n = f0.shape[1]
+        if pad_to > n:
+            f0 = F.pad(f0, (0, pad_to - n))
         noise = self.model.table_noise(frame_offset * self.hop, f0.shape[1] * self.hop, f0.device).to(f0)
         source, self.phase = yield StageCall(EXCITE, (f0, self.phase, noise))
-        return source
+        return source[:, :, :n * self.hop] if pad_to > n else source
 
     def _advance(self, finalize: bool) -> Generator[StageCall, Any, torch.Tensor]:
         received = self.mel_offset + self.mel.shape[2]
@@ -470,8 +479,10 @@ class BoundedStream:
             f0 = (yield StageCall(F0, (feats,), finalize, None if finalize else (1, 1))
                   ).to(feats)[:, self.source_end - start:]
             parts = [self.source]
+            # the final push's last block pads to a whole one where the runner replays graphs (GraphedHiFT)
+            pad_to = self.block_frames if finalize and getattr(self.runner, "pads_final_blocks", False) else 0
             for block in f0.split(self.block_frames, dim=1):
-                parts.append((yield from self._excitation_block(block, self.source_end)))
+                parts.append((yield from self._excitation_block(block, self.source_end, pad_to)))
                 self.source_end += block.shape[1]
             self.source = torch.cat(parts, dim=2)
         # 2. audio for every frame whose conv_pre look-ahead (+1 iSTFT frame) is available

@@ -352,6 +352,13 @@ class GraphedHiFT:
     def grow_rows(self) -> int:
         return self.GROW_ROWS if self.model.conv_pre.bias.device.type == "cuda" else 0
 
+    @property
+    def pads_final_blocks(self) -> bool:
+        """Does a causal stream pad its utterance's last excitation block to a whole one (``BoundedStream.
+        _excitation_block``)? On CUDA: one graph per bucket instead of one per final length (run eagerly,
+        captured mid-serving). Off CUDA the calls are eager and padding would only add work."""
+        return self.causal and self.model.conv_pre.bias.device.type == "cuda"
+
     def frames_to_graph(self, op: str, args: tuple[torch.Tensor, ...], per_frame: Sequence[int],
                         finalize: Optional[bool] = None) -> int:
         """Zero frames to append to a look-ahead F0 or decode call (``hift.run_stage``) so that it replays a
