@@ -459,8 +459,8 @@ class BoundedStream:
 
         ``pad_to``: a shorter block runs padded with zero-F0 frames to that many (and their noise rows), its
         excitation cut back. Exact: each sample's excitation depends on its own frame's F0 and noise and on the
-        phase before it, and a zero F0 advances no phase, so even the phase after the block is the same. An
-        utterance's last block, of any length, then replays the steady blocks' graph."""
+        phase before it, and a zero F0 advances no phase, so even the phase after the block is the same. A block of
+        any length (an utterance's first, or those of its final push) then replays the steady blocks' graph."""
         n = f0.shape[1]
         if pad_to > n:
             f0 = F.pad(f0, (0, pad_to - n))
@@ -479,8 +479,8 @@ class BoundedStream:
             f0 = (yield StageCall(F0, (feats,), finalize, None if finalize else (1, 1))
                   ).to(feats)[:, self.source_end - start:]
             parts = [self.source]
-            # the final push's last block pads to a whole one where the runner replays graphs (GraphedHiFT)
-            pad_to = self.block_frames if finalize and getattr(self.runner, "pads_final_blocks", False) else 0
+            # a short block (a first or final chunk's) pads to a whole one where the runner replays graphs
+            pad_to = self.block_frames if getattr(self.runner, "pads_excitation_blocks", False) else 0
             for block in f0.split(self.block_frames, dim=1):
                 parts.append((yield from self._excitation_block(block, self.source_end, pad_to)))
                 self.source_end += block.shape[1]

@@ -353,10 +353,12 @@ class GraphedHiFT:
         return self.GROW_ROWS if self.model.conv_pre.bias.device.type == "cuda" else 0
 
     @property
-    def pads_final_blocks(self) -> bool:
-        """Does a causal stream pad its utterance's last excitation block to a whole one (``BoundedStream.
-        _excitation_block``)? On CUDA: one graph per bucket instead of one per final length (run eagerly,
-        captured mid-serving). Off CUDA the calls are eager and padding would only add work."""
+    def pads_excitation_blocks(self) -> bool:
+        """Does a causal stream pad a short excitation block (an utterance's first, or those of its final push)
+        to a whole one (``BoundedStream._excitation_block``, exact)? On CUDA: the steady blocks' graph per bucket
+        instead of one per length (run eagerly or captured mid-serving; serving with final payloads of 1-25 codes
+        met 22 lengths, ``stream_churn_excite_session32_h200.md``). Off CUDA the calls are eager and padding would
+        only add work."""
         return self.causal and self.model.conv_pre.bias.device.type == "cuda"
 
     def frames_to_graph(self, op: str, args: tuple[torch.Tensor, ...], per_frame: Sequence[int],
