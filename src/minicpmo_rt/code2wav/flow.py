@@ -435,10 +435,10 @@ class Flow(nn.Module):
                                 final_tokens: int | None = None
                                 ) -> list[tuple[torch.Tensor, list[FlowCache] | None]]:
         """``inference_chunk_many`` for several payload shapes of streams whose caches agree, in ONE CFM solve:
-        each part's encoder half runs as its own call, then every row solves together at the widest part's
-        width, a narrower part's rows (which must be final chunks: their streams end) padded and attending
-        their own frames only (``WholeEulerSolver.solve(widths=)``). So the final chunks of streams ending in a
-        round join the steady chunks of the others instead of a solve of their own.
+        each payload shape's encoder half runs as its own call (the final parts' as one), then every row solves
+        together at the widest part's width, a narrower part's rows (which must be final chunks: their streams
+        end) padded and attending their own frames only (``WholeEulerSolver.solve(widths=)``). So the final
+        chunks of streams ending in a round join the steady chunks of the others instead of a solve of their own.
 
         Parts may also differ in cache length (each part's caches agree; the prompt frames agree across
         parts): a stream's first and second chunks (estimator caches of prompt and prompt + 50 frames) then

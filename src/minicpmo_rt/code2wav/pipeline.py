@@ -509,8 +509,8 @@ class Code2Wav:
         Streams whose caches have the same shapes (the steady state of concurrent streams)
         and whose payloads have the same length and final flag run ONE flow solve together
         (at most ``max_batch`` rows each). With ``join_finals``, final chunks of streams with those cache
-        shapes join that solve when they are no wider (each payload shape keeps its own encoder call); the
-        rest run alone as ``push``. Vocoding goes through
+        shapes join that solve when they are no wider (each non-final payload shape keeps its own encoder call;
+        the final ones share one, ``Flow.encode_ends``); the rest run alone as ``push``. Vocoding goes through
         ``Vocoder.push_many``: HiFT calls of equal shapes run batched (at most ``max_batch``
         rows), each stream keeping its own vocoder state; ``batch_vocoding=False`` runs every
         HiFT call alone (the per-stream path, for comparison). Same result as pushing each
