@@ -163,7 +163,8 @@ def test_stream_caches_do_not_alias_the_solver_buffers(tiny_ckpt, voice):
 def test_graph_knobs_reach_the_solver_and_precapture_covers_a_stream(tiny_ckpt, voice):
     """``cfm_max_graphs`` becomes the solver's graph budget (a bad value is named); precapture waits for CUDA
     (nothing pending, nothing captured here), and the keys it would capture for a voice
-    (``precapture_plan`` -> ``precapture_keys``) are the keys that voice's streamed chunks solve under."""
+    (``precapture_plan`` -> ``precapture_keys``) are the keys that voice's streamed chunks solve under, final
+    chunks wider than a steady one (query bucket 56) included; a budget drops the final chunks' keys first."""
     fast = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True, "cfm_max_graphs": 5})
     sv = fast.flow.chunk_solver
     assert sv.config.max_graphs == 5 and not fast.precapture_pending
@@ -177,13 +178,30 @@ def test_graph_knobs_reach_the_solver_and_precapture_covers_a_stream(tiny_ckpt, 
         s.push(([4218] * 3 + codes[:25]) if i == 0 else codes[i - 3:i + 25])
     s.push(codes[97:110], last=True)                       # a final chunk: narrower, masked
     solved = list(seen)
+    for n in (24, 25):     # final payloads wider than a steady chunk: 3 + 24 / 25 codes, 54 / 56 frames
+        w = fast.open_stream(voice)
+        for i in range(0, 100, 25):
+            w.push(([4218] * 3 + codes[:25]) if i == 0 else codes[i - 3:i + 25])
+        seen.clear()
+        w.push(codes[97:100] + codes[:n], last=True)
+        solved.append(seen[-1])
     plan = fast.precapture_plan(s.prompt_frames)
     full = sv.precapture_keys(**{**plan, "final": False}, device="cpu")
     planned = sv.precapture_keys(**plan, device="cpu")
+    assert sv.config.query_buckets == (50, 56) and plan["query"] == 50 and plan["wide"] == 56
     assert len(full) == 3 * len(sv.config.batch_buckets) and set(full) < set(planned)
-    assert all(k.masked for k in set(planned) - set(full))    # final chunks' keys, where their arena fits
-    assert len(solved) == 5 and len(set(solved)) == 4 and set(solved) <= set(planned)
-    assert solved[-1].masked and solved[-1] not in full
+    finals = set(planned) - set(full)
+    # final chunks' keys, where their arena fits: masked at a steady chunk's width, or at the wide final bucket
+    # (masked, and the widest final's own width) for the batches final_batch covers
+    assert all(k.masked for k in finals if k.query == 50)
+    wide = {k for k in finals if k.query == 56}
+    assert {(k.batch, k.masked) for k in wide} == {(b, m) for b in (1, 2, 4) for m in (True, False)}
+    assert len(solved) == 7 and len(set(solved)) == 6 and set(solved) <= set(planned)
+    assert solved[4].masked and solved[4] not in full
+    assert (solved[5].query, solved[5].masked) == (56, True) and (solved[6].query, solved[6].masked) == (56, False)
+    # under a budget the wide finals' keys go first, then the narrow finals': a steady key is never dropped
+    assert set(sv.precapture_keys(**plan, device="cpu", limit=len(planned) - len(wide))) == set(planned) - wide
+    assert set(sv.precapture_keys(**plan, device="cpu", limit=len(full))) == set(full)
     with pytest.raises(InputError, match="cfm_max_graphs"):
         Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_max_graphs": "lots"})
 
@@ -209,7 +227,8 @@ def test_join_starts_knob_reaches_the_flow_and_precaptures_its_keys(tiny_ckpt, v
     plan, dev = fast.precapture_plan(p), "cuda" if torch.cuda.is_available() else "cpu"   # Triton's device
     keys = sv.precapture_keys(**plan, device=dev)
     plain = sv.precapture_keys(**{**plan, "row_lengths": False}, device=dev)
-    steady = {k for k in plain if k.direct and k.batch > 1 and k.offset == p + 100 and not k.masked}
+    steady = {k for k in plain if k.direct and k.batch > 1 and k.offset == p + 100 and not k.masked
+              and k.query == plan["query"]}     # not the widest final chunks' keys (query 56)
     assert {k for k in keys if k.rows} == {replace(k, rows=True) for k in steady}
     assert set(keys) - {k for k in keys if k.rows} == set(plain)
     assert len(steady) == (len(sv.config.batch_buckets) - 1 if triton_here else 0)

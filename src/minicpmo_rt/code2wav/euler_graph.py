@@ -484,14 +484,20 @@ class WholeEulerSolver:
 
     def precapture_keys(self, batches: Sequence[int], query: int, offsets: Sequence[int], device="cuda",
                         trim: tuple[int, int] | None = None, final: bool = False,
-                        row_lengths: bool = False) -> list[SolveKey]:
+                        row_lengths: bool = False, wide: int | None = None,
+                        limit: int | None = None) -> list[SolveKey]:
         """The keys ``solve`` will take for B rows of width ``query`` over each offset (with the flow's
         ``trim``), each once, the largest arena first (a larger one would regrow it and drop the graphs).
         ``final``: also the keys of narrower (final) chunks over those offsets (masked: one key per
         bucket, whatever the width), for the batches whose arena fits the one the full-width keys need or
         that ``GraphConfig.final_batch`` covers (more rows solve in groups that fit, ``keep_arena``).
         ``row_lengths``: also the direct keys at the longest offset with rows of their own cache lengths
-        (``SolveKey.rows``: first and second chunks joining steady ones), from batch 2."""
+        (``SolveKey.rows``: first and second chunks joining steady ones), from batch 2. ``wide``: also the keys of
+        final chunks wider than ``query`` (a final payload of more codes than a steady one's), up to ``wide``
+        frames, a query bucket (``GraphConfig.query_buckets``): at that width and one frame narrower (masked:
+        every narrower width), at the longest offset, for the batches ``GraphConfig.final_batch`` covers.
+        ``limit``: at most that many keys, the wide finals' dropped first (then the narrow finals', the rows
+        keys), so a budget never drops a steady chunk's key for them."""
         mu = torch.empty(1, self.n_mel, query, device=device)
         keys = dict.fromkeys(self.solve_key(B, query, L, mu, trim) for L in offsets for B in batches)
         if row_lengths and offsets:
@@ -502,10 +508,17 @@ class WholeEulerSolver:
             most = max(map(size, keys))
             narrow = (self.solve_key(B, query - 1, L, mu, trim) for L in offsets for B in batches)
             keys.update(dict.fromkeys(k for k in narrow if size(k) <= most or k.batch <= self.config.final_batch))
-        return sorted(keys, key=size, reverse=True)
+        if final and wide and wide > query and offsets and self._snap(wide, self.config.query_buckets) == wide:
+            wmu = torch.empty(1, self.n_mel, wide, device=device)
+            small = [B for B in batches if B <= max(1, self.config.final_batch)]
+            keys.update(dict.fromkeys(self.solve_key(B, T, max(offsets), wmu, trim) for B in small
+                                      for T in (wide, wide - 1)))
+        chosen = list(keys)[:limit] if limit is not None else list(keys)    # in the order they were added
+        return sorted(chosen, key=size, reverse=True)
 
     def precapture(self, batches: Sequence[int], query: int, offsets: Sequence[int], device="cuda",
-                   trim: tuple[int, int] | None = None, final: bool = False, row_lengths: bool = False) -> int:
+                   trim: tuple[int, int] | None = None, final: bool = False, row_lengths: bool = False,
+                   wide: int | None = None) -> int:
         """Capture graphs ahead of the first chunk (``precapture_keys``); returns how many are held now.
         Stops where the budget is spent or a capture fails (the solver then runs eagerly, as ``solve``). A key
         whose buffers do not fit in device memory is skipped (logged once): the largest come first, so on a
@@ -516,7 +529,8 @@ class WholeEulerSolver:
         if device.index is None:    # as solve's inputs name it: the arena compares devices
             device = torch.device("cuda", torch.cuda.current_device())
         with torch.inference_mode(), matmul_tf32(self.tf32):
-            for key in self.precapture_keys(batches, query, offsets, device, trim, final, row_lengths):
+            room = max(0, self.config.max_graphs - len(self.graphs()))
+            for key in self.precapture_keys(batches, query, offsets, device, trim, final, row_lengths, wide, room):
                 if self._graphs_off_reason or len(self.graphs()) >= self.config.max_graphs:
                     break
                 try:

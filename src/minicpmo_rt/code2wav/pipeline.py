@@ -237,9 +237,13 @@ class Code2Wav:
         # their own prompt's (anchor_at_trim), so a PromptFeatures of another length runs unmasked too.
         anchor = 2 * int(REF_TOKENS) + 100
         budget = graph_budget(extra)
+        # Query buckets: a steady chunk's 50 frames, and a final payload's widest (3 + 25 codes: 56 frames), so
+        # that final chunks wider than a steady one (payloads of 23-25 new codes) take 2 keys per batch bucket,
+        # which precapture takes, instead of an exact key per width captured mid-serving
+        buckets = (self.steady_frames, self.flow.chunk_frames(FINAL_TOKENS, True))
         solver, choice = solver_from_knobs(self.flow.decoder, dict(extra or {}), self.device,
                                            GraphConfig(offset_anchor=anchor, max_graphs=budget,
-                                                       anchor_at_trim=True),
+                                                       anchor_at_trim=True, query_buckets=buckets),
                                            n_timesteps=self.n_timesteps)
         self.choice = choice
         fast = choice.body == "fused" or self.device.type == "cuda"
@@ -493,13 +497,21 @@ class Code2Wav:
                  "%.1f s", n, plan["offsets"], list(plan["batches"]), time.perf_counter() - t0)
         return n
 
+    @property
+    def steady_frames(self) -> int:
+        """Mel frames a steady chunk decodes (3 context + 25 new codes, the last 3 look-ahead: 50)."""
+        return self.flow.chunk_frames(CONTEXT + WINDOW, False)
+
     def precapture_plan(self, prompt_frames: int) -> dict:
-        """``precapture``'s arguments for the CFM solver (``WholeEulerSolver.precapture``/``precapture_keys``)."""
+        """``precapture``'s arguments for the CFM solver (``WholeEulerSolver.precapture``/``precapture_keys``): a
+        steady chunk's width over each cache length a stream passes through, the final chunks' keys, and those of
+        final chunks wider than a steady one (``wide``: the widest query bucket, where it is wider)."""
         config = self.flow.chunk_solver.config
-        q = max(config.query_buckets)
+        q = self.steady_frames
         offsets = list(range(prompt_frames, prompt_frames + HISTORY_FRAMES, q)) + [prompt_frames + HISTORY_FRAMES]
+        wide = max(config.query_buckets)
         return dict(batches=config.batch_buckets, query=q, offsets=offsets, trim=(prompt_frames, HISTORY_FRAMES),
-                    final=True, row_lengths=self.join_starts)
+                    final=True, row_lengths=self.join_starts, wide=wide if wide > q else None)
 
     @torch.inference_mode()
     def push_many(self, items: Sequence[tuple["Code2WavStream", Sequence[int], bool]],
