@@ -122,15 +122,16 @@ def test_batched_streams_equal_streams_pushed_alone(c2w, voice):
 
 
 def test_final_chunks_join_the_steady_solve_of_streams_that_go_on(c2w, voice):
-    """Three streams in step; in round 4 (caches at the trimmed steady length) stream 1 sends its final 3 + 10
-    codes (26 frames) and stream 2 a final 3 + 25 (56, wider than a steady chunk's 50) while stream 0 goes on
-    with 3 + 25. With ``join_finals`` on the fused body the 26-frame final joins stream 0's steady solve (its
-    rows padded, attending their own frames only: one solve of two rows and the wide final alone); the
-    reference body (no rows of their own widths) and ``join_finals=False`` solve each shape apart. Every final
-    chunk's encoder half pads (``Flow.encode_ends``). Every stream's PCM equals the stream pushed alone, and
-    stream 0 goes on from the joined solve's cache."""
+    """Four streams in step; in round 4 (caches at the trimmed steady length) stream 1 sends its final 3 + 10
+    codes (26 frames), streams 2 and 3 finals of 3 + 25 and 3 + 23 (56 and 52, wider than a steady chunk's 50)
+    while stream 0 goes on with 3 + 25. With ``join_finals`` on the fused body the 26-frame final joins stream
+    0's steady solve (its rows padded, attending their own frames only) and the two wide finals join each other
+    (the 52-frame one padded to 56): two solves of two rows. The reference body (no rows of their own widths)
+    and ``join_finals=False`` solve each shape apart. Every final chunk's encoder half pads
+    (``Flow.encode_ends``). Every stream's PCM equals the stream pushed alone, and stream 0 goes on from the
+    joined solve's cache."""
     plans = [_payloads(41, (25, 25, 25, 25, 25, 10)), _payloads(42, (25, 25, 25, 10)),
-             _payloads(43, (25, 25, 25, 25))]
+             _payloads(43, (25, 25, 25, 25)), _payloads(44, (25, 25, 25, 23))]
     alone = []
     for plan in plans:
         s = c2w.open_stream(voice)
@@ -164,12 +165,12 @@ def test_final_chunks_join_the_steady_solve_of_streams_that_go_on(c2w, voice):
             del c2w.flow.inference_chunk_many, c2w.flow.inference_chunks_joined
         # every round with a final chunk goes through inference_chunks_joined (the finals' encoder calls pad:
         # encode_ends); the reference body solves each part there through inference_chunk_many
-        if join and fused:      # round 4: steady + the narrow final, then the wide final; round 6: the final
-            assert joined == [[(28, False, 1), (13, True, 1)], [(28, True, 1)], [(13, True, 1)]]
-            assert calls == [3, 3, 3, 1]            # stream 0's steady chunk alone in round 5
+        if join and fused:      # round 4: steady + the narrow final, then the wide finals; round 6: the final
+            assert joined == [[(28, False, 1), (13, True, 1)], [(28, True, 1), (26, True, 1)], [(13, True, 1)]]
+            assert calls == [4, 4, 4, 1]            # stream 0's steady chunk alone in round 5
         else:
-            assert joined == [[(13, True, 1)], [(28, True, 1)], [(13, True, 1)]]
-            assert calls == ([3, 3, 3, 1, 1, 1, 1, 1] if not fused else [3, 3, 3, 1, 1])
+            assert joined == [[(13, True, 1)], [(28, True, 1)], [(26, True, 1)], [(13, True, 1)]]
+            assert calls == ([4, 4, 4, 1, 1, 1, 1, 1, 1] if not fused else [4, 4, 4, 1, 1])
         _same_audio(got, alone, join)
         assert all(s.finished for s in streams)
 

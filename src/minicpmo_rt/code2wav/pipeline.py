@@ -582,7 +582,8 @@ class Code2Wav:
         """The solves of dense streams whose caches agree (with ``join_starts``: but for their lengths), grouped
         by (payload length, final, cache shape): each group its own solve, except that with ``join_finals`` (and
         a solver that takes rows of their own widths) the final groups of a cache shape no wider than its
-        widest non-final one (or, with none, than its widest final one) join its solve. With ``join_starts``
+        widest non-final one (or, with none, than its widest final one) join its solve, and those wider than it
+        (payloads of more new codes than a steady one's) join each other. With ``join_starts``
         the host is the widest non-final group of any cache shape (the most rows first: the steady streams),
         and the non-final groups of its width and the final groups no wider join it (the flow solves each
         cache length apart where it cannot read them together). Each solve lists its items' indices, group by
@@ -606,7 +607,12 @@ class Code2Wav:
             host = widest(own)
             joined = [host] + [k for k in own if k != host and k[1] and frames[k] <= frames[host]]
             solves.append([i for k in joined for i in shapes[k]])
-            solves += [shapes[k] for k in own if k not in joined]
+            left = [k for k in own if k not in joined]
+            wide = [k for k in left if k[1]]    # finals wider than the host: join each other, the widest hosting
+            if len(wide) > 1:
+                solves.append([i for k in sorted(wide, key=lambda k: -frames[k]) for i in shapes[k]])
+                left = [k for k in left if not k[1]]
+            solves += [shapes[k] for k in left]
         return solves
 
     def _solve_dense(self, rows: Sequence[int], items, tokens: Sequence[torch.Tensor],
