@@ -13,7 +13,9 @@ replayed graph makes room (logged once). A capture failure turns the graphs off 
 Rows pad to batch buckets (``hift_graph.ROW_BUCKETS``: the conformer is row-independent), so the
 batch sizes of a round of concurrent streams, which wander as streams come and go, share 5 graphs
 per cache shape; the budget holds every bucket of a stream's four cache shapes (first, growing,
-steady).
+steady). Two more sets, each with a budget of its own: ``padded`` (caches of several lengths in one call,
+``cfm_join_starts``) and ``ended`` (a round's final chunks, of any length, padded to one shape:
+``Flow.encode_ends``), so neither evicts the steady chunks' graphs.
 """
 
 from __future__ import annotations
