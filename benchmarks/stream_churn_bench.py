@@ -129,11 +129,11 @@ def payload(g: np.random.Generator, final: bool, final_new: int = 10) -> list[in
     return [SILENCE] * 3 + g.integers(0, 6561, final_new if final else 25).tolist()
 
 
-def final_lengths(plan: list, lo: int, hi: int, seed: int) -> dict[tuple[int, int], int]:
-    """(round, slot) -> the new codes of that final payload, drawn uniformly from lo..hi (``--final-codes``), from
+def final_lengths(plan: list, lo: int, hi: int, seed: int) -> list[dict[int, int]]:
+    """Per round, slot -> the new codes of its final payload, drawn uniformly from lo..hi (``--final-codes``), from
     an RNG of its own: the same for every variant, and the payloads' codes stay as drawn without it."""
     rng = random.Random(seed + 1)
-    return {(r, slot): rng.randint(lo, hi) for r, active in enumerate(plan) for slot, _, final in active if final}
+    return [{slot: rng.randint(lo, hi) for slot, _, final in active if final} for active in plan]
 
 
 def push_round(c2w: Code2Wav, feats, streams: dict, active, g: np.random.Generator,
@@ -270,7 +270,7 @@ def _time_stages(c2w: Code2Wav, dev, spent: dict) -> None:
 
 
 def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, breakdown: bool = False,
-            final_codes: Optional[dict] = None) -> dict:
+            final_codes: Optional[list] = None) -> dict:
     c2w = build(flow, gen, v, slots)
     _sync(dev)
     t = time.perf_counter()
@@ -300,8 +300,7 @@ def one_run(flow, gen, feats, dev, v: Variant, plan, seed: int, slots: int, brea
         hift_log.clear()
         spent.clear()
         t = time.perf_counter()
-        pushed = push_round(c2w, feats, streams, active, g,
-                            {slot: n for (r, slot), n in (final_codes or {}).items() if r == len(rounds)})
+        pushed = push_round(c2w, feats, streams, active, g, final_codes[len(rounds)] if final_codes else None)
         _sync(dev)
         rounds.append(1000 * (time.perf_counter() - t))
         batches.append(pushed)

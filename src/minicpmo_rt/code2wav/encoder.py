@@ -331,7 +331,7 @@ class UpsampleConformerEncoderV2(nn.Module):
                              "chunk's look-ahead tokens are real")
         x = self.embed(xs)
         if valid is not None:
-            x = x * (torch.arange(x.shape[1], device=x.device)[None, :] < valid[:, None]).unsqueeze(-1).to(x.dtype)
+            x = x * _real_keys(x.shape[1], None, valid, x.device).unsqueeze(-1).to(x.dtype)
         x, new_cnn_pre = self.pre_lookahead_layer(x, cnn_pre, pad_future=last_chunk)
         pos = self._pos(past + x.shape[1], x)
         # key frame j of a row is real from its front padding on and before its back padding (token, then mel rate)

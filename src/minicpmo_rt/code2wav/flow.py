@@ -586,7 +586,7 @@ class Flow(nn.Module):
         n = max(lengths + [(tokens_to or 0) if graphed else 0])
         token = torch.cat([F.pad(t.long(), (0, n - t.shape[1])) for t in tokens])
         valid = [t.shape[1] for t in tokens for _ in range(t.shape[0])]
-        past = {e.att.shape[3] // 2 for e in encoders}
+        past = {e.token_frames for e in encoders}
         pads = None
         if len(past) > 1 or (graphed and pad_to and max(past) < pad_to):
             enc, pads = pad_encoder_caches(encoders, len(self.encoder.encoders), pad_to if graphed else None)

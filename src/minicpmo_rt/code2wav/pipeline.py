@@ -607,12 +607,11 @@ class Code2Wav:
             host = widest(own)
             joined = [host] + [k for k in own if k != host and k[1] and frames[k] <= frames[host]]
             solves.append([i for k in joined for i in shapes[k]])
-            left = [k for k in own if k not in joined]
-            wide = [k for k in left if k[1]]    # finals wider than the host: join each other, the widest hosting
-            if len(wide) > 1:
-                solves.append([i for k in sorted(wide, key=lambda k: -frames[k]) for i in shapes[k]])
-                left = [k for k in left if not k[1]]
-            solves += [shapes[k] for k in left]
+            # the finals wider than the host join each other, the widest hosting
+            wide = sorted((k for k in own if k not in joined and k[1]), key=lambda k: -frames[k])
+            if wide:
+                solves.append([i for k in wide for i in shapes[k]])
+            solves += [shapes[k] for k in own if k not in joined and not k[1]]
         return solves
 
     def _solve_dense(self, rows: Sequence[int], items, tokens: Sequence[torch.Tensor],
