@@ -3,11 +3,9 @@
 # its own cap (the timeouts below), so group them by priority into calls of under 10 minutes each. Session 31
 # ran `jtests tests`, `starts carry`, `prepare`, `churn stage`; session 32 `tests`, `ab`, then (final chunks'
 # encoder calls padded, encode_ends) `ftests`, `ab` with CHURN_ARGS="--final-codes 1,25" against bbf0517, and
-# `tests ab` (same CHURN_ARGS) against a89fbdd. Pending after it: `tests ftests` (one call), then `ab` with
-# CHURN_ARGS="--final-codes 1,25" against 5032778: every short excitation block padded
-# (GraphedHiFT.pads_excitation_blocks) and the CFM's wide final chunks in query bucket 56, precaptured (e2fe59f;
-# the per-set table tells them apart: HiFT excite eager calls, CFM captures during the rounds). Each
-# step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
+# `tests ab` (same CHURN_ARGS) against a89fbdd; session 33 `tests ftests`, then `ab` with
+# CHURN_ARGS="--final-codes 1,25" against 5032778 (every short excitation block padded, wide finals in CFM query
+# bucket 56). Nothing is pending. Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
 # Steps (in the order given):
