@@ -5,7 +5,10 @@
 # encoder calls padded, encode_ends) `ftests`, `ab` with CHURN_ARGS="--final-codes 1,25" against bbf0517, and
 # `tests ab` (same CHURN_ARGS) against a89fbdd; session 33 `tests ftests`, then `ab` with
 # CHURN_ARGS="--final-codes 1,25" against 5032778 (every short excitation block padded, wide finals in CFM query
-# bucket 56). Nothing is pending. Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
+# bucket 56). Pending after it: `ptests pool` (one call): the slot pool's final chunks joining its solve at
+# their own widths, their encoder call padded (encode_ends), the wide final keys precaptured by warm_up (the
+# per-set table of the slot pool variant: eager calls / captures, CFM captures; session 33 measured 45 / 36
+# and 3 before it). Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
 # Steps (in the order given):
@@ -21,6 +24,8 @@
 #            <commit> src | tar -x -C _base`) against this one, 3 alternating pairs (session 31: 6c7caf9, before
 #            the final chunks' padded HiFT look-ahead calls and GROW_ROWS 8); CHURN_ARGS passes options on
 #   ftests   CUDA tests of the final chunks' padded encoder calls (EncoderGraphs.ended, warm-up, serving)
+#   ptests   CUDA tests of the slot pool in the pipeline (the wide final keys precaptured, finals joining)
+#   pool     stream_churn_bench.py --breakdown --final-codes 1,25: the default against the slot pool (opt-in)
 # Before the call, here: copy ../shared/minicpmo45 into _shared/ and download soundfile's wheels into _wheels/
 # (see benchmarks/results/code2wav_session29_h200.md), and carry both. SMOKE=1 runs the benchmark steps on the
 # CPU at tiny sizes (a check of this script, not a measurement).
@@ -61,13 +66,17 @@ for s in "$@"; do
               tests/code2wav/test_encoder_graph.py -k "own_cache_lengths or join_the_steady or join_starts or joined or direct or padded" ;;
     ftests) step ftests 300 python -m pytest -q -p no:cacheprovider tests/code2wav/test_encoder_graph.py \
               tests/code2wav/test_pipeline.py -k cuda ;;
+    ptests) step ptests 240 python -m pytest -q -p no:cacheprovider tests/code2wav/test_pipeline_slot_pool.py \
+              tests/code2wav/test_slot_pool.py -k cuda ;;
+    pool) step pool 330 python benchmarks/stream_churn_bench.py --breakdown --final-codes 1,25 --only default \
+            --runs 2 --out "$W/pool" "${tiny[@]}" ;;
     stage) step stage 120 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
     ab) [ -d _base/src ] || { echo "gpu_pending.sh ab: no _base/src (git archive <commit> src | tar -x -C _base)" >&2
           exit 2; }
         step ab 560 env OUT="$W/ab" bash benchmarks/churn_ab.sh _base/src
         python benchmarks/churn_ab_table.py "$W/ab" --out "$W/ab/churn_ab" 2>&1 | tail -8 | tee -a "$OUT/log.txt"
         tar -czf "$OUT/ab.tar.gz" -C "$W" ab ;;
-    *) echo "gpu_pending.sh: unknown step '$s' (tests, carry, prepare, churn, starts, jtests, stage, ab, ftests)" >&2
+    *) echo "gpu_pending.sh: unknown step '$s' (tests, carry, prepare, churn, starts, jtests, stage, ab, ftests, ptests, pool)" >&2
        exit 2 ;;
   esac
 done

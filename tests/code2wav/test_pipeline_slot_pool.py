@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import requires_cuda
 from minicpmo_rt.code2wav.knobs import row_offset_merge, slot_pool_slots
 from minicpmo_rt.code2wav.pipeline import Code2Wav
 from minicpmo_rt.errors import InputError
@@ -197,3 +198,128 @@ def test_a_pool_made_inside_inference_mode_admits_streams_outside_it(tiny_ckpt, 
     assert s.handle is not None
     assert s.push(_payloads(3)[0][0]).size > 0
     s.close()
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_final_chunks_join_the_pooled_solve_at_their_own_widths(tiny_ckpt, dense, voice, merge):
+    """Pooled streams ending in a round join the slot solve of those that go on (``join_finals``): a final
+    chunk no wider than the steady one (3 + 10 codes, 26 frames) rides the steady solve at its own width, and
+    the finals wider than it (3 + 24 and 3 + 25 codes: 54 and 56 frames) share one solve, the widest hosting.
+    Their encoder halves run as one call per solve (``Flow.encode_ends``). Every stream's PCM equals the stream
+    pushed alone on the dense path within 1e-5; a narrow row whose frames leaked into the others (keys,
+    noise offsets) would miss by far more. With the joining off, each final payload length solves alone."""
+    c2w = _fast(Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={
+        "cfm_fused_body": True, "cfm_slot_pool": 4, "cfm_row_offset_merge": merge}))
+    plans = [_payloads(61, windows=(25, 25, 25, 25, 10)), _payloads(62, windows=(25,) * 6),
+             _payloads(63, windows=(25, 25, 25, 25, 24)), _payloads(64, windows=(25,) * 5)]
+    alone = [_alone(dense, voice, plan) for plan in plans]
+    streams = [c2w.open_stream(voice) for _ in plans]
+    assert all(s.handle is not None for s in streams)
+    got = [[] for _ in plans]
+    for k in range(4):
+        for j, wav in enumerate(c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])):
+            got[j].append(wav)
+    with Spy(c2w.slot_solver, "solve_slots") as solves, Spy(c2w.flow, "encode_ends") as ends:
+        out = c2w.push_many([(s, *plan[4]) for s, plan in zip(streams, plans)])
+    for j, wav in enumerate(out):
+        got[j].append(wav)
+    assert sorted(len(c[0]) for c in solves.calls) == [2, 2]          # [steady + narrow final], [56 + 54]
+    assert sorted(c[1].shape[2] for c in solves.calls) == [50, 56]
+    assert [len(c[0]) for c in ends.calls] == [1, 2]                  # the finals' tokens, per solve
+    got[1].append(streams[1].push(*plans[1][5]))                      # a wide final alone
+    for j in range(4):
+        _check = [_rel(a, b) for a, b in zip(got[j], alone[j])]
+        assert len(got[j]) == len(alone[j]) and max(_check) <= 1e-5, (j, _check)
+    assert all(s.finished for s in streams) and c2w.slot_solver.pool.free_slots == 4
+
+    c2w.join_finals = False     # off: each final payload length solves alone
+    streams = [c2w.open_stream(voice) for _ in plans]
+    for k in range(4):
+        c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])
+    with Spy(c2w.slot_solver, "solve_slots") as solves:
+        out = c2w.push_many([(s, *plan[4]) for s, plan in zip(streams, plans)])
+    assert sorted(len(c[0]) for c in solves.calls) == [1, 1, 1, 1]
+    assert max(_rel(out[j], alone[j][4]) for j in range(4)) <= 1e-5
+    streams[1].close()
+
+
+def test_pooled_final_chunks_replay_the_warm_up_encoder_graph(tiny_ckpt, dense, voice):
+    """The warm-up's final-chunk encoder call (``Code2Wav._warm_final_encoder``) now covers pooled streams,
+    and a round's pooled finals of other lengths (3 + 24 and 3 + 25 codes) replay that graph: their encoder
+    call pads to a steady payload and cache (``Flow.encode_ends``), so no final length runs eagerly or captures
+    mid-serving (on the H200 before this: 45 eager calls and 36 captures in 60 rounds). Captures are faked on
+    the CPU (``_CPUGraphs``: CUDA graphs cannot run here; the CUDA tests of ``test_encoder_graph`` run real
+    ones); the PCM of every stream equals it pushed alone on the dense path within 1e-5."""
+    from test_encoder_graph import _CPUGraphs
+
+    c2w = _fast(Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True, "cfm_slot_pool": 3}))
+    graphs = c2w.flow.encoder_graphs = _CPUGraphs(c2w.flow, 16)
+    plans = [_payloads(71, windows=(25,) * 6), _payloads(72, windows=(25, 25, 25, 25, 24)),
+             _payloads(73, windows=(25,) * 5)]
+    alone = [_alone(dense, voice, plan) for plan in plans]
+    streams = [c2w.open_stream(voice) for _ in plans]
+    assert all(s.handle is not None for s in streams)
+    got = [[] for _ in plans]
+    for k in range(4):
+        for j, wav in enumerate(c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])):
+            got[j].append(wav)
+    with torch.inference_mode():
+        for _ in range(2):              # a shape is captured on its second call
+            c2w._warm_final_encoder(streams[1:])
+    ended = graphs.ended
+    assert ended.captures == 1 and ended.eager_calls == 1
+    replays = ended.replays
+    for j, wav in enumerate(c2w.push_many([(s, *plan[4]) for s, plan in zip(streams, plans)])):
+        got[j].append(wav)
+    assert (ended.captures, ended.eager_calls, ended.replays) == (1, 1, replays + 1)
+    got[0].append(streams[0].push(*plans[0][5]))
+    for j in range(3):
+        assert len(got[j]) == len(alone[j])
+        assert max(_rel(a, b) for a, b in zip(got[j], alone[j])) <= 1e-5, j
+    c2w.flow.encoder_graphs = None
+
+
+def test_warm_up_precaptures_the_pooled_wide_final_keys(tiny_ckpt, voice):
+    """``warm_up`` with pooled streams asks the slot solver for the graph of final chunks wider than a steady
+    one (query bucket 56) at each warmed batch bucket up to ``GraphConfig.final_batch`` (4), none beyond.
+    ``precapture_key`` is recorded, not run: a CUDA graph cannot be captured on a CPU (off CUDA it captures
+    nothing, checked here too)."""
+    from minicpmo_rt.code2wav.euler_graph import SolveKey
+
+    c2w = _fast(Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True, "cfm_slot_pool": 8}))
+    sv = c2w.slot_solver
+    assert sv.config.final_batch == 4 and max(sv.config.query_buckets) == 56
+    asked = []
+    real = sv.precapture_key
+    sv.precapture_key = lambda key, device: asked.append(key) or real(key, device)
+    try:
+        c2w.warm_up(voice, chunks=1, batches=(1, 2, 3, 8))
+    finally:
+        del sv.precapture_key
+    assert asked == [SolveKey(1, 56, 0, True), SolveKey(2, 56, 0, True), SolveKey(4, 56, 0, True)]
+    assert not sv.graphs() and sv.pool.free_slots == 8
+
+
+@requires_cuda
+def test_cuda_pooled_wide_finals_replay_the_warm_up_graph(tiny_ckpt, voice):
+    """On CUDA: after ``warm_up`` at batches 1 and 2 the slot solver holds the wide final keys (query 56), and
+    a round whose two pooled streams end with payloads of 3 + 24 and 3 + 25 codes solves them together from
+    that graph: no capture during the round. Their PCM equals each stream pushed alone on the same pooled
+    Code2Wav within 1e-4 (TF32 GEMMs; the rows solve in another batch)."""
+    from minicpmo_rt.code2wav.euler_graph import SolveKey
+
+    c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True, "cfm_slot_pool": 4},
+                                 device="cuda")
+    sv = c2w.slot_solver
+    c2w.warm_up(voice, chunks=1, batches=(1, 2))
+    assert {SolveKey(1, 56, 0, True), SolveKey(2, 56, 0, True)} <= set(sv.graphs())
+    plans = [_payloads(81, windows=(25, 25, 25, 25, 24)), _payloads(82, windows=(25,) * 5)]
+    alone = [_alone(c2w, voice, plan) for plan in plans]
+    streams = [c2w.open_stream(voice) for _ in plans]
+    for k in range(4):
+        c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])
+    captures = sv.captures
+    with Spy(sv, "solve_slots") as solves:
+        out = c2w.push_many([(s, *plan[4]) for s, plan in zip(streams, plans)])
+    assert sv.captures == captures and [len(c[0]) for c in solves.calls] == [2]
+    assert max(_rel(out[j], alone[j][4]) for j in range(2)) <= 1e-4

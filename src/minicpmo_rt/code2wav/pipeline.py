@@ -39,8 +39,10 @@ stream opens; its chunks then solve through ``SlotSolver`` (new K/V written into
 trimming an edit of the frame list), so no estimator cache is stacked, copied into the solver, split
 or trimmed per chunk. With ``cfm_row_offset_merge`` (opt-in) pooled streams whose caches differ in
 length share one solve (each row at its own noise offset; the encoder halves run once per conformer
-cache shape); without it they group by cache length. Streams beyond the slots (or with a prompt
-longer than a slot) run the dense path.
+cache shape); without it they group by cache length. Pooled final chunks join that solve at their own
+widths (``join_finals``; those wider than a steady chunk join each other's), their encoder halves in one
+padded call (``Flow.encode_ends``). Streams beyond the slots (or with a prompt longer than a slot) run
+the dense path.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..checkpoint.snapshot import resolve_snapshot
 from ..errors import CheckpointError, InputError
@@ -446,6 +449,7 @@ class Code2Wav:
                         self.push_many([(s, payload, False) for s in streams])
                         streams.pop().close()
                     self._warm_final_encoder(streams)
+                    self._precapture_pooled_wide(streams)
                     # an empty final payload: the vocoder's final call alone, whose lengths (the steady
                     # history plus the look-ahead frames) are those of every stream that ends after a steady chunk
                     if len(streams) == 1:
@@ -469,14 +473,27 @@ class Code2Wav:
 
     def _warm_final_encoder(self, streams: Sequence["Code2WavStream"]) -> None:
         """The final chunks' encoder call (``Flow.encode_ends``, every final payload padded to FINAL_TOKENS codes
-        and every cache to the steady length) at these streams' bucket, as a round of final chunks makes it; the
-        streams' state is not touched. Dense streams only (the slot pool's finals take their own path)."""
-        if self.flow.encoder_graphs is None or any(s.handle is not None for s in streams):
+        and every cache to the steady length) at these streams' bucket, as a round of final chunks makes it
+        (dense and pooled streams alike); the streams' state is not touched."""
+        if self.flow.encoder_graphs is None:
             return
-        p = streams[0].cache.prompt_frames
+        p = max(s.prompt_frames for s in streams)
         token = torch.full((len(streams), CONTEXT + 1), SILENCE_CODE, dtype=torch.long)
-        self.flow.encode_ends([token], torch.cat([s.spk for s in streams]), [s.cache.encoder for s in streams],
+        self.flow.encode_ends([token], torch.cat([s.spk for s in streams]),
+                              [s.cache.encoder if s.handle is None else s.encoder for s in streams],
                               FINAL_TOKENS, (p + HISTORY_FRAMES) // 2)
+
+    def _precapture_pooled_wide(self, streams: Sequence["Code2WavStream"]) -> None:
+        """The slot solver's graph for pooled final chunks wider than a steady one (the widest query bucket:
+        payloads of 23-25 new codes, which solve together) at these streams' batch bucket, up to
+        ``GraphConfig.final_batch`` streams, so that they replay instead of capturing mid-serving."""
+        sv = streams[0].slot_solver
+        if sv is None or any(s.slot_solver is not sv for s in streams) or len(streams) > sv.config.final_batch:
+            return
+        wide = max(sv.config.query_buckets)
+        key = sv.key_for(len(streams), wide) if wide > self.steady_frames else None
+        if key is not None:
+            sv.precapture_key(key, self.device)
 
     def precapture(self, prompt_frames: int) -> int:
         """Capture the CFM solver's Whole-Euler graphs for the streaming chunks of a voice whose prompt holds
@@ -559,14 +576,14 @@ class Code2Wav:
                 for members in self._dense_solves(shapes):
                     for k in range(0, len(members), cap):
                         self._solve_dense(members[k:k + cap], items, tokens, mels, rnd)
-            for key, members in groups.items():
-                last = bool(items[members[0]][2])
+            for members in self._pooled_solves(groups):
                 pooled_cap = min(cap, max(streams[members[0]].slot_solver.config.batch_buckets))
                 for k in range(0, len(members), pooled_cap):
                     rows = members[k:k + pooled_cap]
-                    mel = self._solve_pooled([streams[i] for i in rows], [tokens[i] for i in rows], last, rnd)
-                    for r, i in enumerate(rows):
-                        mels[i] = mel[r:r + 1]
+                    got = self._solve_pooled([streams[i] for i in rows], [tokens[i] for i in rows],
+                                             [bool(items[i][2]) for i in rows], rnd)
+                    for i, mel in zip(rows, got):
+                        mels[i] = mel
             empty = torch.zeros(1, 80, 0, device=self.device)
             voc_items = [(s.vocoder, empty if mel is None else mel, bool(last))
                          for (s, _, last), mel in zip(items, mels)]
@@ -641,39 +658,76 @@ class Code2Wav:
                 if news is not None:    # a final chunk's stream closes: its cache is not needed
                     rnd.commits.append(_setter(items[i][0], "cache", news[r]))
 
-    def _solve_pooled(self, streams: Sequence["Code2WavStream"], tokens: Sequence[torch.Tensor], last: bool,
-                      rnd: _Round) -> torch.Tensor:
-        """One chunk of pooled streams (payloads of one length) -> mel, the streams' new state added to
-        ``rnd.commits``: the encoder halves grouped by cache shape, then ONE slot solve over every stream
-        at its own cache length. The solve advances the slots in place (frame lists, CNN cache rows), so
-        their old state is saved first and ``rnd.undo`` gets its restore. A chunk wider than the slot
-        solver's query buckets runs the dense path from each slot's dense copy and re-admits the new
+    def _pooled_solves(self, groups: dict[tuple, list[int]]) -> list[list[int]]:
+        """The slot solves of pooled streams, from their groups keyed ("pooled", solver, payload length, final,
+        [cache length, prompt]): each group its own solve, except that with ``join_finals`` the final groups of
+        a solver (and, without row-offset merging, of a cache length) no wider than its widest non-final group
+        join that group's solve, and the others join each other's, the widest hosting (the slot solver takes
+        rows of their own widths). Each solve lists its items' indices, group by group."""
+        if not self.join_finals:
+            return list(groups.values())
+        frames = {k: self.flow.chunk_frames(k[2], k[3]) for k in groups}
+        homes: dict[tuple, list[tuple]] = {}
+        for k in groups:
+            homes.setdefault((k[1],) + k[4:], []).append(k)
+        solves = []
+        for keys in homes.values():
+            steady = [k for k in keys if not k[3]]
+            host = max(steady, key=lambda k: (frames[k], len(groups[k])), default=None)
+            joined = [k for k in keys if k[3] and host is not None and frames[k] <= frames[host]]
+            wide = sorted((k for k in keys if k[3] and k not in joined), key=lambda k: -frames[k])
+            for k in steady:
+                solves.append(groups[k] + ([i for j in joined for i in groups[j]] if k == host else []))
+            if wide:
+                solves.append([i for k in wide for i in groups[k]])
+        return solves
+
+    def _solve_pooled(self, streams: Sequence["Code2WavStream"], tokens: Sequence[torch.Tensor],
+                      lasts: Sequence[bool], rnd: _Round) -> list[torch.Tensor]:
+        """One chunk of pooled streams -> each stream's mel (1, 80, its frames), their new state added to
+        ``rnd.commits``: the encoder halves grouped by cache shape (the final chunks' all in one call, padded:
+        ``Flow.encode_ends``), then ONE slot solve over every stream at its own cache length, final chunks
+        narrower than the rest at their own widths. The solve advances the slots in place (frame lists, CNN
+        cache rows), so their old state is saved first and ``rnd.undo`` gets its restore. A chunk wider than
+        the slot solver's query buckets runs the dense path from each slot's dense copy and re-admits the new
         cache on commit."""
         sv, flow = streams[0].slot_solver, self.flow
         pool = sv.pool
-        B, n = len(streams), tokens[0].shape[1]
-        frames = (n if last else n - flow.pre_lookahead_len) * flow.up_rate
-        if sv.key_for(B, frames) is None:
+        B = len(streams)
+        frames = [flow.chunk_frames(t.shape[1], last) for t, last in zip(tokens, lasts)]
+        T = max(frames)
+        if any(f < T and not last for f, last in zip(frames, lasts)):
+            raise InputError(f"pooled solve of widths {frames}: only a stream's final chunk may be narrower than "
+                             "the others (its slot's CNN history would be wrong)")
+        if sv.key_for(B, T) is None:
             mels = []
-            for s, tok in zip(streams, tokens):
+            for s, tok, last in zip(streams, tokens, lasts):
                 cnn, att = s.handle.dense()
                 mel, new = flow.inference_chunk(tok, s.spk,
                                                 FlowCache(s.encoder.cnn, s.encoder.att, cnn, att, s.prompt_frames),
                                                 last_chunk=last, n_timesteps=self.n_timesteps)
                 mels.append(mel)
                 rnd.commits.append(_setter(s, "encoder", new.encoder) if last else _readmit(s, new))
-            return torch.cat(mels, 0)
+            return mels
         mu, spk, encs = [None] * B, [None] * B, [None] * B
         groups: dict[tuple, list[int]] = {}
         for r, s in enumerate(streams):
-            groups.setdefault(_encoder_key(s.encoder, s.spk), []).append(r)
+            if not lasts[r]:
+                groups.setdefault(_encoder_key(s.encoder, s.spk), []).append(r)
         for rows in groups.values():
             h, sp, new = flow.encode_streams(torch.cat([tokens[r] for r in rows], 0),
                                              torch.cat([streams[r].spk for r in rows], 0),
-                                             [streams[r].encoder for r in rows], last,
+                                             [streams[r].encoder for r in rows], False,
                                              [streams[r].prompt_frames for r in rows])
             for j, (r, e) in enumerate(zip(rows, new)):
                 mu[r], spk[r], encs[r] = h[j:j + 1], sp[j:j + 1], e
+        ends = [r for r in range(B) if lasts[r]]
+        if ends:    # streams that end: one encoder call for all, padded to the graph the warm-up captured
+            steady = max((streams[r].prompt_frames + HISTORY_FRAMES) // 2 for r in ends)
+            hs, sp = flow.encode_ends([tokens[r] for r in ends], torch.cat([streams[r].spk for r in ends], 0),
+                                      [streams[r].encoder for r in ends], FINAL_TOKENS, steady)
+            for j, (r, h) in enumerate(zip(ends, hs)):
+                mu[r], spk[r] = h, sp[j:j + 1]
         handles = [s.handle for s in streams]
         saved = [(h, h.frames, h._arr, h._arr_of) for h in handles]
         idx = flow.to_device(torch.tensor([r for h in handles for r in pool.rows(h.slot)]))
@@ -685,10 +739,11 @@ class Code2Wav:
             pool.cnn.index_copy_(2, idx, cnn)
 
         rnd.undo.append(restore)
-        mu = torch.cat(mu, 0)
-        mel = sv.solve_slots(handles, mu, torch.cat(spk, 0), torch.zeros_like(mu))
-        rnd.commits += [_setter(s, "encoder", e) for s, e in zip(streams, encs)]
-        return mel
+        mu = torch.cat([F.pad(m, (0, T - f)) for m, f in zip(mu, frames)], 0)
+        mel = sv.solve_slots(handles, mu, torch.cat(spk, 0), torch.zeros_like(mu),
+                             widths=frames if min(frames) < T else None)
+        rnd.commits += [_setter(s, "encoder", e) for s, e in zip(streams, encs) if e is not None]
+        return [mel[r:r + 1] if f == T else mel[r:r + 1, :, :f].contiguous() for r, f in enumerate(frames)]
 
     def stream_codes(self, codes: Sequence[int], voice: Voice, window: int = 25,
                      first_window: int | None = None) -> np.ndarray:
@@ -746,7 +801,8 @@ class Code2WavStream:
                                                               last_chunk=last, n_timesteps=self.owner.n_timesteps)
             return self._vocode(mel, last)
         with _round() as rnd:
-            wav = self.vocoder.push(self.owner._solve_pooled([self], [token], last, rnd), last)
+            (mel,) = self.owner._solve_pooled([self], [token], [last], rnd)
+            wav = self.vocoder.push(mel, last)
         if last:
             self.close()
         return wav[0].cpu().numpy().astype(np.float32)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -135,6 +136,16 @@ class SlotSolver(WholeEulerSolver):
         Q = self._snap(T, self.config.query_buckets)
         return None if Bb is None or Q is None else SolveKey(Bb, Q, 0, True)
 
+    def precapture_key(self, key: SolveKey, device) -> bool:
+        """Capture ``key``'s graph before its first solve (``Code2Wav.warm_up`` does, for final chunks wider
+        than a steady one), its rows pointing at the scratch slot as at any capture; True if a graph is then
+        held. Off CUDA, with graphs off or the budget spent: no graph (False)."""
+        device = torch.device(device)
+        if device.type != "cuda" or self._graphs_off_reason is not None:
+            return False
+        with matmul_tf32(self.tf32):
+            return self._static_for(key, device, want_graph=True).graph is not None
+
     def _new_static(self, key: SolveKey, device) -> _Static:
         z = lambda *s, dtype=torch.float32: torch.zeros(*s, device=device, dtype=dtype)  # noqa: E731
         Bb, Q, R, F = key.batch, key.query, 2 * key.batch, self.pool.frames
@@ -179,11 +190,20 @@ class SlotSolver(WholeEulerSolver):
 
     @torch.inference_mode()
     def solve_slots(self, handles: list[SlotHandle], mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
-                    temperature: float = 1.0, graph: bool = True) -> torch.Tensor:
-        """One chunk for every handle (caches may differ in length). mu, cond (B,80,T); spks (B,80)."""
+                    temperature: float = 1.0, graph: bool = True, widths: Sequence[int] | None = None
+                    ) -> torch.Tensor:
+        """One chunk for every handle (caches may differ in length). mu, cond (B,80,T); spks (B,80).
+
+        ``widths``: each row's own frame count (<= T; default T each), for final chunks narrower than the
+        others in the solve: a row's frames past its width are neither keys nor kept in its slot, and it reads
+        the noise at its own offset, so its real frames are those of a solve at its own width (causal convs,
+        masked keys). Its slot's CNN history is then not its own: only a stream's final chunk may be narrower."""
         B, _, T = mu.shape
         if len(handles) != B:
             raise ValueError(f"{len(handles)} handles for a batch of {B}")
+        widths = [T] * B if widths is None else [int(w) for w in widths]
+        if len(widths) != B or not all(1 <= w <= T for w in widths):
+            raise ValueError(f"widths {widths}: one per row of the batch of {B}, each in 1..{T}")
         key = self.key_for(B, T)
         if key is None:
             raise ValueError(f"batch {B} / width {T} exceed the slot solver's buckets")
@@ -198,20 +218,21 @@ class SlotSolver(WholeEulerSolver):
         new_frames = []
         for i in range(Bb):
             if i < B:
-                h = handles[i]
+                h, w = handles[i], widths[i]
                 kr = keys[i]
                 kr[h._frames_array()] = 1
                 free = (kr == 0).nonzero()[0][:Q]
                 if len(free) < Q:
                     raise RuntimeError(f"slot {h.slot} has {F - len(h.frames)} free frames, {Q} needed")
-                if h.length + T > n_noise:
+                if h.length + w > n_noise:
                     raise ValueError(f"noise buffer holds {n_noise} frames; "
-                                     f"frames {h.length}..{h.length + T} requested (utterance or cache too long)")
-                kr[free[:T]] = 1
+                                     f"frames {h.length}..{h.length + w} requested (utterance or cache too long)")
+                kr[free[:w]] = 1
                 pos[i] = free
-                nidx[i] = stg.arange[:T] + h.length
+                # frames past a narrow row's width repeat its last noise column (never read back)
+                nidx[i] = np.minimum(stg.arange[:T], w - 1) + h.length
                 c, u = self.pool.rows(h.slot)
-                new_frames.append(free[:T])
+                new_frames.append(free[:w])
             else:   # padded batch row: scratch slot, attends to its own new frames only
                 c, u = self.pool.rows(self.pool.scratch)
                 pos[i] = stg.arange[:Q]
