@@ -305,21 +305,32 @@ def test_cuda_pooled_wide_finals_replay_the_warm_up_graph(tiny_ckpt, voice):
     """On CUDA: after ``warm_up`` at batches 1 and 2 the slot solver holds the wide final keys (query 56), and
     a round whose two pooled streams end with payloads of 3 + 24 and 3 + 25 codes solves them together from
     that graph: no capture during the round. Their PCM equals each stream pushed alone on the same pooled
-    Code2Wav within 1e-4 (TF32 GEMMs; the rows solve in another batch)."""
+    Code2Wav within 1e-4. IEEE GEMMs and cuDNN: under TF32 a batch-2 and a batch-1 solve round apart by
+    ~3e-4 (another GEMM kernel per row count), which the vocoder carries into the PCM. No precapture at the
+    first ``open_stream``, so the graphs held are this test's warm-up's and those captured as solves come.
+    (A first version, TF32 and 1e-4, failed on the H200 in session 33 with its output cut: not yet seen
+    passing.)"""
+    from conftest import ieee_cudnn
     from minicpmo_rt.code2wav.euler_graph import SolveKey
 
-    c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True, "cfm_slot_pool": 4},
-                                 device="cuda")
+    c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, device="cuda", extra={
+        "cfm_fused_body": True, "token2wav_allow_tf32": False, "cfm_slot_pool": 4, "cfm_graph_precapture": False})
     sv = c2w.slot_solver
-    c2w.warm_up(voice, chunks=1, batches=(1, 2))
-    assert {SolveKey(1, 56, 0, True), SolveKey(2, 56, 0, True)} <= set(sv.graphs())
-    plans = [_payloads(81, windows=(25, 25, 25, 25, 24)), _payloads(82, windows=(25,) * 5)]
-    alone = [_alone(c2w, voice, plan) for plan in plans]
-    streams = [c2w.open_stream(voice) for _ in plans]
-    for k in range(4):
-        c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])
-    captures = sv.captures
-    with Spy(sv, "solve_slots") as solves:
-        out = c2w.push_many([(s, *plan[4]) for s, plan in zip(streams, plans)])
+    assert sv is not None and not sv.tf32
+    with ieee_cudnn():
+        c2w.warm_up(voice, chunks=1, batches=(1, 2))
+        held = set(sv.graphs())
+        print(f"slot graphs after the warm-up: {sorted(held)}")
+        assert {SolveKey(1, 56, 0, True), SolveKey(2, 56, 0, True)} <= held
+        plans = [_payloads(81, windows=(25, 25, 25, 25, 24)), _payloads(82, windows=(25,) * 5)]
+        alone = [_alone(c2w, voice, plan) for plan in plans]
+        streams = [c2w.open_stream(voice) for _ in plans]
+        for k in range(4):
+            c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])
+        captures = sv.captures
+        with Spy(sv, "solve_slots") as solves:
+            out = c2w.push_many([(s, *plan[4]) for s, plan in zip(streams, plans)])
+    errs = [_rel(out[j], alone[j][4]) for j in range(2)]
+    print(f"wide finals joined vs alone: PCM rel err {errs}; captures during the round {sv.captures - captures}")
     assert sv.captures == captures and [len(c[0]) for c in solves.calls] == [2]
-    assert max(_rel(out[j], alone[j][4]) for j in range(2)) <= 1e-4
+    assert max(errs) <= 1e-4
