@@ -697,8 +697,9 @@ class Code2Wav:
         frames = [flow.chunk_frames(t.shape[1], last) for t, last in zip(tokens, lasts)]
         T = max(frames)
         if any(f < T and not last for f, last in zip(frames, lasts)):
-            raise InputError(f"pooled solve of widths {frames}: only a stream's final chunk may be narrower than "
-                             "the others (its slot's CNN history would be wrong)")
+            # _pooled_solves never groups non-final chunks of different widths: a caller broke that rule
+            raise RuntimeError(f"pooled solve of widths {frames}: only a stream's final chunk may be narrower than "
+                               "the others (its slot's CNN history would be wrong)")
         if sv.key_for(B, T) is None:
             mels = []
             for s, tok, last in zip(streams, tokens, lasts):
