@@ -44,6 +44,15 @@ def _alone(c2w, voice, plan):
     return [s.push(p, last) for p, last in plan]
 
 
+def _rounds(c2w, streams, plans, n):
+    """The first ``n`` payloads of each plan, one round each through ``push_many``: each stream's PCM chunks."""
+    got = [[] for _ in plans]
+    for k in range(n):
+        for j, wav in enumerate(c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])):
+            got[j].append(wav)
+    return got
+
+
 class Spy:
     def __init__(self, obj, name):
         self.obj, self.name, self.calls = obj, name, []
@@ -215,10 +224,7 @@ def test_final_chunks_join_the_pooled_solve_at_their_own_widths(tiny_ckpt, dense
     alone = [_alone(dense, voice, plan) for plan in plans]
     streams = [c2w.open_stream(voice) for _ in plans]
     assert all(s.handle is not None for s in streams)
-    got = [[] for _ in plans]
-    for k in range(4):
-        for j, wav in enumerate(c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])):
-            got[j].append(wav)
+    got = _rounds(c2w, streams, plans, 4)
     with Spy(c2w.slot_solver, "solve_slots") as solves, Spy(c2w.flow, "encode_ends") as ends:
         out = c2w.push_many([(s, *plan[4]) for s, plan in zip(streams, plans)])
     for j, wav in enumerate(out):
@@ -234,8 +240,7 @@ def test_final_chunks_join_the_pooled_solve_at_their_own_widths(tiny_ckpt, dense
 
     c2w.join_finals = False     # off: each final payload length solves alone
     streams = [c2w.open_stream(voice) for _ in plans]
-    for k in range(4):
-        c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])
+    _rounds(c2w, streams, plans, 4)
     with Spy(c2w.slot_solver, "solve_slots") as solves:
         out = c2w.push_many([(s, *plan[4]) for s, plan in zip(streams, plans)])
     assert sorted(len(c[0]) for c in solves.calls) == [1, 1, 1, 1]
@@ -259,10 +264,7 @@ def test_pooled_final_chunks_replay_the_warm_up_encoder_graph(tiny_ckpt, dense, 
     alone = [_alone(dense, voice, plan) for plan in plans]
     streams = [c2w.open_stream(voice) for _ in plans]
     assert all(s.handle is not None for s in streams)
-    got = [[] for _ in plans]
-    for k in range(4):
-        for j, wav in enumerate(c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])):
-            got[j].append(wav)
+    got = _rounds(c2w, streams, plans, 4)
     with torch.inference_mode():
         for _ in range(2):              # a shape is captured on its second call
             c2w._warm_final_encoder(streams[1:])
@@ -325,8 +327,7 @@ def test_cuda_pooled_wide_finals_replay_the_warm_up_graph(tiny_ckpt, voice):
         plans = [_payloads(81, windows=(25, 25, 25, 25, 24)), _payloads(82, windows=(25,) * 5)]
         alone = [_alone(c2w, voice, plan) for plan in plans]
         streams = [c2w.open_stream(voice) for _ in plans]
-        for k in range(4):
-            c2w.push_many([(s, *plan[k]) for s, plan in zip(streams, plans)])
+        _rounds(c2w, streams, plans, 4)
         captures = sv.captures
         with Spy(sv, "solve_slots") as solves:
             out = c2w.push_many([(s, *plan[4]) for s, plan in zip(streams, plans)])

@@ -39,6 +39,12 @@ from .flow_config import FlowConfig, read_flow_yaml
 HISTORY_FRAMES = 100
 
 
+def steady_token_frames(prompt_frames: int) -> int:
+    """Token frames of a stream's encoder cache at its steady (trimmed) length: the prompt's plus
+    ``HISTORY_FRAMES`` mel frames, two per token; the length the padded encoder calls pad the caches to."""
+    return (prompt_frames + HISTORY_FRAMES) // 2
+
+
 @dataclass(frozen=True)
 class FlowCache:
     """Streaming state of one flow stream (immutable: every call returns a new one).
@@ -493,7 +499,7 @@ class Flow(nn.Module):
         # parts of one payload shape share an encoder call whatever their cache lengths (the shorter caches
         # padded at the front and masked); the final parts all share one (their streams end: no next caches)
         encoded: list = [None] * len(parts)
-        steady = (p + HISTORY_FRAMES) // 2
+        steady = steady_token_frames(p)
         ends = [i for i, part in enumerate(parts) if part.last]
         if ends:
             hs, sp = self.encode_ends([parts[i].token for i in ends], torch.cat([parts[i].spk for i in ends]),

@@ -62,7 +62,7 @@ from ..checkpoint.snapshot import resolve_snapshot
 from ..errors import CheckpointError, InputError
 from .encoder import EncoderCache
 from .encoder_graph import EncoderGraphs
-from .flow import HISTORY_FRAMES, ChunkPart, Flow, FlowCache, load_flow
+from .flow import HISTORY_FRAMES, ChunkPart, Flow, FlowCache, load_flow, steady_token_frames
 from .frontend import PromptFeatures, VoiceFrontend
 from .hift_graph import GraphedHiFT, ShapeGraphs
 from .knobs import (Code2WavChoice, cfm_join_starts, graph_budget, graph_precapture, hift_carry, row_offset_merge,
@@ -178,6 +178,18 @@ def _round():
         raise
     for commit in r.commits:
         commit()
+
+
+def _join_finals(keys: list, frames: dict, final, rows: dict) -> list[list[int]]:
+    """The solves of one cache home's groups (``keys``; ``frames``: each group's width; ``final(key)``; ``rows``:
+    each group's item indices): the widest non-final group (with none, the widest final one), the most rows
+    first, hosts the final groups no wider than it; the finals wider than it join each other, the widest
+    hosting; every other non-final group solves alone. Each solve lists its items' indices, group by group."""
+    host = max([k for k in keys if not final(k)] or keys, key=lambda k: (frames[k], len(rows[k])))
+    joined = [host] + [k for k in keys if k != host and final(k) and frames[k] <= frames[host]]
+    wide = sorted((k for k in keys if final(k) and k not in joined), key=lambda k: -frames[k])
+    groups = [joined] + ([wide] if wide else []) + [[k] for k in keys if k not in joined and not final(k)]
+    return [[i for k in g for i in rows[k]] for g in groups]
 
 
 def _setter(obj, name: str, value):
@@ -477,11 +489,10 @@ class Code2Wav:
         (dense and pooled streams alike); the streams' state is not touched."""
         if self.flow.encoder_graphs is None:
             return
-        p = max(s.prompt_frames for s in streams)
         token = torch.full((len(streams), CONTEXT + 1), SILENCE_CODE, dtype=torch.long)
         self.flow.encode_ends([token], torch.cat([s.spk for s in streams]),
                               [s.cache.encoder if s.handle is None else s.encoder for s in streams],
-                              FINAL_TOKENS, (p + HISTORY_FRAMES) // 2)
+                              FINAL_TOKENS, steady_token_frames(max(s.prompt_frames for s in streams)))
 
     def _precapture_pooled_wide(self, streams: Sequence["Code2WavStream"]) -> None:
         """The slot solver's graph for pooled final chunks wider than a steady one (the widest query bucket:
@@ -621,14 +632,7 @@ class Code2Wav:
             rest = [k for k in keys if k not in joined]
         for shape in dict.fromkeys(k[2] for k in rest):     # each cache shape: its finals join its widest
             own = [k for k in rest if k[2] == shape]
-            host = widest(own)
-            joined = [host] + [k for k in own if k != host and k[1] and frames[k] <= frames[host]]
-            solves.append([i for k in joined for i in shapes[k]])
-            # the finals wider than the host join each other, the widest hosting
-            wide = sorted((k for k in own if k not in joined and k[1]), key=lambda k: -frames[k])
-            if wide:
-                solves.append([i for k in wide for i in shapes[k]])
-            solves += [shapes[k] for k in own if k not in joined and not k[1]]
+            solves += _join_finals(own, frames, lambda k: k[1], shapes)
         return solves
 
     def _solve_dense(self, rows: Sequence[int], items, tokens: Sequence[torch.Tensor],
@@ -661,26 +665,15 @@ class Code2Wav:
     def _pooled_solves(self, groups: dict[tuple, list[int]]) -> list[list[int]]:
         """The slot solves of pooled streams, from their groups keyed ("pooled", solver, payload length, final,
         [cache length, prompt]): each group its own solve, except that with ``join_finals`` the final groups of
-        a solver (and, without row-offset merging, of a cache length) no wider than its widest non-final group
-        join that group's solve, and the others join each other's, the widest hosting (the slot solver takes
-        rows of their own widths). Each solve lists its items' indices, group by group."""
+        a solver (and, without row-offset merging, of a cache length) join as the dense path's do
+        (``_join_finals``; the slot solver takes rows of their own widths)."""
         if not self.join_finals:
             return list(groups.values())
         frames = {k: self.flow.chunk_frames(k[2], k[3]) for k in groups}
         homes: dict[tuple, list[tuple]] = {}
         for k in groups:
             homes.setdefault((k[1],) + k[4:], []).append(k)
-        solves = []
-        for keys in homes.values():
-            steady = [k for k in keys if not k[3]]
-            host = max(steady, key=lambda k: (frames[k], len(groups[k])), default=None)
-            joined = [k for k in keys if k[3] and host is not None and frames[k] <= frames[host]]
-            wide = sorted((k for k in keys if k[3] and k not in joined), key=lambda k: -frames[k])
-            for k in steady:
-                solves.append(groups[k] + ([i for j in joined for i in groups[j]] if k == host else []))
-            if wide:
-                solves.append([i for k in wide for i in groups[k]])
-        return solves
+        return [rows for keys in homes.values() for rows in _join_finals(keys, frames, lambda k: k[3], groups)]
 
     def _solve_pooled(self, streams: Sequence["Code2WavStream"], tokens: Sequence[torch.Tensor],
                       lasts: Sequence[bool], rnd: _Round) -> list[torch.Tensor]:
@@ -724,7 +717,7 @@ class Code2Wav:
                 mu[r], spk[r], encs[r] = h[j:j + 1], sp[j:j + 1], e
         ends = [r for r in range(B) if lasts[r]]
         if ends:    # streams that end: one encoder call for all, padded to the graph the warm-up captured
-            steady = max((streams[r].prompt_frames + HISTORY_FRAMES) // 2 for r in ends)
+            steady = steady_token_frames(max(streams[r].prompt_frames for r in ends))
             hs, sp = flow.encode_ends([tokens[r] for r in ends], torch.cat([streams[r].spk for r in ends], 0),
                                       [streams[r].encoder for r in ends], FINAL_TOKENS, steady)
             for j, (r, h) in enumerate(zip(ends, hs)):
