@@ -5,11 +5,9 @@
 # encoder calls padded, encode_ends) `ftests`, `ab` with CHURN_ARGS="--final-codes 1,25" against bbf0517, and
 # `tests ab` (same CHURN_ARGS) against a89fbdd; session 33 `tests ftests`, then `ab` with
 # CHURN_ARGS="--final-codes 1,25" against 5032778 (every short excitation block padded, wide finals in CFM query
-# bucket 56). Pending after it: `ptests pool` (one call): the slot pool's final chunks joining its solve at
-# their own widths, their encoder call padded (encode_ends), the wide final keys precaptured by warm_up (the
-# per-set table of the slot pool variant: eager calls / captures, CFM captures; session 33 measured 45 / 36
-# and 3 before it); `test_cuda_pooled_wide_finals_replay_the_warm_up_graph` failed in its first, TF32 version (output
-# cut), now IEEE: see it pass first. Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
+# bucket 56); session 34 `ptests pool` (the slot pool's finals joining its solve: its 4 CUDA tests pass, its
+# rounds take 1.35x less time than the default's, nothing captured mid-serving). Nothing pending after it.
+# Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
 # Steps (in the order given):

@@ -310,8 +310,8 @@ def test_cuda_pooled_wide_finals_replay_the_warm_up_graph(tiny_ckpt, voice):
     Code2Wav within 1e-4. IEEE GEMMs and cuDNN: under TF32 a batch-2 and a batch-1 solve round apart by
     ~3e-4 (another GEMM kernel per row count), which the vocoder carries into the PCM. No precapture at the
     first ``open_stream``, so the graphs held are this test's warm-up's and those captured as solves come.
-    (A first version, TF32 and 1e-4, failed on the H200 in session 33 with its output cut: not yet seen
-    passing.)"""
+    (A first version, TF32 and 1e-4, failed on the H200 in session 33 with its output cut; this one passed
+    there in session 34.)"""
     from conftest import ieee_cudnn
     from minicpmo_rt.code2wav.euler_graph import SolveKey
 
@@ -322,7 +322,7 @@ def test_cuda_pooled_wide_finals_replay_the_warm_up_graph(tiny_ckpt, voice):
     with ieee_cudnn():
         c2w.warm_up(voice, chunks=1, batches=(1, 2))
         held = set(sv.graphs())
-        print(f"slot graphs after the warm-up: {sorted(held)}")
+        print(f"slot graphs after the warm-up: {sorted(map(str, held))}")
         assert {SolveKey(1, 56, 0, True), SolveKey(2, 56, 0, True)} <= held
         plans = [_payloads(81, windows=(25, 25, 25, 25, 24)), _payloads(82, windows=(25,) * 5)]
         alone = [_alone(c2w, voice, plan) for plan in plans]
