@@ -26,7 +26,8 @@
 #   ptests   CUDA tests of the slot pool in the pipeline (the wide final keys precaptured, finals joining)
 #   pool     stream_churn_bench.py --breakdown --final-codes 1,25: the default against the slot pool (opt-in)
 #   table    code2wav_bench.py: the issue's table (session 22's rows, slot pool, row merging, whole flow chunk,
-#            HiFT, upstream minicpmo-utils 1.0.7 inference_chunk from .upstream_ref), one call
+#            HiFT, upstream minicpmo-utils 1.0.7 inference_chunk from .upstream_ref, which git ignores: unpack
+#            `pip download --no-deps minicpmo-utils==1.0.7`, copy its src/ to .upstream_ref and carry it), one call
 # Before the call, here: copy ../shared/minicpmo45 into _shared/ and download soundfile's wheels into _wheels/
 # (see benchmarks/results/code2wav_session29_h200.md), and carry both. SMOKE=1 runs the benchmark steps on the
 # CPU at tiny sizes (a check of this script, not a measurement).
@@ -72,7 +73,7 @@ for s in "$@"; do
     pool) step pool 330 python benchmarks/stream_churn_bench.py --breakdown --final-codes 1,25 --only default \
             --runs 2 --out "$W/pool" "${tiny[@]}" ;;
     table) [ -d .upstream_ref/stepaudio2 ] || { echo "gpu_pending.sh table: no .upstream_ref/stepaudio2 (the src/ folder of
-             pip download --no-deps minicpmo-utils==1.0.7, unpacked)" >&2; exit 2; }
+             pip download --no-deps minicpmo-utils==1.0.7, unpacked; carry it)" >&2; exit 2; }
            step table 555 python benchmarks/code2wav_bench.py --out "$W/table" --batches 1,16,4,8 --budget 0.3 \
              --upstream .upstream_ref --rows "=original + graph|=fused + graph TF32 on|=fused + graph TF32 off|=fused + graph IEEE|=fused + graph TF32 on, trimmed, arena|=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct" ;;
     stage) step stage 120 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
