@@ -72,8 +72,8 @@ for s in "$@"; do
               tests/code2wav/test_slot_pool.py -k cuda ;;
     pool) step pool 330 python benchmarks/stream_churn_bench.py --breakdown --final-codes 1,25 --only default \
             --runs 2 --out "$W/pool" "${tiny[@]}" ;;
-    table) [ -d .upstream_ref/stepaudio2 ] || { echo "gpu_pending.sh table: no .upstream_ref/stepaudio2 (the src/ folder of
-             pip download --no-deps minicpmo-utils==1.0.7, unpacked; carry it)" >&2; exit 2; }
+    table) [ -d .upstream_ref/stepaudio2 ] || { echo "gpu_pending.sh table: no .upstream_ref/stepaudio2" \
+             "(copy the src/ folder of pip download --no-deps minicpmo-utils==1.0.7 there and carry it)" >&2; exit 2; }
            step table 555 python benchmarks/code2wav_bench.py --out "$W/table" --batches 1,16,4,8 --budget 0.3 \
              --upstream .upstream_ref --rows "=original + graph|=fused + graph TF32 on|=fused + graph TF32 off|=fused + graph IEEE|=fused + graph TF32 on, trimmed, arena|=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct" ;;
     stage) step stage 120 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
