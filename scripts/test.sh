@@ -8,7 +8,7 @@ bash scripts/setup.sh || exit 1
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 # conftest runs every test on one torch thread (tiny models are launch-bound), so a single pytest
 # process would leave the CI box's second core idle: pytest-xdist runs one worker per core, at most 4
-# (2 cores: 5 minutes instead of 9). PYTEST_WORKERS=0 runs the tests in this process (pdb, -x). pyproject.toml
+# (on 2 cores about half the one-process time; once 5 minutes against 9). PYTEST_WORKERS=0 runs the tests in this process (pdb, -x). pyproject.toml
 # asks pytest for the 12 slowest tests, so a CI log shows what eats the 15-minute budget.
 cores=$(nproc 2>/dev/null || echo 1)
 workers=${PYTEST_WORKERS:-$(( cores < 2 ? 0 : (cores > 4 ? 4 : cores) ))}
