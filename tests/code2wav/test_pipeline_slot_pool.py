@@ -291,14 +291,10 @@ def test_warm_up_precaptures_the_pooled_wide_final_keys(tiny_ckpt, voice):
     c2w = _fast(Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, extra={"cfm_fused_body": True, "cfm_slot_pool": 8}))
     sv = c2w.slot_solver
     assert sv.config.final_batch == 4 and max(sv.config.query_buckets) == 56
-    asked = []
-    real = sv.precapture_key
-    sv.precapture_key = lambda key, device: asked.append(key) or real(key, device)
-    try:
+    with Spy(sv, "precapture_key") as asked:
         c2w.warm_up(voice, chunks=1, batches=(1, 2, 3, 8))
-    finally:
-        del sv.precapture_key
-    assert asked == [SolveKey(1, 56, 0, True), SolveKey(2, 56, 0, True), SolveKey(4, 56, 0, True)]
+    assert [c[0] for c in asked.calls] == [SolveKey(1, 56, 0, True), SolveKey(2, 56, 0, True),
+                                           SolveKey(4, 56, 0, True)]
     assert not sv.graphs() and sv.pool.free_slots == 8
 
 
