@@ -6,7 +6,8 @@
 # `tests ab` (same CHURN_ARGS) against a89fbdd; session 33 `tests ftests`, then `ab` with
 # CHURN_ARGS="--final-codes 1,25" against 5032778 (every short excitation block padded, wide finals in CFM query
 # bucket 56); session 34 `ptests pool` (the slot pool's finals joining its solve: its 4 CUDA tests pass, its
-# rounds take 1.35x less time than the default's, nothing captured mid-serving). Nothing pending after it.
+# rounds take 1.35x less time than the default's, nothing captured mid-serving), `table`; session 35 `all` (the
+# whole suite on the GPU: 1740 passed after two CPU tests learned to expect a GPU). Nothing pending after it.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -18,6 +19,8 @@
 #   starts   stream_churn_bench.py --starts: the default against cfm_join_starts (first and second chunks in the
 #            steady solve), and that with hift_carry (rounds, CFM solves per round)
 #   jtests   CUDA tests of rows of their own cache lengths (direct attention, block kernel, staged body)
+#   all      the whole test suite on the GPU, without Triton's interpreter: every CUDA test at HEAD (the CPU tests
+#            that need the interpreter skip there), on NPROC (4) pytest-xdist workers when the device has xdist
 #   stage    hift_stage_probe.py: every stage call at every bucket (GROW_ROWS), after the conv views
 #   ab       churn_ab.sh: the default's 16-slot serving rounds, the tree in _base/src (a baseline: `git archive
 #            <commit> src | tar -x -C _base`) against this one, 3 alternating pairs (session 31: 6c7caf9, before
@@ -36,7 +39,11 @@ export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tc}
 OUT=${OUT:?set OUT to the folder that comes back}
 W=${W:-/tmp/gpu_pending}
 mkdir -p "$OUT" "$W"
-if [ -d _wheels ]; then python -m pip install -q --no-deps _wheels/*.whl || exit 1; fi
+# carried wheels fill in what the device image lacks; a package the image already has is left as it is
+if [ -d _wheels ]; then
+  python -m pip install -q --no-deps --no-index --find-links _wheels $(ls _wheels | sed 's/-.*//') || exit 1
+fi
+python -m pip list 2>/dev/null > "$OUT/pip_list.txt"
 if [ -d _shared/minicpmo45 ] && [ ! -d ../shared/minicpmo45 ]; then mkdir -p ../shared && cp -r _shared/minicpmo45 ../shared/; fi
 tiny=(); if [ -n "${SMOKE:-}" ]; then tiny=(--tiny --device cpu); fi
 export PYTHONPATH=$PWD/src:$PWD/tests:$PWD/benchmarks
@@ -76,13 +83,15 @@ for s in "$@"; do
              "(copy the src/ folder of pip download --no-deps minicpmo-utils==1.0.7 there and carry it)" >&2; exit 2; }
            step table 555 python benchmarks/code2wav_bench.py --out "$W/table" --batches 1,16,4,8 --budget 0.3 \
              --upstream .upstream_ref --rows "=original + graph|=fused + graph TF32 on|=fused + graph TF32 off|=fused + graph IEEE|=fused + graph TF32 on, trimmed, arena|=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct" ;;
+    all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
+         step all 570 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=40 tests/ ;;
     stage) step stage 120 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
     ab) [ -d _base/src ] || { echo "gpu_pending.sh ab: no _base/src (git archive <commit> src | tar -x -C _base)" >&2
           exit 2; }
         step ab 560 env OUT="$W/ab" bash benchmarks/churn_ab.sh _base/src
         python benchmarks/churn_ab_table.py "$W/ab" --out "$W/ab/churn_ab" 2>&1 | tail -8 | tee -a "$OUT/log.txt"
         tar -czf "$OUT/ab.tar.gz" -C "$W" ab ;;
-    *) echo "gpu_pending.sh: unknown step '$s' (tests, carry, prepare, churn, starts, jtests, stage, ab, ftests, ptests, pool, table)" >&2
+    *) echo "gpu_pending.sh: unknown step '$s' (all, tests, carry, prepare, churn, starts, jtests, stage, ab, ftests, ptests, pool, table)" >&2
        exit 2 ;;
   esac
 done

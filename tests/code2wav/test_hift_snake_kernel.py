@@ -140,10 +140,13 @@ def test_decode_with_the_kernels_matches_the_torch_path(variant, channels_last):
 
 
 class NHWCConvs(TorchDispatchMode):
-    """Logs the layout of every conv's input; a conv given a time-major input or weight returns a
-    time-major output, as cuDNN does (the CPU backends may return a contiguous one)."""
+    """Logs the layout of every conv's input, 1-D or the 2-D conv of [N, C, 1, T] views
+    (``hift.conv1d_as_2d``; logged as the 1-D signal); a 1-D conv given a time-major input or weight
+    returns a time-major output, as cuDNN does (the CPU backends may return a contiguous one). Under
+    inference mode the mode sees ``conv1d``/``conv2d`` themselves, not only the ``convolution`` below."""
 
-    CONVS = ("aten::convolution", "aten::conv1d", "aten::conv_transpose1d")
+    CONVS = ("aten::convolution", "aten::conv1d", "aten::conv_transpose1d", "aten::conv2d",
+             "aten::conv_transpose2d")
 
     def __init__(self):
         super().__init__()
@@ -152,16 +155,22 @@ class NHWCConvs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func._schema.name in self.CONVS:
-            self.inputs.append((tuple(args[0].shape), hift.is_time_major(args[0])))
-            if hift.is_time_major(args[0]) or hift.is_time_major(args[1]):
-                out = hift.to_time_major(out)
+            x, w = args[0], args[1]
+            if x.ndim == 4:         # a 2-D conv of the [N, C, 1, T] views: its output keeps the views' layout
+                self.inputs.append((tuple(x.squeeze(2).shape), hift.is_time_major(x.squeeze(2))))
+            else:
+                self.inputs.append((tuple(x.shape), hift.is_time_major(x)))
+                if hift.is_time_major(x) or hift.is_time_major(w):
+                    out = hift.to_time_major(out)
         return out
 
 
+@pytest.mark.parametrize("as_2d", [False, True])
 @pytest.mark.parametrize("variant", ["original", "causal"])
-def test_time_major_layout_reaches_every_conv(variant):
+def test_time_major_layout_reaches_every_conv(variant, as_2d):
     """With time-major conv weights and the fused kernels, every conv after conv_pre (whose input
-    is the caller's mel) reads a time-major input: cuDNN then needs no NCHW<->NHWC conversion."""
+    is the caller's mel) reads a time-major input: cuDNN then needs no NCHW<->NHWC conversion. Both conv
+    forms: ``F.conv1d`` (the CPU's default) and the 2-D conv of the views (CUDA's)."""
     from minicpmo_rt.code2wav.hift import TINY, HiFTGenerator
     from minicpmo_rt.code2wav.hift_causal import CausalHiFTGenerator
     from test_fused_dit import randomize
@@ -170,7 +179,7 @@ def test_time_major_layout_reaches_every_conv(variant):
     model = randomize(HiFTGenerator(TINY) if variant == "original" else CausalHiFTGenerator(TINY), seed=2).to(dev)
     model.freeze_weight_norm(channels_last=True)
     mel, source = torch.randn(1, 80, 12, device=dev) - 5, 0.01 * torch.randn(1, 1, 12 * 480, device=dev)
-    with hift.fused_kernels(True), torch.inference_mode(), NHWCConvs() as log:
+    with hift.conv1d_as_2d(as_2d), hift.fused_kernels(True), torch.inference_mode(), NHWCConvs() as log:
         model.run_decode(mel, source, finalize=False)
     assert len(log.inputs) == 80
     assert log.inputs[0] == ((1, 80, 12), False)                 # conv_pre: the caller's mel
