@@ -2,8 +2,8 @@
 prefetch splits its bytes over the programs.
 
 The prefetch itself is inline PTX, which Triton's interpreter cannot run; the GPU runs show it changes no
-output bit and the compile gate checks it reaches the PTX (``test_kernel_compile``). Here the interpreter runs
-the share arithmetic the bulk form uses, and the host-side choice runs as it would in the compile gate.
+output bit and the compile gate checks it reaches the PTX (``test_kernel_compile``). Here the interpreter (or a GPU)
+runs the share arithmetic the bulk form uses, and the host-side choice runs as it would in the compile gate.
 """
 
 import pytest
@@ -27,7 +27,7 @@ if AVAILABLE:
 @pytest.mark.parametrize("n, nprog", [(786432, 132), (1048576, 1600), (7, 3), (1000, 7), (33, 132), (0, 4),
                                       (921600, 132)])
 def test_bulk_shares_tile_the_buffer_in_16_byte_units(n, nprog):
-    # the share kernel runs on the GPU where there is one, else on the CPU through the interpreter
+    # the share kernel runs on CPU tensors under the interpreter (CI), on the GPU without it
     if not (torch.cuda.is_available() or interpreting()):
         pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1 (scripts/test.sh sets it)")
     out = torch.full((nprog, 2), -1, dtype=torch.int32, device="cpu" if interpreting() else "cuda")
