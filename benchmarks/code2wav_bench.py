@@ -42,7 +42,8 @@ replay alone. Weights are random (timings do not depend on values). The slot-poo
 errors (mel, cnn, att) vs per-stream original-body IEEE solves with the dense trim, and the
 merged row also vs separate per-stream solves of the same fused path and, for its IEEE twin
 (triton-ieee, TF32 off; untimed), vs the IEEE reference. Writes ``code2wav_bench.json`` and
-``code2wav_bench.md`` into --out.
+``code2wav_bench.md`` into --out, and ``code2wav_bench.png`` (ms per chunk against batch, with the goals);
+``--plot RESULTS.json`` draws only the PNG from an earlier run's JSON, on any machine.
 
     PYTHONPATH=src python benchmarks/code2wav_bench.py --out benchmarks/results [--upstream DIR]
     PYTHONPATH=src python benchmarks/code2wav_bench.py --out DIR --only slot,merge
@@ -63,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from minicpmo_rt.atomic import atomic_write
 from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
 from minicpmo_rt.code2wav.flow import Flow, trim_estimator_att
 from minicpmo_rt.code2wav.flow_config import FULL_SIZE
@@ -408,7 +410,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="", help="'|'-separated substrings: only the graph rows whose names "
                     "hold one (default: all), e.g. 'TF32 on|TMA'; '=NAME' matches that whole name only, "
                     "e.g. '=fused + graph TF32 on|TMA'")
+    ap.add_argument("--plot", type=Path, default=None, metavar="JSON",
+                    help="only draw code2wav_bench.png into --out from a results JSON this script wrote (no GPU)")
     args = ap.parse_args(argv)
+    if args.plot is not None:
+        return plot_file(args.plot, args.out)
     batches = [int(b) for b in args.batches.split(",")]
     only = {w.strip() for w in args.only.split(",") if w.strip()}
     if only - set(ROW_GROUPS):
@@ -425,9 +431,11 @@ def main(argv=None) -> int:
            "cache": L, "cfg": True, "rows": [], "notes": []}
     args.out.mkdir(parents=True, exist_ok=True)
 
-    def save():   # after every row, so a cut-off run still leaves its numbers
-        (args.out / "code2wav_bench.json").write_text(json.dumps(res, indent=1))
-        (args.out / "code2wav_bench.md").write_text(markdown(res))
+    def save():   # after every row, so a cut-off run still leaves its numbers (each file whole, never torn)
+        atomic_write(args.out / "code2wav_bench.json", lambda f: f.write(json.dumps(res, indent=1).encode()))
+        atomic_write(args.out / "code2wav_bench.md", lambda f: f.write(markdown(res).encode()))
+        if plottable(res["rows"]):
+            plot(res, args.out / "code2wav_bench.png")
 
     res["peak_tf32_tflops"] = peak_tflops(True)
     res["peak_fp32_tflops"] = peak_tflops(False)
@@ -641,6 +649,75 @@ def _triton_version() -> str:
         return triton.__version__
     except ImportError:
         return "absent"
+
+
+# The rows drawn by ``plot`` (those with several batches), the flow's own path first, and the issue's goals.
+PLOT_ROWS = (DIRECT_ROW, "original eager", "original + graph", "fused + graph TF32 off", "fused + graph IEEE",
+             SLOT_ROW, MERGE_ROW, DIRECT16_ROW, SLOT16_ROW)
+GOALS_MS = {1: 5.0, 16: 15.0}
+UPSTREAM_H100_MS = {1: 17.7, 16: 39.9}      # upstream's published Whole-Euler figures (vllm-omni, H100)
+
+
+def plottable(rows: list[dict]) -> bool:
+    """Does one of ``PLOT_ROWS`` have two batches or more (a line to draw)?"""
+    return any(len({r["batch"] for r in rows if r["row"] == name}) > 1 for name in PLOT_ROWS)
+
+
+def plot(res: dict, path: Path) -> None:
+    """ms per steady chunk against batch (both axes log) for the rows of ``PLOT_ROWS`` the run has, with the
+    issue's goals and upstream's published H100 figures as points; written whole or not at all."""
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    for name in PLOT_ROWS:
+        pts = sorted((r["batch"], r["median_ms"]) for r in res["rows"] if r["row"] == name)
+        if len(pts) < 2:
+            continue
+        main = name == DIRECT_ROW
+        ax.plot(*zip(*pts), marker="o", ms=4, lw=2.6 if main else 1.1, zorder=3 if main else 2,
+                label=name + (" (the flow's path)" if main else ""))
+    ax.scatter(list(GOALS_MS), list(GOALS_MS.values()), marker="*", s=180, color="red", zorder=4,
+               label="goal (issue #7)")
+    ax.scatter(list(UPSTREAM_H100_MS), list(UPSTREAM_H100_MS.values()), marker="s", s=40, color="black", zorder=4,
+               label="upstream's published figure (H100)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    batches = sorted({r["batch"] for r in res["rows"]})
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch (streams; 2 rows each with CFG)")
+    ax.set_ylabel("ms per steady 1-s chunk (log), as called")
+    ax.set_title(f"Code2Wav CFM, {res['steps']} Euler steps, query {res['query']}, cache {res['cache']} ({res['gpu']})",
+                 fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write(path, lambda f: f.write(buf.getvalue()))
+
+
+def plot_file(results: Path, out: Path) -> int:
+    """``--plot``: draw ``out``/code2wav_bench.png from a results JSON."""
+    try:
+        res = json.loads(results.read_text())
+        rows = res["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"--plot {results}: not a results JSON of this script ({exc}); pass a code2wav_bench*.json",
+              file=sys.stderr)
+        return 2
+    if not plottable(rows):
+        print(f"--plot {results}: no row of {PLOT_ROWS[0]!r} and the others at two batches or more; nothing to draw",
+              file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    plot(res, out / "code2wav_bench.png")
+    print(f"wrote {out / 'code2wav_bench.png'}")
+    return 0
 
 
 def markdown(res: dict) -> str:
