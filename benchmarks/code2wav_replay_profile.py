@@ -1,12 +1,13 @@
-"""Where one steady 1-s Code2Wav chunk's GPU time goes, per kernel class, for the default
-arena solve and the opt-in slot pool (and the TMA attention), side by side in one run.
+"""Where one steady 1-s Code2Wav chunk's GPU time goes, per kernel class, for the solve as the flow calls
+it (trimmed: the direct path from batch 4), the untrimmed arena solve and the opt-in slot pool (and the TMA
+attention), side by side in one run.
 
 For each batch and variant: the graph replay's median (CUDA events), then one replay under
 ``torch.profiler`` with every kernel's device time summed by class:
 
   gemm        cuBLAS / cuBLASLt kernels (nvjet, sm90 xmma, cutlass, split-K reduce) and the Triton
               tile GEMMs (``_wide_gemm``, ``_wide_qkv``)
-  attention   the Triton tiled attention (``_attn_fwd``, ``_attn_combine``)
+  attention   the Triton tiled attention (``_attn_fwd``, ``_attn_combine``, the direct ``_attn_direct``)
   block       the persistent block kernel (``_dit_block``: GEMMs, attention and LN in one launch)
   fused       the staged body's Triton stages (residual + LN, q/k head LN, tap sum + LN + Mish)
   step        the Euler-step kernels (``euler_junction``, ``cnn_roll``)
@@ -47,7 +48,7 @@ CLASSES = ("gemm", "attention", "block", "fused", "step", "other")
 
 def kernel_class(name: str) -> str:
     n = name.lower()
-    if "_attn_fwd" in n or "_attn_combine" in n:
+    if "_attn_fwd" in n or "_attn_combine" in n or "_attn_direct" in n:
         return "attention"
     if "_dit_block" in n:
         return "block"
@@ -108,7 +109,10 @@ def main(argv=None) -> int:
         (args.out / "replay_profile.json").write_text(json.dumps(res, indent=1))
         (args.out / "replay_profile.md").write_text(markdown(res))
 
-    variants = [("default (arena)", dict()),
+    # "the flow's path": the solve as the flow calls it, trimmed (prompt + 100 kept), so from batch 4 the
+    # direct attention reads each row's old frames in place and writes its successor (no arena)
+    variants = [("the flow's path (trimmed)", "trim"),
+                ("default (arena)", dict()),
                 ("pointer-load attention", dict(attn_tma=False)),
                 ("cuBLAS GEMMs", dict(wide_gemm=False)),
                 ("slot pool", None), ("slot pool, pointer loads", False)]
@@ -117,8 +121,13 @@ def main(argv=None) -> int:
         cnn, att, mu, spk, cond = chunk_inputs(B)
         cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
         for name, kw in variants:
+            keep = None     # a direct replay writes into the successors its solve bound: they stay alive
             with torch.inference_mode():
-                if not isinstance(kw, dict):     # slot pool; kw: its attn_tma
+                if kw == "trim":
+                    solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
+                                              config=cfg)
+                    keep = [solver.solve(mu, spk, cond, cnn, att, copy_out=False, trim=(L - 100, 100))]
+                elif not isinstance(kw, dict):     # slot pool; kw: its attn_tma
                     solver = _slot_solver(cfm, cfg, S, B, L - 100, 100, T, mu.device, "triton-tf32", True,
                                           attn_tma=kw)
                     hs = [solver.pool.admit(_stream(cnn, i, B), _stream(att, i, B), L - 100) for i in range(B)]
@@ -145,7 +154,7 @@ def main(argv=None) -> int:
             for t in top[:8]:
                 print(f"      {t['count']:5d} {t['us'] / 1e3:8.3f} ms  {t['kernel']}", flush=True)
             save()
-            del solver, st
+            del solver, st, keep
             gc.collect()
             torch.cuda.empty_cache()
         del cnn, att
