@@ -7,7 +7,9 @@
 # CHURN_ARGS="--final-codes 1,25" against 5032778 (every short excitation block padded, wide finals in CFM query
 # bucket 56); session 34 `ptests pool` (the slot pool's finals joining its solve: its 4 CUDA tests pass, its
 # rounds take 1.35x less time than the default's, nothing captured mid-serving), `table`; session 35 `all` (the
-# whole suite on the GPU: 1740 passed after two CPU tests learned to expect a GPU); session 36 `profile aprefetch`.
+# whole suite on the GPU: 1740 passed after two CPU tests learned to expect a GPU); session 36 `profile`, then two
+# switch probes of experiments reverted since (1607bd6: `solve_switch_probe.py --trim --called` of
+# kernels.dit_ops.ATTN_PREFETCH and euler_graph.COPY_ENGINE_SUCCESSORS). Nothing pending after it.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -30,10 +32,6 @@
 #   pool     stream_churn_bench.py --breakdown --final-codes 1,25: the default against the slot pool (opt-in)
 #   profile  code2wav_replay_profile.py: GPU time by kernel class of the flow's trimmed solve (the direct path from
 #            batch 4) and the untrimmed arena solve, batches 1, 8, 16
-#   aprefetch solve_switch_probe.py: dit_ops.ATTN_PREFETCH off / on (the staged direct solve asking L2 for the next
-#            block's old attention frames), batches 4, 8, 16, as the flow calls the solve
-#   cesucc   solve_switch_probe.py: euler_graph.COPY_ENGINE_SUCCESSORS off / on (a direct solve's old successor
-#            frames copied by cudaMemcpy2DAsync on a side stream), batches 16, 8, 4, as the flow calls the solve
 #   table    code2wav_bench.py: the issue's table (session 22's rows, slot pool, row merging, whole flow chunk,
 #            HiFT, upstream minicpmo-utils 1.0.7 inference_chunk from .upstream_ref, which git ignores: unpack
 #            `pip download --no-deps minicpmo-utils==1.0.7`, copy its src/ to .upstream_ref and carry it), one call
@@ -91,10 +89,6 @@ for s in "$@"; do
              --upstream .upstream_ref --rows "=original + graph|=fused + graph TF32 on|=fused + graph TF32 off|=fused + graph IEEE|=fused + graph TF32 on, trimmed, arena|=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct" ;;
     profile) step profile 300 python benchmarks/code2wav_replay_profile.py --out "$W/profile" --batches 1,8,16 \
                --variants "flow's path|default (arena)" ;;
-    aprefetch) step aprefetch 330 python benchmarks/solve_switch_probe.py --out "$W/aprefetch" \
-                 --attr kernels.dit_ops.ATTN_PREFETCH --values 0,1 --batches 16,8,4 --trim --called ;;
-    cesucc) step cesucc 400 python benchmarks/solve_switch_probe.py --out "$W/cesucc" \
-              --attr euler_graph.COPY_ENGINE_SUCCESSORS --values 0,1 --batches 16,8,4 --trim --called ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
          step all 570 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=40 tests/ ;;
     stage) step stage 120 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
@@ -103,7 +97,7 @@ for s in "$@"; do
         step ab 560 env OUT="$W/ab" bash benchmarks/churn_ab.sh _base/src
         python benchmarks/churn_ab_table.py "$W/ab" --out "$W/ab/churn_ab" 2>&1 | tail -8 | tee -a "$OUT/log.txt"
         tar -czf "$OUT/ab.tar.gz" -C "$W" ab ;;
-    *) echo "gpu_pending.sh: unknown step '$s' (all, tests, carry, prepare, churn, starts, jtests, stage, ab, ftests, ptests, pool, table, profile, aprefetch, cesucc)" >&2
+    *) echo "gpu_pending.sh: unknown step '$s' (all, tests, carry, prepare, churn, starts, jtests, stage, ab, ftests, ptests, pool, table, profile)" >&2
        exit 2 ;;
   esac
 done

@@ -71,10 +71,6 @@ ARENA_SUCCESSOR = False
 # successor_probe_session22_run2_succ_h200.md and _direct12_h200.md): arena B=1 8.05-8.23 / B=2 11.39-11.42 ms,
 # direct 8.10-8.24 / 11.11-11.13.
 BLOCK_DIRECT_MIN_ROWS = 200
-# A direct solve on the staged body (batch >= 4) can leave the old frames its successors keep to pitched copies
-# on a side stream (``copy_engine``, which the driver may run on a copy engine under the replay's kernels):
-# its attention then writes only this chunk's frames (``StreamKV.succ_old``). Off: being measured.
-COPY_ENGINE_SUCCESSORS = False
 
 
 @dataclass(frozen=True)
@@ -144,15 +140,6 @@ def trim_span(frames: int, prompt_frames: int, keep: int) -> tuple[int, int]:
     return prompt_frames, frames - keep
 
 
-def kept_old_pieces(query: int, n_old: int, drop: tuple[int, int]) -> list[tuple[int, int, int]]:
-    """(first, end, at) for each run of old frames [first, end) that a successor keeps, at its frame ``at``:
-    the successor is the [current (``query``) | old (``n_old``)] frames less [drop0, drop1) of that order."""
-    d0, d1 = drop
-    a = min(max(d0 - query, 0), n_old)      # old frames before the dropped span
-    b = min(max(d1 - query, 0), n_old)      # the first old frame after it
-    return [p for p in ((0, a, query), (b, n_old, query + b - (d1 - d0))) if p[1] > p[0]]
-
-
 def trim_frames(att: torch.Tensor, prompt_frames: int, keep: int) -> torch.Tensor:
     """An estimator attention cache (..., frames, 2D) without the frames ``trim_span`` drops: ``att`` itself
     when none are, else a copy."""
@@ -213,7 +200,6 @@ class WholeEulerSolver:
         self.step_kernels = step_kernels
         self.direct = direct
         self._uploads: HostStaging | None = None     # _host_uploads
-        self._side: torch.cuda.Stream | None = None    # _copy_old_frames
         self.dit = cfm.estimator
         self.body = body
         self.tf32 = bool(tf32)
@@ -361,8 +347,7 @@ class WholeEulerSolver:
                 d0, d1 = span
                 tables = torch.zeros(2, R, TABLE_WIDTH, device=device, dtype=torch.int64)     # [src, dst]
                 # the tables hold offsets from the arena, a pointer with an alignment the compiler knows
-                kv = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), span, row_lengths=key.rows,
-                              succ_old=not (key.direct and self._copies_successors(key, device)))
+                kv = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), span, row_lengths=key.rows)
                 if key.direct:
                     st.streams = kv
                 else:
@@ -641,16 +626,10 @@ class WholeEulerSolver:
                       else None)
             if want_graph and st.graph is None:     # captured on real inputs: a direct graph's warm-up
                 st = self._static_for(key, device, want_graph)  # runs read through the bound tables
-            copies = direct is not None and st.streams is not None and not st.streams.succ_old
-            if copies:      # the side stream's copies may start with the replay, not after it
-                ready = torch.cuda.Event()
-                ready.record()
             if st.graph is not None and want_graph:
                 st.graph.replay()
             else:
                 self._program(st)
-            if copies:
-                self._copy_old_frames(st, att_cache, direct, ready)
         if direct is not None:
             mel, cnn, _ = self._read(st, B, T, 0, copy_out, with_att=False)
             return mel, cnn, direct
@@ -721,33 +700,6 @@ class WholeEulerSolver:
             return False    # the block kernel's direct phase from BLOCK_DIRECT_MIN_ROWS rows (or with direct=True)
         return caches is None or all(c is not None and c.dtype == torch.float32 and c.data_ptr() % 64 == 0
                                      and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1) for c in caches)
-
-    def _copies_successors(self, key: SolveKey, device) -> bool:
-        """Does a direct solve under ``key`` copy its successors' old frames on a side stream
-        (``COPY_ENGINE_SUCCESSORS``) instead of its attention writing them? The staged body's direct attention
-        (not the block kernel's phase), rows of one cache length, CUDA with a runtime ``copy_engine`` found."""
-        from . import copy_engine
-        return (COPY_ENGINE_SUCCESSORS and not key.rows and torch.device(device).type == "cuda"
-                and not self.fused.uses_block_kernel(2 * key.batch, key.query, device) and copy_engine.available())
-
-    def _copy_old_frames(self, st: _Static, att_cache, outs, ready: torch.cuda.Event) -> None:
-        """The old frames each successor keeps (``kept_old_pieces``), copied on the solver's side stream once
-        ``ready`` (recorded before the replay) has passed; the current stream then waits for them."""
-        from . import copy_engine
-        Q = st.key.query
-        d0, d1 = st.streams.drop
-        pairs = ([(c, o) for c, o in zip(att_cache, outs) if o is not None] if isinstance(outs, list)
-                 else [(att_cache, outs)])
-        main = torch.cuda.current_stream(st.x.device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(st.x.device)
-        with torch.cuda.stream(self._side):
-            self._side.wait_event(ready)
-            for old, new in pairs:
-                for first, end, at in kept_old_pieces(Q, old.shape[4], (d0, d1)):
-                    copy_engine.copy_rows(new[..., at:at + end - first, :].flatten(-2),
-                                          old[..., first:end, :].flatten(-2), self._side)
-        main.wait_stream(self._side)
 
     def _successor_applies(self, key: SolveKey, mu: torch.Tensor) -> bool:
         """Does this trimmed arena solve run the block kernel, whose attention can write the successors

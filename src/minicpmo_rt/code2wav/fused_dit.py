@@ -460,18 +460,13 @@ class FusedDiT:
         return self.use_triton and usable_on(t)
 
     # ------------------------------------------------------------------ fused stages
-    def _res_ln(self, ws: Workspace, y, bias, gate, shift, scale, out, eps, taps=0, round_out=False, prefetch=None,
-                prefetch_rows=None):
+    def _res_ln(self, ws: Workspace, y, bias, gate, shift, scale, out, eps, taps=0, round_out=False, prefetch=None):
         """x += gate*y (y: S partials (S, R, T', N), plain or tap sum, + bias; None: no residual);
         out = LN(x)*scale+shift (rounded to TF32 with ``round_out``). gate/shift/scale (Rm, C) rows of
-        the modulation tables. ``prefetch``: the next GEMM's weight, for the Triton stage to ask L2 for;
-        ``prefetch_rows``: (streams, layer), a direct solve's next block whose old frames it may ask for too."""
+        the modulation tables. ``prefetch``: the next GEMM's weight, for the Triton stage to ask L2 for."""
         x = ws.h
         if self._triton(x):
-            if prefetch_rows is not None:
-                prefetch_rows = (*prefetch_rows, 2 * self.L.heads * self.L.head_dim)
-            dit_ops.residual_mod_ln(x, y, bias, gate, shift, scale, out, eps, taps, round_out, prefetch,
-                                    prefetch_rows)
+            dit_ops.residual_mod_ln(x, y, bias, gate, shift, scale, out, eps, taps, round_out, prefetch)
             return
         if y is not None:
             y = _sum_partials(y)
@@ -794,8 +789,7 @@ class FusedDiT:
             b = self._gemm(ws.mlp.view(N, -1), wt("w_fc2", i, mlp.fc2.weight), mlp.fc2.bias, ws.y2, half)
             # this block's MLP residual fused with the next block's attention-input LN (or the final one)
             self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps, round_out=rnd,
-                         prefetch=ahead(wt("w_qkv", i + 1, self.w_qkv[i + 1])) if i + 1 < L.depth else None,
-                         prefetch_rows=(streams, i + 1) if streams is not None and i + 1 < L.depth else None)
+                         prefetch=ahead(wt("w_qkv", i + 1, self.w_qkv[i + 1])) if i + 1 < L.depth else None)
 
     # ------------------------------------------------------------------ original-compatible API
     @torch.no_grad()

@@ -604,9 +604,6 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
         raise ValueError("dit_blocks: per-stream caches (streams) take no mask and no pooled rows, and kv must "
                          f"hold exactly this chunk's {T} frames with contiguous [k|v] rows; got kv "
                          f"{tuple(kv.shape)} strides {kv.stride()}, tables {tuple(streams.src.shape)}")
-    if streams is not None and not streams.succ_old:
-        raise ValueError("dit_blocks: the block kernel's direct phase writes whole successors (StreamKV.succ_old "
-                         "must be True)")
     if successor is not None and (streams is not None or mask is not None or pos is not None
                                   or successor.dst.shape != (R, TABLE_WIDTH)
                                   or nk - (successor.drop[1] - successor.drop[0]) != successor.n_out):

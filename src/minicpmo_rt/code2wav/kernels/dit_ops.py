@@ -28,10 +28,6 @@ import torch
 from . import AVAILABLE, interpreting
 
 STAGED_PREFETCH = True
-# The staged direct solve (batch >= 4: each row's old attention frames read in place, ``direct_attention``)
-# can also ask L2 for the next block's old frames from the row stage before its QKV GEMM (``prefetch_rows_l2``;
-# the arena's block kernel prefetches its cache the same way). Off: measured by a switch probe first.
-ATTN_PREFETCH = False
 
 if AVAILABLE:
     import triton
@@ -119,7 +115,7 @@ if AVAILABLE:
                 "{ .reg .pred p, q; .reg .b32 t; .reg .b64 a; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
                 "setp.gt.s32 q, $2, 0; and.pred p, p, q; and.b64 a, $1, -16; "      # 16-byte aligned, as it must be
                 "@p cp.async.bulk.prefetch.L2.global [a], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [P + first + tl.zeros([1], tl.int32), size.to(tl.int32) + tl.zeros([1], tl.int32)],
+                "=r,l,r", [P + first + tl.zeros([1], tl.int32), size + tl.zeros([1], tl.int32)],
                 dtype=tl.int32, is_pure=False, pack=1)
         else:
             lines = tl.cdiv(n, 32)
@@ -133,29 +129,16 @@ if AVAILABLE:
                     pack=1)
 
     @triton.jit
-    def prefetch_rows_l2(BASE, TABLE, n_rows, step, layer, per_frame, pid, nprog):
-        """Ask L2 (bulk prefetch, SM90) for the (step, layer) blocks of ``n_rows`` rows of a ``StreamKV`` table
-        (row r: [offset from BASE, step stride, layer stride, -, frames, ...], each block heads x frames x 2D
-        contiguous floats, ``per_frame`` = heads * 2D), each block split over nprog // n_rows programs."""
-        shares = tl.maximum(nprog // n_rows, 1)
-        for u in range(pid, n_rows * shares, nprog):
-            r = u % n_rows
-            off = tl.load(TABLE + r * 8) + step * tl.load(TABLE + r * 8 + 1) + layer * tl.load(TABLE + r * 8 + 2)
-            prefetch_l2(BASE + off, tl.load(TABLE + r * 8 + 4) * per_frame, u // n_rows, shares, True)
-
-    @triton.jit(do_not_specialize=("pf_step", "pf_layer"))
     def _residual_mod_ln(X, Y, BIAS, GATE, SHIFT, SCALE, OUT,
                          sxr, sxt, syr, syt, sor, sot, s_gate, s_mod, s_split,
-                         T, C, eps, PF, pf_n, PFB, PFT, pf_rows, pf_step, pf_layer, pf_frame,
+                         T, C, eps, PF, pf_n,
                          TAPS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, ROUND_OUT: tl.constexpr,
-                         PREFETCH: tl.constexpr = 0, PREFETCH_ROWS: tl.constexpr = False):
+                         PREFETCH: tl.constexpr = 0):
         res_ln_row(tl.program_id(0), X, Y, BIAS, GATE, SHIFT, SCALE, OUT, sxr, sxt, syr, syt, sor, sot,
                    s_gate, s_mod, s_split, T, C, eps, TAPS, HAS_RES, HAS_BIAS, SPLITS, BLOCK_C, ROUND_OUT)
         if PREFETCH > 0:        # the next GEMM's weights (PREFETCH 2: bulk)
             prefetch_l2(PF, pf_n, tl.program_id(0), tl.num_programs(0), PREFETCH == 2)
-        if PREFETCH_ROWS:       # the next block's old attention frames (a direct solve)
-            prefetch_rows_l2(PFB, PFT, pf_rows, pf_step, pf_layer, pf_frame, tl.program_id(0), tl.num_programs(0))
 
     @triton.jit
     def qkv_head_ln_row(n, QKV, BIAS, QW, QB, KW, KB, QOUT, KV, ROWS, POS,
@@ -287,13 +270,11 @@ def _splits_of(y, dims: int):
 
 
 def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int = 0, round_out: bool = False,
-                    prefetch: torch.Tensor | None = None, prefetch_rows=None) -> None:
+                    prefetch: torch.Tensor | None = None) -> None:
     """x (R,T,C) in place; y (R,T,C) or taps output (R,T+taps-1,taps*C), or S split-K partials of
     either (S,...); bias (C,) or None; mods (Rm,C); out (R,T,C) view, stored rounded to nearest TF32
     with ``round_out`` (the operand of a TF32 GEMM that truncates), or FP16 (``store_operand``).
-    ``prefetch``: the next GEMM's weight, which the programs then ask L2 for (``_prefetch_args``).
-    ``prefetch_rows`` = (``StreamKV``, layer, heads * 2D): with ``ATTN_PREFETCH`` on SM90, the programs also ask
-    L2 for that layer's old frames of every row of the tables, at their step (``prefetch_rows_l2``)."""
+    ``prefetch``: the next GEMM's weight, which the programs then ask L2 for (``_prefetch_args``)."""
     R, T, C = x.shape
     if shift.stride(0) != scale1p.stride(0):
         raise ValueError("shift and scale tables must share their row stride")
@@ -302,18 +283,11 @@ def residual_mod_ln(x, y, bias, gate, shift, scale1p, out, eps: float, taps: int
     s_gate = gate.stride(0) if has_res and gate.shape[0] > 1 else 0
     splits, s_split, yy = _splits_of(y, 3) if has_res else (1, 0, x)
     pf = _prefetch_args(prefetch, x)
-    rows_on = (prefetch_rows is not None and ATTN_PREFETCH and not interpreting() and x.device.type == "cuda"
-               and bulk_prefetch_on(x.device))
-    if rows_on:
-        kv, layer, per_frame = prefetch_rows
-        pr = (kv.base, kv.src, kv.src.shape[0], kv.step, layer, per_frame)
-    else:
-        pr = (x, x, 1, 0, 0, 0)
     _residual_mod_ln[(R * T,)](
         x, y if has_res else x, bias if bias is not None else x, gate if has_res else shift, shift, scale1p, out,
         x.stride(0), x.stride(1), yy.stride(0), yy.stride(1), out.stride(0), out.stride(1), s_gate, s_mod, s_split,
-        T, C, eps, *pf[:2], *pr, TAPS=taps if has_res else 0, HAS_RES=has_res, HAS_BIAS=has_res and bias is not None,
-        SPLITS=splits, BLOCK_C=_pow2(C), ROUND_OUT=round_out, PREFETCH=pf[2], PREFETCH_ROWS=rows_on, num_warps=4)
+        T, C, eps, *pf[:2], TAPS=taps if has_res else 0, HAS_RES=has_res, HAS_BIAS=has_res and bias is not None,
+        SPLITS=splits, BLOCK_C=_pow2(C), ROUND_OUT=round_out, PREFETCH=pf[2], num_warps=4)
 
 
 def qkv_head_ln(qkv, q_w, q_b, k_w, k_b, q_out, kv, eps: float, rows=None, pos=None, bias=None) -> None:

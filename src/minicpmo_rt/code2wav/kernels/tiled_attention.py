@@ -325,7 +325,7 @@ if AVAILABLE:
                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr = False,
                     CNT=None, LAST_COMBINE: tl.constexpr = False, ROW_COPY: tl.constexpr = True,
-                    ROW_LENGTHS: tl.constexpr = False, SUCC_OLD: tl.constexpr = True):
+                    ROW_LENGTHS: tl.constexpr = False):
         """``direct_attention``'s unit (also a phase of the persistent block kernel): query block ``mblk`` x
         key split ``split`` of (row b, head h). The keys are this chunk's [k|v] (CUR) followed by row b's own
         old frames, found through its SRC table row [offset from BASE, step stride, layer stride, present]
@@ -335,8 +335,7 @@ if AVAILABLE:
         (``direct_key_splits``: nq rounded up to a key tile, so every split walks whole tiles of each source).
         ROW_LENGTHS: each row's old-frame count, successor length and dropped span come from its table rows
         instead of n_old / n_out / drop0 / drop1 (which then only size the key splits: n_old the longest); a row
-        with fewer old frames leaves its last splits empty (the combine weighs an empty split 0).
-        SUCC_OLD False: only this chunk's frames go into the successors (the caller copies the old ones)."""
+        with fewer old frames leaves its last splits empty (the combine weighs an empty split 0)."""
         if ROW_LENGTHS:     # a stream's first chunks (shorter caches) in a steady solve
             n_old = tl.load(SRC + b * 8 + 4).to(tl.int32)
             n_out = tl.load(DST + b * 8 + 4).to(tl.int32)
@@ -357,11 +356,8 @@ if AVAILABLE:
         m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, n_cur), 0, row_ok, dst, present,
                                      mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA,
                                      ROW_COPY)
-        present_old = present
-        if not SUCC_OLD:
-            present_old = present & False
         m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, cur_keys) - cur_keys, k_hi - cur_keys,
-                                     nq, row_ok, dst, present_old, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N,
+                                     nq, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N,
                                      PRECISION, PV16, TMA, ROW_COPY)
         _finish(acc, m_i, l_i, b, h, mblk, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
                 HEAD_D, BLOCK_M, SPLITS, ROUND_OUT, CNT, LAST_COMBINE)
@@ -372,13 +368,12 @@ if AVAILABLE:
                      step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys, CNT,
                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                      SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr,
-                     LAST_COMBINE: tl.constexpr, ROW_COPY: tl.constexpr, ROW_LENGTHS: tl.constexpr,
-                     SUCC_OLD: tl.constexpr = True):
+                     LAST_COMBINE: tl.constexpr, ROW_COPY: tl.constexpr, ROW_LENGTHS: tl.constexpr):
         direct_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                     tl.num_programs(1), Q, CUR, BASE, SRC, DST, O, PACC, PML, sqb, sqh, sqm, sqd, scb, sch,
                     sob, soh, som, sod, step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
                     HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16, TMA, CNT, LAST_COMBINE, ROW_COPY,
-                    ROW_LENGTHS, SUCC_OLD)
+                    ROW_LENGTHS)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -561,9 +556,7 @@ class StreamKV:
     flow's trim), which holds ``n_out`` frames. ``step``: the Euler step the tables are read at.
     ``row_lengths``: the rows' old frames, successor lengths and dropped spans differ (a stream's first and
     second chunks, whose caches are shorter, joining a steady solve): the kernels read them from the tables,
-    and ``n_old`` is the longest row's (it sizes the key splits), ``n_out`` and ``drop`` that row's.
-    ``succ_old`` False: ``direct_attention`` writes only this chunk's frames into the successors, and whoever
-    solves copies the old frames they keep (``euler_graph.COPY_ENGINE_SUCCESSORS``)."""
+    and ``n_old`` is the longest row's (it sizes the key splits), ``n_out`` and ``drop`` that row's."""
 
     base: torch.Tensor
     src: torch.Tensor
@@ -573,7 +566,6 @@ class StreamKV:
     drop: tuple[int, int]
     step: int = 0
     row_lengths: bool = False
-    succ_old: bool = True
 
     def at_step(self, step: int) -> "StreamKV":
         return replace(self, step=step)
@@ -727,8 +719,7 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
             cur_keys, counters if last else streams.src,
             HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, SPLITS=splits, ROUND_OUT=round_out,
             PV16=pv16_for(out, precision) if pv16 is None else pv16, TMA=tma, num_warps=num_warps,
-            num_stages=num_stages, LAST_COMBINE=last, ROW_COPY=SUCCESSOR_ROW_COPY, ROW_LENGTHS=streams.row_lengths,
-            SUCC_OLD=streams.succ_old)
+            num_stages=num_stages, LAST_COMBINE=last, ROW_COPY=SUCCESSOR_ROW_COPY, ROW_LENGTHS=streams.row_lengths)
     if splits > 1 and not last:
         _attn_combine[(R, H, triton.cdiv(T, block_m))](pacc, pml, out, *out.stride(), H, T,
                                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits,
