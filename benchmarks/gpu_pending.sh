@@ -9,7 +9,8 @@
 # rounds take 1.35x less time than the default's, nothing captured mid-serving), `table`; session 35 `all` (the
 # whole suite on the GPU: 1740 passed after two CPU tests learned to expect a GPU); session 36 `profile`, then two
 # switch probes of experiments reverted since (1607bd6: `solve_switch_probe.py --trim --called` of
-# kernels.dit_ops.ATTN_PREFETCH and euler_graph.COPY_ENGINE_SUCCESSORS). Nothing pending after it.
+# kernels.dit_ops.ATTN_PREFETCH and euler_graph.COPY_ENGINE_SUCCESSORS), and one of an uncommitted edit
+# (FusedDiT.wide_fc2_splits 1,2,4). Nothing pending after it.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
