@@ -10,7 +10,8 @@
 # whole suite on the GPU: 1740 passed after two CPU tests learned to expect a GPU); session 36 `profile`, then two
 # switch probes of experiments reverted since (1607bd6: `solve_switch_probe.py --trim --called` of
 # kernels.dit_ops.ATTN_PREFETCH and euler_graph.COPY_ENGINE_SUCCESSORS), and one of an uncommitted edit
-# (FusedDiT.wide_fc2_splits 1,2,4). Nothing pending after it.
+# (FusedDiT.wide_fc2_splits 1,2,4) and one of another (kernels.tiled_attention.PV_TRANSPOSED 0,1). Nothing pending
+# after it.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
