@@ -666,8 +666,6 @@ def plottable(rows: list[dict]) -> bool:
 def plot(res: dict, path: Path) -> None:
     """ms per steady chunk against batch (both axes log) for the rows of ``PLOT_ROWS`` the run has, with the
     issue's goals and upstream's published H100 figures as points; written whole or not at all."""
-    import io
-
     import matplotlib
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
@@ -677,9 +675,9 @@ def plot(res: dict, path: Path) -> None:
         pts = sorted((r["batch"], r["median_ms"]) for r in res["rows"] if r["row"] == name)
         if len(pts) < 2:
             continue
-        main = name == DIRECT_ROW
-        ax.plot(*zip(*pts), marker="o", ms=4, lw=2.6 if main else 1.1, zorder=3 if main else 2,
-                label=name + (" (the flow's path)" if main else ""))
+        ours = name == DIRECT_ROW
+        ax.plot(*zip(*pts), marker="o", ms=4, lw=2.6 if ours else 1.1, zorder=3 if ours else 2,
+                label=name + (" (the flow's path)" if ours else ""))
     ax.scatter(list(GOALS_MS), list(GOALS_MS.values()), marker="*", s=180, color="red", zorder=4,
                label="goal (issue #7)")
     ax.scatter(list(UPSTREAM_H100_MS), list(UPSTREAM_H100_MS.values()), marker="s", s=40, color="black", zorder=4,
@@ -695,10 +693,10 @@ def plot(res: dict, path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write(path, lambda f: f.write(buf.getvalue()))
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
 
 
 def plot_file(results: Path, out: Path) -> int:
@@ -706,6 +704,8 @@ def plot_file(results: Path, out: Path) -> int:
     try:
         res = json.loads(results.read_text())
         rows = res["rows"]
+        for key in ("gpu", "steps", "query", "cache"):     # the title's
+            res[key]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"--plot {results}: not a results JSON of this script ({exc}); pass a code2wav_bench*.json",
               file=sys.stderr)
