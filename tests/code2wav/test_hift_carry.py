@@ -150,3 +150,49 @@ def test_cuda_carried_streams_from_graphs_match_bounded():
     assert worst <= 1e-4
     r = carried.runner
     assert r.decode_next.graphs and r.decode_next.replays > 0
+
+
+def test_switches_are_per_thread():
+    """``carrying``, ``fused_kernels`` and ``conv1d_as_2d`` hold their setting per thread (ContextVars): while
+    one thread decodes a stream inside ``carrying(its carry)`` with the torch path forced, a second thread's
+    conv runs with no carry and the default path. As module globals (before), the second thread's conv spliced
+    the first thread's carry into its padding and wrote its frames into that carry: a concurrent server's
+    streams corrupted each other. Barriers order the two threads, so this fails deterministically then."""
+    import threading
+
+    torch.manual_seed(0)
+    conv = hift.PaddedConv1d(4, 4, 3, left=2)
+    x = torch.randn(1, 4, 9)
+    with torch.no_grad():
+        plain = conv(x)
+    carry = hift_carry.Carry({conv: torch.full((1, 4, 2), 5.0)})
+    inside, other, done = threading.Barrier(2), threading.Barrier(2), threading.Barrier(2)
+    seen: dict[str, object] = {}
+
+    def first():
+        with torch.no_grad(), hift.carrying(carry), hift.fused_kernels(False), hift.conv1d_as_2d(True):
+            seen["first"] = conv(x)
+            inside.wait()
+            other.wait()            # the second thread's conv ran while this thread's switches were set
+            seen["first_mode"] = (hift.fused_kernels_for(x), hift._conv_as_2d.get())
+        done.wait()
+
+    def second():
+        inside.wait()
+        with torch.no_grad():
+            seen["second"] = conv(x)
+        seen["second_mode"] = (hift._fused_mode.get(), hift._conv_as_2d.get(), hift._carry.get())
+        other.wait()
+        done.wait()
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert seen["second_mode"] == (None, None, None)
+    assert torch.equal(seen["second"], plain)          # zeros in its padding, not the first thread's 5s
+    assert not torch.equal(seen["first"], plain)       # the carry did reach the first thread's conv
+    assert list(carry.new) == [conv] and torch.equal(carry.new[conv], x[:, :, -2:])
+    assert seen["first_mode"] == (False, True)         # its own settings, untouched by the second thread

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Optional, Protocol, Sequence
 
@@ -100,8 +101,10 @@ TINY = dataclasses.replace(FULL_SIZE, base_channels=16, f0_channels=16)
 
 # Where the fused element-wise kernels of ``kernels.snake`` run (Snake, and the LeakyReLU, conv
 # bias, residual add, nearest upsampling and zero padding around the convs, folded into single
-# launches). Changed only through ``fused_kernels`` (which restores it).
-_fused_mode: Optional[bool] = None
+# launches). Changed only through ``fused_kernels`` (which restores it). A ContextVar, not a module global:
+# each thread (and asyncio task) sees only the modes its own ``with`` blocks set, so two streams decoding on
+# different threads cannot switch each other's path.
+_fused_mode: ContextVar[Optional[bool]] = ContextVar("hift_fused_mode", default=None)
 
 
 @contextlib.contextmanager
@@ -110,22 +113,22 @@ def fused_kernels(mode: Optional[bool]):
     on CUDA tensors when Triton is available; ``True`` wherever a Triton kernel can run (also on
     the CPU under TRITON_INTERPRET=1, for tests); ``False`` never (the torch reference ops).
     CUDA graphs keep the path that was active when they were captured."""
-    global _fused_mode
-    prev, _fused_mode = _fused_mode, mode
+    token = _fused_mode.set(mode)
     try:
         yield
     finally:
-        _fused_mode = prev
+        _fused_mode.reset(token)
 
 
 def fused_kernels_for(x: torch.Tensor) -> bool:
     """Whether the HiFT forward on ``x`` takes the fused-kernel path (FP32, grad off: the kernels
     have no backward)."""
-    if _fused_mode is False or x.dtype != torch.float32 or torch.is_grad_enabled():
+    mode = _fused_mode.get()
+    if mode is False or x.dtype != torch.float32 or torch.is_grad_enabled():
         return False
     from .kernels import AVAILABLE, usable_on
 
-    return AVAILABLE and (x.is_cuda if _fused_mode is None else usable_on(x))
+    return AVAILABLE and (x.is_cuda if mode is None else usable_on(x))
 
 
 def _kernels():
@@ -182,8 +185,8 @@ def is_time_major(t: torch.Tensor) -> bool:
 # back to NHWC for cuDNN: two transposing copies of the whole activation per conv, 158 per steady decode call,
 # 6.6 of its 14.3 ms at batch 16 on the H200 (benchmarks/results/hift_decode_kernels_session29_h200.md). The
 # 2-D call hands cuDNN the same NHWC operands without them. Changed only through ``conv1d_as_2d`` (which
-# restores it).
-_conv_as_2d: Optional[bool] = None
+# restores it; per thread, like ``_fused_mode``).
+_conv_as_2d: ContextVar[Optional[bool]] = ContextVar("hift_conv_as_2d", default=None)
 
 
 @contextlib.contextmanager
@@ -192,16 +195,16 @@ def conv1d_as_2d(mode: Optional[bool]):
     default outside) on CUDA tensors; ``True`` on any device (CPU tests of the formulation); ``False`` never
     (``F.conv1d``, with the copies above; for comparisons). CUDA graphs keep the path that was active when
     they were captured."""
-    global _conv_as_2d
-    prev, _conv_as_2d = _conv_as_2d, mode
+    token = _conv_as_2d.set(mode)
     try:
         yield
     finally:
-        _conv_as_2d = prev
+        _conv_as_2d.reset(token)
 
 
 def _as_2d(x: torch.Tensor, weight: torch.Tensor, m: nn.Module) -> bool:
-    if _conv_as_2d is False or (_conv_as_2d is None and not x.is_cuda):
+    mode = _conv_as_2d.get()
+    if mode is False or (mode is None and not x.is_cuda):
         return False
     return (m.padding_mode == "zeros" and not isinstance(m.padding, str) and is_time_major(x)
             and is_time_major(weight))
@@ -209,20 +212,19 @@ def _as_2d(x: torch.Tensor, weight: torch.Tensor, m: nn.Module) -> bool:
 
 # The left context a carried decode call (``hift_carry``) gives each stride-1 causal conv: while set, a conv's
 # left padding is overwritten with the stream's own earlier input and its input's last frames are kept for
-# the next call (``Carry.splice``). Changed only through ``carrying`` (which restores it).
-_carry: Any = None
+# the next call (``Carry.splice``). Changed only through ``carrying`` (which restores it; per thread).
+_carry: ContextVar[Any] = ContextVar("hift_carry", default=None)
 
 
 @contextlib.contextmanager
 def carrying(carry: Any):
     """Inside the block the stride-1 convs with left padding read and leave their left context in ``carry``
     (``hift_carry.Carry``). CUDA graphs keep the carry they were captured with: its tensors are the graph's."""
-    global _carry
-    prev, _carry = _carry, carry
+    token = _carry.set(carry)
     try:
         yield carry
     finally:
-        _carry = prev
+        _carry.reset(token)
 
 
 def to_time_major(t: torch.Tensor) -> torch.Tensor:
@@ -356,8 +358,9 @@ class Conv1d(nn.Conv1d):
         """The conv on an input that already carries the module's explicit padding (the
         ``PaddedConv1d`` kind); ``bias=False`` leaves the bias to a fused kernel after it. While a carry is
         active (``carrying``) a stride-1 conv's left padding is the stream's own earlier input instead."""
-        if _carry is not None and self.stride[0] == 1 and getattr(self, "left", 0):
-            x = _carry.splice(self, x, self.left)
+        carry = _carry.get()
+        if carry is not None and self.stride[0] == 1 and getattr(self, "left", 0):
+            x = carry.splice(self, x, self.left)
         return self._conv_forward(x, conv_weight(self), self.bias if bias else None)
 
     def act_forward(self, x: torch.Tensor, slope: float) -> torch.Tensor:
