@@ -11,6 +11,12 @@ vocoder's rounding.
 A captured CUDA graph freezes the GEMM algorithms chosen at capture time, so a
 graph keeps the precision that was active while it was captured; callers capture
 inside the same scope they replay under (see ``euler_graph``).
+
+The flag is torch's and process-wide, unlike this package's own switches (``hift.carrying`` and friends
+are per-thread ContextVars): while one thread is inside ``matmul_tf32(True)``, eager cuBLAS GEMMs that
+another thread launches at that moment also run in TF32. Graph replays are immune (their algorithms are
+frozen), which is why the deploy path replays graphs; a server that runs other eager FP32 GEMMs on a
+second thread at the same time should run Code2Wav with TF32 off or from graphs only.
 """
 
 from __future__ import annotations
