@@ -129,9 +129,17 @@ def test_cli_and_shim(tmp_path, capsys):
 
 def test_all_folds(tmp_path):
     write_root(tmp_path / "f", [1, 2, 3], rows=100, signal=3.0)
+    said: list[str] = []
     m = run(tmp_path / "f", tmp_path / "o", TrainConfig(model="linear", split="kfold:3", epochs=5, min_steps=5,
-                                                        lr=1e-2, progress=False, plots=False), echo=lambda s: None)
+                                                        lr=1e-2, progress=False, plots=False), echo=said.append)
     assert sorted(f["test"][0] for f in m["folds"]) == ["Session_1", "Session_2", "Session_3"]
+    # the fold table names how many folds a mean AUC rests on wherever some fold had none (one class only)
+    table = said[-1].splitlines()
+    for name, stats in m["test_mean_std"]["linear"].items():
+        line = next(x for x in table if x.split()[0] == name)
+        n = stats["roc_auc"]["folds"]
+        assert (f"(AUC from {n} of 3 folds)" in line) == (n < 3), line
+    assert any(s["roc_auc"]["folds"] < 3 for s in m["test_mean_std"]["linear"].values()), "no fold lacked an AUC"
     per_fold = [json.loads((tmp_path / "o" / f"fold_{f}" / "metrics.json").read_text())
                 ["results"]["test"]["linear"]["wearer"]["roc_auc"] for f in range(3)]
     r = m["test_mean_std"]["linear"]["wearer"]["roc_auc"]

@@ -376,8 +376,13 @@ def run(feature_root: str | os.PathLike, out: str | os.PathLike, cfg: TrainConfi
             lines = [f"{len(runs)}-fold test mean +- std (ROC-AUC / balanced accuracy), {cfg.model}:"]
             for name in TARGET_NAMES:
                 r = metrics["test_mean_std"][cfg.model][name]
-                lines.append(f"  {name:12s} {r['roc_auc']['mean']:.3f} +- {r['roc_auc']['std']:.3f}   "
-                             f"{r['balanced_accuracy']['mean']:.3f} +- {r['balanced_accuracy']['std']:.3f}")
+                line = (f"  {name:12s} {r['roc_auc']['mean']:.3f} +- {r['roc_auc']['std']:.3f}   "
+                        f"{r['balanced_accuracy']['mean']:.3f} +- {r['balanced_accuracy']['std']:.3f}")
+                # a fold whose test rows hold one class has no AUC: say how few folds the figure rests on
+                scored = r["roc_auc"]["folds"]
+                if scored < len(runs):
+                    line += f"   (AUC from {scored} of {len(runs)} folds)"
+                lines.append(line)
             echo("\n".join(lines))
             (tmp / "table.txt").write_text("\n".join(lines) + "\n")
         else:
