@@ -158,3 +158,32 @@ def test_misaligned_targets(tmp_path):
     L.save_targets(tmp_path / "t" / "Session_1.npy", arr[:49])  # one row short: accepted, last row masked
     (s,) = D.load_sessions(tmp_path / "f", tmp_path / "t")
     assert not s.mask[49].any() and s.mask[48, 0]
+
+
+def test_progress_bar_counts_the_epochs(tmp_path, monkeypatch, capsys):
+    """Each redraw of the training bar that shows an epoch's losses also shows that epoch's count. The bar used
+    to wrap the epoch range, whose count tqdm syncs lazily: the demo's fast VAD head showed '0/5' beside the
+    fifth epoch's losses (and with every redraw allowed, each epoch's losses beside the previous count).
+    mininterval=0 makes tqdm redraw on every update, so every epoch is seen."""
+    import tqdm
+
+    from minicpmo_rt.turn_head.train import fit_head
+
+    init = tqdm.tqdm.__init__
+
+    def eager_init(self, *args, **kwargs):
+        kwargs.setdefault("mininterval", 0)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(tqdm.tqdm, "__init__", eager_init)
+    write_root(tmp_path / "f", [1, 2], rows=60)
+    ss = D.load_sessions(tmp_path / "f")
+    cfg = TrainConfig(model="linear", epochs=4, patience=10, min_steps=1, progress=True)
+    _, history, _ = fit_head(ss[:1], ss[1:], cfg, desc="probe")
+    err = capsys.readouterr().err
+    shown = [seg for seg in err.replace("\n", "\r").split("\r") if "val=" in seg]
+    assert len(shown) >= len(history) == 4
+    for seg in shown:
+        done = int(seg.split("|")[2].split("/")[0])
+        assert 1 <= done <= 4, seg
+        assert f"val={history[done - 1]['val_loss']:.4f}" in seg, (seg, history)

@@ -159,14 +159,27 @@ def fit_head(train: Sequence[SessionData], val: Sequence[SessionData], cfg: Trai
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     pw = _pos_weight(train).to(cfg.device)
     crop = min(cfg.crop, max(f.shape[0] for f in feats))
-    best, best_state, bad, history = math.inf, None, 0, []
-    epochs = range(cfg.epochs)
     bar = None
     if cfg.progress:
         from tqdm import tqdm
 
-        epochs = bar = tqdm(epochs, desc=desc, leave=False)
-    for epoch in epochs:
+        # a manual bar: one wrapping the epoch range syncs its count lazily, so a postfix set inside the loop
+        # showed a stale 0/N for fast heads; closed below, also when early stopping breaks out
+        bar = tqdm(total=cfg.epochs, desc=desc, leave=False, unit="epoch")
+    try:
+        history, best_state = _epochs(model, opt, train, val, feats, features, pw, crop, rng, cfg, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    return model, history, hcfg
+
+
+def _epochs(model, opt, train, val, feats, features, pw, crop, rng, cfg: TrainConfig, bar):
+    """The training loop of ``fit_head``: (history, the best epoch's state or None)."""
+    best, best_state, bad, history = math.inf, None, 0, []
+    for epoch in range(cfg.epochs):
         model.train()
         items = _crops(train, feats, crop, rng, cfg.min_steps * cfg.batch_size)
         total = 0.0
@@ -182,7 +195,8 @@ def fit_head(train: Sequence[SessionData], val: Sequence[SessionData], cfg: Trai
         vloss = _eval_loss(model, val, features, pw)
         history.append({"epoch": epoch, "train_loss": total / len(items), "val_loss": vloss})
         if bar is not None:
-            bar.set_postfix(train=f"{total / len(items):.4f}", val=f"{vloss:.4f}")
+            bar.set_postfix(train=f"{total / len(items):.4f}", val=f"{vloss:.4f}", refresh=False)
+            bar.update(1)
         if vloss < best - 1e-5:
             best, bad = vloss, 0
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -190,9 +204,7 @@ def fit_head(train: Sequence[SessionData], val: Sequence[SessionData], cfg: Trai
             bad += 1
             if bad >= cfg.patience:
                 break
-    if best_state is not None:
-        model.load_state_dict(best_state)
-    return model, history, hcfg
+    return history, best_state
 
 
 def majority_probs(train: Sequence[SessionData], sessions: Sequence[SessionData]) -> list[np.ndarray]:
