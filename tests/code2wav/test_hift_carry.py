@@ -166,8 +166,20 @@ def test_switches_are_per_thread():
     with torch.no_grad():
         plain = conv(x)
     carry = hift_carry.Carry({conv: torch.full((1, 4, 2), 5.0)})
-    inside, other, done = threading.Barrier(2), threading.Barrier(2), threading.Barrier(2)
+    # timeouts and daemon threads: a thread that fails breaks the barriers instead of hanging the other
+    inside, other, done = (threading.Barrier(2, timeout=30) for _ in range(3))
     seen: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def guarded(body):
+        def run():
+            try:
+                body()
+            except BaseException as exc:    # re-raised below, in the test's thread
+                errors.append(exc)
+                for b in (inside, other, done):
+                    b.abort()
+        return run
 
     def first():
         with torch.no_grad(), hift.carrying(carry), hift.fused_kernels(False), hift.conv1d_as_2d(True):
@@ -185,12 +197,14 @@ def test_switches_are_per_thread():
         other.wait()
         done.wait()
 
-    threads = [threading.Thread(target=f) for f in (first, second)]
+    threads = [threading.Thread(target=guarded(f), daemon=True) for f in (first, second)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
+    if errors:      # the first real failure, not the broken barriers it caused in the other thread
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
     assert seen["second_mode"] == (None, None, None)
     assert torch.equal(seen["second"], plain)          # zeros in its padding, not the first thread's 5s
     assert not torch.equal(seen["first"], plain)       # the carry did reach the first thread's conv
