@@ -54,7 +54,8 @@ def test_consumer_never_sees_a_half_updated_snapshot():
         if got != [x for k in range(1, batches + 1) for x in [k] * k]:
             errors.append("follower lost or duplicated items")
 
-    threads = [threading.Thread(target=poller) for _ in range(2)] + [threading.Thread(target=follower)]
+    # daemon: a thread stuck by a bug fails the assert below instead of keeping pytest from exiting
+    threads = [threading.Thread(target=f, daemon=True) for f in (poller, poller, follower)]
     for t in threads:
         t.start()
     for k in range(1, batches + 1):
