@@ -75,3 +75,25 @@ def test_bad_inputs_are_named_and_write_nothing(tiny_ckpt, voice, tmp_path, case
         res = runner.invoke(app, ["talker", *common, "--codes-out", str(codes)])
         assert res.exit_code == 2 and msg in res.output, res.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_stage_bars_show_on_a_terminal_only(capsys):
+    """``StageBars`` draws one tqdm bar per stage on stderr when enabled (what a terminal gets), counts every
+    request's items, closes a stage's bar when the next starts; with tqdm's default rule (disable=None) and a
+    captured, non-terminal stderr it prints nothing."""
+    from minicpmo_rt.runtime.jobs import StageBars
+
+    bars = StageBars(disable=False)
+    for n in (2, 5):
+        bars("thinker", "a", n)
+    bars("thinker", "b", 3)
+    assert bars.bars["thinker"].n == 8
+    bars("talker", "a", 25)
+    assert list(bars.bars) == ["talker"] and bars.bars["talker"].n == 25
+    bars.close()
+    err = capsys.readouterr().err
+    assert "thinker: " in err and "talker: " in err and err.index("thinker") < err.index("talker")
+    quiet = StageBars()
+    quiet("thinker", "a", 4)
+    quiet.close()
+    assert capsys.readouterr().err == ""

@@ -179,3 +179,21 @@ def test_prepare_voice_solves_the_prompt_at_load(tiny_ckpt, voice):
     assert c2w.prompts.solves == 1 and not c2w.precapture_pending
     c2w.open_stream(voice).close()
     assert c2w.prompts.solves == 1
+
+
+def test_progress_reports_tokens_then_codes(pipe):
+    """``progress`` hears the Thinker's token count after each generation chunk, then the Talker's code count
+    after each codec chunk: counts rise, the last of each equals what the trace holds, every Thinker event
+    comes before the first Talker one."""
+    seen: list[tuple[str, str, int]] = []
+    req = TurnRequest.make("p", "Count with me.", seed=5, max_new_tokens=7, max_codes=20)
+    trace = TurnTrace()
+    codes = pipe.codes([req], trace, progress=lambda *e: seen.append(e))["p"]
+    stages = [e[0] for e in seen]
+    assert stages == sorted(stages, key=["thinker", "talker"].index) and {"thinker", "talker"} == set(stages)
+    assert all(rid == "p" for _, rid, _ in seen)
+    for stage in ("thinker", "talker"):
+        counts = [n for s, _, n in seen if s == stage]
+        assert counts == sorted(counts) and counts[0] > 0
+    assert [n for s, _, n in seen if s == "thinker"][-1] == sum(not s.is_terminator for s in trace.steps["p"])
+    assert [n for s, _, n in seen if s == "talker"][-1] == len(codes) > 0

@@ -47,6 +47,37 @@ def _pipeline(model, profile, device, with_code2wav, capacity, min_codes, n_time
                                       talker_params=SamplingParams(min_codes=min_codes))
 
 
+class StageBars:
+    """Progress bars on stderr for a CLI turn (``TurnPipeline``'s ``progress``): the Thinker's tokens, then the
+    Talker's codes (in ``speak`` each is vocoded as it comes, so the codes bar also paces Code2Wav). A stage's
+    bar closes when the next one starts. ``disable=None`` (tqdm's own rule): shown only when stderr is a
+    terminal, so logs and captured output stay clean."""
+
+    UNITS = {"thinker": "tok", "talker": "code"}
+
+    def __init__(self, disable: bool | None = None):
+        self.disable = disable
+        self.bars: dict[str, object] = {}
+        self.counts: dict[tuple[str, str], int] = {}    # (stage, request) -> its count so far
+
+    def __call__(self, stage: str, request_id: str, count: int) -> None:
+        bar = self.bars.get(stage)
+        if bar is None:
+            from tqdm import tqdm
+
+            self.close()
+            bar = self.bars[stage] = tqdm(desc=stage, unit=self.UNITS.get(stage, "it"), disable=self.disable,
+                                          leave=False)
+        key = (stage, request_id)
+        bar.update(count - self.counts.get(key, 0))     # a stage's bar counts every request's
+        self.counts[key] = count
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+        self.bars.clear()
+
+
 def tiny_warning(pipe: TurnPipeline) -> str | None:
     h = pipe.thinker.config.llm.hidden_size
     if h < REAL_LLM_HIDDEN:
@@ -64,7 +95,11 @@ def run_talker(model: str, text: str, codes_out: Path, seed: int = 0, profile: s
     t = time.perf_counter()
     pipe = _pipeline(model, profile, device, False, capacity, min_codes)
     trace = TurnTrace()
-    codes = pipe.codes([req], trace)["cli"]
+    bars = StageBars()
+    try:
+        codes = pipe.codes([req], trace, progress=bars)["cli"]
+    finally:
+        bars.close()
     write_json_atomic(codes_out, codes)
     return {"codes": len(codes), "text": trace.talker_inputs["cli"].text,
             "tokens": len(trace.talker_inputs["cli"].token_ids), "terminator": trace.talker_inputs["cli"].terminator,
@@ -87,7 +122,11 @@ def run_speak(model: str, text: str, voice: Path, output: Path, seed: int = 0, p
     t = time.perf_counter()
     pipe = _pipeline(model, profile, device, True, capacity, min_codes, n_timesteps)
     trace = TurnTrace()
-    chunks = list(pipe.run([req], trace))
+    bars = StageBars()
+    try:
+        chunks = list(pipe.run([req], trace, progress=bars))
+    finally:
+        bars.close()
     wav = collect(chunks)["cli"]
     codes = trace.codes("cli")
     write_wav_atomic(output, wav)

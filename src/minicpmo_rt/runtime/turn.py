@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Sequence, Union
+from typing import Callable, Iterator, Sequence, Union
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from .snapshot import SnapshotPublisher, SnapshotReader
 
 DEFAULT_PROFILE = "minicpmo_4_5_turn_mrv2"
 SAMPLES_PER_CODE = 960  # 24 kHz / 25 Hz
+# progress(stage, request_id, count): "thinker" with the request's tokens generated so far (the terminator not
+# counted), then "talker" with its codes emitted so far (context codes not counted); for progress bars
+Progress = Callable[[str, str, int], None]
 
 
 @dataclass
@@ -206,7 +209,8 @@ class TurnPipeline:
                     raise InputError(f"request {r.request_id!r}: no voice; pass a reference recording (WAV)")
                 self.code2wav.features(r.voice)  # reads and validates it before any model work
 
-    def codec_chunks(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None) -> Iterator[CodecChunk]:
+    def codec_chunks(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None,
+                     progress: Progress | None = None) -> Iterator[CodecChunk]:
         """Stages 1 and 2: every request through the Thinker, then all of them through the
         Talker's slots together; yields CodecChunks as the engine emits them."""
         trace = trace if trace is not None else TurnTrace()
@@ -214,8 +218,12 @@ class TurnPipeline:
         for req in requests:
             out: SnapshotPublisher[ThinkerStep] = SnapshotPublisher(f"thinker[{req.request_id}]")
             reader = SnapshotReader(out)
+            tokens = 0
             for steps in self.think(req):
                 out.publish(*steps)
+                if progress is not None:
+                    tokens += sum(not s.is_terminator for s in steps)
+                    progress("thinker", req.request_id, tokens)
             out.close()
             steps = list(reader.poll())
             talker_input = TalkerInput.from_steps(req.request_id, steps)
@@ -231,11 +239,15 @@ class TurnPipeline:
         for talker_req in staged:
             self.talker.submit(talker_req)
         ids = {r.request_id for r in requests}
+        emitted = dict.fromkeys(ids, 0)
         try:
             while self.talker.pending or self.talker.slots:
                 for ch in self.talker.step():
                     if ch.request_id in ids:
                         trace.chunks[ch.request_id].append(ch)
+                        if progress is not None:
+                            emitted[ch.request_id] += len(ch.codes) - ch.n_context
+                            progress("talker", ch.request_id, emitted[ch.request_id])
                     yield ch
         finally:
             self._abandon(ids)
@@ -250,24 +262,28 @@ class TurnPipeline:
                 eng.state.finished[slot] = True
                 del eng.slots[slot]
 
-    def codes(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None) -> dict[str, list[int]]:
+    def codes(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None,
+              progress: Progress | None = None) -> dict[str, list[int]]:
         """Stages 1 and 2 only: each request's codec ids (no EOS)."""
         self._check(requests, need_voice=False)
         trace = trace if trace is not None else TurnTrace()
-        for _ in self.codec_chunks(requests, trace):
+        for _ in self.codec_chunks(requests, trace, progress):
             pass
         return {r.request_id: trace.codes(r.request_id) for r in requests}
 
     # ---- stage 3: Code2Wav ------------------------------------------------------------------------
-    def run(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None) -> Iterator[PcmChunk]:
+    def run(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None,
+            progress: Progress | None = None) -> Iterator[PcmChunk]:
         """All three stages; PcmChunks of different requests interleave, each request's in order.
-        Inputs (ids, voices) are checked before the first chunk is produced."""
+        Inputs (ids, voices) are checked before the first chunk is produced. ``progress`` hears of each
+        Talker chunk before Code2Wav decodes it."""
         if self.code2wav is None:
             raise InputError("this pipeline was built without Code2Wav; build it with with_code2wav=True")
         self._check(requests, need_voice=True)
-        return self._run(list(requests), trace)
+        return self._run(list(requests), trace, progress)
 
-    def _run(self, requests: list[TurnRequest], trace: TurnTrace | None) -> Iterator[PcmChunk]:
+    def _run(self, requests: list[TurnRequest], trace: TurnTrace | None,
+             progress: Progress | None = None) -> Iterator[PcmChunk]:
         voices = {r.request_id: r.voice for r in requests}
         codec_out: SnapshotPublisher[CodecChunk] = SnapshotPublisher("talker")
         reader = SnapshotReader(codec_out)
@@ -275,7 +291,7 @@ class TurnPipeline:
         skip: dict[str, int] = {}
         seq: dict[str, int] = {}
         try:
-            for ch in self.codec_chunks(requests, trace):
+            for ch in self.codec_chunks(requests, trace, progress):
                 codec_out.publish(ch)
                 for chunk in reader.poll():
                     rid = chunk.request_id
