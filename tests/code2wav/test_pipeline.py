@@ -27,7 +27,9 @@ def _codes(n, seed=0):
 def test_whole_and_stream_lengths_match_the_codes(c2w, voice):
     codes = _codes(33)
     whole = c2w.synthesize(codes, voice)
-    streamed = c2w.stream_codes(codes, voice, window=25, first_window=10)
+    done: list[int] = []
+    streamed = c2w.stream_codes(codes, voice, window=25, first_window=10, progress=done.append)
+    assert done == [10, 33]     # progress: codes decoded after each payload (first window 10, then the rest)
     for wav in (whole, streamed):
         assert wav.dtype == np.float32 and wav.shape == (33 * SAMPLES_PER_CODE,)
         assert np.isfinite(wav).all() and np.abs(wav).max() > 0

@@ -47,7 +47,14 @@ def run_code2wav(model: str, codes_path: Path, voice: Path, output: Path, stream
     c2w = Code2Wav.from_snapshot(model, device=device, n_timesteps=n_timesteps)
     feats = c2w.features(voice)  # reads and validates the reference before any work
     t = time.perf_counter()
-    wav = c2w.stream_codes(codes, feats) if stream else c2w.synthesize(codes, feats)
+    if stream:
+        from tqdm import tqdm
+
+        # on a terminal only (tqdm's disable=None), like the turn jobs' bars
+        with tqdm(total=len(codes), desc="code2wav", unit="code", disable=None, leave=False) as bar:
+            wav = c2w.stream_codes(codes, feats, progress=lambda n: bar.update(n - bar.n))
+    else:
+        wav = c2w.synthesize(codes, feats)      # one solve of the whole utterance: nothing to count
     wall = time.perf_counter() - t
     write_wav_atomic(output, wav)
     seconds = len(wav) / SAMPLE_RATE

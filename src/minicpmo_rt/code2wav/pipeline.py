@@ -52,7 +52,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -740,9 +740,11 @@ class Code2Wav:
         return [mel[r:r + 1] if f == T else mel[r:r + 1, :, :f].contiguous() for r, f in enumerate(frames)]
 
     def stream_codes(self, codes: Sequence[int], voice: Voice, window: int = 25,
-                     first_window: int | None = None) -> np.ndarray:
+                     first_window: int | None = None,
+                     progress: Callable[[int], None] | None = None) -> np.ndarray:
         """Stream ``codes`` through the 3 + window protocol and return the audio for the codes
-        alone ([len(codes) * 960] samples): the decoded leading silence context is cut."""
+        alone ([len(codes) * 960] samples): the decoded leading silence context is cut.
+        ``progress(n)``: after each payload, the codes decoded so far."""
         check_codes(codes)
         codes = list(codes)
         stream = self.open_stream(voice)
@@ -753,6 +755,8 @@ class Code2Wav:
             last = i >= len(codes)
             payload = context + new
             out.append(stream.push(payload, last))
+            if progress is not None:
+                progress(i)
             if last:
                 break
             context = payload[-CONTEXT:]
