@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from ..errors import InputError
 from . import metrics as M
@@ -159,52 +160,37 @@ def fit_head(train: Sequence[SessionData], val: Sequence[SessionData], cfg: Trai
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     pw = _pos_weight(train).to(cfg.device)
     crop = min(cfg.crop, max(f.shape[0] for f in feats))
-    bar = None
-    if cfg.progress:
-        from tqdm import tqdm
-
-        # a manual bar: one wrapping the epoch range syncs its count lazily, so a postfix set inside the loop
-        # showed a stale 0/N for fast heads; closed below, also when early stopping breaks out
-        bar = tqdm(total=cfg.epochs, desc=desc, leave=False, unit="epoch")
-    try:
-        history, best_state = _epochs(model, opt, train, val, feats, features, pw, crop, rng, cfg, bar)
-    finally:
-        if bar is not None:
-            bar.close()
+    # a manual bar: one wrapping the epoch range syncs its count lazily, so a postfix set inside the loop showed
+    # a stale 0/N for fast heads; the with closes it also when early stopping breaks out
+    best, best_state, bad, history = math.inf, None, 0, []
+    with tqdm(total=cfg.epochs, desc=desc, leave=False, unit="epoch", disable=not cfg.progress) as bar:
+        for epoch in range(cfg.epochs):
+            model.train()
+            items = _crops(train, feats, crop, rng, cfg.min_steps * cfg.batch_size)
+            total = 0.0
+            for k in range(0, len(items), cfg.batch_size):
+                x, y, m = _batch(items[k:k + cfg.batch_size], train, feats, crop)
+                x, y, m = x.to(cfg.device), y.to(cfg.device), m.to(cfg.device)
+                loss = masked_loss(model(x), y, m, pw)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                total += float(loss.detach()) * len(x)
+            vloss = _eval_loss(model, val, features, pw)
+            history.append({"epoch": epoch, "train_loss": total / len(items), "val_loss": vloss})
+            bar.set_postfix(train=f"{total / len(items):.4f}", val=f"{vloss:.4f}", refresh=False)
+            bar.update(1)
+            if vloss < best - 1e-5:
+                best, bad = vloss, 0
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            else:
+                bad += 1
+                if bad >= cfg.patience:
+                    break
     if best_state is not None:
         model.load_state_dict(best_state)
     return model, history, hcfg
-
-
-def _epochs(model, opt, train, val, feats, features, pw, crop, rng, cfg: TrainConfig, bar):
-    """The training loop of ``fit_head``: (history, the best epoch's state or None)."""
-    best, best_state, bad, history = math.inf, None, 0, []
-    for epoch in range(cfg.epochs):
-        model.train()
-        items = _crops(train, feats, crop, rng, cfg.min_steps * cfg.batch_size)
-        total = 0.0
-        for k in range(0, len(items), cfg.batch_size):
-            x, y, m = _batch(items[k:k + cfg.batch_size], train, feats, crop)
-            x, y, m = x.to(cfg.device), y.to(cfg.device), m.to(cfg.device)
-            loss = masked_loss(model(x), y, m, pw)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            total += float(loss.detach()) * len(x)
-        vloss = _eval_loss(model, val, features, pw)
-        history.append({"epoch": epoch, "train_loss": total / len(items), "val_loss": vloss})
-        if bar is not None:
-            bar.set_postfix(train=f"{total / len(items):.4f}", val=f"{vloss:.4f}", refresh=False)
-            bar.update(1)
-        if vloss < best - 1e-5:
-            best, bad = vloss, 0
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        else:
-            bad += 1
-            if bad >= cfg.patience:
-                break
-    return history, best_state
 
 
 def majority_probs(train: Sequence[SessionData], sessions: Sequence[SessionData]) -> list[np.ndarray]:
