@@ -16,7 +16,7 @@ the load form, plus two truncated kernels (loads only; scores without P @ V) tha
 Each timing is a CUDA graph over NC distinct caches (so the reads come from HBM, not L2), median
 of replays, us per block; TB/s counts the cache bytes read. Outputs are checked against SDPA.
 
-    python benchmarks/vt_layout_probe.py --out DIR
+    python benchmarks/vt_layout_probe.py --out DIR [--block-n 64,32] [--stages 2,3,4]
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ R, H, D, NQ, NK, NKP = 32, 8, 64, 50, 450, 464   # NKP: V^T rows padded to 16-by
 
 @triton.jit
 def _probe(Q, KV, K, VT, O, KV_DESC, K_DESC, VT_DESC, nk, nkp, scale,
-           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, TMA: tl.constexpr):
+           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, TMA: tl.constexpr,
+           STAGES: tl.constexpr):
     # MODE 0: [k|v] (KV, or KV_DESC), 1: K + V^T, 2: loads only, 3: scores only
     rh = tl.program_id(0)            # row * H + head
     offs_m = tl.arange(0, BM)
@@ -50,7 +51,7 @@ def _probe(Q, KV, K, VT, O, KV_DESC, K_DESC, VT_DESC, nk, nkp, scale,
     kv = KV + rh.to(tl.int64) * nk * (2 * D)
     kb = K + rh.to(tl.int64) * nk * D
     vtb = VT + rh.to(tl.int64) * D * nkp
-    for start in tl.range(0, nk, BN, num_stages=3):
+    for start in tl.range(0, nk, BN, num_stages=STAGES):
         offs_n = start + tl.arange(0, BN)
         col_ok = offs_n < nk
         if MODE == 1:
@@ -70,6 +71,7 @@ def _probe(Q, KV, K, VT, O, KV_DESC, K_DESC, VT_DESC, nk, nkp, scale,
                 v = tl.load(kv + offs_n[:, None] * (2 * D) + D + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         if MODE == 2:
             acc += tl.sum(kt, axis=1)[None, :] + tl.sum(v, axis=0)[None, :]
+            l_i += 1.0      # keeps the output (and so the loads) alive
         else:
             s = tl.dot(q, kt, input_precision="tf32") * scale
             s = tl.where(row_ok[:, None] & col_ok[None, :], s, float("-inf"))
@@ -96,6 +98,7 @@ def main() -> None:
     ap.add_argument("--caches", type=int, default=16)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--block-n", default="64,32")
+    ap.add_argument("--stages", default="3", help="K/V pipeline depths to sweep")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -112,7 +115,9 @@ def main() -> None:
     ref = F.scaled_dot_product_attention(q, caches[0][0][..., :D], caches[0][0][..., D:])
     bytes_read = R * H * NK * 2 * D * 4
     rows = []
-    for bn in (int(x) for x in args.block_n.split(",")):
+    configs = [(bn, st) for bn in (int(x) for x in args.block_n.split(","))
+               for st in (int(x) for x in args.stages.split(","))]
+    for bn, stages in configs:
         for name, (mode, tma) in MODES.items():
             def launch(c):
                 kv, k, vt = c
@@ -120,12 +125,12 @@ def main() -> None:
                 k_desc = TensorDescriptor.from_tensor(k.view(-1, D), [bn, D])
                 vt_desc = TensorDescriptor.from_tensor(vt.view(-1, NKP), [D, bn])
                 _probe[(R * H,)](q, kv, k, vt, out, kv_desc, k_desc, vt_desc, NK, NKP, scale,
-                                 D=D, BM=64, BN=bn, MODE=mode, TMA=tma, num_warps=4)
+                                 D=D, BM=64, BN=bn, MODE=mode, TMA=tma, STAGES=stages, num_warps=4)
             try:
                 launch(caches[0])
                 torch.cuda.synchronize()
             except Exception as exc:   # a form this Triton cannot compile is a row, not a crash
-                rows.append({"block_n": bn, "variant": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                rows.append({"block_n": bn, "stages": stages, "variant": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
                 print(rows[-1])
                 continue
             err = ((out - ref).norm() / ref.norm()).item() if mode in (0, 1) else None
@@ -144,16 +149,20 @@ def main() -> None:
                 b.synchronize()
                 times.append(a.elapsed_time(b) * 1e3 / len(caches))
             us = statistics.median(times)
-            rows.append({"block_n": bn, "variant": name, "us_per_block": us, "tb_s": bytes_read / us / 1e6,
+            rows.append({"block_n": bn, "stages": stages, "variant": name, "us_per_block": us, "tb_s": bytes_read / us / 1e6,
                          "rel_err_vs_sdpa": err})
             print(rows[-1])
     # the same bytes summed by torch: the bandwidth a plain read reaches
+    sums = torch.empty(len(caches), device=dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i, c in enumerate(caches):
+            torch.sum(c[0], out=sums[i])
     t = []
-    for _ in range(5):
+    for _ in range(args.reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for c in caches:
-            c[0].sum()
+        g.replay()
         b.record()
         b.synchronize()
         t.append(a.elapsed_time(b) * 1e3 / len(caches))
@@ -168,13 +177,13 @@ def main() -> None:
              f"torch {torch.__version__}, triton {triton.__version__}; 32 rows x 8 heads, 50 queries, 450 keys, "
              f"FP32 cache, TF32 dots; graphs over {len(caches)} caches, median of {args.reps} replays. "
              f"A torch sum over the same caches: {torch_us:.1f} us ({bytes_read / torch_us / 1e6:.2f} TB/s).", "",
-             "| BLOCK_N | variant | us per block | TB/s | rel err vs SDPA |", "|---:|---|---:|---:|---:|"]
+             "| BLOCK_N | stages | variant | us per block | TB/s | rel err vs SDPA |", "|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['block_n']} | {r['variant']} | {r['error']} | | |")
+            lines.append(f"| {r['block_n']} | {r['stages']} | {r['variant']} | {r['error']} | | |")
         else:
             e = "" if r["rel_err_vs_sdpa"] is None else f"{r['rel_err_vs_sdpa']:.1e}"
-            lines.append(f"| {r['block_n']} | {r['variant']} | {r['us_per_block']:.1f} | {r['tb_s']:.2f} | {e} |")
+            lines.append(f"| {r['block_n']} | {r['stages']} | {r['variant']} | {r['us_per_block']:.1f} | {r['tb_s']:.2f} | {e} |")
     (args.out / "vt_layout_probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
