@@ -1,10 +1,11 @@
 """Probe: would a value-transposed cache layout speed up the B=16 attention? (issue #7, session 38)
 
-TF32 wgmma takes only K-major shared operands. In the [k|v] cache V is stored frame-major
-(head dim contiguous), so for P @ V every V tile goes through a transposed shared copy. This
-probe times one steady block's attention (32 rows = 16 streams x CFG, 8 heads of 64, 50 queries,
-450 keys, FP32 cache, TF32 dots) on standalone kernels that differ only in the cache layout and
-the load form, plus two truncated kernels (loads only; scores without P @ V) that split the time:
+TF32 wgmma takes only K-major shared operands. In the [k|v] cache V is stored frame-major (head dim
+contiguous), so for P @ V every V tile goes through a transposed shared copy. This probe times one
+steady block's attention (32 rows = 16 streams x CFG by default, `--rows`; 8 heads of 64, 50
+queries, 450 keys, FP32 cache, TF32 dots) on standalone kernels that differ only in the cache layout
+and the load form, plus two truncated kernels (loads only; scores without P @ V) that split the
+time:
 
   kv      packed [k|v] frames (the project's layout), pointer loads
   kv_tma  the same through a tensor descriptor (the project's default at B=16)
@@ -16,7 +17,7 @@ the load form, plus two truncated kernels (loads only; scores without P @ V) tha
 Each timing is a CUDA graph over NC distinct caches (so the reads come from HBM, not L2), median
 of replays, us per block; TB/s counts the cache bytes read. Outputs are checked against SDPA.
 
-    python benchmarks/vt_layout_probe.py --out DIR [--block-n 64,32] [--stages 2,3,4]
+    python benchmarks/vt_layout_probe.py --out DIR [--block-n 64,32] [--stages 2,3,4] [--rows 32]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-R, H, D, NQ, NK, NKP = 32, 8, 64, 50, 450, 464   # NKP: V^T rows padded to 16-byte multiples
+H, D, NQ, NK, NKP = 8, 64, 50, 450, 464   # NKP: V^T rows padded to 16-byte multiples
 
 
 @triton.jit
@@ -99,8 +100,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--block-n", default="64,32")
     ap.add_argument("--stages", default="3", help="K/V pipeline depths to sweep")
+    ap.add_argument("--rows", type=int, default=32,
+                    help="batch rows x CFG: 32 is batch 16; 2 (batch 1, 16 programs) shows one program's tile chain")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    R = args.rows
     torch.manual_seed(0)
     q = torch.randn(R * H, NQ, D, device=dev)
     out = torch.empty_like(q)
@@ -173,8 +177,8 @@ def main() -> None:
             "shape": {"rows": R, "heads": H, "head_dim": D, "queries": NQ, "keys": NK},
             "torch_sum_us": torch_us, "torch_sum_tb_s": bytes_read / torch_us / 1e6, "rows": rows}
     (args.out / "vt_layout_probe.json").write_text(json.dumps(meta, indent=1))
-    lines = [f"# Attention cache layout probe, one B=16 block ({gpu})", "",
-             f"torch {torch.__version__}, triton {triton.__version__}; 32 rows x 8 heads, 50 queries, 450 keys, "
+    lines = [f"# Attention cache layout probe, one block at {R} rows ({gpu})", "",
+             f"torch {torch.__version__}, triton {triton.__version__}; {R} rows x 8 heads, 50 queries, 450 keys, "
              f"FP32 cache, TF32 dots; graphs over {len(caches)} caches, median of {args.reps} replays. "
              f"A torch sum over the same caches: {torch_us:.1f} us ({bytes_read / torch_us / 1e6:.2f} TB/s).", "",
              "| BLOCK_N | stages | variant | us per block | TB/s | rel err vs SDPA |", "|---:|---:|---|---:|---:|---:|"]
