@@ -14,8 +14,8 @@ time:
   loads   kv's loads only (summed so they are not dropped)
   scores  kv's loads and Q K^T + online softmax, V summed instead of P @ V
 
-Each timing is a CUDA graph over NC distinct caches (so the reads come from HBM, not L2), median
-of replays, us per block; TB/s counts the cache bytes read. Outputs are checked against SDPA.
+Each timing is a CUDA graph over `--caches` distinct caches (16; so the reads come from HBM, not L2),
+median of replays, us per block; TB/s counts the cache bytes read. Outputs are checked against SDPA.
 
     python benchmarks/vt_layout_probe.py --out DIR [--block-n 64,32] [--stages 2,3,4] [--rows 32]
 """
@@ -103,6 +103,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32,
                     help="batch rows x CFG: 32 is batch 16; 2 (batch 1, 16 programs) shows one program's tile chain")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("vt_layout_probe.py times Triton kernels on a CUDA GPU (the TMA rows need Hopper); "
+                         "none is visible here: run it on the device machine")
     dev = torch.device("cuda")
     R = args.rows
     torch.manual_seed(0)
