@@ -106,7 +106,7 @@ def code2wav_cmd(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     n_timesteps: int = typer.Option(10, "--n-timesteps", help="Euler steps of the flow solve."),
 ) -> None:
-    """Codec ids -> 24 kHz WAV through the Code2Wav reference path."""
+    """Codec ids -> 24 kHz WAV (Code2Wav: the reference path on CPU, the fast CFM path on CUDA)."""
     from .code2wav.io import run_code2wav
 
     try:
