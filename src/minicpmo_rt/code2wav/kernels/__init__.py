@@ -3,7 +3,7 @@
 Each kernel module imports Triton lazily-safe: ``AVAILABLE`` is False when Triton
 is missing, and callers then use the torch formulation beside each kernel.
 Kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``
-(set before the first import of these modules; the tests do).
+(set before the first import of these modules: tests/conftest.py does on a machine without CUDA).
 """
 
 from __future__ import annotations
