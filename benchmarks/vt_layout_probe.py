@@ -89,6 +89,24 @@ def _probe(Q, KV, K, VT, O, KV_DESC, K_DESC, VT_DESC, nk, nkp, scale,
     tl.store(O + rh * 50 * D + offs_m[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
 
 
+def _graphed_us(work, per: int, reps: int) -> float:
+    """Median microseconds per unit of ``work`` (``per`` units) replayed from one CUDA graph."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        work()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / per)
+    return statistics.median(times)
+
+
 MODES = {"kv": (0, False), "kv_tma": (0, True), "vt": (1, False), "vt_tma": (1, True),
          "loads": (2, False), "scores": (3, False)}
 
@@ -141,39 +159,14 @@ def main() -> None:
                 print(rows[-1])
                 continue
             err = ((out - ref).norm() / ref.norm()).item() if mode in (0, 1) else None
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for c in caches:
-                    launch(c)
-            g.replay()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(args.reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / len(caches))
-            us = statistics.median(times)
+            us = _graphed_us(lambda: [launch(c) for c in caches], len(caches), args.reps)
             rows.append({"block_n": bn, "stages": stages, "variant": name, "us_per_block": us, "tb_s": bytes_read / us / 1e6,
                          "rel_err_vs_sdpa": err})
             print(rows[-1])
     # the same bytes summed by torch: the bandwidth a plain read reaches
     sums = torch.empty(len(caches), device=dev)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i, c in enumerate(caches):
-            torch.sum(c[0].view(-1), 0, out=sums[i])
-    t = []
-    for _ in range(args.reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        t.append(a.elapsed_time(b) * 1e3 / len(caches))
-    torch_us = statistics.median(t)
+    torch_us = _graphed_us(lambda: [torch.sum(c[0].view(-1), 0, out=sums[i]) for i, c in enumerate(caches)],
+                           len(caches), args.reps)
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
