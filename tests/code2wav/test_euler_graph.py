@@ -3,22 +3,18 @@
 import contextlib
 from dataclasses import replace
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernel import
+from minicpmo_rt.code2wav import kernels
+from minicpmo_rt.code2wav.cfm import CausalConditionalCFM
+from minicpmo_rt.code2wav.euler_graph import GraphConfig, SolveKey, WholeEulerSolver, trim_span
+from minicpmo_rt.code2wav.flow_config import CFMConfig, DiTConfig
+from minicpmo_rt.code2wav.precision import tf32_enabled
 
-from minicpmo_rt.code2wav import kernels  # noqa: E402
-from minicpmo_rt.code2wav.cfm import CausalConditionalCFM  # noqa: E402
-from minicpmo_rt.code2wav.euler_graph import GraphConfig, SolveKey, WholeEulerSolver, trim_span  # noqa: E402
-from minicpmo_rt.code2wav.flow_config import CFMConfig, DiTConfig  # noqa: E402
-from minicpmo_rt.code2wav.precision import tf32_enabled  # noqa: E402
-
-from conftest import ieee_cudnn, rel_err, requires_cuda  # noqa: E402
-from test_fused_dit import randomize  # noqa: E402
+from conftest import ieee_cudnn, rel_err, requires_cuda
+from test_fused_dit import randomize
 
 TINY = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=4.0, depth=2, num_heads=2, head_dim=32, hidden_size=64)
 S = 3

@@ -1,19 +1,15 @@
 """The Euler-step junction and CNN-roll kernels vs their torch references (CPU: Triton's
 interpreter, whose dots are plain FP32; CUDA: compiled, TF32 and IEEE)."""
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernel import
+from minicpmo_rt.code2wav import kernels
+from minicpmo_rt.code2wav.kernels import euler_step
+from minicpmo_rt.code2wav.precision import matmul_tf32
 
-from minicpmo_rt.code2wav import kernels  # noqa: E402
-from minicpmo_rt.code2wav.kernels import euler_step  # noqa: E402
-from minicpmo_rt.code2wav.precision import matmul_tf32  # noqa: E402
-
-from conftest import rel_err, requires_cuda  # noqa: E402
+from conftest import rel_err, requires_cuda
 
 needs_triton = pytest.mark.skipif(not kernels.AVAILABLE, reason="Triton is not installed")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,19 +1,15 @@
 """Fused DiT body vs the original body on the same weights and inputs (CPU: SDPA fallback
 and, under TRITON_INTERPRET=1, the Triton stages on a tiny shape)."""
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernel import
+from minicpmo_rt.code2wav import kernels
+from minicpmo_rt.code2wav.flow_config import DiTConfig
+from minicpmo_rt.code2wav.fused_dit import FusedDiT, supports_fused_body
 
-from minicpmo_rt.code2wav import kernels  # noqa: E402
-from minicpmo_rt.code2wav.flow_config import DiTConfig  # noqa: E402
-from minicpmo_rt.code2wav.fused_dit import FusedDiT, supports_fused_body  # noqa: E402
-
-from conftest import ieee_cudnn, rel_err, requires_cuda  # noqa: E402
+from conftest import ieee_cudnn, rel_err, requires_cuda
 
 TINY = DiTConfig(in_channels=320, out_channels=80, mlp_ratio=4.0, depth=2, num_heads=2, head_dim=32, hidden_size=64)
 

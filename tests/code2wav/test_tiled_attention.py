@@ -1,15 +1,11 @@
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernel import
+from minicpmo_rt.code2wav.kernels import AVAILABLE, usable_on
+from minicpmo_rt.code2wav.kernels.tiled_attention import sdpa_attention, tiled_attention
 
-from minicpmo_rt.code2wav.kernels import AVAILABLE, usable_on  # noqa: E402
-from minicpmo_rt.code2wav.kernels.tiled_attention import sdpa_attention, tiled_attention  # noqa: E402
-
-from conftest import rel_err, requires_cuda  # noqa: E402
+from conftest import rel_err, requires_cuda
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="needs triton")
 

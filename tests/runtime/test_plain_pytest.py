@@ -1,10 +1,10 @@
 """A plain `pytest` on a machine without a GPU runs the Triton kernel tests, as CI does.
 
 scripts/test.sh sets TRITON_INTERPRET=1. Run directly on a CPU machine, pytest failed 113 kernel tests with
-Triton's "0 active drivers": each kernel test module sets the variable at its top, but in a whole-suite run an
-earlier module (test_encoder_graph.py, say) had already imported the kernels as compiled ones. tests/conftest.py
-now sets it before any test module is imported. The child pytest here collects the two modules in that order,
-with the variable removed from its environment, and runs one kernel test.
+Triton's "0 active drivers": each kernel test module then set the variable at its top, but in a whole-suite
+run an earlier module (test_encoder_graph.py, say) had already imported the kernels as compiled ones.
+tests/conftest.py now sets it, once, before any test module is imported. The child pytest here collects the two
+modules in that order, with the variable removed from its environment, and runs one kernel test.
 """
 import os
 import subprocess

@@ -12,16 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
+from minicpmo_rt.checkpoint.config import MiniCPMOConfig
+from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config
+from minicpmo_rt.thinker import kernels as K
+from minicpmo_rt.thinker.decode import StaticDecoder
+from minicpmo_rt.thinker.llm import build_llm
 
-from minicpmo_rt.checkpoint.config import MiniCPMOConfig  # noqa: E402
-from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config  # noqa: E402
-from minicpmo_rt.thinker import kernels as K  # noqa: E402
-from minicpmo_rt.thinker.decode import StaticDecoder  # noqa: E402
-from minicpmo_rt.thinker.llm import build_llm  # noqa: E402
-
-from conftest import rel_err  # noqa: E402
+from conftest import rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not K.usable_on(torch.empty(0, device=DEV)),

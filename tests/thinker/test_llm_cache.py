@@ -5,24 +5,20 @@ identical pruning bookkeeping, and named capacity errors."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
+from minicpmo_rt.checkpoint.config import MiniCPMOConfig
+from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config
+from minicpmo_rt.errors import InputError
+from minicpmo_rt.thinker import kernels as K
+from minicpmo_rt.thinker.llm_cache import DynamicLLMCache, StaticLLMCache
+from minicpmo_rt.thinker.model import Thinker
+from minicpmo_rt.thinker.session import ContextLimitError, StreamingSession, WindowPolicy
 
-from minicpmo_rt.checkpoint.config import MiniCPMOConfig  # noqa: E402
-from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config  # noqa: E402
-from minicpmo_rt.errors import InputError  # noqa: E402
-from minicpmo_rt.thinker import kernels as K  # noqa: E402
-from minicpmo_rt.thinker.llm_cache import DynamicLLMCache, StaticLLMCache  # noqa: E402
-from minicpmo_rt.thinker.model import Thinker  # noqa: E402
-from minicpmo_rt.thinker.session import ContextLimitError, StreamingSession, WindowPolicy  # noqa: E402
-
-from conftest import make_tiny_thinker, rel_err, requires_cuda  # noqa: E402
+from conftest import make_tiny_thinker, rel_err, requires_cuda
 
 
 
