@@ -4,9 +4,49 @@ so a failure halfway never leaves a partial file and never replaces a good one."
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where the OS says it (Linux); elsewhere set and put back,
+    which another thread creating a file at that instant could see."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def plain_mode(directory: bool = False) -> int:
+    """The mode a plain ``open(..., "w")`` (0o666) or ``mkdir`` (0o777) gives a new file or directory under
+    this process's umask: for writers that create their files through a temp file (``tempfile``, safetensors),
+    which makes them 0o600."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def _final_mode(path: Path) -> int:
+    """The mode a plain ``open(path, "w")`` would leave: an existing file keeps its own, a new one gets
+    0o666 less the umask. ``mkstemp`` creates 0o600, which would hide every output from the user's group."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        return plain_mode()
+
+
+def temp_dir_beside(out: Path, prefix: str, suffix: str = "") -> Path:
+    """A new empty directory beside ``out``, to be filled and then renamed onto it, with the mode a plain
+    ``mkdir`` would give (``mkdtemp`` makes 0o700)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=out.parent))
+    os.chmod(tmp, plain_mode(directory=True))
+    return tmp
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
@@ -18,6 +58,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
+            os.fchmod(fh.fileno(), _final_mode(path))
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:

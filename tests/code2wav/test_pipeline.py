@@ -81,6 +81,11 @@ def test_cli_errors_leave_no_file_and_keep_a_good_one(tiny_ckpt, voice, tmp_path
         res = runner.invoke(app, ["code2wav", "--model", str(tiny_ckpt), "--codes", str(bad), "--voice", str(voice),
                                   "--output", str(out)])
         assert res.exit_code == 2 and msg in res.output, res.output
+    bad.write_text("[1, 2, 3]")
+    for steps in ("0", "-3"):      # an IndexError deep in the solve, before the check
+        res = runner.invoke(app, ["code2wav", "--model", str(tiny_ckpt), "--codes", str(bad), "--voice", str(voice),
+                                  "--output", str(out), "--n-timesteps", steps])
+        assert res.exit_code == 2 and f"--n-timesteps must be >= 1, got {steps}" in res.output, res.output
     assert out.read_bytes() == before
     good = tmp_path / "good.json"
     good.write_text("[1, 2, 3, 4, 5]")

@@ -10,13 +10,13 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 
+from ..atomic import temp_dir_beside
 from ..errors import InputError
 from .tokenizer import vendored_tokenizer_dir
 
@@ -116,7 +116,7 @@ def atomic_directory(out: Path, build: Callable[[Path], None], force: bool = Fal
         if not force:
             raise InputError(f"{out}: already exists and is not empty; choose another path or pass --force")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_dir_beside(out, prefix=f".{out.name}.tmp-")
     try:
         build(tmp)
         if out.exists():

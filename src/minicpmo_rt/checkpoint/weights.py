@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -10,6 +11,7 @@ from typing import Iterable, Mapping
 import torch
 from safetensors import safe_open
 
+from ..atomic import plain_mode
 from ..errors import CheckpointError, StrictLoadError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -153,6 +155,7 @@ def save_sharded(tensors: Mapping[str, torch.Tensor], directory: Path, max_shard
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{n:05d}.safetensors"
         save_file(shard, str(directory / fname), metadata={"format": "pt", **(metadata or {})})
+        os.chmod(directory / fname, plain_mode())      # safetensors leaves 0o600
         paths.append(directory / fname)
         for name, t in shard.items():
             mapping[name] = fname

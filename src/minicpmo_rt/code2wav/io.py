@@ -38,6 +38,8 @@ def write_wav_atomic(path: Path, wav: np.ndarray, sample_rate: int = SAMPLE_RATE
 
 def run_code2wav(model: str, codes_path: Path, voice: Path, output: Path, stream: bool = False,
                  device: str = "cpu", n_timesteps: int = 10) -> dict:
+    if n_timesteps < 1:
+        raise InputError(f"--n-timesteps must be >= 1, got {n_timesteps}")
     codes = read_codes(codes_path)
     if device.startswith("cuda"):
         import torch

@@ -210,6 +210,8 @@ def _readmit(stream: "Code2WavStream", new: FlowCache):
 class Code2Wav:
     def __init__(self, flow: Flow, vocoders: VocoderSet, frontend: VoiceFrontend, n_timesteps: int = 10,
                  prompt_cache_size: int = 4):
+        if n_timesteps < 1:
+            raise InputError(f"n_timesteps must be >= 1 (Euler steps of the flow solve), got {n_timesteps}")
         self.flow, self.vocoders, self.frontend = flow, vocoders, frontend
         self.n_timesteps = n_timesteps
         self.prompts: PromptStateCache[PromptState] = PromptStateCache(prompt_cache_size)

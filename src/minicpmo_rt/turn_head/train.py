@@ -23,7 +23,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..atomic import temp_dir_beside
 from ..errors import InputError
 from . import metrics as M
 from .data import DEFAULT_SPLIT, NOW_NAMES, TARGET_NAMES, SessionData, SplitError, load_sessions, split_sessions
@@ -261,7 +261,7 @@ def _prepare_out(out: Path, force: bool) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise InputError(f"{out}: output directory exists and is not empty; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    return temp_dir_beside(out, prefix=f".{out.name}.", suffix=".tmp")
 
 
 def _publish(tmp: Path, out: Path) -> None:
