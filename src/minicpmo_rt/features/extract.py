@@ -151,15 +151,18 @@ def build_parser(prog: str = "streaming_minicpmo_features_directly.py") -> argpa
                    help=".../Video_Compressed/Session_N (WAVs are read from the sibling Glasses_Microphone_Array_Audio).")
     p.add_argument("--end", type=float, default=None, help="Seconds of media to extract (default: the whole session).")
     p.add_argument("--target", type=Path, default=None, help="5 Hz target .npy of the whole session to align and store.")
-    p.add_argument("--mode", required=True, choices=MODES)
-    p.add_argument("--decoder", choices=DECODERS, default="pyav")
-    p.add_argument("--decoder-threads", type=int, default=1)
-    p.add_argument("--max-open-readers", type=int, default=1)
-    p.add_argument("--frame-cache-size", type=int, default=32)
+    p.add_argument("--mode", required=True, choices=MODES,
+                   help="native-1hz-hold: one state per completed second, forward-held onto the 5 Hz grid (zeros "
+                        "before 1 s); cached-partial-5hz: a state every 0.2 s, the partial tail read on a snapshot of "
+                        "the cached completed seconds, audited against clean replays.")
+    p.add_argument("--decoder", choices=DECODERS, default="pyav", help="Video decoder (decord must be installed).")
+    p.add_argument("--decoder-threads", type=int, default=1, help="FFmpeg threads per open video (0: the decoder's choice).")
+    p.add_argument("--max-open-readers", type=int, default=1, help="Video segments kept open at once (LRU).")
+    p.add_argument("--frame-cache-size", type=int, default=32, help="Decoded frames kept (LRU; 0 disables the cache).")
     p.add_argument("--media-only", action="store_true", help="Check the timeline and decoders; load no model.")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="auto: bfloat16 on CUDA, float32 on CPU.")
-    p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
+    p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa", help="The Thinker's attention implementation.")
     p.add_argument("--device", default="auto", help="cuda:0, cpu, ... (auto: cuda:0 when available).")
     p.add_argument("--output", type=Path, default=None, help="Artifact .pt to write (atomically).")
     p.add_argument("--verify-every", type=int, default=0,
