@@ -405,22 +405,28 @@ def build_parser(prog: str = "train_turn_head.py"):
     p.add_argument("--split", default=d.split,
                    help="'val=4,12;test=10,11' (default; the rest trains), 'named', 'kfold:K:F' (one fold) "
                         "or 'kfold:K' (every fold, into OUT/fold_F, with mean/std).")
-    p.add_argument("--model", choices=("linear", "tcn", "gru"), default=d.model)
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--dropout", type=float, default=d.dropout)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--patience", type=int, default=d.patience, help="Epochs without a better val loss before stopping.")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--crop", type=int, default=d.crop, help="Training crop length in 5 Hz rows.")
-    p.add_argument("--min-steps", type=int, default=d.min_steps)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--vad-history", type=int, default=d.vad_history, help="Rows of VAD labels the VAD baseline sees.")
-    p.add_argument("--device", default=d.device, help="Torch device for the head (cpu, cuda, cuda:1).")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--model", choices=("linear", "tcn", "gru"), default=d.model,
+                   help="linear: the current row only; tcn: causal dilated convolutions; gru: a causal GRU "
+                        "(default: %(default)s).")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="Width of the TCN or GRU (default: %(default)s).")
+    p.add_argument("--layers", type=int, default=d.layers,
+                   help="TCN blocks (dilations 1, 2, 4, ...) or GRU layers (default: %(default)s).")
+    p.add_argument("--dropout", type=float, default=d.dropout, help="Dropout inside the TCN or GRU (default: %(default)s).")
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s).")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (default: %(default)s).")
+    p.add_argument("--epochs", type=int, default=d.epochs, help="Most training epochs (default: %(default)s).")
+    p.add_argument("--patience", type=int, default=d.patience,
+                   help="Epochs without a better val loss before stopping (default: %(default)s).")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="Crops per optimizer step (default: %(default)s).")
+    p.add_argument("--crop", type=int, default=d.crop, help="Training crop length in 5 Hz rows (default: %(default)s).")
+    p.add_argument("--min-steps", type=int, default=d.min_steps,
+                   help="Optimizer steps per epoch at least; small training sets draw more crops (default: %(default)s).")
+    p.add_argument("--seed", type=int, default=d.seed, help="Seed of the weights, crops and shuffles (default: %(default)s).")
+    p.add_argument("--vad-history", type=int, default=d.vad_history,
+                   help="Rows of VAD labels the VAD baseline sees (default: %(default)s).")
+    p.add_argument("--device", default=d.device, help="Torch device for the head: cpu, cuda, cuda:1 (default: %(default)s).")
+    p.add_argument("--no-progress", action="store_true", help="No progress bars.")
+    p.add_argument("--no-plots", action="store_true", help="Skip the ROC, PR and timeline PNGs.")
     p.add_argument("--force", action="store_true", help="Replace a non-empty --out.")
     return p
 
