@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .errors import MiniCPMORTError
+from .errors import InputError, MiniCPMORTError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="minicpmo-rt: a streaming runtime for MiniCPM-o 4.5.")
@@ -184,7 +185,7 @@ def make_targets_cmd(
     easycom_root: Path = typer.Option(..., "--easycom-root", help="EasyCom Main/ folder (holds Speech_Transcriptions/)."),
     session: str = typer.Option(..., "--session", help="Session number (4) or name (Session_4)."),
     output: Path = typer.Option(..., "--output", help="Output .npy (a <stem>.meta.json is written beside it)."),
-    pre_s: float = typer.Option(1.0, help="Seconds one speaker must hold the floor alone before a shift/hold silence."),
+    pre_s: float = typer.Option(1.0, help="Seconds one speaker must hold the floor alone before a shift/hold silence (0.2-s rows)."),
     post_s: float = typer.Option(1.0, help="Seconds one speaker must hold the floor alone after it."),
     matrix: bool = typer.Option(False, "--matrix", help="Write a float64 [T, C] matrix (labels.COLUMNS order) instead of records, e.g. for the extractor's --target."),
 ) -> None:
@@ -192,6 +193,10 @@ def make_targets_cmd(
     from .turn_head.labels import LabelConfig, make_targets
 
     try:
+        for flag, value in (("--pre-s", pre_s), ("--post-s", post_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise InputError(f"{flag} {value}: must be a positive number of seconds (rounded to 0.2-s rows, "
+                                 "at least one)")
         cfg = LabelConfig(pre_rows=max(1, round(pre_s / 0.2)), post_rows=max(1, round(post_s / 0.2)))
         path, meta = make_targets(easycom_root, session, output, cfg, matrix=matrix)
     except MiniCPMORTError as exc:

@@ -130,3 +130,21 @@ def test_no_event_across_a_cut(tmp_path):
     assert (arr["event"] == -1).all()
     assert arr["last_speaker"][299] == 2 and arr["last_speaker"][300] == -1
     assert not arr["valid"][290] and arr["valid"][289]  # (58.2, 60.2] crosses the cut
+
+
+@pytest.mark.parametrize("flag, value", [("--pre-s", "-1"), ("--post-s", "0"), ("--pre-s", "nan")])
+def test_cli_rejects_non_positive_context_seconds(session, tmp_path, flag, value):
+    """Before, a negative or zero --pre-s/--post-s was clamped to one row without a word."""
+    from typer.testing import CliRunner
+
+    from minicpmo_rt.cli import app
+
+    out = tmp_path / "t.npy"
+    res = CliRunner().invoke(app, ["make-targets", "--easycom-root", str(session), "--session", "3", "--output",
+                                   str(out), flag, value])
+    assert res.exit_code == 2 and f"{flag} {float(value)}: must be a positive number of seconds" in res.output, \
+        res.output
+    assert not out.exists()
+    res = CliRunner().invoke(app, ["make-targets", "--easycom-root", str(session), "--session", "3", "--output",
+                                   str(out), flag, "0.4"])
+    assert res.exit_code == 0 and out.exists(), res.output
