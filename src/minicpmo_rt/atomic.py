@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from .errors import InputError
+
 
 def _umask() -> int:
     """The process umask, read without changing it where the OS says it (Linux); elsewhere set and put back,
@@ -47,6 +49,25 @@ def temp_dir_beside(out: Path, prefix: str, suffix: str = "") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=out.parent))
     os.chmod(tmp, plain_mode(directory=True))
     return tmp
+
+
+def check_output_path(path: str | os.PathLike, flag: str, directory: bool = False) -> Path:
+    """Fail before any work where an output could not be written at its end: ``path`` names an existing
+    directory (a file output) or file (a directory output), or its nearest existing ancestor is a file or
+    not writable. Missing directories in between are fine: the writers create them."""
+    path = Path(path)
+    if not directory and path.is_dir():
+        raise InputError(f"{flag} {path}: is a directory; give the path of the file to write")
+    if directory and path.exists() and not path.is_dir():
+        raise InputError(f"{flag} {path}: is a file; give the path of a directory to write")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: {parent} is a file, not a directory; choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: {parent} is not writable; choose another path")
+    return path
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:

@@ -63,3 +63,71 @@ def test_the_tiny_checkpoint_is_readable_by_the_group(tmp_path, umask_022):
     assert _mode(out) == 0o755
     files = [p for p in out.rglob("*") if p.is_file()]
     assert files and all(_mode(p) & 0o044 == 0o044 for p in files), [(p.name, oct(_mode(p))) for p in files]
+
+
+def test_check_output_path_names_what_cannot_be_written(tmp_path):
+    from minicpmo_rt.atomic import check_output_path
+    from minicpmo_rt.errors import InputError
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert check_output_path(tmp_path / "new" / "deeper" / "out.wav", "--output") == tmp_path / "new/deeper/out.wav"
+    assert check_output_path(tmp_path / "run", "--out", directory=True) == tmp_path / "run"
+    with pytest.raises(InputError, match=r"--output .*afile is a file, not a directory"):
+        check_output_path(afile / "sub" / "out.wav", "--output")
+    with pytest.raises(InputError, match=r"--output .*: is a directory; give the path of the file"):
+        check_output_path(tmp_path, "--output")
+    with pytest.raises(InputError, match=r"--out .*afile: is a file; give the path of a directory"):
+        check_output_path(afile, "--out", directory=True)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o555)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user that may write anywhere (root): the permission check cannot fail here")
+        with pytest.raises(InputError, match="is not writable"):
+            check_output_path(locked / "out.wav", "--output")
+    finally:
+        os.chmod(locked, 0o755)
+
+
+def test_jobs_check_their_outputs_before_any_work(tiny_ckpt, tmp_path):
+    """An output under a file failed with FileExistsError after the whole Thinker -> Talker run (or the
+    Code2Wav solve, the targets, the training); now each job names it before loading anything."""
+    from typer.testing import CliRunner
+
+    from minicpmo_rt.cli import app
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    bad = str(afile / "out")
+    voice = str(tmp_path / "v.wav")       # never read: the output check comes first
+    codes = tmp_path / "codes.json"
+    codes.write_text("[1, 2, 3]")
+    cases = [
+        ["talker", "--model", str(tiny_ckpt), "--text", "hi", "--codes-out", bad + ".json"],
+        ["code2wav", "--model", str(tiny_ckpt), "--codes", str(codes), "--voice", voice, "--output", bad + ".wav"],
+        ["make-targets", "--easycom-root", str(tmp_path), "--session", "1", "--output", bad + ".npy"],
+        ["make-tiny", bad],
+        ["train-turn-head", "--feature-root", str(tmp_path), "--out", bad],
+        ["features", "--model-id", str(tiny_ckpt), "--easycom-session-dir", str(tmp_path), "--mode", "native-1hz-hold",
+         "--output", bad + ".pt"],
+    ]
+    for argv in cases:
+        res = CliRunner().invoke(app, argv)
+        assert res.exit_code == 2 and "afile is a file, not a directory" in res.output, (argv[0], res.output)
+
+
+def test_speak_checks_both_outputs_before_any_work(tiny_ckpt, voice, tmp_path):
+    from typer.testing import CliRunner
+
+    from minicpmo_rt.cli import app
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = ["speak", "--model", str(tiny_ckpt), "--text", "hi", "--voice", str(voice)]
+    for extra in (["--output", str(afile / "o.wav")],
+                  ["--output", str(tmp_path / "o.wav"), "--codes-out", str(afile / "c.json")]):
+        res = CliRunner().invoke(app, base + extra)
+        assert res.exit_code == 2 and "afile is a file, not a directory" in res.output, res.output
+    assert not (tmp_path / "o.wav").exists()

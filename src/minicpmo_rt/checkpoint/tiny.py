@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..atomic import temp_dir_beside
+from ..atomic import check_output_path, temp_dir_beside
 from ..errors import InputError
 from .tokenizer import vendored_tokenizer_dir
 
@@ -111,8 +111,8 @@ def atomic_directory(out: Path, build: Callable[[Path], None], force: bool = Fal
     A failure leaves nothing at ``out``; an existing non-empty ``out`` is kept
     unless ``force``.
     """
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    out = check_output_path(out, "OUT", directory=True)
+    if out.exists() and any(out.iterdir()):
         if not force:
             raise InputError(f"{out}: already exists and is not empty; choose another path or pass --force")
     out.parent.mkdir(parents=True, exist_ok=True)

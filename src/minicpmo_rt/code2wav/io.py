@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write, check_output_path
 from ..errors import InputError
 from .pipeline import SAMPLE_RATE, Code2Wav, check_codes
 
@@ -40,6 +40,7 @@ def run_code2wav(model: str, codes_path: Path, voice: Path, output: Path, stream
                  device: str = "cpu", n_timesteps: int = 10) -> dict:
     if n_timesteps < 1:
         raise InputError(f"--n-timesteps must be >= 1, got {n_timesteps}")
+    check_output_path(output, "--output")
     codes = read_codes(codes_path)
     if device.startswith("cuda"):
         import torch

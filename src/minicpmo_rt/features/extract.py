@@ -85,6 +85,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from ..atomic import check_output_path
 from ..errors import InputError, MiniCPMORTError
 from .artifact import (MODE_UNVERIFIED, MODE_VERIFIED, FeatureArtifact, grid_times, held_alignment,
                        save_artifact)
@@ -818,8 +819,10 @@ def run(opts: ExtractOptions, factory: SessionFactory | None = None,
         raise InputError("--verify-every / --future-intervention-every must be >= 0 (0: first audit only)")
     if not opts.media_only and opts.output is None:
         raise InputError("--output PATH.pt is required (or pass --media-only)")
-    if opts.output is not None and not opts.media_only and not opts.output.parent.is_dir():
-        raise InputError(f"--output {opts.output}: directory {opts.output.parent} does not exist; create it first")
+    if opts.output is not None and not opts.media_only:
+        check_output_path(opts.output, "--output")
+        if not opts.output.parent.is_dir():
+            raise InputError(f"--output {opts.output}: directory {opts.output.parent} does not exist; create it first")
     timeline = build_timeline(opts.easycom_session_dir)
     rows, full_rows, end = plan_rows(opts, timeline.duration)
     target = tinfo = None

@@ -10,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write, check_output_path
 from ..errors import InputError
 from .contracts import TurnRequest
 from .turn import DEFAULT_PROFILE, TurnPipeline, TurnTrace
@@ -91,6 +91,7 @@ def run_talker(model: str, text: str, codes_out: Path, seed: int = 0, profile: s
                capacity: int | None = None, device: str = "cpu") -> dict:
     """Thinker generate -> Talker; writes the codec ids (no EOS) as a JSON list."""
     _check_inputs(text, profile)
+    check_output_path(codes_out, "--codes-out")
     req = TurnRequest.make("cli", text, None, seed, max_new_tokens, max_codes)
     t = time.perf_counter()
     pipe = _pipeline(model, profile, device, False, capacity, min_codes)
@@ -116,6 +117,9 @@ def run_speak(model: str, text: str, voice: Path, output: Path, seed: int = 0, p
     from .turn import collect
 
     _check_inputs(text, profile, voice)
+    check_output_path(output, "--output")
+    if codes_out is not None:
+        check_output_path(codes_out, "--codes-out")
     if n_timesteps is not None and n_timesteps < 1:
         raise InputError(f"--n-timesteps must be >= 1, got {n_timesteps}")
     req = TurnRequest.make("cli", text, voice, seed, max_new_tokens, max_codes)

@@ -77,7 +77,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write, check_output_path
 from ..errors import InputError
 
 WEARER_ID = 2
@@ -427,6 +427,7 @@ def coerce_targets(arr: Any, where: str) -> np.ndarray:
 
 def make_targets(easycom_root: str | os.PathLike, session: str | int, output: str | os.PathLike,
                  cfg: LabelConfig = LabelConfig(), matrix: bool = False) -> tuple[Path, dict[str, Any]]:
+    check_output_path(output, "--output")
     transcript = read_session(easycom_root, session, cfg)
     arr = build_targets(transcript, cfg)
     summary = summarize(arr)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..atomic import temp_dir_beside
+from ..atomic import check_output_path, temp_dir_beside
 from ..errors import InputError
 from . import metrics as M
 from .data import DEFAULT_SPLIT, NOW_NAMES, TARGET_NAMES, SessionData, SplitError, load_sessions, split_sessions
@@ -258,7 +258,8 @@ def _nan_to_none(obj: Any) -> Any:
 
 
 def _prepare_out(out: Path, force: bool) -> Path:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    check_output_path(out, "--out", directory=True)
+    if out.exists() and any(out.iterdir()) and not force:
         raise InputError(f"{out}: output directory exists and is not empty; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     return temp_dir_beside(out, prefix=f".{out.name}.", suffix=".tmp")
@@ -350,7 +351,7 @@ def run(feature_root: str | os.PathLike, out: str | os.PathLike, cfg: TrainConfi
     into ``fold_F/`` and ``metrics.json`` holds the folds' test mean and std. Nothing is
     written under ``out`` unless the whole run succeeds (a temp directory is renamed).
     """
-    out = Path(out)
+    out = check_output_path(out, "--out", directory=True)     # before loading: a bad --out fails at once
     sessions = load_sessions(feature_root, targets_root)
     spec = cfg.split.strip()
     all_folds = spec.startswith("kfold:") and spec.count(":") == 1
