@@ -129,6 +129,11 @@ def test_bad_inputs_leave_no_artifact(tiny_ckpt, session_dir, tmp_path):
             ex.run(ex.parse_options(base + extra))
         assert not out.exists()
     assert ex.main(base + ["--easycom-session-dir", str(tmp_path / "nope")]) == 2
+    # an artifact under another suffix would be invisible to every *.pt scan (train_turn_head, iter_feature_root)
+    npy = tmp_path / "x.npy"
+    with pytest.raises(Exception, match=r"name it <something>\.pt"):
+        ex.run(ex.parse_options(base[:-1] + [str(npy), "--easycom-session-dir", str(session_dir)]))
+    assert not npy.exists()
 
 
 def test_hub_id_resolved_from_local_cache_only(tiny_ckpt, session_dir, tmp_path, monkeypatch):

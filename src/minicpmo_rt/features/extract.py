@@ -821,6 +821,9 @@ def run(opts: ExtractOptions, factory: SessionFactory | None = None,
         raise InputError("--output PATH.pt is required (or pass --media-only)")
     if opts.output is not None and not opts.media_only:
         check_output_path(opts.output, "--output")
+        if opts.output.suffix != ".pt":
+            raise InputError(f"--output {opts.output}: name it <something>.pt; the artifact is a torch file, and "
+                             "train_turn_head and load_artifact's directory scan read only *.pt")
         if not opts.output.parent.is_dir():
             raise InputError(f"--output {opts.output}: directory {opts.output.parent} does not exist; create it first")
     timeline = build_timeline(opts.easycom_session_dir)
