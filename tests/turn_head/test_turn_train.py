@@ -187,3 +187,22 @@ def test_progress_bar_counts_the_epochs(tmp_path, monkeypatch, capsys):
         done = int(seg.split("|")[2].split("/")[0])
         assert 1 <= done <= 4, seg
         assert f"val={history[done - 1]['val_loss']:.4f}" in seg, (seg, history)
+
+
+@pytest.mark.parametrize("flag, value, msg", [
+    ("--epochs", "0", "an integer >= 1"), ("--crop", "0", "an integer >= 1"), ("--batch-size", "0", "an integer >= 1"),
+    ("--hidden", "0", "an integer >= 1"), ("--layers", "0", "an integer >= 1"), ("--patience", "-1", "an integer >= 1"),
+    ("--vad-history", "-2", "an integer >= 1"), ("--min-steps", "-1", "an integer >= 0"),
+    ("--lr", "-1", "a positive number"), ("--lr", "nan", "a positive number"),
+    ("--weight-decay", "-1", "a number >= 0"), ("--dropout", "1.5", "in [0, 1)"),
+])
+def test_bad_hyperparameters_are_named_before_any_data_is_read(tmp_path, capsys, flag, value, msg):
+    """Each of these ended in a traceback (torch's ValueError, a ZeroDivisionError, range()'s ValueError) or,
+    for --epochs 0 and --layers 0, silently wrote an untrained or degenerate head."""
+    from minicpmo_rt.turn_head.train import main
+
+    argv = ["--feature-root", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), flag, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {value}" in err and msg in err and "missing" not in err, err
+    assert not (tmp_path / "o").exists()

@@ -61,6 +61,24 @@ class TrainConfig:
     device: str = "cpu"
     plots: bool = True
 
+    def check(self) -> None:
+        """Name the flag of a value the training cannot use, before any data is read (torch would fail
+        later with a bare ValueError, a division by zero, or silently train nothing)."""
+        def need(ok: bool, flag: str, value, what: str) -> None:
+            if not ok:
+                raise InputError(f"{flag} {value}: must be {what}")
+
+        need(self.model in ("linear", "tcn", "gru"), "--model", self.model, "one of linear, tcn, gru")
+        for flag, value in (("--hidden", self.hidden), ("--layers", self.layers), ("--epochs", self.epochs),
+                            ("--patience", self.patience), ("--batch-size", self.batch_size), ("--crop", self.crop),
+                            ("--vad-history", self.vad_history)):
+            need(value >= 1, flag, value, "an integer >= 1")
+        need(self.min_steps >= 0, "--min-steps", self.min_steps, "an integer >= 0")
+        need(math.isfinite(self.lr) and self.lr > 0, "--lr", self.lr, "a positive number")
+        need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "--weight-decay", self.weight_decay,
+             "a number >= 0")
+        need(0 <= self.dropout < 1, "--dropout", self.dropout, "in [0, 1)")
+
 
 def state_features(s: SessionData) -> np.ndarray:
     return s.states
@@ -351,6 +369,7 @@ def run(feature_root: str | os.PathLike, out: str | os.PathLike, cfg: TrainConfi
     into ``fold_F/`` and ``metrics.json`` holds the folds' test mean and std. Nothing is
     written under ``out`` unless the whole run succeeds (a temp directory is renamed).
     """
+    cfg.check()
     out = check_output_path(out, "--out", directory=True)     # before loading: a bad --out fails at once
     sessions = load_sessions(feature_root, targets_root)
     spec = cfg.split.strip()
