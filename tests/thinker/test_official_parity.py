@@ -434,6 +434,40 @@ def test_session_read_state_matches_official(thinker):
         assert err <= TOL, f"unit {k}: read_state rel err {err:.3e}"
 
 
+def test_session_with_voice_reference_matches_official(thinker):
+    """The duplex prepare with a voice reference (15 block-causal embeddings in the system
+    prompt), then the first unit: layout, read-out state and the LM head's top logits. (The
+    fixture's later units were fed without ``finalize_unit``, so they lack the ``</unit>`` this
+    session feeds; ``llm_stream_noref`` covers closed units.)"""
+    session_mod = pytest.importorskip("minicpmo_rt.thinker.session")
+    stream, meta = _load("llm_stream")
+    audio, _ = _load("audio")
+    tok = load_tokenizer(vendored_tokenizer_dir())
+    session = session_mod.StreamingSession(thinker, tok, system_prompt="Streaming Omni Conversation.",
+                                           window=session_mod.WindowPolicy.off(),
+                                           ref_audio=_audio_f32(audio["ref_audio_i16"]))
+    assert _layout_ids(session.system_piece) == stream["token_ids"][: len(session.system_piece)].tolist()
+    prep = rel_err(session.read_state(), torch.from_numpy(stream["prepare_hidden"]))
+    assert prep <= TOL, f"prepare with a voice reference: rel err {prep:.3e}"
+    pcm = _audio_f32(audio["audio_i16"])
+    bounds = np.cumsum(stream["block_lengths"])
+    for k in range(1):
+        session.commit(pcm[k * 16000:(k + 1) * 16000], stream[f"frame_{k}"])
+        assert session.cache_len == int(bounds[meta["unit_block_ranges"][k][1] - 1]), f"unit {k}: layout"
+        assert rel_err(session.read_state(), torch.from_numpy(stream["unit_hidden"][k])) <= TOL, f"unit {k}"
+        logits = session.logits()
+        top = torch.from_numpy(stream["unit_logits_top_ids"][k])
+        assert rel_err(logits[top], torch.from_numpy(stream["unit_logits_top_vals"][k])) <= TOL, f"unit {k} logits"
+
+
+def test_reference_audio_embeddings_through_the_thinker_match_official(thinker):
+    audio, _ = _load("audio")
+    emb = thinker.embed_reference_audio(_audio_f32(audio["ref_audio_i16"]))
+    ref = torch.from_numpy(audio["ref_embeds"])
+    assert emb.shape == ref.shape
+    assert rel_err(emb, ref) <= TOL
+
+
 @pytest.mark.slow
 def test_session_long_audio_only_stream_matches_official(thinker):
     """32 audio-only units: crosses the 5-s mel floor switch, the 30-s mel slide and the

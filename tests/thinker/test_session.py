@@ -388,3 +388,70 @@ def test_device_read_outs_and_lazy_fingerprints_equal_the_host_ones(thinker, tok
     host = s.evaluate_forks(units)
     on_dev = s.evaluate_forks(units, on_device=True)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(host, on_dev))
+
+
+# ---- duplex generation inside a unit (feed_token / end_unit / logits) -----------------------------
+LISTEN, CHUNK_EOS = 151705, 151718
+
+
+@pytest.mark.parametrize("llm_cache", ["dynamic", "static"])
+def test_generated_tokens_join_the_unit_and_its_terminator_closes_it(thinker, tok, llm_cache):
+    """Tokens fed after a unit's prefill belong to that unit; ``end_unit(t)`` makes the next
+    commit feed ``[t, </unit>]`` before the next unit, as upstream's finalize_unit; the
+    read-outs equal one plain forward of every row fed."""
+    s = StreamingSession(thinker, tok, llm_cache=llm_cache)
+    a = _audio(2, 5)
+    s.commit(a[:16000], None)
+    base = s.cache_len
+    logits = s.logits()
+    assert logits.shape == (thinker.config.llm.vocab_size,) and logits.dtype == torch.float32
+    with torch.no_grad():
+        assert rel_err(logits, thinker.llm.lm_head(s.read_state()).float()) <= 1e-6
+    h1 = s.feed_token(1000)
+    h2 = s.feed_token(2000)
+    assert s.cache_len == base + 2 and list(s.open_unit.piece.ids[-2:]) == [1000, 2000]
+    assert rel_err(h2.float().cpu(), s.read_state()) == 0.0 and rel_err(h1.float(), h2.float()) > 0
+    s.end_unit(CHUNK_EOS)
+    with pytest.raises(InputError, match="no open unit to generate into"):
+        s.feed_token(3)
+    with pytest.raises(InputError, match="already ended"):
+        s.end_unit(LISTEN)
+    s.commit(a[16000:], None)
+    closed = s.history[-1]
+    assert closed.closed and list(closed.piece.ids[-4:]) == [1000, 2000, CHUNK_EOS, UNIT_END]
+    assert s.cache_len == base + 2 + 2 + 11  # terminator + </unit>, then <unit> + 10 audio rows
+    # the same rows through one fresh forward: the generated tokens sit where they were fed
+    ref = StreamingSession(thinker, tok, llm_cache=llm_cache)
+    ref.commit(a[:16000], None)
+    ref.feed_token(1000)
+    ref.feed_token(2000)
+    ref.end_unit(CHUNK_EOS)
+    ref.commit(a[16000:], None)
+    assert rel_err(ref.read_state(), s.read_state()) <= 1e-6
+
+
+def test_generated_tokens_snapshot_and_prune_with_their_unit(thinker, tok):
+    s = StreamingSession(thinker, tok, window=WindowPolicy("tight", 60, 40))
+    a = _audio(6, 6)
+    s.commit(a[:16000], None)
+    snap = s.snapshot(checksum=True)
+    s.feed_token(42)
+    s.end_unit(LISTEN)
+    s.restore(snap)
+    assert s.open_unit.terminator is None and 42 not in s.open_unit.piece.ids
+    for k in range(5):
+        s.feed_token(42 + k)
+        s.end_unit(LISTEN)
+        s.commit(a[16000 * (k + 1):16000 * (k + 2)], None)
+    assert s.pruning_events, "the tight window must have pruned"
+    # bookkeeping (checked inside the session after each prune) and the cache agree
+    assert s.cache_len == s.preserve + sum(u.length for u in s.history) + s.open_unit.length
+    assert all(u.piece.ids[-2:] == (LISTEN, UNIT_END) for u in s.history)
+
+
+def test_feed_token_before_any_unit_is_named(thinker, tok):
+    s = StreamingSession(thinker, tok)
+    with pytest.raises(InputError, match="commit a unit first"):
+        s.feed_token(5)
+    with pytest.raises(InputError, match="commit a unit first"):
+        s.end_unit(LISTEN)

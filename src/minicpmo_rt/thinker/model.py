@@ -17,7 +17,8 @@ from transformers import DynamicCache
 
 from ..checkpoint.config import MiniCPMOConfig, load_config
 from ..checkpoint.weights import load_strict, load_tensors
-from .audio import AudioEncoderCache, avg_pool, build_audio_encoder, build_audio_projection, chunk_conv_frames
+from .audio import (AudioEncoderCache, avg_pool, block_causal_mask, build_audio_encoder, build_audio_projection,
+                    chunk_conv_frames, conv_output_length)
 from .image_processor import pack_patches, process_image
 from .llm import build_llm, final_norm_hidden
 from .resampler import build_resampler
@@ -150,6 +151,34 @@ class Thinker(nn.Module):
         hidden, cache = self.apm.stream(mel[None].to(self.device), cache, prefix_extra_frames, suffix_extra_frames)
         embeds = avg_pool(self.audio_projection_layer(hidden), self.audio_pool_step)[0]
         return AudioChunkEmbedding(embeds.to(self.dtype), cache, reset)
+
+    @torch.no_grad()
+    def embed_reference_audio(self, waveform) -> torch.Tensor:
+        """A voice reference (mono 16 kHz float samples) -> [n, H] LLM-space embeddings, as
+        upstream's ``get_audio_embedding(..., chunk_length=1.0)`` for the duplex system prompt.
+
+        Non-streaming: each 30-s piece is zero-padded to 30 s before the mel (dynamic max-8
+        floor), cut to ``len // 160`` frames, encoded with a 1-s (50-frame) block-causal mask,
+        projected and pooled; the pieces' embeddings are concatenated in order."""
+        from .mel import SAMPLE_RATE, log_mel
+
+        x = torch.as_tensor(waveform, dtype=torch.float32).reshape(-1).cpu()
+        window = 30 * SAMPLE_RATE
+        parts = []
+        for start in range(0, x.numel(), window):
+            piece = x[start:start + window]
+            frames = piece.numel() // 160
+            if conv_output_length(frames) < self.audio_pool_step:
+                continue  # a tail too short for one pooled embedding, as upstream's pooling drops it
+            padded = torch.zeros(window)
+            padded[:piece.numel()] = piece
+            mel = log_mel(padded, True)[:, :frames][None].to(self.device)
+            n = conv_output_length(frames)
+            hidden = self.apm(mel, block_causal_mask(n, 50, device=self.device))
+            parts.append(avg_pool(self.audio_projection_layer(hidden), self.audio_pool_step)[0])
+        if not parts:
+            return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
+        return torch.cat(parts).to(self.dtype)
 
     # -- the LLM --------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:

@@ -157,6 +157,7 @@ class UnitRecord:
     unit_id: int
     piece: PromptPiece     # ids fed for this unit (<unk> marks embedding slots), incl. </unit> once closed
     closed: bool = False
+    terminator: int | None = None  # the generated unit terminator that closes it (duplex), fed with </unit>
 
     @property
     def length(self) -> int:
@@ -275,7 +276,8 @@ class StreamingSession:
                  llm_cache: str = "dynamic", static_capacity: int | None = None, llm_kernels: str = "auto",
                  llm_graphs: bool | None = None, image_preprocess: str = "pil",
                  vision_graphs: bool | VisionGraphs = False, audio_graphs: bool | AudioGraphs = False,
-                 llm_pool: StaticDecoderPool | None = None, staging: bool | HostStaging = False):
+                 llm_pool: StaticDecoderPool | None = None, staging: bool | HostStaging = False,
+                 ref_audio: np.ndarray | None = None, ref_sample_rate: int = SAMPLE_RATE):
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -324,14 +326,20 @@ class StreamingSession:
         self._transactions = 0
         self._tail_appended = False
         self._last_hidden: torch.Tensor | None = None
-        self.system_piece = self.prompts.duplex_system(system_prompt)
+        # The voice reference of upstream's duplex prepare: its block-causal audio embeddings sit
+        # between <|audio_start|> and <|audio_end|> of the system prompt.
+        ref_rows = None
+        if ref_audio is not None:
+            ref_rows = thinker.embed_reference_audio(_check_audio(ref_audio, ref_sample_rate, "ref_audio"))
+        self.system_piece = self.prompts.duplex_system(system_prompt, 0 if ref_rows is None else ref_rows.shape[0])
         if len(self.system_piece) > self.max_positions:
             raise ContextLimitError(f"system prompt: {len(self.system_piece)} tokens exceed the model's "
                                     f"{self.max_positions} positions; shorten it")
         if len(self.system_piece) > self.llm_cache.capacity:
             raise ContextLimitError(f"system prompt: {len(self.system_piece)} tokens exceed the static LLM "
                                     f"cache's {self.llm_cache.capacity} rows; pass a larger static_capacity")
-        step = self.llm_cache.feed(thinker.embed_tokens(self.system_piece.ids))
+        step = self.llm_cache.feed(self._assemble(self.system_piece, [], ref_rows) if ref_rows is not None
+                                   else thinker.embed_tokens(self.system_piece.ids))
         self._last_hidden = step.last
         self.preserve = self.llm_cache.length
 
@@ -430,6 +438,46 @@ class StreamingSession:
             for i, e in zip(members, rows.split([processed[i].num_sub_images for i in members])):
                 out[i] = EmbeddedFrame(processed[i], e)
         return out
+
+    @torch.no_grad()
+    def logits(self) -> torch.Tensor:
+        """[vocab] float32: the LM head at the last fed position (upstream's ``pending_logits``
+        after a unit's prefill, or the next-token logits after ``feed_token``)."""
+        return self.thinker.llm.lm_head(self._last_hidden.to(self.thinker.dtype)).float()
+
+    @torch.no_grad()
+    def feed_token(self, token_id: int) -> torch.Tensor:
+        """Feed one generated token into the open unit (duplex ``StreamDecoder.feed``); returns
+        its final-norm hidden row (the Talker conditions on it). The token becomes part of the
+        unit, so pruning drops it with the unit."""
+        if self.open_unit is None or self.open_unit.terminator is not None:
+            raise InputError("feed_token: no open unit to generate into; commit a unit first (and do not feed "
+                             "after end_unit)")
+        if self._tail_appended:
+            raise InputError("feed_token: a tail was appended in this transaction; restore it first")
+        piece = PromptPiece((int(token_id),))
+        if self.llm_cache.length + 1 > min(self.llm_cache.capacity, self.max_positions):
+            raise ContextLimitError(f"feed_token: the context is full ({self.llm_cache.length} rows); use a bounded "
+                                    "WindowPolicy or a larger static_capacity")
+
+        def run():
+            step = self.llm_cache.feed(self.thinker.embed_tokens(piece.ids))
+            self._last_hidden = step.last
+            self.open_unit = replace(self.open_unit, piece=self.open_unit.piece + piece)
+
+        self._atomically(run)
+        return self._last_hidden
+
+    def end_unit(self, terminator_id: int | None) -> None:
+        """Close the open unit with the generated terminator (``<|listen|>``, ``<|chunk_eos|>``,
+        ``<|chunk_tts_eos|>``; None for an input-only unit). As upstream's ``finalize_unit`` the
+        terminator and ``</unit>`` are fed before the next unit's rows (here in the same forward)."""
+        if self.open_unit is None:
+            raise InputError("end_unit: no open unit; commit a unit first")
+        if self.open_unit.terminator is not None:
+            raise InputError(f"end_unit: unit {self.open_unit.unit_id} already ended")
+        if terminator_id is not None:
+            self.open_unit = replace(self.open_unit, terminator=int(terminator_id))
 
     def read_state(self, *, on_device: bool = False) -> torch.Tensor:
         """[hidden] float32 CPU: the final-norm hidden state at the last fed position.
@@ -627,7 +675,8 @@ class StreamingSession:
             embed_image = self.vision if self.vision is not None else th.embed_image
             with record_function("session.vision"):
                 images = [embed_image(processed)] if processed is not None else []
-        closing = self.prompts.duplex_unit_end(None) if self.open_unit is not None else PromptPiece(())
+        closing = self.prompts.duplex_unit_end(self.open_unit.terminator) if self.open_unit is not None \
+            else PromptPiece(())
         unit = self.prompts.duplex_unit([processed] if processed is not None else [],
                                         audio_embeds=int(audio.embeds.shape[0]))
         piece = closing + unit
