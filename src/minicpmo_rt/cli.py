@@ -180,6 +180,41 @@ def speak_cmd(
                f"(profile {info['profile']}, {info['capacity']} talker slots)")
 
 
+@app.command("duplex")
+def duplex_cmd(
+    model: str = typer.Option(..., "--model", help="Snapshot dir (all weights, tokenizer, assets/token2wav/)."),
+    input_audio: Path = typer.Option(..., "--input", help="The user's side: a recording, fed one second per unit."),
+    voice: Path = typer.Option(..., "--voice", help="Reference recording of the voice to speak in (also the "
+                                                     "system prompt's voice reference)."),
+    output: Path = typer.Option(..., "--output", help="WAV to write: the model's side, 24 kHz float32 (a "
+                                                       "listening second is 1 s of silence)."),
+    transcript: Optional[Path] = typer.Option(None, "--transcript", help="Also write a JSON record per unit "
+                                              "(listen or speak, text, terminator, turn end, codes)."),
+    decode: str = typer.Option("greedy", "--decode", help="greedy (upstream's offline duplex_chat) or sampling "
+                                                          "(temperature 0.7, top-k 20, top-p 0.8)."),
+    force_listen_units: int = typer.Option(0, "--force-listen-units", help="The first N units listen without "
+                                           "decoding (upstream's service uses 3)."),
+    max_units: Optional[int] = typer.Option(None, "--max-units", help="Stop after this many seconds of input."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the Thinker's and the Talker's sampling."),
+    profile: str = typer.Option("minicpmo_4_5_duplex_h200", "--profile", help="Duplex deploy profile (name or YAML)."),
+    n_timesteps: Optional[int] = typer.Option(None, "--n-timesteps", help="Euler steps of the flow (default: the profile's)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+) -> None:
+    """A duplex conversation over a recorded user side: each second the model listens or speaks."""
+    from .runtime.jobs import run_duplex
+
+    try:
+        info = run_duplex(model, input_audio, voice, output, transcript, seed=seed, profile=profile, decode=decode,
+                          force_listen_units=force_listen_units, max_units=max_units, n_timesteps=n_timesteps,
+                          device=device)
+    except MiniCPMORTError as exc:
+        _fail(exc)
+    if info["warning"]:
+        typer.echo(info["warning"])
+    typer.echo(f"duplex: {info['units']} units, spoke in {info['spoke']}, {info['turns']} turn(s) ended: {info['text']!r}")
+    typer.echo(f"wrote {output}: {info['seconds']:.2f} s at 24 kHz in {info['wall_s']:.2f} s (profile {info['profile']})")
+
+
 @app.command("make-targets")
 def make_targets_cmd(
     easycom_root: Path = typer.Option(..., "--easycom-root", help="EasyCom Main/ folder (holds Speech_Transcriptions/)."),

@@ -142,3 +142,69 @@ def run_speak(model: str, text: str, voice: Path, output: Path, seed: int = 0, p
             "terminator": trace.talker_inputs["cli"].terminator, "wall_s": wall,
             "warning": tiny_warning(pipe), "profile": pipe.profile.name, "capacity": pipe.talker.capacity,
             "n_timesteps": pipe.code2wav.n_timesteps}
+
+
+def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcript: Path | None = None,
+               seed: int = 0, profile: str = "minicpmo_4_5_duplex_h200", decode: str = "greedy",
+               force_listen_units: int = 0, max_units: int | None = None, n_timesteps: int | None = None,
+               device: str = "cpu") -> dict:
+    """A recorded user side through a duplex conversation, one unit per second (upstream's offline
+    ``duplex_chat``: the last partial second is zero-padded to 1 s). Writes the model's side as one
+    24 kHz track (a listening second is 1 s of silence) and, optionally, a JSON record per unit."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from ..code2wav.frontend import read_audio, resample
+    from ..code2wav.io import write_wav_atomic
+    from ..profiles import load_profile
+    from ..thinker.duplex import DuplexDecodeConfig
+    from .duplex import DuplexConversation, conversation_track
+
+    for flag, path in (("--input", input_audio), ("--voice", voice)):
+        if not Path(path).is_file():
+            raise InputError(f"{flag} {path}: file not found; pass a WAV (any sample rate, mono or stereo)")
+    prof = load_profile(profile)
+    if prof.mode != "duplex":
+        raise InputError(f"--profile {profile}: a {prof.mode} profile; pass a duplex profile "
+                         "(e.g. minicpmo_4_5_duplex_h200)")
+    if max_units is not None and max_units < 1:
+        raise InputError(f"--max-units must be >= 1, got {max_units}")
+    if n_timesteps is not None and n_timesteps < 1:
+        raise InputError(f"--n-timesteps must be >= 1, got {n_timesteps}")
+    cfg = DuplexDecodeConfig(mode=decode, force_listen_units=force_listen_units)
+    check_output_path(output, "--output")
+    if transcript is not None:
+        check_output_path(transcript, "--transcript")
+    x, sr = read_audio(input_audio)
+    x = resample(x, sr, 16000)
+    n = -(-len(x) // 16000)
+    if max_units is not None:
+        n = min(n, max_units)
+    x = np.pad(x, (0, max(0, n * 16000 - len(x))))
+    t = time.perf_counter()
+    conv = DuplexConversation.from_snapshot(model, voice, profile=profile, device=device,
+                                            n_timesteps=n_timesteps, decode=cfg, seed=seed)
+    units = []
+    try:
+        for k in tqdm(range(n), desc="duplex", unit="s", disable=None, leave=False):
+            units.append(conv.step(x[16000 * k:16000 * (k + 1)]))
+        tail = conv.flush()   # the model's last words, if it was still speaking when the input ended
+    finally:
+        conv.close()
+    track = np.concatenate([conversation_track(units), tail])
+    tok = conv.tokenizer
+    records = [{"unit": u.index, "input_end_s": u.index + 1.0, "listen": u.listen, "text": u.text,
+                "terminator": tok.decode([u.terminator]), "turn_end": u.turn_end, "interrupted": u.interrupted,
+                "codes": len(u.codes), "audio_s": round(u.seconds, 4)} for u in units]
+    write_wav_atomic(output, track)
+    if transcript is not None:
+        write_json_atomic(transcript, {"input": str(input_audio), "voice": str(voice), "profile": prof.name,
+                                       "decode": decode, "seed": seed, "units": records})
+    h = conv.thinker.config.llm.hidden_size
+    warning = None if h >= REAL_LLM_HIDDEN else (
+        f"warning: this checkpoint's dims are tiny (LLM hidden {h}, the real model has {REAL_LLM_HIDDEN}): "
+        "it is a random-weight test checkpoint, so its text is gibberish and its audio is noise")
+    return {"units": len(units), "spoke": sum(not u.listen for u in units),
+            "turns": sum(u.turn_end for u in units), "text": "".join(u.text for u in units),
+            "seconds": len(track) / 24000, "tail_s": len(tail) / 24000, "wall_s": time.perf_counter() - t, "warning": warning,
+            "profile": prof.name}

@@ -1,0 +1,204 @@
+"""Duplex spoken conversation (upstream's native V1 duplex): one unit per second of input.
+
+    duplex = DuplexConversation.from_snapshot("/path/to/MiniCPM-o-4_5", voice="ref.wav")
+    for second, frame in user_stream:                 # 1 s of 16 kHz audio (+ an optional frame)
+        unit = duplex.step(second, frame)             # DuplexUnit: listened, or spoke text + PCM
+        play(unit.pcm)
+
+Per unit, as ``DuplexCapability`` (official MiniCPM-o 4.5 code, re-implemented):
+
+1. Thinker: the second goes in as one unit (``StreamingSession.commit``: ``<unit>``, the frame,
+   10 audio embeddings) on top of a system prompt holding the voice reference; then
+   ``thinker.duplex.generate_unit`` decides: ``<|listen|>``, or up to 19 speech tokens ending in
+   a unit terminator (``<|turn_eos|>`` inside them ends the model's turn).
+2. Talker: the unit's speech tokens with their final-norm hidden rows condition one
+   ``TalkerTurn.generate_unit`` (25 codes for a full second; its KV cache lives through the turn).
+3. Code2Wav: the codes join the turn's stream (3 context codes + the new ones, the serving
+   protocol; the first context is 3 x silence) and come back as 24 kHz PCM. Codes that are
+   too few to decode (fewer than 5 new, the flow's look-ahead) wait for the next unit, as
+   upstream's token2wav buffer does; a unit that ends the turn flushes them.
+
+Output of a unit that spoke but is not the turn's last: at least 1 s of audio, left-padded with
+silence as upstream. A listening unit carries no audio (``silence_for_listen`` fills it with
+1 s of zeros for a continuous output track).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+from ..talker.chunked import ChunkSampling, TalkerTurn
+from ..talker.engine import CONTEXT_CODES, SILENCE_CODE
+from ..thinker.duplex import DuplexDecodeConfig, DuplexDecoder, TurnState, UnitGeneration, generate_unit
+
+PCM_RATE = 24000
+SAMPLES_PER_CODE = 960
+UNIT_CODES = 25   # codes per decoded payload (one second)
+DEFAULT_DUPLEX_PROFILE = "minicpmo_4_5_duplex_h200"
+DUPLEX_SYSTEM_TEXT = "Streaming Omni Conversation."
+
+
+@dataclass(frozen=True)
+class DuplexUnit:
+    """What the model did during one second of input (Thinker -> Talker -> Code2Wav)."""
+
+    index: int
+    listen: bool                     # the model listened (no speech this unit)
+    text: str                        # the speech text of this unit (special tokens skipped)
+    token_ids: tuple[int, ...]       # the Talker's tokens of this unit
+    terminator: int
+    turn_end: bool                   # the model finished its turn in this unit
+    interrupted: bool                # a forced listen cut the model's turn short
+    codes: tuple[int, ...]           # codec ids the Talker made in this unit (25 Hz)
+    pcm: np.ndarray = field(repr=False)   # float32 24 kHz audio released in this unit (may be empty)
+
+    @property
+    def seconds(self) -> float:
+        return len(self.pcm) / PCM_RATE
+
+
+class DuplexConversation:
+    """One duplex conversation (one user, one voice). ``code2wav=None`` makes codes only."""
+
+    def __init__(self, thinker, tokenizer, tts, code2wav=None, voice: Union[str, Path, None] = None,
+                 decode: DuplexDecodeConfig = DuplexDecodeConfig(), talker_sampling: ChunkSampling = ChunkSampling(),
+                 system_text: str = DUPLEX_SYSTEM_TEXT, seed: int = 0, window=None, session_options=None):
+        from ..thinker.session import StreamingSession, WindowPolicy
+
+        ref16 = None
+        if voice is not None:
+            ref16 = _read_voice_16k(voice)
+            if code2wav is not None:
+                code2wav.features(voice)   # reads and checks it for Code2Wav before any model work
+        elif code2wav is not None:
+            raise InputError("duplex: Code2Wav needs a voice; pass a reference recording (WAV)")
+        self.thinker, self.tokenizer, self.code2wav, self.voice = thinker, tokenizer, code2wav, voice
+        self.session = StreamingSession(thinker, tokenizer, system_prompt=system_text,
+                                        window=window if window is not None else WindowPolicy.duplex_basic(),
+                                        ref_audio=ref16, **(session_options or {}))
+        generator = torch.Generator().manual_seed(seed)
+        self.decoder = DuplexDecoder(tokenizer, decode, generator)
+        self.talker = TalkerTurn(tts, talker_sampling, seed)
+        self.turn = TurnState()
+        self.units = 0
+        self._stream = None          # the open turn's Code2Wav stream
+        self._buffer: list[int] = [SILENCE_CODE] * CONTEXT_CODES   # upstream's token2wav buffer
+        self._skip = 0               # samples of the stream's lead-in still to drop
+
+    @classmethod
+    def from_snapshot(cls, model, voice=None, profile: str = DEFAULT_DUPLEX_PROFILE, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32, with_code2wav: bool = True, n_timesteps: int | None = None,
+                      decode: DuplexDecodeConfig = DuplexDecodeConfig(), seed: int = 0) -> "DuplexConversation":
+        from ..checkpoint.snapshot import resolve_snapshot
+        from ..checkpoint.tokenizer import load_tokenizer
+        from ..code2wav.pipeline import Code2Wav
+        from ..profiles import load_profile
+        from ..talker.load import load_talker
+        from ..thinker.model import Thinker
+
+        prof = load_profile(profile)
+        if prof.mode != "duplex":
+            raise InputError(f"profile {prof.name!r} is a {prof.mode} profile; a duplex conversation needs a "
+                             f"duplex profile (e.g. {DEFAULT_DUPLEX_PROFILE})")
+        snap = resolve_snapshot(model)
+        thinker = Thinker.from_snapshot(snap.path, dtype=dtype, device=device)
+        c2w = None
+        if with_code2wav:
+            c2w = Code2Wav.from_snapshot(snap.path, device=device, n_timesteps=n_timesteps or prof.code2wav.n_timesteps,
+                                         extra=prof.code2wav.extra)
+        return cls(thinker, load_tokenizer(snap.path), load_talker(snap.path, dtype, device), c2w, voice,
+                   decode=decode, seed=seed)
+
+    # ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, audio: np.ndarray, frame=None, *, sample_rate: int = 16000,
+             force_listen: bool = False) -> DuplexUnit:
+        """One second of user audio (16 kHz mono float; other rates are resampled) and an
+        optional video frame. ``force_listen``: the client's barge-in (the model stops talking)."""
+        self.session.commit(audio, frame, sample_rate=sample_rate)
+        gen = generate_unit(self.session, self.decoder, self.tokenizer, self.turn, force_listen=force_listen)
+        index, self.units = self.units, self.units + 1
+        if gen.interrupted:
+            self._drop_turn()
+        if gen.listen and not gen.turn_end:
+            return DuplexUnit(index, True, "", (), gen.terminator, False, gen.interrupted, (),
+                              np.zeros(0, np.float32))
+        # A unit that ends the turn and then listens (<|turn_eos|> ... <|listen|>) is still voiced and
+        # closes the Talker's turn; upstream skips both (its text is never heard, its TTS cache leaks
+        # into the next turn).
+        unit = self.talker.generate_unit(gen.talker_ids, gen.talker_hidden, gen.turn_end)
+        pcm = self._vocode(list(unit.codes), gen.turn_end)
+        return DuplexUnit(index, gen.listen, gen.text, gen.talker_ids, gen.terminator, gen.turn_end,
+                          gen.interrupted, unit.codes, pcm)
+
+    def flush(self) -> np.ndarray:
+        """End the input: decode the open turn's waiting codes as its final payload (the model's
+        last words are heard instead of dropped) and close the Talker's turn. Returns that audio."""
+        if self._stream is None:
+            self.talker.reset()
+            return np.zeros(0, np.float32)
+        return self._vocode([], True)
+
+    def close(self) -> None:
+        self._drop_turn()
+        self.session.close()
+
+    # ------------------------------------------------------------------------------------------------
+    def _drop_turn(self) -> None:
+        """An interrupted turn: its waiting codes and Code2Wav stream are dropped unheard, as
+        upstream's reset for a new turn; the Talker's cache is reset too (upstream keeps it)."""
+        self.talker.reset()
+        if self._stream is not None:
+            self._stream.close()
+        self._stream, self._buffer = None, [SILENCE_CODE] * CONTEXT_CODES
+
+    def _vocode(self, codes: list[int], turn_end: bool) -> np.ndarray:
+        """Release what the turn's codes so far can decode, as upstream's token2wav buffer: it
+        starts as 3 silence codes; while it holds the look-ahead + 5 codes, up to 25 + look-ahead
+        of them are decoded and all but the last look-ahead (the next context) leave it; the
+        turn's last unit decodes the rest as the stream's final payload."""
+        if self.code2wav is None:
+            if turn_end:
+                self._drop_turn()
+            return np.zeros(0, np.float32)
+        self._buffer += codes
+        lookahead = self.code2wav.flow.pre_lookahead_len
+        out = []
+        if self._stream is None:
+            self._stream = self.code2wav.open_stream(self.voice)
+            self._skip = self._stream.lead_samples + CONTEXT_CODES * SAMPLES_PER_CODE
+        while len(self._buffer) >= lookahead + 5:
+            take = min(UNIT_CODES + lookahead, len(self._buffer))
+            out.append(self._stream.push(self._buffer[:take], False))
+            self._buffer = self._buffer[min(UNIT_CODES, take - lookahead):]
+        if turn_end:
+            out.append(self._stream.push(self._buffer, True))
+            self._stream, self._buffer = None, [SILENCE_CODE] * CONTEXT_CODES
+            self.talker.reset()
+        wav = np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
+        cut = min(self._skip, len(wav))
+        self._skip -= cut
+        wav = wav[cut:]
+        if not turn_end and len(wav) < PCM_RATE:
+            wav = np.concatenate([np.zeros(PCM_RATE - len(wav), np.float32), wav])
+        return wav
+
+
+def _read_voice_16k(voice) -> np.ndarray:
+    from ..code2wav.frontend import read_audio, resample
+
+    x, sr = read_audio(voice)
+    return resample(x, sr, 16000)
+
+
+def conversation_track(units, listen_seconds: float = 1.0) -> np.ndarray:
+    """The model's side of the conversation as one 24 kHz track: each unit's audio in order, a
+    listening unit as ``listen_seconds`` of silence (upstream's listen result is 1 s of zeros)."""
+    parts = [u.pcm if not u.listen else np.zeros(int(listen_seconds * PCM_RATE), np.float32) for u in units]
+    return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)

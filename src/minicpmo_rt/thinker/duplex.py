@@ -1,0 +1,211 @@
+"""Duplex generation inside one unit: upstream's ``StreamDecoder.decode`` policy and the
+per-unit loop of ``DuplexCapability.streaming_generate`` (official MiniCPM-o 4.5 code,
+``MiniCPMO45/utils.py`` and ``modeling_minicpmo_unified.py``; re-implemented here).
+
+After a unit's prefill (``StreamingSession.commit``) the logits at its last position decide
+what the model does during the next second. Per step ``j`` of at most ``max_steps`` (20):
+
+- at ``j == max_steps - 1`` a ``<|chunk_eos|>`` is taken without decoding;
+- a forced-listen unit takes ``<|listen|>``; otherwise ``DuplexDecoder.decode`` picks a token,
+  and ``<|listen|>`` while the model's turn is still open becomes ``<|tts_bos|>``;
+- a unit terminator (``<|listen|>``, ``<|chunk_eos|>``, ``<|chunk_tts_eos|>``) ends the loop
+  unfed: it is fed with ``</unit>`` before the next unit (``StreamingSession.end_unit``);
+- any other token opens (or continues) the turn. From ``j = 1`` on, a token whose unit text
+  (special tokens skipped) would reach ``max_unit_chars`` (28) characters is dropped unfed
+  and the unit ends with ``<|chunk_eos|>``;
+- the token is fed; from ``j = 1`` on it and its final-norm hidden row go to the Talker;
+  ``<|turn_eos|>`` (fed) closes the turn.
+
+The decode policy: a first draw on the raw logits (argmax, or a sample of their softmax)
+returns ``<|chunk_eos|>`` at once if it lands there. Otherwise the forbidden ids
+(``<|tts_pad|>``, the tokenizer's ``bad_token_ids`` and ``<|chunk_eos|>``) go to -inf; every
+id decoded in this session (not only fed ones) within the last ``repetition_window`` (512)
+has its logit divided by the penalty (1.05) whatever its sign; ``<|turn_eos|>``'s logit is
+divided by ``length_penalty`` (1.1) when positive, multiplied when not; then argmax, or
+temperature 0.7 -> top-k 20 -> top-p 0.8 -> a sample. Upstream's ``listen_prob_scale`` and
+``listen_top_k`` act on the tokenizer's eos token (``<|im_end|>``), not on ``<|listen|>``; both
+are kept, with upstream's defaults (off), and with that same target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class DuplexDecodeConfig:
+    mode: str = "sampling"          # "sampling" (streaming_generate's default) or "greedy"
+    temperature: float = 0.7
+    top_k: int = 20
+    top_p: float = 0.8
+    repetition_penalty: float = 1.05
+    repetition_window: int = 512
+    length_penalty: float = 1.1     # on <|turn_eos|>: > 1 makes turns longer
+    listen_prob_scale: float = 1.0  # upstream applies it to the tokenizer's eos token (see module docstring)
+    listen_top_k: int | None = None
+    max_steps: int = 20             # per unit; the last one is a forced <|chunk_eos|>
+    max_unit_chars: int = 28
+    force_listen_units: int = 0     # the first N units listen without decoding
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sampling", "greedy"):
+            raise InputError(f"duplex decode mode {self.mode!r}: choose 'sampling' or 'greedy'")
+        if self.mode == "sampling" and not self.temperature > 0:
+            raise InputError(f"duplex temperature must be > 0 (got {self.temperature}); use mode='greedy' for argmax")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise InputError(f"duplex top_p must be in (0, 1] and top_k >= 0 (got {self.top_p}, {self.top_k})")
+        if self.max_steps < 1 or self.max_unit_chars < 1 or self.repetition_window < 1:
+            raise InputError("duplex max_steps, max_unit_chars and repetition_window must be >= 1")
+        if self.force_listen_units < 0:
+            raise InputError(f"duplex force_listen_units must be >= 0 (got {self.force_listen_units})")
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """[V] -> [V]: keep the top ``top_k`` (0 = all), then the smallest prefix (by descending
+    value) whose probability passes ``top_p``; the token that crosses it is kept."""
+    logits = logits.clone()
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits[logits < kth] = float("-inf")
+    if top_p > 0.0:
+        vals, order = torch.sort(logits, descending=True)
+        drop = torch.cumsum(F.softmax(vals, dim=-1), dim=-1) > top_p
+        drop[1:] = drop[:-1].clone()
+        drop[0] = False
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+class DuplexDecoder:
+    """The decode policy and its history (upstream keeps one per session, reset at prepare)."""
+
+    def __init__(self, tokenizer, config: DuplexDecodeConfig = DuplexDecodeConfig(),
+                 generator: torch.Generator | None = None):
+        sp = tokenizer.special
+        self.config, self.generator = config, generator
+        self.chunk_eos, self.turn_eos = sp.chunk_eos, sp.turn_eos
+        self.forbidden = sorted({sp.tts_pad, *getattr(tokenizer, "bad_token_ids", ()), sp.chunk_eos})
+        eos = tokenizer.token_to_id(getattr(tokenizer, "eos_token", "<|im_end|>"))
+        self.listen_rule_id = sp.im_end if eos is None else eos
+        self.history: list[int] = []   # every id decode() returned past its first draw
+
+    def _draw(self, logits: torch.Tensor) -> int:
+        if self.config.mode == "greedy":
+            return int(torch.argmax(logits))
+        return int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=self.generator))
+
+    @torch.no_grad()
+    def decode(self, logits: torch.Tensor) -> int:
+        """One token from [V] logits (see the module docstring for the order of the rules)."""
+        cfg = self.config
+        logits = logits.detach().float().reshape(-1).cpu()
+        if self._draw(logits) == self.chunk_eos:
+            return self.chunk_eos
+        logits = logits.clone()
+        logits[self.forbidden] = float("-inf")
+        if cfg.repetition_penalty != 1.0 and self.history:
+            recent = torch.tensor(sorted(set(self.history[-cfg.repetition_window:])), dtype=torch.long)
+            recent = recent[recent < logits.numel()]
+            factor = cfg.repetition_penalty if cfg.repetition_penalty > 1.0 else 1.0 / cfg.repetition_penalty
+            logits[recent] = logits[recent] / factor if cfg.repetition_penalty > 1.0 else logits[recent] * factor
+        if cfg.length_penalty != 1.0:
+            v = logits[self.turn_eos]
+            logits[self.turn_eos] = v / cfg.length_penalty if v > 0 else v * cfg.length_penalty
+        rule = self.listen_rule_id
+        if cfg.listen_prob_scale != 1.0:
+            logits[rule] = logits[rule] * cfg.listen_prob_scale
+        if cfg.listen_top_k is not None and int((logits > logits[rule]).sum()) < cfg.listen_top_k:
+            return rule   # upstream returns without recording it in the history
+        if cfg.mode == "greedy":
+            token = int(torch.argmax(logits))
+        else:
+            token = self._draw(top_k_top_p(logits / cfg.temperature, cfg.top_k, cfg.top_p))
+        self.history.append(token)
+        return token
+
+
+@dataclass(frozen=True)
+class UnitGeneration:
+    """What the model did during one unit."""
+
+    decoded: tuple[int, ...]            # upstream's total_ids of the unit: each step's id and the terminator
+                                        # (a token dropped by the character limit is not in it)
+    fed: tuple[int, ...]                # ids fed to the LLM (step 0's included)
+    talker_ids: tuple[int, ...]         # fed ids from step 1 on: the Talker's text tokens
+    talker_hidden: torch.Tensor         # [len(talker_ids), H] their final-norm hidden rows (float32, CPU)
+    terminator: int                     # fed with </unit> before the next unit
+    listen: bool                        # the unit ended with <|listen|>
+    turn_end: bool                      # <|turn_eos|> was fed in this unit
+    text: str                           # the Talker tokens' text, special tokens skipped
+    interrupted: bool = False           # a forced listen closed the open turn first (<|turn_eos|> fed)
+
+
+@dataclass
+class TurnState:
+    """Whether the model is in the middle of its turn (upstream's ``current_turn_ended``)."""
+
+    open: bool = False
+    units: int = field(default=0)   # units generated so far (for force_listen_units)
+
+
+@torch.no_grad()
+def generate_unit(session, decoder: DuplexDecoder, tokenizer, turn: TurnState,
+                  force_listen: bool = False) -> UnitGeneration:
+    """Run one unit's generation on ``session`` (a ``StreamingSession`` right after ``commit``)
+    and end the unit; ``turn`` is updated in place.
+
+    ``force_listen`` is upstream's ``force_listen_override`` (a client's barge-in): the unit
+    listens, and an open turn is first closed by feeding ``<|turn_eos|>`` (not a Talker token).
+    The first ``force_listen_units`` units of a session listen too, without that closing."""
+    cfg = decoder.config
+    sp = tokenizer.special
+    terminators = (sp.listen, sp.chunk_eos, sp.chunk_tts_eos)
+    interrupted = False
+    if force_listen and turn.open:
+        session.feed_token(sp.turn_eos)
+        turn.open, interrupted = False, True
+    force_listen = force_listen or turn.units < cfg.force_listen_units
+    turn.units += 1
+    logits = session.logits()
+    decoded: list[int] = [sp.turn_eos] if interrupted else []
+    fed: list[int] = []
+    ids: list[int] = []
+    rows: list[torch.Tensor] = []
+    terminator, turn_end = None, False
+    for j in range(cfg.max_steps):
+        if j == cfg.max_steps - 1:
+            terminator = sp.chunk_eos
+            decoded.append(terminator)
+            break
+        if force_listen:
+            token = sp.listen
+        else:
+            token = decoder.decode(logits)
+            if token == sp.listen and turn.open:
+                token = sp.tts_bos
+        decoded.append(token)
+        if token in terminators:
+            terminator = token
+            break
+        turn.open = True
+        if j != 0 and len(tokenizer.decode(ids + [token], skip_special_tokens=True)) >= cfg.max_unit_chars:
+            terminator = sp.chunk_eos
+            decoded[-1] = terminator
+            break
+        hidden = session.feed_token(token)
+        logits = session.logits()
+        fed.append(token)
+        if token == sp.turn_eos:
+            turn.open, turn_end = False, True
+        if j != 0:
+            ids.append(token)
+            rows.append(hidden.detach().float().cpu())
+    session.end_unit(terminator)
+    hidden = torch.stack(rows) if rows else torch.zeros(0, session.thinker.hidden_size)
+    return UnitGeneration(tuple(decoded), tuple(fed), tuple(ids), hidden, terminator, terminator == sp.listen,
+                          turn_end, tokenizer.decode(ids, skip_special_tokens=True) if ids else "", interrupted)

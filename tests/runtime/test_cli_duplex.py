@@ -1,0 +1,56 @@
+"""``minicpmo-rt duplex`` on the tiny checkpoint."""
+
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+from typer.testing import CliRunner
+
+from minicpmo_rt.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def user_wav(tmp_path_factory):
+    path = tmp_path_factory.mktemp("duplex") / "user.wav"
+    t = np.arange(int(2.5 * 22050)) / 22050            # 2.5 s at 22.05 kHz: resampled, last second padded
+    sf.write(path, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 22050)
+    return path
+
+
+def _run(tiny_ckpt, voice, user_wav, out, *extra):
+    return runner.invoke(app, ["duplex", "--model", str(tiny_ckpt), "--input", str(user_wav), "--voice", str(voice),
+                               "--output", str(out), "--n-timesteps", "2", *extra])
+
+
+def test_duplex_writes_the_models_track_and_a_record_per_unit(tiny_ckpt, voice, user_wav, tmp_path):
+    out, rec = tmp_path / "reply.wav", tmp_path / "units.json"
+    res = _run(tiny_ckpt, voice, user_wav, out, "--transcript", str(rec), "--force-listen-units", "1")
+    assert res.exit_code == 0, res.output
+    units = json.loads(rec.read_text())["units"]
+    assert [u["unit"] for u in units] == [0, 1, 2]                 # ceil(2.5 s)
+    assert units[0]["listen"] and units[0]["terminator"] == "<|listen|>" and units[0]["codes"] == 0
+    wav, sr = sf.read(out, dtype="float32")
+    spoken = sum(u["audio_s"] for u in units if not u["listen"])
+    assert sr == 24000 and wav.shape[0] >= round((sum(u["listen"] for u in units) + spoken) * 24000)
+    assert "random-weight" in res.output and "3 units" in res.output
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--decode", "beam"], "decode mode 'beam'"),
+    (["--profile", "minicpmo_4_5_turn_mrv2"], "pass a duplex profile"),
+    (["--max-units", "0"], "--max-units must be >= 1"),
+    (["--n-timesteps", "0"], "--n-timesteps must be >= 1"),
+])
+def test_bad_flags_are_named_and_write_nothing(tiny_ckpt, voice, user_wav, tmp_path, extra, msg):
+    out = tmp_path / "reply.wav"
+    res = _run(tiny_ckpt, voice, user_wav, out, *extra)
+    assert res.exit_code == 2 and msg in res.output and not out.exists()
+
+
+def test_missing_input_is_named(tiny_ckpt, voice, tmp_path):
+    res = _run(tiny_ckpt, voice, tmp_path / "nope.wav", tmp_path / "reply.wav")
+    assert res.exit_code == 2 and "--input" in res.output and "not found" in res.output

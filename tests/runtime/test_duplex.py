@@ -1,0 +1,188 @@
+"""Duplex conversation on the tiny checkpoint (random weights: the plumbing, not speech).
+
+The unit loop's branches (listen, the listen -> tts_bos swap, the 28-character limit, the forced
+chunk_eos at step 19, <|turn_eos|>, a barge-in) depend on what the model decodes, which random
+weights rarely reach. ``_Script`` wraps the real LM head and, at chosen calls, lifts one id far above
+the rest, so the real decode policy picks it; everything else is the real path."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from minicpmo_rt.checkpoint.tokenizer import load_tokenizer
+from minicpmo_rt.errors import InputError
+from minicpmo_rt.runtime.duplex import PCM_RATE, DuplexConversation, conversation_track
+from minicpmo_rt.talker.load import load_talker
+from minicpmo_rt.thinker.duplex import DuplexDecodeConfig, DuplexDecoder, TurnState, generate_unit
+from minicpmo_rt.thinker.model import Thinker
+from minicpmo_rt.thinker.session import StreamingSession
+
+from conftest import rel_err
+
+WORD = 14990   # " hello"-like short ascii piece: checked below to decode to a few characters
+
+
+class _Script(nn.Module):
+    """The real LM head; call i (0-based) with a script entry puts that id on top."""
+
+    def __init__(self, head: nn.Module, script: dict[int, int]):
+        super().__init__()
+        self.head, self.script, self.calls = head, dict(script), 0
+
+    def forward(self, h):
+        out = self.head(h)
+        tok = self.script.get(self.calls)
+        self.calls += 1
+        if tok is not None:
+            out = out.clone()
+            out[..., tok] = out.max() + 1000.0
+        return out
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_ckpt):
+    return Thinker.from_snapshot(tiny_ckpt), load_tokenizer(tiny_ckpt), load_talker(tiny_ckpt)
+
+
+def _audio(seconds, seed=0):
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 16000)) / 16000
+    return (0.3 * np.sin(2 * np.pi * 200 * t) + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def _unit(thinker, tok, script, turn=None, cfg=DuplexDecodeConfig(mode="greedy"), force_listen=False, session=None):
+    s = session or StreamingSession(thinker, tok)
+    s.commit(_audio(1), None)
+    head = thinker.llm.lm_head
+    thinker.llm.lm_head = _Script(head, script)
+    try:
+        gen = generate_unit(s, DuplexDecoder(tok, cfg), tok, turn or TurnState(), force_listen=force_listen)
+    finally:
+        thinker.llm.lm_head = head
+    return s, gen
+
+
+def test_word_token_is_short_text(tok):
+    assert 0 < len(tok.decode([WORD])) <= 8
+
+
+def test_listen_ends_the_unit_unfed_and_is_fed_with_unit_end_next(parts):
+    thinker, tok, _ = parts
+    sp = tok.special
+    s, gen = _unit(thinker, tok, {0: sp.listen})
+    assert gen.listen and gen.decoded == (sp.listen,) and gen.fed == () and gen.talker_ids == ()
+    before = s.cache_len
+    s.commit(_audio(1, 1), None)
+    assert list(s.history[-1].piece.ids[-2:]) == [sp.listen, sp.unit_end]
+    assert s.cache_len == before + 2 + 11
+
+
+def test_speech_tokens_feed_and_step0_never_reaches_the_talker(parts):
+    thinker, tok, _ = parts
+    sp = tok.special
+    s, gen = _unit(thinker, tok, {0: sp.speak, 1: WORD, 2: WORD + 1, 3: sp.chunk_eos})
+    assert gen.decoded == (sp.speak, WORD, WORD + 1, sp.chunk_eos)
+    assert gen.fed == (sp.speak, WORD, WORD + 1) and gen.talker_ids == (WORD, WORD + 1)
+    assert gen.terminator == sp.chunk_eos and not gen.listen and not gen.turn_end
+    assert list(s.open_unit.piece.ids[-3:]) == [sp.speak, WORD, WORD + 1]
+    # the Talker's rows are the final-norm hidden at each token's own position
+    assert gen.talker_hidden.shape == (2, thinker.hidden_size)
+    assert rel_err(gen.talker_hidden[-1], s.read_state()) == 0.0
+    assert gen.text == tok.decode([WORD, WORD + 1], skip_special_tokens=True)
+
+
+def test_listen_while_the_turn_is_open_becomes_tts_bos(parts):
+    thinker, tok, _ = parts
+    sp = tok.special
+    turn = TurnState(open=True)
+    _, gen = _unit(thinker, tok, {0: sp.listen, 1: sp.chunk_eos}, turn=turn)
+    assert gen.decoded == (sp.tts_bos, sp.chunk_eos) and gen.fed == (sp.tts_bos,) and turn.open
+
+
+def test_turn_eos_is_fed_and_closes_the_turn(parts):
+    thinker, tok, _ = parts
+    sp = tok.special
+    turn = TurnState()
+    _, gen = _unit(thinker, tok, {0: sp.speak, 1: WORD, 2: sp.turn_eos, 3: sp.listen}, turn=turn)
+    assert gen.turn_end and gen.listen and not turn.open
+    assert gen.talker_ids == (WORD, sp.turn_eos)   # <|turn_eos|> stays in the Talker's condition
+
+
+def test_character_limit_drops_the_token_and_forces_chunk_eos(parts):
+    thinker, tok, _ = parts
+    sp = tok.special
+    script = {0: sp.speak, **{i: WORD for i in range(1, 19)}}
+    _, gen = _unit(thinker, tok, script, cfg=DuplexDecodeConfig(mode="greedy", repetition_penalty=1.0))
+    n = len(gen.talker_ids)
+    assert len(tok.decode([WORD] * n, skip_special_tokens=True)) < 28 <= len(tok.decode([WORD] * (n + 1)))
+    assert gen.decoded == (sp.speak,) + (WORD,) * n + (sp.chunk_eos,) and gen.terminator == sp.chunk_eos
+
+
+def test_step_19_is_a_forced_chunk_eos(parts):
+    thinker, tok, _ = parts
+    sp = tok.special
+    script = {i: sp.tts_bos for i in range(25)}    # special: no characters, so no limit
+    _, gen = _unit(thinker, tok, script, cfg=DuplexDecodeConfig(mode="greedy", repetition_penalty=1.0))
+    assert len(gen.decoded) == 20 and gen.decoded[-1] == sp.chunk_eos and len(gen.fed) == 19
+
+
+def test_force_listen_units_and_barge_in(parts):
+    thinker, tok, _ = parts
+    sp = tok.special
+    cfg = DuplexDecodeConfig(mode="greedy", force_listen_units=1)
+    turn = TurnState()
+    s, gen = _unit(thinker, tok, {0: WORD}, turn=turn, cfg=cfg)
+    assert gen.listen and gen.decoded == (sp.listen,)       # the first unit listens whatever is decoded
+    turn.open = True
+    s.commit(_audio(1, 2), None)
+    gen = generate_unit(s, DuplexDecoder(tok, cfg), tok, turn, force_listen=True)
+    assert gen.interrupted and gen.listen and not turn.open
+    assert gen.decoded == (sp.turn_eos, sp.listen) and list(s.open_unit.piece.ids[-1:]) == [sp.turn_eos]
+
+
+# ------------------------------------------------------------------------------------------ conversation
+
+@pytest.fixture(scope="module")
+def conv(tiny_ckpt, voice):
+    c = DuplexConversation.from_snapshot(tiny_ckpt, voice, n_timesteps=2, seed=3,
+                                         decode=DuplexDecodeConfig(mode="greedy"))
+    yield c
+    c.close()
+
+
+def test_conversation_units_release_a_second_of_audio_each(conv):
+    units = [conv.step(_audio(1, k)) for k in range(3)]
+    for u in units:
+        if u.listen:
+            assert u.pcm.size == 0 and u.codes == ()
+        else:
+            assert u.pcm.dtype == np.float32 and u.pcm.size >= PCM_RATE and np.isfinite(u.pcm).all()
+            assert len(u.codes) <= 25
+    tail = conv.flush()
+    track = conversation_track(units)
+    assert track.size == sum(PCM_RATE if u.listen else u.pcm.size for u in units)
+    assert tail.dtype == np.float32
+    assert conv._stream is None and conv.talker.text_start_pos == 0
+
+
+def test_codes_only_and_barge_in_drop_the_turn(tiny_ckpt, parts):
+    thinker, tok, tts = parts
+    c = DuplexConversation(thinker, tok, tts, decode=DuplexDecodeConfig(mode="greedy"))
+    u = c.step(_audio(1))
+    assert u.pcm.size == 0
+    c.turn.open = True
+    u = c.step(_audio(1, 1), force_listen=True)
+    assert u.interrupted and u.listen and c.talker.cache is None
+    c.close()
+
+
+def test_bad_setups_are_named(tiny_ckpt, parts, voice):
+    thinker, tok, tts = parts
+    from minicpmo_rt.code2wav.pipeline import Code2Wav
+
+    c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2)
+    with pytest.raises(InputError, match="needs a voice"):
+        DuplexConversation(thinker, tok, tts, c2w)
+    with pytest.raises(InputError, match="turn profile; a duplex conversation needs a duplex profile"):
+        DuplexConversation.from_snapshot(tiny_ckpt, voice, profile="minicpmo_4_5_turn_mrv2")

@@ -1,0 +1,94 @@
+"""The duplex Talker (upstream generate_chunk driven by streaming_generate) on the tiny config."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minicpmo_rt.checkpoint.config import MiniCPMOConfig
+from minicpmo_rt.checkpoint.tiny import randomize_, tiny_config
+from minicpmo_rt.errors import InputError
+from minicpmo_rt.talker.chunked import ChunkSampling, TalkerTurn
+from minicpmo_rt.talker.model import MiniCPMTTS
+
+from conftest import rel_err
+
+
+@pytest.fixture(scope="module")
+def tts():
+    m = MiniCPMTTS(MiniCPMOConfig.from_dict(tiny_config()).tts)
+    randomize_(m, seed=3, prefix="tts.")
+    return m.eval()
+
+
+def _unit(n, seed, llm_dim=128):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 151000, (n,), generator=g).tolist(), torch.randn(n, llm_dim, generator=g)
+
+
+def test_condition_is_normalised_rows_then_audio_bos(tts):
+    turn = TalkerTurn(tts)
+    ids, hid = _unit(3, 0)
+    cond = turn.condition(ids, hid)
+    bos = tts.emb_text(torch.tensor([tts.cfg.audio_bos_token_id]))
+    ref = tts.emb_text(torch.tensor(ids)) + F.normalize(tts.projector_semantic(hid), dim=-1)
+    assert cond.shape == (4, tts.cfg.hidden_size)
+    assert rel_err(cond[:3], ref) <= 1e-6 and torch.equal(cond[3:], bos)
+    assert torch.equal(turn.condition([], torch.zeros(0, 128)), bos)   # a unit without tokens
+    with pytest.raises(InputError, match="2 text ids but 3 hidden rows"):
+        turn.condition([1, 2], torch.zeros(3, 128))
+
+
+@torch.no_grad()
+def test_a_turn_keeps_one_cache_whose_rows_are_the_conditions_and_codes(tts):
+    """After each mid-turn unit the cache holds exactly condition + returned codes (the last draw is
+    never fed), at consecutive positions: it equals one forward of all those rows at once."""
+    turn = TalkerTurn(tts, seed=5)
+    rows = []
+    for k in range(3):
+        ids, hid = _unit(2 + k, k)
+        start = turn.text_start_pos
+        out = turn.generate_unit(ids, hid, turn_end=False)
+        assert out.start_pos == start and out.turn_start == (k == 0) and not out.turn_end
+        rows += [turn.condition(ids, hid), tts.embed_codes(torch.tensor(out.codes, dtype=torch.long))]
+        if k > 0:
+            assert len(out.codes) == 25 and not out.eos     # mid-turn: EOS masked for all 26 draws
+        assert turn.text_start_pos == sum(r.shape[0] for r in rows)
+    x = torch.cat(rows)[None]
+    ref, ref_cache = tts.forward_reference(x, torch.arange(x.shape[1])[None])
+    k_inc = turn.cache.layers[0].keys if hasattr(turn.cache, "layers") else turn.cache.key_cache[0]
+    k_ref = ref_cache.layers[0].keys if hasattr(ref_cache, "layers") else ref_cache.key_cache[0]
+    assert k_inc.shape == k_ref.shape and rel_err(k_inc, k_ref) <= 1e-5
+
+
+def test_turn_end_resets_and_the_next_unit_starts_a_turn(tts):
+    turn = TalkerTurn(tts, seed=1)
+    turn.generate_unit(*_unit(3, 1), turn_end=False)
+    out = turn.generate_unit(*_unit(2, 2), turn_end=True)
+    assert out.turn_end and turn.cache is None and turn.text_start_pos == 0
+    assert turn.generate_unit(*_unit(2, 3), turn_end=False).turn_start
+
+
+def test_draw_masks_eos_only_when_asked_and_penalises_this_units_codes(tts):
+    turn = TalkerTurn(tts, ChunkSampling(temperature=1e-3))   # near-greedy
+    eos = tts.eos_code
+    x = torch.zeros(tts.cfg.num_audio_tokens)
+    x[eos], x[7] = 5.0, 4.99
+    assert turn.draw(x, [], mask_eos=False) == eos
+    assert turn.draw(x, [], mask_eos=True) == 7
+    y = torch.zeros(tts.cfg.num_audio_tokens)
+    y[7], y[8] = 1.0, 0.99
+    assert turn.draw(y, [], mask_eos=True) == 7
+    assert turn.draw(y, [7], mask_eos=True) == 8          # 1.0 / 1.05 < 0.99
+
+
+def test_draws_are_reproducible_per_seed(tts):
+    a = TalkerTurn(tts, seed=9).generate_unit(*_unit(3, 4), turn_end=False).codes
+    b = TalkerTurn(tts, seed=9).generate_unit(*_unit(3, 4), turn_end=False).codes
+    c = TalkerTurn(tts, seed=10).generate_unit(*_unit(3, 4), turn_end=False).codes
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 0.0}, {"max_new_codes": 0}, {"window": 0}])
+def test_bad_sampling_is_named(kw):
+    with pytest.raises(InputError):
+        ChunkSampling(**kw)

@@ -1,0 +1,106 @@
+"""The duplex decode policy (upstream StreamDecoder.decode) on constructed logits, rule by rule."""
+
+import pytest
+import torch
+
+from minicpmo_rt.errors import InputError
+from minicpmo_rt.thinker.duplex import DuplexDecodeConfig, DuplexDecoder, top_k_top_p
+
+V = 151748   # the real vocabulary (tiny checkpoints keep it)
+A, B = 1000, 2000
+
+
+def _logits(**vals) -> torch.Tensor:
+    x = torch.full((V,), -20.0)
+    for k, v in vals.items():
+        x[int(k[1:])] = v
+    return x
+
+
+def _greedy(tok, **kw) -> DuplexDecoder:
+    return DuplexDecoder(tok, DuplexDecodeConfig(mode="greedy", **kw))
+
+
+def test_raw_chunk_eos_wins_before_any_rule(tok):
+    d = _greedy(tok)
+    ce = tok.special.chunk_eos
+    assert d.decode(_logits(**{f"t{ce}": 5.0, f"t{A}": 4.9})) == ce
+    assert d.history == []     # upstream returns before recording it
+
+
+def test_forbidden_ids_and_chunk_eos_are_masked_after_the_raw_draw(tok):
+    d = _greedy(tok)
+    sp = tok.special
+    bad = tok.bad_token_ids[0]
+    x = _logits(**{f"t{sp.tts_pad}": 9.0, f"t{sp.chunk_eos}": 8.0, f"t{bad}": 7.0, f"t{A}": 1.0})
+    assert d.decode(x) == A
+    assert d.history == [A]
+
+
+def test_repetition_penalty_divides_every_recent_logit_whatever_its_sign(tok):
+    """Upstream divides a negative logit too, which raises it: a repeated id with -1.0 beats a
+    fresh id at -0.96 after the penalty (-1/1.05 = -0.952)."""
+    d = _greedy(tok, length_penalty=1.0)
+    d.history = [A]
+    assert d.decode(_logits(**{f"t{A}": -1.0, f"t{B}": -0.96})) == A
+    d2 = _greedy(tok, length_penalty=1.0, repetition_penalty=1.0)
+    d2.history = [A]
+    assert d2.decode(_logits(**{f"t{A}": -1.0, f"t{B}": -0.96})) == B
+    d3 = _greedy(tok, length_penalty=1.0)
+    d3.history = [A]
+    assert d3.decode(_logits(**{f"t{A}": 1.0, f"t{B}": 0.96})) == B      # 1/1.05 = 0.952 < 0.96
+
+
+def test_repetition_window_counts_only_the_last_ids(tok):
+    d = _greedy(tok, length_penalty=1.0, repetition_window=2)
+    d.history = [A, B, B]          # A fell out of the 2-id window
+    assert d.decode(_logits(**{f"t{A}": 1.0, f"t{B}": 1.0 * 1.04})) == A
+
+
+@pytest.mark.parametrize("value,expect", [(2.0, 2.0 / 1.1), (-2.0, -2.0 * 1.1)])
+def test_length_penalty_always_suppresses_turn_eos(tok, value, expect):
+    te = tok.special.turn_eos
+    just_below, just_above = expect - 1e-3, expect + 1e-3
+    assert _greedy(tok).decode(_logits(**{f"t{te}": value, f"t{A}": just_below})) == te
+    assert _greedy(tok).decode(_logits(**{f"t{te}": value, f"t{B}": just_above})) == B
+
+
+def test_listen_rules_act_on_the_tokenizers_eos_token_as_upstream(tok):
+    d = _greedy(tok, listen_top_k=3)
+    im_end = tok.special.im_end
+    assert d.listen_rule_id == im_end
+    got = d.decode(_logits(**{f"t{A}": 3.0, f"t{B}": 2.0, f"t{im_end}": 1.0}))
+    assert got == im_end and d.history == []     # in the top 3: returned at once, not recorded
+    d = _greedy(tok, listen_prob_scale=10.0)
+    assert d.decode(_logits(**{f"t{A}": 3.0, f"t{im_end}": 1.0})) == im_end
+
+
+def test_top_k_top_p_keeps_the_nucleus_and_the_crossing_token():
+    x = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    p = torch.softmax(x, 0)
+    kept = torch.isfinite(top_k_top_p(x, 0, float(p[0] + p[1] - 1e-4)))
+    assert kept.tolist() == [True, True, False, False, False]
+    assert torch.isfinite(top_k_top_p(x, 3, 1.0)).tolist() == [True, True, True, False, False]
+    assert torch.isfinite(top_k_top_p(x, 0, 1.0)).all()
+
+
+def test_sampling_is_reproducible_and_stays_in_the_top_k(tok):
+    x = torch.randn(V, generator=torch.Generator().manual_seed(0)) * 3
+    top = set(torch.topk(x, 20).indices.tolist())
+
+    def run(seed):
+        d = DuplexDecoder(tok, DuplexDecodeConfig(), torch.Generator().manual_seed(seed))
+        return [d.decode(x) for _ in range(30)]
+
+    a, b = run(1), run(1)
+    assert a == b and len(set(a)) > 1
+    # every draw past the raw chunk_eos check is one of the 20 best (after the penalties)
+    assert all(t in top or t == tok.special.chunk_eos for t in a)
+
+
+@pytest.mark.parametrize("kw,match", [({"mode": "beam"}, "mode"), ({"temperature": 0.0}, "temperature"),
+                                      ({"top_p": 0.0}, "top_p"), ({"max_steps": 0}, "max_steps"),
+                                      ({"force_listen_units": -1}, "force_listen_units")])
+def test_bad_configs_are_named(kw, match):
+    with pytest.raises(InputError, match=match):
+        DuplexDecodeConfig(**kw)
