@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (if needed), write the built-in tiny checkpoint and run the main jobs on it:
 #   1. spoken reply: Thinker -> Talker -> Code2Wav (turn mode), whole and streamed Code2Wav;
+#      a duplex conversation over a recorded user side (one unit per second: listen or speak);
 #   2. research chain: synthetic EasyCom sessions -> causal features (both modes, audited)
 #      -> turn-taking labels -> turn head (k-fold by session).
 # The tiny checkpoint has RANDOM weights: its audio is noise, its text gibberish and the
@@ -25,6 +26,10 @@ minicpmo-rt speak --model "$OUT/tiny" --text "Hello! What should we cook tonight
   --output "$OUT/reply.wav" --codes-out "$OUT/reply_codes.json" --max-new-tokens 16 --max-codes 75 --min-codes 25
 minicpmo-rt code2wav --model "$OUT/tiny" --codes "$OUT/reply_codes.json" --voice "$VOICE" \
   --output "$OUT/reply_streamed.wav" --stream
+
+echo "== duplex: the reply above as the user's side, one unit per second (random weights) =="
+minicpmo-rt duplex --model "$OUT/tiny" --input "$OUT/reply.wav" --voice "$VOICE" \
+  --output "$OUT/duplex_reply.wav" --transcript "$OUT/duplex_units.json" --force-listen-units 1
 
 echo "== research chain: synthetic EasyCom -> causal features -> labels -> turn head =="
 rm -rf "$OUT/easycom" "$OUT/features" "$OUT/targets" "$OUT/turn_head"
