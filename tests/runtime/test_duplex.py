@@ -18,7 +18,7 @@ from minicpmo_rt.thinker.duplex import DuplexDecodeConfig, DuplexDecoder, TurnSt
 from minicpmo_rt.thinker.model import Thinker
 from minicpmo_rt.thinker.session import StreamingSession
 
-from conftest import rel_err
+from conftest import rel_err, requires_cuda
 
 WORD = 14990   # " hello"-like short ascii piece: checked below to decode to a few characters
 
@@ -186,3 +186,22 @@ def test_bad_setups_are_named(tiny_ckpt, parts, voice):
         DuplexConversation(thinker, tok, tts, c2w)
     with pytest.raises(InputError, match="turn profile; a duplex conversation needs a duplex profile"):
         DuplexConversation.from_snapshot(tiny_ckpt, voice, profile="minicpmo_4_5_turn_mrv2")
+
+
+@requires_cuda
+def test_conversation_on_cuda_matches_the_cpu_decisions(tiny_ckpt, voice, parts):
+    """The same greedy conversation on CUDA (fp32): the same unit decisions and Talker tokens as
+    on the CPU, the Talker's hidden rows equal to fp32 rounding, finite audio."""
+    thinker, tok, tts = parts
+    cfg = DuplexDecodeConfig(mode="greedy")
+    cpu = DuplexConversation(thinker, tok, tts, decode=cfg)
+    gpu = DuplexConversation.from_snapshot(tiny_ckpt, voice, device="cuda", n_timesteps=2, decode=cfg)
+    try:
+        for k in range(3):
+            a, b = cpu.step(_audio(1, k)), gpu.step(_audio(1, k))
+            assert (a.listen, a.token_ids, a.terminator) == (b.listen, b.token_ids, b.terminator), f"unit {k}"
+            assert b.pcm.size == 0 if b.listen else (b.pcm.size >= PCM_RATE and np.isfinite(b.pcm).all())
+        assert np.isfinite(gpu.flush()).all()
+    finally:
+        cpu.close()
+        gpu.close()
