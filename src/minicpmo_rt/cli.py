@@ -188,6 +188,8 @@ def duplex_cmd(
                                                      "system prompt's voice reference)."),
     output: Path = typer.Option(..., "--output", help="WAV to write: the model's side, 24 kHz float32 (a "
                                                        "listening second is 1 s of silence)."),
+    video: Optional[Path] = typer.Option(None, "--video", help="The user's camera: one frame per unit (the last "
+                                         "frame shown when each second ends) goes in with its audio."),
     transcript: Optional[Path] = typer.Option(None, "--transcript", help="Also write a JSON record per unit "
                                               "(listen or speak, text, terminator, turn end, codes)."),
     decode: str = typer.Option("greedy", "--decode", help="greedy (upstream's offline duplex_chat) or sampling "
@@ -206,12 +208,13 @@ def duplex_cmd(
     try:
         info = run_duplex(model, input_audio, voice, output, transcript, seed=seed, profile=profile, decode=decode,
                           force_listen_units=force_listen_units, max_units=max_units, n_timesteps=n_timesteps,
-                          device=device)
+                          device=device, video=video)
     except MiniCPMORTError as exc:
         _fail(exc)
     if info["warning"]:
         typer.echo(info["warning"])
-    typer.echo(f"duplex: {info['units']} units, spoke in {info['spoke']}, {info['turns']} turn(s) ended: {info['text']!r}")
+    typer.echo(f"duplex: {info['units']} units ({info['frames']} with a frame), spoke in {info['spoke']}, "
+               f"{info['turns']} turn(s) ended: {info['text']!r}")
     typer.echo(f"wrote {output}: {info['seconds']:.2f} s at 24 kHz in {info['wall_s']:.2f} s (profile {info['profile']})")
 
 

@@ -54,3 +54,43 @@ def test_bad_flags_are_named_and_write_nothing(tiny_ckpt, voice, user_wav, tmp_p
 def test_missing_input_is_named(tiny_ckpt, voice, tmp_path):
     res = _run(tiny_ckpt, voice, tmp_path / "nope.wav", tmp_path / "reply.wav")
     assert res.exit_code == 2 and "--input" in res.output and "not found" in res.output
+
+
+def _video(path, seconds, fps=10, size=(48, 64)):
+    av = pytest.importorskip("av")
+    with av.open(str(path), "w") as c:
+        st = c.add_stream("libx264", rate=fps)
+        st.height, st.width = size
+        st.pix_fmt = "yuv420p"
+        for i in range(int(seconds * fps)):
+            img = np.full(size + (3,), (i * 255) // int(seconds * fps), np.uint8)   # brightness = time
+            for packet in st.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                c.mux(packet)
+        for packet in st.encode():
+            c.mux(packet)
+    return path
+
+
+def test_video_frames_are_the_last_shown_when_each_second_ends(tmp_path):
+    from minicpmo_rt.runtime.jobs import video_frames_per_second
+
+    frames = video_frames_per_second(_video(tmp_path / "cam.mp4", 2.0), 3)
+    assert len(frames) == 3 and all(f.shape == (48, 64, 3) for f in frames)
+    level = [float(f.mean()) for f in frames]
+    # frame i shows (i * 255) // 20: the frame at t = 1.0 s is i = 10, the last one (t = 1.9 s) is i = 19
+    assert abs(level[0] - 127) < 6 and abs(level[1] - 242) < 6 and level[2] == level[1]
+
+
+def test_duplex_with_video_feeds_a_frame_per_unit(tiny_ckpt, voice, user_wav, tmp_path):
+    out, rec = tmp_path / "reply.wav", tmp_path / "units.json"
+    cam = _video(tmp_path / "cam.mp4", 3.0)
+    res = _run(tiny_ckpt, voice, user_wav, out, "--video", str(cam), "--transcript", str(rec))
+    assert res.exit_code == 0, res.output
+    assert json.loads(rec.read_text())["frames"] == 3 and "(3 with a frame)" in res.output
+
+
+def test_unreadable_video_is_named(tiny_ckpt, voice, user_wav, tmp_path):
+    bad = tmp_path / "cam.mp4"
+    bad.write_bytes(b"not a video")
+    res = _run(tiny_ckpt, voice, user_wav, tmp_path / "reply.wav", "--video", str(bad))
+    assert res.exit_code == 2 and "--video" in res.output and "cannot be opened as a video" in res.output

@@ -468,6 +468,50 @@ def test_reference_audio_embeddings_through_the_thinker_match_official(thinker):
     assert rel_err(emb, ref) <= TOL
 
 
+@pytest.mark.parametrize("scenario,force_listen_units", [("s1", 0), ("s2", 1)])
+def test_duplex_generate_matches_official(thinker, scenario, force_listen_units):
+    """Upstream's duplex loop (prepare with a voice reference, then per unit streaming_prefill,
+    streaming_generate(greedy), finalize_unit) against ``StreamingSession`` + ``generate_unit``:
+    the same ids per unit (step 0's, the 28-character rejection, the deferred terminator), the
+    decoder's history, the Talker's ids and hidden rows, the text and the cache lengths."""
+    duplex_mod = pytest.importorskip("minicpmo_rt.thinker.duplex")
+    session_mod = pytest.importorskip("minicpmo_rt.thinker.session")
+    data, meta = _load("duplex_generate")
+    stream, _ = _load("llm_stream")
+    audio, _ = _load("audio")
+    tok = load_tokenizer(vendored_tokenizer_dir())
+    session = session_mod.StreamingSession(thinker, tok, system_prompt="Streaming Omni Conversation.",
+                                           window=session_mod.WindowPolicy.off(),
+                                           ref_audio=_audio_f32(audio["ref_audio_i16"]))
+    res = meta["results"][scenario]
+    assert session.cache_len == res["prepare_llm_cache_len"]
+    decoder = duplex_mod.DuplexDecoder(tok, duplex_mod.DuplexDecodeConfig(mode="greedy",
+                                                                          force_listen_units=force_listen_units))
+    turn = duplex_mod.TurnState()
+    pcm = _audio_f32(audio["audio_i16"])
+    for k, ref in enumerate(res["units"]):
+        session.commit(pcm[k * 16000:(k + 1) * 16000], stream[f"frame_{k}"])
+        assert session.cache_len == ref["llm_cache_len_after_prefill"], f"unit {k}: prefill (and the last finalize)"
+        top = torch.from_numpy(data[f"{scenario}_unit{k}_prefill_logits_top_ids"])
+        got = session.logits()[top]
+        assert rel_err(got, torch.from_numpy(data[f"{scenario}_unit{k}_prefill_logits_top_vals"])) <= TOL
+        gen = duplex_mod.generate_unit(session, decoder, tok, turn)
+        fin = ref["pending_finalize"]
+        assert list(gen.decoded) == ref["generated_total_ids"], f"unit {k}: decoded ids"
+        assert list(gen.fed) == [b[0] for b in ref["generate_fed_ids"]], f"unit {k}: fed ids"
+        assert gen.terminator == fin["terminator_id"] and gen.listen == fin["is_listen"] == ref["result_is_listen"]
+        assert list(gen.talker_ids) == fin["total_ids_in_unit"] and gen.text == ref["result_text"]
+        assert gen.turn_end == ref["result_end_of_turn"]
+        assert decoder.history == ref["decoder_generated_tokens"], f"unit {k}: repetition history"
+        assert session.cache_len == ref["llm_cache_len_after_generate"]
+        if gen.talker_ids:
+            assert data[f"{scenario}_unit{k}_hidden_ids"].tolist() == list(gen.talker_ids)
+            err = rel_err(gen.talker_hidden, torch.from_numpy(data[f"{scenario}_unit{k}_hidden"]))
+            assert err <= TOL, f"unit {k}: Talker hidden rows rel err {err:.3e}"
+    # the last unit's [terminator, </unit>] is fed by the next commit here, by finalize_unit upstream
+    assert session.cache_len + 2 == res["final_llm_cache_len"]
+
+
 @pytest.mark.slow
 def test_session_long_audio_only_stream_matches_official(thinker):
     """32 audio-only units: crosses the 5-s mel floor switch, the 30-s mel slide and the

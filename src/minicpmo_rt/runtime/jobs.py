@@ -144,13 +144,42 @@ def run_speak(model: str, text: str, voice: Path, output: Path, seed: int = 0, p
             "n_timesteps": pipe.code2wav.n_timesteps}
 
 
+def video_frames_per_second(path: Path, seconds: int) -> list:
+    """One RGB frame (HxWx3 uint8) per unit: the last frame shown at or before the end of each
+    second ``k + 1`` (what a camera would have shown when the unit closed); None before the first
+    frame. Decoded sequentially with PyAV."""
+    import av
+
+    try:
+        container = av.open(str(path))
+    except Exception as exc:  # av.error.*: corrupt or foreign files
+        raise InputError(f"--video {path}: cannot be opened as a video ({type(exc).__name__}: {exc})") from None
+    out, latest, k = [], None, 0
+    with container:
+        if not container.streams.video:
+            raise InputError(f"--video {path}: has no video stream")
+        stream = container.streams.video[0]
+        for frame in container.decode(stream):
+            if frame.time is None:
+                continue
+            while k < seconds and frame.time > k + 1:
+                out.append(latest)
+                k += 1
+            if k >= seconds:
+                break
+            latest = frame.to_ndarray(format="rgb24")
+    out += [latest] * (seconds - len(out))
+    return out
+
+
 def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcript: Path | None = None,
                seed: int = 0, profile: str = "minicpmo_4_5_duplex_h200", decode: str = "greedy",
                force_listen_units: int = 0, max_units: int | None = None, n_timesteps: int | None = None,
-               device: str = "cpu") -> dict:
+               device: str = "cpu", video: Path | None = None) -> dict:
     """A recorded user side through a duplex conversation, one unit per second (upstream's offline
-    ``duplex_chat``: the last partial second is zero-padded to 1 s). Writes the model's side as one
-    24 kHz track (a listening second is 1 s of silence) and, optionally, a JSON record per unit."""
+    ``duplex_chat``: the last partial second is zero-padded to 1 s), with one video frame per unit
+    when ``video`` is given. Writes the model's side as one 24 kHz track (a listening second is 1 s
+    of silence) and, optionally, a JSON record per unit."""
     import numpy as np
     from tqdm import tqdm
 
@@ -160,7 +189,7 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
     from ..thinker.duplex import DuplexDecodeConfig
     from .duplex import DuplexConversation, conversation_track
 
-    for flag, path in (("--input", input_audio), ("--voice", voice)):
+    for flag, path in (("--input", input_audio), ("--voice", voice)) + ((("--video", video),) if video else ()):
         if not Path(path).is_file():
             raise InputError(f"{flag} {path}: file not found; pass a WAV (any sample rate, mono or stereo)")
     prof = load_profile(profile)
@@ -181,13 +210,14 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
     if max_units is not None:
         n = min(n, max_units)
     x = np.pad(x, (0, max(0, n * 16000 - len(x))))
+    frames = video_frames_per_second(video, n) if video is not None else [None] * n
     t = time.perf_counter()
     conv = DuplexConversation.from_snapshot(model, voice, profile=profile, device=device,
                                             n_timesteps=n_timesteps, decode=cfg, seed=seed)
     units = []
     try:
         for k in tqdm(range(n), desc="duplex", unit="s", disable=None, leave=False):
-            units.append(conv.step(x[16000 * k:16000 * (k + 1)]))
+            units.append(conv.step(x[16000 * k:16000 * (k + 1)], frames[k]))
         tail = conv.flush()   # the model's last words, if it was still speaking when the input ended
     finally:
         conv.close()
@@ -198,13 +228,15 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
                 "codes": len(u.codes), "audio_s": round(u.seconds, 4)} for u in units]
     write_wav_atomic(output, track)
     if transcript is not None:
-        write_json_atomic(transcript, {"input": str(input_audio), "voice": str(voice), "profile": prof.name,
+        write_json_atomic(transcript, {"input": str(input_audio), "video": None if video is None else str(video),
+                                       "frames": sum(f is not None for f in frames), "voice": str(voice),
+                                       "profile": prof.name,
                                        "decode": decode, "seed": seed, "units": records})
     h = conv.thinker.config.llm.hidden_size
     warning = None if h >= REAL_LLM_HIDDEN else (
         f"warning: this checkpoint's dims are tiny (LLM hidden {h}, the real model has {REAL_LLM_HIDDEN}): "
         "it is a random-weight test checkpoint, so its text is gibberish and its audio is noise")
     return {"units": len(units), "spoke": sum(not u.listen for u in units),
-            "turns": sum(u.turn_end for u in units), "text": "".join(u.text for u in units),
+            "turns": sum(u.turn_end for u in units), "frames": sum(f is not None for f in frames), "text": "".join(u.text for u in units),
             "seconds": len(track) / 24000, "tail_s": len(tail) / 24000, "wall_s": time.perf_counter() - t, "warning": warning,
             "profile": prof.name}
