@@ -90,6 +90,7 @@ def test_duplex_with_video_feeds_a_frame_per_unit(tiny_ckpt, voice, user_wav, tm
 
 
 def test_unreadable_video_is_named(tiny_ckpt, voice, user_wav, tmp_path):
+    pytest.importorskip("av")
     bad = tmp_path / "cam.mp4"
     bad.write_bytes(b"not a video")
     res = _run(tiny_ckpt, voice, user_wav, tmp_path / "reply.wav", "--video", str(bad))

@@ -194,7 +194,7 @@ def test_conversation_on_cuda_matches_the_cpu_decisions(tiny_ckpt, voice, parts)
     on the CPU, the Talker's hidden rows equal to fp32 rounding, finite audio."""
     thinker, tok, tts = parts
     cfg = DuplexDecodeConfig(mode="greedy")
-    cpu = DuplexConversation(thinker, tok, tts, decode=cfg)
+    cpu = DuplexConversation(thinker, tok, tts, voice=voice, decode=cfg)   # codes only, same system prompt
     gpu = DuplexConversation.from_snapshot(tiny_ckpt, voice, device="cuda", n_timesteps=2, decode=cfg)
     try:
         for k in range(3):

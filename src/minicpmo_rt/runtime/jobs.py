@@ -148,8 +148,11 @@ def video_frames_per_second(path: Path, seconds: int) -> list:
     """One RGB frame (HxWx3 uint8) per unit: the last frame shown at or before the end of each
     second ``k + 1`` (what a camera would have shown when the unit closed); None before the first
     frame. Decoded sequentially with PyAV."""
-    import av
-
+    try:
+        import av
+    except ImportError:
+        raise InputError(f"--video {path}: reading video needs PyAV; install it with `pip install av` "
+                         "(scripts/setup.sh does)") from None
     try:
         container = av.open(str(path))
     except Exception as exc:  # av.error.*: corrupt or foreign files
