@@ -188,14 +188,31 @@ def test_bad_setups_are_named(tiny_ckpt, parts, voice):
         DuplexConversation.from_snapshot(tiny_ckpt, voice, profile="minicpmo_4_5_turn_mrv2")
 
 
+def test_static_talker_conversation_equals_the_reference(parts, voice):
+    """``fast=True`` off CUDA: the plain Thinker session, the Talker on its static cache (no graphs):
+    the same units, codes included, as the reference."""
+    thinker, tok, tts = parts
+    cfg = DuplexDecodeConfig(mode="greedy")
+    ref = DuplexConversation(thinker, tok, tts, voice=voice, decode=cfg, seed=4)
+    fast = DuplexConversation(thinker, tok, tts, voice=voice, decode=cfg, seed=4, fast=True)
+    assert fast.talker.engine is not None and fast.talker._graph is None and ref.talker.engine is None
+    for k in range(3):
+        a, b = ref.step(_audio(1, k)), fast.step(_audio(1, k))
+        assert (a.listen, a.token_ids, a.codes) == (b.listen, b.token_ids, b.codes), f"unit {k}"
+    ref.close()
+    fast.close()
+
+
 @requires_cuda
-def test_conversation_on_cuda_matches_the_cpu_decisions(tiny_ckpt, voice, parts):
-    """The same greedy conversation on CUDA (fp32): the same unit decisions and Talker tokens as
-    on the CPU, the Talker's hidden rows equal to fp32 rounding, finite audio."""
+@pytest.mark.parametrize("fast", [False, True])
+def test_conversation_on_cuda_matches_the_cpu_decisions(tiny_ckpt, voice, parts, fast):
+    """The same greedy conversation on CUDA (fp32), plain and fast paths: the same unit decisions and
+    Talker tokens as on the CPU, finite audio."""
     thinker, tok, tts = parts
     cfg = DuplexDecodeConfig(mode="greedy")
     cpu = DuplexConversation(thinker, tok, tts, voice=voice, decode=cfg)   # codes only, same system prompt
-    gpu = DuplexConversation.from_snapshot(tiny_ckpt, voice, device="cuda", n_timesteps=2, decode=cfg)
+    gpu = DuplexConversation.from_snapshot(tiny_ckpt, voice, device="cuda", n_timesteps=2, decode=cfg, fast=fast)
+    assert (gpu.talker._graph is not None) == fast
     try:
         for k in range(3):
             a, b = cpu.step(_audio(1, k)), gpu.step(_audio(1, k))

@@ -10,7 +10,7 @@ from minicpmo_rt.errors import InputError
 from minicpmo_rt.talker.chunked import ChunkSampling, TalkerTurn
 from minicpmo_rt.talker.model import MiniCPMTTS
 
-from conftest import rel_err
+from conftest import rel_err, requires_cuda
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +92,23 @@ def test_draws_are_reproducible_per_seed(tts):
 def test_bad_sampling_is_named(kw):
     with pytest.raises(InputError):
         ChunkSampling(**kw)
+
+
+@pytest.mark.parametrize("graphs", [False, pytest.param(True, marks=requires_cuda)])
+def test_static_cache_backend_equals_the_reference(tts, graphs):
+    """The static-cache back-end (the engine's model math; on CUDA a graph per draw) draws the same
+    codes as the transformers reference over a turn of three units, a turn end and a new turn."""
+    dev = "cuda" if graphs else "cpu"
+    model = tts.to(dev)
+    ref = TalkerTurn(model, seed=7)
+    fast = TalkerTurn(model, seed=7, static=True, max_len=512, graphs=graphs)
+    try:
+        for k, end in enumerate([False, False, True, False]):
+            ids, hid = _unit(2 + k, 10 + k)
+            a, b = ref.generate_unit(ids, hid, end), fast.generate_unit(ids, hid, end)
+            assert a == b, f"unit {k}"
+        assert fast.text_start_pos == ref.text_start_pos
+        with pytest.raises(InputError, match="static cache"):
+            TalkerTurn(model, static=True, max_len=64, graphs=False).generate_unit(*_unit(80, 1), False)
+    finally:
+        tts.to("cpu")

@@ -68,8 +68,15 @@ class DuplexConversation:
 
     def __init__(self, thinker, tokenizer, tts, code2wav=None, voice: Union[str, Path, None] = None,
                  decode: DuplexDecodeConfig = DuplexDecodeConfig(), talker_sampling: ChunkSampling = ChunkSampling(),
-                 system_text: str = DUPLEX_SYSTEM_TEXT, seed: int = 0, window=None, session_options=None):
-        from ..thinker.session import StreamingSession, WindowPolicy
+                 system_text: str = DUPLEX_SYSTEM_TEXT, seed: int = 0, window=None, session_options=None,
+                 fast: bool | None = None):
+        from ..thinker.session import StreamingSession, WindowPolicy, shared_fast_paths
+
+        # fast (default on CUDA): the Thinker session's fast paths (static cache, Triton kernels, graphs)
+        # and the Talker's static cache with a CUDA graph per draw; the plain references otherwise
+        fast = thinker.device.type == "cuda" if fast is None else fast
+        if session_options is None:
+            session_options = shared_fast_paths(thinker) if fast and thinker.device.type == "cuda" else {}
 
         ref16 = None
         if voice is not None:
@@ -81,10 +88,11 @@ class DuplexConversation:
         self.thinker, self.tokenizer, self.code2wav, self.voice = thinker, tokenizer, code2wav, voice
         self.session = StreamingSession(thinker, tokenizer, system_prompt=system_text,
                                         window=window if window is not None else WindowPolicy.duplex_basic(),
-                                        ref_audio=ref16, **(session_options or {}))
+                                        ref_audio=ref16, **session_options)
         generator = torch.Generator().manual_seed(seed)
         self.decoder = DuplexDecoder(tokenizer, decode, generator)
-        self.talker = TalkerTurn(tts, talker_sampling, seed)
+        self.talker = TalkerTurn(tts, talker_sampling, seed, static=fast)
+        self.fast = fast
         self.turn = TurnState()
         self.units = 0
         self._stream = None          # the open turn's Code2Wav stream
@@ -94,7 +102,8 @@ class DuplexConversation:
     @classmethod
     def from_snapshot(cls, model, voice=None, profile: str = DEFAULT_DUPLEX_PROFILE, device: str = "cpu",
                       dtype: torch.dtype = torch.float32, with_code2wav: bool = True, n_timesteps: int | None = None,
-                      decode: DuplexDecodeConfig = DuplexDecodeConfig(), seed: int = 0) -> "DuplexConversation":
+                      decode: DuplexDecodeConfig = DuplexDecodeConfig(), seed: int = 0,
+                      fast: bool | None = None) -> "DuplexConversation":
         from ..checkpoint.snapshot import resolve_snapshot
         from ..checkpoint.tokenizer import load_tokenizer
         from ..code2wav.pipeline import Code2Wav
@@ -113,7 +122,7 @@ class DuplexConversation:
             c2w = Code2Wav.from_snapshot(snap.path, device=device, n_timesteps=n_timesteps or prof.code2wav.n_timesteps,
                                          extra=prof.code2wav.extra)
         return cls(thinker, load_tokenizer(snap.path), load_talker(snap.path, dtype, device), c2w, voice,
-                   decode=decode, seed=seed)
+                   decode=decode, seed=seed, fast=fast)
 
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -17,6 +17,12 @@ are drawn one per step, each fed back before the next draw:
 
 After a unit ``text_start_pos`` grows by the condition and the returned codes (exactly the rows
 in the cache); the unit that ends the turn resets the cache and the position to 0.
+
+Two back-ends compute the same forward: the plain reference (transformers' ``LlamaModel`` on a
+DynamicCache, default) and ``static=True``: the Talker engine's static KV cache (one row of
+``max_len`` positions; a position attends the rows at or before it, so rows left by an earlier turn
+are never seen), where a draw's one-code forward replays a CUDA graph on CUDA (``graphs``, default on
+CUDA). Per draw the host reads one code either way (it decides whether to stop).
 Draws use ``sampler.uniform`` (counter-based: seed, draw index, code id) so a session's codes
 do not depend on anything else running in the process.
 """
@@ -29,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from .engine import TalkerEngine, kv_bytes_per_token
 from .model import MiniCPMTTS
 from .sampler import MASK32, penalize, uniform
 
@@ -59,11 +66,22 @@ class UnitCodes:
 class TalkerTurn:
     """One duplex conversation's Talker state (single stream, plain transformers forward)."""
 
-    def __init__(self, tts: MiniCPMTTS, sampling: ChunkSampling = ChunkSampling(), seed: int = 0):
+    def __init__(self, tts: MiniCPMTTS, sampling: ChunkSampling = ChunkSampling(), seed: int = 0,
+                 static: bool = False, max_len: int = 4096, graphs: bool | None = None):
         self.tts, self.sampling = tts.eval(), sampling
-        self.device = next(tts.parameters()).device
+        p = next(tts.parameters())
+        self.device = p.device
         self.seed = torch.tensor([seed & MASK32], dtype=torch.long, device=self.device)
         self.draws = 0             # draws over the whole conversation: the RNG counter
+        self.engine = None
+        self._graph = None
+        if static:
+            self.engine = TalkerEngine(tts, 1, kv_bytes_per_token(tts, p.dtype) * max_len)
+            self.max_len = self.engine.max_len
+            self._code = torch.zeros(1, dtype=torch.long, device=self.device)
+            self._pos = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            if graphs if graphs is not None else self.device.type == "cuda":
+                self._capture()
         self.reset()
 
     def reset(self) -> None:
@@ -86,8 +104,48 @@ class TalkerTurn:
     @torch.no_grad()
     def _forward(self, rows: torch.Tensor, start: int) -> torch.Tensor:
         pos = torch.arange(start, start + rows.shape[0], device=self.device)[None]
-        hidden, self.cache = self.tts.forward_reference(rows[None], pos, self.cache)
+        if self.engine is None:
+            hidden, self.cache = self.tts.forward_reference(rows[None], pos, self.cache)
+            return self.tts.logits(hidden[0, -1])
+        if start + rows.shape[0] > self.max_len:
+            raise InputError(f"talker turn: {start + rows.shape[0]} positions exceed the static cache's {self.max_len}; "
+                             "build TalkerTurn with a larger max_len")
+        hidden = self.engine._layers(rows[None], pos, slice(0, 1), self.max_len, pos)
         return self.tts.logits(hidden[0, -1])
+
+    @torch.no_grad()
+    def _code_step(self) -> torch.Tensor:
+        """Feed ``self._code`` at ``self._pos`` on the static cache; the next draw's logits."""
+        x = self.tts.embed_codes(self._code)[None]
+        hidden = self.engine._layers(x, self._pos, slice(0, 1), self.max_len, self._pos)
+        return self.tts.logits(hidden[0, -1])
+
+    def _capture(self) -> None:
+        """One graph of ``_code_step`` (its static inputs are ``_code`` and ``_pos``). Captured before
+        any turn: the warm-up writes land at position 0, which a turn's condition overwrites first."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._code_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._logits = self._code_step()
+        self._graph = graph
+
+    def _feed_code(self, code: int, position: int) -> torch.Tensor:
+        if self.engine is None:
+            return self._forward(self.tts.embed_codes(torch.tensor([code], device=self.device)), position)
+        if position >= self.max_len:
+            raise InputError(f"talker turn: position {position} is past the static cache's {self.max_len}; "
+                             "build TalkerTurn with a larger max_len")
+        self._code.fill_(code)
+        self._pos.fill_(position)
+        if self._graph is None:
+            return self._code_step()
+        self._graph.replay()
+        return self._logits
 
     def draw(self, logits: torch.Tensor, codes: list[int], mask_eos: bool) -> int:
         """One code from [V] logits: temperature, the penalty over ``codes`` (this unit's draws so
@@ -117,8 +175,7 @@ class TalkerTurn:
         drew_eos = False
         for t in range(s.max_new_codes):
             if t > 0:   # feed the previous draw, then draw again
-                logits = self._forward(tts.embed_codes(torch.tensor([codes[-1]], device=self.device)),
-                                       start + cond.shape[0] + t - 1)
+                logits = self._feed_code(codes[-1], start + cond.shape[0] + t - 1)
             code = self.draw(logits, codes, mask_eos=t < min_new)
             if code == eos:
                 drew_eos = True
