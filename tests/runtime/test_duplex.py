@@ -222,3 +222,13 @@ def test_conversation_on_cuda_matches_the_cpu_decisions(tiny_ckpt, voice, parts,
     finally:
         cpu.close()
         gpu.close()
+
+
+def test_track_keeps_the_last_words_of_a_unit_that_ends_its_turn_and_listens():
+    from minicpmo_rt.runtime.duplex import DuplexUnit
+
+    words = np.full(1234, 0.5, np.float32)
+    units = [DuplexUnit(0, True, "", (), 1, False, False, (), np.zeros(0, np.float32)),
+             DuplexUnit(1, True, "bye", (5,), 1, True, False, (7,), words)]
+    track = conversation_track(units)
+    assert track.shape == (PCM_RATE + 1234,) and np.array_equal(track[PCM_RATE:], words)

@@ -208,6 +208,8 @@ def _read_voice_16k(voice) -> np.ndarray:
 
 def conversation_track(units, listen_seconds: float = 1.0) -> np.ndarray:
     """The model's side of the conversation as one 24 kHz track: each unit's audio in order, a
-    listening unit as ``listen_seconds`` of silence (upstream's listen result is 1 s of zeros)."""
-    parts = [u.pcm if not u.listen else np.zeros(int(listen_seconds * PCM_RATE), np.float32) for u in units]
+    listening unit without audio as ``listen_seconds`` of silence (upstream's listen result is 1 s
+    of zeros; a unit that ends the turn and then listens still carries its last words)."""
+    parts = [u.pcm if u.pcm.size or not u.listen else np.zeros(int(listen_seconds * PCM_RATE), np.float32)
+             for u in units]
     return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
