@@ -232,3 +232,20 @@ def test_track_keeps_the_last_words_of_a_unit_that_ends_its_turn_and_listens():
              DuplexUnit(1, True, "bye", (5,), 1, True, False, (7,), words)]
     track = conversation_track(units)
     assert track.shape == (PCM_RATE + 1234,) and np.array_equal(track[PCM_RATE:], words)
+
+
+def test_a_turn_that_ends_is_voiced_to_its_end_and_the_next_starts_fresh(conv):
+    sp = conv.tokenizer.special
+    head = conv.thinker.llm.lm_head
+    # unit A speaks (its turn stays open), unit B ends the turn and then listens
+    conv.thinker.llm.lm_head = _Script(head, {0: sp.speak, 1: WORD, 2: sp.chunk_eos,
+                                              3: sp.speak, 4: WORD, 5: sp.turn_eos, 6: sp.listen})
+    try:
+        a = conv.step(_audio(1, 7))
+        b = conv.step(_audio(1, 8))
+    finally:
+        conv.thinker.llm.lm_head = head
+    assert not a.listen and not a.turn_end and a.pcm.size >= PCM_RATE
+    assert b.turn_end and b.listen and b.token_ids == (WORD, sp.turn_eos)
+    assert b.pcm.size > 0 and np.isfinite(b.pcm).all()          # the final payload: the turn's last words
+    assert conv._stream is None and conv.talker.text_start_pos == 0 and not conv.turn.open

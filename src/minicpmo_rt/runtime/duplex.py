@@ -148,7 +148,8 @@ class DuplexConversation:
 
     def flush(self) -> np.ndarray:
         """End the input: decode the open turn's waiting codes as its final payload (the model's
-        last words are heard instead of dropped) and close the Talker's turn. Returns that audio."""
+        last words are heard instead of dropped) and close the Talker's turn. Returns that audio.
+        The Thinker's context is left as it is: call ``close`` next."""
         if self._stream is None:
             self.talker.reset()
             return np.zeros(0, np.float32)
