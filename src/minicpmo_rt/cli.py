@@ -200,7 +200,9 @@ def duplex_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of the Thinker's and the Talker's sampling."),
     profile: str = typer.Option("minicpmo_4_5_duplex_h200", "--profile", help="Duplex deploy profile (name or YAML)."),
     n_timesteps: Optional[int] = typer.Option(None, "--n-timesteps", help="Euler steps of the flow (default: the profile's)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (the fast paths on CUDA)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Thinker and Talker weights: auto (bfloat16 on CUDA, float32 "
+                                                      "on the CPU), float32, bfloat16 or float16."),
 ) -> None:
     """A duplex conversation over a recorded user side: each second the model listens or speaks."""
     from .runtime.jobs import run_duplex
@@ -208,14 +210,15 @@ def duplex_cmd(
     try:
         info = run_duplex(model, input_audio, voice, output, transcript, seed=seed, profile=profile, decode=decode,
                           force_listen_units=force_listen_units, max_units=max_units, n_timesteps=n_timesteps,
-                          device=device, video=video)
+                          device=device, video=video, dtype=dtype)
     except MiniCPMORTError as exc:
         _fail(exc)
     if info["warning"]:
         typer.echo(info["warning"])
     typer.echo(f"duplex: {info['units']} units ({info['frames']} with a frame), spoke in {info['spoke']}, "
                f"{info['turns']} turn(s) ended: {info['text']!r}")
-    typer.echo(f"wrote {output}: {info['seconds']:.2f} s at 24 kHz in {info['wall_s']:.2f} s (profile {info['profile']})")
+    typer.echo(f"wrote {output}: {info['seconds']:.2f} s at 24 kHz in {info['wall_s']:.2f} s (profile {info['profile']}, "
+               f"{info['dtype']})")
 
 
 @app.command("make-targets")

@@ -35,7 +35,7 @@ def test_duplex_writes_the_models_track_and_a_record_per_unit(tiny_ckpt, voice, 
     wav, sr = sf.read(out, dtype="float32")
     spoken = sum(u["audio_s"] for u in units if not u["listen"])
     assert sr == 24000 and wav.shape[0] >= round((sum(u["listen"] for u in units) + spoken) * 24000)
-    assert "random-weight" in res.output and "3 units" in res.output
+    assert "random-weight" in res.output and "3 units" in res.output and "float32)" in res.output
     assert not list(tmp_path.glob(".*tmp"))
 
 
@@ -44,6 +44,7 @@ def test_duplex_writes_the_models_track_and_a_record_per_unit(tiny_ckpt, voice, 
     (["--profile", "minicpmo_4_5_turn_mrv2"], "pass a duplex profile"),
     (["--max-units", "0"], "--max-units must be >= 1"),
     (["--n-timesteps", "0"], "--n-timesteps must be >= 1"),
+    (["--dtype", "float64"], "--dtype 'float64'"),
 ])
 def test_bad_flags_are_named_and_write_nothing(tiny_ckpt, voice, user_wav, tmp_path, extra, msg):
     out = tmp_path / "reply.wav"

@@ -178,12 +178,13 @@ def video_frames_per_second(path: Path, seconds: int) -> list:
 def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcript: Path | None = None,
                seed: int = 0, profile: str = "minicpmo_4_5_duplex_h200", decode: str = "greedy",
                force_listen_units: int = 0, max_units: int | None = None, n_timesteps: int | None = None,
-               device: str = "cpu", video: Path | None = None) -> dict:
+               device: str = "cpu", video: Path | None = None, dtype: str = "auto") -> dict:
     """A recorded user side through a duplex conversation, one unit per second (upstream's offline
     ``duplex_chat``: the last partial second is zero-padded to 1 s), with one video frame per unit
     when ``video`` is given. Writes the model's side as one 24 kHz track (a listening second is 1 s
     of silence) and, optionally, a JSON record per unit."""
     import numpy as np
+    import torch
     from tqdm import tqdm
 
     from ..code2wav.frontend import read_audio, resample
@@ -203,6 +204,11 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
         raise InputError(f"--max-units must be >= 1, got {max_units}")
     if n_timesteps is not None and n_timesteps < 1:
         raise InputError(f"--n-timesteps must be >= 1, got {n_timesteps}")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype != "auto" and dtype not in dtypes:
+        raise InputError(f"--dtype {dtype!r}: choose auto (bfloat16 on CUDA, float32 on the CPU), "
+                         f"{', '.join(dtypes)}")
+    torch_dtype = dtypes.get(dtype, torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     cfg = DuplexDecodeConfig(mode=decode, force_listen_units=force_listen_units)
     check_output_path(output, "--output")
     if transcript is not None:
@@ -215,7 +221,7 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
     x = np.pad(x, (0, max(0, n * 16000 - len(x))))
     frames = video_frames_per_second(video, n) if video is not None else [None] * n
     t = time.perf_counter()
-    conv = DuplexConversation.from_snapshot(model, voice, profile=profile, device=device,
+    conv = DuplexConversation.from_snapshot(model, voice, profile=profile, device=device, dtype=torch_dtype,
                                             n_timesteps=n_timesteps, decode=cfg, seed=seed)
     units = []
     try:
@@ -242,4 +248,4 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
     return {"units": len(units), "spoke": sum(not u.listen for u in units),
             "turns": sum(u.turn_end for u in units), "frames": sum(f is not None for f in frames), "text": "".join(u.text for u in units),
             "seconds": len(track) / 24000, "tail_s": len(tail) / 24000, "wall_s": time.perf_counter() - t, "warning": warning,
-            "profile": prof.name}
+            "profile": prof.name, "dtype": str(torch_dtype).replace("torch.", "")}
