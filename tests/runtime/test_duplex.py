@@ -7,7 +7,6 @@ the rest, so the real decode policy picks it; everything else is the real path."
 
 import numpy as np
 import pytest
-import torch
 from torch import nn
 
 from minicpmo_rt.checkpoint.tokenizer import load_tokenizer

@@ -35,7 +35,7 @@ import torch
 from ..errors import InputError
 from ..talker.chunked import ChunkSampling, TalkerTurn
 from ..talker.engine import CONTEXT_CODES, SILENCE_CODE
-from ..thinker.duplex import DuplexDecodeConfig, DuplexDecoder, TurnState, UnitGeneration, generate_unit
+from ..thinker.duplex import DuplexDecodeConfig, DuplexDecoder, TurnState, generate_unit
 
 PCM_RATE = 24000
 SAMPLES_PER_CODE = 960
