@@ -434,18 +434,23 @@ def test_session_read_state_matches_official(thinker):
         assert err <= TOL, f"unit {k}: read_state rel err {err:.3e}"
 
 
+def _voice_session(thinker, audio):
+    """The duplex prepare of the fixtures: default system text, the voice reference, no window."""
+    session_mod = pytest.importorskip("minicpmo_rt.thinker.session")
+    return session_mod.StreamingSession(thinker, load_tokenizer(vendored_tokenizer_dir()),
+                                        system_prompt="Streaming Omni Conversation.",
+                                        window=session_mod.WindowPolicy.off(),
+                                        ref_audio=_audio_f32(audio["ref_audio_i16"]))
+
+
 def test_session_with_voice_reference_matches_official(thinker):
     """The duplex prepare with a voice reference (15 block-causal embeddings in the system
     prompt), then the first unit: layout, read-out state and the LM head's top logits. (The
     fixture's later units were fed without ``finalize_unit``, so they lack the ``</unit>`` this
     session feeds; ``llm_stream_noref`` covers closed units.)"""
-    session_mod = pytest.importorskip("minicpmo_rt.thinker.session")
     stream, meta = _load("llm_stream")
     audio, _ = _load("audio")
-    tok = load_tokenizer(vendored_tokenizer_dir())
-    session = session_mod.StreamingSession(thinker, tok, system_prompt="Streaming Omni Conversation.",
-                                           window=session_mod.WindowPolicy.off(),
-                                           ref_audio=_audio_f32(audio["ref_audio_i16"]))
+    session = _voice_session(thinker, audio)
     assert _layout_ids(session.system_piece) == stream["token_ids"][: len(session.system_piece)].tolist()
     prep = rel_err(session.read_state(), torch.from_numpy(stream["prepare_hidden"]))
     assert prep <= TOL, f"prepare with a voice reference: rel err {prep:.3e}"
@@ -475,14 +480,11 @@ def test_duplex_generate_matches_official(thinker, scenario, force_listen_units)
     the same ids per unit (step 0's, the 28-character rejection, the deferred terminator), the
     decoder's history, the Talker's ids and hidden rows, the text and the cache lengths."""
     duplex_mod = pytest.importorskip("minicpmo_rt.thinker.duplex")
-    session_mod = pytest.importorskip("minicpmo_rt.thinker.session")
     data, meta = _load("duplex_generate")
     stream, _ = _load("llm_stream")
     audio, _ = _load("audio")
     tok = load_tokenizer(vendored_tokenizer_dir())
-    session = session_mod.StreamingSession(thinker, tok, system_prompt="Streaming Omni Conversation.",
-                                           window=session_mod.WindowPolicy.off(),
-                                           ref_audio=_audio_f32(audio["ref_audio_i16"]))
+    session = _voice_session(thinker, audio)
     res = meta["results"][scenario]
     assert session.cache_len == res["prepare_llm_cache_len"]
     decoder = duplex_mod.DuplexDecoder(tok, duplex_mod.DuplexDecodeConfig(mode="greedy",

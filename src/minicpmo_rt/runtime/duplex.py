@@ -19,7 +19,7 @@ Per unit, as ``DuplexCapability`` (official MiniCPM-o 4.5 code, re-implemented):
    upstream's token2wav buffer does; a unit that ends the turn flushes them.
 
 Output of a unit that spoke but is not the turn's last: at least 1 s of audio, left-padded with
-silence as upstream. A listening unit carries no audio (``silence_for_listen`` fills it with
+silence as upstream. A listening unit carries no audio (``conversation_track`` fills it with
 1 s of zeros for a continuous output track).
 """
 
@@ -49,7 +49,7 @@ class DuplexUnit:
     """What the model did during one second of input (Thinker -> Talker -> Code2Wav)."""
 
     index: int
-    listen: bool                     # the model listened (no speech this unit)
+    listen: bool                     # the unit ended with <|listen|> (it has speech only if it also ended the turn)
     text: str                        # the speech text of this unit (special tokens skipped)
     token_ids: tuple[int, ...]       # the Talker's tokens of this unit
     terminator: int
@@ -80,7 +80,7 @@ class DuplexConversation:
 
         ref16 = None
         if voice is not None:
-            ref16 = _read_voice_16k(voice)
+            ref16 = read_audio_16k(voice)
             if code2wav is not None:
                 code2wav.features(voice)   # reads and checks it for Code2Wav before any model work
         elif code2wav is not None:
@@ -92,7 +92,6 @@ class DuplexConversation:
         generator = torch.Generator().manual_seed(seed)
         self.decoder = DuplexDecoder(tokenizer, decode, generator)
         self.talker = TalkerTurn(tts, talker_sampling, seed, static=fast)
-        self.fast = fast
         self.turn = TurnState()
         self.units = 0
         self._stream = None          # the open turn's Code2Wav stream
@@ -200,10 +199,11 @@ class DuplexConversation:
         return wav
 
 
-def _read_voice_16k(voice) -> np.ndarray:
+def read_audio_16k(path) -> np.ndarray:
+    """Any soundfile-readable recording -> mono float32 samples at 16 kHz (the Thinker's rate)."""
     from ..code2wav.frontend import read_audio, resample
 
-    x, sr = read_audio(voice)
+    x, sr = read_audio(path)
     return resample(x, sr, 16000)
 
 

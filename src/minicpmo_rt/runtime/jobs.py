@@ -78,7 +78,8 @@ class StageBars:
         self.bars.clear()
 
 
-def tiny_warning(pipe: TurnPipeline) -> str | None:
+def tiny_warning(pipe) -> str | None:
+    """The random-weight warning for a pipeline or conversation (anything with a ``thinker``)."""
     h = pipe.thinker.config.llm.hidden_size
     if h < REAL_LLM_HIDDEN:
         return (f"warning: this checkpoint's dims are tiny (LLM hidden {h}, the real model has {REAL_LLM_HIDDEN}): "
@@ -187,11 +188,10 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
     import torch
     from tqdm import tqdm
 
-    from ..code2wav.frontend import read_audio, resample
     from ..code2wav.io import write_wav_atomic
     from ..profiles import load_profile
     from ..thinker.duplex import DuplexDecodeConfig
-    from .duplex import DuplexConversation, conversation_track
+    from .duplex import DuplexConversation, conversation_track, read_audio_16k
 
     for flag, path in (("--input", input_audio), ("--voice", voice)) + ((("--video", video),) if video else ()):
         if not Path(path).is_file():
@@ -213,8 +213,7 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
     check_output_path(output, "--output")
     if transcript is not None:
         check_output_path(transcript, "--transcript")
-    x, sr = read_audio(input_audio)
-    x = resample(x, sr, 16000)
+    x = read_audio_16k(input_audio)
     n = -(-len(x) // 16000)
     if max_units is not None:
         n = min(n, max_units)
@@ -236,16 +235,13 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
                 "terminator": tok.decode([u.terminator]), "turn_end": u.turn_end, "interrupted": u.interrupted,
                 "codes": len(u.codes), "audio_s": round(u.seconds, 4)} for u in units]
     write_wav_atomic(output, track)
+    n_frames = sum(f is not None for f in frames)
     if transcript is not None:
         write_json_atomic(transcript, {"input": str(input_audio), "video": None if video is None else str(video),
-                                       "frames": sum(f is not None for f in frames), "voice": str(voice),
-                                       "profile": prof.name,
+                                       "frames": n_frames, "voice": str(voice), "profile": prof.name,
                                        "decode": decode, "seed": seed, "units": records})
-    h = conv.thinker.config.llm.hidden_size
-    warning = None if h >= REAL_LLM_HIDDEN else (
-        f"warning: this checkpoint's dims are tiny (LLM hidden {h}, the real model has {REAL_LLM_HIDDEN}): "
-        "it is a random-weight test checkpoint, so its text is gibberish and its audio is noise")
-    return {"units": len(units), "spoke": sum(not u.listen for u in units),
-            "turns": sum(u.turn_end for u in units), "frames": sum(f is not None for f in frames), "text": "".join(u.text for u in units),
-            "seconds": len(track) / 24000, "tail_s": len(tail) / 24000, "wall_s": time.perf_counter() - t, "warning": warning,
+    return {"units": len(units), "spoke": sum(not u.listen or u.turn_end for u in units),
+            "turns": sum(u.turn_end for u in units), "frames": n_frames, "text": "".join(u.text for u in units),
+            "seconds": len(track) / 24000, "tail_s": len(tail) / 24000, "wall_s": time.perf_counter() - t,
+            "warning": tiny_warning(conv),
             "profile": prof.name, "dtype": str(torch_dtype).replace("torch.", "")}

@@ -64,7 +64,8 @@ class UnitCodes:
 
 
 class TalkerTurn:
-    """One duplex conversation's Talker state (single stream, plain transformers forward)."""
+    """One duplex conversation's Talker state (a single stream; see the module docstring for the
+    two back-ends)."""
 
     def __init__(self, tts: MiniCPMTTS, sampling: ChunkSampling = ChunkSampling(), seed: int = 0,
                  static: bool = False, max_len: int = 4096, graphs: bool | None = None):

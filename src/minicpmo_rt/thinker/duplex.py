@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from .generate import _top_p_drop
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,7 @@ def top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         logits[logits < kth] = float("-inf")
     if top_p > 0.0:
         vals, order = torch.sort(logits, descending=True)
-        drop = torch.cumsum(F.softmax(vals, dim=-1), dim=-1) > top_p
-        drop[1:] = drop[:-1].clone()
-        drop[0] = False
-        logits[order[drop]] = float("-inf")
+        logits[order[_top_p_drop(vals, top_p)]] = float("-inf")
     return logits
 
 
@@ -89,7 +87,8 @@ class DuplexDecoder:
         sp = tokenizer.special
         self.config, self.generator = config, generator
         self.chunk_eos, self.turn_eos = sp.chunk_eos, sp.turn_eos
-        self.forbidden = sorted({sp.tts_pad, *getattr(tokenizer, "bad_token_ids", ()), sp.chunk_eos})
+        # an index tensor made once: the bad ids alone are ~7000
+        self.forbidden = torch.tensor(sorted({sp.tts_pad, *getattr(tokenizer, "bad_token_ids", ()), sp.chunk_eos}))
         eos = tokenizer.token_to_id(getattr(tokenizer, "eos_token", "<|im_end|>"))
         self.listen_rule_id = sp.im_end if eos is None else eos
         self.history: list[int] = []   # every id decode() returned past its first draw

@@ -168,12 +168,12 @@ class Thinker(nn.Module):
         for start in range(0, x.numel(), window):
             piece = x[start:start + window]
             frames = piece.numel() // 160
-            if conv_output_length(frames) < self.audio_pool_step:
+            n = conv_output_length(frames)
+            if n < self.audio_pool_step:
                 continue  # a tail too short for one pooled embedding, as upstream's pooling drops it
             padded = torch.zeros(window)
             padded[:piece.numel()] = piece
             mel = log_mel(padded, True)[:, :frames][None].to(self.device)
-            n = conv_output_length(frames)
             hidden = self.apm(mel, block_causal_mask(n, 50, device=self.device))
             parts.append(avg_pool(self.audio_projection_layer(hidden), self.audio_pool_step)[0])
         if not parts:
