@@ -114,6 +114,25 @@ def summarize(rows: list[dict], warm: int) -> dict:
             "talker_ms_per_draw": statistics.median(r["talker_ms"] / (r["codes"] + 1) for r in steady)}
 
 
+def write_table(res: dict, path: Path) -> None:
+    """The Markdown table of a run's JSON, with each variant's speed-up over the plain one."""
+    plain = res["variants"].get("plain", {}).get("summary")
+    lines = [f"# Duplex unit latency ({res['gpu']}, {res['dtype']}, "
+             f"{'tiny' if res['tiny'] else 'full-size'} random weights, torch {res['torch']})", "",
+             f"Every unit speaks until its 28-character limit, with a 448x448 frame; medians over units "
+             f"{res['warm']}..{res['units'] - 1}; run order {', '.join(res['order'])}; {res['cpu_threads']} CPU threads.",
+             "", "| Thinker session | unit ms | max | prefill ms | decode ms | steps | ms/step | Talker ms | codes | "
+             "ms/draw | x plain |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, v in res["variants"].items():
+        s = v["summary"]
+        ratio = f"{plain['unit_ms'] / s['unit_ms']:.1f}" if plain else "-"
+        lines.append(f"| {name} | {s['unit_ms']:.1f} | {s['unit_ms_max']:.1f} | {s['prefill_ms']:.1f} | "
+                     f"{s['decode_ms']:.1f} | {s['decode_steps']:.0f} | {s['decode_ms_per_step']:.2f} | "
+                     f"{s['talker_ms']:.1f} | {s['codes']:.0f} | {s['talker_ms_per_draw']:.2f} | {ratio} |")
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -122,7 +141,11 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=3, help="first units left out of the medians (captures, compiles)")
     ap.add_argument("--order", default="plain,fast", help="Thinker session back-ends to run, in order (a name may "
                                                           "repeat, to see whether order matters)")
+    ap.add_argument("--table", type=Path, help="only rewrite OUT/duplex_bench.md from this run's JSON")
     args = ap.parse_args()
+    if args.table:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return write_table(json.loads(args.table.read_text()), args.out / "duplex_bench.md")
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tok = load_tokenizer(vendored_tokenizer_dir())
@@ -143,20 +166,7 @@ def main() -> None:
               f"talker {s['talker_ms']:.1f} ({s['codes']:.0f} codes, {s['talker_ms_per_draw']:.2f}/draw)", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "duplex_bench.json").write_text(json.dumps(res, indent=1))
-    lines = [f"# Duplex unit latency ({res['gpu']}, {res['dtype']}, "
-             f"{'tiny' if args.tiny else 'full-size'} random weights, torch {res['torch']})", "",
-             f"Every unit speaks until its 28-character limit, with a 448x448 frame; medians over units {args.warm}..{args.units - 1}; "
-             f"run order {', '.join(order)}; {res['cpu_threads']} CPU threads.",
-             "", "| Thinker session | unit ms | max | prefill ms | decode ms | steps | ms/step | Talker ms | codes | "
-             "ms/draw |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, v in res["variants"].items():
-        s = v["summary"]
-        lines.append(f"| {name} | {s['unit_ms']:.1f} | {s['unit_ms_max']:.1f} | {s['prefill_ms']:.1f} | "
-                     f"{s['decode_ms']:.1f} | {s['decode_steps']:.0f} | {s['decode_ms_per_step']:.2f} | "
-                     f"{s['talker_ms']:.1f} | {s['codes']:.0f} | {s['talker_ms_per_draw']:.2f} |")
-    (args.out / "duplex_bench.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    write_table(res, args.out / "duplex_bench.md")
 
 if __name__ == "__main__":
     main()
