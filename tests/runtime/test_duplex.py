@@ -248,3 +248,94 @@ def test_a_turn_that_ends_is_voiced_to_its_end_and_the_next_starts_fresh(conv):
     assert b.turn_end and b.listen and b.token_ids == (WORD, sp.turn_eos)
     assert b.pcm.size > 0 and np.isfinite(b.pcm).all()          # the final payload: the turn's last words
     assert conv._stream is None and conv.talker.text_start_pos == 0 and not conv.turn.open
+
+
+# ------------------------------------------------------------------------------------ several conversations
+
+class _Mixed(nn.Module):
+    """The real LM head with a pseudo-random id of ``ids`` lifted on top at each call (a fixed sequence of
+    calls): conversations that run in the same call order decode the same units."""
+
+    def __init__(self, head: nn.Module, ids: list[int], seed: int = 0):
+        super().__init__()
+        self.head, self.ids, self.calls = head, ids, 0
+        self.rng = np.random.default_rng(seed)
+
+    def forward(self, h):
+        out = self.head(h).clone()
+        out[..., self.ids[int(self.rng.integers(len(self.ids)))]] = out.max() + 1000.0
+        self.calls += 1
+        return out
+
+
+def _pcm_err(a, b) -> float:
+    return float(np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30))
+
+
+def test_batch_says_what_each_conversation_says_alone(parts, tiny_ckpt, voice, shared_dir):
+    """Three conversations (two voices) stepped together for 6 s, one of them skipping a second, with a
+    barge-in: each unit (decision, Talker tokens, codes) equals that conversation stepped alone in the same
+    Thinker call order, and its audio matches (one flow solve / HiFT call for the streams in step against
+    one per stream: same math per row, <= 1e-5). The units cover listening, speaking and turn ends."""
+    from minicpmo_rt.code2wav.pipeline import Code2Wav
+    from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
+
+    thinker, tok, tts = parts
+    sp = tok.special
+    c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2)
+    voices = [voice, shared_dir / "media" / "ref_minicpm_signature.wav", voice]
+    cfg = DuplexDecodeConfig(mode="greedy", repetition_penalty=1.0)
+    alone = [DuplexConversation(thinker, tok, tts, c2w, v, decode=cfg, seed=10 + i) for i, v in enumerate(voices)]
+    batch = DuplexBatch(thinker, tok, tts, c2w, voices, seeds=[10, 11, 12], decode=cfg)
+    ids = [sp.listen, sp.speak, WORD, WORD + 1, WORD + 2, sp.chunk_eos, sp.turn_eos]
+    head = thinker.llm.lm_head
+    seen = []
+    try:
+        for run in ("alone", "batch"):
+            thinker.llm.lm_head = _Mixed(head, ids, seed=1)
+            for k in range(6):
+                inputs = [DuplexInput(_audio(1, 10 * k + i), force_listen=(k == 4 and i == 1)) for i in range(3)]
+                if k == 2:
+                    inputs[2] = None            # conversation 2 skips this second
+                if run == "alone":
+                    seen.append([None if x is None else c.step(x.audio, force_listen=x.force_listen)
+                                 for c, x in zip(alone, inputs)])
+                else:
+                    for i, (a, b) in enumerate(zip(seen[k], batch.step(inputs))):
+                        assert (a is None) == (b is None), (k, i)
+                        if a is None:
+                            continue
+                        assert (a.index, a.listen, a.token_ids, a.terminator, a.turn_end, a.interrupted, a.codes) == \
+                               (b.index, b.listen, b.token_ids, b.terminator, b.turn_end, b.interrupted, b.codes), (k, i)
+                        assert a.pcm.shape == b.pcm.shape, (k, i)
+                        if a.pcm.size:
+                            assert _pcm_err(b.pcm, a.pcm) <= 1e-5, (k, i)
+        tails = batch.flush()
+        for c, t in zip(alone, tails):
+            ref = c.flush()
+            assert ref.shape == t.shape and (ref.size == 0 or _pcm_err(t, ref) <= 1e-5)
+    finally:
+        thinker.llm.lm_head = head
+        for c in alone:
+            c.close()
+        batch.close()
+    units = [u for row in seen for u in row if u is not None]
+    assert len(units) == 17
+    assert any(u.listen and not u.turn_end for u in units) and any(u.codes for u in units)
+    assert any(u.turn_end for u in units), [(u.listen, u.turn_end, len(u.codes)) for u in units]
+
+
+def test_batch_input_errors_are_named(parts):
+    from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
+
+    thinker, tok, tts = parts
+    with pytest.raises(InputError, match="2 seeds for 3 conversations"):
+        DuplexBatch(thinker, tok, tts, voices=[None] * 3, seeds=[1, 2])
+    with pytest.raises(InputError, match="at least one conversation"):
+        DuplexBatch(thinker, tok, tts, voices=[])
+    b = DuplexBatch(thinker, tok, tts, voices=[None, None], decode=DuplexDecodeConfig(mode="greedy"))
+    with pytest.raises(InputError, match="1 inputs for 2 conversations"):
+        b.step([DuplexInput(_audio(1))])
+    units = b.step([DuplexInput(_audio(1)), None])     # codes only: no Code2Wav
+    assert units[1] is None and units[0].pcm.size == 0
+    b.close()

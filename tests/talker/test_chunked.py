@@ -112,3 +112,90 @@ def test_static_cache_backend_equals_the_reference(tts, graphs):
             TalkerTurn(model, static=True, max_len=64, graphs=False).generate_unit(*_unit(80, 1), False)
     finally:
         tts.to("cpu")
+
+
+# ---- several conversations on one cache (TalkerTurns) --------------------------------------------------
+
+# (seat, unit seed, turn_end) per round; a seat missing from a round is idle in it
+_ROUNDS = [[(0, 20, False), (1, 21, False), (2, 22, True)],
+           [(0, 23, False), (2, 24, False)],
+           [(1, 25, True), (2, 26, False), (0, 27, False)],
+           [(0, 28, True), (1, 29, False)],
+           [(2, 30, True), (1, 31, False), (0, 32, False)]]
+
+
+def _eos_prone(tts, boost):
+    """A copy of the tiny Talker whose EOS row of the code head is scaled up, so that units which may stop
+    (a turn's first and last) stop after a few draws and the others in the round go on without them."""
+    import copy
+
+    m = copy.deepcopy(tts)
+    with torch.no_grad():   # the weight-normed head's per-row magnitude (g)
+        g = dict(m.head_code[0].named_parameters())
+        (g.get("parametrizations.weight.original0") if "weight_g" not in g else g["weight_g"])[m.eos_code] *= boost
+    return m
+
+
+@pytest.mark.parametrize("boost", [1.0, 8.0])
+def test_talker_turns_draw_what_each_conversation_draws_alone(tts, boost):
+    """Three seats stepping together (some idle in a round, turns ending and starting at different rounds)
+    give each conversation the codes, EOS flags and positions of its own ``TalkerTurn`` (the transformers
+    reference) with the same seed; with a boosted EOS some units stop early while others keep drawing."""
+    from minicpmo_rt.talker.chunked import SeatUnit, TalkerTurns
+
+    model = _eos_prone(tts, boost) if boost != 1.0 else tts
+    alone = [TalkerTurn(model, seed=40 + i) for i in range(3)]
+    together = TalkerTurns(model, 3, seeds=[40, 41, 42], max_len=512, graphs=False)
+    lengths = set()
+    for rnd in _ROUNDS:
+        units = [SeatUnit(seat, *map(tuple, [_unit(2 + seed % 3, seed)[0]]), _unit(2 + seed % 3, seed)[1], end)
+                 for seat, seed, end in rnd]
+        got = together.generate_units(units)
+        for (seat, seed, end), out in zip(rnd, got):
+            ids, hid = _unit(2 + seed % 3, seed)
+            assert out == alone[seat].generate_unit(ids, hid, end), f"seat {seat}, unit seed {seed}"
+            assert together.text_start_pos[seat] == alone[seat].text_start_pos
+            assert together.draws[seat] == alone[seat].draws
+        lengths |= {len(o.codes) for o in got}
+    if boost != 1.0:
+        assert min(lengths) < 25 and 25 in lengths, lengths   # ragged rounds were exercised
+
+
+def test_talker_seat_steps_one_conversation_and_checks_its_input(tts):
+    from minicpmo_rt.talker.chunked import SeatUnit, TalkerTurns
+
+    turns = TalkerTurns(tts, 2, seeds=[5, 6], max_len=128, graphs=False)
+    seat = turns.seat(1)
+    ref = TalkerTurn(tts, seed=6)
+    for end in (False, True, False):
+        ids, hid = _unit(3, 50 + end)
+        assert seat.generate_unit(ids, hid, end) == ref.generate_unit(ids, hid, end)
+        assert seat.text_start_pos == ref.text_start_pos
+    assert turns.text_start_pos[0] == 0 and turns.draws[0] == 0     # the other seat never drew
+    seat.reset()
+    assert seat.text_start_pos == 0
+    with pytest.raises(InputError, match="seat 2 does not exist"):
+        turns.seat(2)
+    with pytest.raises(InputError, match="must be distinct"):
+        turns.generate_units([SeatUnit(0, (), torch.zeros(0, 128), False)] * 2)
+    with pytest.raises(InputError, match="one seed per seat"):
+        TalkerTurns(tts, 2, seeds=[1])
+    with pytest.raises(InputError, match="larger max_len"):
+        turns.generate_units([SeatUnit(0, *_unit(110, 1), False)])
+
+
+@requires_cuda
+def test_talker_turns_graph_equals_the_eager_batch():
+    """On CUDA the batched draw replays one graph; it draws what the eager batch draws (same device,
+    same math), seats idle or ragged included."""
+    from minicpmo_rt.talker.chunked import SeatUnit, TalkerTurns
+
+    m = MiniCPMTTS(MiniCPMOConfig.from_dict(tiny_config()).tts)
+    randomize_(m, seed=3, prefix="tts.")
+    model = _eos_prone(m.eval(), 8.0).to("cuda")
+    eager = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=False)
+    graph = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=True)
+    assert graph._graph is not None
+    for rnd in _ROUNDS:
+        units = [SeatUnit(seat, tuple(_unit(3, seed)[0]), _unit(3, seed)[1].cuda(), end) for seat, seed, end in rnd]
+        assert eager.generate_units(units) == graph.generate_units(units)

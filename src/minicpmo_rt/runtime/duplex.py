@@ -21,10 +21,17 @@ Per unit, as ``DuplexCapability`` (official MiniCPM-o 4.5 code, re-implemented):
 Output of a unit that spoke but is not the turn's last: at least 1 s of audio, left-padded with
 silence as upstream. A listening unit carries no audio (``conversation_track`` fills it with
 1 s of zeros for a continuous output track).
+
+``DuplexBatch`` steps several conversations on one set of models, one second at a time: each
+conversation's Thinker unit in turn (every conversation has its own session), then the speaking
+units' Talker draws together (``TalkerTurns``: one batched forward per draw) and their Code2Wav
+payloads together (``Code2Wav.push_many``: one flow solve for the streams in step). A conversation
+says and hears what it would alone (same seeds; up to the batched arithmetic's rounding).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
@@ -33,7 +40,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..talker.chunked import ChunkSampling, TalkerTurn
+from ..talker.chunked import ChunkSampling, SeatUnit, TalkerTurn, TalkerTurns
 from ..talker.engine import CONTEXT_CODES, SILENCE_CODE
 from ..thinker.duplex import DuplexDecodeConfig, DuplexDecoder, TurnState, generate_unit
 
@@ -63,13 +70,26 @@ class DuplexUnit:
         return len(self.pcm) / PCM_RATE
 
 
+@dataclass(frozen=True)
+class DuplexInput:
+    """One conversation's second of input for ``DuplexBatch.step``: 1 s of mono audio (resampled
+    from ``sample_rate`` when it is not 16 kHz), an optional video frame, and the client's barge-in."""
+
+    audio: np.ndarray
+    frame: object = None
+    force_listen: bool = False
+    sample_rate: int = 16000
+
+
 class DuplexConversation:
-    """One duplex conversation (one user, one voice). ``code2wav=None`` makes codes only."""
+    """One duplex conversation (one user, one voice). ``code2wav=None`` makes codes only.
+    ``talker``: the Talker state to use (a ``TalkerTurns`` seat when the conversation belongs to a
+    ``DuplexBatch``; default its own ``TalkerTurn``)."""
 
     def __init__(self, thinker, tokenizer, tts, code2wav=None, voice: Union[str, Path, None] = None,
                  decode: DuplexDecodeConfig = DuplexDecodeConfig(), talker_sampling: ChunkSampling = ChunkSampling(),
                  system_text: str = DUPLEX_SYSTEM_TEXT, seed: int = 0, window=None, session_options=None,
-                 fast: bool | None = None):
+                 fast: bool | None = None, talker=None):
         from ..thinker.session import StreamingSession, WindowPolicy, shared_fast_paths
 
         # fast (default on CUDA): the Thinker session's fast paths (static cache, Triton kernels, graphs)
@@ -91,7 +111,7 @@ class DuplexConversation:
                                         ref_audio=ref16, **session_options)
         generator = torch.Generator().manual_seed(seed)
         self.decoder = DuplexDecoder(tokenizer, decode, generator)
-        self.talker = TalkerTurn(tts, talker_sampling, seed, static=fast)
+        self.talker = talker if talker is not None else TalkerTurn(tts, talker_sampling, seed, static=fast)
         self.turn = TurnState()
         self.units = 0
         self._stream = None          # the open turn's Code2Wav stream
@@ -103,25 +123,8 @@ class DuplexConversation:
                       dtype: torch.dtype = torch.float32, with_code2wav: bool = True, n_timesteps: int | None = None,
                       decode: DuplexDecodeConfig = DuplexDecodeConfig(), seed: int = 0,
                       fast: bool | None = None) -> "DuplexConversation":
-        from ..checkpoint.snapshot import resolve_snapshot
-        from ..checkpoint.tokenizer import load_tokenizer
-        from ..code2wav.pipeline import Code2Wav
-        from ..profiles import load_profile
-        from ..talker.load import load_talker
-        from ..thinker.model import Thinker
-
-        prof = load_profile(profile)
-        if prof.mode != "duplex":
-            raise InputError(f"profile {prof.name!r} is a {prof.mode} profile; a duplex conversation needs a "
-                             f"duplex profile (e.g. {DEFAULT_DUPLEX_PROFILE})")
-        snap = resolve_snapshot(model)
-        thinker = Thinker.from_snapshot(snap.path, dtype=dtype, device=device)
-        c2w = None
-        if with_code2wav:
-            c2w = Code2Wav.from_snapshot(snap.path, device=device, n_timesteps=n_timesteps or prof.code2wav.n_timesteps,
-                                         extra=prof.code2wav.extra)
-        return cls(thinker, load_tokenizer(snap.path), load_talker(snap.path, dtype, device), c2w, voice,
-                   decode=decode, seed=seed, fast=fast)
+        thinker, tokenizer, tts, c2w = load_duplex_models(model, profile, device, dtype, with_code2wav, n_timesteps)
+        return cls(thinker, tokenizer, tts, c2w, voice, decode=decode, seed=seed, fast=fast)
 
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -129,21 +132,12 @@ class DuplexConversation:
              force_listen: bool = False) -> DuplexUnit:
         """One second of user audio (16 kHz mono float; other rates are resampled) and an
         optional video frame. ``force_listen``: the client's barge-in (the model stops talking)."""
-        self.session.commit(audio, frame, sample_rate=sample_rate)
-        gen = generate_unit(self.session, self.decoder, self.tokenizer, self.turn, force_listen=force_listen)
-        index, self.units = self.units, self.units + 1
-        if gen.interrupted:
-            self._drop_turn()
-        if gen.listen and not gen.turn_end:
-            return DuplexUnit(index, True, "", (), gen.terminator, False, gen.interrupted, (),
-                              np.zeros(0, np.float32))
-        # A unit that ends the turn and then listens (<|turn_eos|> ... <|listen|>) is still voiced and
-        # closes the Talker's turn; upstream skips both (its text is never heard, its TTS cache leaks
-        # into the next turn).
+        index, gen = self._think(audio, frame, sample_rate, force_listen)
+        if not speaks(gen):
+            return self._unit(index, gen, (), np.zeros(0, np.float32))
         unit = self.talker.generate_unit(gen.talker_ids, gen.talker_hidden, gen.turn_end)
-        pcm = self._vocode(list(unit.codes), gen.turn_end)
-        return DuplexUnit(index, gen.listen, gen.text, gen.talker_ids, gen.terminator, gen.turn_end,
-                          gen.interrupted, unit.codes, pcm)
+        pcm = self._vocode(unit.codes, gen.turn_end)
+        return self._unit(index, gen, unit.codes, pcm)
 
     def flush(self) -> np.ndarray:
         """End the input: decode the open turn's waiting codes as its final payload (the model's
@@ -159,6 +153,22 @@ class DuplexConversation:
         self.session.close()
 
     # ------------------------------------------------------------------------------------------------
+    def _think(self, audio, frame, sample_rate: int, force_listen: bool):
+        """The Thinker's part of a step: commit the second, generate the unit -> (unit index, UnitGeneration)."""
+        self.session.commit(audio, frame, sample_rate=sample_rate)
+        gen = generate_unit(self.session, self.decoder, self.tokenizer, self.turn, force_listen=force_listen)
+        index, self.units = self.units, self.units + 1
+        if gen.interrupted:
+            self._drop_turn()
+        return index, gen
+
+    @staticmethod
+    def _unit(index: int, gen, codes: tuple[int, ...], pcm: np.ndarray) -> DuplexUnit:
+        if not speaks(gen):
+            return DuplexUnit(index, True, "", (), gen.terminator, False, gen.interrupted, (), pcm)
+        return DuplexUnit(index, gen.listen, gen.text, gen.talker_ids, gen.terminator, gen.turn_end,
+                          gen.interrupted, tuple(codes), pcm)
+
     def _drop_turn(self) -> None:
         """An interrupted turn: its waiting codes and Code2Wav stream are dropped unheard, as
         upstream's reset for a new turn; the Talker's cache is reset too (upstream keeps it)."""
@@ -167,16 +177,18 @@ class DuplexConversation:
             self._stream.close()
         self._stream, self._buffer = None, [SILENCE_CODE] * CONTEXT_CODES
 
-    def _vocode(self, codes: list[int], turn_end: bool) -> np.ndarray:
-        """Release what the turn's codes so far can decode, as upstream's token2wav buffer: it
-        starts as 3 silence codes; while it holds the look-ahead + 5 codes, up to 25 + look-ahead
-        of them are decoded and all but the last look-ahead (the next context) leave it; the
-        turn's last unit decodes the rest as the stream's final payload."""
+    def _vocode(self, codes, turn_end: bool) -> np.ndarray:
+        return self._release([stream.push(payload, last) for stream, payload, last in self._payloads(codes, turn_end)],
+                             turn_end)
+
+    def _payloads(self, codes, turn_end: bool) -> list[tuple[object, list[int], bool]]:
+        """The Code2Wav pushes (stream, payload, last) the turn's codes so far allow, as upstream's
+        token2wav buffer: it starts as 3 silence codes; while it holds the look-ahead + 5 codes, up to
+        25 + look-ahead of them are decoded and all but the last look-ahead (the next context) leave it;
+        the turn's last unit decodes the rest as the stream's final payload. ``_release`` takes their PCM."""
         if self.code2wav is None:
-            if turn_end:
-                self._drop_turn()
-            return np.zeros(0, np.float32)
-        self._buffer += codes
+            return []
+        self._buffer += list(codes)
         lookahead = self.code2wav.flow.pre_lookahead_len
         out = []
         if self._stream is None:
@@ -184,10 +196,20 @@ class DuplexConversation:
             self._skip = self._stream.lead_samples + CONTEXT_CODES * SAMPLES_PER_CODE
         while len(self._buffer) >= lookahead + 5:
             take = min(UNIT_CODES + lookahead, len(self._buffer))
-            out.append(self._stream.push(self._buffer[:take], False))
+            out.append((self._stream, self._buffer[:take], False))
             self._buffer = self._buffer[min(UNIT_CODES, take - lookahead):]
         if turn_end:
-            out.append(self._stream.push(self._buffer, True))
+            out.append((self._stream, self._buffer, True))
+        return out
+
+    def _release(self, out: list[np.ndarray], turn_end: bool) -> np.ndarray:
+        """The unit's audio from its pushes' PCM: the stream's lead-in dropped, a non-final unit
+        left-padded to 1 s; a turn end closes the turn's stream and the Talker's turn."""
+        if self.code2wav is None:
+            if turn_end:
+                self._drop_turn()
+            return np.zeros(0, np.float32)
+        if turn_end:
             self._stream, self._buffer = None, [SILENCE_CODE] * CONTEXT_CODES
             self.talker.reset()
         wav = np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
@@ -197,6 +219,115 @@ class DuplexConversation:
         if not turn_end and len(wav) < PCM_RATE:
             wav = np.concatenate([np.zeros(PCM_RATE - len(wav), np.float32), wav])
         return wav
+
+
+def load_duplex_models(model, profile: str = DEFAULT_DUPLEX_PROFILE, device: str = "cpu",
+                       dtype: torch.dtype = torch.float32, with_code2wav: bool = True, n_timesteps: int | None = None):
+    """(thinker, tokenizer, tts, code2wav or None) of a snapshot, under a duplex profile."""
+    from ..checkpoint.snapshot import resolve_snapshot
+    from ..checkpoint.tokenizer import load_tokenizer
+    from ..code2wav.pipeline import Code2Wav
+    from ..profiles import load_profile
+    from ..talker.load import load_talker
+    from ..thinker.model import Thinker
+
+    prof = load_profile(profile)
+    if prof.mode != "duplex":
+        raise InputError(f"profile {prof.name!r} is a {prof.mode} profile; a duplex conversation needs a "
+                         f"duplex profile (e.g. {DEFAULT_DUPLEX_PROFILE})")
+    snap = resolve_snapshot(model)
+    thinker = Thinker.from_snapshot(snap.path, dtype=dtype, device=device)
+    c2w = None
+    if with_code2wav:
+        c2w = Code2Wav.from_snapshot(snap.path, device=device, n_timesteps=n_timesteps or prof.code2wav.n_timesteps,
+                                     extra=prof.code2wav.extra)
+    return thinker, load_tokenizer(snap.path), load_talker(snap.path, dtype, device), c2w
+
+
+def speaks(gen) -> bool:
+    """Does this unit reach the Talker? A unit that ends the turn and then listens
+    (<|turn_eos|> ... <|listen|>) is still voiced and closes the Talker's turn; upstream skips both
+    (its text is never heard, its TTS cache leaks into the next turn)."""
+    return not gen.listen or gen.turn_end
+
+
+class DuplexBatch:
+    """Several duplex conversations on one set of models, stepped one second at a time (module
+    docstring). Conversation i has seat i of one ``TalkerTurns`` and ``seeds[i]``; on CUDA every
+    conversation shares one set of Thinker fast paths (``shared_fast_paths``)."""
+
+    def __init__(self, thinker, tokenizer, tts, code2wav=None, voices: Sequence = (None,),
+                 seeds: Sequence[int] | None = None, decode: DuplexDecodeConfig = DuplexDecodeConfig(),
+                 talker_sampling: ChunkSampling = ChunkSampling(), fast: bool | None = None,
+                 talker_max_len: int = 4096, **conversation_options):
+        from ..thinker.session import shared_fast_paths
+
+        voices = list(voices)
+        if not voices:
+            raise InputError("duplex batch: give at least one conversation (one voice, or None, per conversation)")
+        seeds = list(range(len(voices))) if seeds is None else list(seeds)
+        if len(seeds) != len(voices):
+            raise InputError(f"duplex batch: {len(seeds)} seeds for {len(voices)} conversations; give one per voice")
+        fast = thinker.device.type == "cuda" if fast is None else fast
+        if "session_options" not in conversation_options:
+            conversation_options["session_options"] = (shared_fast_paths(thinker)
+                                                       if fast and thinker.device.type == "cuda" else {})
+        self.code2wav = code2wav
+        self.talker = TalkerTurns(tts, len(voices), talker_sampling, seeds, max_len=talker_max_len,
+                                  graphs=fast and thinker.device.type == "cuda")
+        self.conversations = [DuplexConversation(thinker, tokenizer, tts, code2wav, voice, decode=decode,
+                                                 talker_sampling=talker_sampling, seed=seed, fast=fast,
+                                                 talker=self.talker.seat(i), **conversation_options)
+                              for i, (voice, seed) in enumerate(zip(voices, seeds))]
+
+    @classmethod
+    def from_snapshot(cls, model, voices: Sequence, profile: str = DEFAULT_DUPLEX_PROFILE, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32, with_code2wav: bool = True, n_timesteps: int | None = None,
+                      decode: DuplexDecodeConfig = DuplexDecodeConfig(), seeds: Sequence[int] | None = None,
+                      fast: bool | None = None) -> "DuplexBatch":
+        thinker, tokenizer, tts, c2w = load_duplex_models(model, profile, device, dtype, with_code2wav, n_timesteps)
+        return cls(thinker, tokenizer, tts, c2w, voices, seeds, decode, fast=fast)
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    @torch.no_grad()
+    def step(self, inputs: Sequence[DuplexInput | None]) -> list[DuplexUnit | None]:
+        """One second for every conversation: ``inputs[i]`` is conversation i's, or None when it does
+        not step this second (its unit is then None too)."""
+        if len(inputs) != len(self.conversations):
+            raise InputError(f"duplex batch: {len(inputs)} inputs for {len(self.conversations)} conversations; "
+                             "give one per conversation (None for one that does not step)")
+        thought = {}
+        for i, (conv, x) in enumerate(zip(self.conversations, inputs)):
+            if x is not None:
+                thought[i] = conv._think(x.audio, x.frame, x.sample_rate, x.force_listen)
+        talking = [i for i, (_, gen) in thought.items() if speaks(gen)]
+        made = self.talker.generate_units([SeatUnit(i, thought[i][1].talker_ids, thought[i][1].talker_hidden,
+                                                    thought[i][1].turn_end) for i in talking])
+        codes = {i: u.codes for i, u in zip(talking, made)}
+        plans = {i: self.conversations[i]._payloads(codes[i], thought[i][1].turn_end) for i in talking}
+        pcm = {i: [] for i in talking}
+        for r in range(max((len(p) for p in plans.values()), default=0)):   # push r of every conversation at once
+            round_ = [(i, p[r]) for i, p in plans.items() if r < len(p)]
+            for (i, _), wav in zip(round_, self.code2wav.push_many([item for _, item in round_])):
+                pcm[i].append(wav)
+        units: list[DuplexUnit | None] = [None] * len(self.conversations)
+        for i, (index, gen) in thought.items():
+            conv = self.conversations[i]
+            if i in codes:
+                units[i] = conv._unit(index, gen, codes[i], conv._release(pcm[i], gen.turn_end))
+            else:
+                units[i] = conv._unit(index, gen, (), np.zeros(0, np.float32))
+        return units
+
+    def flush(self) -> list[np.ndarray]:
+        """End every conversation's input (``DuplexConversation.flush`` each)."""
+        return [conv.flush() for conv in self.conversations]
+
+    def close(self) -> None:
+        for conv in self.conversations:
+            conv.close()
 
 
 def read_audio_16k(path) -> np.ndarray:

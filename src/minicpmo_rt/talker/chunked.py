@@ -25,10 +25,17 @@ are never seen), where a draw's one-code forward replays a CUDA graph on CUDA (`
 CUDA). Per draw the host reads one code either way (it decides whether to stop).
 Draws use ``sampler.uniform`` (counter-based: seed, draw index, code id) so a session's codes
 do not depend on anything else running in the process.
+
+``TalkerTurns`` runs several conversations' units together: one static cache with a row (seat) per
+conversation, each unit's condition prefilled on its own row, then one batched forward per draw for
+every seat (a CUDA graph on CUDA); a seat with nothing to draw feeds a dummy code at the cache's last
+position, which no real position attends. Each seat keeps its own seed and draw counter, so a
+conversation draws what it would draw alone (up to the batched forward's rounding).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,16 +98,7 @@ class TalkerTurn:
         self.text_start_pos = 0
 
     def condition(self, text_ids, hidden: torch.Tensor) -> torch.Tensor:
-        """[n + 1, H]: the unit's token rows, then the audio-bos row."""
-        tts = self.tts
-        bos = tts.emb_text(torch.tensor([tts.cfg.audio_bos_token_id], device=self.device))
-        if len(text_ids) == 0:
-            return bos
-        ids = torch.as_tensor(list(text_ids), dtype=torch.long, device=self.device)
-        if hidden.shape[0] != ids.shape[0]:
-            raise InputError(f"talker unit: {ids.shape[0]} text ids but {hidden.shape[0]} hidden rows")
-        proj = F.normalize(tts.projector_semantic(hidden.to(self.device, tts.emb_text.weight.dtype)), p=2, dim=-1)
-        return torch.cat([tts.emb_text(ids) + proj, bos])
+        return unit_condition(self.tts, text_ids, hidden)
 
     @torch.no_grad()
     def _forward(self, rows: torch.Tensor, start: int) -> torch.Tensor:
@@ -149,19 +147,11 @@ class TalkerTurn:
         return self._logits
 
     def draw(self, logits: torch.Tensor, codes: list[int], mask_eos: bool) -> int:
-        """One code from [V] logits: temperature, the penalty over ``codes`` (this unit's draws so
-        far, when there are any), EOS masked if asked, then a categorical draw (Gumbel-max over the
-        counter-based uniforms of draw number ``self.draws``)."""
-        s = self.sampling
-        x = (logits.float() / s.temperature)[None]
-        if codes and s.repetition_penalty != 1.0:
-            hist = torch.tensor(codes[-s.window:], dtype=torch.long, device=x.device)[None]
-            x = penalize(x, hist, s.repetition_penalty)
-        if mask_eos:
-            x[0, self.tts.eos_code] = float("-inf")
-        u = uniform(self.seed, torch.tensor([self.draws], device=x.device), x.shape[-1])
+        """One code from [V] logits (``draw_codes`` for one row at draw number ``self.draws``)."""
+        code, = draw_codes(logits[None], [codes], [mask_eos], self.seed, [self.draws], self.sampling,
+                           self.tts.eos_code)
         self.draws += 1
-        return int(torch.argmax(x.double() - torch.log(-torch.log(u))))
+        return code
 
     @torch.no_grad()
     def generate_unit(self, text_ids, hidden: torch.Tensor, turn_end: bool) -> UnitCodes:
@@ -190,3 +180,188 @@ class TalkerTurn:
         else:
             self.text_start_pos = start + cond.shape[0] + len(codes)
         return out
+
+
+def unit_condition(tts: MiniCPMTTS, text_ids, hidden: torch.Tensor) -> torch.Tensor:
+    """[n + 1, H]: a unit's token rows ``emb_text(id) + L2norm(projector_semantic(hidden))``, then the
+    audio-bos row."""
+    dev = tts.emb_text.weight.device
+    bos = tts.emb_text(torch.tensor([tts.cfg.audio_bos_token_id], device=dev))
+    if len(text_ids) == 0:
+        return bos
+    ids = torch.as_tensor(list(text_ids), dtype=torch.long, device=dev)
+    if hidden.shape[0] != ids.shape[0]:
+        raise InputError(f"talker unit: {ids.shape[0]} text ids but {hidden.shape[0]} hidden rows")
+    proj = F.normalize(tts.projector_semantic(hidden.to(dev, tts.emb_text.weight.dtype)), p=2, dim=-1)
+    return torch.cat([tts.emb_text(ids) + proj, bos])
+
+
+def draw_codes(logits: torch.Tensor, histories: Sequence[list[int]], mask_eos: Sequence[bool],
+               seeds: torch.Tensor, draws: Sequence[int], sampling: ChunkSampling, eos: int) -> list[int]:
+    """One code per row of [R, V] logits: temperature, the penalty over the row's history (its unit's
+    draws so far, at most the last ``window``; an empty history changes nothing), EOS masked where asked,
+    then a categorical draw: Gumbel-max over the counter-based uniforms of (seed, draw number)."""
+    s = sampling
+    x = logits.float() / s.temperature
+    if s.repetition_penalty != 1.0 and any(histories):
+        hist = torch.full((len(histories), s.window), -1, dtype=torch.long)
+        for r, h in enumerate(histories):
+            h = h[-s.window:]
+            if h:
+                hist[r, :len(h)] = torch.tensor(h)
+        x = penalize(x, hist.to(x.device), s.repetition_penalty)
+    if any(mask_eos):
+        x[torch.tensor(list(mask_eos), device=x.device), eos] = float("-inf")
+    u = uniform(seeds, torch.tensor(list(draws), device=x.device), x.shape[-1])
+    return torch.argmax(x.double() - torch.log(-torch.log(u)), dim=-1).tolist()
+
+
+@dataclass(frozen=True)
+class SeatUnit:
+    """One conversation's unit for ``TalkerTurns.generate_units``: its seat, the unit's Talker tokens
+    with their hidden rows, and whether it ends the turn."""
+
+    seat: int
+    text_ids: tuple[int, ...]
+    hidden: torch.Tensor
+    turn_end: bool
+
+
+class TalkerTurns:
+    """Several conversations' duplex Talkers on one static KV cache (seat i: conversation i). Each seat
+    behaves as its own ``TalkerTurn`` (same condition, positions, draw rules, seed and draw counter);
+    the units of one call draw together, one batched forward per draw (module docstring)."""
+
+    def __init__(self, tts: MiniCPMTTS, seats: int, sampling: ChunkSampling = ChunkSampling(),
+                 seeds: Sequence[int] | None = None, max_len: int = 4096, graphs: bool | None = None):
+        if seats < 1:
+            raise InputError(f"talker turns: seats must be >= 1 (got {seats})")
+        seeds = list(range(seats)) if seeds is None else list(seeds)
+        if len(seeds) != seats:
+            raise InputError(f"talker turns: {len(seeds)} seeds for {seats} seats; give one seed per seat")
+        self.tts, self.sampling, self.seats = tts.eval(), sampling, seats
+        p = next(tts.parameters())
+        self.device = p.device
+        self.engine = TalkerEngine(tts, seats, kv_bytes_per_token(tts, p.dtype) * max_len * seats)
+        self.max_len = self.engine.max_len
+        self.idle_pos = self.max_len - 1      # where a seat without a draw writes: beyond every real position
+        self.seeds = torch.tensor([x & MASK32 for x in seeds], dtype=torch.long, device=self.device)
+        self.draws = [0] * seats
+        self.text_start_pos = [0] * seats
+        self._codes = torch.zeros(seats, dtype=torch.long, device=self.device)
+        self._pos = torch.full((seats, 1), self.idle_pos, dtype=torch.long, device=self.device)
+        self._graph = None
+        if graphs if graphs is not None else self.device.type == "cuda":
+            self._capture()
+
+    def reset(self, seat: int) -> None:
+        """Forget seat ``seat``'s turn (its turn ended or was interrupted)."""
+        self.text_start_pos[seat] = 0
+
+    def seat(self, i: int) -> "TalkerSeat":
+        if not 0 <= i < self.seats:
+            raise InputError(f"talker turns: seat {i} does not exist (seats 0..{self.seats - 1})")
+        return TalkerSeat(self, i)
+
+    @torch.no_grad()
+    def _step(self) -> torch.Tensor:
+        """Feed ``_codes`` at ``_pos`` (one per seat); [seats, V] logits."""
+        x = self.tts.embed_codes(self._codes)[:, None]
+        hidden = self.engine._layers(x, self._pos, slice(0, self.seats), self.max_len, self._pos)
+        return self.tts.logits(hidden[:, -1])
+
+    def _capture(self) -> None:
+        """One graph of ``_step``; its warm-up writes land at the idle position."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._logits = self._step()
+        self._graph = graph
+
+    @torch.no_grad()
+    def _prefill(self, seat: int, cond: torch.Tensor, start: int) -> torch.Tensor:
+        pos = torch.arange(start, start + cond.shape[0], device=self.device)[None]
+        hidden = self.engine._layers(cond[None], pos, slice(seat, seat + 1), self.max_len, pos)
+        return self.tts.logits(hidden[0, -1])
+
+    @torch.no_grad()
+    def generate_units(self, units: Sequence[SeatUnit]) -> list[UnitCodes]:
+        """Each unit's codes, as ``TalkerTurn.generate_unit`` on its seat (one unit per seat per call)."""
+        s, eos = self.sampling, self.tts.eos_code
+        seats = [u.seat for u in units]
+        if len(set(seats)) != len(seats) or any(not 0 <= i < self.seats for i in seats):
+            raise InputError(f"talker turns: seats {seats} must be distinct and in 0..{self.seats - 1}")
+        starts, conds, min_new, logits = [], [], [], []
+        for u in units:
+            start = self.text_start_pos[u.seat]
+            cond = unit_condition(self.tts, u.text_ids, u.hidden)
+            # the unit's condition and draws must stay below the idle position
+            if start + cond.shape[0] + s.max_new_codes > self.idle_pos:
+                raise InputError(f"talker turns: seat {u.seat}'s turn would reach position "
+                                 f"{start + cond.shape[0] + s.max_new_codes} of a static cache of {self.max_len}; "
+                                 "build TalkerTurns with a larger max_len")
+            starts.append(start)
+            conds.append(cond.shape[0])
+            min_new.append(0 if (start == 0 or u.turn_end) else s.max_new_codes)
+            logits.append(self._prefill(u.seat, cond, start))
+        logits = torch.stack(logits) if logits else None
+        codes: list[list[int]] = [[] for _ in units]
+        drew_eos = [False] * len(units)
+        live = list(range(len(units)))      # units still drawing
+        for t in range(s.max_new_codes):
+            if not live:
+                break
+            if t > 0:    # feed every live unit's previous draw (idle seats write at the idle position)
+                feed = torch.zeros(self.seats, dtype=torch.long)
+                pos = torch.full((self.seats, 1), self.idle_pos, dtype=torch.long)
+                for r in live:
+                    feed[seats[r]] = codes[r][-1]
+                    pos[seats[r], 0] = starts[r] + conds[r] + t - 1
+                self._codes.copy_(feed)
+                self._pos.copy_(pos)
+                if self._graph is None:
+                    step_logits = self._step()
+                else:
+                    self._graph.replay()
+                    step_logits = self._logits
+                logits = step_logits[torch.tensor([seats[r] for r in live], device=self.device)]
+            drawn = draw_codes(logits, [codes[r] for r in live], [t < min_new[r] for r in live],
+                               self.seeds[torch.tensor([seats[r] for r in live], device=self.device)],
+                               [self.draws[seats[r]] for r in live], s, eos)
+            still = []
+            for r, code in zip(live, drawn):
+                self.draws[seats[r]] += 1
+                if code == eos:
+                    drew_eos[r] = True
+                elif t < s.max_new_codes - 1:    # the last draw is not returned (and never fed)
+                    codes[r].append(code)
+                    still.append(r)
+            live = still
+        out = []
+        for r, u in enumerate(units):
+            out.append(UnitCodes(tuple(codes[r]), drew_eos[r], starts[r], starts[r] == 0, u.turn_end))
+            self.text_start_pos[u.seat] = 0 if u.turn_end else starts[r] + conds[r] + len(codes[r])
+        return out
+
+
+class TalkerSeat:
+    """One seat of ``TalkerTurns`` with ``TalkerTurn``'s interface (``generate_unit``, ``reset``), for a
+    conversation that steps alone."""
+
+    def __init__(self, turns: TalkerTurns, seat: int):
+        self.turns, self.index = turns, seat
+
+    @property
+    def text_start_pos(self) -> int:
+        return self.turns.text_start_pos[self.index]
+
+    def reset(self) -> None:
+        self.turns.reset(self.index)
+
+    def generate_unit(self, text_ids, hidden: torch.Tensor, turn_end: bool) -> UnitCodes:
+        return self.turns.generate_units([SeatUnit(self.index, tuple(text_ids), hidden, turn_end)])[0]
