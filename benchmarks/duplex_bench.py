@@ -7,7 +7,7 @@ until the 28-character limit, the longest an ordinary unit speaks), with a 448x4
 Thinker session back-ends side by side in one run: the plain reference (transformers on a
 DynamicCache, and the Talker on transformers' forward) and the fast paths (``shared_fast_paths``:
 static cache with Triton kernels and CUDA-graph prefill, vision and audio graphs; the Talker's
-static cache with a CUDA graph per draw: what ``DuplexConversation`` runs on CUDA). Code2Wav is not in the loop here: its steady chunk
+static cache: a one-seat ``TalkerTurns``, what ``DuplexConversation`` runs on CUDA). Code2Wav is not in the loop here: its steady chunk
 is measured by ``code2wav_pipeline_bench.py`` (12.4 ms per stream, session 33).
 
     python benchmarks/duplex_bench.py OUT               # GPU, full size
@@ -29,7 +29,7 @@ from torch import nn
 from minicpmo_rt.checkpoint.config import MiniCPMOConfig
 from minicpmo_rt.checkpoint.tiny import randomize_, reference_config, tiny_config
 from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
-from minicpmo_rt.talker.chunked import TalkerTurn
+from minicpmo_rt.talker.chunked import TalkerTurn, TalkerTurns
 from minicpmo_rt.talker.model import MiniCPMTTS, rebuild_rotary_
 from minicpmo_rt.thinker.duplex import DuplexDecodeConfig, DuplexDecoder, TurnState, generate_unit
 from minicpmo_rt.thinker.model import Thinker
@@ -81,7 +81,8 @@ def run(thinker, tts, tok, options: dict, units: int, dev: torch.device, frame: 
     session = StreamingSession(thinker, tok, ref_audio=(0.1 * rng.standard_normal(16000 * 3)).astype(np.float32),
                                **options)
     decoder = DuplexDecoder(tok, DuplexDecodeConfig(mode="greedy"))
-    talker = TalkerTurn(tts, seed=0, static=bool(options))   # the fast variant: static cache + a graph per draw
+    # the fast variant: a one-seat TalkerTurns (static cache, a CUDA graph per attention bucket)
+    talker = TalkerTurns(tts, 1, seeds=[0]).seat(0) if options else TalkerTurn(tts, seed=0)
     turn = TurnState()
     rows = []
     for k in range(units):

@@ -96,20 +96,23 @@ def test_bad_sampling_is_named(kw):
 
 @pytest.mark.parametrize("graphs", [False, pytest.param(True, marks=requires_cuda)])
 def test_static_cache_backend_equals_the_reference(tts, graphs):
-    """The static-cache back-end (the engine's model math; on CUDA a graph per draw) draws the same
-    codes as the transformers reference over a turn of three units, a turn end and a new turn."""
+    """The fast path for one conversation (a one-seat ``TalkerTurns``: the engine's model math on a static
+    cache; on CUDA a graph per draw) draws the same codes as the transformers reference over a turn of
+    three units, a turn end and a new turn."""
+    from minicpmo_rt.talker.chunked import TalkerTurns
+
     dev = "cuda" if graphs else "cpu"
     model = tts.to(dev)
     ref = TalkerTurn(model, seed=7)
-    fast = TalkerTurn(model, seed=7, static=True, max_len=512, graphs=graphs)
+    turns = TalkerTurns(model, 1, seeds=[7], max_len=512, graphs=graphs)
+    fast = turns.seat(0)
+    assert turns.graphs == (2 if graphs else 0)
     try:
         for k, end in enumerate([False, False, True, False]):
             ids, hid = _unit(2 + k, 10 + k)
-            a, b = ref.generate_unit(ids, hid, end), fast.generate_unit(ids, hid, end)
+            a, b = ref.generate_unit(ids, hid, end), fast.generate_unit(ids, hid.to(dev), end)
             assert a == b, f"unit {k}"
-        assert fast.text_start_pos == ref.text_start_pos
-        with pytest.raises(InputError, match="static cache"):
-            TalkerTurn(model, static=True, max_len=64, graphs=False).generate_unit(*_unit(80, 1), False)
+        assert fast.text_start_pos == ref.text_start_pos and fast.draws == ref.draws
     finally:
         tts.to("cpu")
 
@@ -195,7 +198,25 @@ def test_talker_turns_graph_equals_the_eager_batch():
     model = _eos_prone(m.eval(), 8.0).to("cuda")
     eager = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=False)
     graph = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=True)
-    assert graph._graph is not None
+    assert graph.graphs == len(graph.buckets) == 2 and eager.graphs == 0
     for rnd in _ROUNDS:
         units = [SeatUnit(seat, tuple(_unit(3, seed)[0]), _unit(3, seed)[1].cuda(), end) for seat, seed, end in rnd]
         assert eager.generate_units(units) == graph.generate_units(units)
+
+
+def test_talker_turns_attend_only_the_live_bucket(tts):
+    """A turn that grows past the first attention bucket (256) switches to the next one, and what it draws
+    does not depend on the bucket: each seat draws what its own ``TalkerTurn`` (the transformers reference,
+    attending exactly its positions) draws, before and after the switch."""
+    from minicpmo_rt.talker.chunked import SeatUnit, TalkerTurns
+
+    turns = TalkerTurns(tts, 2, seeds=[3, 4], max_len=512, graphs=False)
+    alone = [TalkerTurn(tts, seed=3), TalkerTurn(tts, seed=4)]
+    assert turns.buckets == [256, 512] and TalkerTurns(tts, 1, max_len=300, graphs=False).buckets == [256, 300]
+    assert turns.kv_bucket(1) == 256 and turns.kv_bucket(257) == 512
+    seen = []
+    for k in range(9):     # mid-turn units of 4 + 1 + 25 rows: past 256 positions in the 9th
+        units = [SeatUnit(s, *_unit(4, 70 + k), False) for s in (0, 1)]
+        seen.append(turns.kv_bucket(turns.text_start_pos[0] + 30))
+        assert turns.generate_units(units) == [a.generate_unit(*_unit(4, 70 + k), False) for a in alone], k
+    assert seen[0] == 256 and seen[-1] == 512

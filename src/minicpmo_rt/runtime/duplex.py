@@ -93,7 +93,7 @@ class DuplexConversation:
         from ..thinker.session import StreamingSession, WindowPolicy, shared_fast_paths
 
         # fast (default on CUDA): the Thinker session's fast paths (static cache, Triton kernels, graphs)
-        # and the Talker's static cache with a CUDA graph per draw; the plain references otherwise
+        # and the Talker's static cache (TalkerTurns) with CUDA graphs; the plain references otherwise
         fast = thinker.device.type == "cuda" if fast is None else fast
         if session_options is None:
             session_options = shared_fast_paths(thinker) if fast and thinker.device.type == "cuda" else {}
@@ -111,7 +111,10 @@ class DuplexConversation:
                                         ref_audio=ref16, **session_options)
         generator = torch.Generator().manual_seed(seed)
         self.decoder = DuplexDecoder(tokenizer, decode, generator)
-        self.talker = talker if talker is not None else TalkerTurn(tts, talker_sampling, seed, static=fast)
+        if talker is None:    # fast: a one-seat TalkerTurns (graphs on CUDA)
+            talker = TalkerTurns(tts, 1, talker_sampling, [seed]).seat(0) if fast else \
+                TalkerTurn(tts, talker_sampling, seed)
+        self.talker = talker
         self.turn = TurnState()
         self.units = 0
         self._stream = None          # the open turn's Code2Wav stream

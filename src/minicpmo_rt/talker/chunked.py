@@ -18,19 +18,18 @@ are drawn one per step, each fed back before the next draw:
 After a unit ``text_start_pos`` grows by the condition and the returned codes (exactly the rows
 in the cache); the unit that ends the turn resets the cache and the position to 0.
 
-Two back-ends compute the same forward: the plain reference (transformers' ``LlamaModel`` on a
-DynamicCache, default) and ``static=True``: the Talker engine's static KV cache (one row of
-``max_len`` positions; a position attends the rows at or before it, so rows left by an earlier turn
-are never seen), where a draw's one-code forward replays a CUDA graph on CUDA (``graphs``, default on
-CUDA). Per draw the host reads one code either way (it decides whether to stop).
-Draws use ``sampler.uniform`` (counter-based: seed, draw index, code id) so a session's codes
-do not depend on anything else running in the process.
-
-``TalkerTurns`` runs several conversations' units together: one static cache with a row (seat) per
-conversation, each unit's condition prefilled on its own row, then one batched forward per draw for
-every seat (a CUDA graph on CUDA); a seat with nothing to draw feeds a dummy code at the cache's last
-position, which no real position attends. Each seat keeps its own seed and draw counter, so a
-conversation draws what it would draw alone (up to the batched forward's rounding).
+``TalkerTurn`` is the plain reference: one conversation on transformers' ``LlamaModel`` and a
+DynamicCache. ``TalkerTurns`` is the fast path, for one conversation or several: one static KV cache
+(the Talker engine's model math) with a row (seat) per conversation. Every unit's condition of a call
+is prefilled in one forward (rows right-padded), then each draw is one batched forward for every seat,
+replayed from a CUDA graph on CUDA; a seat with nothing to draw (and padding) feeds a dummy row at the
+cache's last position, which no real position attends (a position attends the rows at or before it, so
+rows left by an earlier turn are never seen either). Attention reads only the cache's first ``kv_len``
+positions, the smallest power-of-two bucket (from 256) holding every live one, with one graph per
+bucket, so a turn of a few hundred positions does not read the whole cache. Per draw the host reads the
+codes (it decides which units stop). Draws use ``sampler.uniform`` (counter-based: seed, draw index, code
+id), and each seat keeps its own seed and draw counter, so a conversation draws what it would draw alone,
+whatever else runs in the process (up to the batched forward's rounding).
 """
 
 from __future__ import annotations
@@ -71,25 +70,13 @@ class UnitCodes:
 
 
 class TalkerTurn:
-    """One duplex conversation's Talker state (a single stream; see the module docstring for the
-    two back-ends)."""
+    """One duplex conversation's Talker state on the plain reference forward (module docstring)."""
 
-    def __init__(self, tts: MiniCPMTTS, sampling: ChunkSampling = ChunkSampling(), seed: int = 0,
-                 static: bool = False, max_len: int = 4096, graphs: bool | None = None):
+    def __init__(self, tts: MiniCPMTTS, sampling: ChunkSampling = ChunkSampling(), seed: int = 0):
         self.tts, self.sampling = tts.eval(), sampling
-        p = next(tts.parameters())
-        self.device = p.device
+        self.device = next(tts.parameters()).device
         self.seed = torch.tensor([seed & MASK32], dtype=torch.long, device=self.device)
         self.draws = 0             # draws over the whole conversation: the RNG counter
-        self.engine = None
-        self._graph = None
-        if static:
-            self.engine = TalkerEngine(tts, 1, kv_bytes_per_token(tts, p.dtype) * max_len)
-            self.max_len = self.engine.max_len
-            self._code = torch.zeros(1, dtype=torch.long, device=self.device)
-            self._pos = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-            if graphs if graphs is not None else self.device.type == "cuda":
-                self._capture()
         self.reset()
 
     def reset(self) -> None:
@@ -103,48 +90,11 @@ class TalkerTurn:
     @torch.no_grad()
     def _forward(self, rows: torch.Tensor, start: int) -> torch.Tensor:
         pos = torch.arange(start, start + rows.shape[0], device=self.device)[None]
-        if self.engine is None:
-            hidden, self.cache = self.tts.forward_reference(rows[None], pos, self.cache)
-            return self.tts.logits(hidden[0, -1])
-        if start + rows.shape[0] > self.max_len:
-            raise InputError(f"talker turn: {start + rows.shape[0]} positions exceed the static cache's {self.max_len}; "
-                             "build TalkerTurn with a larger max_len")
-        hidden = self.engine._layers(rows[None], pos, slice(0, 1), self.max_len, pos)
+        hidden, self.cache = self.tts.forward_reference(rows[None], pos, self.cache)
         return self.tts.logits(hidden[0, -1])
-
-    @torch.no_grad()
-    def _code_step(self) -> torch.Tensor:
-        """Feed ``self._code`` at ``self._pos`` on the static cache; the next draw's logits."""
-        x = self.tts.embed_codes(self._code)[None]
-        hidden = self.engine._layers(x, self._pos, slice(0, 1), self.max_len, self._pos)
-        return self.tts.logits(hidden[0, -1])
-
-    def _capture(self) -> None:
-        """One graph of ``_code_step`` (its static inputs are ``_code`` and ``_pos``). Captured before
-        any turn: the warm-up writes land at position 0, which a turn's condition overwrites first."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._code_step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._logits = self._code_step()
-        self._graph = graph
 
     def _feed_code(self, code: int, position: int) -> torch.Tensor:
-        if self.engine is None:
-            return self._forward(self.tts.embed_codes(torch.tensor([code], device=self.device)), position)
-        if position >= self.max_len:
-            raise InputError(f"talker turn: position {position} is past the static cache's {self.max_len}; "
-                             "build TalkerTurn with a larger max_len")
-        self._code.fill_(code)
-        self._pos.fill_(position)
-        if self._graph is None:
-            return self._code_step()
-        self._graph.replay()
-        return self._logits
+        return self._forward(self.tts.embed_codes(torch.tensor([code], device=self.device)), position)
 
     def draw(self, logits: torch.Tensor, codes: list[int], mask_eos: bool) -> int:
         """One code from [V] logits (``draw_codes`` for one row at draw number ``self.draws``)."""
@@ -228,9 +178,10 @@ class SeatUnit:
 
 
 class TalkerTurns:
-    """Several conversations' duplex Talkers on one static KV cache (seat i: conversation i). Each seat
-    behaves as its own ``TalkerTurn`` (same condition, positions, draw rules, seed and draw counter);
-    the units of one call draw together, one batched forward per draw (module docstring)."""
+    """The fast duplex Talker of one or several conversations on one static KV cache (seat i:
+    conversation i). Each seat behaves as its own ``TalkerTurn`` (same condition, positions, draw rules,
+    seed and draw counter); the units of one call draw together, one batched forward per draw (module
+    docstring)."""
 
     def __init__(self, tts: MiniCPMTTS, seats: int, sampling: ChunkSampling = ChunkSampling(),
                  seeds: Sequence[int] | None = None, max_len: int = 4096, graphs: bool | None = None):
@@ -250,9 +201,16 @@ class TalkerTurns:
         self.text_start_pos = [0] * seats
         self._codes = torch.zeros(seats, dtype=torch.long, device=self.device)
         self._pos = torch.full((seats, 1), self.idle_pos, dtype=torch.long, device=self.device)
-        self._graph = None
+        self.buckets = sorted({min(256 << i, self.max_len) for i in range(max(self.max_len.bit_length() - 8, 1))}
+                              | {self.max_len})
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if graphs if graphs is not None else self.device.type == "cuda":
-            self._capture()
+            for kv_len in self.buckets:
+                self._capture(kv_len)
+
+    def kv_bucket(self, positions: int) -> int:
+        """The smallest attention length holding positions ``0 .. positions - 1``."""
+        return next(b for b in self.buckets if b >= positions)
 
     def reset(self, seat: int) -> None:
         """Forget seat ``seat``'s turn (its turn ended or was interrupted)."""
@@ -264,30 +222,44 @@ class TalkerTurns:
         return TalkerSeat(self, i)
 
     @torch.no_grad()
-    def _step(self) -> torch.Tensor:
-        """Feed ``_codes`` at ``_pos`` (one per seat); [seats, V] logits."""
+    def _step(self, kv_len: int) -> torch.Tensor:
+        """Feed ``_codes`` at ``_pos`` (one per seat), attending the first ``kv_len`` positions; [seats, V] logits."""
         x = self.tts.embed_codes(self._codes)[:, None]
-        hidden = self.engine._layers(x, self._pos, slice(0, self.seats), self.max_len, self._pos)
+        hidden = self.engine._layers(x, self._pos, slice(0, self.seats), kv_len, self._pos)
         return self.tts.logits(hidden[:, -1])
 
-    def _capture(self) -> None:
-        """One graph of ``_step``; its warm-up writes land at the idle position."""
+    def _capture(self, kv_len: int) -> None:
+        """One graph of ``_step(kv_len)``, captured before any unit: its warm-up writes land at the idle position."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step()
+                self._step(kv_len)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._logits = self._step()
-        self._graph = graph
+            logits = self._step(kv_len)
+        self._graphs[kv_len] = (graph, logits)
+
+    @property
+    def graphs(self) -> int:
+        return len(self._graphs)
 
     @torch.no_grad()
-    def _prefill(self, seat: int, cond: torch.Tensor, start: int) -> torch.Tensor:
-        pos = torch.arange(start, start + cond.shape[0], device=self.device)[None]
-        hidden = self.engine._layers(cond[None], pos, slice(seat, seat + 1), self.max_len, pos)
-        return self.tts.logits(hidden[0, -1])
+    def _prefill(self, seats: list[int], conds: list[torch.Tensor], starts: list[int]) -> torch.Tensor:
+        """Every unit's condition in one forward (rows right-padded to the longest; padding and seats
+        without a unit write at the idle position) -> [units, V] logits at each condition's last row."""
+        T = max(c.shape[0] for c in conds)
+        x = torch.zeros(self.seats, T, conds[0].shape[-1], dtype=conds[0].dtype, device=self.device)
+        pos = torch.full((self.seats, T), self.idle_pos, dtype=torch.long)
+        for seat, cond, start in zip(seats, conds, starts):
+            x[seat, :cond.shape[0]] = cond
+            pos[seat, :cond.shape[0]] = torch.arange(start, start + cond.shape[0])
+        kv_len = self.kv_bucket(max(start + c.shape[0] for start, c in zip(starts, conds)))
+        pos = pos.to(self.device)
+        hidden = self.engine._layers(x, pos, slice(0, self.seats), kv_len, pos)
+        last = torch.tensor([c.shape[0] - 1 for c in conds], device=self.device)
+        return self.tts.logits(hidden[torch.tensor(seats, device=self.device), last])
 
     @torch.no_grad()
     def generate_units(self, units: Sequence[SeatUnit]) -> list[UnitCodes]:
@@ -296,7 +268,7 @@ class TalkerTurns:
         seats = [u.seat for u in units]
         if len(set(seats)) != len(seats) or any(not 0 <= i < self.seats for i in seats):
             raise InputError(f"talker turns: seats {seats} must be distinct and in 0..{self.seats - 1}")
-        starts, conds, min_new, logits = [], [], [], []
+        starts, conds, min_new, rows = [], [], [], []
         for u in units:
             start = self.text_start_pos[u.seat]
             cond = unit_condition(self.tts, u.text_ids, u.hidden)
@@ -306,10 +278,10 @@ class TalkerTurns:
                                  f"{start + cond.shape[0] + s.max_new_codes} of a static cache of {self.max_len}; "
                                  "build TalkerTurns with a larger max_len")
             starts.append(start)
+            rows.append(cond)
             conds.append(cond.shape[0])
             min_new.append(0 if (start == 0 or u.turn_end) else s.max_new_codes)
-            logits.append(self._prefill(u.seat, cond, start))
-        logits = torch.stack(logits) if logits else None
+        logits = self._prefill(seats, rows, starts) if units else None
         codes: list[list[int]] = [[] for _ in units]
         drew_eos = [False] * len(units)
         live = list(range(len(units)))      # units still drawing
@@ -324,11 +296,12 @@ class TalkerTurns:
                     pos[seats[r], 0] = starts[r] + conds[r] + t - 1
                 self._codes.copy_(feed)
                 self._pos.copy_(pos)
-                if self._graph is None:
-                    step_logits = self._step()
+                kv_len = self.kv_bucket(max(starts[r] + conds[r] + t for r in live))
+                if kv_len in self._graphs:
+                    graph, step_logits = self._graphs[kv_len]
+                    graph.replay()
                 else:
-                    self._graph.replay()
-                    step_logits = self._logits
+                    step_logits = self._step(kv_len)
                 logits = step_logits[torch.tensor([seats[r] for r in live], device=self.device)]
             drawn = draw_codes(logits, [codes[r] for r in live], [t < min_new[r] for r in live],
                                self.seeds[torch.tensor([seats[r] for r in live], device=self.device)],
@@ -350,8 +323,8 @@ class TalkerTurns:
 
 
 class TalkerSeat:
-    """One seat of ``TalkerTurns`` with ``TalkerTurn``'s interface (``generate_unit``, ``reset``), for a
-    conversation that steps alone."""
+    """One seat of ``TalkerTurns`` with ``TalkerTurn``'s interface (``generate_unit``, ``reset``,
+    ``text_start_pos``, ``draws``), for a conversation that steps alone."""
 
     def __init__(self, turns: TalkerTurns, seat: int):
         self.turns, self.index = turns, seat
@@ -359,6 +332,10 @@ class TalkerSeat:
     @property
     def text_start_pos(self) -> int:
         return self.turns.text_start_pos[self.index]
+
+    @property
+    def draws(self) -> int:
+        return self.turns.draws[self.index]
 
     def reset(self) -> None:
         self.turns.reset(self.index)

@@ -1,0 +1,189 @@
+"""Concurrent duplex conversations on one GPU: the wall time of one second for N conversations, every
+unit speaking, Thinker -> Talker -> Code2Wav, full-size random weights in bf16 (Code2Wav in FP32 with
+the duplex profile's TF32 CFM).
+
+A second of N conversations must finish inside one second for all of them to stay live. Two ways to
+run N conversations side by side in one run:
+
+- ``batch``: one ``DuplexBatch``: each conversation's Thinker unit in turn (sessions sharing one set
+  of fast paths), then every speaking unit's Talker draws together (``TalkerTurns``: one batched
+  forward per draw, a CUDA graph) and their Code2Wav payloads together (``push_many``);
+- ``sequential``: N ``DuplexConversation``s stepped one after another (each its own Talker graph and
+  Code2Wav pushes): what serving N users without the batch costs.
+
+Every unit is made to speak (as ``duplex_bench.py``: the LM head puts an ordinary text token on top at
+every decode step, so each unit speaks until the 28-character limit and no turn ends), with a 448x448
+frame per conversation per second: the busiest second a conversation has. Code2Wav's voice is a random
+6-s prompt (``code2wav_pipeline_bench.bench_models``), given to the streams directly.
+
+    python benchmarks/duplex_batch_bench.py OUT --conversations 1,4,8,16 --sequential 1,4,8   # GPU
+    python benchmarks/duplex_batch_bench.py OUT --tiny --conversations 1,2 --sequential 1,2   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
+from minicpmo_rt.code2wav.pipeline import Code2Wav
+from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
+from minicpmo_rt.profiles import load_profile
+from minicpmo_rt.runtime.duplex import DEFAULT_DUPLEX_PROFILE, DuplexBatch, DuplexConversation, DuplexInput
+from minicpmo_rt.thinker.duplex import DuplexDecodeConfig
+from minicpmo_rt.thinker.session import shared_fast_paths
+
+from code2wav_pipeline_bench import bench_models, device_label, parse_batches
+from duplex_bench import build, sync
+
+
+class _Clock:
+    """Milliseconds spent in wrapped calls, synchronised at both ends (a benchmark's phase split)."""
+
+    def __init__(self, dev: torch.device):
+        self.dev, self.ms = dev, {}
+
+    def wrap(self, obj, name: str, phase: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            sync(self.dev)
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            sync(self.dev)
+            self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
+            return out
+
+        setattr(obj, name, timed)
+
+
+def attach_code2wav(convs, c2w, feats) -> None:
+    """Random-weight Code2Wav has no frontend: the streams take the prompt features as their voice."""
+    for c in convs:
+        c.code2wav, c.voice = c2w, feats
+
+
+def run(kind: str, n: int, parts, units: int, frame, dev) -> list[dict]:
+    thinker, tok, tts, c2w, feats, options = parts
+    cfg = DuplexDecodeConfig(mode="greedy")
+    rng = np.random.default_rng(n)
+    clock = _Clock(dev)
+    if kind == "batch":
+        batch = DuplexBatch(thinker, tok, tts, None, [None] * n, seeds=list(range(n)), decode=cfg, fast=True,
+                            session_options=options)
+        batch.code2wav = c2w
+        convs = batch.conversations
+        clock.wrap(batch.talker, "generate_units", "talker")
+        clock.wrap(c2w, "push_many", "code2wav")
+    else:
+        batch = None
+        convs = [DuplexConversation(thinker, tok, tts, None, None, decode=cfg, seed=i, fast=True,
+                                    session_options=options) for i in range(n)]
+        for c in convs:
+            clock.wrap(c.talker, "generate_unit", "talker")
+            clock.wrap(c, "_vocode", "code2wav")
+    attach_code2wav(convs, c2w, feats)
+    for c in convs:
+        clock.wrap(c, "_think", "thinker")
+    rows = []
+    for k in range(units):
+        inputs = [DuplexInput((0.1 * rng.standard_normal(16000)).astype(np.float32), frame) for _ in range(n)]
+        clock.ms = {}
+        sync(dev)
+        t0 = time.perf_counter()
+        if batch is not None:
+            out = batch.step(inputs)
+        else:
+            out = [c.step(x.audio, x.frame) for c, x in zip(convs, inputs)]
+        sync(dev)
+        ms = (time.perf_counter() - t0) * 1e3
+        rows.append({"second": k, "ms": ms, **{f"{p}_ms": v for p, v in clock.ms.items()},
+                     "speaking": sum(1 for u in out if u.codes), "codes": sum(len(u.codes) for u in out),
+                     "audio_s": sum(u.seconds for u in out)})
+    for c in convs:
+        c.close()
+    return rows
+
+
+def summarize(rows: list[dict], warm: int, n: int) -> dict:
+    steady = rows[warm:]
+    med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
+    return {"seconds": len(steady), "ms": med("ms"), "ms_max": max(r["ms"] for r in steady),
+            "thinker_ms": med("thinker_ms"), "talker_ms": med("talker_ms"), "code2wav_ms": med("code2wav_ms"),
+            "speaking": med("speaking"), "codes": med("codes"), "audio_s": med("audio_s"),
+            "real_time_factor": med("ms") / 1000.0, "ms_per_conversation": med("ms") / n}
+
+
+def write_table(res: dict, path: Path) -> None:
+    lines = [f"# Concurrent duplex conversations ({res['gpu']}, Thinker/Talker {res['dtype']}, "
+             f"{'tiny' if res['tiny'] else 'full-size'} random weights, torch {res['torch']})", "",
+             "Wall time of one second of N conversations, every unit speaking to its 28-character limit with a "
+             f"448x448 frame; medians over seconds {res['warm']}..{res['units'] - 1}. A second is live while it "
+             "takes under 1000 ms (real-time factor < 1). Phase columns are the summed time in each stage "
+             "(synchronised around each call).", "",
+             "| N | path | ms per second | max | real-time factor | ms per conversation | Thinker ms | Talker ms | "
+             "Code2Wav ms | codes | audio s | x sequential |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    seq = {r["n"]: r["summary"]["ms"] for r in res["runs"] if r["kind"] == "sequential"}
+    for r in sorted(res["runs"], key=lambda r: (r["n"], r["kind"])):
+        s = r["summary"]
+        ratio = f"{seq[r['n']] / s['ms']:.2f}" if r["kind"] == "batch" and r["n"] in seq else "-"
+        lines.append(f"| {r['n']} | {r['kind']} | {s['ms']:.1f} | {s['ms_max']:.1f} | {s['real_time_factor']:.3f} | "
+                     f"{s['ms_per_conversation']:.1f} | {s['thinker_ms']:.1f} | {s['talker_ms']:.1f} | "
+                     f"{s['code2wav_ms']:.1f} | {s['codes']:.0f} | {s['audio_s']:.2f} | {ratio} |")
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (a check of the script)")
+    ap.add_argument("--conversations", default="1,4,8,16", help="N for the batched path")
+    ap.add_argument("--sequential", default="1,4,8", help="N for the sequential path ('' for none)")
+    ap.add_argument("--units", type=int, default=8, help="seconds per run")
+    ap.add_argument("--warm", type=int, default=3, help="first seconds left out of the medians (captures, compiles)")
+    ap.add_argument("--table", type=Path, help="only rewrite OUT/duplex_batch_bench.md from this run's JSON")
+    args = ap.parse_args()
+    if args.table:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return write_table(json.loads(args.table.read_text()), args.out / "duplex_batch_bench.md")
+    if args.warm >= args.units:
+        ap.error(f"--warm {args.warm} leaves no measured second of --units {args.units}")
+    batched = parse_batches(ap, args.conversations)
+    sequential = parse_batches(ap, args.sequential) if args.sequential else []
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tok = load_tokenizer(vendored_tokenizer_dir())
+    thinker, tts = build(args.tiny, dev, dtype)
+    flow, gen, feats, _ = bench_models(args.tiny, dev)
+    voc = Vocoder(gen, CAUSAL)
+    c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
+    choice = c2w.configure_fast_path(load_profile(DEFAULT_DUPLEX_PROFILE).code2wav.extra)
+    if dev.type == "cuda":
+        c2w.prepare(feats)
+    options = shared_fast_paths(thinker) if dev.type == "cuda" else {}
+    frame = np.random.default_rng(1).integers(0, 255, (448, 448, 3), dtype=np.uint8)
+    res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
+           "tiny": args.tiny, "units": args.units, "warm": args.warm, "code2wav": str(choice), "runs": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = [("batch", n) for n in batched] + [("sequential", n) for n in sequential]
+    for kind, n in plan:
+        rows = run(kind, n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev)
+        s = summarize(rows, args.warm, n)
+        res["runs"].append({"kind": kind, "n": n, "summary": s, "rows": rows})
+        print(f"{kind:10s} N={n:2d}: {s['ms']:7.1f} ms per second (max {s['ms_max']:.1f}; Thinker {s['thinker_ms']:.1f}, "
+              f"Talker {s['talker_ms']:.1f}, Code2Wav {s['code2wav_ms']:.1f}), {s['codes']:.0f} codes, "
+              f"{s['audio_s']:.2f} s of audio", flush=True)
+        (args.out / "duplex_batch_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows
+    write_table(res, args.out / "duplex_batch_bench.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Where a duplex Talker unit's time goes: ``TalkerTurns.generate_units`` for N seats (full-size random
+Talker in bf16), split into the per-seat condition prefills, the batched draw forwards (graph replays)
+and the draws, with torch.profiler's top GPU kernels of one call.
+
+    python benchmarks/talker_turns_profile.py OUT --seats 1,16        # GPU
+    python benchmarks/talker_turns_profile.py OUT --tiny --seats 1,2  # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from minicpmo_rt.checkpoint.config import MiniCPMOConfig
+from minicpmo_rt.checkpoint.tiny import randomize_, reference_config, tiny_config
+from minicpmo_rt.talker import chunked
+from minicpmo_rt.talker.chunked import SeatUnit, TalkerTurns
+from minicpmo_rt.talker.model import MiniCPMTTS, rebuild_rotary_
+
+from code2wav_pipeline_bench import device_label, parse_batches
+from duplex_bench import sync
+
+
+def build_tts(tiny: bool, dev: torch.device, dtype: torch.dtype) -> MiniCPMTTS:
+    cfg = MiniCPMOConfig.from_dict(tiny_config() if tiny else reference_config())
+    with torch.device("meta"):
+        tts = MiniCPMTTS(cfg.tts)
+    tts = tts.to_empty(device=dev)
+    randomize_(tts, seed=0, prefix="tts.")
+    return rebuild_rotary_(tts.to(dtype).eval())
+
+
+def units_for(n: int, dev, llm_dim: int, turn_pos: int) -> list[SeatUnit]:
+    g = torch.Generator().manual_seed(n)
+    return [SeatUnit(i, tuple(torch.randint(1000, 5000, (8,), generator=g).tolist()),
+                     torch.randn(8, llm_dim, generator=g).to(dev), False) for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--seats", default="1,16")
+    ap.add_argument("--calls", type=int, default=6)
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tts = build_tts(args.tiny, dev, dtype)
+    llm_dim = tts.cfg.llm_dim
+    res = {"gpu": device_label(dev), "torch": torch.__version__, "runs": []}
+    for n in parse_batches(ap, args.seats):
+        turns = TalkerTurns(tts, n, seeds=list(range(n)))
+        ms = {"prefill": [], "replay": [], "draw": [], "call": []}
+        real = {"prefill": turns._prefill, "draw": chunked.draw_codes}
+
+        def timed(name, fn):
+            def run(*a, **k):
+                sync(dev)
+                t0 = time.perf_counter()
+                out = fn(*a, **k)
+                sync(dev)
+                acc[name] += (time.perf_counter() - t0) * 1e3
+                return out
+            return run
+
+        acc = {"prefill": 0.0, "draw": 0.0}
+        turns._prefill = timed("prefill", real["prefill"])
+        chunked.draw_codes = timed("draw", real["draw"])
+        for k in range(args.calls):
+            acc.update(prefill=0.0, draw=0.0)
+            sync(dev)
+            t0 = time.perf_counter()
+            out = turns.generate_units(units_for(n, dev, llm_dim, k))
+            sync(dev)
+            call = (time.perf_counter() - t0) * 1e3
+            if k >= 2:
+                ms["call"].append(call)
+                ms["prefill"].append(acc["prefill"])
+                ms["draw"].append(acc["draw"])
+            if k == args.calls - 1:
+                for s in range(n):
+                    turns.reset(s)
+        turns._prefill = real["prefill"]
+        chunked.draw_codes = real["draw"]
+        # the batched forward alone
+        reps = 50
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            if turns._graph is not None:
+                turns._graph.replay()
+            else:
+                turns._step()
+        sync(dev)
+        replay = (time.perf_counter() - t0) * 1e3 / reps
+        prof_top = []
+        if dev.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                turns.generate_units(units_for(n, dev, llm_dim, 0))
+                sync(dev)
+            table = p.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+            prof_top = table.splitlines()
+            (args.out / f"profile_seats{n}.txt").parent.mkdir(parents=True, exist_ok=True)
+            (args.out / f"profile_seats{n}.txt").write_text(table)
+        row = {"seats": n, "codes": len(out[0].codes), "call_ms": statistics.median(ms["call"]),
+               "prefill_ms": statistics.median(ms["prefill"]), "draw_ms": statistics.median(ms["draw"]),
+               "forward_ms": replay, "graph": turns._graph is not None}
+        row["rest_ms"] = row["call_ms"] - row["prefill_ms"] - row["draw_ms"]
+        res["runs"].append(row)
+        print(row, flush=True)
+        print("\n".join(prof_top[:30]), flush=True)
+        del turns
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "talker_turns_profile.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
