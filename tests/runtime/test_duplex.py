@@ -326,9 +326,16 @@ def test_batch_says_what_each_conversation_says_alone(parts, tiny_ckpt, voice, s
     assert any(u.turn_end for u in units), [(u.listen, u.turn_end, len(u.codes)) for u in units]
 
 
-def test_batch_input_errors_are_named(parts):
+def test_batch_from_snapshot_steps_and_names_bad_input(parts, tiny_ckpt, voice):
     from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
 
+    loaded = DuplexBatch.from_snapshot(tiny_ckpt, [voice, voice], n_timesteps=2, seeds=[1, 2],
+                                       decode=DuplexDecodeConfig(mode="greedy"))
+    assert len(loaded) == 2 and loaded.talker.seats == 2
+    units = loaded.step([DuplexInput(_audio(1, 5)), DuplexInput(_audio(1, 6), sample_rate=16000)])
+    assert [u.index for u in units] == [0, 0]
+    assert all(u.pcm.size == 0 if u.listen and not u.turn_end else u.pcm.size > 0 for u in units)
+    loaded.close()
     thinker, tok, tts = parts
     with pytest.raises(InputError, match="2 seeds for 3 conversations"):
         DuplexBatch(thinker, tok, tts, voices=[None] * 3, seeds=[1, 2])
