@@ -347,3 +347,36 @@ def test_batch_from_snapshot_steps_and_names_bad_input(parts, tiny_ckpt, voice):
     units = b.step([DuplexInput(_audio(1)), None])     # codes only: no Code2Wav
     assert units[1] is None and units[0].pcm.size == 0
     b.close()
+
+
+def test_reopened_seat_talks_as_a_fresh_conversation(parts, voice):
+    """After ``reopen``, seat 1 (new seed, its Talker seat reset) says what a fresh conversation with that
+    seed says alone, while seat 0 carries on."""
+    from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
+
+    thinker, tok, tts = parts
+    cfg = DuplexDecodeConfig(mode="greedy")
+    head = thinker.llm.lm_head
+    thinker.llm.lm_head = _Mixed(head, [tok.special.speak, WORD, WORD + 1, tok.special.chunk_eos], seed=3)
+    try:
+        batch = DuplexBatch(thinker, tok, tts, voices=[None, None], seeds=[1, 2], decode=cfg)
+        for k in range(2):
+            batch.step([DuplexInput(_audio(1, k)), DuplexInput(_audio(1, 10 + k))])
+        assert batch.talker.draws[1] > 0
+        fresh = batch.reopen(1, seed=9)
+        assert batch.conversations[1] is fresh and batch.talker.draws[1] == 0 and batch.talker.text_start_pos[1] == 0
+        alone = DuplexConversation(thinker, tok, tts, decode=cfg, seed=9)
+        for k in range(2):
+            thinker.llm.lm_head.rng = np.random.default_rng(100 + k)   # the same scripted ids for both
+            got = batch.step([None, DuplexInput(_audio(1, 20 + k))])[1]
+            thinker.llm.lm_head.rng = np.random.default_rng(100 + k)
+            ref = alone.step(_audio(1, 20 + k))
+            assert (got.index, got.listen, got.token_ids, got.codes) == (ref.index, ref.listen, ref.token_ids,
+                                                                         ref.codes), k
+        assert got.codes    # the scripted units speak
+        with pytest.raises(InputError, match="conversation 2 does not exist"):
+            batch.reopen(2)
+        alone.close()
+        batch.close()
+    finally:
+        thinker.llm.lm_head = head

@@ -278,10 +278,10 @@ class DuplexBatch:
         self.code2wav = code2wav
         self.talker = TalkerTurns(tts, len(voices), talker_sampling, seeds, max_len=talker_max_len,
                                   graphs=fast and thinker.device.type == "cuda")
-        self.conversations = [DuplexConversation(thinker, tokenizer, tts, code2wav, voice, decode=decode,
-                                                 talker_sampling=talker_sampling, seed=seed, fast=fast,
-                                                 talker=self.talker.seat(i), **conversation_options)
-                              for i, (voice, seed) in enumerate(zip(voices, seeds))]
+        self._make = lambda i, voice, seed: DuplexConversation(
+            thinker, tokenizer, tts, code2wav, voice, decode=decode, talker_sampling=talker_sampling, seed=seed,
+            fast=fast, talker=self.talker.seat(i), **conversation_options)
+        self.conversations = [self._make(i, voice, seed) for i, (voice, seed) in enumerate(zip(voices, seeds))]
 
     @classmethod
     def from_snapshot(cls, model, voices: Sequence, profile: str = DEFAULT_DUPLEX_PROFILE, device: str = "cpu",
@@ -323,6 +323,16 @@ class DuplexBatch:
             else:
                 units[i] = conv._unit(index, gen, (), np.zeros(0, np.float32))
         return units
+
+    def reopen(self, i: int, voice=None, seed: int = 0) -> DuplexConversation:
+        """Close conversation ``i`` and start a new one in its place (a new user, ``voice``, ``seed``):
+        a server keeps its seats and its captured graphs while users come and go."""
+        if not 0 <= i < len(self.conversations):
+            raise InputError(f"duplex batch: conversation {i} does not exist (0..{len(self.conversations) - 1})")
+        self.conversations[i].close()
+        self.talker.reseat(i, seed)
+        self.conversations[i] = self._make(i, voice, seed)
+        return self.conversations[i]
 
     def flush(self) -> list[np.ndarray]:
         """End every conversation's input (``DuplexConversation.flush`` each)."""

@@ -216,6 +216,13 @@ class TalkerTurns:
         """Forget seat ``seat``'s turn (its turn ended or was interrupted)."""
         self.text_start_pos[seat] = 0
 
+    def reseat(self, seat: int, seed: int) -> None:
+        """Give seat ``seat`` to a new conversation: no turn, draw counter 0, ``seed``."""
+        self.seat(seat)
+        self.reset(seat)
+        self.draws[seat] = 0
+        self.seeds[seat] = seed & MASK32
+
     def seat(self, i: int) -> "TalkerSeat":
         if not 0 <= i < self.seats:
             raise InputError(f"talker turns: seat {i} does not exist (seats 0..{self.seats - 1})")
