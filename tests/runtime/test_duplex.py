@@ -346,6 +346,16 @@ def test_batch_from_snapshot_steps_and_names_bad_input(parts, tiny_ckpt, voice):
         b.step([DuplexInput(_audio(1))])
     units = b.step([DuplexInput(_audio(1)), None])     # codes only: no Code2Wav
     assert units[1] is None and units[0].pcm.size == 0
+    # a bad input for conversation 1 is refused before conversation 0 commits its second
+    b.step([DuplexInput(_audio(1, 1)), DuplexInput(_audio(1, 2))])   # past the first chunk (padded when short)
+    before = [c.session.cache_len for c in b.conversations]
+    for bad, match in ((DuplexInput(_audio(1)[:, None].repeat(2, 1)), "conversation 1: audio of shape"),
+                       (DuplexInput(_audio(1), frame=np.zeros((4, 4, 7), np.uint8)), "conversation 1: frame"),
+                       (DuplexInput(_audio(0.5)), "conversation 1: a native chunk needs"),
+                       (_audio(1), "conversation 1: got a ndarray")):
+        with pytest.raises(InputError, match=match):
+            b.step([DuplexInput(_audio(1, 3)), bad])
+        assert [c.session.cache_len for c in b.conversations] == before and b.conversations[0].units == 2
     b.close()
 
 

@@ -298,9 +298,7 @@ class DuplexBatch:
     def step(self, inputs: Sequence[DuplexInput | None]) -> list[DuplexUnit | None]:
         """One second for every conversation: ``inputs[i]`` is conversation i's, or None when it does
         not step this second (its unit is then None too)."""
-        if len(inputs) != len(self.conversations):
-            raise InputError(f"duplex batch: {len(inputs)} inputs for {len(self.conversations)} conversations; "
-                             "give one per conversation (None for one that does not step)")
+        self._check(inputs)
         thought = {}
         for i, (conv, x) in enumerate(zip(self.conversations, inputs)):
             if x is not None:
@@ -323,6 +321,25 @@ class DuplexBatch:
             else:
                 units[i] = conv._unit(index, gen, (), np.zeros(0, np.float32))
         return units
+
+    def _check(self, inputs) -> None:
+        """Every input is checked before any conversation commits its second, so a bad one for
+        conversation k does not leave the others a second ahead (audio and frame, as ``commit`` checks them)."""
+        from ..thinker.image_processor import to_rgb_image
+        from ..thinker.session import EmbeddedFrame
+
+        if len(inputs) != len(self.conversations):
+            raise InputError(f"duplex batch: {len(inputs)} inputs for {len(self.conversations)} conversations; "
+                             "give one per conversation (None for one that does not step)")
+        for i, (conv, x) in enumerate(zip(self.conversations, inputs)):
+            if x is None:
+                continue
+            where = f"duplex batch: conversation {i}"
+            if not isinstance(x, DuplexInput):
+                raise InputError(f"{where}: got a {type(x).__name__}; pass a DuplexInput(audio, frame) or None")
+            conv.session._unit_input(x.audio, None, True, where, x.sample_rate)   # checks, feeds nothing
+            if x.frame is not None and not isinstance(x.frame, EmbeddedFrame):
+                to_rgb_image(x.frame, f"{where}: frame")
 
     def reopen(self, i: int, voice=None, seed: int = 0) -> DuplexConversation:
         """Close conversation ``i`` and start a new one in its place (a new user, ``voice``, ``seed``):
