@@ -5,9 +5,12 @@ the duplex profile's TF32 CFM).
 A second of N conversations must finish inside one second for all of them to stay live. Two ways to
 run N conversations side by side in one run:
 
-- ``batch``: one ``DuplexBatch``: each conversation's Thinker unit in turn (sessions sharing one set
-  of fast paths), then every speaking unit's Talker draws together (``TalkerTurns``: one batched
-  forward per draw, a CUDA graph) and their Code2Wav payloads together (``push_many``);
+- ``batch-rows``: one ``DuplexBatch`` (its default on CUDA): the sessions sit on rows of one static
+  decoder, each commits its second, then every decode step of all of them is one forward
+  (``StaticRows``); every speaking unit's Talker draws together (``TalkerTurns``: one batched forward
+  per draw, a CUDA graph) and their Code2Wav payloads together (``push_many``);
+- ``batch``: the same with ``shared_decode=False``: each session on its own static decoder, so the
+  units decode one conversation at a time (session 41's first form);
 - ``sequential``: N ``DuplexConversation``s stepped one after another (each its own Talker graph and
   Code2Wav pushes): what serving N users without the batch costs.
 
@@ -74,11 +77,14 @@ def run(kind: str, n: int, parts, units: int, frame, dev) -> list[dict]:
     cfg = DuplexDecodeConfig(mode="greedy")
     rng = np.random.default_rng(n)
     clock = _Clock(dev)
-    if kind == "batch":
+    if kind == "batch-rows" and not options:     # CPU smoke run: static caches on the torch kernels
+        options = {"llm_cache": "static", "llm_kernels": "torch"}
+    if kind in ("batch", "batch-rows"):
         batch = DuplexBatch(thinker, tok, tts, None, [None] * n, seeds=list(range(n)), decode=cfg, fast=True,
-                            session_options=options)
+                            session_options=options, shared_decode=kind == "batch-rows")
         batch.code2wav = c2w
         convs = batch.conversations
+        clock.wrap(batch, "_think", "thinker")
         clock.wrap(batch.talker, "generate_units", "talker")
         clock.wrap(c2w, "push_many", "code2wav")
     else:
@@ -88,9 +94,8 @@ def run(kind: str, n: int, parts, units: int, frame, dev) -> list[dict]:
         for c in convs:
             clock.wrap(c.talker, "generate_unit", "talker")
             clock.wrap(c, "_vocode", "code2wav")
+            clock.wrap(c, "_think", "thinker")
     attach_code2wav(convs, c2w, feats)
-    for c in convs:
-        clock.wrap(c, "_think", "thinker")
     rows = []
     for k in range(units):
         inputs = [DuplexInput((0.1 * rng.standard_normal(16000)).astype(np.float32), frame) for _ in range(n)]
@@ -131,9 +136,9 @@ def write_table(res: dict, path: Path) -> None:
              "Code2Wav ms | codes | audio s | x sequential |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     seq = {r["n"]: r["summary"]["ms"] for r in res["runs"] if r["kind"] == "sequential"}
-    for r in sorted(res["runs"], key=lambda r: (r["n"], r["kind"])):
+    for r in sorted(res["runs"], key=lambda r: (r["n"], r["kind"] == "sequential", r["kind"])):
         s = r["summary"]
-        ratio = f"{seq[r['n']] / s['ms']:.2f}" if r["kind"] == "batch" and r["n"] in seq else "-"
+        ratio = f"{seq[r['n']] / s['ms']:.2f}" if r["kind"] != "sequential" and r["n"] in seq else "-"
         lines.append(f"| {r['n']} | {r['kind']} | {s['ms']:.1f} | {s['ms_max']:.1f} | {s['real_time_factor']:.3f} | "
                      f"{s['ms_per_conversation']:.1f} | {s['thinker_ms']:.1f} | {s['talker_ms']:.1f} | "
                      f"{s['code2wav_ms']:.1f} | {s['codes']:.0f} | {s['audio_s']:.2f} | {ratio} |")
@@ -145,7 +150,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (a check of the script)")
-    ap.add_argument("--conversations", default="1,4,8,16", help="N for the batched path")
+    ap.add_argument("--conversations", default="1,4,8,16", help="N for the batched paths")
+    ap.add_argument("--batch-kinds", default="batch-rows,batch", help="batched paths to run, in order")
     ap.add_argument("--sequential", default="1,4,8", help="N for the sequential path ('' for none)")
     ap.add_argument("--units", type=int, default=8, help="seconds per run")
     ap.add_argument("--warm", type=int, default=3, help="first seconds left out of the medians (captures, compiles)")
@@ -173,7 +179,10 @@ def main() -> None:
     res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
            "tiny": args.tiny, "units": args.units, "warm": args.warm, "code2wav": str(choice), "runs": []}
     args.out.mkdir(parents=True, exist_ok=True)
-    plan = [("batch", n) for n in batched] + [("sequential", n) for n in sequential]
+    kinds = [k for k in args.batch_kinds.split(",") if k]
+    if set(kinds) - {"batch", "batch-rows"}:
+        ap.error(f"--batch-kinds: choose from batch-rows, batch (got {args.batch_kinds!r})")
+    plan = [(k, n) for n in batched for k in kinds] + [("sequential", n) for n in sequential]
     for kind, n in plan:
         rows = run(kind, n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev)
         s = summarize(rows, args.warm, n)

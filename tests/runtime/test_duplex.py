@@ -7,6 +7,7 @@ the rest, so the real decode policy picks it; everything else is the real path."
 
 import numpy as np
 import pytest
+import torch
 from torch import nn
 
 from minicpmo_rt.checkpoint.tokenizer import load_tokenizer
@@ -269,15 +270,33 @@ class _Mixed(nn.Module):
         return out
 
 
+class _ByState(nn.Module):
+    """The real LM head with one id of ``ids`` lifted on top of each row, picked from that row's own real
+    logits (their argmax and the argmax of every 7th id): the same hidden state lifts the same id whatever
+    else runs and in whatever order, so conversations stepped together or alone decode the same units."""
+
+    def __init__(self, head: nn.Module, ids: list[int]):
+        super().__init__()
+        self.head, self.ids = head, torch.tensor(ids)
+
+    def forward(self, h):
+        out = self.head(h).clone()
+        pick = (out.argmax(-1, keepdim=True) + out[..., ::7].argmax(-1, keepdim=True)) % len(self.ids)
+        return out.scatter(-1, self.ids.to(out.device)[pick], out.amax(-1, keepdim=True) + 1000.0)
+
+
 def _pcm_err(a, b) -> float:
     return float(np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30))
 
 
-def test_batch_says_what_each_conversation_says_alone(parts, tiny_ckpt, voice, shared_dir):
+@pytest.mark.parametrize("rows", [False, True])
+def test_batch_says_what_each_conversation_says_alone(parts, tiny_ckpt, voice, shared_dir, rows):
     """Three conversations (two voices) stepped together for 6 s, one of them skipping a second, with a
-    barge-in: each unit (decision, Talker tokens, codes) equals that conversation stepped alone in the same
-    Thinker call order, and its audio matches (one flow solve / HiFT call for the streams in step against
-    one per stream: same math per row, <= 1e-5). The units cover listening, speaking and turn ends."""
+    barge-in: each unit (decision, Talker tokens, codes) equals that conversation stepped alone, and its
+    audio matches (one flow solve / HiFT call for the streams in step against one per stream: same math
+    per row, <= 1e-5). The units cover listening, speaking and turn ends. ``rows``: the batch's sessions
+    sit on rows of one static decoder (torch kernels here; Triton and graphs on CUDA), so every decode step
+    of the three is one forward (StaticRows); the conversations alone run the plain dynamic cache."""
     from minicpmo_rt.code2wav.pipeline import Code2Wav
     from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
 
@@ -287,13 +306,15 @@ def test_batch_says_what_each_conversation_says_alone(parts, tiny_ckpt, voice, s
     voices = [voice, shared_dir / "media" / "ref_minicpm_signature.wav", voice]
     cfg = DuplexDecodeConfig(mode="greedy", repetition_penalty=1.0)
     alone = [DuplexConversation(thinker, tok, tts, c2w, v, decode=cfg, seed=10 + i) for i, v in enumerate(voices)]
-    batch = DuplexBatch(thinker, tok, tts, c2w, voices, seeds=[10, 11, 12], decode=cfg)
+    options = {"session_options": {"llm_cache": "static", "llm_kernels": "torch"}} if rows else {}
+    batch = DuplexBatch(thinker, tok, tts, c2w, voices, seeds=[10, 11, 12], decode=cfg, **options)
+    assert (batch.rows is not None) == rows
     ids = [sp.listen, sp.speak, WORD, WORD + 1, WORD + 2, sp.chunk_eos, sp.turn_eos]
     head = thinker.llm.lm_head
     seen = []
     try:
+        thinker.llm.lm_head = _ByState(head, ids)
         for run in ("alone", "batch"):
-            thinker.llm.lm_head = _Mixed(head, ids, seed=1)
             for k in range(6):
                 inputs = [DuplexInput(_audio(1, 10 * k + i), force_listen=(k == 4 and i == 1)) for i in range(3)]
                 if k == 2:
@@ -390,3 +411,36 @@ def test_reopened_seat_talks_as_a_fresh_conversation(parts, voice):
         batch.close()
     finally:
         thinker.llm.lm_head = head
+
+
+@requires_cuda
+def test_batch_on_cuda_shares_decode_steps_and_matches_the_cpu(tiny_ckpt, parts):
+    """On CUDA (fp32, fast paths: sessions on rows of one static decoder with the Triton kernels, every
+    decode step of the three conversations one graph replay; the Talker seats' graphs) the batch makes the
+    decisions and Talker tokens of each conversation stepped alone on the CPU."""
+    from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
+
+    thinker, tok, tts = parts
+    sp = tok.special
+    ids = [sp.listen, sp.speak, WORD, WORD + 1, WORD + 2, sp.chunk_eos, sp.turn_eos]
+    cfg = DuplexDecodeConfig(mode="greedy", repetition_penalty=1.0)
+    gpu_thinker = Thinker.from_snapshot(tiny_ckpt, device="cuda")
+    gpu_head = gpu_thinker.llm.lm_head
+    head = thinker.llm.lm_head
+    thinker.llm.lm_head, gpu_thinker.llm.lm_head = _ByState(head, ids), _ByState(gpu_head, ids)
+    alone = [DuplexConversation(thinker, tok, tts, decode=cfg, seed=i) for i in range(3)]
+    batch = DuplexBatch(gpu_thinker, tok, load_talker(tiny_ckpt, device="cuda"), voices=[None] * 3, seeds=[0, 1, 2],
+                        decode=cfg)
+    try:
+        assert batch.rows is not None and batch.rows.graphs and batch.talker.graphs > 0
+        for k in range(4):
+            inputs = [DuplexInput(_audio(1, 10 * k + i)) for i in range(3)]
+            for c, x, b in zip(alone, inputs, batch.step(inputs)):
+                a = c.step(x.audio)
+                assert (a.listen, a.token_ids, a.terminator, a.turn_end) == \
+                       (b.listen, b.token_ids, b.terminator, b.turn_end), k
+    finally:
+        thinker.llm.lm_head = head
+        for c in alone:
+            c.close()
+        batch.close()

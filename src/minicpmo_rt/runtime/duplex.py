@@ -42,7 +42,7 @@ import torch
 from ..errors import InputError
 from ..talker.chunked import ChunkSampling, SeatUnit, TalkerTurn, TalkerTurns
 from ..talker.engine import CONTEXT_CODES, SILENCE_CODE
-from ..thinker.duplex import DuplexDecodeConfig, DuplexDecoder, TurnState, generate_unit
+from ..thinker.duplex import DuplexDecodeConfig, DuplexDecoder, TurnState, generate_unit, unit_steps
 
 PCM_RATE = 24000
 SAMPLES_PER_CODE = 960
@@ -159,7 +159,10 @@ class DuplexConversation:
     def _think(self, audio, frame, sample_rate: int, force_listen: bool):
         """The Thinker's part of a step: commit the second, generate the unit -> (unit index, UnitGeneration)."""
         self.session.commit(audio, frame, sample_rate=sample_rate)
-        gen = generate_unit(self.session, self.decoder, self.tokenizer, self.turn, force_listen=force_listen)
+        return self._unit_done(generate_unit(self.session, self.decoder, self.tokenizer, self.turn,
+                                             force_listen=force_listen))
+
+    def _unit_done(self, gen):
         index, self.units = self.units, self.units + 1
         if gen.interrupted:
             self._drop_turn()
@@ -262,8 +265,9 @@ class DuplexBatch:
     def __init__(self, thinker, tokenizer, tts, code2wav=None, voices: Sequence = (None,),
                  seeds: Sequence[int] | None = None, decode: DuplexDecodeConfig = DuplexDecodeConfig(),
                  talker_sampling: ChunkSampling = ChunkSampling(), fast: bool | None = None,
-                 talker_max_len: int = 4096, **conversation_options):
-        from ..thinker.session import shared_fast_paths
+                 talker_max_len: int = 4096, shared_decode: bool | None = None, **conversation_options):
+        from ..thinker.llm_cache import StaticDecoderPool, StaticRows
+        from ..thinker.session import WindowPolicy, shared_fast_paths, static_rows_for
 
         voices = list(voices)
         if not voices:
@@ -275,6 +279,20 @@ class DuplexBatch:
         if "session_options" not in conversation_options:
             conversation_options["session_options"] = (shared_fast_paths(thinker)
                                                        if fast and thinker.device.type == "cuda" else {})
+        opts = dict(conversation_options["session_options"])
+        # Sessions on static caches take rows of one decoder, so each decode step of all the conversations
+        # is one forward (StaticRows); dynamic caches decode one conversation at a time.
+        self.rows = None
+        if shared_decode if shared_decode is not None else opts.get("llm_cache") == "static":
+            if opts.get("llm_cache") != "static":
+                raise InputError("duplex batch: shared_decode needs sessions on static caches "
+                                 "(session_options llm_cache='static')")
+            window = conversation_options.get("window") or WindowPolicy.duplex_basic()
+            pool = opts.get("llm_pool")
+            self.rows = StaticRows(thinker, len(voices), static_rows_for(thinker, window, opts.get("static_capacity")),
+                                   kernels=opts.get("llm_kernels", "auto"), graphs=opts.get("llm_graphs"),
+                                   pool=pool if isinstance(pool, StaticDecoderPool) else None)
+            conversation_options["session_options"] = {**opts, "llm_pool": self.rows}
         self.code2wav = code2wav
         self.talker = TalkerTurns(tts, len(voices), talker_sampling, seeds, max_len=talker_max_len,
                                   graphs=fast and thinker.device.type == "cuda")
@@ -299,10 +317,7 @@ class DuplexBatch:
         """One second for every conversation: ``inputs[i]`` is conversation i's, or None when it does
         not step this second (its unit is then None too)."""
         self._check(inputs)
-        thought = {}
-        for i, (conv, x) in enumerate(zip(self.conversations, inputs)):
-            if x is not None:
-                thought[i] = conv._think(x.audio, x.frame, x.sample_rate, x.force_listen)
+        thought = self._think(inputs)
         talking = [i for i, (_, gen) in thought.items() if speaks(gen)]
         made = self.talker.generate_units([SeatUnit(i, thought[i][1].talker_ids, thought[i][1].talker_hidden,
                                                     thought[i][1].turn_end) for i in talking])
@@ -321,6 +336,36 @@ class DuplexBatch:
             else:
                 units[i] = conv._unit(index, gen, (), np.zeros(0, np.float32))
         return units
+
+    def _think(self, inputs) -> dict[int, tuple]:
+        """Every stepping conversation's Thinker unit -> {i: (unit index, UnitGeneration)}: each commits its
+        second, then the units generate in lock step, one forward per decode step for all of them on shared
+        rows (one forward per conversation otherwise)."""
+        steps, pending, done = {}, {}, {}
+        for i, (conv, x) in enumerate(zip(self.conversations, inputs)):
+            if x is None:
+                continue
+            conv.session.commit(x.audio, x.frame, sample_rate=x.sample_rate)
+            steps[i] = unit_steps(conv.session, conv.decoder, conv.tokenizer, conv.turn, x.force_listen)
+            pending[i] = None
+        while pending:
+            hidden = {}
+            if self.rows is not None and any(t is not None for t in pending.values()):
+                where = {i: self.conversations[i].session.token_row() for i, t in pending.items() if t is not None}
+                rows = self.rows.step({row: (pending[i], pos) for i, (row, pos) in where.items()})
+                hidden = {i: self.conversations[i].session.accept_token(pending[i], rows[where[i][0]]) for i in where}
+            nxt = {}
+            for i, token in pending.items():
+                try:
+                    if token is None:
+                        nxt[i] = next(steps[i])
+                    else:
+                        h = hidden[i] if i in hidden else self.conversations[i].session.feed_token(token)
+                        nxt[i] = steps[i].send(h)
+                except StopIteration as end:
+                    done[i] = self.conversations[i]._unit_done(end.value)
+            pending = nxt
+        return done
 
     def _check(self, inputs) -> None:
         """Every input is checked before any conversation commits its second, so a bad one for
@@ -358,6 +403,8 @@ class DuplexBatch:
     def close(self) -> None:
         for conv in self.conversations:
             conv.close()
+        if self.rows is not None:
+            self.rows.close()
 
 
 def read_audio_16k(path) -> np.ndarray:

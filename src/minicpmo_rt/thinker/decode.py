@@ -16,6 +16,8 @@ picks Triton on CUDA and torch elsewhere.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -83,6 +85,17 @@ class StaticDecoder(nn.Module):
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
         # kv_len (None with the Triton kernels) -> (graph, tokens, positions, logits, hidden)
         self._graphs: dict[int | None, tuple] = {}
+
+    def row_view(self, row: int) -> "StaticDecoder":
+        """A batch-1 decoder on row ``row`` of this one's cache (same weights, the cache a view, graphs of
+        its own): a session prefills its own row, and a step of this decoder feeds every row at once."""
+        if not 0 <= row < self.batch:
+            raise ValueError(f"row_view: row {row} of a {self.batch}-row decoder")
+        view = copy.copy(self)     # a shallow copy: weights, tables and modules are shared
+        view.batch, view.row = 1, row
+        view.k_cache, view.v_cache = self.k_cache[:, row:row + 1], self.v_cache[:, row:row + 1]
+        view._prefill_graphs, view._graphs = {}, {}
+        return view
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """x [B,T,H] embeddings at positions pos [B,T]; returns final-norm hidden [B,T,H].

@@ -161,12 +161,25 @@ def generate_unit(session, decoder: DuplexDecoder, tokenizer, turn: TurnState,
     ``force_listen`` is upstream's ``force_listen_override`` (a client's barge-in): the unit
     listens, and an open turn is first closed by feeding ``<|turn_eos|>`` (not a Talker token).
     The first ``force_listen_units`` units of a session listen too, without that closing."""
+    steps = unit_steps(session, decoder, tokenizer, turn, force_listen)
+    try:
+        token = next(steps)
+        while True:
+            token = steps.send(session.feed_token(token))
+    except StopIteration as done:
+        return done.value
+
+
+def unit_steps(session, decoder: DuplexDecoder, tokenizer, turn: TurnState, force_listen: bool = False):
+    """``generate_unit`` as a generator: it yields each token to feed and expects, sent back, that
+    token's final-norm hidden row once ``session`` holds it (``session.feed_token``'s result), so a
+    caller can feed the tokens of several sessions in one forward; it returns the UnitGeneration."""
     cfg = decoder.config
     sp = tokenizer.special
     terminators = (sp.listen, sp.chunk_eos, sp.chunk_tts_eos)
     interrupted = False
     if force_listen and turn.open:
-        session.feed_token(sp.turn_eos)
+        yield sp.turn_eos
         turn.open, interrupted = False, True
     force_listen = force_listen or turn.units < cfg.force_listen_units
     turn.units += 1
@@ -196,7 +209,7 @@ def generate_unit(session, decoder: DuplexDecoder, tokenizer, turn: TurnState,
             terminator = sp.chunk_eos
             decoded[-1] = terminator
             break
-        hidden = session.feed_token(token)
+        hidden = yield token
         logits = session.logits()
         fed.append(token)
         if token == sp.turn_eos:

@@ -113,6 +113,61 @@ class StaticDecoderPool:
         self._free.setdefault(key, []).append(dec)
 
 
+class StaticRows:
+    """One ``batch``-row ``StaticDecoder`` whose rows serve ``batch`` sessions: passed as a session's
+    ``llm_pool``, it hands each session a row (``StaticDecoder.row_view``; the session prefills it alone),
+    and ``step`` feeds one token to each of several sessions in one forward (a CUDA graph with the Triton
+    kernels: duplex decode steps of concurrent conversations). The cache holds one row more than a session
+    may use: a row that does not feed in a step writes at that last position, which no session reads."""
+
+    def __init__(self, thinker: Thinker, batch: int, capacity: int, kernels: str = "auto",
+                 pool: StaticDecoderPool | None = None, graphs: bool | None = None):
+        self.thinker, self.capacity, self.batch = thinker, capacity, batch
+        self.big = pool.acquire(capacity + 1, batch) if pool is not None else \
+            StaticDecoder(thinker.llm, max_len=capacity + 1, batch=batch, kernels=kernels)
+        self.pool = pool
+        self.graphs = (self.big.kernels == "triton" and self.big.device.type == "cuda") if graphs is None else graphs
+        self._free = [self.big.row_view(i) for i in range(batch)]
+        self._tokens = torch.zeros(batch, dtype=torch.long, device=self.big.device)
+
+    def acquire(self, capacity: int, batch: int = 1) -> StaticDecoder:
+        if batch != 1 or capacity != self.capacity:
+            raise InputError(f"static rows: a session asked for {batch} row(s) of {capacity} positions; these rows "
+                             f"hold {self.capacity} (one session each)")
+        if not self._free:
+            raise InputError(f"static rows: all {self.batch} rows are taken; close a session first")
+        return self._free.pop(0)
+
+    def release(self, dec: StaticDecoder) -> None:
+        if any(d is dec for d in self._free):
+            raise ValueError("StaticRows.release: this row was released already")
+        self._free.append(dec)
+
+    @torch.no_grad()
+    def step(self, feeds: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor]:
+        """{row: (token id, position)} -> {row: final-norm hidden [H]}: every token fed in one forward (rows
+        without a token write at the spare last position)."""
+        big = self.big
+        tokens = torch.zeros(self.batch, dtype=torch.long)
+        pos = torch.full((self.batch,), self.capacity, dtype=torch.long)
+        for row, (token, position) in feeds.items():
+            if not 0 <= position < self.capacity:
+                raise InputError(f"static rows: position {position} is outside the {self.capacity} rows of a session")
+            tokens[row], pos[row] = token, position
+        tokens, pos = tokens.to(big.device), pos.to(big.device)
+        if self.graphs:
+            _, hidden = big.decode_graph(tokens, pos)
+        else:
+            hidden = big.step(big.embed(tokens)[:, None], pos[:, None], self.capacity + 1)[:, 0]
+        return {row: hidden[row].clone() for row in feeds}
+
+    def close(self) -> None:
+        """Hand the decoder back to its pool (every session on a row must be closed)."""
+        if self.pool is not None and self.big is not None:
+            self.pool.release(self.big)
+        self.big = None
+
+
 class StaticLLMCache:
     """``StaticDecoder`` prefill on its preallocated cache (``store``) of ``capacity`` rows."""
 
@@ -162,6 +217,12 @@ class StaticLLMCache:
         hidden = run(embeds, self._length)
         self._length += n
         return LLMStep(hidden[0])
+
+    def advance(self, n: int) -> None:
+        """``n`` rows past the length were written by a forward of the rows' owner (``StaticRows.step``)."""
+        if self._length + n > self.capacity:
+            raise InputError(f"static LLM cache: {self._length} + {n} positions pass its capacity of {self.capacity}")
+        self._length += n
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:

@@ -106,6 +106,15 @@ def fast_path_census(options: dict) -> dict:
             "audio_fork_graphs": len(audio._fork_graphs) if isinstance(audio, AudioGraphs) else 0}
 
 
+def static_rows_for(thinker: Thinker, window: "WindowPolicy", static_capacity: int | None = None) -> int:
+    """The rows of a session's static LLM cache: ``static_capacity``, else the window's high watermark plus
+    STATIC_HEADROOM (a bounded window), at most the model's positions."""
+    limit = thinker.config.llm.max_position_embeddings
+    if static_capacity is None and window.enabled:
+        static_capacity = window.high_tokens + STATIC_HEADROOM
+    return min(limit, static_capacity or limit)
+
+
 class ContextLimitError(InputError):
     """The LLM context would pass the model's max_position_embeddings."""
 
@@ -307,9 +316,7 @@ class StreamingSession:
             raise InputError(f"llm_cache={llm_cache!r}: choose one of {', '.join(LLM_CACHES)}")
         capacity = self.max_positions
         if llm_cache == "static":
-            if static_capacity is None and self.window.enabled:
-                static_capacity = self.window.high_tokens + STATIC_HEADROOM
-            capacity = min(capacity, static_capacity or capacity)
+            capacity = static_rows_for(thinker, self.window, static_capacity)
         self.llm_cache = make_llm_cache(llm_cache, thinker, capacity, kernels=llm_kernels, graphs=llm_graphs,
                                         pool=llm_pool)
         self.audio_cache: AudioEncoderCache | None = None
@@ -450,15 +457,8 @@ class StreamingSession:
         """Feed one generated token into the open unit (duplex ``StreamDecoder.feed``); returns
         its final-norm hidden row (the Talker conditions on it). The token becomes part of the
         unit, so pruning drops it with the unit."""
-        if self.open_unit is None or self.open_unit.terminator is not None:
-            raise InputError("feed_token: no open unit to generate into; commit a unit first (and do not feed "
-                             "after end_unit)")
-        if self._tail_appended:
-            raise InputError("feed_token: a tail was appended in this transaction; restore it first")
+        self._check_token_feed("feed_token")
         piece = PromptPiece((int(token_id),))
-        if self.llm_cache.length + 1 > min(self.llm_cache.capacity, self.max_positions):
-            raise ContextLimitError(f"feed_token: the context is full ({self.llm_cache.length} rows); use a bounded "
-                                    "WindowPolicy or a larger static_capacity")
 
         def run():
             step = self.llm_cache.feed(self.thinker.embed_tokens(piece.ids))
@@ -467,6 +467,36 @@ class StreamingSession:
 
         self._atomically(run)
         return self._last_hidden
+
+    def _check_token_feed(self, where: str) -> None:
+        if self.open_unit is None or self.open_unit.terminator is not None:
+            raise InputError(f"{where}: no open unit to generate into; commit a unit first (and do not feed "
+                             "after end_unit)")
+        if self._tail_appended:
+            raise InputError(f"{where}: a tail was appended in this transaction; restore it first")
+        if self.llm_cache.length + 1 > min(self.llm_cache.capacity, self.max_positions):
+            raise ContextLimitError(f"{where}: the context is full ({self.llm_cache.length} rows); use a bounded "
+                                    "WindowPolicy or a larger static_capacity")
+
+    def token_row(self) -> tuple[int, int]:
+        """Where ``feed_token``'s next token goes: (the session's row of a ``StaticRows`` cache, its position).
+        A caller feeding several sessions' tokens in one ``StaticRows.step`` hands each result to
+        ``accept_token``."""
+        self._check_token_feed("token_row")
+        row = getattr(getattr(self.llm_cache, "store", None), "row", None)
+        if row is None or not hasattr(self.llm_cache, "advance"):
+            raise InputError("token_row: this session's LLM cache is not a row of a StaticRows decoder; build it "
+                             "with llm_cache='static' and llm_pool=StaticRows(...)")
+        return row, self.llm_cache.length
+
+    def accept_token(self, token_id: int, hidden: torch.Tensor) -> torch.Tensor:
+        """``feed_token`` whose forward ran elsewhere: the token's K/V are already at ``token_row()``'s
+        position and ``hidden`` is its final-norm row. Returns ``hidden``."""
+        self.token_row()
+        self.llm_cache.advance(1)
+        self._last_hidden = hidden
+        self.open_unit = replace(self.open_unit, piece=self.open_unit.piece + PromptPiece((int(token_id),)))
+        return hidden
 
     def end_unit(self, terminator_id: int | None) -> None:
         """Close the open unit with the generated terminator (``<|listen|>``, ``<|chunk_eos|>``,
