@@ -348,3 +348,46 @@ def test_feature_session_factory_plain_on_cpu_and_env_switch(thinker, tok, monke
     monkeypatch.setenv("MINICPMO_RT_FEATURES_FAST", "yes")
     with pytest.raises(InputError, match="MINICPMO_RT_FEATURES_FAST"):
         session_factory(thinker, tok)
+
+
+def test_static_rows_feed_several_sessions_in_one_step(thinker, tok):
+    """Two sessions on rows of one StaticRows decoder (torch kernels): each commits on its own row, then one
+    ``step`` feeds a token to both (and later to one, the other row idle); ``accept_token`` leaves each
+    session as ``feed_token`` on its own static cache does: hidden rows, cache rows and lengths within fp32
+    rounding, the next commit too. Named errors: a third session, a dynamic session's ``token_row``."""
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+
+    rows = StaticRows(thinker, 2, 512, kernels="torch")
+    shared = [StreamingSession(thinker, tok, llm_cache="static", static_capacity=512, llm_pool=rows) for _ in range(2)]
+    alone = [StreamingSession(thinker, tok, llm_cache="static", static_capacity=512) for _ in range(2)]
+    assert [s.llm_cache.store.row for s in shared] == [0, 1] and rows.big.k_cache.shape[3] == 513
+    with pytest.raises(InputError, match="all 2 rows are taken"):
+        StreamingSession(thinker, tok, llm_cache="static", static_capacity=512, llm_pool=rows)
+    audio = [_audio(2, 5), _audio(2, 6)]
+    for k, tokens in enumerate(([1000, 2000], [3000, None])):
+        for s, a, b in zip(range(2), shared, alone):
+            a.commit(audio[s][16000 * k:16000 * (k + 1)], None)
+            b.commit(audio[s][16000 * k:16000 * (k + 1)], None)
+        where = {i: shared[i].token_row() for i in range(2) if tokens[i] is not None}
+        out = rows.step({row: (tokens[i], pos) for i, (row, pos) in where.items()})
+        for i in where:
+            got = shared[i].accept_token(tokens[i], out[where[i][0]])
+            want = alone[i].feed_token(tokens[i])
+            assert rel_err(got, want) <= 1e-5 and rel_err(shared[i].logits(), alone[i].logits()) <= 1e-5
+        for a, b in zip(shared, alone):
+            a.end_unit(tok.special.chunk_eos)
+            b.end_unit(tok.special.chunk_eos)
+            assert a.cache_len == b.cache_len
+            n = a.cache_len
+            assert rel_err(a.cache.k_cache[0, :, :, :n], b.cache.k_cache[0, :, :, :n]) <= 1e-5
+    for a, b in zip(shared, alone):
+        a.commit(audio[0][:16000], None)
+        b.commit(audio[0][:16000], None)
+        assert rel_err(a.read_state(), b.read_state()) <= 1e-5
+    plain = StreamingSession(thinker, tok)
+    plain.commit(audio[0][:16000], None)
+    with pytest.raises(InputError, match="not a row of a StaticRows"):
+        plain.token_row()
+    for s in shared + alone:
+        s.close()
+    assert len(rows._free) == 2
