@@ -295,8 +295,9 @@ def test_batch_says_what_each_conversation_says_alone(parts, tiny_ckpt, voice, s
     barge-in: each unit (decision, Talker tokens, codes) equals that conversation stepped alone, and its
     audio matches (one flow solve / HiFT call for the streams in step against one per stream: same math
     per row, <= 1e-5). The units cover listening, speaking and turn ends. ``rows``: the batch's sessions
-    sit on rows of one static decoder (torch kernels here; Triton and graphs on CUDA), so every decode step
-    of the three is one forward (StaticRows); the conversations alone run the plain dynamic cache."""
+    sit on rows of one static decoder (``shared_decode``; torch kernels here, Triton and graphs on CUDA), so
+    every decode step of the three is one forward (StaticRows); the conversations alone run the plain
+    dynamic cache."""
     from minicpmo_rt.code2wav.pipeline import Code2Wav
     from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
 
@@ -306,7 +307,7 @@ def test_batch_says_what_each_conversation_says_alone(parts, tiny_ckpt, voice, s
     voices = [voice, shared_dir / "media" / "ref_minicpm_signature.wav", voice]
     cfg = DuplexDecodeConfig(mode="greedy", repetition_penalty=1.0)
     alone = [DuplexConversation(thinker, tok, tts, c2w, v, decode=cfg, seed=10 + i) for i, v in enumerate(voices)]
-    options = {"session_options": {"llm_cache": "static", "llm_kernels": "torch"}} if rows else {}
+    options = {"session_options": {"llm_cache": "static", "llm_kernels": "torch"}, "shared_decode": True} if rows else {}
     batch = DuplexBatch(thinker, tok, tts, c2w, voices, seeds=[10, 11, 12], decode=cfg, **options)
     assert (batch.rows is not None) == rows
     ids = [sp.listen, sp.speak, WORD, WORD + 1, WORD + 2, sp.chunk_eos, sp.turn_eos]
@@ -415,9 +416,10 @@ def test_reopened_seat_talks_as_a_fresh_conversation(parts, voice):
 
 @requires_cuda
 def test_batch_on_cuda_shares_decode_steps_and_matches_the_cpu(tiny_ckpt, parts):
-    """On CUDA (fp32, fast paths: sessions on rows of one static decoder with the Triton kernels, every
-    decode step of the three conversations one graph replay; the Talker seats' graphs) the batch makes the
-    decisions and Talker tokens of each conversation stepped alone on the CPU."""
+    """On CUDA (fp32, fast paths, ``shared_decode``: sessions on rows of one static decoder with the Triton
+    kernels, every decode step of the three conversations one graph replay; the Talker seats' graphs) the
+    batch makes the decisions and Talker tokens of each conversation stepped alone on the CPU. (Not yet run
+    on a GPU: session 41's device time ran out.)"""
     from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
 
     thinker, tok, tts = parts
@@ -430,7 +432,7 @@ def test_batch_on_cuda_shares_decode_steps_and_matches_the_cpu(tiny_ckpt, parts)
     thinker.llm.lm_head, gpu_thinker.llm.lm_head = _ByState(head, ids), _ByState(gpu_head, ids)
     alone = [DuplexConversation(thinker, tok, tts, decode=cfg, seed=i) for i in range(3)]
     batch = DuplexBatch(gpu_thinker, tok, load_talker(tiny_ckpt, device="cuda"), voices=[None] * 3, seeds=[0, 1, 2],
-                        decode=cfg)
+                        decode=cfg, shared_decode=True)
     try:
         assert batch.rows is not None and batch.rows.graphs and batch.talker.graphs > 0
         for k in range(4):

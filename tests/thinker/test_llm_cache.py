@@ -350,15 +350,21 @@ def test_feature_session_factory_plain_on_cpu_and_env_switch(thinker, tok, monke
         session_factory(thinker, tok)
 
 
-def test_static_rows_feed_several_sessions_in_one_step(thinker, tok):
-    """Two sessions on rows of one StaticRows decoder (torch kernels): each commits on its own row, then one
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not K.usable_on(torch.empty(0)) or torch.cuda.is_available(), reason="the Triton kernels on the CPU need "
+    "TRITON_INTERPRET=1 (CUDA runs them in the CUDA tests)"))])
+def test_static_rows_feed_several_sessions_in_one_step(thinker, tok, kernels):
+    """Two sessions on rows of one StaticRows decoder (torch kernels, and the Triton kernels through the
+    interpreter: each row view's cache is a slice of the shared one): each commits on its own row, then one
     ``step`` feeds a token to both (and later to one, the other row idle); ``accept_token`` leaves each
     session as ``feed_token`` on its own static cache does: hidden rows, cache rows and lengths within fp32
     rounding, the next commit too. Named errors: a third session, a dynamic session's ``token_row``."""
     from minicpmo_rt.thinker.llm_cache import StaticRows
 
-    rows = StaticRows(thinker, 2, 512, kernels="torch")
-    shared = [StreamingSession(thinker, tok, llm_cache="static", static_capacity=512, llm_pool=rows) for _ in range(2)]
+    rows = StaticRows(thinker, 2, 512, kernels=kernels, graphs=False)
+    shared = [StreamingSession(thinker, tok, llm_cache="static", static_capacity=512, llm_pool=rows,
+                               llm_graphs=False) for _ in range(2)]
+    assert shared[0].llm_cache.store.kernels == kernels
     alone = [StreamingSession(thinker, tok, llm_cache="static", static_capacity=512) for _ in range(2)]
     assert [s.llm_cache.store.row for s in shared] == [0, 1] and rows.big.k_cache.shape[3] == 513
     with pytest.raises(InputError, match="all 2 rows are taken"):
