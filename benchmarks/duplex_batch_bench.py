@@ -5,12 +5,13 @@ the duplex profile's TF32 CFM).
 A second of N conversations must finish inside one second for all of them to stay live. Two ways to
 run N conversations side by side in one run:
 
-- ``batch-rows``: one ``DuplexBatch`` with ``shared_decode=True`` (opt-in): the sessions sit on rows of one static
+- ``batch-rows``: one ``DuplexBatch`` with ``shared_decode=True`` (its default on CUDA from two conversations
+  on): the sessions sit on rows of one static
   decoder, each commits its second, then every decode step of all of them is one forward
   (``StaticRows``); every speaking unit's Talker draws together (``TalkerTurns``: one batched forward
   per draw, a CUDA graph) and their Code2Wav payloads together (``push_many``);
-- ``batch``: the default ``DuplexBatch``: each session on its own static decoder, so the units
-  decode one conversation at a time (the rows of ``duplex_batch_bench_session41_h200.md``);
+- ``batch``: ``DuplexBatch`` with ``shared_decode=False``: each session on its own static decoder, so the
+  units decode one conversation at a time (the rows of ``duplex_batch_bench_session41_h200.md``);
 - ``sequential``: N ``DuplexConversation``s stepped one after another (each its own Talker graph and
   Code2Wav pushes): what serving N users without the batch costs.
 

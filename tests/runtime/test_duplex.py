@@ -277,12 +277,14 @@ class _ByState(nn.Module):
 
     def __init__(self, head: nn.Module, ids: list[int]):
         super().__init__()
-        self.head, self.ids = head, torch.tensor(ids)
+        self.head = head
+        # a buffer on the head's device: a CUDA graph cannot capture a host-to-device copy
+        self.register_buffer("ids", torch.tensor(ids, device=head.weight.device), persistent=False)
 
     def forward(self, h):
         out = self.head(h).clone()
         pick = (out.argmax(-1, keepdim=True) + out[..., ::7].argmax(-1, keepdim=True)) % len(self.ids)
-        return out.scatter(-1, self.ids.to(out.device)[pick], out.amax(-1, keepdim=True) + 1000.0)
+        return out.scatter(-1, self.ids[pick], out.amax(-1, keepdim=True) + 1000.0)
 
 
 def _pcm_err(a, b) -> float:
@@ -307,7 +309,8 @@ def test_batch_says_what_each_conversation_says_alone(parts, tiny_ckpt, voice, s
     voices = [voice, shared_dir / "media" / "ref_minicpm_signature.wav", voice]
     cfg = DuplexDecodeConfig(mode="greedy", repetition_penalty=1.0)
     alone = [DuplexConversation(thinker, tok, tts, c2w, v, decode=cfg, seed=10 + i) for i, v in enumerate(voices)]
-    options = {"session_options": {"llm_cache": "static", "llm_kernels": "torch"}, "shared_decode": True} if rows else {}
+    # shared_decode left unset: on with static caches and more than one seat (the CUDA default)
+    options = {"session_options": {"llm_cache": "static", "llm_kernels": "torch"}} if rows else {}
     batch = DuplexBatch(thinker, tok, tts, c2w, voices, seeds=[10, 11, 12], decode=cfg, **options)
     assert (batch.rows is not None) == rows
     ids = [sp.listen, sp.speak, WORD, WORD + 1, WORD + 2, sp.chunk_eos, sp.turn_eos]
@@ -414,12 +417,28 @@ def test_reopened_seat_talks_as_a_fresh_conversation(parts, voice):
         thinker.llm.lm_head = head
 
 
+def test_shared_decode_defaults_on_for_static_caches_and_several_seats(parts):
+    """Unset, ``shared_decode`` puts the sessions on rows of one decoder only where that can run and pays:
+    static caches and more than one seat. Explicit False keeps each session's own decoder, and an explicit
+    True without static caches is refused by name."""
+    from minicpmo_rt.runtime.duplex import DuplexBatch
+
+    thinker, tok, tts = parts
+    static = {"session_options": {"llm_cache": "static", "llm_kernels": "torch"}}
+    assert DuplexBatch(thinker, tok, tts, voices=[None, None], **static).rows is not None
+    assert DuplexBatch(thinker, tok, tts, voices=[None], **static).rows is None
+    assert DuplexBatch(thinker, tok, tts, voices=[None, None], shared_decode=False, **static).rows is None
+    assert DuplexBatch(thinker, tok, tts, voices=[None, None]).rows is None        # dynamic caches (CPU default)
+    with pytest.raises(InputError, match="shared_decode needs sessions on static caches"):
+        DuplexBatch(thinker, tok, tts, voices=[None, None], shared_decode=True)
+
+
 @requires_cuda
 def test_batch_on_cuda_shares_decode_steps_and_matches_the_cpu(tiny_ckpt, parts):
     """On CUDA (fp32, fast paths, ``shared_decode``: sessions on rows of one static decoder with the Triton
     kernels, every decode step of the three conversations one graph replay; the Talker seats' graphs) the
-    batch makes the decisions and Talker tokens of each conversation stepped alone on the CPU. (Not yet run
-    on a GPU: session 41's device time ran out.)"""
+    batch makes the decisions and Talker tokens of each conversation stepped alone on the CPU (passed on
+    the H200 in session 42, duplex_cuda_tests_session42_h200.txt)."""
     from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
 
     thinker, tok, tts = parts
