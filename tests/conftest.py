@@ -10,6 +10,10 @@ import torch
 # what CI runs (scripts/test.sh sets it too). Without it, kernel tests failed with "0 active drivers".
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_speedup      # the interpreter's per-call scans of triton.language, done once
+
+    interpreter_speedup.install()
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "minicpmo45"
