@@ -73,9 +73,9 @@ def attach_code2wav(convs, c2w, feats) -> None:
         c.code2wav, c.voice = c2w, feats
 
 
-def run(kind: str, n: int, parts, units: int, frame, dev) -> list[dict]:
+def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy") -> list[dict]:
     thinker, tok, tts, c2w, feats, options = parts
-    cfg = DuplexDecodeConfig(mode="greedy")
+    cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
     clock = _Clock(dev)
     if kind == "batch-rows" and not options:     # CPU smoke run: static caches on the torch kernels
@@ -130,7 +130,7 @@ def write_table(res: dict, path: Path) -> None:
     lines = [f"# Concurrent duplex conversations ({res['gpu']}, Thinker/Talker {res['dtype']}, "
              f"{'tiny' if res['tiny'] else 'full-size'} random weights, torch {res['torch']})", "",
              "Wall time of one second of N conversations, every unit speaking to its 28-character limit with a "
-             f"448x448 frame; medians over seconds {res['warm']}..{res['units'] - 1}. A second is live while it "
+             f"448x448 frame, {res.get('decode', 'greedy')} decoding; medians over seconds {res['warm']}..{res['units'] - 1}. A second is live while it "
              "takes under 1000 ms (real-time factor < 1). Phase columns are the summed time in each stage "
              "(synchronised around each call).", "",
              "| N | path | ms per second | max | real-time factor | ms per conversation | Thinker ms | Talker ms | "
@@ -156,6 +156,8 @@ def main() -> None:
     ap.add_argument("--sequential", default="1,4,8", help="N for the sequential path ('' for none)")
     ap.add_argument("--units", type=int, default=8, help="seconds per run")
     ap.add_argument("--warm", type=int, default=3, help="first seconds left out of the medians (captures, compiles)")
+    ap.add_argument("--decode", choices=("greedy", "sampling"), default="greedy",
+                    help="the Thinker's duplex decode mode (sampling: upstream's default, 0.7 / top-k 20 / top-p 0.8)")
     ap.add_argument("--table", type=Path, help="only rewrite OUT/duplex_batch_bench.md from this run's JSON")
     args = ap.parse_args()
     if args.table:
@@ -178,14 +180,15 @@ def main() -> None:
     options = shared_fast_paths(thinker) if dev.type == "cuda" else {}
     frame = np.random.default_rng(1).integers(0, 255, (448, 448, 3), dtype=np.uint8)
     res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-           "tiny": args.tiny, "units": args.units, "warm": args.warm, "code2wav": str(choice), "runs": []}
+           "tiny": args.tiny, "units": args.units, "warm": args.warm, "code2wav": str(choice), "decode": args.decode,
+           "runs": []}
     args.out.mkdir(parents=True, exist_ok=True)
     kinds = [k for k in args.batch_kinds.split(",") if k]
     if set(kinds) - {"batch", "batch-rows"}:
         ap.error(f"--batch-kinds: choose from batch-rows, batch (got {args.batch_kinds!r})")
     plan = [(k, n) for n in batched for k in kinds] + [("sequential", n) for n in sequential]
     for kind, n in plan:
-        rows = run(kind, n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev)
+        rows = run(kind, n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev, args.decode)
         s = summarize(rows, args.warm, n)
         res["runs"].append({"kind": kind, "n": n, "summary": s, "rows": rows})
         print(f"{kind:10s} N={n:2d}: {s['ms']:7.1f} ms per second (max {s['ms_max']:.1f}; Thinker {s['thinker_ms']:.1f}, "

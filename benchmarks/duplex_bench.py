@@ -41,18 +41,20 @@ SPEECH_IDS = (1000, 2000, 3000, 4000)   # ordinary text pieces, a few characters
 
 
 class _Speak(nn.Module):
-    """The real LM head with one text id lifted on top at every call (cycling, so the repetition
-    penalty does not matter): every unit speaks for its whole budget."""
+    """The real LM head with one text id of ``SPEECH_IDS`` lifted on top of every row: every unit speaks for
+    its whole budget. The id is picked from the row's own logits (its argmax), not from Python state, so
+    the head gives the same answer inside a CUDA graph (the batched decode's) as outside it; the lift
+    (+1000) keeps it on top whatever the repetition penalty does."""
 
     def __init__(self, head: nn.Module):
         super().__init__()
-        self.head, self.calls = head, 0
+        self.head = head
+        self.register_buffer("ids", torch.tensor(SPEECH_IDS, device=head.weight.device), persistent=False)
 
     def forward(self, h):
         out = self.head(h).clone()
-        out[..., SPEECH_IDS[self.calls % len(SPEECH_IDS)]] = out.max() + 1000.0
-        self.calls += 1
-        return out
+        pick = out.argmax(-1, keepdim=True) % len(SPEECH_IDS)
+        return out.scatter(-1, self.ids[pick], out.amax(-1, keepdim=True) + 1000.0)
 
 
 def sync(dev: torch.device) -> None:

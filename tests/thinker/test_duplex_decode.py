@@ -104,3 +104,47 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k(tok):
 def test_bad_configs_are_named(kw, match):
     with pytest.raises(InputError, match=match):
         DuplexDecodeConfig(**kw)
+
+
+def test_nucleus_sorts_only_the_top_k_and_keeps_ties_with_the_kth():
+    """The top-k fast path (only the kept values sorted) keeps what sorting the whole vector keeps: the
+    k best plus any tie with the k-th value, then the top-p prefix, by descending value."""
+    from minicpmo_rt.thinker.duplex import nucleus
+
+    x = torch.tensor([0.5, 3.0, 2.0, 2.0, -1.0, 2.0, float("-inf")])
+    ids, vals = nucleus(x, 2, 1.0)
+    assert ids.tolist()[0] == 1 and sorted(ids.tolist()) == [1, 2, 3, 5] and vals.tolist() == [3.0, 2.0, 2.0, 2.0]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        y = torch.randn(500, generator=g) * 2
+        for k, p in ((20, 0.8), (0, 0.8), (7, 0.3), (500, 1.0)):
+            ids, vals = nucleus(y, k, p)
+            ref = y.clone()
+            if k:
+                ref[ref < torch.topk(ref, k).values[-1]] = float("-inf")
+            sv, order = torch.sort(ref, descending=True)
+            cum = torch.cumsum(torch.softmax(sv, 0), 0)
+            n_keep = int((cum <= p).sum()) + 1 if p < 1.0 else int(torch.isfinite(sv).sum())
+            assert ids.tolist() == order[:min(n_keep, int(torch.isfinite(sv).sum()))].tolist()
+            assert torch.equal(vals, y[ids])
+
+
+def test_sampling_draws_follow_the_nucleus_and_the_raw_chunk_eos_odds(tok):
+    """Sampling draws with the distribution upstream's draws have: the raw draw stops at <|chunk_eos|> at
+    its softmax probability (here 0.25), and the rest follow the softmax of the temperature-scaled
+    nucleus. 1200 draws; the bounds are 5 standard errors."""
+    ce = tok.special.chunk_eos
+    others = [A, B, 3000, 4000]
+    x = torch.linspace(-80.0, -60.0, V)     # distinct: no tie with the 20th value (ties would all be kept)
+    x[ce] = 0.0
+    x[others] = torch.log(torch.tensor([1.0, 1.0, 0.5, 0.5]))   # chunk_eos: 1 / (1 + 3) of the raw mass
+    d = DuplexDecoder(tok, DuplexDecodeConfig(temperature=1.0, top_k=20, top_p=1.0, repetition_penalty=1.0,
+                                              length_penalty=1.0), torch.Generator().manual_seed(5))
+    n = 1200
+    got = torch.tensor([d.decode(x) for _ in range(n)])
+    assert abs(float((got == ce).float().mean()) - 0.25) < 5 * (0.25 * 0.75 / n) ** 0.5
+    rest = got[got != ce]
+    want = torch.tensor([1.0, 1.0, 0.5, 0.5]) / 3.0
+    freq = torch.stack([(rest == t).float().mean() for t in others])
+    assert set(rest.tolist()) <= set(others)
+    assert (freq - want).abs().max() < 5 * (1 / 3 * 2 / 3 / len(rest)) ** 0.5

@@ -356,7 +356,8 @@ def test_feature_session_factory_plain_on_cpu_and_env_switch(thinker, tok, monke
 def test_static_rows_feed_several_sessions_in_one_step(thinker, tok, kernels):
     """Two sessions on rows of one StaticRows decoder (torch kernels, and the Triton kernels through the
     interpreter: each row view's cache is a slice of the shared one): each commits on its own row, then one
-    ``step`` feeds a token to both (and later to one, the other row idle); ``accept_token`` leaves each
+    ``step`` feeds a token to both (and later, through ``step_logits`` with the rows' LM head, to one, the
+    other row idle); ``accept_token`` leaves each
     session as ``feed_token`` on its own static cache does: hidden rows, cache rows and lengths within fp32
     rounding, the next commit too. Named errors: a third session, a dynamic session's ``token_row``."""
     from minicpmo_rt.thinker.llm_cache import StaticRows
@@ -375,9 +376,19 @@ def test_static_rows_feed_several_sessions_in_one_step(thinker, tok, kernels):
             a.commit(audio[s][16000 * k:16000 * (k + 1)], None)
             b.commit(audio[s][16000 * k:16000 * (k + 1)], None)
         where = {i: shared[i].token_row() for i in range(2) if tokens[i] is not None}
-        out = rows.step({row: (tokens[i], pos) for i, (row, pos) in where.items()})
-        for i in where:
-            got = shared[i].accept_token(tokens[i], out[where[i][0]])
+        feeds = {row: (tokens[i], pos) for i, (row, pos) in where.items()}
+        if k == 0:
+            out = rows.step(feeds)
+        else:       # with the LM head of the fed rows, which the sessions' logits() then return
+            st = rows.step_logits(feeds)
+            assert st.rows == [where[i][0] for i in where] and st.logits.shape == (len(where), thinker.llm.lm_head.out_features)
+        for j, i in enumerate(where):
+            if k == 0:
+                got = shared[i].accept_token(tokens[i], out[where[i][0]])
+            else:
+                lg = st.logits[j]
+                got = shared[i].accept_token(tokens[i], st.hidden[j], logits=lg)
+                assert shared[i].logits() is lg
             want = alone[i].feed_token(tokens[i])
             assert rel_err(got, want) <= 1e-5 and rel_err(shared[i].logits(), alone[i].logits()) <= 1e-5
         for a, b in zip(shared, alone):

@@ -357,8 +357,13 @@ class DuplexBatch:
             hidden = {}
             if self.rows is not None and any(t is not None for t in pending.values()):
                 where = {i: self.conversations[i].session.token_row() for i, t in pending.items() if t is not None}
-                rows = self.rows.step({row: (pending[i], pos) for i, (row, pos) in where.items()})
-                hidden = {i: self.conversations[i].session.accept_token(pending[i], rows[where[i][0]]) for i in where}
+                out = self.rows.step_logits({row: (pending[i], pos) for i, (row, pos) in where.items()})
+                # every seat's logits and hidden row reach the host in one copy each (the decode policy and
+                # the Talker's rows read them there), not in two waits per seat
+                logits, rows = out.logits.cpu(), out.hidden.float().cpu()
+                for k, i in enumerate(where):
+                    self.conversations[i].session.accept_token(pending[i], out.hidden[k], logits=logits[k])
+                    hidden[i] = rows[k]
             nxt = {}
             for i, token in pending.items():
                 try:

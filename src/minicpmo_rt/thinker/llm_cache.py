@@ -18,6 +18,7 @@ exactly as ``model.drop_rows`` does (same fp32 element-wise arithmetic).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -113,6 +114,15 @@ class StaticDecoderPool:
         self._free.setdefault(key, []).append(dec)
 
 
+@dataclass(frozen=True)
+class RowsStep:
+    """One ``StaticRows.step_logits``: the fed rows in the feeds' order, and for each its final-norm hidden
+    [n, H] (model dtype) and LM-head output [n, V] (float32), both on the model's device."""
+    rows: list[int]
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
 class StaticRows:
     """One ``batch``-row ``StaticDecoder`` whose rows serve ``batch`` sessions: passed as a session's
     ``llm_pool``, it hands each session a row (``StaticDecoder.row_view``; the session prefills it alone),
@@ -147,6 +157,27 @@ class StaticRows:
     def step(self, feeds: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor]:
         """{row: (token id, position)} -> {row: final-norm hidden [H]}: every token fed in one forward (rows
         without a token write at the spare last position)."""
+        _, hidden = self._forward(feeds)
+        return {row: hidden[row].clone() for row in feeds}
+
+    @torch.no_grad()
+    def step_logits(self, feeds: dict[int, tuple[int, int]]) -> RowsStep:
+        """``step`` with the LM head of the fed rows, in one batch: the graph's own head output when it
+        ran the thinker's current head, else the head on the fed rows (one GEMM for all, not one GEMV per
+        session)."""
+        logits, hidden = self._forward(feeds)
+        rows = list(feeds)
+        pick = torch.tensor(rows, device=hidden.device)
+        hidden = hidden.index_select(0, pick)            # a copy: the graph's outputs change at its next replay
+        head = self.thinker.llm.lm_head
+        if logits is not None and self.big.lm_head is head:
+            logits = logits.index_select(0, pick)
+        else:
+            logits = head(hidden.to(self.thinker.dtype)).float()
+        return RowsStep(rows, hidden, logits)
+
+    def _forward(self, feeds: dict[int, tuple[int, int]]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(logits [batch, V] or None, hidden [batch, H]) of one forward of every row (graph outputs)."""
         big = self.big
         tokens = torch.zeros(self.batch, dtype=torch.long)
         pos = torch.full((self.batch,), self.capacity, dtype=torch.long)
@@ -156,10 +187,8 @@ class StaticRows:
             tokens[row], pos[row] = token, position
         tokens, pos = tokens.to(big.device), pos.to(big.device)
         if self.graphs:
-            _, hidden = big.decode_graph(tokens, pos)
-        else:
-            hidden = big.step(big.embed(tokens)[:, None], pos[:, None], self.capacity + 1)[:, 0]
-        return {row: hidden[row].clone() for row in feeds}
+            return big.decode_graph(tokens, pos)
+        return None, big.step(big.embed(tokens)[:, None], pos[:, None], self.capacity + 1)[:, 0]
 
     def close(self) -> None:
         """Hand the decoder back to its pool (every session on a row must be closed)."""

@@ -333,6 +333,8 @@ class StreamingSession:
         self._transactions = 0
         self._tail_appended = False
         self._last_hidden: torch.Tensor | None = None
+        # (hidden, its LM-head output) handed in by accept_token; valid while that hidden is the last one
+        self._head_out: tuple[torch.Tensor, torch.Tensor] | None = None
         # The voice reference of upstream's duplex prepare: its block-causal audio embeddings sit
         # between <|audio_start|> and <|audio_end|> of the system prompt.
         ref_rows = None
@@ -450,6 +452,8 @@ class StreamingSession:
     def logits(self) -> torch.Tensor:
         """[vocab] float32: the LM head at the last fed position (upstream's ``pending_logits``
         after a unit's prefill, or the next-token logits after ``feed_token``)."""
+        if self._head_out is not None and self._head_out[0] is self._last_hidden:
+            return self._head_out[1]
         return self.thinker.llm.lm_head(self._last_hidden.to(self.thinker.dtype)).float()
 
     @torch.no_grad()
@@ -489,12 +493,15 @@ class StreamingSession:
                              "with llm_cache='static' and llm_pool=StaticRows(...)")
         return row, self.llm_cache.length
 
-    def accept_token(self, token_id: int, hidden: torch.Tensor) -> torch.Tensor:
+    def accept_token(self, token_id: int, hidden: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
         """``feed_token`` whose forward ran elsewhere: the token's K/V are already at ``token_row()``'s
-        position and ``hidden`` is its final-norm row. Returns ``hidden``."""
+        position and ``hidden`` is its final-norm row. ``logits``: the LM head of that row when the forward
+        computed it (float32, on any device; ``logits()`` then returns it, as it is, instead of running the
+        head again). Returns ``hidden``."""
         self.token_row()
         self.llm_cache.advance(1)
         self._last_hidden = hidden
+        self._head_out = None if logits is None else (hidden, logits)
         self.open_unit = replace(self.open_unit, piece=self.open_unit.piece + PromptPiece((int(token_id),)))
         return hidden
 
