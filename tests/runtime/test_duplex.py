@@ -351,6 +351,41 @@ def test_batch_says_what_each_conversation_says_alone(parts, tiny_ckpt, voice, s
     assert any(u.turn_end for u in units), [(u.listen, u.turn_end, len(u.codes)) for u in units]
 
 
+def test_batch_embeds_the_seconds_frames_in_one_vision_call(parts):
+    """The frames of one second go through the vision encoder in one batch per frame size (the sessions
+    share the thinker), then each session commits its embedded frame: three conversations, two frame
+    sizes and one without a frame, two seconds. Each unit decides as that conversation stepped alone with
+    its raw frame, and each session's state after the second is within fp32 rounding (1e-5) of it."""
+    from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
+
+    thinker, tok, tts = parts
+    cfg = DuplexDecodeConfig(mode="greedy")
+    rng = np.random.default_rng(4)
+    frames = [rng.integers(0, 255, (40, 56, 3), dtype=np.uint8), None, rng.integers(0, 255, (40, 56, 3), dtype=np.uint8)]
+    alone = [DuplexConversation(thinker, tok, tts, decode=cfg, seed=i) for i in range(3)]
+    batch = DuplexBatch(thinker, tok, tts, voices=[None] * 3, seeds=[0, 1, 2], decode=cfg)
+    calls = []
+    embed = thinker.embed_image
+    try:
+        for k in range(2):
+            if k == 1:
+                frames[1] = rng.integers(0, 255, (64, 48, 3), dtype=np.uint8)     # another size: its own batch
+            inputs = [DuplexInput(_audio(1, 20 * k + i), frames[i]) for i in range(3)]
+            want = [c.step(x.audio, x.frame) for c, x in zip(alone, inputs)]
+            thinker.embed_image = lambda p, _e=embed: (calls.append(len(p) if isinstance(p, list) else 1), _e(p))[1]
+            got = batch.step(inputs)
+            thinker.embed_image = embed
+            assert calls == ([2] if k == 0 else [2, 2, 1]), calls
+            for a, b, ca, cb in zip(want, got, alone, batch.conversations):
+                assert (a.listen, a.text, a.codes) == (b.listen, b.text, b.codes)
+                assert rel_err(cb.session.read_state(), ca.session.read_state()) <= 1e-5
+    finally:
+        thinker.embed_image = embed
+        for c in alone:
+            c.close()
+        batch.close()
+
+
 def test_batch_from_snapshot_steps_and_names_bad_input(parts, tiny_ckpt, voice):
     from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
 

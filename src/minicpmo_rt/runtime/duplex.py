@@ -346,11 +346,19 @@ class DuplexBatch:
         """Every stepping conversation's Thinker unit -> {i: (unit index, UnitGeneration)}: each commits its
         second, then the units generate in lock step, one forward per decode step for all of them on shared
         rows (one forward per conversation otherwise)."""
+        from ..thinker.session import EmbeddedFrame
+
         steps, pending, done = {}, {}, {}
+        # the frames of this second go through the vision encoder in one batch (the sessions share the
+        # thinker and its vision graphs); each session then commits its embedded frame
+        frames = {i: x.frame for i, x in enumerate(inputs)
+                  if x is not None and x.frame is not None and not isinstance(x.frame, EmbeddedFrame)}
+        if len(frames) > 1:
+            frames = dict(zip(frames, self.conversations[next(iter(frames))].session.embed_frames(list(frames.values()))))
         for i, (conv, x) in enumerate(zip(self.conversations, inputs)):
             if x is None:
                 continue
-            conv.session.commit(x.audio, x.frame, sample_rate=x.sample_rate)
+            conv.session.commit(x.audio, frames.get(i, x.frame), sample_rate=x.sample_rate)
             steps[i] = unit_steps(conv.session, conv.decoder, conv.tokenizer, conv.turn, x.force_listen)
             pending[i] = None
         while pending:
