@@ -130,17 +130,19 @@ def write_table(res: dict, path: Path) -> None:
     lines = [f"# Concurrent duplex conversations ({res['gpu']}, Thinker/Talker {res['dtype']}, "
              f"{'tiny' if res['tiny'] else 'full-size'} random weights, torch {res['torch']})", "",
              "Wall time of one second of N conversations, every unit speaking to its 28-character limit with a "
-             f"448x448 frame, {res.get('decode', 'greedy')} decoding; medians over seconds {res['warm']}..{res['units'] - 1}. A second is live while it "
+             f"448x448 frame; medians over seconds {res['warm']}..{res['units'] - 1}. A second is live while it "
              "takes under 1000 ms (real-time factor < 1). Phase columns are the summed time in each stage "
              "(synchronised around each call).", "",
-             "| N | path | ms per second | max | real-time factor | ms per conversation | Thinker ms | Talker ms | "
+             "| N | path | decode | ms per second | max | real-time factor | ms per conversation | Thinker ms | Talker ms | "
              "Code2Wav ms | codes | audio s | x sequential |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    seq = {r["n"]: r["summary"]["ms"] for r in res["runs"] if r["kind"] == "sequential"}
-    for r in sorted(res["runs"], key=lambda r: (r["n"], r["kind"] == "sequential", r["kind"])):
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    dec = lambda r: r.get("decode", "greedy")      # noqa: E731  (runs before session 42 were all greedy)
+    seq = {(r["n"], dec(r)): r["summary"]["ms"] for r in res["runs"] if r["kind"] == "sequential"}
+    for r in sorted(res["runs"], key=lambda r: (dec(r), r["n"], r["kind"] == "sequential", r["kind"])):
         s = r["summary"]
-        ratio = f"{seq[r['n']] / s['ms']:.2f}" if r["kind"] != "sequential" and r["n"] in seq else "-"
-        lines.append(f"| {r['n']} | {r['kind']} | {s['ms']:.1f} | {s['ms_max']:.1f} | {s['real_time_factor']:.3f} | "
+        key = (r["n"], dec(r))
+        ratio = f"{seq[key] / s['ms']:.2f}" if r["kind"] != "sequential" and key in seq else "-"
+        lines.append(f"| {r['n']} | {r['kind']} | {dec(r)} | {s['ms']:.1f} | {s['ms_max']:.1f} | {s['real_time_factor']:.3f} | "
                      f"{s['ms_per_conversation']:.1f} | {s['thinker_ms']:.1f} | {s['talker_ms']:.1f} | "
                      f"{s['code2wav_ms']:.1f} | {s['codes']:.0f} | {s['audio_s']:.2f} | {ratio} |")
     path.write_text("\n".join(lines) + "\n")
@@ -156,8 +158,9 @@ def main() -> None:
     ap.add_argument("--sequential", default="1,4,8", help="N for the sequential path ('' for none)")
     ap.add_argument("--units", type=int, default=8, help="seconds per run")
     ap.add_argument("--warm", type=int, default=3, help="first seconds left out of the medians (captures, compiles)")
-    ap.add_argument("--decode", choices=("greedy", "sampling"), default="greedy",
-                    help="the Thinker's duplex decode mode (sampling: upstream's default, 0.7 / top-k 20 / top-p 0.8)")
+    ap.add_argument("--decode", default="greedy",
+                    help="the Thinker's duplex decode modes to run, in order: greedy and/or sampling (upstream's "
+                         "default, 0.7 / top-k 20 / top-p 0.8), e.g. greedy,sampling")
     ap.add_argument("--table", type=Path, help="only rewrite OUT/duplex_batch_bench.md from this run's JSON")
     args = ap.parse_args()
     if args.table:
@@ -180,18 +183,21 @@ def main() -> None:
     options = shared_fast_paths(thinker) if dev.type == "cuda" else {}
     frame = np.random.default_rng(1).integers(0, 255, (448, 448, 3), dtype=np.uint8)
     res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-           "tiny": args.tiny, "units": args.units, "warm": args.warm, "code2wav": str(choice), "decode": args.decode,
-           "runs": []}
+           "tiny": args.tiny, "units": args.units, "warm": args.warm, "code2wav": str(choice), "runs": []}
     args.out.mkdir(parents=True, exist_ok=True)
     kinds = [k for k in args.batch_kinds.split(",") if k]
+    decodes = [d for d in args.decode.split(",") if d]
+    if not decodes or set(decodes) - {"greedy", "sampling"}:
+        ap.error(f"--decode: choose from greedy, sampling (got {args.decode!r})")
     if set(kinds) - {"batch", "batch-rows"}:
         ap.error(f"--batch-kinds: choose from batch-rows, batch (got {args.batch_kinds!r})")
-    plan = [(k, n) for n in batched for k in kinds] + [("sequential", n) for n in sequential]
-    for kind, n in plan:
-        rows = run(kind, n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev, args.decode)
+    plan = [(d, k, n) for d in decodes for n in batched for k in kinds] + \
+        [(d, "sequential", n) for d in decodes for n in sequential]
+    for decode, kind, n in plan:
+        rows = run(kind, n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev, decode)
         s = summarize(rows, args.warm, n)
-        res["runs"].append({"kind": kind, "n": n, "summary": s, "rows": rows})
-        print(f"{kind:10s} N={n:2d}: {s['ms']:7.1f} ms per second (max {s['ms_max']:.1f}; Thinker {s['thinker_ms']:.1f}, "
+        res["runs"].append({"kind": kind, "n": n, "decode": decode, "summary": s, "rows": rows})
+        print(f"{kind:10s} {decode:8s} N={n:2d}: {s['ms']:7.1f} ms per second (max {s['ms_max']:.1f}; Thinker {s['thinker_ms']:.1f}, "
               f"Talker {s['talker_ms']:.1f}, Code2Wav {s['code2wav_ms']:.1f}), {s['codes']:.0f} codes, "
               f"{s['audio_s']:.2f} s of audio", flush=True)
         (args.out / "duplex_batch_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows
