@@ -221,6 +221,43 @@ def duplex_cmd(
                f"{info['dtype']})")
 
 
+@app.command("duplex-batch")
+def duplex_batch_cmd(
+    model: str = typer.Option(..., "--model", help="Snapshot dir (all weights, tokenizer, assets/token2wav/)."),
+    inputs: list[Path] = typer.Option(..., "--input", help="One user's side per conversation (repeat the flag)."),
+    voices: list[Path] = typer.Option(..., "--voice", help="The voice of each conversation, or one for all."),
+    outputs: list[Path] = typer.Option(..., "--output", help="One WAV per conversation (24 kHz float32), in "
+                                       "--input's order."),
+    transcript: Optional[Path] = typer.Option(None, "--transcript", help="Also write one JSON with each "
+                                              "conversation's records per unit."),
+    decode: str = typer.Option("greedy", "--decode", help="greedy or sampling (temperature 0.7, top-k 20, top-p 0.8)."),
+    force_listen_units: int = typer.Option(0, "--force-listen-units", help="The first N units of each "
+                                           "conversation listen without decoding."),
+    max_units: Optional[int] = typer.Option(None, "--max-units", help="Stop each conversation after this many seconds."),
+    seed: int = typer.Option(0, "--seed", help="Conversation i samples with seed + i."),
+    profile: str = typer.Option("minicpmo_4_5_duplex_h200", "--profile", help="Duplex deploy profile (name or YAML)."),
+    n_timesteps: Optional[int] = typer.Option(None, "--n-timesteps", help="Euler steps of the flow (default: the profile's)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (the fast paths and the shared decode on CUDA)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on the CPU), float32, "
+                                                      "bfloat16 or float16."),
+) -> None:
+    """Several duplex conversations at once on one set of models (one second of each per step)."""
+    from .runtime.jobs import run_duplex_batch
+
+    try:
+        info = run_duplex_batch(model, inputs, voices, outputs, transcript, seed=seed, profile=profile,
+                                decode=decode, force_listen_units=force_listen_units, max_units=max_units,
+                                n_timesteps=n_timesteps, device=device, dtype=dtype)
+    except MiniCPMORTError as exc:
+        _fail(exc)
+    if info["warning"]:
+        typer.echo(info["warning"])
+    for out, units, spoke, sec in zip(outputs, info["units"], info["spoke"], info["seconds"]):
+        typer.echo(f"wrote {out}: {units} units, spoke in {spoke}, {sec:.2f} s at 24 kHz")
+    typer.echo(f"duplex batch: {info['conversations']} conversations in {info['wall_s']:.2f} s "
+               f"(profile {info['profile']}, {info['dtype']})")
+
+
 @app.command("make-targets")
 def make_targets_cmd(
     easycom_root: Path = typer.Option(..., "--easycom-root", help="EasyCom Main/ folder (holds Speech_Transcriptions/)."),

@@ -96,3 +96,42 @@ def test_unreadable_video_is_named(tiny_ckpt, voice, user_wav, tmp_path):
     bad.write_bytes(b"not a video")
     res = _run(tiny_ckpt, voice, user_wav, tmp_path / "reply.wav", "--video", str(bad))
     assert res.exit_code == 2 and "--video" in res.output and "cannot be opened as a video" in res.output
+
+
+def test_duplex_batch_says_what_each_duplex_run_says(tiny_ckpt, voice, user_wav, shared_dir, tmp_path):
+    """``duplex-batch`` with two inputs of different lengths (2.5 s and 1 s: the short one stops stepping while
+    the other goes on), a voice each: each conversation's transcript equals ``duplex`` on that input with
+    seed + i, and its track matches within 1e-5 (the batch solves the flow for the streams in step)."""
+    short = tmp_path / "short.wav"
+    sf.write(short, (0.2 * np.sin(2 * np.pi * 330 * np.arange(16000) / 16000)).astype(np.float32), 16000)
+    voices = [voice, shared_dir / "media" / "ref_minicpm_signature.wav"]
+    outs, rec = [tmp_path / "a.wav", tmp_path / "b.wav"], tmp_path / "batch.json"
+    res = runner.invoke(app, ["duplex-batch", "--model", str(tiny_ckpt), "--input", str(user_wav), "--input", str(short),
+                              "--voice", str(voices[0]), "--voice", str(voices[1]), "--output", str(outs[0]),
+                              "--output", str(outs[1]), "--transcript", str(rec), "--n-timesteps", "2", "--seed", "3"])
+    assert res.exit_code == 0, res.output
+    assert "2 conversations" in res.output
+    convs = json.loads(rec.read_text())["conversations"]
+    assert [len(c["units"]) for c in convs] == [3, 1] and [c["seed"] for c in convs] == [3, 4]
+    for i, (inp, v) in enumerate(((user_wav, voices[0]), (short, voices[1]))):
+        one, one_rec = tmp_path / f"one{i}.wav", tmp_path / f"one{i}.json"
+        r = runner.invoke(app, ["duplex", "--model", str(tiny_ckpt), "--input", str(inp), "--voice", str(v),
+                                "--output", str(one), "--transcript", str(one_rec), "--n-timesteps", "2",
+                                "--seed", str(3 + i)])
+        assert r.exit_code == 0, r.output
+        assert json.loads(one_rec.read_text())["units"] == convs[i]["units"]
+        got, want = sf.read(outs[i], dtype="float32")[0], sf.read(one, dtype="float32")[0]
+        assert got.shape == want.shape
+        assert np.linalg.norm(got - want) <= 1e-5 * max(np.linalg.norm(want), 1e-30)
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--output", "x.wav", "--output", "y.wav"], "--output: 2 given for 1 --input"),
+    (["--output", "x.wav", "--voice", "VOICE"], "--voice: 2 given for 1 --input"),
+])
+def test_duplex_batch_names_mismatched_flags_and_writes_nothing(tiny_ckpt, voice, user_wav, tmp_path, args, msg):
+    args = [str(tmp_path / a) if a.endswith(".wav") else (str(voice) if a == "VOICE" else a) for a in args]
+    res = runner.invoke(app, ["duplex-batch", "--model", str(tiny_ckpt), "--input", str(user_wav), "--voice",
+                              str(voice), *args])
+    assert res.exit_code == 2 and msg in res.output, res.output
+    assert not list(tmp_path.glob("*.wav"))

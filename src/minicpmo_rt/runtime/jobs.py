@@ -245,3 +245,91 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
             "seconds": len(track) / 24000, "tail_s": len(tail) / 24000, "wall_s": time.perf_counter() - t,
             "warning": tiny_warning(conv),
             "profile": prof.name, "dtype": str(torch_dtype).replace("torch.", "")}
+
+
+def run_duplex_batch(model: str, inputs: list[Path], voices: list[Path], outputs: list[Path],
+                     transcript: Path | None = None, seed: int = 0, profile: str = "minicpmo_4_5_duplex_h200",
+                     decode: str = "greedy", force_listen_units: int = 0, max_units: int | None = None,
+                     n_timesteps: int | None = None, device: str = "cpu", dtype: str = "auto") -> dict:
+    """Several recorded user sides as concurrent duplex conversations on one set of models
+    (``DuplexBatch``: one second of every conversation per step). Conversation i reads ``inputs[i]``,
+    speaks in ``voices[i]`` (or the one voice given) with seed ``seed + i``, and writes ``outputs[i]``
+    as ``run_duplex`` writes one; a conversation whose input has ended stops stepping while the
+    others go on. Every path is checked before any model loads; nothing is written unless every
+    conversation ran to its end."""
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    from ..code2wav.io import write_wav_atomic
+    from ..profiles import load_profile
+    from ..thinker.duplex import DuplexDecodeConfig
+    from .duplex import DuplexBatch, DuplexInput, conversation_track, read_audio_16k
+
+    n = len(inputs)
+    if n == 0:
+        raise InputError("--input: give one recording per conversation (repeat --input)")
+    if len(outputs) != n:
+        raise InputError(f"--output: {len(outputs)} given for {n} --input; give one output WAV per conversation")
+    if len(voices) not in (1, n):
+        raise InputError(f"--voice: {len(voices)} given for {n} --input; give one voice for all or one per "
+                         "conversation")
+    voices = list(voices) * n if len(voices) == 1 else list(voices)
+    for flag, paths in (("--input", inputs), ("--voice", voices)):
+        for path in paths:
+            if not Path(path).is_file():
+                raise InputError(f"{flag} {path}: file not found; pass a WAV (any sample rate, mono or stereo)")
+    if len({Path(o).resolve() for o in outputs}) != n:
+        raise InputError("--output: two conversations would write the same file; give distinct paths")
+    prof = load_profile(profile)
+    if prof.mode != "duplex":
+        raise InputError(f"--profile {profile}: a {prof.mode} profile; pass a duplex profile "
+                         "(e.g. minicpmo_4_5_duplex_h200)")
+    if max_units is not None and max_units < 1:
+        raise InputError(f"--max-units must be >= 1, got {max_units}")
+    if n_timesteps is not None and n_timesteps < 1:
+        raise InputError(f"--n-timesteps must be >= 1, got {n_timesteps}")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype != "auto" and dtype not in dtypes:
+        raise InputError(f"--dtype {dtype!r}: choose auto (bfloat16 on CUDA, float32 on the CPU), "
+                         f"{', '.join(dtypes)}")
+    torch_dtype = dtypes.get(dtype, torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    cfg = DuplexDecodeConfig(mode=decode, force_listen_units=force_listen_units)
+    for out in outputs:
+        check_output_path(out, "--output")
+    if transcript is not None:
+        check_output_path(transcript, "--transcript")
+    audio = [read_audio_16k(p) for p in inputs]
+    seconds = [-(-len(x) // 16000) for x in audio]
+    if max_units is not None:
+        seconds = [min(k, max_units) for k in seconds]
+    audio = [np.pad(x, (0, max(0, k * 16000 - len(x)))) for x, k in zip(audio, seconds)]
+    t = time.perf_counter()
+    batch = DuplexBatch.from_snapshot(model, voices, profile=profile, device=device, dtype=torch_dtype,
+                                      n_timesteps=n_timesteps, decode=cfg, seeds=[seed + i for i in range(n)])
+    units: list[list] = [[] for _ in range(n)]
+    try:
+        for k in tqdm(range(max(seconds)), desc="duplex batch", unit="s", disable=None, leave=False):
+            step = [DuplexInput(x[16000 * k:16000 * (k + 1)]) if k < m else None for x, m in zip(audio, seconds)]
+            for i, u in enumerate(batch.step(step)):
+                if u is not None:
+                    units[i].append(u)
+        tails = batch.flush()      # each conversation's last words, if it was still speaking when its input ended
+    finally:
+        batch.close()
+    tok = batch.conversations[0].tokenizer
+    tracks = [np.concatenate([conversation_track(us), tail]) for us, tail in zip(units, tails)]
+    for out, track in zip(outputs, tracks):
+        write_wav_atomic(out, track)
+    if transcript is not None:
+        write_json_atomic(transcript, {"profile": prof.name, "decode": decode, "conversations": [
+            {"input": str(inp), "voice": str(v), "output": str(out), "seed": seed + i, "units": [
+                {"unit": u.index, "input_end_s": u.index + 1.0, "listen": u.listen, "text": u.text,
+                 "terminator": tok.decode([u.terminator]), "turn_end": u.turn_end, "interrupted": u.interrupted,
+                 "codes": len(u.codes), "audio_s": round(u.seconds, 4)} for u in us]}
+            for i, (inp, v, out, us) in enumerate(zip(inputs, voices, outputs, units))]})
+    return {"conversations": n, "units": [len(us) for us in units],
+            "spoke": [sum(not u.listen or u.turn_end for u in us) for us in units],
+            "seconds": [len(tr) / 24000 for tr in tracks], "wall_s": time.perf_counter() - t,
+            "warning": tiny_warning(batch.conversations[0]), "profile": prof.name,
+            "dtype": str(torch_dtype).replace("torch.", "")}
