@@ -176,26 +176,14 @@ def video_frames_per_second(path: Path, seconds: int) -> list:
     return out
 
 
-def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcript: Path | None = None,
-               seed: int = 0, profile: str = "minicpmo_4_5_duplex_h200", decode: str = "greedy",
-               force_listen_units: int = 0, max_units: int | None = None, n_timesteps: int | None = None,
-               device: str = "cpu", video: Path | None = None, dtype: str = "auto") -> dict:
-    """A recorded user side through a duplex conversation, one unit per second (upstream's offline
-    ``duplex_chat``: the last partial second is zero-padded to 1 s), with one video frame per unit
-    when ``video`` is given. Writes the model's side as one 24 kHz track (a listening second is 1 s
-    of silence) and, optionally, a JSON record per unit."""
-    import numpy as np
+def _duplex_options(profile: str, decode: str, force_listen_units: int, max_units: int | None,
+                    n_timesteps: int | None, device: str, dtype: str):
+    """The duplex jobs' checked flags -> (profile, torch dtype, DuplexDecodeConfig), before any model loads."""
     import torch
-    from tqdm import tqdm
 
-    from ..code2wav.io import write_wav_atomic
     from ..profiles import load_profile
     from ..thinker.duplex import DuplexDecodeConfig
-    from .duplex import DuplexConversation, conversation_track, read_audio_16k
 
-    for flag, path in (("--input", input_audio), ("--voice", voice)) + ((("--video", video),) if video else ()):
-        if not Path(path).is_file():
-            raise InputError(f"{flag} {path}: file not found; pass a WAV (any sample rate, mono or stereo)")
     prof = load_profile(profile)
     if prof.mode != "duplex":
         raise InputError(f"--profile {profile}: a {prof.mode} profile; pass a duplex profile "
@@ -209,7 +197,35 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
         raise InputError(f"--dtype {dtype!r}: choose auto (bfloat16 on CUDA, float32 on the CPU), "
                          f"{', '.join(dtypes)}")
     torch_dtype = dtypes.get(dtype, torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-    cfg = DuplexDecodeConfig(mode=decode, force_listen_units=force_listen_units)
+    return prof, torch_dtype, DuplexDecodeConfig(mode=decode, force_listen_units=force_listen_units)
+
+
+def _unit_records(units, tok) -> list[dict]:
+    """A transcript's record per DuplexUnit."""
+    return [{"unit": u.index, "input_end_s": u.index + 1.0, "listen": u.listen, "text": u.text,
+             "terminator": tok.decode([u.terminator]), "turn_end": u.turn_end, "interrupted": u.interrupted,
+             "codes": len(u.codes), "audio_s": round(u.seconds, 4)} for u in units]
+
+
+def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcript: Path | None = None,
+               seed: int = 0, profile: str = "minicpmo_4_5_duplex_h200", decode: str = "greedy",
+               force_listen_units: int = 0, max_units: int | None = None, n_timesteps: int | None = None,
+               device: str = "cpu", video: Path | None = None, dtype: str = "auto") -> dict:
+    """A recorded user side through a duplex conversation, one unit per second (upstream's offline
+    ``duplex_chat``: the last partial second is zero-padded to 1 s), with one video frame per unit
+    when ``video`` is given. Writes the model's side as one 24 kHz track (a listening second is 1 s
+    of silence) and, optionally, a JSON record per unit."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from ..code2wav.io import write_wav_atomic
+    from .duplex import DuplexConversation, conversation_track, read_audio_16k
+
+    for flag, path in (("--input", input_audio), ("--voice", voice)) + ((("--video", video),) if video else ()):
+        if not Path(path).is_file():
+            raise InputError(f"{flag} {path}: file not found; pass a WAV (any sample rate, mono or stereo)")
+    prof, torch_dtype, cfg = _duplex_options(profile, decode, force_listen_units, max_units, n_timesteps,
+                                             device, dtype)
     check_output_path(output, "--output")
     if transcript is not None:
         check_output_path(transcript, "--transcript")
@@ -231,9 +247,7 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
         conv.close()
     track = np.concatenate([conversation_track(units), tail])
     tok = conv.tokenizer
-    records = [{"unit": u.index, "input_end_s": u.index + 1.0, "listen": u.listen, "text": u.text,
-                "terminator": tok.decode([u.terminator]), "turn_end": u.turn_end, "interrupted": u.interrupted,
-                "codes": len(u.codes), "audio_s": round(u.seconds, 4)} for u in units]
+    records = _unit_records(units, tok)
     write_wav_atomic(output, track)
     n_frames = sum(f is not None for f in frames)
     if transcript is not None:
@@ -258,12 +272,9 @@ def run_duplex_batch(model: str, inputs: list[Path], voices: list[Path], outputs
     others go on. Every path is checked before any model loads; nothing is written unless every
     conversation ran to its end."""
     import numpy as np
-    import torch
     from tqdm import tqdm
 
     from ..code2wav.io import write_wav_atomic
-    from ..profiles import load_profile
-    from ..thinker.duplex import DuplexDecodeConfig
     from .duplex import DuplexBatch, DuplexInput, conversation_track, read_audio_16k
 
     n = len(inputs)
@@ -281,20 +292,8 @@ def run_duplex_batch(model: str, inputs: list[Path], voices: list[Path], outputs
                 raise InputError(f"{flag} {path}: file not found; pass a WAV (any sample rate, mono or stereo)")
     if len({Path(o).resolve() for o in outputs}) != n:
         raise InputError("--output: two conversations would write the same file; give distinct paths")
-    prof = load_profile(profile)
-    if prof.mode != "duplex":
-        raise InputError(f"--profile {profile}: a {prof.mode} profile; pass a duplex profile "
-                         "(e.g. minicpmo_4_5_duplex_h200)")
-    if max_units is not None and max_units < 1:
-        raise InputError(f"--max-units must be >= 1, got {max_units}")
-    if n_timesteps is not None and n_timesteps < 1:
-        raise InputError(f"--n-timesteps must be >= 1, got {n_timesteps}")
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype != "auto" and dtype not in dtypes:
-        raise InputError(f"--dtype {dtype!r}: choose auto (bfloat16 on CUDA, float32 on the CPU), "
-                         f"{', '.join(dtypes)}")
-    torch_dtype = dtypes.get(dtype, torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-    cfg = DuplexDecodeConfig(mode=decode, force_listen_units=force_listen_units)
+    prof, torch_dtype, cfg = _duplex_options(profile, decode, force_listen_units, max_units, n_timesteps,
+                                             device, dtype)
     for out in outputs:
         check_output_path(out, "--output")
     if transcript is not None:
@@ -323,10 +322,8 @@ def run_duplex_batch(model: str, inputs: list[Path], voices: list[Path], outputs
         write_wav_atomic(out, track)
     if transcript is not None:
         write_json_atomic(transcript, {"profile": prof.name, "decode": decode, "conversations": [
-            {"input": str(inp), "voice": str(v), "output": str(out), "seed": seed + i, "units": [
-                {"unit": u.index, "input_end_s": u.index + 1.0, "listen": u.listen, "text": u.text,
-                 "terminator": tok.decode([u.terminator]), "turn_end": u.turn_end, "interrupted": u.interrupted,
-                 "codes": len(u.codes), "audio_s": round(u.seconds, 4)} for u in us]}
+            {"input": str(inp), "voice": str(v), "output": str(out), "seed": seed + i,
+             "units": _unit_records(us, tok)}
             for i, (inp, v, out, us) in enumerate(zip(inputs, voices, outputs, units))]})
     return {"conversations": n, "units": [len(us) for us in units],
             "spoke": [sum(not u.listen or u.turn_end for u in us) for us in units],
