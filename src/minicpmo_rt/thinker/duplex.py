@@ -120,6 +120,11 @@ class DuplexDecoder:
         p = torch.exp(logits[token] - torch.logsumexp(logits, 0))
         return bool(torch.rand((), generator=self.generator) < p)
 
+    def _sample(self, scaled: torch.Tensor) -> int:
+        """The final draw, over the ids the nucleus keeps (their softmax)."""
+        ids, vals = nucleus(scaled, self.config.top_k, self.config.top_p)
+        return int(ids[torch.multinomial(F.softmax(vals, dim=-1), 1, generator=self.generator)])
+
     @torch.no_grad()
     def decode(self, logits: torch.Tensor) -> int:
         """One token from [V] logits (see the module docstring for the order of the rules)."""
@@ -145,8 +150,7 @@ class DuplexDecoder:
         if cfg.mode == "greedy":
             token = int(torch.argmax(logits))
         else:
-            ids, vals = nucleus(logits / cfg.temperature, cfg.top_k, cfg.top_p)   # a draw over the kept ids
-            token = int(ids[torch.multinomial(F.softmax(vals, dim=-1), 1, generator=self.generator)])
+            token = self._sample(logits / cfg.temperature)
         self.history.append(token)
         return token
 
