@@ -96,20 +96,46 @@ def test_respond_streams_960_samples_per_code_in_order(pipe, voice):
 
 
 def test_two_requests_in_one_batch_equal_each_alone(pipe, voice):
+    """Two requests share the Talker's decode steps and Code2Wav's calls: each round's chunks go to
+    ``push_many`` together (one flow solve and HiFT call for both streams where their shapes agree).
+    Codes are identical to each request alone; the waveforms are identical with per-stream pushes
+    (``batch_code2wav=False``) and within FP32 reordering (1e-5: the batched GEMMs block rows
+    differently, over the flow's Euler steps) with the batched ones."""
     reqs = [TurnRequest.make("a", "What is the weather like?", voice, seed=11, max_new_tokens=5, max_codes=28),
             TurnRequest.make("b", [{"role": "system", "content": "Be brief."},
                                    {"role": "user", "content": "Name a colour."}], voice, seed=12,
                              max_new_tokens=7, max_codes=20)]
-    together_trace = TurnTrace()
-    together = list(pipe.run(reqs, together_trace))
+    c2w = pipe.code2wav
+    calls = []
+    push_many = c2w.push_many
+
+    def spy(items, *a, **k):
+        calls.append([s for s, _, _ in items])
+        return push_many(items, *a, **k)
+
+    c2w.push_many = spy
+    try:
+        together_trace = TurnTrace()
+        together = list(pipe.run(reqs, together_trace))
+    finally:
+        del c2w.push_many
     # The two requests shared decode steps (both slots live), and their chunks interleave.
     assert {c.request_id for c in together} == {"a", "b"}
+    assert calls and all(len(c) == 2 for c in calls)    # every round with both requests' chunks: one call
+    pipe.batch_code2wav = False
+    try:
+        apart = collect(list(pipe.run(reqs)))
+    finally:
+        pipe.batch_code2wav = True
     both = collect(together)
     for r in reqs:
         alone_trace = TurnTrace()
         alone = collect(list(pipe.run([r], alone_trace)))[r.request_id]
         assert together_trace.codes(r.request_id) == alone_trace.codes(r.request_id)
-        assert np.array_equal(both[r.request_id], alone), r.request_id
+        assert np.array_equal(apart[r.request_id], alone), r.request_id
+        assert both[r.request_id].shape == alone.shape
+        err = rel_err(torch.from_numpy(both[r.request_id]), torch.from_numpy(alone))
+        assert err < 1e-5, r.request_id
     assert not pipe.talker.slots
 
 

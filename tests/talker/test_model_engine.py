@@ -107,3 +107,61 @@ def test_max_codes_limit_yields_exactly_max_codes(tts):
     for rid, n in (("a", 17), ("b", 9)):
         codes = [c for ch in out[rid] for c in ch.codes[3:]]
         assert len(codes) == n and all(0 <= c < 6561 for c in codes)
+
+
+def test_graph_decode_needs_cuda_and_an_idle_engine(tts):
+    eng = TalkerEngine(tts, capacity=2, kv_budget_bytes=1 << 22)
+    with pytest.raises(InputError, match="CUDA"):
+        eng.capture_cuda_graph()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_decode_emits_the_eager_engines_chunks(tts):
+    """The turn pipeline replays the Talker's decode step from CUDA graphs, one per key bucket
+    (``TurnPipeline.from_snapshot`` on CUDA): the same requests give the same chunks as the eager engine
+    (the sampler's counter-based RNG lives in device tensors the graphs update)."""
+    dev_tts = MiniCPMTTS(tts.cfg)
+    dev_tts.load_state_dict(tts.state_dict())
+    dev_tts = dev_tts.cuda().eval()
+    params = SamplingParams(min_codes=10**6, max_codes=150)     # "a" passes 128 keys: two buckets replay
+    reqs = lambda: [_request("a", seed=7, max_codes=150), _request("b", seed=8, max_codes=33),  # noqa: E731
+                    _request("c", seed=9, max_codes=12)]
+    eager = TalkerEngine(dev_tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+    graphed = TalkerEngine(dev_tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+    graphed.capture_cuda_graph()
+    assert sorted(graphed._graphs) == list(graphed.buckets)
+    want, got = eager.run(reqs()), graphed.run(reqs())
+    assert sum(len(c.codes) - 3 for c in got["a"]) == 150
+    assert {k: [c.codes for c in v] for k, v in got.items()} == {k: [c.codes for c in v] for k, v in want.items()}
+    with pytest.raises(InputError, match="before admitting"):
+        graphed.submit(_request("d"))
+        graphed.step()
+        graphed.capture_cuda_graph()
+
+
+def test_kv_buckets_cover_the_cache():
+    from minicpmo_rt.talker.engine import kv_buckets
+
+    assert kv_buckets(4096) == (128, 256, 512, 1024, 2048, 4096)
+    assert kv_buckets(300) == (128, 256, 300)
+    assert kv_buckets(100) == (100,)
+
+
+def test_decode_steps_attend_over_the_shortest_bucket_and_change_no_code(tts):
+    """Each step attends over the shortest key bucket holding every live slot's next position; the keys
+    it leaves out are masked anyway, so the codes equal attending over the whole cache every step."""
+    params = SamplingParams(min_codes=10**6, max_codes=150)
+    reqs = lambda: [_request("a", n=6, seed=5, max_codes=150), _request("b", n=3, seed=6, max_codes=40)]  # noqa: E731
+    eng = TalkerEngine(tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+    spans = []
+    step = eng.decode_step
+    eng.decode_step = lambda kv_len=None: (spans.append(kv_len), step(kv_len))[1]
+    got = eng.run(reqs())
+    whole = TalkerEngine(tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+    whole.buckets = (whole.max_len,)
+    want = whole.run(reqs())
+    assert {k: [c.codes for c in v] for k, v in got.items()} == {k: [c.codes for c in v] for k, v in want.items()}
+    # "a" has 6 text rows + 2 and 150 codes: 128 keys until its position passes 127, then 256
+    assert spans[0] == 128 and spans[-1] == 256 and spans == sorted(spans)
+    assert spans.count(128) == 128 - 8 and eng.max_len == 2048     # 4 MiB over 2 slots of 1 KiB per position

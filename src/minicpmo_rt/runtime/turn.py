@@ -17,6 +17,11 @@
 Stages hand over through ``snapshot.SnapshotPublisher``s (Thinker steps per request, codec
 chunks for all requests) and touch nothing but the contracts. Here they run one after the
 other on the calling thread; the Thinker runs every request before the Talker starts.
+
+The chunks one Talker step emits (every live slot reaches its window boundary on the same step
+when requests start together) go to Code2Wav as one ``push_many`` call (``batch_code2wav``), so
+concurrent requests share each CFM solve and HiFT call instead of one per stream; on CUDA the
+Talker's decode step replays from a CUDA graph (``talker_graph``).
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ class TurnPipeline:
     transformers' DynamicCache (the plain path)."""
 
     def __init__(self, thinker, tokenizer, talker_engine: TalkerEngine, code2wav=None, profile=None,
-                 sampling=None, decoder=None, use_graph: bool = False):
+                 sampling=None, decoder=None, use_graph: bool = False, batch_code2wav: bool = True):
         from ..thinker.generate import SamplingConfig, forbidden_token_ids
         from ..thinker.prompt import PromptBuilder
 
@@ -98,6 +103,7 @@ class TurnPipeline:
         self.thinker, self.tokenizer, self.talker, self.code2wav = thinker, tokenizer, talker_engine, code2wav
         self.profile = profile
         self.decoder, self.use_graph = decoder, use_graph
+        self.batch_code2wav = batch_code2wav
         self.sampling = sampling or SamplingConfig()
         self.builder = PromptBuilder(tokenizer)
         self.forbidden = forbidden_token_ids(tokenizer)  # upstream masks these while speaking
@@ -107,11 +113,14 @@ class TurnPipeline:
                       dtype: torch.dtype = torch.float32, with_code2wav: bool = True,
                       n_timesteps: int | None = None, capacity: int | None = None,
                       talker_params=None, sampling=None, thinker_fast: bool | None = None,
-                      thinker_max_len: int = 4096, prepare_voice=None) -> "TurnPipeline":
+                      thinker_max_len: int = 4096, prepare_voice=None, talker_graph: bool | None = None,
+                      batch_code2wav: bool = True) -> "TurnPipeline":
         """Load every stage from a snapshot; ``capacity``/``n_timesteps`` override the profile.
         ``thinker_fast`` (default: on CUDA) decodes the Thinker on a static KV cache of
         ``thinker_max_len`` positions through CUDA graphs. ``prepare_voice`` (a reference WAV): capture
-        Code2Wav's graphs for that voice now (``Code2Wav.prepare``) instead of when its first stream opens."""
+        Code2Wav's graphs for that voice now (``Code2Wav.prepare``) instead of when its first stream opens.
+        ``talker_graph`` (default: on CUDA) captures the Talker's decode step here, one graph per key bucket.
+        ``batch_code2wav``: each Talker step's chunks go to Code2Wav in one ``push_many`` call."""
         from ..checkpoint.snapshot import resolve_snapshot
         from ..checkpoint.tokenizer import load_tokenizer
         from ..code2wav.pipeline import Code2Wav
@@ -132,6 +141,8 @@ class TurnPipeline:
         engine = TalkerEngine(load_talker(snap.path, dtype, device), capacity or prof.talker.capacity,
                               prof.talker.kv_cache_bytes, talker_params or SamplingParams(),
                               prof.talker.window, prof.talker.first_window)
+        if talker_graph if talker_graph is not None else torch.device(device).type == "cuda":
+            engine.capture_cuda_graph()     # raises a named error off CUDA
         c2w = None
         if with_code2wav:
             c2w = Code2Wav.from_snapshot(snap.path, device=device,
@@ -146,7 +157,7 @@ class TurnPipeline:
 
             decoder = StaticDecoder(thinker.llm, thinker_max_len)
         return cls(thinker, tokenizer, engine, c2w, prof, sampling, decoder,
-                   use_graph=fast and torch.device(device).type == "cuda")
+                   use_graph=fast and torch.device(device).type == "cuda", batch_code2wav=batch_code2wav)
 
     # ---- stage 1: Thinker ---------------------------------------------------------------------
     @torch.no_grad()
@@ -213,6 +224,13 @@ class TurnPipeline:
                      progress: Progress | None = None) -> Iterator[CodecChunk]:
         """Stages 1 and 2: every request through the Thinker, then all of them through the
         Talker's slots together; yields CodecChunks as the engine emits them."""
+        for chunks in self.codec_rounds(requests, trace, progress):
+            yield from chunks
+
+    def codec_rounds(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None,
+                     progress: Progress | None = None) -> Iterator[list[CodecChunk]]:
+        """``codec_chunks`` grouped by the Talker step that emitted them (steps that emit nothing
+        are skipped): the chunks of one round belong to different requests."""
         trace = trace if trace is not None else TurnTrace()
         staged: list[TalkerRequest] = []
         for req in requests:
@@ -242,13 +260,15 @@ class TurnPipeline:
         emitted = dict.fromkeys(ids, 0)
         try:
             while self.talker.pending or self.talker.slots:
-                for ch in self.talker.step():
+                chunks = self.talker.step()
+                for ch in chunks:
                     if ch.request_id in ids:
                         trace.chunks[ch.request_id].append(ch)
                         if progress is not None:
                             emitted[ch.request_id] += len(ch.codes) - ch.n_context
                             progress("talker", ch.request_id, emitted[ch.request_id])
-                    yield ch
+                if chunks:
+                    yield chunks
         finally:
             self._abandon(ids)
 
@@ -291,8 +311,9 @@ class TurnPipeline:
         skip: dict[str, int] = {}
         seq: dict[str, int] = {}
         try:
-            for ch in self.codec_chunks(requests, trace, progress):
-                codec_out.publish(ch)
+            for chunks in self.codec_rounds(requests, trace, progress):
+                codec_out.publish(*chunks)
+                todo = []
                 for chunk in reader.poll():
                     rid = chunk.request_id
                     if rid not in voices:
@@ -302,7 +323,9 @@ class TurnPipeline:
                         # The first payload also decodes the vocoder lead-in and the silence context.
                         skip[rid] = streams[rid].lead_samples + CONTEXT_CODES * SAMPLES_PER_CODE
                         seq[rid] = 0
-                    wav = streams[rid].push(list(chunk.codes), chunk.final)
+                    todo.append(chunk)
+                for chunk, wav in zip(todo, self._vocode(streams, todo)):
+                    rid = chunk.request_id
                     cut = min(skip[rid], len(wav))
                     skip[rid] -= cut
                     wav = wav[cut:]
@@ -313,6 +336,24 @@ class TurnPipeline:
         finally:
             for s in streams.values():
                 s.close()
+
+    def _vocode(self, streams: dict, chunks: list[CodecChunk]) -> list[np.ndarray]:
+        """Each chunk's new PCM, in order: one ``push_many`` per run of chunks of distinct requests
+        (``batch_code2wav``; streams with equal cache shapes share the flow solve and the HiFT call),
+        else one ``push`` each."""
+        if not self.batch_code2wav or len(chunks) < 2:
+            return [streams[c.request_id].push(list(c.codes), c.final) for c in chunks]
+        out: list[np.ndarray] = []
+        start = 0
+        while start < len(chunks):
+            end, seen = start, set()
+            while end < len(chunks) and chunks[end].request_id not in seen:     # a stream once per call
+                seen.add(chunks[end].request_id)
+                end += 1
+            out += self.code2wav.push_many([(streams[c.request_id], list(c.codes), c.final)
+                                            for c in chunks[start:end]])
+            start = end
+        return out
 
     def respond(self, text_or_messages: Union[str, Sequence[Message]], voice, request_id: str = "turn-0",
                 seed: int = 0, max_new_tokens: int | None = None, max_codes: int | None = None,

@@ -2,8 +2,15 @@
 
 Model math lives in ``model.py``; this module only schedules it. The decode step runs
 every slot of the capacity each step (free and finished rows are masked), so its shapes
-never change and it can be captured once in a CUDA graph. The host never reads device
+never change and it can be captured in a CUDA graph. The host never reads device
 state per step: it syncs once per emitted window, which is where it learns of EOS.
+
+Each step attends over the shortest key bucket (a power of two from ``MIN_BUCKET``, or the
+cache length) that holds every live slot's next position, which the host knows without a sync
+(prompt rows + steps run). The profiles' caches hold 4096 positions per slot, while a spoken answer
+rarely passes a few hundred: attending over all of them read the whole KV budget (up to 4 GiB) every
+step. Keys past a slot's position are masked either way, so a bucket changes no value, only the work.
+One graph per bucket, captured up front, sharing one memory pool.
 """
 
 from __future__ import annotations
@@ -22,6 +29,16 @@ from .sampler import SamplingParams, SlotState, sample_step
 
 SILENCE_CODE = 4218
 CONTEXT_CODES = 3
+MIN_BUCKET = 128    # the shortest key span a decode step attends over
+
+
+def kv_buckets(max_len: int) -> tuple[int, ...]:
+    """Key spans a decode step may use: powers of two from ``MIN_BUCKET`` below ``max_len``, then ``max_len``."""
+    out, b = [], MIN_BUCKET
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return (*out, max_len)
 
 
 @dataclass(frozen=True)
@@ -91,7 +108,8 @@ class TalkerEngine:
         self.codes = torch.zeros(capacity, self.max_len, dtype=torch.long, device=self.device)
         self.pending: deque[TalkerRequest] = deque()
         self.slots: dict[int, _Slot] = {}
-        self._graph = None
+        self.buckets = kv_buckets(self.max_len)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     # ---- admission -------------------------------------------------------------------------
     def need_tokens(self, req: TalkerRequest) -> int:
@@ -195,29 +213,43 @@ class TalkerEngine:
         return codes
 
     def capture_cuda_graph(self, kv_len: int | None = None) -> None:
-        """Capture ``decode_step`` once (CUDA only). Call while no slot is live: the warm-up
-        steps then change nothing but idle rows. Later ``step`` calls replay it."""
+        """Capture ``decode_step`` (CUDA only): one graph per key bucket (``buckets``), or only the one for
+        ``kv_len``. Call while no slot is live: the warm-up steps then change nothing but idle rows.
+        Later ``step`` calls replay the shortest captured span that holds every live slot (eager when
+        none does)."""
         if self.device.type != "cuda":
             raise InputError("CUDA-graph decode needs the talker on a CUDA device")
         if self.slots:
             raise InputError("capture the talker decode graph before admitting requests")
-        kv_len = kv_len or self.max_len
+        spans = self.buckets if kv_len is None else (min(int(kv_len), self.max_len),)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self.decode_step(kv_len)
+            for n in spans:
+                for _ in range(2):
+                    self.decode_step(n)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.decode_step(kv_len)
-        self._graph = graph
+        pool = None
+        for n in sorted(spans, reverse=True):       # the longest first: its pool serves the rest
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.decode_step(n)
+            pool = graph.pool() if pool is None else pool
+            self._graphs[n] = graph
+
+    def _span(self) -> int:
+        """The shortest key bucket holding the next position of every live slot (host counts: prompt
+        rows + steps run, an upper bound of the device's positions)."""
+        need = max((s.cond_len + s.steps_run + 1 for s in self.slots.values()), default=1)
+        return next((b for b in self.buckets if b >= need), self.max_len)
 
     def _run_step(self) -> None:
-        if self._graph is not None:
-            self._graph.replay()
+        span = self._span()
+        graph = next((self._graphs[n] for n in sorted(self._graphs) if n >= span), None)
+        if graph is not None:
+            graph.replay()
         else:
-            self.decode_step()
+            self.decode_step(span)
 
     # ---- host side -------------------------------------------------------------------------
     def _boundary(self, s: _Slot) -> int:

@@ -1,0 +1,256 @@
+"""Turn mode end to end, per deploy profile: N concurrent spoken turns, Thinker -> Talker -> Code2Wav.
+
+Seed 000 asks for new end-to-end measurements of the two turn profiles (generic MRv2: Talker capacity 8,
+2 GiB KV; ``minicpmo_4_5_turn_mrv2_h200``: capacity 16, 4 GiB) on the revised codec backend. This runs
+N requests through ``TurnPipeline.run`` per profile, full-size random weights (Thinker and Talker bf16,
+Code2Wav FP32 with each profile's Code2Wav knobs, its graphs prepared for the voice), and two forms of
+the pipeline side by side in one process:
+
+- ``before``: the pipeline before session 44: the Talker's decode step eager, attending over the whole
+  static cache (the profiles' 4096 positions per slot) every step; each Code2Wav chunk pushed into its
+  own stream;
+- ``talker-graphs``: the Talker's step over the shortest key bucket, replayed from CUDA graphs (one per
+  bucket); Code2Wav still per stream;
+- ``batched``: that, and each Talker step's chunks sent to Code2Wav as one ``push_many`` (the
+  pipeline's default now).
+
+Every request is made to answer with exactly ``--tokens`` text tokens (``duplex_bench._Speak`` lifts an
+ordinary text id over each row, so no terminator comes early) and exactly ``--codes`` codes (the Talker's
+EOS is held off until then), so every form does the same work. Measured per run: the wall time of all N
+turns, each request's time to its first PCM chunk (all Thinker work runs before the Talker starts, so it
+grows with N), the audio produced and its rate against the wall time, and the time inside the Talker's
+steps and Code2Wav's pushes (synchronised around each call; the Thinker is the rest).
+
+    python benchmarks/turn_bench.py OUT                                  # GPU: both profiles, N = 1, 8, 16
+    python benchmarks/turn_bench.py OUT --tiny --requests 1,2 --tokens 4 --codes 30    # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
+from minicpmo_rt.code2wav.pipeline import Code2Wav
+from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
+from minicpmo_rt.profiles import load_profile
+from minicpmo_rt.runtime.contracts import TurnRequest
+from minicpmo_rt.runtime.turn import SAMPLES_PER_CODE, TurnPipeline
+from minicpmo_rt.talker.engine import TalkerEngine
+from minicpmo_rt.talker.sampler import SamplingParams
+from minicpmo_rt.thinker.decode import StaticDecoder
+
+from code2wav_pipeline_bench import bench_models, device_label, parse_batches
+from duplex_bench import build, sync
+
+PROFILES = ("minicpmo_4_5_turn_mrv2", "minicpmo_4_5_turn_mrv2_h200")
+FORMS = ("before", "talker-graphs", "batched")
+QUESTIONS = ("What is the weather like today?", "Tell me a short story about a fox.",
+             "How do I make a cup of tea?", "Why is the sky blue?")
+
+
+class _Timed:
+    """Milliseconds spent in wrapped methods, synchronised at both ends; undone by ``restore``. Calls made
+    inside a timed call (``push_many`` pushing a stream alone) count once, in the outer one."""
+
+    depth = 0       # class-wide: clocks share it, so nested calls of any clock are not counted twice
+
+    def __init__(self, dev: torch.device):
+        self.dev, self.ms, self._undo = dev, {}, []
+
+    def wrap(self, obj, name: str, phase: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            if _Timed.depth:
+                return fn(*a, **k)
+            _Timed.depth += 1
+            try:
+                sync(self.dev)
+                t0 = time.perf_counter()
+                out = fn(*a, **k)
+                sync(self.dev)
+            finally:
+                _Timed.depth -= 1
+            self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
+            return out
+
+        setattr(obj, name, timed)
+        self._undo.append((obj, name))
+
+    def restore(self) -> None:
+        for obj, name in self._undo:
+            delattr(obj, name)
+
+
+def pipeline(profile: str, form: str, parts, dev: torch.device, codes: int, shared: dict) -> TurnPipeline:
+    """One profile's pipeline on shared models (the Thinker's static decoder and each Code2Wav setting are
+    built once in ``shared``); the form picks the Talker's key spans and graphs and Code2Wav's batching."""
+    thinker, tok, tts, flow, gen, feats = parts
+    prof = load_profile(profile)
+    cuda = dev.type == "cuda"
+    engine = TalkerEngine(tts, prof.talker.capacity, prof.talker.kv_cache_bytes,
+                          SamplingParams(min_codes=codes, max_codes=codes), prof.talker.window,
+                          prof.talker.first_window)
+    if form == "before":
+        engine.buckets = (engine.max_len,)      # every step over the whole cache, as before the buckets
+    elif cuda:
+        engine.capture_cuda_graph()
+    key = (prof.code2wav.n_timesteps, json.dumps(prof.code2wav.extra, sort_keys=True, default=str))
+    if key not in shared:
+        voc = Vocoder(gen, CAUSAL)
+        c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=prof.code2wav.n_timesteps)
+        c2w.configure_fast_path(prof.code2wav.extra)
+        if cuda:
+            c2w.prepare(feats)
+        shared[key] = c2w
+    if "decoder" not in shared:
+        shared["decoder"] = StaticDecoder(thinker.llm, 2048) if cuda else None
+    return TurnPipeline(thinker, tok, engine, shared[key], prof, decoder=shared["decoder"], use_graph=cuda,
+                        batch_code2wav=form == "batched")
+
+
+def run(pipe: TurnPipeline, n: int, voice, tokens: int, codes: int, dev: torch.device, tag: str) -> dict:
+    reqs = [TurnRequest.make(f"{tag}-{i}", QUESTIONS[i % len(QUESTIONS)], voice, seed=i, max_new_tokens=tokens,
+                             max_codes=codes) for i in range(n)]
+    clock = _Timed(dev)
+    clock.wrap(pipe.talker, "step", "talker")
+    clock.wrap(pipe.code2wav, "push_many", "code2wav")
+    first: dict[str, float] = {}
+    samples = 0
+    try:
+        sync(dev)
+        t0 = time.perf_counter()
+        for pcm in pipe.run(reqs):
+            if pcm.request_id not in first:
+                first[pcm.request_id] = (time.perf_counter() - t0) * 1e3
+            samples += len(pcm.samples)
+        sync(dev)
+        wall = (time.perf_counter() - t0) * 1e3
+    finally:
+        clock.restore()
+    audio_s = samples / 24000.0
+    ttfa = sorted(first.values())
+    return {"n": n, "wall_ms": wall, "ttfa_ms_first": ttfa[0], "ttfa_ms_median": statistics.median(ttfa),
+            "ttfa_ms_last": ttfa[-1], "audio_s": audio_s, "x_real_time": audio_s / (wall / 1e3),
+            "talker_ms": clock.ms.get("talker", 0.0), "push_many_ms": clock.ms.get("code2wav", 0.0),
+            "expected_audio_s": n * codes * SAMPLES_PER_CODE / 24000.0}
+
+
+def time_streams(pipe: TurnPipeline, dev: torch.device, clock: _Timed) -> None:
+    """Wrap the per-stream ``push`` of every stream the pipeline opens (the Code2Wav time of the forms without push_many)."""
+    c2w = pipe.code2wav
+    open_stream = c2w.open_stream
+
+    def opened(voice):
+        s = open_stream(voice)
+        clock.wrap(s, "push", "code2wav")
+        return s
+
+    c2w.open_stream = opened
+    clock._undo.append((c2w, "open_stream"))
+
+
+def run_form(pipe: TurnPipeline, n: int, voice, tokens: int, codes: int, dev: torch.device, tag: str) -> dict:
+    """``run`` with every Code2Wav call timed: ``push_many`` and each stream's own ``push``."""
+    clock = _Timed(dev)
+    time_streams(pipe, dev, clock)
+    try:
+        row = run(pipe, n, voice, tokens, codes, dev, tag)
+    finally:
+        clock.restore()
+    row["code2wav_ms"] = row.pop("push_many_ms") + clock.ms.get("code2wav", 0.0)
+    row["thinker_ms"] = row["wall_ms"] - row["talker_ms"] - row["code2wav_ms"]
+    return row
+
+
+def write_table(res: dict, path: Path) -> None:
+    lines = [f"# Turn mode end to end per profile ({res['gpu']}, Thinker/Talker {res['dtype']}, "
+             f"{'tiny' if res['tiny'] else 'full-size'} random weights, torch {res['torch']})", "",
+             f"N concurrent turns through `TurnPipeline.run`, each answering with {res['tokens']} text tokens and "
+             f"{res['codes']} codes ({res['codes'] * SAMPLES_PER_CODE / 24000:.1f} s of audio); one run per row after a "
+             "warm-up run per pipeline. Time to first audio (TTFA) is from the call to each request's first PCM "
+             "chunk. Stage columns: time inside the Talker's steps and Code2Wav's pushes (synchronised around "
+             "each call); the Thinker is the rest. `before`: eager Talker step over the whole 4096-position cache, "
+             "one Code2Wav push per chunk; `talker-graphs`: Talker step over the shortest key bucket from CUDA "
+             "graphs; `batched`: that, and each step's chunks in one `push_many` (the default now).", "",
+             "| profile | capacity / KV | N | form | wall ms | TTFA first / median / last ms | audio s | x real time "
+             "| Thinker ms | Talker ms | Code2Wav ms | x before |",
+             "|---|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    base = {(r["profile"], r["n"]): r["wall_ms"] for r in res["rows"] if r["form"] == "before"}
+    for r in sorted(res["rows"], key=lambda r: (r["profile"], r["n"], FORMS.index(r["form"]))):
+        key = (r["profile"], r["n"])
+        ratio = f"{base[key] / r['wall_ms']:.2f}" if r["form"] != "before" and key in base else "-"
+        lines.append(f"| {r['profile']} | {r['capacity']} / {r['kv']} | {r['n']} | {r['form']} | {r['wall_ms']:.0f} | "
+                     f"{r['ttfa_ms_first']:.0f} / {r['ttfa_ms_median']:.0f} / {r['ttfa_ms_last']:.0f} | "
+                     f"{r['audio_s']:.1f} | {r['x_real_time']:.2f} | {r['thinker_ms']:.0f} | {r['talker_ms']:.0f} | "
+                     f"{r['code2wav_ms']:.0f} | {ratio} |")
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (a check of the script)")
+    ap.add_argument("--requests", default="1,8,16", help="N concurrent turns per run")
+    ap.add_argument("--profiles", default=",".join(PROFILES))
+    ap.add_argument("--forms", default=",".join(FORMS))
+    ap.add_argument("--tokens", type=int, default=24, help="text tokens per answer")
+    ap.add_argument("--codes", type=int, default=100, help="codes per answer (25 per second of audio)")
+    ap.add_argument("--table", type=Path, help="only rewrite OUT/turn_bench.md from this run's JSON")
+    args = ap.parse_args()
+    if args.table:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return write_table(json.loads(args.table.read_text()), args.out / "turn_bench.md")
+    ns = parse_batches(ap, args.requests)
+    profiles = [p for p in args.profiles.split(",") if p]
+    forms = [f for f in args.forms.split(",") if f]
+    if set(forms) - set(FORMS):
+        ap.error(f"--forms: choose from {', '.join(FORMS)} (got {args.forms!r})")
+    for name in profiles:
+        if load_profile(name).mode != "turn":
+            ap.error(f"--profiles: {name!r} is not a turn-mode profile")
+    if args.tokens < 1 or args.codes < 1:
+        ap.error("--tokens and --codes must be positive")
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tok = load_tokenizer(vendored_tokenizer_dir())
+    thinker, tts = build(args.tiny, dev, dtype)
+    flow, gen, feats, _ = bench_models(args.tiny, dev)
+    parts = (thinker, tok, tts, flow, gen, feats)
+    res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
+           "tiny": args.tiny, "tokens": args.tokens, "codes": args.codes, "rows": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    shared: dict = {}
+    for name in profiles:
+        prof = load_profile(name)
+        for form in forms:
+            pipe = pipeline(name, form, parts, dev, args.codes, shared)
+            run_form(pipe, min(2, max(ns)), feats, args.tokens, args.codes, dev, "warm")    # captures, compiles
+            for n in ns:
+                row = run_form(pipe, n, feats, args.tokens, args.codes, dev, f"{form}-{n}")
+                if abs(row["audio_s"] - row["expected_audio_s"]) > 1e-6:
+                    raise RuntimeError(f"{name} {form} N={n}: {row['audio_s']} s of audio, expected "
+                                       f"{row['expected_audio_s']} (every answer must do the same work)")
+                row.update(profile=name, form=form, capacity=pipe.talker.capacity,
+                           kv=f"{prof.talker.kv_cache_bytes / 2 ** 30:g} GiB", talker_max_len=pipe.talker.max_len)
+                res["rows"].append(row)
+                print(f"{name} {form:10s} N={n:2d}: {row['wall_ms']:8.0f} ms, TTFA {row['ttfa_ms_first']:.0f}/"
+                      f"{row['ttfa_ms_median']:.0f}/{row['ttfa_ms_last']:.0f} ms, {row['audio_s']:.1f} s audio "
+                      f"({row['x_real_time']:.2f}x real time); Thinker {row['thinker_ms']:.0f}, Talker "
+                      f"{row['talker_ms']:.0f}, Code2Wav {row['code2wav_ms']:.0f} ms", flush=True)
+                (args.out / "turn_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows
+            del pipe
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    write_table(res, args.out / "turn_bench.md")
+
+
+if __name__ == "__main__":
+    main()

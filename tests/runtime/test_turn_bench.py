@@ -1,0 +1,40 @@
+"""benchmarks/turn_bench.py on the CPU at tiny sizes (a check of the script, not of speed): every form of the
+turn pipeline answers N requests with the same audio, the JSON and table come out, and a bad option is
+refused before any model is built."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "turn_bench.py"
+
+
+def _run(*args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / d) for d in ("src", "tests", "benchmarks")))
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_smoke_run_writes_every_form_and_the_table(tmp_path):
+    run = _run(tmp_path, "--tiny", "--profiles", "minicpmo_4_5_turn_mrv2", "--requests", "2", "--tokens", "3",
+               "--codes", "26")
+    assert run.returncode == 0, run.stderr
+    res = json.loads((tmp_path / "turn_bench.json").read_text())
+    assert [r["form"] for r in res["rows"]] == ["before", "talker-graphs", "batched"]
+    for r in res["rows"]:
+        assert r["n"] == 2 and r["capacity"] == 8 and abs(r["audio_s"] - 2 * 26 * 0.04) < 1e-9
+        assert 0 < r["ttfa_ms_first"] <= r["ttfa_ms_last"] < r["wall_ms"]
+        assert r["talker_ms"] > 0 and r["code2wav_ms"] > 0 and r["thinker_ms"] > 0
+    table = (tmp_path / "turn_bench.md").read_text()
+    assert "| minicpmo_4_5_turn_mrv2 | 8 / 2 GiB | 2 | batched |" in table
+
+    again = _run(tmp_path / "re", "--table", tmp_path / "turn_bench.json")
+    assert again.returncode == 0 and (tmp_path / "re" / "turn_bench.md").read_text() == table
+
+
+def test_a_duplex_profile_is_refused(tmp_path):
+    run = _run(tmp_path, "--tiny", "--profiles", "minicpmo_4_5_duplex_h200")
+    assert run.returncode == 2 and "not a turn-mode profile" in run.stderr
+    assert not (tmp_path / "turn_bench.json").exists()
