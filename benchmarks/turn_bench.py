@@ -11,8 +11,10 @@ the pipeline side by side in one process:
   own stream;
 - ``talker-graphs``: the Talker's step over the shortest key bucket, replayed from CUDA graphs (one per
   bucket); Code2Wav still per stream;
-- ``batched``: that, and each Talker step's chunks sent to Code2Wav as one ``push_many`` (the
-  pipeline's default now).
+- ``batched``: that, and each Talker step's chunks sent to Code2Wav as one ``push_many``;
+- ``thinker-rows``: that, and the Thinker decoding up to the Talker's capacity of requests together on
+  the rows of one static decoder (``TurnPipeline.think_rows``: one forward, a CUDA graph, per step for
+  every live request; a request takes a row as soon as one frees). The pipeline's default now.
 
 Every request is made to answer with exactly ``--tokens`` text tokens (``duplex_bench._Speak`` lifts an
 ordinary text id over each row, so no terminator comes early) and exactly ``--codes`` codes (the Talker's
@@ -44,12 +46,14 @@ from minicpmo_rt.runtime.turn import SAMPLES_PER_CODE, TurnPipeline
 from minicpmo_rt.talker.engine import TalkerEngine
 from minicpmo_rt.talker.sampler import SamplingParams
 from minicpmo_rt.thinker.decode import StaticDecoder
+from minicpmo_rt.thinker.llm_cache import StaticRows
 
 from code2wav_pipeline_bench import bench_models, device_label, parse_batches
 from duplex_bench import build, sync
 
 PROFILES = ("minicpmo_4_5_turn_mrv2", "minicpmo_4_5_turn_mrv2_h200")
-FORMS = ("before", "talker-graphs", "batched")
+THINKER_LEN = 2048     # positions of the Thinker's static cache per request
+FORMS = ("before", "talker-graphs", "batched", "thinker-rows")
 QUESTIONS = ("What is the weather like today?", "Tell me a short story about a fox.",
              "How do I make a cup of tea?", "Why is the sky blue?")
 
@@ -110,9 +114,15 @@ def pipeline(profile: str, form: str, parts, dev: torch.device, codes: int, shar
             c2w.prepare(feats)
         shared[key] = c2w
     if "decoder" not in shared:
-        shared["decoder"] = StaticDecoder(thinker.llm, 2048) if cuda else None
+        shared["decoder"] = StaticDecoder(thinker.llm, THINKER_LEN) if cuda else None
+    rows = None
+    if form == "thinker-rows":
+        if ("rows", engine.capacity) not in shared:
+            shared["rows", engine.capacity] = StaticRows(thinker, engine.capacity, THINKER_LEN,
+                                                         kernels="auto" if cuda else "torch")
+        rows = shared["rows", engine.capacity]
     return TurnPipeline(thinker, tok, engine, shared[key], prof, decoder=shared["decoder"], use_graph=cuda,
-                        batch_code2wav=form == "batched")
+                        batch_code2wav=form in ("batched", "thinker-rows"), rows=rows)
 
 
 def run(pipe: TurnPipeline, n: int, voice, tokens: int, codes: int, dev: torch.device, tag: str) -> dict:
@@ -173,12 +183,14 @@ def write_table(res: dict, path: Path) -> None:
     lines = [f"# Turn mode end to end per profile ({res['gpu']}, Thinker/Talker {res['dtype']}, "
              f"{'tiny' if res['tiny'] else 'full-size'} random weights, torch {res['torch']})", "",
              f"N concurrent turns through `TurnPipeline.run`, each answering with {res['tokens']} text tokens and "
-             f"{res['codes']} codes ({res['codes'] * SAMPLES_PER_CODE / 24000:.1f} s of audio); one run per row after a "
-             "warm-up run per pipeline. Time to first audio (TTFA) is from the call to each request's first PCM "
-             "chunk. Stage columns: time inside the Talker's steps and Code2Wav's pushes (synchronised around "
+             f"{res['codes']} codes ({res['codes'] * SAMPLES_PER_CODE / 24000:.1f} s of audio); one run per row "
+             "after a warm-up run per pipeline (the largest N, short answers). Time to first audio (TTFA) is from "
+             "the call to each request's first PCM chunk. Stage columns: time inside the Talker's steps and Code2Wav's pushes (synchronised around "
              "each call); the Thinker is the rest. `before`: eager Talker step over the whole 4096-position cache, "
              "one Code2Wav push per chunk; `talker-graphs`: Talker step over the shortest key bucket from CUDA "
-             "graphs; `batched`: that, and each step's chunks in one `push_many` (the default now).", "",
+             "graphs; `batched`: that, and each step's chunks in one `push_many`; `thinker-rows`: that, and the "
+             "Thinker decoding up to the Talker's capacity of requests together on one static decoder's rows (the "
+             "default now).", "",
              "| profile | capacity / KV | N | form | wall ms | TTFA first / median / last ms | audio s | x real time "
              "| Thinker ms | Talker ms | Code2Wav ms | x before |",
              "|---|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -232,7 +244,8 @@ def main() -> None:
         prof = load_profile(name)
         for form in forms:
             pipe = pipeline(name, form, parts, dev, args.codes, shared)
-            run_form(pipe, min(2, max(ns)), feats, args.tokens, args.codes, dev, "warm")    # captures, compiles
+            # captures and compiles at every batch the runs will see: the largest N, short answers of three chunks
+            run_form(pipe, max(ns), feats, min(2, args.tokens), min(60, args.codes), dev, "warm")
             for n in ns:
                 row = run_form(pipe, n, feats, args.tokens, args.codes, dev, f"{form}-{n}")
                 if abs(row["audio_s"] - row["expected_audio_s"]) > 1e-6:

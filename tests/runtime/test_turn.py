@@ -223,3 +223,102 @@ def test_progress_reports_tokens_then_codes(pipe):
         assert counts == sorted(counts) and counts[0] > 0
     assert [n for s, _, n in seen if s == "thinker"][-1] == sum(not s.is_terminator for s in trace.steps["p"])
     assert [n for s, _, n in seen if s == "talker"][-1] == len(codes) > 0
+
+
+def test_thinker_rows_decode_requests_together_as_each_alone(pipe, voice):
+    """``think_rows``: three requests on two rows of one static decoder (the third takes a row when one
+    frees), every decode step one forward for the live rows. Each request draws the same tokens as
+    ``think`` alone (its own seed, sampling and history) with hidden rows within FP32 reordering, and the
+    Talker makes the same codes from them."""
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+
+    reqs = [TurnRequest.make("r0", "What is the weather like?", voice, seed=21, max_new_tokens=6, max_codes=12),
+            TurnRequest.make("r1", "Name a colour.", voice, seed=22, max_new_tokens=11, max_codes=12),
+            TurnRequest.make("r2", "Count to three.", voice, seed=23, max_new_tokens=4, max_codes=12)]
+    alone_trace = TurnTrace()
+    alone = pipe.codes(reqs, alone_trace)
+    rows = StaticRows(pipe.thinker, 2, 256, kernels="torch")
+    steps_seen = []
+    forward = rows.step_logits
+    rows.step_logits = lambda feeds: (steps_seen.append(sorted(feeds)), forward(feeds))[1]
+    pipe.rows = rows
+    try:
+        trace = TurnTrace()
+        together = pipe.codes(reqs, trace)
+    finally:
+        pipe.rows = None
+    assert together == alone
+    for r in reqs:
+        a, b = alone_trace.steps[r.request_id], trace.steps[r.request_id]
+        assert [(s.token_id, s.position, s.text, s.is_terminator) for s in b] == \
+               [(s.token_id, s.position, s.text, s.is_terminator) for s in a]
+        h = [s.hidden for s in a if s.hidden is not None]
+        assert rel_err(torch.stack([s.hidden for s in b if s.hidden is not None]), torch.stack(h)) < 1e-5
+    assert max(len(f) for f in steps_seen) == 2 and [0, 1] in steps_seen     # two requests per forward
+    assert len(rows._free) == 2                                               # every row handed back
+
+
+def test_thinker_rows_end_on_a_terminator_and_free_the_row(pipe, voice):
+    """A row whose draw is a turn terminator ends its request there (the terminator step carries no hidden
+    row and never reaches the Talker) and its row is free for the next request."""
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+
+    class _EndInRows(nn.Module):      # <|im_end|> on top of every row of a batched rows step
+        def __init__(self, head):
+            super().__init__()
+            self.head, self.armed = head, False
+
+        def forward(self, h):
+            out = self.head(h)
+            if self.armed:
+                out = out.clone()
+                out[..., IM_END_ID] = out.max() + 100.0
+            return out
+
+    llm = pipe.thinker.llm
+    head = llm.lm_head
+    llm.lm_head = _EndInRows(head)
+    rows = StaticRows(pipe.thinker, 2, 256, kernels="torch")
+    forward = rows.step_logits
+
+    def armed(feeds):
+        llm.lm_head.armed = True
+        try:
+            return forward(feeds)
+        finally:
+            llm.lm_head.armed = False
+
+    rows.step_logits = armed
+    pipe.rows = rows
+    try:
+        reqs = [TurnRequest.make(f"t{i}", "Hello there.", voice, seed=i, max_new_tokens=8, max_codes=10)
+                for i in range(3)]
+        trace = TurnTrace()
+        pipe.codes(reqs, trace)
+    finally:
+        pipe.rows = None
+        llm.lm_head = head
+    for r in reqs:
+        steps = trace.steps[r.request_id]
+        assert [s.is_terminator for s in steps] == [False, True] and steps[-1].token_id == IM_END_ID
+        assert steps[-1].hidden is None and len(trace.talker_inputs[r.request_id].token_ids) == 1
+    assert len(rows._free) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pipeline_defaults_match_the_plain_path(tiny_ckpt):
+    """On CUDA, ``from_snapshot`` decodes the Thinker on shared rows (Triton kernels, CUDA graphs) and the
+    Talker from per-bucket graphs; the same requests give the same tokens and codes as the single-request
+    static decoder with an eager Talker."""
+    kw = dict(device="cuda", with_code2wav=False, capacity=2, talker_params=SamplingParams(min_codes=5),
+              thinker_max_len=512)
+    fast = TurnPipeline.from_snapshot(tiny_ckpt, **kw)
+    plain = TurnPipeline.from_snapshot(tiny_ckpt, thinker_rows=0, talker_graph=False, **kw)
+    assert fast.rows is not None and fast.talker._graphs and plain.rows is None and not plain.talker._graphs
+    reqs = [TurnRequest.make(f"g{i}", q, seed=30 + i, max_new_tokens=9, max_codes=40)
+            for i, q in enumerate(("What is the weather like?", "Name a colour.", "Count to three."))]
+    a, b = TurnTrace(), TurnTrace()
+    assert fast.codes(reqs, a) == plain.codes(reqs, b)
+    for r in reqs:
+        assert [s.token_id for s in a.steps[r.request_id]] == [s.token_id for s in b.steps[r.request_id]]

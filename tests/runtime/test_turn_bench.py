@@ -22,7 +22,7 @@ def test_smoke_run_writes_every_form_and_the_table(tmp_path):
                "--codes", "26")
     assert run.returncode == 0, run.stderr
     res = json.loads((tmp_path / "turn_bench.json").read_text())
-    assert [r["form"] for r in res["rows"]] == ["before", "talker-graphs", "batched"]
+    assert [r["form"] for r in res["rows"]] == ["before", "talker-graphs", "batched", "thinker-rows"]
     for r in res["rows"]:
         assert r["n"] == 2 and r["capacity"] == 8 and abs(r["audio_s"] - 2 * 26 * 0.04) < 1e-9
         assert 0 < r["ttfa_ms_first"] <= r["ttfa_ms_last"] < r["wall_ms"]

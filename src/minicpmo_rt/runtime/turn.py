@@ -87,13 +87,39 @@ class _CopiedStep:
         return h.clone(), logits.clone()
 
 
+class _Steps:
+    """One request's ThinkerSteps from its generation chunks, in order (a text piece waits for the rest of
+    a UTF-8 character split across tokens; a terminator is a step without a hidden row)."""
+
+    def __init__(self, request_id: str, tokenizer, position: int):
+        self.request_id, self.tokenizer, self.position = request_id, tokenizer, position
+        self.ids: list[int] = []
+        self.said = ""
+
+    def __call__(self, chunk) -> list[ThinkerStep]:
+        rows = chunk.hidden.detach().float().cpu()
+        steps = []
+        for i, tok in enumerate(chunk.token_ids):
+            self.ids.append(tok)
+            text = self.tokenizer.decode(self.ids)
+            piece_text = ""
+            if not text.endswith("\ufffd"):  # wait for the rest of a split UTF-8 character
+                piece_text, self.said = text[len(self.said):], text
+            steps.append(ThinkerStep(self.request_id, self.position, tok, piece_text, rows[i].clone(), False))
+            self.position += 1
+        if chunk.terminator is not None:
+            steps.append(ThinkerStep(self.request_id, self.position, chunk.terminator,
+                                     self.tokenizer.decode([chunk.terminator]), None, True))
+        return steps
+
+
 class TurnPipeline:
     """``decoder``: an optional ``thinker.decode.StaticDecoder`` of ``thinker.llm`` (the static-KV
     fast path, through CUDA graphs when ``use_graph``); without it the Thinker decodes on
     transformers' DynamicCache (the plain path)."""
 
     def __init__(self, thinker, tokenizer, talker_engine: TalkerEngine, code2wav=None, profile=None,
-                 sampling=None, decoder=None, use_graph: bool = False, batch_code2wav: bool = True):
+                 sampling=None, decoder=None, use_graph: bool = False, batch_code2wav: bool = True, rows=None):
         from ..thinker.generate import SamplingConfig, forbidden_token_ids
         from ..thinker.prompt import PromptBuilder
 
@@ -104,6 +130,7 @@ class TurnPipeline:
         self.profile = profile
         self.decoder, self.use_graph = decoder, use_graph
         self.batch_code2wav = batch_code2wav
+        self.rows = rows
         self.sampling = sampling or SamplingConfig()
         self.builder = PromptBuilder(tokenizer)
         self.forbidden = forbidden_token_ids(tokenizer)  # upstream masks these while speaking
@@ -114,13 +141,16 @@ class TurnPipeline:
                       n_timesteps: int | None = None, capacity: int | None = None,
                       talker_params=None, sampling=None, thinker_fast: bool | None = None,
                       thinker_max_len: int = 4096, prepare_voice=None, talker_graph: bool | None = None,
-                      batch_code2wav: bool = True) -> "TurnPipeline":
+                      batch_code2wav: bool = True, thinker_rows: int | None = None) -> "TurnPipeline":
         """Load every stage from a snapshot; ``capacity``/``n_timesteps`` override the profile.
         ``thinker_fast`` (default: on CUDA) decodes the Thinker on a static KV cache of
         ``thinker_max_len`` positions through CUDA graphs. ``prepare_voice`` (a reference WAV): capture
         Code2Wav's graphs for that voice now (``Code2Wav.prepare``) instead of when its first stream opens.
         ``talker_graph`` (default: on CUDA) captures the Talker's decode step here, one graph per key bucket.
-        ``batch_code2wav``: each Talker step's chunks go to Code2Wav in one ``push_many`` call."""
+        ``batch_code2wav``: each Talker step's chunks go to Code2Wav in one ``push_many`` call.
+        ``thinker_rows`` (default with ``thinker_fast``: the Talker's capacity; 0 for none): decode that many
+        requests' Thinker steps together on the rows of one static decoder (``think_rows``; each row holds
+        ``thinker_max_len`` positions of KV cache)."""
         from ..checkpoint.snapshot import resolve_snapshot
         from ..checkpoint.tokenizer import load_tokenizer
         from ..code2wav.pipeline import Code2Wav
@@ -150,21 +180,27 @@ class TurnPipeline:
                                          extra=prof.code2wav.extra)
             if prepare_voice is not None:
                 c2w.prepare(prepare_voice)
-        decoder = None
+        decoder = rows = None
         fast = thinker_fast if thinker_fast is not None else torch.device(device).type == "cuda"
-        if fast:
+        n_rows = (engine.capacity if fast else 0) if thinker_rows is None else thinker_rows
+        if n_rows < 0:
+            raise InputError(f"thinker_rows must be >= 0, got {n_rows}")
+        if n_rows:
+            from ..thinker.llm_cache import StaticRows
+
+            rows = StaticRows(thinker, n_rows, thinker_max_len, kernels="auto" if fast else "torch")
+        elif fast:
             from ..thinker.decode import StaticDecoder
 
             decoder = StaticDecoder(thinker.llm, thinker_max_len)
         return cls(thinker, tokenizer, engine, c2w, prof, sampling, decoder,
-                   use_graph=fast and torch.device(device).type == "cuda", batch_code2wav=batch_code2wav)
+                   use_graph=fast and torch.device(device).type == "cuda", batch_code2wav=batch_code2wav,
+                   rows=rows)
 
     # ---- stage 1: Thinker ---------------------------------------------------------------------
-    @torch.no_grad()
-    def think(self, req: TurnRequest) -> Iterator[list[ThinkerStep]]:
-        """Prefill the turn prompt and generate; yields the ThinkerSteps of each generation chunk."""
-        from ..thinker.generate import iter_generate
-
+    def _prefill(self, req: TurnRequest):
+        """The request's prompt through the Thinker on a fresh DynamicCache -> (prompt length, last logits,
+        cache, sampling config, generator)."""
         th = self.thinker
         piece = turn_prompt(self.builder, req.messages)
         cache = th.new_cache()
@@ -173,36 +209,83 @@ class TurnPipeline:
         if req.max_new_tokens is not None:
             sampling = replace(sampling, max_new_tokens=req.max_new_tokens)
         gen = torch.Generator(device=prefill.logits.device).manual_seed(req.seed)
-        position = len(piece)
-        ids: list[int] = []
-        said = ""
+        return len(piece), prefill.logits, cache, sampling, gen
+
+    @staticmethod
+    def _fits(req: TurnRequest, position: int, sampling, max_len: int) -> None:
+        if position + sampling.max_new_tokens + 1 > max_len:
+            raise InputError(f"request {req.request_id!r}: prompt ({position} tokens) + max_new_tokens "
+                             f"({sampling.max_new_tokens}) exceed the Thinker's static cache "
+                             f"({max_len}); shorten the input or lower max_new_tokens")
+
+    @torch.no_grad()
+    def think(self, req: TurnRequest) -> Iterator[list[ThinkerStep]]:
+        """Prefill the turn prompt and generate; yields the ThinkerSteps of each generation chunk."""
+        from ..thinker.generate import iter_generate
+
+        position, logits, cache, sampling, gen = self._prefill(req)
         stepper = None
         if self.decoder is not None:
             from ..thinker.generate import StaticStepper, load_dynamic_cache
 
-            if position + sampling.max_new_tokens + 1 > self.decoder.max_len:
-                raise InputError(f"request {req.request_id!r}: prompt ({position} tokens) + max_new_tokens "
-                                 f"({sampling.max_new_tokens}) exceed the Thinker's static cache "
-                                 f"({self.decoder.max_len}); shorten the input or lower max_new_tokens")
+            self._fits(req, position, sampling, self.decoder.max_len)
             stepper = _CopiedStep(StaticStepper(self.decoder, load_dynamic_cache(self.decoder, cache),
                                                 use_graph=self.use_graph))
             cache = None
-        for chunk in iter_generate(th.llm, cache, prefill.logits, sampling, forbidden_ids=self.forbidden,
+        steps = _Steps(req.request_id, self.tokenizer, position)
+        for chunk in iter_generate(self.thinker.llm, cache, logits, sampling, forbidden_ids=self.forbidden,
                                    generator=gen, stepper=stepper):
-            rows = chunk.hidden.detach().float().cpu()
-            steps = []
-            for i, tok in enumerate(chunk.token_ids):
-                ids.append(tok)
-                text = self.tokenizer.decode(ids)
-                piece_text = ""
-                if not text.endswith("\ufffd"):  # wait for the rest of a split UTF-8 character
-                    piece_text, said = text[len(said):], text
-                steps.append(ThinkerStep(req.request_id, position, tok, piece_text, rows[i].clone(), False))
-                position += 1
-            if chunk.terminator is not None:
-                steps.append(ThinkerStep(req.request_id, position, chunk.terminator,
-                                         self.tokenizer.decode([chunk.terminator]), None, True))
-            yield steps
+            yield steps(chunk)
+
+    @torch.no_grad()
+    def think_rows(self, requests: Sequence[TurnRequest]) -> Iterator[tuple[str, list[ThinkerStep]]]:
+        """``think`` for several requests at once on the rows of ``self.rows`` (a ``StaticRows``): each
+        request is prefilled alone into a free row, then every decode step feeds all live rows in one
+        forward (a CUDA graph on CUDA), each row drawing its own token (its sampling, seed and
+        repetition history, as ``think``). A request takes a row as soon as one is free. Yields
+        (request id, the ThinkerSteps of one generation chunk), requests interleaved."""
+        from ..thinker.generate import Generation, GenerationChunk, load_dynamic_cache
+
+        rows = self.rows
+        waiting = list(requests)
+        live: dict[int, list] = {}      # row -> [request, Generation, _Steps, next position, row view]
+        try:
+            while waiting or live:
+                while waiting and len(live) < rows.batch:
+                    req = waiting.pop(0)
+                    position, logits, cache, sampling, gen = self._prefill(req)
+                    self._fits(req, position, sampling, rows.capacity)
+                    view = rows.acquire(rows.capacity)
+                    try:
+                        load_dynamic_cache(view, cache)
+                    except BaseException:
+                        rows.release(view)
+                        raise
+                    live[view.row] = [req, Generation(self.thinker.llm, logits, sampling,
+                                                      forbidden_ids=self.forbidden, generator=gen),
+                                      _Steps(req.request_id, self.tokenizer, position), position, view]
+                feeds: dict[int, tuple[int, int]] = {}
+                for row, (req, gen, steps, position, _) in list(live.items()):
+                    tok = gen.draw()
+                    if isinstance(tok, GenerationChunk):
+                        rows.release(live.pop(row)[4])
+                        yield req.request_id, steps(tok)
+                    else:
+                        feeds[row] = (tok, position)
+                if not feeds:
+                    continue
+                out = rows.step_logits(feeds)
+                for i, row in enumerate(out.rows):
+                    entry = live[row]
+                    entry[3] += 1
+                    chunk = entry[1].feed(feeds[row][0], out.hidden[i:i + 1], out.logits[i:i + 1].float())
+                    if chunk is not None:
+                        if entry[1].done:
+                            rows.release(live.pop(row)[4])
+                        yield entry[0].request_id, entry[2](chunk)
+        finally:
+            for entry in live.values():
+                rows.release(entry[4])
 
     # ---- stages 1 + 2: text and codec chunks ----------------------------------------------------
     def _check(self, requests: Sequence[TurnRequest], need_voice: bool) -> None:
@@ -233,17 +316,24 @@ class TurnPipeline:
         are skipped): the chunks of one round belong to different requests."""
         trace = trace if trace is not None else TurnTrace()
         staged: list[TalkerRequest] = []
+        outs: dict[str, SnapshotPublisher[ThinkerStep]] = {}
+        readers: dict[str, SnapshotReader] = {}
         for req in requests:
-            out: SnapshotPublisher[ThinkerStep] = SnapshotPublisher(f"thinker[{req.request_id}]")
-            reader = SnapshotReader(out)
-            tokens = 0
-            for steps in self.think(req):
-                out.publish(*steps)
-                if progress is not None:
-                    tokens += sum(not s.is_terminator for s in steps)
-                    progress("thinker", req.request_id, tokens)
-            out.close()
-            steps = list(reader.poll())
+            outs[req.request_id] = SnapshotPublisher(f"thinker[{req.request_id}]")
+            readers[req.request_id] = SnapshotReader(outs[req.request_id])
+        if self.rows is not None:
+            produced = self.think_rows(requests)
+        else:
+            produced = ((req.request_id, steps) for req in requests for steps in self.think(req))
+        tokens = {req.request_id: 0 for req in requests}
+        for rid, steps in produced:
+            outs[rid].publish(*steps)
+            if progress is not None:
+                tokens[rid] += sum(not s.is_terminator for s in steps)
+                progress("thinker", rid, tokens[rid])
+        for req in requests:
+            outs[req.request_id].close()
+            steps = list(readers[req.request_id].poll())
             talker_input = TalkerInput.from_steps(req.request_id, steps)
             talker_req = talker_input.to_request(req.seed, req.max_codes)
             trace.steps[req.request_id] = steps

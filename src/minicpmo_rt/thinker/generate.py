@@ -193,6 +193,67 @@ def load_dynamic_cache(decoder, cache) -> int:
     return n
 
 
+class Generation:
+    """``iter_generate``'s state for one sequence, for callers that feed the tokens themselves (several
+    sequences decoded in one batched forward): ``draw`` the next token, feed it however, hand the result
+    to ``feed``. ``draw`` returns the last chunk instead of a token when a terminator is drawn; ``feed``
+    returns a chunk when one is complete (``finished`` at ``max_new_tokens``), else None."""
+
+    def __init__(self, llm, last_logits: torch.Tensor, sampling: SamplingConfig = SamplingConfig(), *,
+                 terminators: Sequence[int] = TERMINATORS, forbidden_ids: Sequence[int] | None = None,
+                 generator: torch.Generator | None = None):
+        if last_logits.dim() == 1:
+            last_logits = last_logits[None]
+        if last_logits.dim() != 2 or last_logits.shape[0] != 1:
+            raise InputError(f"last_logits: expected [V] or [1, V] for one sequence, got {list(last_logits.shape)}")
+        device = last_logits.device
+        self.llm, self.sampling, self.generator = llm, sampling, generator
+        self.term = torch.tensor(sorted(set(terminators)), dtype=torch.long, device=device)
+        self.term_set = set(int(t) for t in terminators)
+        self.forb = None if forbidden_ids is None else torch.tensor(list(forbidden_ids), dtype=torch.long,
+                                                                      device=device)
+        self.sampled: list[int] = []          # every non-terminator sample, in order
+        self.chunk_ids: list[int] = []
+        self.chunk_h: list[torch.Tensor] = []
+        self.logits = last_logits.float().clone()
+        self.fed = 0
+        self.draws = 0
+        self.done = False
+
+    @torch.no_grad()
+    def draw(self) -> "int | GenerationChunk":
+        if self.done:
+            raise InputError("generation: draw() after the last chunk")
+        cfg = self.sampling
+        # Repetition window: previous chunks' last N samples + this chunk's (chunk 0 holds 11 samples).
+        chunk = max(0, (self.draws - 1) // cfg.chunk_size)
+        chunk_start = 0 if chunk == 0 else 1 + chunk * cfg.chunk_size
+        prev = self.sampled[:chunk_start][-cfg.repetition_window:] if cfg.repetition_window else []
+        history = torch.tensor(prev + self.sampled[chunk_start:], dtype=torch.long, device=self.logits.device)
+        tok = sample_next(self.logits, history, cfg, self.term, self.forb, self.generator)
+        self.draws += 1
+        if tok in self.term_set:
+            self.done = True
+            return GenerationChunk(self.chunk_ids, _stack(self.chunk_h, self.llm), True, tok)
+        self.sampled.append(tok)
+        return tok
+
+    def feed(self, tok: int, hidden: torch.Tensor, logits: torch.Tensor) -> "GenerationChunk | None":
+        """``tok`` (the last ``draw``) was fed: its final-norm hidden [1, H] and the next logits [1, V]."""
+        self.logits = logits
+        self.fed += 1
+        self.chunk_ids.append(tok)
+        self.chunk_h.append(hidden)
+        if self.fed >= self.sampling.max_new_tokens:
+            self.done = True
+            return GenerationChunk(self.chunk_ids, _stack(self.chunk_h, self.llm), True, None)
+        if len(self.chunk_ids) == self.sampling.chunk_size:
+            out = GenerationChunk(self.chunk_ids, _stack(self.chunk_h, self.llm), False, None)
+            self.chunk_ids, self.chunk_h = [], []
+            return out
+        return None
+
+
 @torch.no_grad()
 def iter_generate(llm, past_key_values, last_logits: torch.Tensor, sampling: SamplingConfig = SamplingConfig(),
                   *, terminators: Sequence[int] = TERMINATORS, forbidden_ids: Sequence[int] | None = None,
@@ -206,43 +267,19 @@ def iter_generate(llm, past_key_values, last_logits: torch.Tensor, sampling: Sam
     ``stepper``: how a token is fed (default ``DynamicStepper(llm, past_key_values)``; pass a
     ``StaticStepper`` for the static-KV / CUDA-graph path, with ``past_key_values`` None).
     """
+    gen = Generation(llm, last_logits, sampling, terminators=terminators, forbidden_ids=forbidden_ids,
+                     generator=generator)
     step = stepper if stepper is not None else DynamicStepper(llm, past_key_values)
-    if last_logits.dim() == 1:
-        last_logits = last_logits[None]
-    if last_logits.dim() != 2 or last_logits.shape[0] != 1:
-        raise InputError(f"last_logits: expected [V] or [1, V] for one sequence, got {list(last_logits.shape)}")
-    device = last_logits.device
-    term = torch.tensor(sorted(set(terminators)), dtype=torch.long, device=device)
-    term_set = set(int(t) for t in terminators)
-    forb = None if forbidden_ids is None else torch.tensor(list(forbidden_ids), dtype=torch.long, device=device)
-    sampled: list[int] = []          # every non-terminator sample, in order
-    chunk_ids: list[int] = []
-    chunk_h: list[torch.Tensor] = []
-    logits = last_logits.float().clone()
-    fed = 0
-    s = 0
     while True:
-        # Repetition window: previous chunks' last N samples + this chunk's (chunk 0 holds 11 samples).
-        chunk = max(0, (s - 1) // sampling.chunk_size)
-        chunk_start = 0 if chunk == 0 else 1 + chunk * sampling.chunk_size
-        prev = sampled[:chunk_start][-sampling.repetition_window:] if sampling.repetition_window else []
-        history = torch.tensor(prev + sampled[chunk_start:], dtype=torch.long, device=device)
-        tok = sample_next(logits, history, sampling, term, forb, generator)
-        s += 1
-        if tok in term_set:
-            yield GenerationChunk(chunk_ids, _stack(chunk_h, llm), True, tok)
+        tok = gen.draw()
+        if isinstance(tok, GenerationChunk):
+            yield tok
             return
-        sampled.append(tok)
-        h, logits = step(tok)
-        fed += 1
-        chunk_ids.append(tok)
-        chunk_h.append(h)
-        if fed >= sampling.max_new_tokens:
-            yield GenerationChunk(chunk_ids, _stack(chunk_h, llm), True, None)
-            return
-        if len(chunk_ids) == sampling.chunk_size:
-            yield GenerationChunk(chunk_ids, _stack(chunk_h, llm), False, None)
-            chunk_ids, chunk_h = [], []
+        chunk = gen.feed(tok, *step(tok))
+        if chunk is not None:
+            yield chunk
+            if gen.done:
+                return
 
 
 def _stack(rows: list[torch.Tensor], llm) -> torch.Tensor:
