@@ -240,30 +240,37 @@ class TurnPipeline:
     @torch.no_grad()
     def think_rows(self, requests: Sequence[TurnRequest]) -> Iterator[tuple[str, list[ThinkerStep]]]:
         """``think`` for several requests at once on the rows of ``self.rows`` (a ``StaticRows``): each
-        request is prefilled alone into a free row, then every decode step feeds all live rows in one
+        request's prompt is prefilled alone into a free row (the decoder's prefill), then every decode step feeds all live rows in one
         forward (a CUDA graph on CUDA), each row drawing its own token (its sampling, seed and
         repetition history, as ``think``). A request takes a row as soon as one is free. Yields
         (request id, the ThinkerSteps of one generation chunk), requests interleaved."""
-        from ..thinker.generate import Generation, GenerationChunk, load_dynamic_cache
+        from ..thinker.generate import Generation, GenerationChunk
 
-        rows = self.rows
+        rows, th = self.rows, self.thinker
         waiting = list(requests)
         live: dict[int, list] = {}      # row -> [request, Generation, _Steps, next position, row view]
         try:
             while waiting or live:
                 while waiting and len(live) < rows.batch:
                     req = waiting.pop(0)
-                    position, logits, cache, sampling, gen = self._prefill(req)
-                    self._fits(req, position, sampling, rows.capacity)
+                    # the prompt goes straight into the row through the decoder's own kernels (no
+                    # DynamicCache forward and copy: the eager transformers prefill was most of a
+                    # request's Thinker time once the decode steps were shared)
+                    piece = turn_prompt(self.builder, req.messages)
+                    sampling = self.sampling if req.max_new_tokens is None else \
+                        replace(self.sampling, max_new_tokens=req.max_new_tokens)
+                    self._fits(req, len(piece), sampling, rows.capacity)
                     view = rows.acquire(rows.capacity)
                     try:
-                        load_dynamic_cache(view, cache)
+                        hidden = view.prefill(th.embed_tokens(piece.ids)[None], 0)
+                        logits = th.llm.lm_head(hidden[:, -1]).float()
                     except BaseException:
                         rows.release(view)
                         raise
-                    live[view.row] = [req, Generation(self.thinker.llm, logits, sampling,
-                                                      forbidden_ids=self.forbidden, generator=gen),
-                                      _Steps(req.request_id, self.tokenizer, position), position, view]
+                    gen = torch.Generator(device=logits.device).manual_seed(req.seed)
+                    live[view.row] = [req, Generation(th.llm, logits, sampling, forbidden_ids=self.forbidden,
+                                                      generator=gen),
+                                      _Steps(req.request_id, self.tokenizer, len(piece)), len(piece), view]
                 feeds: dict[int, tuple[int, int]] = {}
                 for row, (req, gen, steps, position, _) in list(live.items()):
                     tok = gen.draw()
