@@ -184,7 +184,7 @@ def write_table(res: dict, path: Path) -> None:
              f"{'tiny' if res['tiny'] else 'full-size'} random weights, torch {res['torch']})", "",
              f"N concurrent turns through `TurnPipeline.run`, each answering with {res['tokens']} text tokens and "
              f"{res['codes']} codes ({res['codes'] * SAMPLES_PER_CODE / 24000:.1f} s of audio); one run per row "
-             "after warm-up runs per pipeline (each N, short answers). Time to first audio (TTFA) is from "
+             "after warm-up runs per pipeline (each N, full-length answers of short text). Time to first audio (TTFA) is from "
              "the call to each request's first PCM chunk. Stage columns: time inside the Talker's steps and Code2Wav's pushes (synchronised around "
              "each call); the Thinker is the rest. `before`: eager Talker step over the whole 4096-position cache, "
              "one Code2Wav push per chunk; `talker-graphs`: Talker step over the shortest key bucket from CUDA "
@@ -244,10 +244,12 @@ def main() -> None:
         prof = load_profile(name)
         for form in forms:
             pipe = pipeline(name, form, parts, dev, args.codes, shared)
-            # captures and compiles at every batch the runs will see (Code2Wav's graphs are shared by the forms,
-            # so the first form to meet a batch would pay its captures): each N, short answers of three chunks
+            # captures and compiles at every batch and cache length the runs will see (Code2Wav's graphs are
+            # shared by the forms and keyed by batch and cache length, so the first form to meet one would pay
+            # its capture; session 44's runs warmed with 60-code answers and the batched form paid them at
+            # N = 8 and 16): each N, full-length answers of short text
             for n in ns:
-                run_form(pipe, n, feats, min(2, args.tokens), min(60, args.codes), dev, f"warm{n}")
+                run_form(pipe, n, feats, min(2, args.tokens), args.codes, dev, f"warm{n}")
             for n in ns:
                 row = run_form(pipe, n, feats, args.tokens, args.codes, dev, f"{form}-{n}")
                 if abs(row["audio_s"] - row["expected_audio_s"]) > 1e-6:
