@@ -150,20 +150,22 @@ def talker_cmd(
 @app.command("speak")
 def speak_cmd(
     model: str = typer.Option(..., "--model", help="Snapshot dir (all weights, tokenizer, assets/token2wav/)."),
-    text: str = typer.Option(..., "--text", help="The user's words; the answer is spoken."),
+    text: list[str] = typer.Option(..., "--text", help="The user's words; the answer is spoken. Repeat the flag "
+                                   "(with one --output each) to answer several at once."),
     voice: Path = typer.Option(..., "--voice", help="Reference recording of the voice to speak in."),
-    output: Path = typer.Option(..., "--output", help="WAV to write (24 kHz, float32)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the Thinker and Talker sampling."),
+    output: list[Path] = typer.Option(..., "--output", help="WAV to write (24 kHz, float32), one per --text."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the Thinker and Talker sampling (text i: seed + i)."),
     profile: str = typer.Option("minicpmo_4_5_turn_mrv2", "--profile", help="Turn-mode deploy profile (name or YAML)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Thinker text token limit (default 256)."),
     max_codes: Optional[int] = typer.Option(None, "--max-codes", help="Talker code limit (default 2048)."),
     min_codes: int = typer.Option(50, "--min-codes", help="Codes before EOS may be drawn (upstream 50)."),
     capacity: Optional[int] = typer.Option(None, "--capacity", help="Talker slots (default: the profile's)."),
     n_timesteps: Optional[int] = typer.Option(None, "--n-timesteps", help="Euler steps of the flow (default: the profile's)."),
-    codes_out: Optional[Path] = typer.Option(None, "--codes-out", help="Also write the codec ids as JSON."),
+    codes_out: Optional[Path] = typer.Option(None, "--codes-out", help="Also write the codec ids as JSON (one list "
+                                             "per --text when several)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
 ) -> None:
-    """One spoken turn: text -> Thinker -> Talker -> Code2Wav -> 24 kHz WAV."""
+    """Spoken turns: text -> Thinker -> Talker -> Code2Wav -> 24 kHz WAV (several texts share each stage)."""
     from .runtime.jobs import run_speak
 
     try:
@@ -174,10 +176,13 @@ def speak_cmd(
         _fail(exc)
     if info["warning"]:
         typer.echo(info["warning"])
-    typer.echo(f"thinker: {info['tokens']} tokens ({'stopped by ' + str(info['terminator']) if info['terminator'] else 'token limit'}): {info['text']!r}")
-    typer.echo(f"talker: {info['codes']} codes; code2wav: {info['chunks']} chunks, {info['n_timesteps']} Euler steps")
-    typer.echo(f"wrote {output}: {info['samples']} samples ({info['seconds']:.2f} s at 24 kHz) in {info['wall_s']:.2f} s "
-               f"(profile {info['profile']}, {info['capacity']} talker slots)")
+    for r in info["requests"]:
+        stop = "stopped by " + str(r["terminator"]) if r["terminator"] else "token limit"
+        typer.echo(f"thinker: {r['tokens']} tokens ({stop}): {r['text']!r}")
+        typer.echo(f"talker: {r['codes']} codes; code2wav: {r['chunks']} chunks, {info['n_timesteps']} Euler steps")
+        typer.echo(f"wrote {r['output']}: {r['samples']} samples ({r['seconds']:.2f} s at 24 kHz)")
+    typer.echo(f"{len(info['requests'])} turn(s) in {info['wall_s']:.2f} s (profile {info['profile']}, "
+               f"{info['capacity']} talker slots)")
 
 
 @app.command("duplex")

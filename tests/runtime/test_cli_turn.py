@@ -97,3 +97,42 @@ def test_stage_bars_show_on_a_terminal_only(capsys):
     quiet("thinker", "a", 4)
     quiet.close()
     assert capsys.readouterr().err == ""
+
+
+def test_speak_answers_several_texts_at_once_as_each_alone(tiny_ckpt, voice, tmp_path):
+    """Repeated --text/--output: one run shares the Thinker, the Talker's slots and Code2Wav's calls; text i
+    samples with seed + i, so each WAV has the codes of that text spoken alone with that seed (audio within
+    FP32 reordering of the batched Code2Wav calls)."""
+    import numpy as np
+
+    base = ["--model", str(tiny_ckpt), "--voice", str(voice), "--max-new-tokens", "6", "--max-codes", "30",
+            "--n-timesteps", "2", "--min-codes", "5", "--capacity", "2"]
+    texts = ["Say something nice.", "Name a colour."]
+    outs = [tmp_path / "a.wav", tmp_path / "b.wav"]
+    res = runner.invoke(app, ["speak", *base, "--seed", "3", "--text", texts[0], "--output", str(outs[0]),
+                              "--text", texts[1], "--output", str(outs[1]), "--codes-out", str(tmp_path / "c.json")])
+    assert res.exit_code == 0, res.output
+    codes = json.loads((tmp_path / "c.json").read_text())
+    assert len(codes) == 2 and res.output.count("wrote ") == 2 and "2 turn(s)" in res.output
+    for i, (text, out) in enumerate(zip(texts, outs)):
+        alone = tmp_path / f"alone{i}.wav"
+        one = runner.invoke(app, ["speak", *base, "--seed", str(3 + i), "--text", text, "--output", str(alone),
+                                  "--codes-out", str(tmp_path / f"alone{i}.json")])
+        assert one.exit_code == 0, one.output
+        assert json.loads((tmp_path / f"alone{i}.json").read_text()) == codes[i]
+        got, want = sf.read(out, dtype="float32")[0], sf.read(alone, dtype="float32")[0]
+        assert got.shape == want.shape == (len(codes[i]) * 960,)
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--text", "Two."], "2 --text but 1 --output"),
+    (["--text", "Two.", "--output", "OUT"], "the same file is given twice"),
+])
+def test_speak_refuses_unpaired_or_repeated_outputs(tiny_ckpt, voice, tmp_path, extra, msg):
+    out = tmp_path / "out.wav"
+    extra = [str(out) if e == "OUT" else e for e in extra]
+    res = runner.invoke(app, ["speak", "--model", str(tiny_ckpt), "--voice", str(voice), "--text", "One.",
+                              "--output", str(out), *extra])
+    assert res.exit_code == 2 and msg in res.output, res.output
+    assert list(tmp_path.iterdir()) == []

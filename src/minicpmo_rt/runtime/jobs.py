@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Sequence, Union
 
 from ..atomic import atomic_write, check_output_path
 from ..errors import InputError
@@ -109,40 +110,56 @@ def run_talker(model: str, text: str, codes_out: Path, seed: int = 0, profile: s
             "capacity": pipe.talker.capacity}
 
 
-def run_speak(model: str, text: str, voice: Path, output: Path, seed: int = 0, profile: str = DEFAULT_PROFILE,
-              max_codes: int | None = None, min_codes: int = 50, max_new_tokens: int | None = None,
-              capacity: int | None = None, n_timesteps: int | None = None, device: str = "cpu",
-              codes_out: Path | None = None) -> dict:
-    """The whole turn pipeline to a 24 kHz float WAV (and optionally the codes as JSON)."""
+def run_speak(model: str, text: Union[str, Sequence[str]], voice: Path, output: Union[Path, Sequence[Path]],
+              seed: int = 0, profile: str = DEFAULT_PROFILE, max_codes: int | None = None, min_codes: int = 50,
+              max_new_tokens: int | None = None, capacity: int | None = None, n_timesteps: int | None = None,
+              device: str = "cpu", codes_out: Path | None = None) -> dict:
+    """The whole turn pipeline to 24 kHz float WAVs (and optionally the codes as JSON). Several texts (one
+    output each, text i sampled with seed + i) run as one ``TurnPipeline.run``: they share the Thinker's
+    rows, the Talker's slots and Code2Wav's calls. Nothing is written unless every turn succeeded."""
     from ..code2wav.io import write_wav_atomic
     from .turn import collect
 
-    _check_inputs(text, profile, voice)
-    check_output_path(output, "--output")
+    texts = [text] if isinstance(text, str) else list(text)
+    outputs = [Path(output)] if isinstance(output, (str, Path)) else [Path(o) for o in output]
+    if len(texts) != len(outputs):
+        raise InputError(f"{len(texts)} --text but {len(outputs)} --output; pass one --output per --text, in order")
+    if len({o.resolve() for o in outputs}) != len(outputs):
+        raise InputError("--output: the same file is given twice; give each --text its own WAV")
+    for t in texts:
+        _check_inputs(t, profile, voice)
+    for o in outputs:
+        check_output_path(o, "--output")
     if codes_out is not None:
         check_output_path(codes_out, "--codes-out")
     if n_timesteps is not None and n_timesteps < 1:
         raise InputError(f"--n-timesteps must be >= 1, got {n_timesteps}")
-    req = TurnRequest.make("cli", text, voice, seed, max_new_tokens, max_codes)
-    t = time.perf_counter()
+    ids = ["cli"] if len(texts) == 1 else [f"cli-{i}" for i in range(len(texts))]
+    reqs = [TurnRequest.make(rid, t, voice, seed + i, max_new_tokens, max_codes)
+            for i, (rid, t) in enumerate(zip(ids, texts))]
+    t0 = time.perf_counter()
     pipe = _pipeline(model, profile, device, True, capacity, min_codes, n_timesteps)
     trace = TurnTrace()
     bars = StageBars()
     try:
-        chunks = list(pipe.run([req], trace, progress=bars))
+        chunks = list(pipe.run(reqs, trace, progress=bars))
     finally:
         bars.close()
-    wav = collect(chunks)["cli"]
-    codes = trace.codes("cli")
-    write_wav_atomic(output, wav)
+    wavs = collect(chunks)
+    for rid, out in zip(ids, outputs):
+        write_wav_atomic(out, wavs[rid])
     if codes_out is not None:
-        write_json_atomic(codes_out, codes)
-    wall = time.perf_counter() - t
-    return {"samples": len(wav), "seconds": len(wav) / 24000, "codes": len(codes), "chunks": len(chunks),
-            "text": trace.talker_inputs["cli"].text, "tokens": len(trace.talker_inputs["cli"].token_ids),
-            "terminator": trace.talker_inputs["cli"].terminator, "wall_s": wall,
-            "warning": tiny_warning(pipe), "profile": pipe.profile.name, "capacity": pipe.talker.capacity,
-            "n_timesteps": pipe.code2wav.n_timesteps}
+        codes = [trace.codes(rid) for rid in ids]
+        write_json_atomic(codes_out, codes[0] if len(ids) == 1 else codes)
+    wall = time.perf_counter() - t0
+    per = []
+    for rid, out in zip(ids, outputs):
+        ti = trace.talker_inputs[rid]
+        per.append({"output": str(out), "samples": len(wavs[rid]), "seconds": len(wavs[rid]) / 24000,
+                    "codes": len(trace.codes(rid)), "chunks": sum(c.request_id == rid for c in chunks),
+                    "text": ti.text, "tokens": len(ti.token_ids), "terminator": ti.terminator})
+    return {**per[0], "requests": per, "wall_s": wall, "warning": tiny_warning(pipe), "profile": pipe.profile.name,
+            "capacity": pipe.talker.capacity, "n_timesteps": pipe.code2wav.n_timesteps}
 
 
 def video_frames_per_second(path: Path, seconds: int) -> list:
