@@ -15,6 +15,9 @@ the pipeline side by side in one process:
 - ``thinker-rows``: that, and the Thinker decoding up to the Talker's capacity of requests together on
   the rows of one static decoder (``TurnPipeline.think_rows``: one forward, a CUDA graph, per step for
   every live request; a request takes a row as soon as one frees). The pipeline's default now.
+- ``overlap`` (opt-in, ``overlap_stages``): that, and each request entering the Talker as soon as its text is
+  done, the Talker stepping once per Thinker decode step meanwhile (not yet measured on the GPU: session 44
+  ran out of device time). With equal answers it can only help where N exceeds the Thinker's rows.
 
 Every request is made to answer with exactly ``--tokens`` text tokens (``duplex_bench._Speak`` lifts an
 ordinary text id over each row, so no terminator comes early) and exactly ``--codes`` codes (the Talker's
@@ -53,7 +56,7 @@ from duplex_bench import build, sync
 
 PROFILES = ("minicpmo_4_5_turn_mrv2", "minicpmo_4_5_turn_mrv2_h200")
 THINKER_LEN = 2048     # positions of the Thinker's static cache per request
-FORMS = ("before", "talker-graphs", "batched", "thinker-rows")
+FORMS = ("before", "talker-graphs", "batched", "thinker-rows", "overlap")
 QUESTIONS = ("What is the weather like today?", "Tell me a short story about a fox.",
              "How do I make a cup of tea?", "Why is the sky blue?")
 
@@ -116,13 +119,14 @@ def pipeline(profile: str, form: str, parts, dev: torch.device, codes: int, shar
     if "decoder" not in shared:
         shared["decoder"] = StaticDecoder(thinker.llm, THINKER_LEN) if cuda else None
     rows = None
-    if form == "thinker-rows":
+    if form in ("thinker-rows", "overlap"):
         if ("rows", engine.capacity) not in shared:
             shared["rows", engine.capacity] = StaticRows(thinker, engine.capacity, THINKER_LEN,
                                                          kernels="auto" if cuda else "torch")
         rows = shared["rows", engine.capacity]
     return TurnPipeline(thinker, tok, engine, shared[key], prof, decoder=shared["decoder"], use_graph=cuda,
-                        batch_code2wav=form in ("batched", "thinker-rows"), rows=rows)
+                        batch_code2wav=form in ("batched", "thinker-rows", "overlap"), rows=rows,
+                        overlap_stages=form == "overlap")
 
 
 def run(pipe: TurnPipeline, n: int, voice, tokens: int, codes: int, dev: torch.device, tag: str) -> dict:
@@ -153,7 +157,8 @@ def run(pipe: TurnPipeline, n: int, voice, tokens: int, codes: int, dev: torch.d
 
 
 def time_streams(pipe: TurnPipeline, dev: torch.device, clock: _Timed) -> None:
-    """Wrap the per-stream ``push`` of every stream the pipeline opens (the Code2Wav time of the forms without push_many)."""
+    """Wrap the per-stream ``push`` of every stream the pipeline opens (the Code2Wav time of the forms
+    without push_many)."""
     c2w = pipe.code2wav
     open_stream = c2w.open_stream
 
@@ -184,13 +189,14 @@ def write_table(res: dict, path: Path) -> None:
              f"{'tiny' if res['tiny'] else 'full-size'} random weights, torch {res['torch']})", "",
              f"N concurrent turns through `TurnPipeline.run`, each answering with {res['tokens']} text tokens and "
              f"{res['codes']} codes ({res['codes'] * SAMPLES_PER_CODE / 24000:.1f} s of audio); one run per row "
-             "after warm-up runs per pipeline (each N, full-length answers of short text). Time to first audio (TTFA) is from "
-             "the call to each request's first PCM chunk. Stage columns: time inside the Talker's steps and Code2Wav's pushes (synchronised around "
-             "each call); the Thinker is the rest. `before`: eager Talker step over the whole 4096-position cache, "
-             "one Code2Wav push per chunk; `talker-graphs`: Talker step over the shortest key bucket from CUDA "
-             "graphs; `batched`: that, and each step's chunks in one `push_many`; `thinker-rows`: that, and the "
-             "Thinker decoding up to the Talker's capacity of requests together on one static decoder's rows (the "
-             "default now).", "",
+             "after warm-up runs per pipeline (each N, full-length answers of short text). Time to first audio "
+             "(TTFA) is from the call to each request's first PCM chunk. Stage columns: time inside the Talker's "
+             "steps and Code2Wav's pushes (synchronised around each call); the Thinker is the rest. `before`: eager "
+             "Talker step over the whole 4096-position cache, one Code2Wav push per chunk; `talker-graphs`: Talker "
+             "step over the shortest key bucket from CUDA graphs; `batched`: that, and each step's chunks in one "
+             "`push_many`; `thinker-rows`: that, and the Thinker decoding up to the Talker's capacity of requests "
+             "together on one static decoder's rows (the default now); `overlap`: that, and each request entering "
+             "the Talker as soon as its text is done (opt-in).", "",
              "| profile | capacity / KV | N | form | wall ms | TTFA first / median / last ms | audio s | x real time "
              "| Thinker ms | Talker ms | Code2Wav ms | x before |",
              "|---|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]

@@ -322,3 +322,53 @@ def test_cuda_pipeline_defaults_match_the_plain_path(tiny_ckpt):
     assert fast.codes(reqs, a) == plain.codes(reqs, b)
     for r in reqs:
         assert [s.token_id for s in a.steps[r.request_id]] == [s.token_id for s in b.steps[r.request_id]]
+
+
+@pytest.mark.parametrize("on_rows", [False, True])
+def test_overlapped_stages_give_each_request_its_own_codes_and_start_the_talker_early(pipe, voice, on_rows):
+    """``overlap_stages``: a request enters the Talker as soon as its text is done, and Talker steps run
+    between the Thinker's (one request after another, or on shared rows with a third request waiting for
+    a row). The codes and Thinker steps are those of the stages run one after the other; the audio is
+    within FP32 reordering (the Code2Wav rounds group the streams differently); the Talker emits its
+    first chunk before the Thinker's last token."""
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+
+    reqs = [TurnRequest.make(f"o{i}", q, voice, seed=40 + i, max_new_tokens=n, max_codes=30)
+            for i, (q, n) in enumerate((("Hello!", 3), ("Tell me a story.", 40), ("Why?", 36)))]
+    if on_rows:
+        pipe.rows = StaticRows(pipe.thinker, 2, 256, kernels="torch")
+    try:
+        want_trace = TurnTrace()
+        want = collect(list(pipe.run(reqs, want_trace)))
+        events = []
+        pipe.overlap_stages = True
+        got_trace = TurnTrace()
+        got = collect(list(pipe.run(reqs, got_trace, progress=lambda stage, rid, n: events.append(stage))))
+    finally:
+        pipe.overlap_stages = False
+        rows, pipe.rows = pipe.rows, None
+    for r in reqs:
+        rid = r.request_id
+        assert got_trace.codes(rid) == want_trace.codes(rid)
+        assert [s.token_id for s in got_trace.steps[rid]] == [s.token_id for s in want_trace.steps[rid]]
+        assert got[rid].shape == want[rid].shape
+        assert rel_err(torch.from_numpy(got[rid]), torch.from_numpy(want[rid])) < 1e-5, rid
+    assert events.index("talker") < len(events) - 1 - events[::-1].index("thinker")
+    assert not pipe.talker.slots and not pipe.talker.pending
+    if on_rows:
+        assert len(rows._free) == 2
+
+
+def test_overlapped_stages_name_a_request_that_never_fits_and_leave_nothing_behind(pipe, voice):
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+
+    reqs = [TurnRequest.make("fits", "Hello!", voice, seed=1, max_new_tokens=3, max_codes=30),
+            TurnRequest.make("huge", "Hello!", voice, seed=2, max_new_tokens=3, max_codes=10 ** 7)]
+    pipe.rows, pipe.overlap_stages = StaticRows(pipe.thinker, 2, 256, kernels="torch"), True
+    try:
+        with pytest.raises(InputError, match="can never fit"):
+            pipe.codes(reqs)
+        rows = pipe.rows
+    finally:
+        pipe.rows, pipe.overlap_stages = None, False
+    assert not pipe.talker.slots and not pipe.talker.pending and len(rows._free) == 2

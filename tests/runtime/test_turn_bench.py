@@ -19,16 +19,16 @@ def _run(*args):
 
 def test_smoke_run_writes_the_forms_asked_for_and_the_table(tmp_path):
     run = _run(tmp_path, "--tiny", "--profiles", "minicpmo_4_5_turn_mrv2", "--requests", "2", "--tokens", "3",
-               "--codes", "26", "--forms", "before,thinker-rows")
+               "--codes", "26", "--forms", "before,overlap")
     assert run.returncode == 0, run.stderr
     res = json.loads((tmp_path / "turn_bench.json").read_text())
-    assert [r["form"] for r in res["rows"]] == ["before", "thinker-rows"]
+    assert [r["form"] for r in res["rows"]] == ["before", "overlap"]
     for r in res["rows"]:
         assert r["n"] == 2 and r["capacity"] == 8 and abs(r["audio_s"] - 2 * 26 * 0.04) < 1e-9
         assert 0 < r["ttfa_ms_first"] <= r["ttfa_ms_last"] < r["wall_ms"]
         assert r["talker_ms"] > 0 and r["code2wav_ms"] > 0 and r["thinker_ms"] > 0
     table = (tmp_path / "turn_bench.md").read_text()
-    assert "| minicpmo_4_5_turn_mrv2 | 8 / 2 GiB | 2 | thinker-rows |" in table
+    assert "| minicpmo_4_5_turn_mrv2 | 8 / 2 GiB | 2 | overlap |" in table
 
     again = _run(tmp_path / "re", "--table", tmp_path / "turn_bench.json")
     assert again.returncode == 0 and (tmp_path / "re" / "turn_bench.md").read_text() == table

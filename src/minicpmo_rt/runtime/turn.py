@@ -16,7 +16,9 @@
 
 Stages hand over through ``snapshot.SnapshotPublisher``s (Thinker steps per request, codec
 chunks for all requests) and touch nothing but the contracts. Here they run one after the
-other on the calling thread; the Thinker runs every request before the Talker starts.
+other on the calling thread; the Thinker runs every request before the Talker starts, unless
+``overlap_stages`` (opt-in) sends each request to the Talker as soon as its text is done and
+steps the Talker once per Thinker decode step meanwhile.
 
 The chunks one Talker step emits (every live slot reaches its window boundary on the same step
 when requests start together) go to Code2Wav as one ``push_many`` call (``batch_code2wav``), so
@@ -40,6 +42,7 @@ from .snapshot import SnapshotPublisher, SnapshotReader
 
 DEFAULT_PROFILE = "minicpmo_4_5_turn_mrv2"
 SAMPLES_PER_CODE = 960  # 24 kHz / 25 Hz
+TICK = (None, [], False)  # what the Thinker's producers yield after each decode step
 # progress(stage, request_id, count): "thinker" with the request's tokens generated so far (the terminator not
 # counted), then "talker" with its codes emitted so far (context codes not counted); for progress bars
 Progress = Callable[[str, str, int], None]
@@ -119,7 +122,8 @@ class TurnPipeline:
     transformers' DynamicCache (the plain path)."""
 
     def __init__(self, thinker, tokenizer, talker_engine: TalkerEngine, code2wav=None, profile=None,
-                 sampling=None, decoder=None, use_graph: bool = False, batch_code2wav: bool = True, rows=None):
+                 sampling=None, decoder=None, use_graph: bool = False, batch_code2wav: bool = True, rows=None,
+                 overlap_stages: bool = False):
         from ..thinker.generate import SamplingConfig, forbidden_token_ids
         from ..thinker.prompt import PromptBuilder
 
@@ -131,6 +135,9 @@ class TurnPipeline:
         self.decoder, self.use_graph = decoder, use_graph
         self.batch_code2wav = batch_code2wav
         self.rows = rows
+        # Opt-in until measured on the GPU: each request enters the Talker when its text is done, and the
+        # Talker steps between the Thinker's (``codec_rounds``), instead of after every request's text.
+        self.overlap_stages = overlap_stages
         self.sampling = sampling or SamplingConfig()
         self.builder = PromptBuilder(tokenizer)
         self.forbidden = forbidden_token_ids(tokenizer)  # upstream masks these while speaking
@@ -141,7 +148,8 @@ class TurnPipeline:
                       n_timesteps: int | None = None, capacity: int | None = None,
                       talker_params=None, sampling=None, thinker_fast: bool | None = None,
                       thinker_max_len: int = 4096, prepare_voice=None, talker_graph: bool | None = None,
-                      batch_code2wav: bool = True, thinker_rows: int | None = None) -> "TurnPipeline":
+                      batch_code2wav: bool = True, thinker_rows: int | None = None,
+                      overlap_stages: bool = False) -> "TurnPipeline":
         """Load every stage from a snapshot; ``capacity``/``n_timesteps`` override the profile.
         ``thinker_fast`` (default: on CUDA) decodes the Thinker on a static KV cache of
         ``thinker_max_len`` positions through CUDA graphs. ``prepare_voice`` (a reference WAV): capture
@@ -150,7 +158,8 @@ class TurnPipeline:
         ``batch_code2wav``: each Talker step's chunks go to Code2Wav in one ``push_many`` call.
         ``thinker_rows`` (default with ``thinker_fast``: the Talker's capacity; 0 for none): decode that many
         requests' Thinker steps together on the rows of one static decoder (``think_rows``; each row holds
-        ``thinker_max_len`` positions of KV cache)."""
+        ``thinker_max_len`` positions of KV cache). ``overlap_stages`` (opt-in): a request enters the Talker
+        as soon as its text is done, and the Talker steps once per Thinker decode step meanwhile."""
         from ..checkpoint.snapshot import resolve_snapshot
         from ..checkpoint.tokenizer import load_tokenizer
         from ..code2wav.pipeline import Code2Wav
@@ -195,7 +204,7 @@ class TurnPipeline:
             decoder = StaticDecoder(thinker.llm, thinker_max_len)
         return cls(thinker, tokenizer, engine, c2w, prof, sampling, decoder,
                    use_graph=fast and torch.device(device).type == "cuda", batch_code2wav=batch_code2wav,
-                   rows=rows)
+                   rows=rows, overlap_stages=overlap_stages)
 
     # ---- stage 1: Thinker ---------------------------------------------------------------------
     def _prefill(self, req: TurnRequest):
@@ -238,12 +247,14 @@ class TurnPipeline:
             yield steps(chunk)
 
     @torch.no_grad()
-    def think_rows(self, requests: Sequence[TurnRequest]) -> Iterator[tuple[str, list[ThinkerStep]]]:
+    def think_rows(self, requests: Sequence[TurnRequest]) -> Iterator[tuple[str | None, list[ThinkerStep], bool]]:
         """``think`` for several requests at once on the rows of ``self.rows`` (a ``StaticRows``): each
-        request's prompt is prefilled alone into a free row (the decoder's prefill), then every decode step feeds all live rows in one
-        forward (a CUDA graph on CUDA), each row drawing its own token (its sampling, seed and
-        repetition history, as ``think``). A request takes a row as soon as one is free. Yields
-        (request id, the ThinkerSteps of one generation chunk), requests interleaved."""
+        request's prompt is prefilled alone into a free row (the decoder's prefill), then every decode step
+        feeds all live rows in one forward (a CUDA graph on CUDA), each row drawing its own token (its
+        sampling, seed and repetition history, as ``think``). A request takes a row as soon as one is free.
+        Yields (request id, the ThinkerSteps of one generation chunk, whether the request's text is done),
+        requests interleaved, and ``TICK`` after each decode step (for a caller that interleaves other
+        work per step)."""
         from ..thinker.generate import Generation, GenerationChunk
 
         rows, th = self.rows, self.thinker
@@ -276,7 +287,7 @@ class TurnPipeline:
                     tok = gen.draw()
                     if isinstance(tok, GenerationChunk):
                         rows.release(live.pop(row)[4])
-                        yield req.request_id, steps(tok)
+                        yield req.request_id, steps(tok), True
                     else:
                         feeds[row] = (tok, position)
                 if not feeds:
@@ -287,9 +298,11 @@ class TurnPipeline:
                     entry[3] += 1
                     chunk = entry[1].feed(feeds[row][0], out.hidden[i:i + 1], out.logits[i:i + 1].float())
                     if chunk is not None:
-                        if entry[1].done:
+                        done = entry[1].done
+                        if done:
                             rows.release(live.pop(row)[4])
-                        yield entry[0].request_id, entry[2](chunk)
+                        yield entry[0].request_id, entry[2](chunk), done
+                yield TICK
         finally:
             for entry in live.values():
                 rows.release(entry[4])
@@ -322,52 +335,91 @@ class TurnPipeline:
         """``codec_chunks`` grouped by the Talker step that emitted them (steps that emit nothing
         are skipped): the chunks of one round belong to different requests."""
         trace = trace if trace is not None else TurnTrace()
-        staged: list[TalkerRequest] = []
         outs: dict[str, SnapshotPublisher[ThinkerStep]] = {}
         readers: dict[str, SnapshotReader] = {}
         for req in requests:
             outs[req.request_id] = SnapshotPublisher(f"thinker[{req.request_id}]")
             readers[req.request_id] = SnapshotReader(outs[req.request_id])
-        if self.rows is not None:
-            produced = self.think_rows(requests)
-        else:
-            produced = ((req.request_id, steps) for req in requests for steps in self.think(req))
-        tokens = {req.request_id: 0 for req in requests}
-        for rid, steps in produced:
+        by_id = {req.request_id: req for req in requests}
+        produced = self.think_rows(requests) if self.rows is not None else self._think_each(requests)
+        tokens = dict.fromkeys(by_id, 0)
+        ids = set(by_id)
+        emitted = dict.fromkeys(ids, 0)
+
+        def publish(rid: str, steps: list[ThinkerStep]) -> None:
             outs[rid].publish(*steps)
             if progress is not None:
                 tokens[rid] += sum(not s.is_terminator for s in steps)
                 progress("thinker", rid, tokens[rid])
-        for req in requests:
-            outs[req.request_id].close()
-            steps = list(readers[req.request_id].poll())
-            talker_input = TalkerInput.from_steps(req.request_id, steps)
-            talker_req = talker_input.to_request(req.seed, req.max_codes)
-            trace.steps[req.request_id] = steps
-            trace.talker_inputs[req.request_id] = talker_input
-            trace.talker_requests[req.request_id] = talker_req
-            trace.chunks[req.request_id] = []
-            staged.append(talker_req)
-        for talker_req in staged:  # a request that can never fit fails before any is admitted
-            if self.talker.need_tokens(talker_req) > self.talker.max_len:
-                self.talker.submit(talker_req)  # raises the engine's named error
-        for talker_req in staged:
-            self.talker.submit(talker_req)
-        ids = {r.request_id for r in requests}
-        emitted = dict.fromkeys(ids, 0)
+
+        def stage(rid: str) -> TalkerRequest:
+            """The request's text is done: its TalkerInput and TalkerRequest, recorded in the trace."""
+            outs[rid].close()
+            steps = list(readers[rid].poll())
+            talker_input = TalkerInput.from_steps(rid, steps)
+            talker_req = talker_input.to_request(by_id[rid].seed, by_id[rid].max_codes)
+            trace.steps[rid] = steps
+            trace.talker_inputs[rid] = talker_input
+            trace.talker_requests[rid] = talker_req
+            trace.chunks[rid] = []
+            return talker_req
+
+        def talker_step() -> list[CodecChunk]:
+            chunks = self.talker.step()
+            for ch in chunks:
+                if ch.request_id in ids:
+                    trace.chunks[ch.request_id].append(ch)
+                    if progress is not None:
+                        emitted[ch.request_id] += len(ch.codes) - ch.n_context
+                        progress("talker", ch.request_id, emitted[ch.request_id])
+            return chunks
+
         try:
+            if not self.overlap_stages:
+                for rid, steps, _ in produced:
+                    if rid is not None:
+                        publish(rid, steps)
+                staged = [stage(req.request_id) for req in requests]
+                for talker_req in staged:  # a request that can never fit fails before any is admitted
+                    if self.talker.need_tokens(talker_req) > self.talker.max_len:
+                        self.talker.submit(talker_req)  # raises the engine's named error
+                for talker_req in staged:
+                    self.talker.submit(talker_req)
+            else:
+                # each request goes to the Talker as soon as its text is done, and the Talker steps once
+                # per Thinker decode step (its TICKs) while the Thinker works
+                for rid, steps, done in produced:
+                    if rid is not None:
+                        publish(rid, steps)
+                        if done:
+                            self.talker.submit(stage(rid))     # raises the engine's named error if it never fits
+                    elif self.talker.pending or self.talker.slots:
+                        chunks = talker_step()
+                        if chunks:
+                            yield chunks
             while self.talker.pending or self.talker.slots:
-                chunks = self.talker.step()
-                for ch in chunks:
-                    if ch.request_id in ids:
-                        trace.chunks[ch.request_id].append(ch)
-                        if progress is not None:
-                            emitted[ch.request_id] += len(ch.codes) - ch.n_context
-                            progress("talker", ch.request_id, emitted[ch.request_id])
+                chunks = talker_step()
                 if chunks:
                     yield chunks
         finally:
+            produced.close()        # a Thinker cut short hands its rows back
             self._abandon(ids)
+
+    def _think_each(self, requests: Sequence[TurnRequest]) -> Iterator[tuple[str, list[ThinkerStep], bool]]:
+        """``think`` for each request in turn, as ``think_rows`` yields: (id, steps, whether it is done),
+        then a ``TICK`` per token of those steps."""
+        def ticks(steps):      # one per decode step that made them
+            return [TICK] * sum(not s.is_terminator for s in steps)
+
+        for req in requests:
+            last = None
+            for steps in self.think(req):
+                if last is not None:
+                    yield req.request_id, last, False
+                    yield from ticks(last)
+                last = steps
+            yield req.request_id, last if last is not None else [], True
+            yield from ticks(last or [])
 
     def _abandon(self, ids: set[str]) -> None:
         """Free the slots of requests whose consumer stopped early (or failed), so the engine
