@@ -12,17 +12,19 @@ SCRIPT = ROOT / "benchmarks" / "turn_bench.py"
 
 
 def _run(*args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / d) for d in ("src", "tests", "benchmarks")))
+    # one intra-op thread, as the tests themselves run (two contend on the 2-CPU CI box; conftest)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / d) for d in ("src", "tests", "benchmarks")),
+               OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], env=env, capture_output=True, text=True,
                           timeout=600)
 
 
 def test_smoke_run_writes_the_forms_asked_for_and_the_table(tmp_path):
     run = _run(tmp_path, "--tiny", "--profiles", "minicpmo_4_5_turn_mrv2", "--requests", "2", "--tokens", "3",
-               "--codes", "26", "--forms", "before,overlap")
+               "--codes", "26", "--forms", "overlap")
     assert run.returncode == 0, run.stderr
     res = json.loads((tmp_path / "turn_bench.json").read_text())
-    assert [r["form"] for r in res["rows"]] == ["before", "overlap"]
+    assert [r["form"] for r in res["rows"]] == ["overlap"]
     for r in res["rows"]:
         assert r["n"] == 2 and r["capacity"] == 8 and abs(r["audio_s"] - 2 * 26 * 0.04) < 1e-9
         assert 0 < r["ttfa_ms_first"] <= r["ttfa_ms_last"] < r["wall_ms"]
