@@ -47,11 +47,16 @@ from code2wav_pipeline_bench import bench_models, device_label, parse_batches
 from duplex_bench import build, sync
 
 
-class _Clock:
-    """Milliseconds spent in wrapped calls, synchronised at both ends (a benchmark's phase split)."""
+class Clock:
+    """Milliseconds spent in wrapped calls, synchronised at both ends (a benchmark's phase split). The
+    wrappers are instance attributes over the methods; ``restore`` removes them (objects reused across runs)."""
 
     def __init__(self, dev: torch.device):
-        self.dev, self.ms = dev, {}
+        self.dev, self.ms, self._undo = dev, {}, []
+
+    def patch(self, obj, name: str, fn) -> None:
+        setattr(obj, name, fn)
+        self._undo.append((obj, name))
 
     def wrap(self, obj, name: str, phase: str) -> None:
         fn = getattr(obj, name)
@@ -64,7 +69,12 @@ class _Clock:
             self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
             return out
 
-        setattr(obj, name, timed)
+        self.patch(obj, name, timed)
+
+    def restore(self) -> None:
+        for obj, name in reversed(self._undo):
+            delattr(obj, name)
+        self._undo.clear()
 
 
 def attach_code2wav(convs, c2w, feats) -> None:
@@ -77,7 +87,7 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
     thinker, tok, tts, c2w, feats, options = parts
     cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
-    clock = _Clock(dev)
+    clock = Clock(dev)
     if kind == "batch-rows" and not options:     # CPU smoke run: static caches on the torch kernels
         options = {"llm_cache": "static", "llm_kernels": "torch"}
     if kind in ("batch", "batch-rows"):

@@ -52,6 +52,7 @@ from minicpmo_rt.thinker.decode import StaticDecoder
 from minicpmo_rt.thinker.llm_cache import StaticRows
 
 from code2wav_pipeline_bench import bench_models, device_label, parse_batches
+from duplex_batch_bench import Clock
 from duplex_bench import build, sync
 
 PROFILES = ("minicpmo_4_5_turn_mrv2", "minicpmo_4_5_turn_mrv2_h200")
@@ -59,40 +60,6 @@ THINKER_LEN = 2048     # positions of the Thinker's static cache per request
 FORMS = ("before", "talker-graphs", "batched", "thinker-rows", "overlap")
 QUESTIONS = ("What is the weather like today?", "Tell me a short story about a fox.",
              "How do I make a cup of tea?", "Why is the sky blue?")
-
-
-class _Timed:
-    """Milliseconds spent in wrapped methods, synchronised at both ends; undone by ``restore``. Calls made
-    inside a timed call (``push_many`` pushing a stream alone) count once, in the outer one."""
-
-    depth = 0       # class-wide: clocks share it, so nested calls of any clock are not counted twice
-
-    def __init__(self, dev: torch.device):
-        self.dev, self.ms, self._undo = dev, {}, []
-
-    def wrap(self, obj, name: str, phase: str) -> None:
-        fn = getattr(obj, name)
-
-        def timed(*a, **k):
-            if _Timed.depth:
-                return fn(*a, **k)
-            _Timed.depth += 1
-            try:
-                sync(self.dev)
-                t0 = time.perf_counter()
-                out = fn(*a, **k)
-                sync(self.dev)
-            finally:
-                _Timed.depth -= 1
-            self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
-            return out
-
-        setattr(obj, name, timed)
-        self._undo.append((obj, name))
-
-    def restore(self) -> None:
-        for obj, name in self._undo:
-            delattr(obj, name)
 
 
 def pipeline(profile: str, form: str, parts, dev: torch.device, codes: int, shared: dict) -> TurnPipeline:
@@ -132,9 +99,18 @@ def pipeline(profile: str, form: str, parts, dev: torch.device, codes: int, shar
 def run(pipe: TurnPipeline, n: int, voice, tokens: int, codes: int, dev: torch.device, tag: str) -> dict:
     reqs = [TurnRequest.make(f"{tag}-{i}", QUESTIONS[i % len(QUESTIONS)], voice, seed=i, max_new_tokens=tokens,
                              max_codes=codes) for i in range(n)]
-    clock = _Timed(dev)
+    clock = Clock(dev)
     clock.wrap(pipe.talker, "step", "talker")
+    # Code2Wav: push_many, and each stream's own push (the forms without push_many; push_many never calls it)
     clock.wrap(pipe.code2wav, "push_many", "code2wav")
+    open_stream = pipe.code2wav.open_stream
+
+    def opened(v):
+        stream = open_stream(v)
+        clock.wrap(stream, "push", "code2wav")
+        return stream
+
+    clock.patch(pipe.code2wav, "open_stream", opened)
     first: dict[str, float] = {}
     samples = 0
     try:
@@ -150,38 +126,11 @@ def run(pipe: TurnPipeline, n: int, voice, tokens: int, codes: int, dev: torch.d
         clock.restore()
     audio_s = samples / 24000.0
     ttfa = sorted(first.values())
+    talker, code2wav = clock.ms.get("talker", 0.0), clock.ms.get("code2wav", 0.0)
     return {"n": n, "wall_ms": wall, "ttfa_ms_first": ttfa[0], "ttfa_ms_median": statistics.median(ttfa),
             "ttfa_ms_last": ttfa[-1], "audio_s": audio_s, "x_real_time": audio_s / (wall / 1e3),
-            "talker_ms": clock.ms.get("talker", 0.0), "push_many_ms": clock.ms.get("code2wav", 0.0),
+            "talker_ms": talker, "code2wav_ms": code2wav, "thinker_ms": wall - talker - code2wav,
             "expected_audio_s": n * codes * SAMPLES_PER_CODE / 24000.0}
-
-
-def time_streams(pipe: TurnPipeline, dev: torch.device, clock: _Timed) -> None:
-    """Wrap the per-stream ``push`` of every stream the pipeline opens (the Code2Wav time of the forms
-    without push_many)."""
-    c2w = pipe.code2wav
-    open_stream = c2w.open_stream
-
-    def opened(voice):
-        s = open_stream(voice)
-        clock.wrap(s, "push", "code2wav")
-        return s
-
-    c2w.open_stream = opened
-    clock._undo.append((c2w, "open_stream"))
-
-
-def run_form(pipe: TurnPipeline, n: int, voice, tokens: int, codes: int, dev: torch.device, tag: str) -> dict:
-    """``run`` with every Code2Wav call timed: ``push_many`` and each stream's own ``push``."""
-    clock = _Timed(dev)
-    time_streams(pipe, dev, clock)
-    try:
-        row = run(pipe, n, voice, tokens, codes, dev, tag)
-    finally:
-        clock.restore()
-    row["code2wav_ms"] = row.pop("push_many_ms") + clock.ms.get("code2wav", 0.0)
-    row["thinker_ms"] = row["wall_ms"] - row["talker_ms"] - row["code2wav_ms"]
-    return row
 
 
 def write_table(res: dict, path: Path) -> None:
@@ -255,9 +204,9 @@ def main() -> None:
             # its capture; session 44's runs warmed with 60-code answers and the batched form paid them at
             # N = 8 and 16): each N, full-length answers of short text
             for n in ns:
-                run_form(pipe, n, feats, min(2, args.tokens), args.codes, dev, f"warm{n}")
+                run(pipe, n, feats, min(2, args.tokens), args.codes, dev, f"warm{n}")
             for n in ns:
-                row = run_form(pipe, n, feats, args.tokens, args.codes, dev, f"{form}-{n}")
+                row = run(pipe, n, feats, args.tokens, args.codes, dev, f"{form}-{n}")
                 if abs(row["audio_s"] - row["expected_audio_s"]) > 1e-6:
                     raise RuntimeError(f"{name} {form} N={n}: {row['audio_s']} s of audio, expected "
                                        f"{row['expected_audio_s']} (every answer must do the same work)")

@@ -214,11 +214,14 @@ class TurnPipeline:
         piece = turn_prompt(self.builder, req.messages)
         cache = th.new_cache()
         prefill = th.forward_embeds(th.embed_tokens(piece.ids), cache, logits=True)
-        sampling = self.sampling
-        if req.max_new_tokens is not None:
-            sampling = replace(sampling, max_new_tokens=req.max_new_tokens)
         gen = torch.Generator(device=prefill.logits.device).manual_seed(req.seed)
-        return len(piece), prefill.logits, cache, sampling, gen
+        return len(piece), prefill.logits, cache, self._sampling(req), gen
+
+    def _sampling(self, req: TurnRequest):
+        """The pipeline's sampling config with the request's own token limit."""
+        if req.max_new_tokens is None:
+            return self.sampling
+        return replace(self.sampling, max_new_tokens=req.max_new_tokens)
 
     @staticmethod
     def _fits(req: TurnRequest, position: int, sampling, max_len: int) -> None:
@@ -268,8 +271,7 @@ class TurnPipeline:
                     # DynamicCache forward and copy: the eager transformers prefill was most of a
                     # request's Thinker time once the decode steps were shared)
                     piece = turn_prompt(self.builder, req.messages)
-                    sampling = self.sampling if req.max_new_tokens is None else \
-                        replace(self.sampling, max_new_tokens=req.max_new_tokens)
+                    sampling = self._sampling(req)
                     self._fits(req, len(piece), sampling, rows.capacity)
                     view = rows.acquire(rows.capacity)
                     try:
