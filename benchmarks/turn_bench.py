@@ -14,7 +14,10 @@ the pipeline side by side in one process:
 - ``batched``: that, and each Talker step's chunks sent to Code2Wav as one ``push_many``;
 - ``thinker-rows``: that, and the Thinker decoding up to the Talker's capacity of requests together on
   the rows of one static decoder (``TurnPipeline.think_rows``: one forward, a CUDA graph, per step for
-  every live request; a request takes a row as soon as one frees). The pipeline's default now.
+  every live request; a request takes a row as soon as one frees), each row drawing its token on its own
+  (``Generation.draw``: three waits on the device per row and step);
+- ``batched-draws``: that, and every row's token drawn in one batch (``thinker.generate.draw_many``: the
+  same tokens, one wait on the device per step). The pipeline's default now.
 - ``overlap`` (opt-in, ``overlap_stages``): that, and each request entering the Talker as soon as its text is
   done, the Talker stepping once per Thinker decode step meanwhile (not yet measured on the GPU: session 44
   ran out of device time). With equal answers it can only help where N exceeds the Thinker's rows.
@@ -57,7 +60,8 @@ from duplex_bench import build, sync
 
 PROFILES = ("minicpmo_4_5_turn_mrv2", "minicpmo_4_5_turn_mrv2_h200")
 THINKER_LEN = 2048     # positions of the Thinker's static cache per request
-FORMS = ("before", "talker-graphs", "batched", "thinker-rows", "overlap")
+FORMS = ("before", "talker-graphs", "batched", "thinker-rows", "batched-draws", "overlap")
+ROW_FORMS = ("thinker-rows", "batched-draws", "overlap")
 QUESTIONS = ("What is the weather like today?", "Tell me a short story about a fox.",
              "How do I make a cup of tea?", "Why is the sky blue?")
 
@@ -86,14 +90,15 @@ def pipeline(profile: str, form: str, parts, dev: torch.device, codes: int, shar
     if "decoder" not in shared:
         shared["decoder"] = StaticDecoder(thinker.llm, THINKER_LEN) if cuda else None
     rows = None
-    if form in ("thinker-rows", "overlap"):
+    if form in ROW_FORMS:
         if ("rows", engine.capacity) not in shared:
             shared["rows", engine.capacity] = StaticRows(thinker, engine.capacity, THINKER_LEN,
                                                          kernels="auto" if cuda else "torch")
         rows = shared["rows", engine.capacity]
-    return TurnPipeline(thinker, tok, engine, shared[key], prof, decoder=shared["decoder"], use_graph=cuda,
-                        batch_code2wav=form in ("batched", "thinker-rows", "overlap"), rows=rows,
-                        overlap_stages=form == "overlap")
+    pipe = TurnPipeline(thinker, tok, engine, shared[key], prof, decoder=shared["decoder"], use_graph=cuda,
+                        batch_code2wav=form in ("batched",) + ROW_FORMS, rows=rows, overlap_stages=form == "overlap")
+    pipe.batched_draws = form != "thinker-rows"
+    return pipe
 
 
 def run(pipe: TurnPipeline, n: int, voice, tokens: int, codes: int, dev: torch.device, tag: str) -> dict:
@@ -133,6 +138,27 @@ def run(pipe: TurnPipeline, n: int, voice, tokens: int, codes: int, dev: torch.d
             "expected_audio_s": n * codes * SAMPLES_PER_CODE / 24000.0}
 
 
+def profile_run(pipe: TurnPipeline, n: int, voice, args, dev: torch.device, path: Path) -> None:
+    """One more run of ``n`` turns under cProfile; the functions by own and by cumulative time. On CUDA the
+    host's waits on the device show up as time inside the calls that wait (``tolist``, ``item``, syncs)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    row = run(pipe, n, voice, args.tokens, args.codes, dev, f"cprofile-{n}")
+    prof.disable()
+    buf = io.StringIO()
+    buf.write(f"N={n}: wall {row['wall_ms']:.0f} ms under cProfile (Thinker {row['thinker_ms']:.0f}, Talker "
+              f"{row['talker_ms']:.0f}, Code2Wav {row['code2wav_ms']:.0f} ms)\n")
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
+    path.write_text(buf.getvalue())
+    print(f"cProfile of {n} turns: {path}", flush=True)
+
+
 def write_table(res: dict, path: Path) -> None:
     lines = [f"# Turn mode end to end per profile ({res['gpu']}, Thinker/Talker {res['dtype']}, "
              f"{'tiny' if res['tiny'] else 'full-size'} random weights, torch {res['torch']})", "",
@@ -144,7 +170,8 @@ def write_table(res: dict, path: Path) -> None:
              "Talker step over the whole 4096-position cache, one Code2Wav push per chunk; `talker-graphs`: Talker "
              "step over the shortest key bucket from CUDA graphs; `batched`: that, and each step's chunks in one "
              "`push_many`; `thinker-rows`: that, and the Thinker decoding up to the Talker's capacity of requests "
-             "together on one static decoder's rows (the default now); `overlap`: that, and each request entering "
+             "together on one static decoder's rows, each row drawing its token alone; `batched-draws`: that, and every "
+             "row's token drawn in one batch (the default now); `overlap`: that, and each request entering "
              "the Talker as soon as its text is done (opt-in).", "",
              "| profile | capacity / KV | N | form | wall ms | TTFA first / median / last ms | audio s | x real time "
              "| Thinker ms | Talker ms | Code2Wav ms | x before |",
@@ -171,6 +198,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24, help="text tokens per answer")
     ap.add_argument("--codes", type=int, default=100, help="codes per answer (25 per second of audio)")
     ap.add_argument("--table", type=Path, help="only rewrite OUT/turn_bench.md from this run's JSON")
+    ap.add_argument("--cprofile", metavar="FORM", help="after FORM's timed rows, one more run at the largest N "
+                    "under cProfile: OUT/turn_bench_cprofile_{profile}_{FORM}.txt (where the host's time goes)")
     args = ap.parse_args()
     if args.table:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -180,6 +209,8 @@ def main() -> None:
     forms = [f for f in args.forms.split(",") if f]
     if set(forms) - set(FORMS):
         ap.error(f"--forms: choose from {', '.join(FORMS)} (got {args.forms!r})")
+    if args.cprofile is not None and args.cprofile not in forms:
+        ap.error(f"--cprofile: {args.cprofile!r} is not one of the forms run ({', '.join(forms)})")
     for name in profiles:
         if load_profile(name).mode != "turn":
             ap.error(f"--profiles: {name!r} is not a turn-mode profile")
@@ -218,6 +249,8 @@ def main() -> None:
                       f"({row['x_real_time']:.2f}x real time); Thinker {row['thinker_ms']:.0f}, Talker "
                       f"{row['talker_ms']:.0f}, Code2Wav {row['code2wav_ms']:.0f} ms", flush=True)
                 (args.out / "turn_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows
+            if form == args.cprofile:
+                profile_run(pipe, max(ns), feats, args, dev, args.out / f"turn_bench_cprofile_{name}_{form}.txt")
             del pipe
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

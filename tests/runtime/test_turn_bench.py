@@ -21,7 +21,7 @@ def _run(*args):
 
 def test_smoke_run_writes_the_forms_asked_for_and_the_table(tmp_path):
     run = _run(tmp_path, "--tiny", "--profiles", "minicpmo_4_5_turn_mrv2", "--requests", "2", "--tokens", "3",
-               "--codes", "26", "--forms", "overlap")
+               "--codes", "26", "--forms", "overlap", "--cprofile", "overlap")
     assert run.returncode == 0, run.stderr
     res = json.loads((tmp_path / "turn_bench.json").read_text())
     assert [r["form"] for r in res["rows"]] == ["overlap"]
@@ -32,6 +32,9 @@ def test_smoke_run_writes_the_forms_asked_for_and_the_table(tmp_path):
     table = (tmp_path / "turn_bench.md").read_text()
     assert "| minicpmo_4_5_turn_mrv2 | 8 / 2 GiB | 2 | overlap |" in table
 
+    prof = (tmp_path / "turn_bench_cprofile_minicpmo_4_5_turn_mrv2_overlap.txt").read_text()
+    assert prof.startswith("N=2: wall") and "draw_many" in prof     # the rows' batched draw ran, profiled
+
     again = _run(tmp_path / "re", "--table", tmp_path / "turn_bench.json")
     assert again.returncode == 0 and (tmp_path / "re" / "turn_bench.md").read_text() == table
 
@@ -39,4 +42,6 @@ def test_smoke_run_writes_the_forms_asked_for_and_the_table(tmp_path):
 def test_a_duplex_profile_is_refused(tmp_path):
     run = _run(tmp_path, "--tiny", "--profiles", "minicpmo_4_5_duplex_h200")
     assert run.returncode == 2 and "not a turn-mode profile" in run.stderr
+    run = _run(tmp_path, "--tiny", "--forms", "before", "--cprofile", "overlap")
+    assert run.returncode == 2 and "--cprofile" in run.stderr
     assert not (tmp_path / "turn_bench.json").exists()

@@ -209,3 +209,71 @@ def test_cuda_graph_path_matches_plain_path_on_gpu(tok):
     fast = G.generate(llm, None, logits, cfg, stepper=stepper)
     assert fast.token_ids == plain.token_ids
     assert rel_err(fast.hidden, plain.hidden) < 1e-4
+
+
+class _Head:
+    """Generation only reads ``llm.model.norm.weight`` (to shape an empty chunk); no model runs here."""
+
+    def __init__(self, hidden: int, device):
+        self.model = type("M", (), {"norm": type("N", (), {"weight": torch.ones(hidden, device=device)})()})()
+
+
+_CONFIGS = [G.SamplingConfig(repetition_penalty=1.5, chunk_size=3, repetition_window=4),
+            G.SamplingConfig(temperature=1.3, top_k=0, top_p=0.7, repetition_penalty=2.0, chunk_size=4),
+            G.SamplingConfig(greedy=True, repetition_penalty=3.0, length_penalty=0.5),
+            G.SamplingConfig(top_k=5, top_p=1.0, repetition_penalty=1.0, max_new_tokens=6)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_draw_many_draws_what_each_generation_draws_alone(device):
+    """Rows of four settings (two rows each, one group per setting), their own seeds and repetition
+    histories, fed the same logits step after step: every batched draw equals the draw of a twin
+    generation drawing alone, until each ends (a terminator or its token limit)."""
+    torch.manual_seed(0)
+    V, H, n = 64, 8, 8
+    terms, forb = (60, 61), [5, 6]
+    starts = torch.randn(n, V, device=device) * 3
+
+    def make(i):
+        cfg = _CONFIGS[i % len(_CONFIGS)]
+        return G.Generation(_Head(H, device), starts[i:i + 1], cfg, terminators=terms, forbidden_ids=forb,
+                            generator=torch.Generator(device=device).manual_seed(100 + i))
+
+    batched, alone = [make(i) for i in range(n)], [make(i) for i in range(n)]
+    torch.manual_seed(1)
+    ends, steps = 0, 0
+    while any(not g.done for g in batched):
+        live = [i for i in range(n) if not batched[i].done]
+        got = G.draw_many([batched[i] for i in live])
+        for i, tok in zip(live, got):
+            want = alone[i].draw()
+            if isinstance(want, G.GenerationChunk):
+                assert isinstance(tok, G.GenerationChunk) and tok.terminator == want.terminator
+                assert tok.token_ids == want.token_ids
+                ends += 1
+                continue
+            assert tok == want, (i, steps)
+            # low logits on the repeated ids make the histories matter; terminators rise late on
+            logits = torch.randn(1, V, device=device) * 3
+            logits[0, list(terms)] += 0.3 * steps
+            for g in (batched[i], alone[i]):
+                g.feed(tok, torch.zeros(1, H, device=device), logits.clone())
+        steps += 1
+    assert ends >= 1 and steps > 6
+    assert all(a.sampled == b.sampled for a, b in zip(batched, alone))
+    assert len({tuple(g.sampled) for g in batched}) == n        # the rows really differ
+    with pytest.raises(InputError, match="past its last chunk"):
+        G.draw_many(batched[:1])
+
+
+def test_penalize_rows_equals_the_penalty_row_by_row():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 40)
+    rows = [[3, 7, 11], [], [0], [39, 1]]
+    got = logits.clone()
+    G._penalize_rows(got, rows, 1.7)
+    for i, r in enumerate(rows):
+        want = logits[i:i + 1].clone()
+        G._penalize(want, torch.tensor(r, dtype=torch.long), 1.7)
+        assert torch.equal(got[i:i + 1], want)
+    assert not torch.equal(got, logits)

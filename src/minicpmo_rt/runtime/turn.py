@@ -138,6 +138,9 @@ class TurnPipeline:
         # Opt-in until measured on the GPU: each request enters the Talker when its text is done, and the
         # Talker steps between the Thinker's (``codec_rounds``), instead of after every request's text.
         self.overlap_stages = overlap_stages
+        # think_rows draws every row's token in one batch (thinker.generate.draw_many, one wait on the device
+        # per step); False draws row by row as ``think`` does (the same tokens; for benchmarks' before form)
+        self.batched_draws = True
         self.sampling = sampling or SamplingConfig()
         self.builder = PromptBuilder(tokenizer)
         self.forbidden = forbidden_token_ids(tokenizer)  # upstream masks these while speaking
@@ -254,11 +257,11 @@ class TurnPipeline:
         """``think`` for several requests at once on the rows of ``self.rows`` (a ``StaticRows``): each
         request's prompt is prefilled alone into a free row (the decoder's prefill), then every decode step
         feeds all live rows in one forward (a CUDA graph on CUDA), each row drawing its own token (its
-        sampling, seed and repetition history, as ``think``). A request takes a row as soon as one is free.
+        sampling, seed and repetition history, as ``think``; all rows' draws in one batch). A request takes a row as soon as one is free.
         Yields (request id, the ThinkerSteps of one generation chunk, whether the request's text is done),
         requests interleaved, and ``TICK`` after each decode step (for a caller that interleaves other
         work per step)."""
-        from ..thinker.generate import Generation, GenerationChunk
+        from ..thinker.generate import Generation, GenerationChunk, draw_many
 
         rows, th = self.rows, self.thinker
         waiting = list(requests)
@@ -285,8 +288,10 @@ class TurnPipeline:
                                                       generator=gen),
                                       _Steps(req.request_id, self.tokenizer, len(piece)), len(piece), view]
                 feeds: dict[int, tuple[int, int]] = {}
-                for row, (req, gen, steps, position, _) in list(live.items()):
-                    tok = gen.draw()
+                entries = list(live.items())
+                drawn = draw_many([e[1] for _, e in entries]) if self.batched_draws else \
+                    [e[1].draw() for _, e in entries]
+                for (row, (req, gen, steps, position, _)), tok in zip(entries, drawn):
                     if isinstance(tok, GenerationChunk):
                         rows.release(live.pop(row)[4])
                         yield req.request_id, steps(tok), True

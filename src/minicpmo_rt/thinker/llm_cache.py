@@ -167,7 +167,7 @@ class StaticRows:
         session)."""
         logits, hidden = self._forward(feeds)
         rows = list(feeds)
-        pick = torch.tensor(rows, device=hidden.device)
+        pick = torch.tensor(rows).to(hidden.device, non_blocking=True)     # no wait on the device
         hidden = hidden.index_select(0, pick)            # a copy: the graph's outputs change at its next replay
         head = self.thinker.llm.lm_head
         if logits is not None and self.big.lm_head is head:
@@ -185,7 +185,8 @@ class StaticRows:
             if not 0 <= position < self.capacity:
                 raise InputError(f"static rows: position {position} is outside the {self.capacity} rows of a session")
             tokens[row], pos[row] = token, position
-        tokens, pos = tokens.to(big.device), pos.to(big.device)
+        # non_blocking: a pageable upload is staged before the call returns, without waiting for the device
+        tokens, pos = tokens.to(big.device, non_blocking=True), pos.to(big.device, non_blocking=True)
         if self.graphs:
             return big.decode_graph(tokens, pos)
         return None, big.step(big.embed(tokens)[:, None], pos[:, None], self.capacity + 1)[:, 0]
