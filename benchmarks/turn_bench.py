@@ -17,7 +17,10 @@ the pipeline side by side in one process:
   every live request; a request takes a row as soon as one frees), each row drawing its token on its own
   (``Generation.draw``: three waits on the device per row and step);
 - ``batched-draws``: that, and every row's token drawn in one batch (``thinker.generate.draw_many``: the
-  same tokens, one wait on the device per step). The pipeline's default now.
+  same tokens, one wait on the device per step);
+- ``batched-prefill``: that, and the prompts admitted together prefilled in one forward, in the Thinker's
+  rows (``StaticRows.prefill_many``) and in the Talker's slots (``TalkerEngine._prefill_many``), instead of
+  one forward per request. The pipeline's default now.
 - ``overlap`` (opt-in, ``overlap_stages``): that, and each request entering the Talker as soon as its text is
   done, the Talker stepping once per Thinker decode step meanwhile (not yet measured on the GPU: session 44
   ran out of device time). With equal answers it can only help where N exceeds the Thinker's rows.
@@ -60,8 +63,8 @@ from duplex_bench import build, sync
 
 PROFILES = ("minicpmo_4_5_turn_mrv2", "minicpmo_4_5_turn_mrv2_h200")
 THINKER_LEN = 2048     # positions of the Thinker's static cache per request
-FORMS = ("before", "talker-graphs", "batched", "thinker-rows", "batched-draws", "overlap")
-ROW_FORMS = ("thinker-rows", "batched-draws", "overlap")
+FORMS = ("before", "talker-graphs", "batched", "thinker-rows", "batched-draws", "batched-prefill", "overlap")
+ROW_FORMS = ("thinker-rows", "batched-draws", "batched-prefill", "overlap")
 QUESTIONS = ("What is the weather like today?", "Tell me a short story about a fox.",
              "How do I make a cup of tea?", "Why is the sky blue?")
 
@@ -98,6 +101,8 @@ def pipeline(profile: str, form: str, parts, dev: torch.device, codes: int, shar
     pipe = TurnPipeline(thinker, tok, engine, shared[key], prof, decoder=shared["decoder"], use_graph=cuda,
                         batch_code2wav=form in ("batched",) + ROW_FORMS, rows=rows, overlap_stages=form == "overlap")
     pipe.batched_draws = form != "thinker-rows"
+    # one prefill per request in the Thinker's rows and the Talker's slots up to batched-draws
+    pipe.batched_prefill = engine.batch_prefill = form in ("batched-prefill", "overlap")
     return pipe
 
 
@@ -171,7 +176,9 @@ def write_table(res: dict, path: Path) -> None:
              "step over the shortest key bucket from CUDA graphs; `batched`: that, and each step's chunks in one "
              "`push_many`; `thinker-rows`: that, and the Thinker decoding up to the Talker's capacity of requests "
              "together on one static decoder's rows, each row drawing its token alone; `batched-draws`: that, and every "
-             "row's token drawn in one batch (the default now); `overlap`: that, and each request entering "
+             "row's token drawn in one batch; `batched-prefill`: that, and the prompts admitted together prefilled in "
+             "one forward in the Thinker's rows and the Talker's slots (the default now); `overlap`: that, and each "
+             "request entering "
              "the Talker as soon as its text is done (opt-in).", "",
              "| profile | capacity / KV | N | form | wall ms | TTFA first / median / last ms | audio s | x real time "
              "| Thinker ms | Talker ms | Code2Wav ms | x before |",

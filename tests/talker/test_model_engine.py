@@ -165,3 +165,34 @@ def test_decode_steps_attend_over_the_shortest_bucket_and_change_no_code(tts):
     # "a" has 6 text rows + 2 and 150 codes: 128 keys until its position passes 127, then 256
     assert spans[0] == 128 and spans[-1] == 256 and spans == sorted(spans)
     assert spans.count(128) == 128 - 8 and eng.max_len == 2048     # 4 MiB over 2 slots of 1 KiB per position
+
+
+def test_requests_admitted_together_prefill_in_one_forward_as_each_alone(tts):
+    """Requests admitted on the same step are prefilled together (consecutive slots in one right-padded
+    forward): each slot's K/V over its conditioning and its last hidden equal a prefill alone (fp32
+    rounding), slots 0 and 2-3 make two runs, and three requests of different lengths admitted together
+    emit the codes each emits alone."""
+    eng = TalkerEngine(tts, capacity=4, kv_budget_bytes=1 << 22, window=25, first_window=10)
+    torch.manual_seed(4)
+    H = tts.cfg.hidden_size
+    conds = [torch.randn(n, H) for n in (6, 3, 9)]
+    calls = []
+    layers = eng._layers
+    eng._layers = lambda x, *a: (calls.append(tuple(x.shape[:2])), layers(x, *a))[1]
+    last = eng._prefill_many([2, 0, 3], conds)
+    assert sorted(calls) == [(1, 3), (2, 9)]
+    alone = TalkerEngine(tts, capacity=1, kv_budget_bytes=1 << 22, window=25, first_window=10)
+    for j, slot in enumerate([2, 0, 3]):
+        n = conds[j].shape[0]
+        h = alone._prefill(0, conds[j])
+        assert rel_err(last[j], h[-1]) <= 1e-5
+        assert rel_err(eng.k_cache[:, slot, :, :n], alone.k_cache[:, 0, :, :n]) <= 1e-5
+        assert rel_err(eng.v_cache[:, slot, :, :n], alone.v_cache[:, 0, :, :n]) <= 1e-5
+
+    params = SamplingParams(min_codes=5, max_codes=40)
+    reqs = lambda: [_request("a", n=4, seed=1), _request("b", n=9, seed=2), _request("c", n=6, seed=3)]  # noqa: E731
+    together = TalkerEngine(tts, capacity=3, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+    got = together.run(reqs())
+    for req in reqs():
+        one = TalkerEngine(tts, capacity=1, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+        assert [c.codes for c in one.run([req])[req.request_id]] == [c.codes for c in got[req.request_id]]

@@ -408,3 +408,43 @@ def test_static_rows_feed_several_sessions_in_one_step(thinker, tok, kernels):
     for s in shared + alone:
         s.close()
     assert len(rows._free) == 2
+
+
+def test_static_rows_prefill_many_equals_each_prompt_alone(thinker, monkeypatch):
+    """Four prompts of different lengths into rows 0, 1, 3 and 2 (acquired out of order: two runs of
+    consecutive rows after sorting, one forward each, right-padded): each row's K/V over its prompt and its
+    last hidden equal a prompt prefilled alone into a fresh decoder (fp32 rounding), and a live row outside
+    the runs keeps its cache bit for bit."""
+    from minicpmo_rt.thinker.decode import StaticDecoder
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+
+    torch.manual_seed(3)
+    H = thinker.llm.config.hidden_size
+    rows = StaticRows(thinker, 5, 64, kernels="torch", graphs=False)
+    views = [rows.acquire(64) for _ in range(5)]            # rows 0..4
+    rows.big.k_cache[:, 4].normal_()                        # row 4: a live request's cache
+    kept = rows.big.k_cache[:, 4].clone()
+    lens = {0: 7, 1: 12, 3: 3, 2: 9}
+    order = [0, 3, 1, 2]
+    prompts = [torch.randn(lens[r], H) for r in order]
+    calls = []
+    prefill = StaticDecoder.prefill
+    monkeypatch.setattr(StaticDecoder, "prefill", lambda self, x, start: (
+        calls.append((self.row, self.batch, x.shape[1])), prefill(self, x, start))[1])
+    last = rows.prefill_many([views[r] for r in order], prompts)
+    assert sorted(calls) == [(0, 4, 12)]           # rows 0-3 are one run once sorted
+    assert last.shape == (4, H)
+    for j, r in enumerate(order):
+        alone = StaticDecoder(thinker.llm, 64, kernels="torch")
+        h = prefill(alone, prompts[j][None], 0)[0]
+        n = lens[r]
+        assert rel_err(last[j], h[-1]) <= 1e-5
+        assert rel_err(rows.big.k_cache[:, r, :, :n], alone.k_cache[:, 0, :, :n]) <= 1e-5
+        assert rel_err(rows.big.v_cache[:, r, :, :n], alone.v_cache[:, 0, :, :n]) <= 1e-5
+    assert torch.equal(rows.big.k_cache[:, 4], kept)
+    # rows 0 and 2 only: two runs
+    calls.clear()
+    rows.prefill_many([views[2], views[0]], [prompts[3], prompts[0]])
+    assert sorted(calls) == [(0, 1, 7), (2, 1, 9)]
+    with pytest.raises(ValueError, match="2 rows for 1 prompts"):
+        rows.prefill_many(views[:2], prompts[:1])

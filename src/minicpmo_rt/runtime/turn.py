@@ -141,6 +141,8 @@ class TurnPipeline:
         # think_rows draws every row's token in one batch (thinker.generate.draw_many, one wait on the device
         # per step); False draws row by row as ``think`` does (the same tokens; for benchmarks' before form)
         self.batched_draws = True
+        # ... and prefills the prompts admitted together in one forward (False: one at a time, as before)
+        self.batched_prefill = True
         self.sampling = sampling or SamplingConfig()
         self.builder = PromptBuilder(tokenizer)
         self.forbidden = forbidden_token_ids(tokenizer)  # upstream masks these while speaking
@@ -255,9 +257,10 @@ class TurnPipeline:
     @torch.no_grad()
     def think_rows(self, requests: Sequence[TurnRequest]) -> Iterator[tuple[str | None, list[ThinkerStep], bool]]:
         """``think`` for several requests at once on the rows of ``self.rows`` (a ``StaticRows``): each
-        request's prompt is prefilled alone into a free row (the decoder's prefill), then every decode step
-        feeds all live rows in one forward (a CUDA graph on CUDA), each row drawing its own token (its
-        sampling, seed and repetition history, as ``think``; all rows' draws in one batch). A request takes a row as soon as one is free.
+        request's prompt is prefilled into a free row (the prompts admitted together in one forward per run
+        of consecutive rows, ``StaticRows.prefill_many``), then every decode step feeds all live rows in one
+        forward (a CUDA graph on CUDA), each row drawing its own token (its sampling, seed and repetition
+        history, as ``think``; all rows' draws in one batch). A request takes a row as soon as one is free.
         Yields (request id, the ThinkerSteps of one generation chunk, whether the request's text is done),
         requests interleaved, and ``TICK`` after each decode step (for a caller that interleaves other
         work per step)."""
@@ -268,24 +271,31 @@ class TurnPipeline:
         live: dict[int, list] = {}      # row -> [request, Generation, _Steps, next position, row view]
         try:
             while waiting or live:
-                while waiting and len(live) < rows.batch:
-                    req = waiting.pop(0)
-                    # the prompt goes straight into the row through the decoder's own kernels (no
-                    # DynamicCache forward and copy: the eager transformers prefill was most of a
-                    # request's Thinker time once the decode steps were shared)
-                    piece = turn_prompt(self.builder, req.messages)
-                    sampling = self._sampling(req)
-                    self._fits(req, len(piece), sampling, rows.capacity)
-                    view = rows.acquire(rows.capacity)
-                    try:
-                        hidden = view.prefill(th.embed_tokens(piece.ids)[None], 0)
-                        logits = th.llm.lm_head(hidden[:, -1]).float()
-                    except BaseException:
-                        rows.release(view)
-                        raise
+                admitted: list[tuple] = []      # (request, prompt, sampling, row view)
+                try:
+                    while waiting and len(live) + len(admitted) < rows.batch:
+                        req = waiting.pop(0)
+                        piece = turn_prompt(self.builder, req.messages)
+                        sampling = self._sampling(req)
+                        self._fits(req, len(piece), sampling, rows.capacity)
+                        admitted.append((req, piece, sampling, rows.acquire(rows.capacity)))
+                    if admitted:
+                        # the prompts go straight into their rows through the decoder's own kernels, those of
+                        # consecutive rows in one forward (one prompt at a time, each read the weights and
+                        # launched every layer's kernels again: ~12 ms a request on the H200, most of the
+                        # Thinker's time once the decode steps were shared)
+                        views, prompts = [a[3] for a in admitted], [th.embed_tokens(a[1].ids) for a in admitted]
+                        hidden = rows.prefill_many(views, prompts) if self.batched_prefill else \
+                            torch.cat([rows.prefill_many([v], [x]) for v, x in zip(views, prompts)])
+                        logits = th.llm.lm_head(hidden).float()
+                except BaseException:
+                    for a in admitted:
+                        rows.release(a[3])
+                    raise
+                for j, (req, piece, sampling, view) in enumerate(admitted):
                     gen = torch.Generator(device=logits.device).manual_seed(req.seed)
-                    live[view.row] = [req, Generation(th.llm, logits, sampling, forbidden_ids=self.forbidden,
-                                                      generator=gen),
+                    live[view.row] = [req, Generation(th.llm, logits[j:j + 1], sampling,
+                                                      forbidden_ids=self.forbidden, generator=gen),
                                       _Steps(req.request_id, self.tokenizer, len(piece)), len(piece), view]
                 feeds: dict[int, tuple[int, int]] = {}
                 entries = list(live.items())

@@ -89,11 +89,15 @@ class StaticDecoder(nn.Module):
     def row_view(self, row: int) -> "StaticDecoder":
         """A batch-1 decoder on row ``row`` of this one's cache (same weights, the cache a view, graphs of
         its own): a session prefills its own row, and a step of this decoder feeds every row at once."""
-        if not 0 <= row < self.batch:
-            raise ValueError(f"row_view: row {row} of a {self.batch}-row decoder")
+        return self.rows_view(row, 1)
+
+    def rows_view(self, start: int, n: int) -> "StaticDecoder":
+        """``row_view`` over ``n`` consecutive rows from ``start`` (several prompts prefilled in one forward)."""
+        if n < 1 or not 0 <= start or start + n > self.batch:
+            raise ValueError(f"rows_view: rows [{start}, {start + n}) of a {self.batch}-row decoder")
         view = copy.copy(self)     # a shallow copy: weights, tables and modules are shared
-        view.batch, view.row = 1, row
-        view.k_cache, view.v_cache = self.k_cache[:, row:row + 1], self.v_cache[:, row:row + 1]
+        view.batch, view.row = n, start
+        view.k_cache, view.v_cache = self.k_cache[:, start:start + n], self.v_cache[:, start:start + n]
         view._prefill_graphs, view._graphs = {}, {}
         return view
 
