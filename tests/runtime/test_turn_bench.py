@@ -21,11 +21,12 @@ def _run(*args):
 
 def test_smoke_run_writes_the_forms_asked_for_and_the_table(tmp_path):
     run = _run(tmp_path, "--tiny", "--profiles", "minicpmo_4_5_turn_mrv2", "--requests", "2", "--tokens", "3",
-               "--codes", "26", "--forms", "overlap", "--cprofile", "overlap")
+               "--codes", "26", "--forms", "overlap", "--cprofile", "overlap", "--repeat", "2")
     assert run.returncode == 0, run.stderr
     res = json.loads((tmp_path / "turn_bench.json").read_text())
     assert [r["form"] for r in res["rows"]] == ["overlap"]
     for r in res["rows"]:
+        assert len(r["wall_ms_runs"]) == 2 and r["wall_ms"] == max(r["wall_ms_runs"])    # median of 2: the upper
         assert r["n"] == 2 and r["capacity"] == 8 and abs(r["audio_s"] - 2 * 26 * 0.04) < 1e-9
         assert 0 < r["ttfa_ms_first"] <= r["ttfa_ms_last"] < r["wall_ms"]
         assert r["talker_ms"] > 0 and r["code2wav_ms"] > 0 and r["thinker_ms"] > 0

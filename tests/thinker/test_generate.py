@@ -277,3 +277,20 @@ def test_penalize_rows_equals_the_penalty_row_by_row():
         G._penalize(want, torch.tensor(r, dtype=torch.long), 1.7)
         assert torch.equal(got[i:i + 1], want)
     assert not torch.equal(got, logits)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_exponential_noise_draws_what_torch_multinomial_draws(device):
+    """``argmax(p / exponential_noise(p, gens))`` is the sample ``torch.multinomial(p[i:i+1], 1, generator=
+    gens[i])`` takes, row by row, on peaked and flat rows alike (the sampler relies on it to keep the random
+    stream of ``torch.multinomial`` without its waiting check); a PyTorch that changes its sampler fails here."""
+    torch.manual_seed(5)
+    V, n = 3000, 6
+    for trial in range(20):
+        probs = torch.softmax(torch.randn(n, V, device=device) * (0.5 + trial), dim=-1)
+        seeds = [1000 * trial + i for i in range(n)]
+        noise = G.exponential_noise(probs, [torch.Generator(device=device).manual_seed(s) for s in seeds])
+        got = torch.argmax(probs / noise, dim=-1).tolist()
+        want = [int(torch.multinomial(probs[i:i + 1], 1, generator=torch.Generator(device=device).manual_seed(s)))
+                for i, s in enumerate(seeds)]
+        assert got == want

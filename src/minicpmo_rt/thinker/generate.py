@@ -9,7 +9,8 @@ assistant bos ``...<|tts_bos|>``) and passes the cache plus the logits at its la
 Sampling per step, in upstream's order: float32 logits -> forbidden ids to -inf (when
 speaking) -> repetition penalty over the ids generated so far (previous chunks' last 128 plus
 the current chunk) -> length penalty on the terminators -> temperature -> top-k -> top-p ->
-multinomial (or argmax when greedy). Chunks are 11 samples for the first and 10 after, which
+multinomial (or argmax when greedy; the multinomial is drawn as PyTorch draws one sample, without its
+waiting validity check: ``exponential_noise``). Chunks are 11 samples for the first and 10 after, which
 only matters for the repetition window.
 """
 
@@ -91,8 +92,8 @@ def _penalize(logits: torch.Tensor, ids: torch.Tensor, penalty: float) -> None:
     """Upstream's repetition-style penalty on columns ``ids`` (distinct) of every row, in place."""
     if penalty == 1.0 or ids.numel() == 0:
         return
-    vals = logits[:, ids]
-    logits[:, ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    vals = logits.index_select(1, ids)
+    logits.index_copy_(1, ids, torch.where(vals > 0, vals / penalty, vals * penalty))
 
 
 def _penalize_rows(logits: torch.Tensor, rows: Sequence[Sequence[int]], penalty: float) -> None:
@@ -117,7 +118,7 @@ def process_logits(logits: torch.Tensor, history: torch.Tensor, cfg: SamplingCon
     """Upstream's logits pipeline on [1, V] float32 (modified in place); returns the logits that
     are argmax-ed (greedy) or soft-maxed and sampled."""
     if forbidden is not None and forbidden.numel():
-        logits[:, forbidden] = float("-inf")
+        logits.index_fill_(1, forbidden, float("-inf"))    # (an indexed assignment of a number may wait)
     _penalize(logits, torch.unique(history), cfg.repetition_penalty)
     _penalize(logits, terminators, cfg.length_penalty)
     return _warp(logits, cfg)
@@ -128,7 +129,7 @@ def process_logits_rows(logits: torch.Tensor, histories: Sequence[Sequence[int]]
     """``process_logits`` on every row of [n, V] float32 at once, row i penalised over ``histories[i]``
     (distinct ids). Every operation is row-wise, so each row comes out as ``process_logits`` gives it alone."""
     if forbidden is not None and forbidden.numel():
-        logits[:, forbidden] = float("-inf")
+        logits.index_fill_(1, forbidden, float("-inf"))    # (an indexed assignment of a number may wait)
     _penalize_rows(logits, histories, cfg.repetition_penalty)
     _penalize(logits, terminators, cfg.length_penalty)
     return _warp(logits, cfg)
@@ -168,7 +169,20 @@ def sample_next(logits: torch.Tensor, history: torch.Tensor, cfg: SamplingConfig
     logits = process_logits(logits, history, cfg, terminators, forbidden)
     if cfg.greedy:
         return int(torch.argmax(logits, dim=-1))
-    return int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator))
+    probs = F.softmax(logits, dim=-1)
+    return int(torch.argmax(probs / exponential_noise(probs, [generator]), dim=-1))
+
+
+def exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Exp(1) noise shaped like ``probs`` [n, V], row i drawn from ``generators[i]``: ``argmax(probs / noise)``
+    is the token ``torch.multinomial(probs[i:i+1], 1, generator=generators[i])`` draws. That is PyTorch's own
+    one-sample path (the Gumbel-max trick in exponential form), but multinomial first checks the probabilities
+    with a read-back that waits on the device, once per row and step; the draw here never waits.
+    ``test_generate`` holds the two equal, so a PyTorch that changes its sampler fails there, not silently."""
+    noise = torch.empty_like(probs)
+    for i, g in enumerate(generators):
+        noise[i:i + 1].exponential_(1, generator=g)
+    return noise
 
 
 class DynamicStepper:
@@ -302,7 +316,7 @@ class Generation:
 @torch.no_grad()
 def draw_many(gens: Sequence[Generation]) -> list["int | GenerationChunk"]:
     """``Generation.draw`` for several sequences at once, with what ``draw`` would give each alone: the
-    logits pipeline runs once on the stacked rows of each group of equal settings, every row's multinomial
+    logits pipeline runs once on the stacked rows of each group of equal settings, every row's sample
     draws from its own generator (the same random stream as ``draw``), and the tokens reach the host in one
     transfer. ``draw`` waits on the device three times per sequence (its history upload, ``unique``, the
     token), which at 16 rows a step cost more than the batched decode step itself."""
@@ -320,12 +334,10 @@ def draw_many(gens: Sequence[Generation]) -> list["int | GenerationChunk"]:
         logits = torch.cat([gens[i].logits for i in idx])      # a copy: the pipeline edits it in place
         logits = process_logits_rows(logits, [sorted(set(gens[i].history())) for i in idx], cfg, first.term,
                                      first.forb)
-        if cfg.greedy:
-            picked.append(torch.argmax(logits, dim=-1))
-        else:
+        if not cfg.greedy:
             probs = F.softmax(logits, dim=-1)
-            picked += [torch.multinomial(probs[j:j + 1], 1, generator=gens[i].generator)[0]
-                       for j, i in enumerate(idx)]
+            logits = probs / exponential_noise(probs, [gens[i].generator for i in idx])
+        picked.append(torch.argmax(logits, dim=-1))
         order += idx
     toks = torch.cat(picked).tolist() if picked else []
     out: list = [None] * len(gens)
