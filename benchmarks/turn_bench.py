@@ -20,7 +20,11 @@ the pipeline side by side in one process:
   same tokens, one wait on the device per step);
 - ``batched-prefill``: that, and the prompts admitted together prefilled in one forward, in the Thinker's
   rows (``StaticRows.prefill_many``) and in the Talker's slots (``TalkerEngine._prefill_many``), instead of
-  one forward per request. The pipeline's default now.
+  one forward per request;
+- ``talker-kernels``: that, and the Talker's decode step through the Thinker's fused Triton kernels (packed
+  QKV and gate/up GEMMs, fused residual + RMSNorm, RoPE + cache write, split-KV attention at each slot's
+  device-side position: about ten launches a layer instead of ~35, one graph for every position). The
+  pipeline's default now.
 - ``overlap`` (opt-in, ``overlap_stages``): that, and each request entering the Talker as soon as its text is
   done, the Talker stepping once per Thinker decode step meanwhile (not yet measured on the GPU: session 44
   ran out of device time). With equal answers it can only help where N exceeds the Thinker's rows.
@@ -63,8 +67,9 @@ from duplex_bench import build, sync
 
 PROFILES = ("minicpmo_4_5_turn_mrv2", "minicpmo_4_5_turn_mrv2_h200")
 THINKER_LEN = 2048     # positions of the Thinker's static cache per request
-FORMS = ("before", "talker-graphs", "batched", "thinker-rows", "batched-draws", "batched-prefill", "overlap")
-ROW_FORMS = ("thinker-rows", "batched-draws", "batched-prefill", "overlap")
+FORMS = ("before", "talker-graphs", "batched", "thinker-rows", "batched-draws", "batched-prefill", "talker-kernels",
+         "overlap")
+ROW_FORMS = ("thinker-rows", "batched-draws", "batched-prefill", "talker-kernels", "overlap")
 QUESTIONS = ("What is the weather like today?", "Tell me a short story about a fox.",
              "How do I make a cup of tea?", "Why is the sky blue?")
 
@@ -75,9 +80,10 @@ def pipeline(profile: str, form: str, parts, dev: torch.device, codes: int, shar
     thinker, tok, tts, flow, gen, feats = parts
     prof = load_profile(profile)
     cuda = dev.type == "cuda"
+    fused = form in ("talker-kernels", "overlap")      # the Talker's fused decode step ("auto": on CUDA)
     engine = TalkerEngine(tts, prof.talker.capacity, prof.talker.kv_cache_bytes,
                           SamplingParams(min_codes=codes, max_codes=codes), prof.talker.window,
-                          prof.talker.first_window)
+                          prof.talker.first_window, kernels="auto" if fused else "torch")
     if form == "before":
         engine.buckets = (engine.max_len,)      # every step over the whole cache, as before the buckets
     elif cuda:
@@ -102,7 +108,7 @@ def pipeline(profile: str, form: str, parts, dev: torch.device, codes: int, shar
                         batch_code2wav=form in ("batched",) + ROW_FORMS, rows=rows, overlap_stages=form == "overlap")
     pipe.batched_draws = form != "thinker-rows"
     # one prefill per request in the Thinker's rows and the Talker's slots up to batched-draws
-    pipe.batched_prefill = engine.batch_prefill = form in ("batched-prefill", "overlap")
+    pipe.batched_prefill = engine.batch_prefill = form in ("batched-prefill", "talker-kernels", "overlap")
     return pipe
 
 
@@ -178,7 +184,8 @@ def write_table(res: dict, path: Path) -> None:
              "`push_many`; `thinker-rows`: that, and the Thinker decoding up to the Talker's capacity of requests "
              "together on one static decoder's rows, each row drawing its token alone; `batched-draws`: that, and every "
              "row's token drawn in one batch; `batched-prefill`: that, and the prompts admitted together prefilled in "
-             "one forward in the Thinker's rows and the Talker's slots (the default now); `overlap`: that, and each "
+             "one forward in the Thinker's rows and the Talker's slots; `talker-kernels`: that, and the Talker's decode "
+             "step through fused Triton kernels (the default now); `overlap`: that, and each "
              "request entering "
              "the Talker as soon as its text is done (opt-in).", "",
              "| profile | capacity / KV | N | form | wall ms | TTFA first / median / last ms | audio s | x real time "

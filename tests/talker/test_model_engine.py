@@ -4,10 +4,11 @@ import torch
 from minicpmo_rt.checkpoint.config import MiniCPMOConfig
 from minicpmo_rt.checkpoint.tiny import randomize_, reference_config, tiny_config
 from minicpmo_rt.snapshot_tools import check_manifest
-from minicpmo_rt.talker.engine import SILENCE_CODE, TalkerEngine, TalkerRequest
+from minicpmo_rt.talker.engine import SILENCE_CODE, TalkerEngine, TalkerRequest, kv_bytes_per_token
 from minicpmo_rt.talker.model import MiniCPMTTS
 from minicpmo_rt.talker.sampler import SamplingParams
 from minicpmo_rt.errors import InputError
+from minicpmo_rt.thinker import kernels as K
 from tests.conftest import rel_err
 
 
@@ -117,20 +118,24 @@ def test_graph_decode_needs_cuda_and_an_idle_engine(tts):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graph_decode_emits_the_eager_engines_chunks(tts):
-    """The turn pipeline replays the Talker's decode step from CUDA graphs, one per key bucket
-    (``TurnPipeline.from_snapshot`` on CUDA): the same requests give the same chunks as the eager engine
-    (the sampler's counter-based RNG lives in device tensors the graphs update)."""
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_graph_decode_emits_the_eager_engines_chunks(tts, kernels):
+    """The turn pipeline replays the Talker's decode step from CUDA graphs (``TurnPipeline.from_snapshot``
+    on CUDA), one per key bucket with the torch step, one for every position with the fused one: the same
+    requests give the same chunks as the eager engine (the sampler's counter-based RNG lives in device
+    tensors the graphs update)."""
     dev_tts = MiniCPMTTS(tts.cfg)
     dev_tts.load_state_dict(tts.state_dict())
     dev_tts = dev_tts.cuda().eval()
     params = SamplingParams(min_codes=10**6, max_codes=150)     # "a" passes 128 keys: two buckets replay
     reqs = lambda: [_request("a", seed=7, max_codes=150), _request("b", seed=8, max_codes=33),  # noqa: E731
                     _request("c", seed=9, max_codes=12)]
-    eager = TalkerEngine(dev_tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
-    graphed = TalkerEngine(dev_tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+    eager = TalkerEngine(dev_tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10,
+                         kernels=kernels)
+    graphed = TalkerEngine(dev_tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10,
+                           kernels=kernels)
     graphed.capture_cuda_graph()
-    assert sorted(graphed._graphs) == list(graphed.buckets)
+    assert sorted(graphed._graphs) == (list(graphed.buckets) if kernels == "torch" else [graphed.max_len])
     want, got = eager.run(reqs()), graphed.run(reqs())
     assert sum(len(c.codes) - 3 for c in got["a"]) == 150
     assert {k: [c.codes for c in v] for k, v in got.items()} == {k: [c.codes for c in v] for k, v in want.items()}
@@ -196,3 +201,69 @@ def test_requests_admitted_together_prefill_in_one_forward_as_each_alone(tts):
     for req in reqs():
         one = TalkerEngine(tts, capacity=1, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
         assert [c.codes for c in one.run([req])[req.request_id]] == [c.codes for c in got[req.request_id]]
+
+
+@pytest.mark.skipif(not K.usable_on(torch.empty(0)), reason="the Triton kernels on the CPU need TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+def test_fused_decode_step_equals_the_reference_step(tts):
+    """The Triton decode step (packed GEMMs, fused norms, RoPE + cache write, split-KV attention at each
+    slot's device-side position; run here through Triton's interpreter) against transformers' Llama modules
+    over a key bucket: three slots at different positions, one finishing early; every step's logits and
+    the written K/V within fp32 rounding, and the same codes."""
+    params = SamplingParams(min_codes=2)       # (the interpreter takes ~0.5 s a step)
+    budget = 3 * 256 * kv_bytes_per_token(tts, torch.float32)
+    fused = TalkerEngine(tts, 3, budget, params, window=2, first_window=2, kernels="triton")
+    plain = TalkerEngine(tts, 3, budget, params, window=2, first_window=2, kernels="torch")
+    assert fused.kernels == "triton" and plain.kernels == "torch" and fused.max_len == 256
+    reqs = lambda: [_request("a", n=7, seed=1, max_codes=8), _request("b", n=3, seed=2, max_codes=3),  # noqa: E731
+                    _request("c", n=11, seed=3, max_codes=8)]
+    for eng in (fused, plain):
+        for r in reqs():
+            eng.submit(r)
+    got = {r.request_id: [] for r in reqs()}
+    want = {r.request_id: [] for r in reqs()}
+    steps = 0
+    while fused.slots or fused.pending or plain.slots or plain.pending:
+        for ch in fused.step():
+            got[ch.request_id].append(ch.codes)
+        for ch in plain.step():
+            want[ch.request_id].append(ch.codes)
+        steps += 1
+        assert rel_err(fused.first_logits, plain.first_logits) <= 1e-5, steps
+    assert got == want and steps >= 8 and len(got["b"]) < len(got["a"])
+    n = int(plain.pos.max())
+    assert rel_err(fused.k_cache[:, :, :, :n], plain.k_cache[:, :, :, :n]) <= 1e-5
+    with pytest.raises(InputError, match="kernels='fast'"):
+        TalkerEngine(tts, 1, budget, kernels="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cuda_fused_decode_step_equals_the_reference_step(tts, dtype, tol):
+    """On CUDA (``"auto"`` picks the fused step there), the compiled kernels against the torch step: every
+    step's logits within the precision's rounding (fp32 1e-5; bf16 2e-2, a few bf16 roundings that RoPE and
+    the norms take in another order), the same codes in fp32, and the first step's in bf16."""
+    dev_tts = MiniCPMTTS(tts.cfg)
+    dev_tts.load_state_dict(tts.state_dict())
+    dev_tts = dev_tts.to("cuda", dtype).eval()
+    params = SamplingParams(min_codes=10**6, max_codes=40)
+    budget = 3 * 512 * kv_bytes_per_token(dev_tts, dtype)
+    fused = TalkerEngine(dev_tts, 3, budget, params, window=10, first_window=5)
+    plain = TalkerEngine(dev_tts, 3, budget, params, window=10, first_window=5, kernels="torch")
+    assert fused.kernels == "triton"
+    reqs = lambda: [_request("a", n=7, seed=1, max_codes=40), _request("b", n=3, seed=2, max_codes=9),  # noqa: E731
+                    _request("c", n=11, seed=3, max_codes=40)]
+    for eng in (fused, plain):
+        for r in reqs():
+            eng.submit(r)
+        eng._admit()
+    worst = 0.0
+    for step in range(40):
+        if dtype == torch.bfloat16 and step == 1:
+            break                   # sampled codes may part after the first bf16 step; the logits were compared
+        fused.step()
+        plain.step()
+        worst = max(worst, rel_err(fused.first_logits, plain.first_logits))
+    assert worst <= tol, worst
+    if dtype == torch.float32:
+        assert torch.equal(fused.codes, plain.codes)

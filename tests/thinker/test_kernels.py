@@ -68,6 +68,13 @@ def test_qk_norm_rope_cache_write_and_attention():
         assert rel_err(K.attention(q, kc, vc, pos, split=split), ref) <= 1e-5, split
     q1, p1 = q[:, -1:].contiguous(), pos[:, -1:]
     assert rel_err(K.attention(q1, kc, vc, p1), K.attention_torch(q1, kc, vc, p1)) <= 1e-5
+    # without the per-head norm (Llama, the Talker): RoPE and the cache write only, and the norm weights matter
+    # above
+    q = K.qk_norm_rope_cache(qkv, None, None, cos, sin, pos, kc, vc, H, KV, 1e-6)
+    rq = K.qk_norm_rope_cache_torch(qkv, None, None, cos, sin, pos, rk, rv, H, KV, 1e-6)
+    assert rel_err(q, rq) <= 1e-6 and rel_err(kc, rk) <= 1e-6 and torch.equal(vc, rv)
+    assert rel_err(q, K.qk_norm_rope_cache_torch(qkv, qw, kw, cos, sin, pos, rk.clone(), rv.clone(), H, KV,
+                                                 1e-6)) > 0.1
 
 
 @torch.no_grad()
@@ -110,15 +117,17 @@ bf, i32, c = "*bf16", "i32", "constexpr"
 for res in (True, False):
     build(K._add_rms_norm_kernel, dict(X=bf, D=bf, W=bf, SUM=bf, OUT=bf, N=i32, eps="fp32", HAS_RES=c, BLOCK=c),
           dict(HAS_RES=res, BLOCK=4096))
-build(K._qk_norm_rope_cache_kernel,
-      dict(QKV=bf, QOUT=bf, KC=bf, VC=bf, QW=bf, KW=bf, COS=bf, SIN=bf, POS="*i64", T=i32, s_row=i32, s_qrow=i32,
-           s_cb=i32, s_ch=i32, s_cs=i32, eps="fp32", H=c, KV=c, HALF=c), dict(H=32, KV=8, HALF=64))
-for block_m, split in ((16, 128), (64, 256)):
+for heads, kv, half, norm in ((32, 8, 64, True), (12, 12, 32, False)):     # the Thinker's, the Talker's
+    build(K._qk_norm_rope_cache_kernel,
+          dict(QKV=bf, QOUT=bf, KC=bf, VC=bf, QW=bf, KW=bf, COS=bf, SIN=bf, POS="*i64", T=i32, s_row=i32,
+               s_qrow=i32, s_cb=i32, s_ch=i32, s_cs=i32, eps="fp32", H=c, KV=c, HALF=c, NORM=c),
+          dict(H=heads, KV=kv, HALF=half, NORM=norm))
+for block_m, split, g, kv, hd in ((16, 128, 4, 8, 128), (64, 256, 4, 8, 128), (16, 128, 1, 12, 64)):
     k = build(K._attn_split_kernel,
               dict(Q=bf, KC=bf, VC=bf, POS="*i64", OP="*fp32", MP="*fp32", LP="*fp32", T=i32, s_qb=i32, s_qt=i32,
                    s_qh=i32, s_cb=i32, s_ch=i32, s_cs=i32, scale_log2="fp32", G=c, KV=c, HD=c, SPLIT=c, NSPLIT=c,
                    BLOCK_M=c, BLOCK_N=c, PRECISION=c),
-              dict(G=4, KV=8, HD=128, SPLIT=split, NSPLIT=-(-10048 // split), BLOCK_M=block_m, BLOCK_N=64,
+              dict(G=g, KV=kv, HD=hd, SPLIT=split, NSPLIT=-(-10048 // split), BLOCK_M=block_m, BLOCK_N=64,
                    PRECISION="tf32"))
     assert k.metadata.shared <= 228 * 1024, k.metadata.shared  # fits an H100/H200 SM
 build(K._attn_reduce_kernel, dict(OP="*fp32", MP="*fp32", LP="*fp32", O=bf, POS="*i64", H=i32, NSPLIT=c, NS_P2=c,

@@ -78,11 +78,24 @@ class _Slot:
     steps_run: int = 0  # host-side count of decode steps since admission (upper bound of codes)
 
 
+KERNEL_SETS = ("auto", "torch", "triton")
+
+
 class TalkerEngine:
+    """``kernels``: how a decode step computes its layers. ``"torch"``: transformers' Llama modules over a
+    key bucket under a mask (the reference, and every prefill). ``"triton"``: the Thinker's fused kernels
+    (``thinker.kernels``: residual + RMSNorm, RoPE + cache write, split-KV attention off the cache at each
+    row's device-side position, SiLU * up) around packed QKV and gate/up GEMMs, about ten launches a layer
+    instead of ~35; positions are read on the device, so one graph serves every step. ``"auto"``: Triton
+    on CUDA."""
+
     def __init__(self, tts: MiniCPMTTS, capacity: int, kv_budget_bytes: int,
-                 params: SamplingParams = SamplingParams(), window: int = 25, first_window: int | None = None):
+                 params: SamplingParams = SamplingParams(), window: int = 25, first_window: int | None = None,
+                 kernels: str = "auto"):
         if capacity < 1:
             raise InputError(f"talker capacity must be >= 1, got {capacity}")
+        if kernels not in KERNEL_SETS:
+            raise InputError(f"talker kernels={kernels!r}; choose one of {', '.join(KERNEL_SETS)}")
         self.tts = tts.eval()
         p = next(tts.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -111,6 +124,16 @@ class TalkerEngine:
         self.buckets = kv_buckets(self.max_len)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batch_prefill = True     # False: one prefill per admitted request (benchmarks' before forms)
+        from ..thinker import kernels as K
+
+        if kernels == "auto":
+            kernels = "triton" if self.device.type == "cuda" and K.usable_on(self.k_cache) else "torch"
+        elif kernels == "triton" and not K.usable_on(self.k_cache):
+            raise InputError(f"talker kernels='triton' cannot run on {self.device} here (need CUDA, or "
+                             "TRITON_INTERPRET=1 set before import on CPU); use kernels='torch'")
+        self.kernels = kernels
+        if kernels == "triton":
+            self._pack()
 
     # ---- admission -------------------------------------------------------------------------
     def need_tokens(self, req: TalkerRequest) -> int:
@@ -188,6 +211,43 @@ class TalkerEngine:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return model.norm(x)
 
+    def _pack(self) -> None:
+        """The fused step's weights: QKV and gate/up packed into one GEMM each (copies), and the rotary
+        tables of every position from the model's own rotary module (the values its prefill uses)."""
+        model = self.tts.model
+        with torch.no_grad():
+            self.wqkv = [torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight,
+                                    l.self_attn.v_proj.weight]) for l in model.layers]
+            self.w13 = [torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]) for l in model.layers]
+            pos = torch.arange(self.max_len, device=self.device)[None]
+            cos, sin = model.rotary_emb(self.k_cache.new_zeros(1, 1, self.head_dim), pos)
+            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()      # [max_len, D], model dtype
+        if getattr(model.layers[0].mlp, "act_fn", None) is not None and \
+                type(model.layers[0].mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+            raise InputError(f"talker kernels='triton' fuse SiLU; this model's MLP uses "
+                             f"{type(model.layers[0].mlp.act_fn).__name__}: use kernels='torch'")
+
+    def _fused_layers(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``_layers`` for one token per slot (x [B,1,H] at positions pos [B,1], written there) through the
+        fused kernels; attends to each slot's cache rows <= its position."""
+        from ..thinker import kernels as K
+
+        model = self.tts.model
+        layers = model.layers
+        eps = layers[0].input_layernorm.variance_epsilon
+        s, h = K.add_rms_norm(x, None, layers[0].input_layernorm.weight, eps)
+        for li, layer in enumerate(layers):
+            att = layer.self_attn
+            q = K.qk_norm_rope_cache(F.linear(h, self.wqkv[li]), None, None, self.cos, self.sin, pos,
+                                     self.k_cache[li], self.v_cache[li], self.n_heads, self.n_kv, eps)
+            o = K.attention(q, self.k_cache[li], self.v_cache[li], pos)
+            s, h = K.add_rms_norm(s, F.linear(o.flatten(2), att.o_proj.weight), layer.post_attention_layernorm.weight,
+                                  eps)
+            m = K.silu_mul(F.linear(h, self.w13[li]))
+            nxt = layers[li + 1].input_layernorm.weight if li + 1 < len(layers) else model.norm.weight
+            s, h = K.add_rms_norm(s, F.linear(m, layer.mlp.down_proj.weight), nxt, eps)
+        return h
+
     @torch.no_grad()
     def _prefill(self, slot: int, cond: torch.Tensor) -> torch.Tensor:
         n = cond.shape[0]
@@ -240,7 +300,10 @@ class TalkerEngine:
         # Feed the new code to get the next logits (finished rows compute garbage that is never read).
         x = self.tts.embed_codes(codes.clamp_max(self.tts.cfg.num_audio_tokens - 1))[:, None]
         pos = self.pos.clamp_max(self.max_len - 1)
-        hidden = self._layers(x, pos[:, None], slice(0, self.capacity), kv_len, pos[:, None])
+        if self.kernels == "triton":
+            hidden = self._fused_layers(x, pos[:, None])
+        else:
+            hidden = self._layers(x, pos[:, None], slice(0, self.capacity), kv_len, pos[:, None])
         self.first_logits.copy_(self.tts.logits(hidden[:, -1]))
         self.pos.add_((~self.state.finished).long())
         return codes
@@ -255,6 +318,8 @@ class TalkerEngine:
         if self.slots:
             raise InputError("capture the talker decode graph before admitting requests")
         spans = self.buckets if kv_len is None else (min(int(kv_len), self.max_len),)
+        if self.kernels == "triton":      # the fused step reads positions on the device: one graph for all
+            spans = (self.max_len,)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -74,7 +74,7 @@ if AVAILABLE:
     @triton.jit
     def _qk_norm_rope_cache_kernel(QKV, QOUT, KC, VC, QW, KW, COS, SIN, POS, T,
                                    s_row, s_qrow, s_cb, s_ch, s_cs, eps,
-                                   H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr):
+                                   H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)
         b = (row // T).to(tl.int64)
@@ -91,9 +91,13 @@ if AVAILABLE:
                 wp = KW
             f1 = x1.to(tl.float32)
             f2 = x2.to(tl.float32)
-            r = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
-            y1 = ((f1 * r).to(dt) * tl.load(wp + d)).to(tl.float32)
-            y2 = ((f2 * r).to(dt) * tl.load(wp + HALF + d)).to(tl.float32)
+            if NORM:
+                r = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
+                y1 = ((f1 * r).to(dt) * tl.load(wp + d)).to(tl.float32)
+                y2 = ((f2 * r).to(dt) * tl.load(wp + HALF + d)).to(tl.float32)
+            else:       # Llama (the Talker): RoPE straight on the projections
+                y1 = f1
+                y2 = f2
             c1 = tl.load(COS + p * (2 * HALF) + d).to(tl.float32)
             c2 = tl.load(COS + p * (2 * HALF) + HALF + d).to(tl.float32)
             s1 = tl.load(SIN + p * (2 * HALF) + d).to(tl.float32)
@@ -207,13 +211,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def qk_norm_rope_cache_torch(qkv, q_w, k_w, cos, sin, pos, k_cache, v_cache, n_heads: int, n_kv: int,
                              eps: float) -> torch.Tensor:
     """qkv [B,T,(H+2KV)*D] -> q [B,T,H,D] (normed, rotated); K/V written to ``k_cache``/``v_cache``
-    [B,KV,S,D] at rows ``pos`` [B,T]."""
+    [B,KV,S,D] at rows ``pos`` [B,T]. ``q_w``/``k_w`` None: no per-head norm (Llama's attention)."""
     B, T, _ = qkv.shape
     D = k_cache.shape[-1]
     q, k, v = qkv.view(B, T, n_heads + 2 * n_kv, D).split([n_heads, n_kv, n_kv], dim=2)
     c, s = cos[pos][:, :, None], sin[pos][:, :, None]
-    q = rms_norm_torch(q, q_w, eps)
-    k = rms_norm_torch(k, k_w, eps)
+    if q_w is not None:
+        q = rms_norm_torch(q, q_w, eps)
+        k = rms_norm_torch(k, k_w, eps)
     q = q * c + _rotate_half(q) * s
     k = k * c + _rotate_half(k) * s
     bi = torch.arange(B, device=qkv.device)[:, None].expand(B, T)
@@ -253,7 +258,8 @@ def add_rms_norm(x: torch.Tensor, d: torch.Tensor | None, w: torch.Tensor, eps: 
 
 def qk_norm_rope_cache(qkv, q_w, k_w, cos, sin, pos, k_cache, v_cache, n_heads: int, n_kv: int,
                        eps: float) -> torch.Tensor:
-    """The Triton form of ``qk_norm_rope_cache_torch`` (``k_cache``/``v_cache`` row-contiguous)."""
+    """The Triton form of ``qk_norm_rope_cache_torch`` (``k_cache``/``v_cache`` row-contiguous; ``q_w`` and
+    ``k_w`` None: RoPE and the cache write only)."""
     B, T, _ = qkv.shape
     D = k_cache.shape[-1]
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or qkv.stride(-1) != 1:
@@ -261,9 +267,9 @@ def qk_norm_rope_cache(qkv, q_w, k_w, cos, sin, pos, k_cache, v_cache, n_heads: 
     q = torch.empty(B, T, n_heads, D, dtype=qkv.dtype, device=qkv.device)
     posc = pos.contiguous()
     _qk_norm_rope_cache_kernel[(B * T, n_heads + 2 * n_kv)](
-        qkv, q, k_cache, v_cache, q_w, k_w, cos, sin, posc, T,
+        qkv, q, k_cache, v_cache, q if q_w is None else q_w, q if k_w is None else k_w, cos, sin, posc, T,
         qkv.stride(1), n_heads * D, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        H=n_heads, KV=n_kv, HALF=D // 2, num_warps=1)
+        H=n_heads, KV=n_kv, HALF=D // 2, NORM=q_w is not None, num_warps=1)
     return q
 
 
