@@ -193,7 +193,9 @@ class TalkerTurns:
         self.tts, self.sampling, self.seats = tts.eval(), sampling, seats
         p = next(tts.parameters())
         self.device = p.device
-        self.engine = TalkerEngine(tts, seats, kv_bytes_per_token(tts, p.dtype) * max_len * seats)
+        # only the engine's cache and its reference layers serve here (the fused decode step reads every key up to
+        # a row's position, and an idle seat writes at the cache's end: it would read a whole cache per step)
+        self.engine = TalkerEngine(tts, seats, kv_bytes_per_token(tts, p.dtype) * max_len * seats, kernels="torch")
         self.max_len = self.engine.max_len
         self.idle_pos = self.max_len - 1      # where a seat without a draw writes: beyond every real position
         self.seeds = torch.tensor([x & MASK32 for x in seeds], dtype=torch.long, device=self.device)
