@@ -11,6 +11,11 @@ cache length) that holds every live slot's next position, which the host knows w
 rarely passes a few hundred: attending over all of them read the whole KV budget (up to 4 GiB) every
 step. Keys past a slot's position are masked either way, so a bucket changes no value, only the work.
 One graph per bucket, captured up front, sharing one memory pool.
+
+On CUDA the decode step runs instead through the Thinker's fused Triton kernels (``kernels="triton"``,
+the default there): the step's ~700 small launches set its time under graph replay, not its weights, and
+the fused attention reads each slot's position on the device, so one graph serves every position.
+The requests admitted on one step are prefilled together, one forward per run of consecutive slots.
 """
 
 from __future__ import annotations
@@ -257,26 +262,14 @@ class TalkerEngine:
     @torch.no_grad()
     def _prefill_many(self, slots: list[int], conds: list[torch.Tensor]) -> torch.Tensor:
         """Each conditioning [n_i, H] into its slot from position 0 -> the hidden at each one's last row
-        [k, H]. The conds of consecutive slots run as one forward, right-padded to the longest (the causal
-        mask keeps the padding out of every real row, and the K/V it leaves past a cond's end is rewritten
-        by that slot's decode steps before any read): one request at a time took ~10 ms each on the H200."""
+        [k, H]. The conds of consecutive slots run as one forward, right-padded to the longest
+        (``thinker.decode.padded_runs``): one request at a time took ~10 ms each on the H200."""
+        from ..thinker.decode import padded_runs
+
         last: list[torch.Tensor | None] = [None] * len(slots)
-        runs: list[list[int]] = []
-        for i in sorted(range(len(slots)), key=lambda i: slots[i]):
-            if runs and self.batch_prefill and slots[i] == slots[runs[-1][-1]] + 1:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        for run in runs:
-            if len(run) == 1:
-                last[run[0]] = self._prefill(slots[run[0]], conds[run[0]])[-1]
-                continue
-            T = max(int(conds[i].shape[0]) for i in run)
-            x = conds[run[0]].new_zeros(len(run), T, conds[run[0]].shape[-1])
-            for j, i in enumerate(run):
-                x[j, :conds[i].shape[0]] = conds[i]
+        for run, first, x in padded_runs(slots, conds, join=self.batch_prefill):
+            T = x.shape[1]
             pos = torch.arange(T, device=self.device)[None].expand(len(run), T)
-            first = slots[run[0]]
             hidden = self._layers(x, pos, slice(first, first + len(run)), T, pos)
             for j, i in enumerate(run):
                 last[i] = hidden[j, int(conds[i].shape[0]) - 1]

@@ -17,6 +17,7 @@ picks Triton on CUDA and torch elsewhere.
 from __future__ import annotations
 
 import copy
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,25 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
+
+
+def padded_runs(keys: Sequence[int], seqs: Sequence[torch.Tensor], join: bool = True):
+    """Sequences [T_i, H] bound for cache rows ``keys`` (distinct), grouped into runs of consecutive rows (one
+    run each when ``join`` is False): yields (the run's indices into ``keys``, its first row, the run's
+    sequences right-padded with zeros to the longest, [n, T, H]) for one batched prefill per run. The causal
+    mask keeps the padding out of every real position, and the K/V it leaves past a sequence's end is
+    rewritten by that row's decode steps before any read."""
+    runs: list[list[int]] = []
+    for i in sorted(range(len(keys)), key=lambda i: keys[i]):
+        if runs and join and keys[i] == keys[runs[-1][-1]] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    for run in runs:
+        x = seqs[run[0]].new_zeros(len(run), max(int(seqs[i].shape[0]) for i in run), seqs[run[0]].shape[-1])
+        for j, i in enumerate(run):
+            x[j, :seqs[i].shape[0]] = seqs[i]
+        yield run, keys[run[0]], x
 
 
 class StaticDecoder(nn.Module):

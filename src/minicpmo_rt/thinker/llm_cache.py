@@ -24,7 +24,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ..errors import InputError
-from .decode import StaticDecoder
+from .decode import StaticDecoder, padded_runs
 from .model import LLMStep, Thinker, cache_checksum, cache_length, drop_rows, rerotate_keys, truncate_cache
 
 LLM_CACHES = ("dynamic", "static")
@@ -156,26 +156,14 @@ class StaticRows:
     @torch.no_grad()
     def prefill_many(self, views: Sequence[StaticDecoder], prompts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Each prompt [T_i, H] (embeddings) into its acquired row from position 0; the prompts of
-        consecutive rows run as one forward, right-padded to the longest (causal attention keeps the padding
-        out of every real position, and the K/V it leaves past a prompt's end is rewritten by that row's
-        decode steps before any read), so the weights are read once per run of rows instead of once per
-        prompt. Returns each prompt's final-norm hidden at its last position, [n, H]."""
+        consecutive rows run as one forward, right-padded to the longest (``decode.padded_runs``), so the
+        weights are read once per run of rows instead of once per prompt. Returns each prompt's final-norm
+        hidden at its last position, [n, H]."""
         if len(views) != len(prompts):
             raise ValueError(f"prefill_many: {len(views)} rows for {len(prompts)} prompts")
         last: list[torch.Tensor | None] = [None] * len(views)
-        order = sorted(range(len(views)), key=lambda i: views[i].row)
-        runs: list[list[int]] = []
-        for i in order:
-            if runs and views[i].row == views[runs[-1][-1]].row + 1:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        for run in runs:
-            T = max(int(prompts[i].shape[0]) for i in run)
-            x = prompts[run[0]].new_zeros(len(run), T, prompts[run[0]].shape[-1])
-            for j, i in enumerate(run):
-                x[j, :prompts[i].shape[0]] = prompts[i]
-            hidden = self.big.rows_view(views[run[0]].row, len(run)).prefill(x, 0)
+        for run, row, x in padded_runs([v.row for v in views], prompts):
+            hidden = self.big.rows_view(row, len(run)).prefill(x, 0)
             for j, i in enumerate(run):
                 last[i] = hidden[j, int(prompts[i].shape[0]) - 1]
         return torch.stack(last)
