@@ -1,9 +1,11 @@
 """Where a duplex Talker unit's time goes: ``TalkerTurns.generate_units`` for N seats (full-size random
 Talker in bf16), split into the per-seat condition prefills, the batched draw forwards (graph replays)
-and the draws, with torch.profiler's top GPU kernels of one call.
+and the draws, with torch.profiler's top GPU kernels of one call (``--profile``), per draw-forward kernel
+set (``--kernels``: ``torch``, transformers' modules over the live bucket, one graph per bucket; ``triton``,
+the Talker engine's fused kernels, one graph), side by side in one process.
 
-    python benchmarks/talker_turns_profile.py OUT --seats 1,16        # GPU
-    python benchmarks/talker_turns_profile.py OUT --tiny --seats 1,2  # CPU smoke run
+    python benchmarks/talker_turns_profile.py OUT --seats 1,8,16 --kernels torch,triton   # GPU
+    python benchmarks/talker_turns_profile.py OUT --tiny --seats 1,2 --kernels torch      # CPU smoke run
 """
 
 from __future__ import annotations
@@ -47,14 +49,21 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--seats", default="1,16")
     ap.add_argument("--calls", type=int, default=6)
+    ap.add_argument("--kernels", default="torch,triton", help="draw-forward kernel sets, compared per seat count")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler's top GPU kernels of one call (CUDA)")
     args = ap.parse_args()
+    kernel_sets = [k for k in args.kernels.split(",") if k]
+    if not kernel_sets or set(kernel_sets) - {"torch", "triton"}:
+        ap.error(f"--kernels: choose from torch, triton (got {args.kernels!r})")
+    if args.calls < 3:
+        ap.error("--calls must be >= 3 (the first two are warm-up)")
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tts = build_tts(args.tiny, dev, dtype)
     llm_dim = tts.cfg.llm_dim
     res = {"gpu": device_label(dev), "torch": torch.__version__, "runs": []}
-    for n in parse_batches(ap, args.seats):
-        turns = TalkerTurns(tts, n, seeds=list(range(n)))
+    for n, kernels in [(n, k) for n in parse_batches(ap, args.seats) for k in kernel_sets]:
+        turns = TalkerTurns(tts, n, seeds=list(range(n)), kernels=kernels)
         ms = {"prefill": [], "replay": [], "draw": [], "call": []}
         real = {"prefill": turns._prefill, "draw": chunked.draw_codes}
 
@@ -87,19 +96,20 @@ def main() -> None:
                     turns.reset(s)
         turns._prefill = real["prefill"]
         chunked.draw_codes = real["draw"]
-        # the batched forward alone
+        # the batched forward alone, over the first bucket (the torch step's shortest; the fused step's one graph)
+        kv_len = turns.max_len if turns.fused else turns.buckets[0]
         reps = 50
         sync(dev)
         t0 = time.perf_counter()
         for _ in range(reps):
-            if turns._graph is not None:
-                turns._graph.replay()
+            if kv_len in turns._graphs:
+                turns._graphs[kv_len][0].replay()
             else:
-                turns._step()
+                turns._step(kv_len)
         sync(dev)
         replay = (time.perf_counter() - t0) * 1e3 / reps
         prof_top = []
-        if dev.type == "cuda":
+        if dev.type == "cuda" and args.profile:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
@@ -107,11 +117,11 @@ def main() -> None:
                 sync(dev)
             table = p.key_averages().table(sort_by="cuda_time_total", row_limit=25)
             prof_top = table.splitlines()
-            (args.out / f"profile_seats{n}.txt").parent.mkdir(parents=True, exist_ok=True)
-            (args.out / f"profile_seats{n}.txt").write_text(table)
-        row = {"seats": n, "codes": len(out[0].codes), "call_ms": statistics.median(ms["call"]),
-               "prefill_ms": statistics.median(ms["prefill"]), "draw_ms": statistics.median(ms["draw"]),
-               "forward_ms": replay, "graph": turns._graph is not None}
+            (args.out / f"profile_seats{n}_{kernels}.txt").parent.mkdir(parents=True, exist_ok=True)
+            (args.out / f"profile_seats{n}_{kernels}.txt").write_text(table)
+        row = {"seats": n, "kernels": turns.engine.kernels, "codes": len(out[0].codes),
+               "call_ms": statistics.median(ms["call"]), "prefill_ms": statistics.median(ms["prefill"]),
+               "draw_ms": statistics.median(ms["draw"]), "forward_ms": replay, "graphs": turns.graphs}
         row["rest_ms"] = row["call_ms"] - row["prefill_ms"] - row["draw_ms"]
         res["runs"].append(row)
         print(row, flush=True)
@@ -119,6 +129,14 @@ def main() -> None:
         del turns
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "talker_turns_profile.json").write_text(json.dumps(res, indent=1))
+    lines = [f"# Duplex Talker unit per draw-forward kernel set ({res['gpu']}, torch {res['torch']})", "",
+             "`TalkerTurns.generate_units` for N seats, one mid-turn unit each (25 codes); medians over the calls "
+             "after two warm-up calls. `forward`: one batched draw forward alone (its graph replayed).", "",
+             "| seats | kernels | call ms | prefill ms | draws ms | forward ms | graphs |", "|---:|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['seats']} | {r['kernels']} | {r['call_ms']:.2f} | {r['prefill_ms']:.2f} | {r['draw_ms']:.2f} | "
+              f"{r['forward_ms']:.3f} | {r['graphs']} |" for r in res["runs"]]
+    (args.out / "talker_turns_profile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

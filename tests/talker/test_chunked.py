@@ -188,20 +188,44 @@ def test_talker_seat_steps_one_conversation_and_checks_its_input(tts):
 
 
 @requires_cuda
-def test_talker_turns_graph_equals_the_eager_batch():
-    """On CUDA the batched draw replays one graph; it draws what the eager batch draws (same device,
-    same math), seats idle or ragged included."""
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_talker_turns_graph_equals_the_eager_batch(kernels):
+    """On CUDA the batched draw replays a graph (one per bucket with the torch step, one for every position
+    with the fused one); it draws what the eager batch draws (same device, same math), seats idle or ragged
+    included. In FP32 the fused step draws what the torch step draws."""
     from minicpmo_rt.talker.chunked import SeatUnit, TalkerTurns
 
     m = MiniCPMTTS(MiniCPMOConfig.from_dict(tiny_config()).tts)
     randomize_(m, seed=3, prefix="tts.")
     model = _eos_prone(m.eval(), 8.0).to("cuda")
-    eager = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=False)
-    graph = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=True)
-    assert graph.graphs == len(graph.buckets) == 2 and eager.graphs == 0
+    eager = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=False, kernels=kernels)
+    graph = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=True, kernels=kernels)
+    plain = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=False, kernels="torch")
+    assert graph.graphs == (len(graph.buckets) if kernels == "torch" else 1) and eager.graphs == 0
+    assert graph.fused == (kernels == "triton")
     for rnd in _ROUNDS:
         units = [SeatUnit(seat, tuple(_unit(3, seed)[0]), _unit(3, seed)[1].cuda(), end) for seat, seed, end in rnd]
-        assert eager.generate_units(units) == graph.generate_units(units)
+        got = graph.generate_units(units)
+        assert eager.generate_units(units) == got
+        assert plain.generate_units(units) == got
+
+
+@pytest.mark.skipif(not __import__("minicpmo_rt.thinker.kernels", fromlist=["usable_on"]).usable_on(torch.empty(0)),
+                    reason="the Triton kernels on the CPU need TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+def test_talker_turns_fused_step_draws_what_the_torch_step_draws(tts):
+    """The fused draw forward (the Talker engine's Triton kernels, here through the interpreter; an idle seat
+    reads one row) against the torch one over the bucket: the same codes, EOS flags and positions per seat,
+    with seats idle in some rounds and a turn ending. Short units: the interpreter takes ~0.5 s a draw."""
+    from minicpmo_rt.talker.chunked import SeatUnit, TalkerTurns
+
+    short = ChunkSampling(max_new_codes=4)
+    fused = TalkerTurns(tts, 3, short, seeds=[40, 41, 42], max_len=256, graphs=False, kernels="triton")
+    plain = TalkerTurns(tts, 3, short, seeds=[40, 41, 42], max_len=256, graphs=False, kernels="torch")
+    assert fused.fused and not plain.fused
+    for rnd in _ROUNDS[:3]:
+        units = [SeatUnit(seat, tuple(_unit(2, seed)[0]), _unit(2, seed)[1], end) for seat, seed, end in rnd]
+        assert fused.generate_units(units) == plain.generate_units(units)
+        assert fused.text_start_pos == plain.text_start_pos and fused.draws == plain.draws
 
 
 def test_talker_turns_attend_only_the_live_bucket(tts):

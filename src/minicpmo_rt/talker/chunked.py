@@ -26,7 +26,9 @@ replayed from a CUDA graph on CUDA; a seat with nothing to draw (and padding) fe
 cache's last position, which no real position attends (a position attends the rows at or before it, so
 rows left by an earlier turn are never seen either). Attention reads only the cache's first ``kv_len``
 positions, the smallest power-of-two bucket (from 256) holding every live one, with one graph per
-bucket, so a turn of a few hundred positions does not read the whole cache. Per draw the host reads the
+bucket, so a turn of a few hundred positions does not read the whole cache. On CUDA the draw's forward runs
+through the Talker engine's fused kernels instead (``kernels="triton"``), which read each seat's position on
+the device: one graph for every position, and an idle seat reads one row. Per draw the host reads the
 codes (it decides which units stop). Draws use ``sampler.uniform`` (counter-based: seed, draw index, code
 id), and each seat keeps its own seed and draw counter, so a conversation draws what it would draw alone,
 whatever else runs in the process (up to the batched forward's rounding).
@@ -184,7 +186,8 @@ class TalkerTurns:
     docstring)."""
 
     def __init__(self, tts: MiniCPMTTS, seats: int, sampling: ChunkSampling = ChunkSampling(),
-                 seeds: Sequence[int] | None = None, max_len: int = 4096, graphs: bool | None = None):
+                 seeds: Sequence[int] | None = None, max_len: int = 4096, graphs: bool | None = None,
+                 kernels: str = "auto"):
         if seats < 1:
             raise InputError(f"talker turns: seats must be >= 1 (got {seats})")
         seeds = list(range(seats)) if seeds is None else list(seeds)
@@ -193,9 +196,9 @@ class TalkerTurns:
         self.tts, self.sampling, self.seats = tts.eval(), sampling, seats
         p = next(tts.parameters())
         self.device = p.device
-        # only the engine's cache and its reference layers serve here (the fused decode step reads every key up to
-        # a row's position, and an idle seat writes at the cache's end: it would read a whole cache per step)
-        self.engine = TalkerEngine(tts, seats, kv_bytes_per_token(tts, p.dtype) * max_len * seats, kernels="torch")
+        # the engine's cache, its prefill layers and (kernels "triton", the default on CUDA) its fused decode layers
+        self.engine = TalkerEngine(tts, seats, kv_bytes_per_token(tts, p.dtype) * max_len * seats, kernels=kernels)
+        self.fused = self.engine.kernels == "triton"
         self.max_len = self.engine.max_len
         self.idle_pos = self.max_len - 1      # where a seat without a draw writes: beyond every real position
         self.seeds = torch.tensor([x & MASK32 for x in seeds], dtype=torch.long, device=self.device)
@@ -207,7 +210,8 @@ class TalkerTurns:
                               | {self.max_len})
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if graphs if graphs is not None else self.device.type == "cuda":
-            for kv_len in self.buckets:
+            # the fused step reads each seat's position on the device: one graph (keyed by the whole cache)
+            for kv_len in ([self.max_len] if self.fused else self.buckets):
                 self._capture(kv_len)
 
     def kv_bucket(self, positions: int) -> int:
@@ -232,9 +236,15 @@ class TalkerTurns:
 
     @torch.no_grad()
     def _step(self, kv_len: int) -> torch.Tensor:
-        """Feed ``_codes`` at ``_pos`` (one per seat), attending the first ``kv_len`` positions; [seats, V] logits."""
+        """Feed ``_codes`` at ``_pos`` (one per seat), attending the first ``kv_len`` positions; [seats, V] logits.
+        The fused step attends each seat's positions (``kv_len`` unused); an idle seat, writing at the cache's
+        last position, reads only its first row (its output is never used)."""
         x = self.tts.embed_codes(self._codes)[:, None]
-        hidden = self.engine._layers(x, self._pos, slice(0, self.seats), kv_len, self._pos)
+        if self.fused:
+            read = torch.where(self._pos == self.idle_pos, torch.zeros_like(self._pos), self._pos)
+            hidden = self.engine._fused_layers(x, self._pos, read)
+        else:
+            hidden = self.engine._layers(x, self._pos, slice(0, self.seats), kv_len, self._pos)
         return self.tts.logits(hidden[:, -1])
 
     def _capture(self, kv_len: int) -> None:
@@ -305,7 +315,7 @@ class TalkerTurns:
                     pos[seats[r], 0] = starts[r] + conds[r] + t - 1
                 self._codes.copy_(feed)
                 self._pos.copy_(pos)
-                kv_len = self.kv_bucket(max(starts[r] + conds[r] + t for r in live))
+                kv_len = self.max_len if self.fused else self.kv_bucket(max(starts[r] + conds[r] + t for r in live))
                 if kv_len in self._graphs:
                     graph, step_logits = self._graphs[kv_len]
                     graph.replay()

@@ -232,9 +232,10 @@ class TalkerEngine:
             raise InputError(f"talker kernels='triton' fuse SiLU; this model's MLP uses "
                              f"{type(model.layers[0].mlp.act_fn).__name__}: use kernels='torch'")
 
-    def _fused_layers(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _fused_layers(self, x: torch.Tensor, pos: torch.Tensor, read: torch.Tensor | None = None) -> torch.Tensor:
         """``_layers`` for one token per slot (x [B,1,H] at positions pos [B,1], written there) through the
-        fused kernels; attends to each slot's cache rows <= its position."""
+        fused kernels; attends to each slot's cache rows <= its position, or <= ``read`` [B,1] where given
+        (a row whose output is unused can read one row instead of a whole cache)."""
         from ..thinker import kernels as K
 
         model = self.tts.model
@@ -245,7 +246,7 @@ class TalkerEngine:
             att = layer.self_attn
             q = K.qk_norm_rope_cache(F.linear(h, self.wqkv[li]), None, None, self.cos, self.sin, pos,
                                      self.k_cache[li], self.v_cache[li], self.n_heads, self.n_kv, eps)
-            o = K.attention(q, self.k_cache[li], self.v_cache[li], pos)
+            o = K.attention(q, self.k_cache[li], self.v_cache[li], pos if read is None else read)
             s, h = K.add_rms_norm(s, F.linear(o.flatten(2), att.o_proj.weight), layer.post_attention_layernorm.weight,
                                   eps)
             m = K.silu_mul(F.linear(h, self.w13[li]))
