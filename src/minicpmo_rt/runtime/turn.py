@@ -23,7 +23,8 @@ steps the Talker once per Thinker decode step meanwhile.
 The chunks one Talker step emits (every live slot reaches its window boundary on the same step
 when requests start together) go to Code2Wav as one ``push_many`` call (``batch_code2wav``), so
 concurrent requests share each CFM solve and HiFT call instead of one per stream; on CUDA the
-Talker's decode step replays from a CUDA graph (``talker_graph``).
+Talker's decode step runs on fused Triton kernels and replays from a CUDA graph (``talker_graph``).
+The prompts admitted together are prefilled together, in the Thinker's rows and the Talker's slots.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ class TurnPipeline:
         ``thinker_fast`` (default: on CUDA) decodes the Thinker on a static KV cache of
         ``thinker_max_len`` positions through CUDA graphs. ``prepare_voice`` (a reference WAV): capture
         Code2Wav's graphs for that voice now (``Code2Wav.prepare``) instead of when its first stream opens.
-        ``talker_graph`` (default: on CUDA) captures the Talker's decode step here, one graph per key bucket.
+        ``talker_graph`` (default: on CUDA) captures the Talker's decode step here (its fused kernels on CUDA:
+        one graph for every position).
         ``batch_code2wav``: each Talker step's chunks go to Code2Wav in one ``push_many`` call.
         ``thinker_rows`` (default with ``thinker_fast``: the Talker's capacity; 0 for none): decode that many
         requests' Thinker steps together on the rows of one static decoder (``think_rows``; each row holds

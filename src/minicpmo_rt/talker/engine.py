@@ -304,7 +304,8 @@ class TalkerEngine:
 
     def capture_cuda_graph(self, kv_len: int | None = None) -> None:
         """Capture ``decode_step`` (CUDA only): one graph per key bucket (``buckets``), or only the one for
-        ``kv_len``. Call while no slot is live: the warm-up steps then change nothing but idle rows.
+        ``kv_len``; with the fused kernels one graph over the whole cache, which serves every position.
+        Call while no slot is live: the warm-up steps then change nothing but idle rows.
         Later ``step`` calls replay the shortest captured span that holds every live slot (eager when
         none does)."""
         if self.device.type != "cuda":
