@@ -89,6 +89,8 @@ def inspect_cmd(
     typer.echo(f"token2wav assets: {', '.join(info['token2wav_assets']) or 'none'}")
     for dev, line in info.get("code2wav_choice", {}).items():
         typer.echo(f"code2wav on {dev}: {line}")
+    for dev, line in info.get("talker_choice", {}).items():
+        typer.echo(f"talker on {dev}: {line}")
     graphs = info.get("code2wav_graphs")
     if graphs:
         typer.echo(f"code2wav graphs on CUDA: at most {graphs['max_graphs']} Whole-Euler graphs (cfm_max_graphs), "

@@ -137,7 +137,16 @@ def inspect_snapshot(model: str, revision: str | None = None, extra: dict | None
         "token2wav_assets": assets,
         "code2wav_choice": choices,
         "code2wav_graphs": graphs,
+        "talker_choice": talker_choices(),
     }
+
+
+def talker_choices() -> dict[str, str]:
+    """What the Talker's decode step runs by default (``kernels="auto"``), per device kind available here."""
+    from .talker.engine import describe_kernels, resolve_kernels
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return {d: describe_kernels(resolve_kernels("auto", d)) for d in devices}
 
 
 def code2wav_choices(asset_dir: Path, extra: dict | None = None) -> dict[str, str]:

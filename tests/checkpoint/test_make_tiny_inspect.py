@@ -46,8 +46,10 @@ def test_inspect_json(tiny_ckpt):
     assert info["parts"]["tts."]["dtypes"] == ["BF16"]
     assert "original" in info["code2wav_choice"]["cpu"]  # auto: not CUDA -> original body
     assert info["code2wav_graphs"] == {"max_graphs": 32, "precapture": True}   # the knobs' defaults
+    assert "transformers' Llama modules" in info["talker_choice"]["cpu"]      # auto: not CUDA -> torch
     text = runner.invoke(app, ["inspect", "--model", str(tiny_ckpt)])
     assert text.exit_code == 0 and "at most 32 Whole-Euler graphs" in text.output, text.output
+    assert "talker on cpu: decode step on transformers' Llama modules" in text.output
     from minicpmo_rt.snapshot_tools import inspect_snapshot
     duplex = inspect_snapshot(str(tiny_ckpt), extra={"cfm_max_graphs": 128, "cfm_graph_precapture": False})
     assert duplex["code2wav_graphs"] == {"max_graphs": 128, "precapture": False}

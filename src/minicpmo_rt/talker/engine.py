@@ -20,6 +20,7 @@ The requests admitted on one step are prefilled together, one forward per run of
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -84,6 +85,32 @@ class _Slot:
 
 
 KERNEL_SETS = ("auto", "torch", "triton")
+log = logging.getLogger(__name__)
+
+
+def resolve_kernels(kernels: str, device: torch.device | str) -> str:
+    """The kernel set a decode step on ``device`` uses for ``kernels`` ("auto": Triton on CUDA, where the
+    kernels can run in this process; torch elsewhere). Raises a named error for an unknown or unusable set."""
+    from ..thinker import kernels as K
+
+    if kernels not in KERNEL_SETS:
+        raise InputError(f"talker kernels={kernels!r}; choose one of {', '.join(KERNEL_SETS)}")
+    device = torch.device(device)
+    probe = torch.empty(0, device=device)
+    if kernels == "auto":
+        return "triton" if device.type == "cuda" and K.usable_on(probe) else "torch"
+    if kernels == "triton" and not K.usable_on(probe):
+        raise InputError(f"talker kernels='triton' cannot run on {device} here (need CUDA, or "
+                         "TRITON_INTERPRET=1 set before import on CPU); use kernels='torch'")
+    return kernels
+
+
+def describe_kernels(kernels: str) -> str:
+    """One line on what a resolved kernel set runs (logs and ``inspect``)."""
+    if kernels == "triton":
+        return ("decode step on fused Triton kernels (packed QKV and gate/up, RoPE + cache write, split-KV "
+                "attention at device-side positions; one CUDA graph for every position)")
+    return "decode step on transformers' Llama modules over the shortest key bucket (a CUDA graph per bucket)"
 
 
 class TalkerEngine:
@@ -99,8 +126,7 @@ class TalkerEngine:
                  kernels: str = "auto"):
         if capacity < 1:
             raise InputError(f"talker capacity must be >= 1, got {capacity}")
-        if kernels not in KERNEL_SETS:
-            raise InputError(f"talker kernels={kernels!r}; choose one of {', '.join(KERNEL_SETS)}")
+        kernels = resolve_kernels(kernels, next(tts.parameters()).device)
         self.tts = tts.eval()
         p = next(tts.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -129,16 +155,10 @@ class TalkerEngine:
         self.buckets = kv_buckets(self.max_len)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batch_prefill = True     # False: one prefill per admitted request (benchmarks' before forms)
-        from ..thinker import kernels as K
-
-        if kernels == "auto":
-            kernels = "triton" if self.device.type == "cuda" and K.usable_on(self.k_cache) else "torch"
-        elif kernels == "triton" and not K.usable_on(self.k_cache):
-            raise InputError(f"talker kernels='triton' cannot run on {self.device} here (need CUDA, or "
-                             "TRITON_INTERPRET=1 set before import on CPU); use kernels='torch'")
         self.kernels = kernels
         if kernels == "triton":
             self._pack()
+        log.info("Talker on %s: %s", self.device, describe_kernels(kernels))
 
     # ---- admission -------------------------------------------------------------------------
     def need_tokens(self, req: TalkerRequest) -> int:
