@@ -26,8 +26,8 @@ the pipeline side by side in one process:
   device-side position: about ten launches a layer instead of ~35, one graph for every position). The
   pipeline's default now.
 - ``overlap`` (opt-in, ``overlap_stages``): that, and each request entering the Talker as soon as its text is
-  done, the Talker stepping once per Thinker decode step meanwhile (not yet measured on the GPU: session 44
-  ran out of device time). With equal answers it can only help where N exceeds the Thinker's rows.
+  done, the Talker stepping once per Thinker decode step meanwhile. With equal answers it can only help where
+  N exceeds the Thinker's rows; on the H200 (session 45) it measured the same as without it.
 
 Every request is made to answer with exactly ``--tokens`` text tokens (``duplex_bench._Speak`` lifts an
 ordinary text id over each row, so no terminator comes early) and exactly ``--codes`` codes (the Talker's
@@ -185,9 +185,8 @@ def write_table(res: dict, path: Path) -> None:
              "together on one static decoder's rows, each row drawing its token alone; `batched-draws`: that, and every "
              "row's token drawn in one batch; `batched-prefill`: that, and the prompts admitted together prefilled in "
              "one forward in the Thinker's rows and the Talker's slots; `talker-kernels`: that, and the Talker's decode "
-             "step through fused Triton kernels (the default now); `overlap`: that, and each "
-             "request entering "
-             "the Talker as soon as its text is done (opt-in).", "",
+             "step through fused Triton kernels (the default now); `overlap`: that, and each request entering the "
+             "Talker as soon as its text is done (opt-in).", "",
              "| profile | capacity / KV | N | form | wall ms | TTFA first / median / last ms | audio s | x real time "
              "| Thinker ms | Talker ms | Code2Wav ms | x before |",
              "|---|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
