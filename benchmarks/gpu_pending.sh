@@ -10,8 +10,9 @@
 # whole suite on the GPU: 1740 passed after two CPU tests learned to expect a GPU); session 36 `profile`, then two
 # switch probes of experiments reverted since (1607bd6: `solve_switch_probe.py --trim --called` of
 # kernels.dit_ops.ATTN_PREFETCH and euler_graph.COPY_ENGINE_SUCCESSORS), and one of an uncommitted edit
-# (FusedDiT.wide_fc2_splits 1,2,4) and one of another (kernels.tiled_attention.PV_TRANSPOSED 0,1). Nothing pending
-# after it.
+# (FusedDiT.wide_fc2_splits 1,2,4) and one of another (kernels.tiled_attention.PV_TRANSPOSED 0,1). Session 45
+# left `dtests duplex` pending (the duplex Talker's fused draw forward, default on CUDA since then: its CUDA run was
+# cut off at the call's limit inside test_duplex.py, and the duplex bench was not rerun).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -34,6 +35,10 @@
 #   pool     stream_churn_bench.py --breakdown --final-codes 1,25: the default against the slot pool (opt-in)
 #   profile  code2wav_replay_profile.py: GPU time by kernel class of the flow's trimmed solve (the direct path from
 #            batch 4) and the untrimmed arena solve, batches 1, 8, 16
+#   dtests   CUDA tests of the Talker (turn engine, duplex TalkerTurns: fused against torch, graphs), the duplex
+#            conversations and the turn pipeline
+#   duplex   duplex_batch_bench.py: one second of 8 and 16 concurrent conversations (batch-rows, greedy), the Talker's
+#            draws on the fused kernels (compare duplex_batch_bench_session42b_h200.md, its bucketed torch step)
 #   table    code2wav_bench.py: the issue's table (session 22's rows, slot pool, row merging, whole flow chunk,
 #            HiFT, upstream minicpmo-utils 1.0.7 inference_chunk from .upstream_ref, which git ignores: unpack
 #            `pip download --no-deps minicpmo-utils==1.0.7`, copy its src/ to .upstream_ref and carry it), one call
@@ -93,13 +98,17 @@ for s in "$@"; do
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
          step all 570 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=40 tests/ ;;
+    dtests) step dtests 330 python -m pytest -q -p no:cacheprovider -rsf tests/talker tests/runtime/test_duplex.py \
+              tests/runtime/test_turn.py ;;
+    duplex) step duplex 420 python benchmarks/duplex_batch_bench.py "$W/duplex" --conversations 8,16 \
+              --batch-kinds batch-rows --sequential "" ${SMOKE:+--tiny} ;;
     stage) step stage 120 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
     ab) [ -d _base/src ] || { echo "gpu_pending.sh ab: no _base/src (git archive <commit> src | tar -x -C _base)" >&2
           exit 2; }
         step ab 560 env OUT="$W/ab" bash benchmarks/churn_ab.sh _base/src
         python benchmarks/churn_ab_table.py "$W/ab" --out "$W/ab/churn_ab" 2>&1 | tail -8 | tee -a "$OUT/log.txt"
         tar -czf "$OUT/ab.tar.gz" -C "$W" ab ;;
-    *) echo "gpu_pending.sh: unknown step '$s' (all, tests, carry, prepare, churn, starts, jtests, stage, ab, ftests, ptests, pool, table, profile)" >&2
+    *) echo "gpu_pending.sh: unknown step '$s' (all, tests, carry, prepare, churn, starts, jtests, stage, ab, ftests, ptests, pool, table, profile, dtests, duplex)" >&2
        exit 2 ;;
   esac
 done
