@@ -108,7 +108,7 @@ def pipeline(profile: str, form: str, parts, dev: torch.device, codes: int, shar
                         batch_code2wav=form in ("batched",) + ROW_FORMS, rows=rows, overlap_stages=form == "overlap")
     pipe.batched_draws = form != "thinker-rows"
     # one prefill per request in the Thinker's rows and the Talker's slots up to batched-draws
-    pipe.batched_prefill = engine.batch_prefill = form in ("batched-prefill", "talker-kernels", "overlap")
+    pipe.batched_prefill = engine.batched_prefill = form in ("batched-prefill", "talker-kernels", "overlap")
     return pipe
 
 

@@ -1,5 +1,7 @@
 import contextlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,17 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "minicpmo45"
+
+
+def run_benchmark(script: str, *args, timeout: int = 600, one_thread: bool = False) -> subprocess.CompletedProcess:
+    """``benchmarks/<script>`` in a fresh interpreter with the repo's src, tests and benchmarks importable (the
+    benchmarks' smoke tests); ``one_thread``: one intra-op thread, as the tests themselves run (two contend on
+    the 2-CPU CI box)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / d) for d in ("src", "tests", "benchmarks")))
+    if one_thread:
+        env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

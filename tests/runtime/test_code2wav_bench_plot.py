@@ -1,19 +1,15 @@
 """benchmarks/code2wav_bench.py --plot: the issue's table drawn from a results JSON on any machine (no GPU), and a
 clear refusal, with nothing written, for a file that is not one."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+from conftest import run_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "code2wav_bench.py"
 
 
 def _run(*args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / d) for d in ("src", "tests", "benchmarks")))
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return run_benchmark("code2wav_bench.py", *args, timeout=300)
 
 
 def test_plot_draws_the_committed_table_and_refuses_what_is_not_one(tmp_path):

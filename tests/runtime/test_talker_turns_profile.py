@@ -1,20 +1,12 @@
 """benchmarks/talker_turns_profile.py on the CPU at tiny sizes (a check of the script, not of speed): a row per
 seat count and kernel set, the JSON and the table; a bad kernel set is refused before any model is built."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "talker_turns_profile.py"
+from conftest import run_benchmark
 
 
 def _run(*args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / d) for d in ("src", "tests", "benchmarks")),
-               OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    return run_benchmark("talker_turns_profile.py", *args, one_thread=True)
 
 
 def test_smoke_run_writes_a_row_per_seat_count_and_the_table(tmp_path):

@@ -2,21 +2,12 @@
 answers N requests with the same audio, the JSON and table come out, and a bad option is refused before any
 model is built."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "turn_bench.py"
+from conftest import run_benchmark
 
 
 def _run(*args):
-    # one intra-op thread, as the tests themselves run (two contend on the 2-CPU CI box; conftest)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / d) for d in ("src", "tests", "benchmarks")),
-               OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    return run_benchmark("turn_bench.py", *args, one_thread=True)
 
 
 def test_smoke_run_writes_the_forms_asked_for_and_the_table(tmp_path):

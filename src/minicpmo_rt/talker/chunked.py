@@ -241,7 +241,7 @@ class TalkerTurns:
         last position, reads only its first row (its output is never used)."""
         x = self.tts.embed_codes(self._codes)[:, None]
         if self.fused:
-            read = torch.where(self._pos == self.idle_pos, torch.zeros_like(self._pos), self._pos)
+            read = self._pos.masked_fill(self._pos == self.idle_pos, 0)
             hidden = self.engine._fused_layers(x, self._pos, read)
         else:
             hidden = self.engine._layers(x, self._pos, slice(0, self.seats), kv_len, self._pos)

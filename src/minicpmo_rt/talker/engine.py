@@ -154,7 +154,7 @@ class TalkerEngine:
         self.slots: dict[int, _Slot] = {}
         self.buckets = kv_buckets(self.max_len)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.batch_prefill = True     # False: one prefill per admitted request (benchmarks' before forms)
+        self.batched_prefill = True     # False: one prefill per admitted request (benchmarks' before forms)
         self.kernels = kernels
         if kernels == "triton":
             self._pack()
@@ -201,7 +201,7 @@ class TalkerEngine:
             last = self._prefill_many([slot for slot, _ in batch], conds)
             # uploads that do not wait on the device (a pageable copy is staged before the call returns)
             slots = torch.tensor([slot for slot, _ in batch]).to(self.device, non_blocking=True)
-            self.first_logits[slots] = self.tts.logits(last).to(self.first_logits.dtype)
+            self.first_logits[slots] = self.tts.logits(last)
             self.pos[slots] = torch.tensor([c.shape[0] for c in conds]).to(self.device, non_blocking=True)
             for (slot, req), cond in zip(batch, conds):
                 self.state.admit(slot, req.seed, self._limit(req), self.params.min_codes)
@@ -288,7 +288,7 @@ class TalkerEngine:
         from ..thinker.decode import padded_runs
 
         last: list[torch.Tensor | None] = [None] * len(slots)
-        for run, first, x in padded_runs(slots, conds, join=self.batch_prefill):
+        for run, first, x in padded_runs(slots, conds, join=self.batched_prefill):
             T = x.shape[1]
             pos = torch.arange(T, device=self.device)[None].expand(len(run), T)
             hidden = self._layers(x, pos, slice(first, first + len(run)), T, pos)

@@ -154,15 +154,16 @@ class StaticRows:
         self._free.append(dec)
 
     @torch.no_grad()
-    def prefill_many(self, views: Sequence[StaticDecoder], prompts: Sequence[torch.Tensor]) -> torch.Tensor:
+    def prefill_many(self, views: Sequence[StaticDecoder], prompts: Sequence[torch.Tensor],
+                     join: bool = True) -> torch.Tensor:
         """Each prompt [T_i, H] (embeddings) into its acquired row from position 0; the prompts of
         consecutive rows run as one forward, right-padded to the longest (``decode.padded_runs``), so the
         weights are read once per run of rows instead of once per prompt. Returns each prompt's final-norm
-        hidden at its last position, [n, H]."""
+        hidden at its last position, [n, H]. ``join`` False: one forward per prompt."""
         if len(views) != len(prompts):
             raise ValueError(f"prefill_many: {len(views)} rows for {len(prompts)} prompts")
         last: list[torch.Tensor | None] = [None] * len(views)
-        for run, row, x in padded_runs([v.row for v in views], prompts):
+        for run, row, x in padded_runs([v.row for v in views], prompts, join=join):
             hidden = self.big.rows_view(row, len(run)).prefill(x, 0)
             for j, i in enumerate(run):
                 last[i] = hidden[j, int(prompts[i].shape[0]) - 1]
