@@ -98,8 +98,9 @@ for s in "$@"; do
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
          step all 570 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=40 tests/ ;;
-    dtests) step dtests 330 python -m pytest -q -p no:cacheprovider -rsf tests/talker tests/runtime/test_duplex.py \
-              tests/runtime/test_turn.py ;;
+    dtests) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-6}
+            step dtests 540 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=15 tests/talker \
+              tests/runtime/test_duplex.py tests/runtime/test_turn.py ;;
     duplex) step duplex 420 python benchmarks/duplex_batch_bench.py "$W/duplex" --conversations 8,16 \
               --batch-kinds batch-rows --sequential "" ${SMOKE:+--tiny} ;;
     stage) step stage 120 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
