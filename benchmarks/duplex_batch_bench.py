@@ -27,6 +27,7 @@ frame per conversation per second: the busiest second a conversation has. Code2W
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -73,7 +74,7 @@ class Clock:
 
     def restore(self) -> None:
         for obj, name in reversed(self._undo):
-            delattr(obj, name)
+            obj.__dict__.pop(name, None)    # one attribute patched twice (a wrap over a patch) goes once
         self._undo.clear()
 
 
@@ -83,7 +84,10 @@ def attach_code2wav(convs, c2w, feats) -> None:
         c.code2wav, c.voice = c2w, feats
 
 
-def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy") -> list[dict]:
+def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy", profile=None,
+        warm: int = 0) -> list[dict]:
+    """One run of ``units`` seconds. ``profile``: a ``cProfile.Profile`` enabled over the seconds from ``warm``
+    on, with the Thinker's time also split by part (``thinker_parts``; each part synchronised, so only then)."""
     thinker, tok, tts, c2w, feats, options = parts
     cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
@@ -98,6 +102,8 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
         clock.wrap(batch, "_think", "thinker")
         clock.wrap(batch.talker, "generate_units", "talker")
         clock.wrap(c2w, "push_many", "code2wav")
+        if profile is not None:
+            thinker_parts(clock, batch)
     else:
         batch = None
         convs = [DuplexConversation(thinker, tok, tts, None, None, decode=cfg, seed=i, fast=True,
@@ -112,6 +118,8 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
         inputs = [DuplexInput((0.1 * rng.standard_normal(16000)).astype(np.float32), frame) for _ in range(n)]
         clock.ms = {}
         sync(dev)
+        if profile is not None and k == warm:
+            profile.enable()
         t0 = time.perf_counter()
         if batch is not None:
             out = batch.step(inputs)
@@ -122,9 +130,61 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
         rows.append({"second": k, "ms": ms, **{f"{p}_ms": v for p, v in clock.ms.items()},
                      "speaking": sum(1 for u in out if u.codes), "codes": sum(len(u.codes) for u in out),
                      "audio_s": sum(u.seconds for u in out)})
+    if profile is not None:
+        profile.disable()
+    clock.restore()
     for c in convs:
         c.close()
     return rows
+
+
+THINKER_PARTS = ("vision", "commit", "rows step", "host copy", "rest")
+
+
+def thinker_parts(clock: Clock, batch: DuplexBatch) -> None:
+    """Split a ``DuplexBatch``'s Thinker time: the second's frames through the vision encoder, each session's
+    commit (mel, audio encoder, LLM prefill of its unit), each shared decode step (``StaticRows``), the
+    logits' copy to the host; what is left is the lock-step loop's host work (the decode policy)."""
+    for conv in batch.conversations:
+        clock.wrap(conv.session, "embed_frames", "vision")
+        clock.wrap(conv.session, "commit", "commit")
+    if batch.rows is not None:
+        step_logits = batch.rows.step_logits
+
+        def step_and_copy(*a, **k):
+            out = step_logits(*a, **k)
+            sync(clock.dev)
+            t0 = time.perf_counter()
+            # the logits' copy that ``DuplexBatch._think`` makes next, made here to time it: the loop's own
+            # ``.cpu()`` then finds them on the host (the hidden rows' copy, 1/37 of the bytes, stays there)
+            logits = out.logits.cpu()
+            clock.ms["host copy"] = clock.ms.get("host copy", 0.0) + (time.perf_counter() - t0) * 1e3
+            return dataclasses.replace(out, logits=logits)
+
+        clock.patch(batch.rows, "step_logits", step_and_copy)
+        clock.wrap(batch.rows, "step_logits", "rows step")
+
+
+def write_profile(rows: list[dict], prof, warm: int, n: int, path: Path) -> None:
+    """The cProfile run's seconds and phase split, then its stats (by own time, then cumulative)."""
+    import io
+    import pstats
+
+    steady = rows[warm:]
+    med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
+    buf = io.StringIO()
+    buf.write(f"N={n}, batch-rows: {len(steady)} seconds under cProfile, median {med('ms'):.0f} ms per second "
+              f"(Thinker {med('thinker_ms'):.0f}, Talker {med('talker_ms'):.0f}, Code2Wav {med('code2wav_ms'):.0f} ms)\n")
+    parts = ", ".join(f"{p} {med(p + '_ms'):.1f}" for p in THINKER_PARTS[:-1])
+    rest = med("thinker_ms") - sum(med(p + "_ms") for p in ("vision", "commit", "rows step"))
+    buf.write(f"Thinker parts, ms per second (each synchronised; 'host copy', the logits' copy to the host, is inside "
+              f"'rows step'): {parts}; the rest of the Thinker (the lock-step loop's host work: decode policy, "
+              f"accepting tokens) {rest:.1f}\n\n")
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(70)
+    path.write_text(buf.getvalue())
+    print(buf.getvalue().split("\n\n")[0], flush=True)
 
 
 def summarize(rows: list[dict], warm: int, n: int) -> dict:
@@ -172,6 +232,9 @@ def main() -> None:
                     help="the Thinker's duplex decode modes to run, in order: greedy and/or sampling (upstream's "
                          "default, 0.7 / top-k 20 / top-p 0.8), e.g. greedy,sampling")
     ap.add_argument("--table", type=Path, help="only rewrite OUT/duplex_batch_bench.md from this run's JSON")
+    ap.add_argument("--cprofile", type=int, metavar="N",
+                    help="after the timed runs, one batch-rows run of N conversations (the first --decode mode) under "
+                         "cProfile, its Thinker split by part: OUT/duplex_batch_bench_cprofile_N.txt")
     args = ap.parse_args()
     if args.table:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -212,6 +275,14 @@ def main() -> None:
               f"{s['audio_s']:.2f} s of audio", flush=True)
         (args.out / "duplex_batch_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows
     write_table(res, args.out / "duplex_batch_bench.md")
+    if args.cprofile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        rows = run("batch-rows", args.cprofile, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev,
+                   decodes[0], profile=prof, warm=args.warm)
+        write_profile(rows, prof, args.warm, args.cprofile,
+                      args.out / f"duplex_batch_bench_cprofile_{args.cprofile}.txt")
 
 
 if __name__ == "__main__":

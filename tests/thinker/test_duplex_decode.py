@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minicpmo_rt.errors import InputError
-from minicpmo_rt.thinker.duplex import DuplexDecodeConfig, DuplexDecoder, top_k_top_p
+from minicpmo_rt.thinker.duplex import DuplexDecodeConfig, DuplexDecoder, decode_many, top_k_top_p
 
 V = 151748   # the real vocabulary (tiny checkpoints keep it)
 A, B = 1000, 2000
@@ -148,3 +148,82 @@ def test_sampling_draws_follow_the_nucleus_and_the_raw_chunk_eos_odds(tok):
     freq = torch.stack([(rest == t).float().mean() for t in others])
     assert set(rest.tolist()) <= set(others)
     assert (freq - want).abs().max() < 5 * (1 / 3 * 2 / 3 / len(rest)) ** 0.5
+
+
+# ---- decode_many: every conversation's policy in one pass ------------------------------------------------
+
+def _steps_logits(seed: int, n: int, tok, device="cpu") -> list[torch.Tensor]:
+    """n rows of LM-head-like logits, rounded through bf16 as the model's head is (so many values tie), some
+    rows with the raw draw's <|chunk_eos|> or the listen rule's eos near the top."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, V, generator=g) * 3).to(torch.bfloat16).float()
+    ce = tok.special.chunk_eos
+    x[0, ce] = x[0].max() + 0.5          # row 0's raw argmax
+    x[1, A] = x[1].max() + 0.02          # row 1's best, unless its history's penalty pulls it down
+    x[1, ce] = torch.logsumexp(x[1], 0) + (0.4 if seed % 2 else -0.4)    # sampling's raw draw: p ~0.6 / ~0.4
+    if n > 2:
+        x[2, tok.special.im_end] = x[2].max()                  # the listen rule's id, tied with the best
+        x[2, tok.special.chunk_eos] = x[2].max() - 1.0          # likely in sampling's raw draw
+    if n > 3:
+        x[3, tok.special.turn_eos] = x[3].max() + 0.05         # the best unless the length penalty acts
+    return [r.to(device) for r in x]
+
+
+def _twins(tok, configs, seeds):
+    mk = lambda: [DuplexDecoder(tok, c, torch.Generator().manual_seed(s)) for c, s in zip(configs, seeds)]  # noqa: E731
+    return mk(), mk()
+
+
+CONFIGS = [DuplexDecodeConfig(mode="greedy"), DuplexDecodeConfig(),
+           DuplexDecodeConfig(mode="greedy", repetition_penalty=0.9, length_penalty=0.8, listen_prob_scale=1.3),
+           DuplexDecodeConfig(temperature=1.3, top_k=5, top_p=0.95, repetition_penalty=1.2, listen_top_k=3,
+                              repetition_window=4),
+           DuplexDecodeConfig(mode="greedy", listen_top_k=2, repetition_penalty=1.0, length_penalty=1.0),
+           DuplexDecodeConfig(top_k=0, top_p=0.5)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["greedy", "sampling", "greedy-penalties-below-1",
+                                                 "sampling-topk5-listen", "greedy-listen-topk", "sampling-topk0"])
+def test_decode_many_gives_each_decoders_own_tokens_histories_and_draws(tok, config):
+    """Four conversations over 12 steps: ``decode_many`` returns ``decode``'s token for every row, leaves the
+    same history and the same generator state (so the next draws agree too), bit for bit on the CPU. The
+    rows start with different histories, one of them empty."""
+    seeds = [3, 4, 5, 6]
+    batch, alone = _twins(tok, [config] * 4, seeds)
+    for b, a, h in zip(batch, alone, ([], [A], [A, B, 7, 7], list(range(100, 140)))):
+        b.history, a.history = list(h), list(h)
+    seen = set()
+    for step in range(12):
+        rows = _steps_logits(step, 4, tok)
+        got = decode_many(batch, rows)
+        want = [d.decode(r) for d, r in zip(alone, rows)]
+        assert got == want, step
+        seen.update(want)
+        for b, a in zip(batch, alone):
+            assert b.history == a.history
+            assert torch.equal(b.generator.get_state(), a.generator.get_state())
+    assert len(seen) >= 3    # the steps exercised several outcomes
+
+
+def test_decode_many_groups_rows_of_different_settings(tok):
+    """Rows of several configs in one call: each goes through its own settings, in the callers' order."""
+    configs = CONFIGS[:4] + CONFIGS[:2]
+    batch, alone = _twins(tok, configs, range(len(configs)))
+    for step in range(6):
+        rows = _steps_logits(50 + step, len(configs), tok)
+        assert decode_many(batch, rows) == [d.decode(r) for d, r in zip(alone, rows)], step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("config", CONFIGS[:4], ids=["greedy", "sampling", "greedy-penalties-below-1",
+                                                     "sampling-topk5-listen"])
+def test_decode_many_on_cuda_gives_the_host_decoders_tokens(tok, config):
+    """The same rows on the GPU: every operation is the host's IEEE one (divisions by device tensors), so the
+    tokens and histories equal ``decode``'s on the host. Sampling's raw draw takes the device's log-sum-exp,
+    which may differ in its last bits: a Bernoulli draw within that of its probability would flip (odds
+    ~1e-7 per draw; 48 draws here)."""
+    batch, alone = _twins(tok, [config] * 4, [11, 12, 13, 14])
+    for step in range(12):
+        rows = _steps_logits(100 + step, 4, tok)
+        assert decode_many(batch, [r.cuda() for r in rows]) == [d.decode(r) for d, r in zip(alone, rows)], step
+        assert [b.history for b in batch] == [a.history for a in alone]

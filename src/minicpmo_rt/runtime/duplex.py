@@ -42,7 +42,8 @@ import torch
 from ..errors import InputError
 from ..talker.chunked import ChunkSampling, SeatUnit, TalkerTurn, TalkerTurns
 from ..talker.engine import CONTEXT_CODES, SILENCE_CODE
-from ..thinker.duplex import DuplexDecodeConfig, DuplexDecoder, TurnState, generate_unit, unit_steps
+from ..thinker.duplex import (DecodeRequest, DuplexDecodeConfig, DuplexDecoder, TurnState, decode_many, generate_unit,
+                              unit_steps)
 
 PCM_RATE = 24000
 SAMPLES_PER_CODE = 960
@@ -361,27 +362,35 @@ class DuplexBatch:
             conv.session.commit(x.audio, frames.get(i, x.frame), sample_rate=x.sample_rate)
             steps[i] = unit_steps(conv.session, conv.decoder, conv.tokenizer, conv.turn, x.force_listen)
             pending[i] = None
+        def advance(i, value) -> None:
+            """Send ``value`` to conversation i's steps (None: start them); file what they ask next."""
+            try:
+                ask = next(steps[i]) if value is None else steps[i].send(value)
+            except StopIteration as end:
+                done[i] = self.conversations[i]._unit_done(end.value)
+                return
+            (asks if isinstance(ask, DecodeRequest) else nxt)[i] = ask
+
         while pending:
             hidden = {}
             if self.rows is not None and any(t is not None for t in pending.values()):
                 where = {i: self.conversations[i].session.token_row() for i, t in pending.items() if t is not None}
                 out = self.rows.step_logits({row: (pending[i], pos) for i, (row, pos) in where.items()})
-                # every seat's logits and hidden row reach the host in one copy each (the decode policy and
-                # the Talker's rows read them there), not in two waits per seat
-                logits, rows = out.logits.cpu(), out.hidden.float().cpu()
+                # the hidden rows reach the host in one copy (the Talker reads them there); the logits stay on
+                # the device, where decode_many reads every seat's at once
+                rows = out.hidden.float().cpu()
                 for k, i in enumerate(where):
-                    self.conversations[i].session.accept_token(pending[i], out.hidden[k], logits=logits[k])
+                    self.conversations[i].session.accept_token(pending[i], out.hidden[k], logits=out.logits[k])
                     hidden[i] = rows[k]
-            nxt = {}
+            nxt, asks = {}, {}
             for i, token in pending.items():
-                try:
-                    if token is None:
-                        nxt[i] = next(steps[i])
-                    else:
-                        h = hidden[i] if i in hidden else self.conversations[i].session.feed_token(token)
-                        nxt[i] = steps[i].send(h)
-                except StopIteration as end:
-                    done[i] = self.conversations[i]._unit_done(end.value)
+                advance(i, None if token is None else
+                        hidden[i] if i in hidden else self.conversations[i].session.feed_token(token))
+            while asks:     # every seat's decode policy in one pass over the stacked logits
+                ready, asks = asks, {}
+                tokens = decode_many([self.conversations[i].decoder for i in ready], [a.logits for a in ready.values()])
+                for i, token in zip(ready, tokens):
+                    advance(i, token)
             pending = nxt
         return done
 

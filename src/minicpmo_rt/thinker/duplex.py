@@ -34,6 +34,7 @@ upstream's; its parity fixtures are greedy).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -156,6 +157,116 @@ class DuplexDecoder:
 
 
 @dataclass(frozen=True)
+class DecodeRequest:
+    """What ``unit_steps`` yields when it needs the decode policy's token: send back
+    ``DuplexDecoder.decode(logits)`` (or ``decode_many``'s token for these logits)."""
+
+    logits: torch.Tensor
+
+
+def _row_state(d: DuplexDecoder, V: int) -> list[int]:
+    """The ids ``d.decode`` penalises next (its recent history, distinct, ascending, inside the vocabulary)."""
+    cfg = d.config
+    if cfg.repetition_penalty == 1.0 or not d.history:
+        return []
+    return [t for t in sorted(set(d.history[-cfg.repetition_window:])) if t < V]
+
+
+@torch.no_grad()
+def decode_many(decoders: Sequence[DuplexDecoder], logits: Sequence[torch.Tensor]) -> list[int]:
+    """``[d.decode(l) for d, l in zip(decoders, logits)]``, in that order, with the same histories and the same
+    draws from each decoder's generator; but every pass over the vocabulary (raw draw, forbidden ids,
+    penalties, the listen rule, argmax or top-k) runs once for all rows on the logits' device, and only
+    tokens, probabilities and the top-k's survivors reach the host. ``decode`` copies each row to the host
+    and makes ~6 passes over its 151k logits there: at 16 conversations that was ~100 ms of every second
+    (``duplex_batch_bench --cprofile``).
+
+    On the CPU it computes what ``decode`` computes, bit for bit (``test_duplex_decode``). On a GPU every
+    operation is the same IEEE one (divisions by device tensors, which CUDA does not turn into a multiply by
+    the reciprocal, as it does for a host scalar), except the raw draw's log-sum-exp in sampling mode: the
+    device sums in its own order, so that probability may differ from the host's in its last bits.
+    ``top_k=0`` (a sort of the whole vocabulary, whose ties a GPU orders its own way) runs ``decode`` per row."""
+    out: list[int | None] = [None] * len(decoders)
+    groups: dict[tuple, list[int]] = {}
+    for i, d in enumerate(decoders):
+        groups.setdefault((d.config, d.chunk_eos, d.turn_eos, d.listen_rule_id, id(d.forbidden)), []).append(i)
+    for idx in groups.values():
+        d0 = decoders[idx[0]]
+        cfg = d0.config
+        if cfg.mode == "sampling" and cfg.top_k == 0:
+            for i in idx:
+                out[i] = decoders[i].decode(logits[i])
+            continue
+        dev = logits[idx[0]].device
+        L = torch.stack([logits[i].detach().float().reshape(-1).to(dev) for i in idx])     # [n, V]
+        n, V = L.shape
+        scalar = lambda x: torch.tensor(x, dtype=torch.float32, device=dev)    # noqa: E731  (true division)
+        if cfg.mode == "greedy":
+            raw = torch.argmax(L, dim=1).tolist()
+        else:   # one log-sum-exp per row, as decode takes it over its 1-D row
+            lse = torch.stack([torch.logsumexp(L[r], 0) for r in range(n)])
+            raw = torch.exp(L[:, d0.chunk_eos] - lse).cpu()
+        M = L.clone()
+        M.index_fill_(1, d0.forbidden.to(dev), float("-inf"))
+        recent = [_row_state(decoders[i], V) for i in idx]
+        width = max(map(len, recent))
+        if width:
+            # each row's ids, padded with its own first id (a repeat writes the same value) or, for a row with
+            # none, id 0 written back unchanged
+            pad = torch.tensor([r + [r[0] if r else 0] * (width - len(r)) for r in recent], device=dev)
+            vals = M.gather(1, pad)
+            pen = cfg.repetition_penalty
+            new = vals / scalar(pen) if pen > 1.0 else vals * (1.0 / pen)
+            live = torch.tensor([bool(r) for r in recent], device=dev)[:, None]
+            M.scatter_(1, pad, torch.where(live, new, vals))
+        if cfg.length_penalty != 1.0:
+            v = M[:, d0.turn_eos]
+            M[:, d0.turn_eos] = torch.where(v > 0, v / scalar(cfg.length_penalty), v * cfg.length_penalty)
+        rule = d0.listen_rule_id
+        if cfg.listen_prob_scale != 1.0:
+            M[:, rule] = M[:, rule] * cfg.listen_prob_scale
+        listen = ((M > M[:, rule:rule + 1]).sum(1) < cfg.listen_top_k).tolist() if cfg.listen_top_k is not None \
+            else [False] * n
+        if cfg.mode == "greedy":
+            final = torch.argmax(M, dim=1).tolist()
+        else:   # the top-k's survivors (ties with the k-th value included), each row's ids ascending as decode's
+            S = M / scalar(cfg.temperature)
+            kth = torch.topk(S, min(cfg.top_k, V), dim=1).values[:, -1:]
+            keep = S >= kth
+            where = torch.nonzero(keep).cpu()
+            kept = S[keep].cpu()
+            counts = keep.sum(1).tolist()
+            bounds = [0]
+            for c in counts:
+                bounds.append(bounds[-1] + c)
+        for r, i in enumerate(idx):
+            d = decoders[i]
+            if cfg.mode == "greedy":
+                hit = raw[r] == d.chunk_eos
+            else:
+                hit = bool(torch.rand((), generator=d.generator) < raw[r])
+            if hit:
+                out[i] = d.chunk_eos
+                continue
+            if listen[r]:
+                out[i] = rule     # upstream returns without recording it in the history
+                continue
+            if cfg.mode == "greedy":
+                token = int(final[r])
+            else:
+                ids, vals = where[bounds[r]:bounds[r + 1], 1], kept[bounds[r]:bounds[r + 1]]
+                vals, order = torch.sort(vals, descending=True)
+                ids = ids[order]
+                if cfg.top_p > 0.0:
+                    k = ~_top_p_drop(vals, cfg.top_p)
+                    ids, vals = ids[k], vals[k]
+                token = int(ids[torch.multinomial(F.softmax(vals, dim=-1), 1, generator=d.generator)])
+            d.history.append(token)
+            out[i] = token
+    return out
+
+
+@dataclass(frozen=True)
 class UnitGeneration:
     """What the model did during one unit."""
 
@@ -190,17 +301,20 @@ def generate_unit(session, decoder: DuplexDecoder, tokenizer, turn: TurnState,
     The first ``force_listen_units`` units of a session listen too, without that closing."""
     steps = unit_steps(session, decoder, tokenizer, turn, force_listen)
     try:
-        token = next(steps)
+        ask = next(steps)
         while True:
-            token = steps.send(session.feed_token(token))
+            ask = steps.send(decoder.decode(ask.logits) if isinstance(ask, DecodeRequest)
+                             else session.feed_token(ask))
     except StopIteration as done:
         return done.value
 
 
 def unit_steps(session, decoder: DuplexDecoder, tokenizer, turn: TurnState, force_listen: bool = False):
-    """``generate_unit`` as a generator: it yields each token to feed and expects, sent back, that
-    token's final-norm hidden row once ``session`` holds it (``session.feed_token``'s result), so a
-    caller can feed the tokens of several sessions in one forward; it returns the UnitGeneration."""
+    """``generate_unit`` as a generator, so that a caller can run several sessions' steps together. It
+    yields two kinds of requests: a ``DecodeRequest``, answered by sending back the policy's token for its
+    logits (``decoder.decode``; ``decode_many`` for several sessions at once), and a token to feed, answered
+    by that token's final-norm hidden row once ``session`` holds it (``session.feed_token``'s result; one
+    forward for several sessions). It returns the UnitGeneration."""
     cfg = decoder.config
     sp = tokenizer.special
     terminators = (sp.listen, sp.chunk_eos, sp.chunk_tts_eos)
@@ -224,7 +338,7 @@ def unit_steps(session, decoder: DuplexDecoder, tokenizer, turn: TurnState, forc
         if force_listen:
             token = sp.listen
         else:
-            token = decoder.decode(logits)
+            token = yield DecodeRequest(logits)
             if token == sp.listen and turn.open:
                 token = sp.tts_bos
         decoded.append(token)

@@ -1,0 +1,27 @@
+"""benchmarks/duplex_batch_bench.py end to end on tiny random weights on the CPU (a check of the script; its
+numbers mean nothing here): the table, the JSON, and the cProfile run with its Thinker split by part."""
+
+import json
+
+from conftest import run_benchmark
+
+
+def test_smoke_run_writes_the_table_and_a_profile_split_by_part(tmp_path):
+    r = run_benchmark("duplex_batch_bench.py", tmp_path, "--tiny", "--conversations", "2", "--sequential", "",
+                      "--batch-kinds", "batch-rows", "--units", "2", "--warm", "1", "--cprofile", "2",
+                      one_thread=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "duplex_batch_bench.json").read_text())
+    assert [(x["kind"], x["n"]) for x in res["runs"]] == [("batch-rows", 2)]
+    assert res["runs"][0]["summary"]["codes"] > 0
+    assert "| 2 | batch-rows | greedy |" in (tmp_path / "duplex_batch_bench.md").read_text()
+    prof = (tmp_path / "duplex_batch_bench_cprofile_2.txt").read_text()
+    head = prof.splitlines()[1]
+    for part in ("vision", "commit", "rows step", "host copy", "the rest of the Thinker"):
+        assert part in head, head
+    assert "cumulative" in prof
+
+
+def test_a_warm_up_that_leaves_no_second_is_refused(tmp_path):
+    r = run_benchmark("duplex_batch_bench.py", tmp_path, "--tiny", "--units", "2", "--warm", "2", timeout=300)
+    assert r.returncode == 2 and "leaves no measured second" in r.stderr, r.stderr[-2000:]
