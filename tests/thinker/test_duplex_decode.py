@@ -206,9 +206,17 @@ def test_decode_many_gives_each_decoders_own_tokens_histories_and_draws(tok, con
 
 
 def test_decode_many_groups_rows_of_different_settings(tok):
-    """Rows of several configs in one call: each goes through its own settings, in the callers' order."""
+    """Rows of several configs in one call: each goes through its own settings, in the callers' order. Decoders
+    built apart (each with its own forbidden-id tensor) share a pass when their settings are equal, and a
+    decoder whose forbidden ids differ gets a pass of its own."""
+    from minicpmo_rt.thinker.duplex import policy_groups
+
     configs = CONFIGS[:4] + CONFIGS[:2]
     batch, alone = _twins(tok, configs, range(len(configs)))
+    assert sorted(policy_groups(batch)) == [[0, 4], [1, 5], [2], [3]]
+    odd = DuplexDecoder(tok, CONFIGS[0])
+    odd.forbidden = odd.forbidden[:-1]
+    assert sorted(policy_groups(batch[:1] + [odd] + batch[4:5])) == [[0, 2], [1]]
     for step in range(6):
         rows = _steps_logits(50 + step, len(configs), tok)
         assert decode_many(batch, rows) == [d.decode(r) for d, r in zip(alone, rows)], step

@@ -108,6 +108,8 @@ class DuplexDecoder:
         self.chunk_eos, self.turn_eos = sp.chunk_eos, sp.turn_eos
         # an index tensor made once: the bad ids alone are ~7000
         self.forbidden = torch.tensor(sorted({sp.tts_pad, *getattr(tokenizer, "bad_token_ids", ()), sp.chunk_eos}))
+        # decoders of one tokenizer share decode_many's passes: their forbidden ids compare by this key
+        self.forbidden_key = (len(self.forbidden), hash(tuple(self.forbidden.tolist())))
         eos = tokenizer.token_to_id(getattr(tokenizer, "eos_token", "<|im_end|>"))
         self.listen_rule_id = sp.im_end if eos is None else eos
         self.history: list[int] = []   # every id decode() returned past its first draw
@@ -172,6 +174,19 @@ def _row_state(d: DuplexDecoder, V: int) -> list[int]:
     return [t for t in sorted(set(d.history[-cfg.repetition_window:])) if t < V]
 
 
+def policy_groups(decoders: Sequence[DuplexDecoder]) -> list[list[int]]:
+    """The decoders' indices grouped by the settings ``decode_many`` runs in one pass: config, special ids and
+    forbidden ids (equal ones, not only the same tensor: each conversation's decoder builds its own)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, d in enumerate(decoders):
+        key = (d.config, d.chunk_eos, d.turn_eos, d.listen_rule_id, d.forbidden_key)
+        idx = groups.setdefault(key, [])
+        if idx and not torch.equal(decoders[idx[0]].forbidden, d.forbidden):
+            idx = groups.setdefault(key + (i,), [])     # a hash collision: a group of its own
+        idx.append(i)
+    return list(groups.values())
+
+
 @torch.no_grad()
 def decode_many(decoders: Sequence[DuplexDecoder], logits: Sequence[torch.Tensor]) -> list[int]:
     """``[d.decode(l) for d, l in zip(decoders, logits)]``, in that order, with the same histories and the same
@@ -187,10 +202,7 @@ def decode_many(decoders: Sequence[DuplexDecoder], logits: Sequence[torch.Tensor
     device sums in its own order, so that probability may differ from the host's in its last bits.
     ``top_k=0`` (a sort of the whole vocabulary, whose ties a GPU orders its own way) runs ``decode`` per row."""
     out: list[int | None] = [None] * len(decoders)
-    groups: dict[tuple, list[int]] = {}
-    for i, d in enumerate(decoders):
-        groups.setdefault((d.config, d.chunk_eos, d.turn_eos, d.listen_rule_id, id(d.forbidden)), []).append(i)
-    for idx in groups.values():
+    for idx in policy_groups(decoders):
         d0 = decoders[idx[0]]
         cfg = d0.config
         if cfg.mode == "sampling" and cfg.top_k == 0:
