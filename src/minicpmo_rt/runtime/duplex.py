@@ -362,6 +362,7 @@ class DuplexBatch:
             conv.session.commit(x.audio, frames.get(i, x.frame), sample_rate=x.sample_rate)
             steps[i] = unit_steps(conv.session, conv.decoder, conv.tokenizer, conv.turn, x.force_listen)
             pending[i] = None
+
         def advance(i, value) -> None:
             """Send ``value`` to conversation i's steps (None: start them); file what they ask next."""
             try:

@@ -166,7 +166,7 @@ class DecodeRequest:
     logits: torch.Tensor
 
 
-def _row_state(d: DuplexDecoder, V: int) -> list[int]:
+def _recent_ids(d: DuplexDecoder, V: int) -> list[int]:
     """The ids ``d.decode`` penalises next (its recent history, distinct, ascending, inside the vocabulary)."""
     cfg = d.config
     if cfg.repetition_penalty == 1.0 or not d.history:
@@ -220,7 +220,7 @@ def decode_many(decoders: Sequence[DuplexDecoder], logits: Sequence[torch.Tensor
             raw = torch.exp(L[:, d0.chunk_eos] - lse).cpu()
         M = L.clone()
         M.index_fill_(1, d0.forbidden.to(dev), float("-inf"))
-        recent = [_row_state(decoders[i], V) for i in idx]
+        recent = [_recent_ids(decoders[i], V) for i in idx]
         width = max(map(len, recent))
         if width:
             # each row's ids, padded with its own first id (a repeat writes the same value) or, for a row with
