@@ -10,6 +10,8 @@ run N conversations side by side in one run:
   decoder, each commits its second, then every decode step of all of them is one forward
   (``StaticRows``); every speaking unit's Talker draws together (``TalkerTurns``: one batched forward
   per draw, a CUDA graph) and their Code2Wav payloads together (``push_many``);
+- ``batch-rows-each``: ``batch-rows`` with each session's commit prefilling alone (``batched_commit=False``;
+  ``batch-rows`` runs the seconds' commits' LLM prefills together, ``thinker.session.commit_many``);
 - ``batch``: ``DuplexBatch`` with ``shared_decode=False``: each session on its own static decoder, so the
   units decode one conversation at a time (the rows of ``duplex_batch_bench_session41_h200.md``);
 - ``sequential``: N ``DuplexConversation``s stepped one after another (each its own Talker graph and
@@ -92,11 +94,14 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
     cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
     clock = Clock(dev)
-    if kind == "batch-rows" and not options:     # CPU smoke run: static caches on the torch kernels
+    rows_kind = kind in ("batch-rows", "batch-rows-each")
+    if rows_kind and not options:     # CPU smoke run: static caches on the torch kernels
         options = {"llm_cache": "static", "llm_kernels": "torch"}
-    if kind in ("batch", "batch-rows"):
+    if kind in ("batch", "batch-rows", "batch-rows-each"):
         batch = DuplexBatch(thinker, tok, tts, None, [None] * n, seeds=list(range(n)), decode=cfg, fast=True,
-                            session_options=options, shared_decode=kind == "batch-rows")
+                            session_options=options, shared_decode=rows_kind)
+        if kind == "batch-rows-each":     # each session's commit prefills alone (before commit_many)
+            batch.batched_commit = False
         batch.code2wav = c2w
         convs = batch.conversations
         clock.wrap(batch, "_think", "thinker")
@@ -262,8 +267,8 @@ def main() -> None:
     decodes = [d for d in args.decode.split(",") if d]
     if not decodes or set(decodes) - {"greedy", "sampling"}:
         ap.error(f"--decode: choose from greedy, sampling (got {args.decode!r})")
-    if set(kinds) - {"batch", "batch-rows"}:
-        ap.error(f"--batch-kinds: choose from batch-rows, batch (got {args.batch_kinds!r})")
+    if set(kinds) - {"batch", "batch-rows", "batch-rows-each"}:
+        ap.error(f"--batch-kinds: choose from batch-rows, batch-rows-each, batch (got {args.batch_kinds!r})")
     plan = [(d, k, n) for d in decodes for n in batched for k in kinds] + \
         [(d, "sequential", n) for d in decodes for n in sequential]
     for decode, kind, n in plan:

@@ -313,6 +313,7 @@ def test_batch_says_what_each_conversation_says_alone(parts, tiny_ckpt, voice, s
     options = {"session_options": {"llm_cache": "static", "llm_kernels": "torch"}} if rows else {}
     batch = DuplexBatch(thinker, tok, tts, c2w, voices, seeds=[10, 11, 12], decode=cfg, **options)
     assert (batch.rows is not None) == rows
+    assert batch.batched_commit == rows      # with shared rows the seconds' prefills run together (commit_many)
     ids = [sp.listen, sp.speak, WORD, WORD + 1, WORD + 2, sp.chunk_eos, sp.turn_eos]
     head = thinker.llm.lm_head
     seen = []

@@ -448,3 +448,126 @@ def test_static_rows_prefill_many_equals_each_prompt_alone(thinker, monkeypatch)
     assert sorted(calls) == [(0, 1, 7), (2, 1, 9)]
     with pytest.raises(ValueError, match="2 rows for 1 prompts"):
         rows.prefill_many(views[:2], prompts[:1])
+
+
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not K.usable_on(torch.empty(0)) or torch.cuda.is_available(), reason="the Triton kernels on the CPU need "
+    "TRITON_INTERPRET=1 (CUDA runs them in the CUDA tests)"))])
+def test_feed_many_rows_from_their_own_lengths_equal_each_feed_alone(thinker, kernels):
+    """Rows 0-2 of a StaticRows at lengths 5, 0 and 11 take inputs of 4, 9 and 6 positions in one forward
+    (right-padded to 9, each row from its own length; ``prefill_at``): each row's K/V and hidden rows equal
+    the same feeds into separate caches (fp32 rounding), the lengths advance by each input's own size, and a
+    row that is not fed keeps its cache bit for bit."""
+    from minicpmo_rt.thinker.decode import StaticDecoder
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+
+    torch.manual_seed(5)
+    H = thinker.llm.config.hidden_size
+    rows = StaticRows(thinker, 4, 32, kernels=kernels, graphs=False)
+    caches = [StaticLLMCache(thinker, 32, kernels=kernels, graphs=False, pool=rows) for _ in range(4)]
+    alone = [StaticLLMCache(thinker, 32, kernels=kernels, graphs=False) for _ in range(3)]
+    for c, a, n in zip(caches, alone, (5, 0, 11)):
+        if n:
+            x = torch.randn(n, H)
+            c.feed(x)
+            a.feed(x)
+    caches[3].feed(torch.randn(7, H))
+    kept = rows.big.k_cache[:, 3].clone()
+    xs = [torch.randn(n, H) for n in (4, 9, 6)]
+    steps = rows.feed_many(caches[:3], xs)
+    for c, a, x, st in zip(caches, alone, xs, steps):
+        want = a.feed(x)
+        assert c.length == a.length and st.hidden.shape == want.hidden.shape
+        assert rel_err(st.hidden, want.hidden) <= 1e-5
+        n = a.length
+        assert rel_err(c.store.k_cache[:, 0, :, :n], a.store.k_cache[:, 0, :, :n]) <= 1e-5
+        assert rel_err(c.store.v_cache[:, 0, :, :n], a.store.v_cache[:, 0, :, :n]) <= 1e-5
+    assert torch.equal(rows.big.k_cache[:, 3], kept)
+    with pytest.raises(ValueError, match="cannot hold rows from"):
+        rows.big.rows_view(0, 2).prefill_at(torch.zeros(2, 30, H), [0, 10])
+    assert isinstance(rows.big, StaticDecoder)
+
+
+def test_commit_many_equals_each_session_committing_alone(thinker, tok):
+    """Three sessions on rows 0-2 of one StaticRows (torch kernels; different lengths after their first seconds: one starts a
+    second later, with frames on some seconds) commit together through ``commit_many``: the prefills run as
+    one forward (``StaticRows.feed_many``, rows from their own positions, right-padded), and each session ends
+    as the same session committing alone on its own static cache: hidden state, logits and cache rows within
+    fp32 rounding, and the same books (lengths, units, carried samples)."""
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+    from minicpmo_rt.thinker.session import commit_many
+
+    seconds = 3
+    rows = StaticRows(thinker, 3, 512, kernels="torch", graphs=False)
+    shared = [StreamingSession(thinker, tok, llm_cache="static", static_capacity=512, llm_pool=rows,
+                               llm_graphs=False) for _ in range(3)]
+    alone = [StreamingSession(thinker, tok, llm_cache="static", static_capacity=512) for _ in range(3)]
+    audio = [_audio(4, 20 + i) for i in range(3)]
+    forwards = []
+    prefill_at = rows.big.__class__.prefill_at
+
+    def spy(self, x, starts):
+        forwards.append((self.row, self.batch, list(starts)))
+        return prefill_at(self, x, starts)
+
+    rows.big.__class__.prefill_at = spy
+    try:
+        for k in range(seconds):
+            live = [i for i in range(3) if not (i == 2 and k == 0)]     # session 2 starts a second later
+            sec = lambda i: audio[i][16000 * k:16000 * (k + 1)]          # noqa: E731
+            frame = lambda i: _frame(k + i) if (k + i) % 2 == 0 else None  # noqa: E731
+            commit_many([shared[i] for i in live], [(sec(i), frame(i), 16000) for i in live], rows)
+            for i in live:
+                alone[i].commit(sec(i), frame(i))
+            for i in live:
+                a, b = shared[i], alone[i]
+                assert a.cache_len == b.cache_len and a.next_unit_id == b.next_unit_id
+                assert np.array_equal(a.carry, b.carry) and len(a.history) == len(b.history)
+                assert rel_err(a.read_state(), b.read_state()) <= 1e-5
+                assert rel_err(a.logits(), b.logits()) <= 1e-5
+                k_a, _ = _static_rows(a, 1)
+                k_b, _ = _static_rows(b, 1)
+                assert rel_err(k_a, k_b) <= 1e-5
+            for s in shared + alone:
+                if s.open_unit is not None and s.open_unit.terminator is None:
+                    s.end_unit(tok.special.listen)
+    finally:
+        rows.big.__class__.prefill_at = prefill_at
+    # one forward per second for the runs of two or three rows, each row from its own length
+    assert [f[:2] for f in forwards] == [(0, 2), (0, 3), (0, 3)]
+    assert len(set(forwards[1][2])) > 1
+    for s in shared + alone:
+        s.close()
+
+
+def test_commit_many_leaves_every_session_as_it_was_when_one_fails(thinker, tok):
+    """A session whose next unit would not fit its cache fails the call: no session moved (lengths, units,
+    carried samples, mel state), and each commits normally afterwards."""
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+    from minicpmo_rt.thinker.session import commit_many
+
+    rows = StaticRows(thinker, 2, 160, kernels="torch", graphs=False)
+    ss = [StreamingSession(thinker, tok, llm_cache="static", static_capacity=160, llm_pool=rows, llm_graphs=False)
+          for _ in range(2)]
+    audio = _audio(6, 3)
+    while True:                                 # fill session 1 until its next unit does not fit
+        try:
+            ss[1].commit(audio[:16000], None)
+        except ContextLimitError:
+            break
+        ss[1].end_unit(tok.special.listen)
+    ss[0].commit(audio[:16000], None)
+    ss[0].end_unit(tok.special.listen)
+    before = [(s.cache_len, s.next_unit_id, s.carry.copy(), len(s.history), s.audio_chunk_idx) for s in ss]
+    with pytest.raises(ContextLimitError):
+        commit_many(ss, [(audio[16000:32000], None, 16000), (audio[16000:32000], None, 16000)], rows)
+    for s, (n, u, carry, h, idx) in zip(ss, before):
+        assert (s.cache_len, s.next_unit_id, len(s.history), s.audio_chunk_idx) == (n, u, h, idx)
+        assert np.array_equal(s.carry, carry)
+    ss[0].commit(audio[16000:32000], None)
+    assert ss[0].cache_len > before[0][0]
+    with pytest.raises(InputError, match="feed_many takes the caches of sessions on these rows"):
+        other = StreamingSession(thinker, tok, llm_cache="static", static_capacity=160)
+        rows.feed_many([other.llm_cache], [torch.zeros(3, thinker.llm.config.hidden_size)])
+    for s in ss:
+        s.close()

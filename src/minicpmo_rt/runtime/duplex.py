@@ -299,6 +299,8 @@ class DuplexBatch:
                                    kernels=opts.get("llm_kernels", "auto"), graphs=opts.get("llm_graphs"),
                                    pool=pool if isinstance(pool, StaticDecoderPool) else None)
             conversation_options["session_options"] = {**opts, "llm_pool": self.rows}
+        # with shared rows, the seconds' commits prefill in one forward per run of rows (commit_many)
+        self.batched_commit = self.rows is not None
         self.code2wav = code2wav
         self.talker = TalkerTurns(tts, len(voices), talker_sampling, seeds, max_len=talker_max_len,
                                   graphs=fast and thinker.device.type == "cuda")
@@ -347,7 +349,7 @@ class DuplexBatch:
         """Every stepping conversation's Thinker unit -> {i: (unit index, UnitGeneration)}: each commits its
         second, then the units generate in lock step, one forward per decode step for all of them on shared
         rows (one forward per conversation otherwise)."""
-        from ..thinker.session import EmbeddedFrame
+        from ..thinker.session import EmbeddedFrame, commit_many
 
         steps, pending, done = {}, {}, {}
         # the frames of this second go through the vision encoder in one batch (the sessions share the
@@ -356,11 +358,19 @@ class DuplexBatch:
                   if x is not None and x.frame is not None and not isinstance(x.frame, EmbeddedFrame)}
         if len(frames) > 1:
             frames = dict(zip(frames, self.conversations[next(iter(frames))].session.embed_frames(list(frames.values()))))
-        for i, (conv, x) in enumerate(zip(self.conversations, inputs)):
-            if x is None:
-                continue
-            conv.session.commit(x.audio, frames.get(i, x.frame), sample_rate=x.sample_rate)
-            steps[i] = unit_steps(conv.session, conv.decoder, conv.tokenizer, conv.turn, x.force_listen)
+        stepping = [i for i, x in enumerate(inputs) if x is not None]
+        if self.rows is not None and self.batched_commit and len(stepping) > 1:
+            # the seconds' LLM prefills in one forward per run of consecutive rows
+            commit_many([self.conversations[i].session for i in stepping],
+                        [(inputs[i].audio, frames.get(i, inputs[i].frame), inputs[i].sample_rate) for i in stepping],
+                        self.rows)
+        else:
+            for i in stepping:
+                x = inputs[i]
+                self.conversations[i].session.commit(x.audio, frames.get(i, x.frame), sample_rate=x.sample_rate)
+        for i in stepping:
+            conv = self.conversations[i]
+            steps[i] = unit_steps(conv.session, conv.decoder, conv.tokenizer, conv.turn, inputs[i].force_listen)
             pending[i] = None
 
         def advance(i, value) -> None:

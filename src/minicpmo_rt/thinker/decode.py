@@ -189,6 +189,19 @@ class StaticDecoder(nn.Module):
         return self.step(embeds.to(self.dtype), pos, start + T)
 
     @torch.no_grad()
+    def prefill_at(self, embeds: torch.Tensor, starts: Sequence[int]) -> torch.Tensor:
+        """``prefill`` with row b from its own position ``starts[b]`` (sessions of different lengths on
+        consecutive rows). Every row spans T positions: a row right-padded past its own input writes K/V past
+        its end, which its next feed rewrites before anything reads it."""
+        B, T, _ = embeds.shape
+        if len(starts) != B:
+            raise ValueError(f"prefill_at: {len(starts)} starts for {B} rows")
+        if min(starts) < 0 or max(starts) + T > self.max_len:
+            raise ValueError(f"static cache of {self.max_len} positions cannot hold rows from {list(starts)} + {T}")
+        pos = torch.tensor(list(starts))[:, None] + torch.arange(T)[None]
+        return self.step(embeds.to(self.dtype), pos.to(self.device, non_blocking=True), max(starts) + T)
+
+    @torch.no_grad()
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None):
         """One token per row: tokens [B], positions [B] -> (logits [B,V] float32, hidden [B,H])."""
         kv_len = kv_len or self.max_len

@@ -170,6 +170,35 @@ class StaticRows:
         return torch.stack(last)
 
     @torch.no_grad()
+    def feed_many(self, caches: Sequence["StaticLLMCache"], embeds: Sequence[torch.Tensor]) -> list[LLMStep]:
+        """``caches[i].feed(embeds[i])`` for sessions on rows of these (each cache's ``store`` one of the rows
+        handed out here), where consecutive rows run as one forward (``decode.padded_runs``), each row from
+        its own length: the weights are read once per run instead of once per session. Rows whose padding
+        would pass the cache's end feed alone."""
+        if len(caches) != len(embeds):
+            raise ValueError(f"feed_many: {len(caches)} caches for {len(embeds)} inputs")
+        seqs = [e.reshape(-1, e.shape[-1]) for e in embeds]
+        for c, x in zip(caches, seqs):
+            if c.store is None or getattr(c.store, "row", None) is None or c.pool is not self:
+                raise InputError("static rows: feed_many takes the caches of sessions on these rows (llm_pool)")
+            if c.length + x.shape[0] > c.capacity:
+                raise InputError(f"static LLM cache: {c.length} + {x.shape[0]} positions pass its capacity of "
+                                 f"{c.capacity}; build the session with a larger static_capacity (or a tighter window)")
+        out: list[LLMStep | None] = [None] * len(caches)
+        for run, row, x in padded_runs([c.store.row for c in caches], seqs):
+            starts = [caches[i].length for i in run]
+            if len(run) == 1 or max(starts) + x.shape[1] > self.big.max_len:
+                for i in run:
+                    out[i] = caches[i].feed(seqs[i])
+                continue
+            hidden = self.big.rows_view(row, len(run)).prefill_at(x, starts)
+            for j, i in enumerate(run):
+                n = int(seqs[i].shape[0])
+                caches[i].advance(n)
+                out[i] = LLMStep(hidden[j, :n])
+        return out
+
+    @torch.no_grad()
     def step(self, feeds: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor]:
         """{row: (token id, position)} -> {row: final-norm hidden [H]}: every token fed in one forward (rows
         without a token write at the spare last position)."""

@@ -660,7 +660,11 @@ class StreamingSession:
         embeds, audio, closing, unit = self._unit_embeds(chunk, processed, last_chunk)
         with record_function("session.llm_feed"):
             step = self.llm_cache.feed(embeds)
-        # Commit the bookkeeping only after the forward succeeded.
+        self._apply_unit(step, audio, closing, unit, rest, last_chunk)
+
+    def _apply_unit(self, step, audio: AudioChunkEmbedding, closing: PromptPiece, unit: PromptPiece,
+                    rest: np.ndarray, last_chunk: bool) -> None:
+        """A unit's bookkeeping once its forward (``step``) succeeded."""
         self._last_hidden = step.last
         self.audio_cache = audio.cache
         self.audio_resets += int(audio.reset)
@@ -765,3 +769,29 @@ class StreamingSession:
         if expected != self.llm_cache.length:
             raise SnapshotError(f"window: bookkeeping ({expected} rows) disagrees with the cache "
                                 f"({self.llm_cache.length} rows) after pruning")
+
+
+def commit_many(sessions: "list[StreamingSession]", inputs, rows) -> None:
+    """``sessions[i].commit(audio, frame, sample_rate=sr)`` for each ``inputs[i] = (audio, frame, sr)``, the
+    sessions on rows of one ``StaticRows`` (``rows``, their ``llm_pool``): each prepares its unit as ``commit``
+    does (mel, audio encoder, frame, prompt rows), then their LLM prefills run together, one forward per
+    run of consecutive rows (``StaticRows.feed_many``), then each keeps its books. A failure anywhere puts
+    every session back as it was, as ``commit`` does for one (but for one whose window pruned units in this
+    call, which no snapshot can undo)."""
+    for s in sessions:
+        if s._tail_appended:
+            raise InputError("commit: a tail was appended in this transaction; leave the transaction (restore) "
+                             "before committing")
+    units = [s._unit_input(audio, frame, True, "commit", sr) for s, (audio, frame, sr) in zip(sessions, inputs)]
+    before = [(s.snapshot(), len(s.pruning_events)) for s in sessions]
+    try:
+        prepared = [s._unit_embeds(chunk, processed, False) for s, (chunk, _, processed) in zip(sessions, units)]
+        with record_function("session.llm_feed_many"):
+            steps = rows.feed_many([s.llm_cache for s in sessions], [p[0] for p in prepared])
+        for s, (_, rest, _), (_, audio, closing, unit), step in zip(sessions, units, prepared, steps):
+            s._apply_unit(step, audio, closing, unit, rest, last_chunk=False)
+    except BaseException:
+        for s, (snap, events) in zip(sessions, before):
+            if len(s.pruning_events) == events:
+                s.restore(snap)
+        raise
