@@ -12,7 +12,8 @@
 # kernels.dit_ops.ATTN_PREFETCH and euler_graph.COPY_ENGINE_SUCCESSORS), and one of an uncommitted edit
 # (FusedDiT.wide_fc2_splits 1,2,4) and one of another (kernels.tiled_attention.PV_TRANSPOSED 0,1). Session 45
 # left `dtests duplex` pending (the duplex Talker's fused draw forward, default on CUDA since then: its CUDA run was
-# cut off at the call's limit inside test_duplex.py, and the duplex bench was not rerun).
+# cut off at the call's limit inside test_duplex.py, and the duplex bench was not rerun); session 46 ran them (82
+# passed) and leaves `commits` pending (an A/B of commit_many in both orders, with device time to spare).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -39,6 +40,10 @@
 #            conversations and the turn pipeline
 #   duplex   duplex_batch_bench.py: one second of 8 and 16 concurrent conversations (batch-rows, greedy), the Talker's
 #            draws on the fused kernels (compare duplex_batch_bench_session42b_h200.md, its bucketed torch step)
+#   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
+#            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
+#            and sampling: session 46 measured the Thinker 222 -> 179 ms at 16 (greedy) in one run, whose Talker
+#            column moved by +41 ms with no Talker change (duplex_batch_bench_session46d_commit_many_h200.md)
 #   table    code2wav_bench.py: the issue's table (session 22's rows, slot pool, row merging, whole flow chunk,
 #            HiFT, upstream minicpmo-utils 1.0.7 inference_chunk from .upstream_ref, which git ignores: unpack
 #            `pip download --no-deps minicpmo-utils==1.0.7`, copy its src/ to .upstream_ref and carry it), one call
@@ -103,13 +108,16 @@ for s in "$@"; do
               tests/runtime/test_duplex.py tests/runtime/test_turn.py ;;
     duplex) step duplex 420 python benchmarks/duplex_batch_bench.py "$W/duplex" --conversations 8,16 \
               --batch-kinds batch-rows --sequential "" ${SMOKE:+--tiny} ;;
+    commits) step commits 500 python benchmarks/duplex_batch_bench.py "$W/commits" --conversations 8,16 \
+               --batch-kinds batch-rows,batch-rows-each,batch-rows --sequential "" --decode greedy,sampling \
+               ${SMOKE:+--tiny --units 2 --warm 1} ;;
     stage) step stage 120 python benchmarks/hift_stage_probe.py --out "$W/stage" "${tiny[@]}" ;;
     ab) [ -d _base/src ] || { echo "gpu_pending.sh ab: no _base/src (git archive <commit> src | tar -x -C _base)" >&2
           exit 2; }
         step ab 560 env OUT="$W/ab" bash benchmarks/churn_ab.sh _base/src
         python benchmarks/churn_ab_table.py "$W/ab" --out "$W/ab/churn_ab" 2>&1 | tail -8 | tee -a "$OUT/log.txt"
         tar -czf "$OUT/ab.tar.gz" -C "$W" ab ;;
-    *) echo "gpu_pending.sh: unknown step '$s' (all, tests, carry, prepare, churn, starts, jtests, stage, ab, ftests, ptests, pool, table, profile, dtests, duplex)" >&2
+    *) echo "gpu_pending.sh: unknown step '$s' (all, tests, carry, prepare, churn, starts, jtests, stage, ab, ftests, ptests, pool, table, profile, dtests, duplex, commits)" >&2
        exit 2 ;;
   esac
 done
