@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from .generate import _top_p_drop
+from .generate import _top_p_drop, edit_rows
 
 
 @dataclass(frozen=True)
@@ -220,17 +220,9 @@ def decode_many(decoders: Sequence[DuplexDecoder], logits: Sequence[torch.Tensor
             raw = torch.exp(L[:, d0.chunk_eos] - lse).cpu()
         M = L.clone()
         M.index_fill_(1, d0.forbidden.to(dev), float("-inf"))
-        recent = [_recent_ids(decoders[i], V) for i in idx]
-        width = max(map(len, recent))
-        if width:
-            # each row's ids, padded with its own first id (a repeat writes the same value) or, for a row with
-            # none, id 0 written back unchanged
-            pad = torch.tensor([r + [r[0] if r else 0] * (width - len(r)) for r in recent], device=dev)
-            vals = M.gather(1, pad)
-            pen = cfg.repetition_penalty
-            new = vals / scalar(pen) if pen > 1.0 else vals * (1.0 / pen)
-            live = torch.tensor([bool(r) for r in recent], device=dev)[:, None]
-            M.scatter_(1, pad, torch.where(live, new, vals))
+        pen = cfg.repetition_penalty
+        edit_rows(M, [_recent_ids(decoders[i], V) for i in idx],
+                  (lambda vals: vals / scalar(pen)) if pen > 1.0 else (lambda vals: vals * (1.0 / pen)))
         if cfg.length_penalty != 1.0:
             v = M[:, d0.turn_eos]
             M[:, d0.turn_eos] = torch.where(v > 0, v / scalar(cfg.length_penalty), v * cfg.length_penalty)

@@ -96,21 +96,27 @@ def _penalize(logits: torch.Tensor, ids: torch.Tensor, penalty: float) -> None:
     logits.index_copy_(1, ids, torch.where(vals > 0, vals / penalty, vals * penalty))
 
 
-def _penalize_rows(logits: torch.Tensor, rows: Sequence[Sequence[int]], penalty: float) -> None:
-    """``_penalize`` with each row's own distinct ids, in one gather/scatter. Short rows are padded with
-    their own first id (a repeated index writes the same value) and empty rows with id 0, written back
-    unchanged; the index crosses to the device without waiting on it."""
+def edit_rows(logits: torch.Tensor, rows: Sequence[Sequence[int]], fn) -> None:
+    """``logits[i, rows[i]] = fn(logits[i, rows[i]])`` for every row i (distinct ids per row), in place, in one
+    gather/scatter. Short rows are padded with their own first id (a repeated index writes the same value)
+    and empty rows with id 0, written back unchanged; the index crosses to the device without waiting on it."""
     width = max((len(r) for r in rows), default=0)
-    if penalty == 1.0 or width == 0:
+    if width == 0:
         return
     idx = torch.tensor([list(r) + [r[0] if r else 0] * (width - len(r)) for r in rows], dtype=torch.long)
     idx = idx.to(logits.device, non_blocking=True)
     vals = logits.gather(1, idx)
-    new = torch.where(vals > 0, vals / penalty, vals * penalty)
+    new = fn(vals)
     if not all(rows):
         live = torch.tensor([bool(r) for r in rows])[:, None].to(logits.device, non_blocking=True)
         new = torch.where(live, new, vals)
     logits.scatter_(1, idx, new)
+
+
+def _penalize_rows(logits: torch.Tensor, rows: Sequence[Sequence[int]], penalty: float) -> None:
+    """``_penalize`` with each row's own distinct ids (``edit_rows``)."""
+    if penalty != 1.0:
+        edit_rows(logits, rows, lambda vals: torch.where(vals > 0, vals / penalty, vals * penalty))
 
 
 def process_logits(logits: torch.Tensor, history: torch.Tensor, cfg: SamplingConfig, terminators: torch.Tensor,
