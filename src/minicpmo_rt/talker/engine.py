@@ -239,11 +239,11 @@ class TalkerEngine:
     def _pack(self) -> None:
         """The fused step's weights: QKV and gate/up packed into one GEMM each (copies), and the rotary
         tables of every position from the model's own rotary module (the values its prefill uses)."""
+        from ..thinker.decode import pack_layers
+
         model = self.tts.model
+        self.wqkv, self.w13 = pack_layers(model.layers)
         with torch.no_grad():
-            self.wqkv = [torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight,
-                                    l.self_attn.v_proj.weight]) for l in model.layers]
-            self.w13 = [torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]) for l in model.layers]
             pos = torch.arange(self.max_len, device=self.device)[None]
             cos, sin = model.rotary_emb(self.k_cache.new_zeros(1, 1, self.head_dim), pos)
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()      # [max_len, D], model dtype
@@ -254,25 +254,13 @@ class TalkerEngine:
 
     def _fused_layers(self, x: torch.Tensor, pos: torch.Tensor, read: torch.Tensor | None = None) -> torch.Tensor:
         """``_layers`` for one token per slot (x [B,1,H] at positions pos [B,1], written there) through the
-        fused kernels; attends to each slot's cache rows <= its position, or <= ``read`` [B,1] where given
-        (a row whose output is unused can read one row instead of a whole cache)."""
-        from ..thinker import kernels as K
+        fused kernels (``thinker.decode.fused_layers``); ``read``: as there."""
+        from ..thinker.decode import fused_layers
 
         model = self.tts.model
-        layers = model.layers
-        eps = layers[0].input_layernorm.variance_epsilon
-        s, h = K.add_rms_norm(x, None, layers[0].input_layernorm.weight, eps)
-        for li, layer in enumerate(layers):
-            att = layer.self_attn
-            q = K.qk_norm_rope_cache(F.linear(h, self.wqkv[li]), None, None, self.cos, self.sin, pos,
-                                     self.k_cache[li], self.v_cache[li], self.n_heads, self.n_kv, eps)
-            o = K.attention(q, self.k_cache[li], self.v_cache[li], pos if read is None else read)
-            s, h = K.add_rms_norm(s, F.linear(o.flatten(2), att.o_proj.weight), layer.post_attention_layernorm.weight,
-                                  eps)
-            m = K.silu_mul(F.linear(h, self.w13[li]))
-            nxt = layers[li + 1].input_layernorm.weight if li + 1 < len(layers) else model.norm.weight
-            s, h = K.add_rms_norm(s, F.linear(m, layer.mlp.down_proj.weight), nxt, eps)
-        return h
+        return fused_layers(model.layers, model.norm.weight, self.wqkv, self.w13, self.k_cache, self.v_cache,
+                            self.cos, self.sin, x, pos, self.n_heads, self.n_kv,
+                            model.layers[0].input_layernorm.variance_epsilon, read)
 
     @torch.no_grad()
     def _prefill(self, slot: int, cond: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,39 @@ def padded_runs(keys: Sequence[int], seqs: Sequence[torch.Tensor], join: bool = 
         yield run, keys[run[0]], x
 
 
+def pack_layers(layers) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each decoder layer's q/k/v projections and gate/up projections packed into one weight each (copies):
+    one GEMM apiece in ``fused_layers``."""
+    with torch.no_grad():
+        wqkv = [torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight])
+                for l in layers]
+        w13 = [torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]) for l in layers]
+    return wqkv, w13
+
+
+def fused_layers(layers, norm_w: torch.Tensor, wqkv, w13, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, n_heads: int, n_kv: int,
+                 eps: float, read: torch.Tensor | None = None) -> torch.Tensor:
+    """A Llama-family decoder (the Thinker's Qwen3, with per-head q/k norms; the Talker's Llama, without)
+    through the fused kernels of ``kernels.py``: x [B,T,H] at positions pos [B,T] (K/V written there into
+    ``k_cache``/``v_cache`` [layers, B, KV, S, D]) -> final-norm hidden [B,T,H] (``norm_w``). Each row attends
+    to its cache rows <= its position, or <= ``read`` [B,T] where given (a row whose output is unused can read
+    one row instead of a whole cache). ``wqkv``/``w13``: ``pack_layers``."""
+    s, h = K.add_rms_norm(x, None, layers[0].input_layernorm.weight, eps)
+    for li, layer in enumerate(layers):
+        att = layer.self_attn
+        q_norm, k_norm = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
+        kc, vc = k_cache[li], v_cache[li]
+        q = K.qk_norm_rope_cache(F.linear(h, wqkv[li]), None if q_norm is None else q_norm.weight,
+                                 None if k_norm is None else k_norm.weight, cos, sin, pos, kc, vc, n_heads, n_kv, eps)
+        o = K.attention(q, kc, vc, pos if read is None else read)
+        s, h = K.add_rms_norm(s, F.linear(o.flatten(2), att.o_proj.weight), layer.post_attention_layernorm.weight, eps)
+        m = K.silu_mul(F.linear(h, w13[li]))
+        nxt = layers[li + 1].input_layernorm.weight if li + 1 < len(layers) else norm_w
+        s, h = K.add_rms_norm(s, F.linear(m, layer.mlp.down_proj.weight), nxt, eps)
+    return h
+
+
 class StaticDecoder(nn.Module):
     """Holds packed weights (views of nothing: copies) and a static KV cache for ``batch`` rows."""
 
@@ -82,10 +115,7 @@ class StaticDecoder(nn.Module):
             # Another decoder of the same model: its packed copies serve here too (~9 GB at full size).
             self.wqkv, self.w13 = share_weights.wqkv, share_weights.w13
         else:
-            with torch.no_grad():
-                self.wqkv = [torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight,
-                                        l.self_attn.v_proj.weight]) for l in model.layers]
-                self.w13 = [torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]) for l in model.layers]
+            self.wqkv, self.w13 = pack_layers(model.layers)
         self.layers = list(model.layers)
         theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
         inv = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, device=self.device).float() / self.head_dim))
@@ -133,22 +163,8 @@ class StaticDecoder(nn.Module):
 
     def fused_step(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``plain_step`` through the fused kernels of ``kernels.py`` (no mask, no span)."""
-        H, KV, eps = self.n_heads, self.n_kv, self.eps
-        layers = self.layers
-        s, h = K.add_rms_norm(x, None, layers[0].input_layernorm.weight, eps)
-        for li, layer in enumerate(layers):
-            att = layer.self_attn
-            qkv = F.linear(h, self.wqkv[li])
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            q = K.qk_norm_rope_cache(qkv, att.q_norm.weight, att.k_norm.weight, self.cos, self.sin, pos, kc, vc,
-                                     H, KV, eps)
-            o = K.attention(q, kc, vc, pos)
-            a = F.linear(o.flatten(2), att.o_proj.weight)
-            s, h = K.add_rms_norm(s, a, layer.post_attention_layernorm.weight, eps)
-            m = K.silu_mul(F.linear(h, self.w13[li]))
-            nxt = layers[li + 1].input_layernorm.weight if li + 1 < len(layers) else self.norm_w
-            s, h = K.add_rms_norm(s, F.linear(m, layer.mlp.down_proj.weight), nxt, eps)
-        return h
+        return fused_layers(self.layers, self.norm_w, self.wqkv, self.w13, self.k_cache, self.v_cache, self.cos,
+                            self.sin, x, pos, self.n_heads, self.n_kv, self.eps)
 
     def plain_step(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """The reference step: eager torch ops, SDPA under a mask over [0, kv_len)."""
