@@ -36,6 +36,7 @@ from minicpmo_rt.thinker.decode import StaticDecoder
 from minicpmo_rt.thinker.generate import SamplingConfig, exponential_noise, process_logits_rows
 from minicpmo_rt.thinker.model import Thinker
 
+from code2wav_bench import timed
 from features_bench import randomize_on_device_
 
 HBM_PEAK_GBS = 4800.0      # H200 data sheet (HBM3e); the table says which GPU ran
@@ -56,22 +57,16 @@ def blas(name: str):
 
 
 def med_ms(fn, dev: torch.device, reps: int) -> float:
-    """Median milliseconds per call: CUDA events on a GPU, wall time on the CPU (after two warm-up calls)."""
-    fn()
+    """Median milliseconds per call: ``code2wav_bench.timed``'s CUDA events on a GPU, wall time on the CPU
+    (a smoke run), after warm-up calls."""
+    if dev.type == "cuda":
+        return statistics.median(timed(fn, budget_s=0.0, max_reps=reps, min_reps=reps))
     fn()
     out = []
     for _ in range(reps):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(out)
 
 
