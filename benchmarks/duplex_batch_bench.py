@@ -170,26 +170,32 @@ def thinker_parts(clock: Clock, batch: DuplexBatch) -> None:
         clock.wrap(batch.rows, "step_logits", "rows step")
 
 
-def write_profile(rows: list[dict], prof, warm: int, n: int, path: Path) -> None:
-    """The cProfile run's seconds and phase split, then its stats (by own time, then cumulative)."""
+def profile_text(prof, head: str) -> str:
+    """``head``, then a ``cProfile.Profile``'s functions by own time (40) and by cumulative time (60)."""
     import io
     import pstats
 
-    steady = rows[warm:]
-    med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
     buf = io.StringIO()
-    buf.write(f"N={n}, batch-rows: {len(steady)} seconds under cProfile, median {med('ms'):.0f} ms per second "
-              f"(Thinker {med('thinker_ms'):.0f}, Talker {med('talker_ms'):.0f}, Code2Wav {med('code2wav_ms'):.0f} ms)\n")
-    parts = ", ".join(f"{p} {med(p + '_ms'):.1f}" for p in THINKER_PARTS[:-1])
-    rest = med("thinker_ms") - sum(med(p + "_ms") for p in ("vision", "commit", "rows step"))
-    buf.write(f"Thinker parts, ms per second (each synchronised; 'host copy', the logits' copy to the host, is inside "
-              f"'rows step'): {parts}; the rest of the Thinker (the lock-step loop's host work: decode policy, "
-              f"accepting tokens) {rest:.1f}\n\n")
+    buf.write(head)
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(40)
-    stats.sort_stats("cumulative").print_stats(70)
-    path.write_text(buf.getvalue())
-    print(buf.getvalue().split("\n\n")[0], flush=True)
+    stats.sort_stats("cumulative").print_stats(60)
+    return buf.getvalue()
+
+
+def write_profile(rows: list[dict], prof, warm: int, n: int, path: Path) -> None:
+    """The cProfile run's seconds and phase split, then its stats (by own time, then cumulative)."""
+    steady = rows[warm:]
+    med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
+    parts = ", ".join(f"{p} {med(p + '_ms'):.1f}" for p in THINKER_PARTS[:-1])
+    rest = med("thinker_ms") - sum(med(p + "_ms") for p in ("vision", "commit", "rows step"))
+    head = (f"N={n}, batch-rows: {len(steady)} seconds under cProfile, median {med('ms'):.0f} ms per second "
+            f"(Thinker {med('thinker_ms'):.0f}, Talker {med('talker_ms'):.0f}, Code2Wav {med('code2wav_ms'):.0f} ms)\n"
+            f"Thinker parts, ms per second (each synchronised; 'host copy', the logits' copy to the host, is inside "
+            f"'rows step'): {parts}; the rest of the Thinker (the lock-step loop's host work: decode policy, "
+            f"accepting tokens) {rest:.1f}\n\n")
+    path.write_text(profile_text(prof, head))
+    print(head.rstrip(), flush=True)
 
 
 def summarize(rows: list[dict], warm: int, n: int) -> dict:

@@ -62,7 +62,7 @@ from minicpmo_rt.thinker.decode import StaticDecoder
 from minicpmo_rt.thinker.llm_cache import StaticRows
 
 from code2wav_pipeline_bench import bench_models, device_label, parse_batches
-from duplex_batch_bench import Clock
+from duplex_batch_bench import Clock, profile_text
 from duplex_bench import build, sync
 
 PROFILES = ("minicpmo_4_5_turn_mrv2", "minicpmo_4_5_turn_mrv2_h200")
@@ -153,20 +153,14 @@ def profile_run(pipe: TurnPipeline, n: int, voice, args, dev: torch.device, path
     """One more run of ``n`` turns under cProfile; the functions by own and by cumulative time. On CUDA the
     host's waits on the device show up as time inside the calls that wait (``tolist``, ``item``, syncs)."""
     import cProfile
-    import io
-    import pstats
 
     prof = cProfile.Profile()
     prof.enable()
     row = run(pipe, n, voice, args.tokens, args.codes, dev, f"cprofile-{n}")
     prof.disable()
-    buf = io.StringIO()
-    buf.write(f"N={n}: wall {row['wall_ms']:.0f} ms under cProfile (Thinker {row['thinker_ms']:.0f}, Talker "
-              f"{row['talker_ms']:.0f}, Code2Wav {row['code2wav_ms']:.0f} ms)\n")
-    stats = pstats.Stats(prof, stream=buf)
-    stats.sort_stats("tottime").print_stats(40)
-    stats.sort_stats("cumulative").print_stats(60)
-    path.write_text(buf.getvalue())
+    path.write_text(profile_text(prof, f"N={n}: wall {row['wall_ms']:.0f} ms under cProfile (Thinker "
+                                       f"{row['thinker_ms']:.0f}, Talker {row['talker_ms']:.0f}, Code2Wav "
+                                       f"{row['code2wav_ms']:.0f} ms)\n"))
     print(f"cProfile of {n} turns: {path}", flush=True)
 
 
