@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import time
@@ -138,9 +139,23 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
     if profile is not None:
         profile.disable()
     clock.restore()
-    for c in convs:
-        c.close()
+    if batch is not None:
+        batch.close()     # the conversations and the shared rows' decoder, back to its pool
+    else:
+        for c in convs:
+            c.close()
     return rows
+
+
+def release(dev: torch.device) -> float:
+    """Free what a finished run held before the next one starts and return the GiB still allocated (which
+    should stay flat from run to run): session 47's first 8-run plan ran out of the H200's memory at its 8th
+    run, with neither this nor ``DuplexBatch.close`` (each run's shared rows stayed out of their pool)."""
+    gc.collect()
+    if dev.type != "cuda":
+        return 0.0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(dev) / 2**30
 
 
 THINKER_PARTS = ("vision", "commit", "rows step", "host copy", "rest")
@@ -213,19 +228,21 @@ def write_table(res: dict, path: Path) -> None:
              "Wall time of one second of N conversations, every unit speaking to its 28-character limit with a "
              f"448x448 frame; medians over seconds {res['warm']}..{res['units'] - 1}. A second is live while it "
              "takes under 1000 ms (real-time factor < 1). Phase columns are the summed time in each stage "
-             "(synchronised around each call).", "",
+             "(synchronised around each call). `run` is the run's place in the process (the first run of a size "
+             "also pays that size's first captures).", "",
              "| N | path | decode | ms per second | max | real-time factor | ms per conversation | Thinker ms | Talker ms | "
-             "Code2Wav ms | codes | audio s | x sequential |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "Code2Wav ms | codes | audio s | x sequential | run |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     dec = lambda r: r.get("decode", "greedy")      # noqa: E731  (runs before session 42 were all greedy)
     seq = {(r["n"], dec(r)): r["summary"]["ms"] for r in res["runs"] if r["kind"] == "sequential"}
+    order = {id(r): i + 1 for i, r in enumerate(res["runs"])}
     for r in sorted(res["runs"], key=lambda r: (dec(r), r["n"], r["kind"] == "sequential", r["kind"])):
         s = r["summary"]
         key = (r["n"], dec(r))
         ratio = f"{seq[key] / s['ms']:.2f}" if r["kind"] != "sequential" and key in seq else "-"
         lines.append(f"| {r['n']} | {r['kind']} | {dec(r)} | {s['ms']:.1f} | {s['ms_max']:.1f} | {s['real_time_factor']:.3f} | "
                      f"{s['ms_per_conversation']:.1f} | {s['thinker_ms']:.1f} | {s['talker_ms']:.1f} | "
-                     f"{s['code2wav_ms']:.1f} | {s['codes']:.0f} | {s['audio_s']:.2f} | {ratio} |")
+                     f"{s['code2wav_ms']:.1f} | {s['codes']:.0f} | {s['audio_s']:.2f} | {ratio} | {order[id(r)]} |")
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
@@ -279,11 +296,13 @@ def main() -> None:
         [(d, "sequential", n) for d in decodes for n in sequential]
     for decode, kind, n in plan:
         rows = run(kind, n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev, decode)
+        held = release(dev)
         s = summarize(rows, args.warm, n)
-        res["runs"].append({"kind": kind, "n": n, "decode": decode, "summary": s, "rows": rows})
+        res["runs"].append({"kind": kind, "n": n, "decode": decode, "summary": s, "rows": rows,
+                            "allocated_after_gib": held})
         print(f"{kind:10s} {decode:8s} N={n:2d}: {s['ms']:7.1f} ms per second (max {s['ms_max']:.1f}; Thinker {s['thinker_ms']:.1f}, "
               f"Talker {s['talker_ms']:.1f}, Code2Wav {s['code2wav_ms']:.1f}), {s['codes']:.0f} codes, "
-              f"{s['audio_s']:.2f} s of audio", flush=True)
+              f"{s['audio_s']:.2f} s of audio; {held:.1f} GiB held after", flush=True)
         (args.out / "duplex_batch_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows
     write_table(res, args.out / "duplex_batch_bench.md")
     if args.cprofile:
