@@ -149,7 +149,7 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
 
 def release(dev: torch.device) -> float:
     """Free what a finished run held before the next one starts and return the GiB still allocated (which
-    should stay flat from run to run): session 47's first 8-run plan ran out of the H200's memory at its 8th
+    should stay flat from run to run): session 47's first 12-run plan ran out of the H200's memory at its 9th
     run, with neither this nor ``DuplexBatch.close`` (each run's shared rows stayed out of their pool)."""
     gc.collect()
     if dev.type != "cuda":
