@@ -65,6 +65,9 @@ def main() -> None:
     for n, kernels in [(n, k) for n in parse_batches(ap, args.seats) for k in kernel_sets]:
         turns = TalkerTurns(tts, n, seeds=list(range(n)), kernels=kernels)
         ms = {"prefill": [], "replay": [], "draw": [], "call": []}
+        # before session 47 the draws ran on the host through chunked.draw_codes (timed here); since then
+        # they are the ``_draw`` graph's replays (timed alone below)
+        device_draws = hasattr(turns, "_draw")
         real = {"prefill": turns._prefill, "draw": chunked.draw_codes}
 
         def timed(name, fn):
@@ -99,15 +102,29 @@ def main() -> None:
         # the batched forward alone, over the first bucket (the torch step's shortest; the fused step's one graph)
         kv_len = turns.max_len if turns.fused else turns.buckets[0]
         reps = 50
-        sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            if kv_len in turns._graphs:
-                turns._graphs[kv_len][0].replay()
-            else:
-                turns._step(kv_len)
-        sync(dev)
-        replay = (time.perf_counter() - t0) * 1e3 / reps
+
+        def per_call(fn) -> float:
+            sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            sync(dev)
+            return (time.perf_counter() - t0) * 1e3 / reps
+
+        graph = turns._graphs.get(kv_len)
+        graph = graph[0] if isinstance(graph, tuple) else graph     # (graph, logits) before session 47
+        replay = per_call(graph.replay if graph is not None else lambda: turns._step(kv_len))
+        if device_draws:     # a unit's draws alone (the draw graph replayed), every seat idle
+            turns._live.zero_()
+            draw = turns._draw_graph.replay if turns._draw_graph is not None else turns._draw
+
+            def unit_draws():
+                turns._t.zero_()     # a unit draws at most max_new_codes times
+                for _ in range(turns.sampling.max_new_codes):
+                    draw()
+
+            reps //= 5
+            ms["draw"] = [per_call(unit_draws)]
         prof_top = []
         if dev.type == "cuda" and args.profile:
             from torch.profiler import ProfilerActivity, profile
@@ -117,11 +134,14 @@ def main() -> None:
                 sync(dev)
             table = p.key_averages().table(sort_by="cuda_time_total", row_limit=25)
             prof_top = table.splitlines()
+            # the host's side too: at one seat the launches and syncs, not the GPU, set a unit's time
+            table += "\n\nBy host time:\n" + p.key_averages().table(sort_by="cpu_time_total", row_limit=40)
             (args.out / f"profile_seats{n}_{kernels}.txt").parent.mkdir(parents=True, exist_ok=True)
             (args.out / f"profile_seats{n}_{kernels}.txt").write_text(table)
         row = {"seats": n, "kernels": turns.engine.kernels, "codes": len(out[0].codes),
                "call_ms": statistics.median(ms["call"]), "prefill_ms": statistics.median(ms["prefill"]),
-               "draw_ms": statistics.median(ms["draw"]), "forward_ms": replay, "graphs": turns.graphs}
+               "draw_ms": statistics.median(ms["draw"]), "forward_ms": replay, "graphs": turns.graphs,
+               "device_draws": device_draws}
         row["rest_ms"] = row["call_ms"] - row["prefill_ms"] - row["draw_ms"]
         res["runs"].append(row)
         print(row, flush=True)
@@ -131,10 +151,13 @@ def main() -> None:
     (args.out / "talker_turns_profile.json").write_text(json.dumps(res, indent=1))
     lines = [f"# Duplex Talker unit per draw-forward kernel set ({res['gpu']}, torch {res['torch']})", "",
              "`TalkerTurns.generate_units` for N seats, one mid-turn unit each (25 codes); medians over the calls "
-             "after two warm-up calls. `forward`: one batched draw forward alone (its graph replayed).", "",
-             "| seats | kernels | call ms | prefill ms | draws ms | forward ms | graphs |", "|---:|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['seats']} | {r['kernels']} | {r['call_ms']:.2f} | {r['prefill_ms']:.2f} | {r['draw_ms']:.2f} | "
-              f"{r['forward_ms']:.3f} | {r['graphs']} |" for r in res["runs"]]
+             "after two warm-up calls. `forward`: one batched draw forward alone (its graph replayed). `draws`: the "
+             "unit's 26 draws, timed inside the calls on the host-side loop (`draws on` host), or 26 times one "
+             "draw graph's replay alone (`device`).", "",
+             "| seats | kernels | draws on | call ms | prefill ms | draws ms | forward ms | graphs |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['seats']} | {r['kernels']} | {'device' if r['device_draws'] else 'host'} | {r['call_ms']:.2f} | "
+              f"{r['prefill_ms']:.2f} | {r['draw_ms']:.2f} | {r['forward_ms']:.3f} | {r['graphs']} |" for r in res["runs"]]
     (args.out / "talker_turns_profile.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -244,3 +244,83 @@ def test_talker_turns_attend_only_the_live_bucket(tts):
         seen.append(turns.kv_bucket(turns.text_start_pos[0] + 30))
         assert turns.generate_units(units) == [a.generate_unit(*_unit(4, 70 + k), False) for a in alone], k
     assert seen[0] == 256 and seen[-1] == 512
+
+
+def test_device_draw_is_draw_codes_row_by_row(tts):
+    """``TalkerTurns._draw`` (the unit's draw on the device, replayed from a graph on CUDA) against
+    ``draw_codes`` (the reference ``TalkerTurn``'s draw) on crafted rows: five competing codes, so that the
+    repetition penalty over this unit's last ``window`` codes decides many draws (histories longer than the
+    window, repeats at its edge), EOS masked or not, each seat at its own RNG counter; then the books: an EOS
+    ends the unit, another code is kept and fed at base + t unless it is the unit's last draw, and a seat that
+    is not live keeps nothing and is fed at the idle position."""
+    from minicpmo_rt.talker.chunked import TalkerTurns, draw_codes
+
+    s = ChunkSampling()
+    turns = TalkerTurns(tts, 4, s, seeds=[11, 12, 13, 14], max_len=128, graphs=False)
+    M, V, eos = s.max_new_codes, tts.cfg.num_audio_tokens, tts.eos_code
+    g = torch.Generator().manual_seed(0)
+    hot = torch.tensor([3, 5, 8, 13, eos])
+    penalised = edge = 0
+    for trial in range(240):
+        t = int(torch.randint(0 if trial % 2 else s.window, M, (), generator=g))     # half past the window
+        if trial < 4:
+            t = [0, s.window, s.window + 1, M - 1][trial]
+        hist = hot[:4][torch.randint(0, 4, (4, t), generator=g)]
+        logits = 0.01 * torch.randn(4, V, generator=g)
+        logits[:, hot] += 10.0 + 0.3 * torch.randn(4, len(hot), generator=g)
+        min_new = torch.tensor([0, M, 0, M])[torch.randperm(4, generator=g)]
+        counter, base = torch.randint(0, 500, (4,), generator=g), torch.randint(10, 60, (4,), generator=g)
+        live = torch.tensor([True, True, True, trial % 3 != 0])
+        turns._logits.copy_(logits)
+        turns._t.fill_(t)
+        turns._drawn.fill_(-1)
+        turns._drawn[:, :t] = hist
+        turns._live.copy_(live)
+        turns._hit.zero_()
+        turns._min_new.copy_(min_new)
+        turns._counter.copy_(counter)
+        turns._ndraw.zero_()
+        turns._base.copy_(base)
+        turns._draw()
+        want = draw_codes(logits, [h.tolist() for h in hist], (t < min_new).tolist(), turns.seeds,
+                          counter.tolist(), s, eos)
+        plain = draw_codes(logits, [[]] * 4, (t < min_new).tolist(), turns.seeds, counter.tolist(), s, eos)
+        shorter = ChunkSampling(window=s.window - 1)
+        inner = draw_codes(logits, [h.tolist() for h in hist], (t < min_new).tolist(), turns.seeds, counter.tolist(),
+                           shorter, eos)
+        penalised += sum(a != b for a, b in zip(want, plain))
+        edge += sum(a != b for a, b in zip(want, inner))
+        for r in range(4):
+            code, hit = want[r], bool(live[r]) and want[r] == eos
+            kept = bool(live[r]) and not hit and t < M - 1
+            assert bool(turns._hit[r]) == hit and bool(turns._live[r]) == kept, (trial, r)
+            assert int(turns._ndraw[r]) == int(live[r])
+            assert int(turns._drawn[r, t]) == (code if kept else -1), (trial, r, t)
+            assert turns._drawn[r, :t].tolist() == hist[r].tolist()
+            assert int(turns._pos[r, 0]) == (int(base[r]) + t if kept else turns.idle_pos)
+            assert int(turns._codes[r]) == (code if kept else 0)
+        assert int(turns._t) == t + 1
+    assert penalised >= 10 and edge >= 3, (penalised, edge)    # the penalty, and its window's edge, decided draws
+
+
+def test_a_round_whose_units_all_stopped_skips_its_remaining_steps(tts):
+    """Units that may stop (a turn's first) and here all draw EOS within a few draws: the round looks at the
+    device's live flags every four draws and stops stepping at the first look after the last EOS, with the
+    reference's codes; a mid-turn round (EOS masked) makes every step."""
+    from minicpmo_rt.talker.chunked import SeatUnit, TalkerTurns
+
+    model = _eos_prone(tts, 40.0)
+    turns = TalkerTurns(model, 2, seeds=[1, 2], max_len=256, graphs=False)
+    alone = [TalkerTurn(model, seed=1), TalkerTurn(model, seed=2)]
+    steps, step = [], turns._step
+    turns._step = lambda kv: (steps.append(kv), step(kv))[1]
+    units = [SeatUnit(s, *map(tuple, [_unit(3, 90 + s)[0]]), _unit(3, 90 + s)[1], False) for s in (0, 1)]
+    got = turns.generate_units(units)
+    assert got == [a.generate_unit(*_unit(3, 90 + s), False) for s, a in enumerate(alone)]
+    last = max(len(u.codes) for u in got)        # the draw at which the last unit drew EOS
+    assert all(u.eos for u in got) and last < 20
+    assert len(steps) == next(t for t in range(last, 25) if t % 4 == 3)     # looked at after draw t: t steps
+    steps.clear()
+    got = turns.generate_units(units)     # mid-turn now: EOS masked for every draw
+    assert got == [a.generate_unit(*_unit(3, 90 + s), False) for s, a in enumerate(alone)]
+    assert all(len(u.codes) == 25 for u in got) and len(steps) == 25

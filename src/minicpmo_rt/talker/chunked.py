@@ -28,8 +28,11 @@ rows left by an earlier turn are never seen either). Attention reads only the ca
 positions, the smallest power-of-two bucket (from 256) holding every live one, with one graph per
 bucket, so a turn of a few hundred positions does not read the whole cache. On CUDA the draw's forward runs
 through the Talker engine's fused kernels instead (``kernels="triton"``), which read each seat's position on
-the device: one graph for every position, and an idle seat reads one row. Per draw the host reads the
-codes (it decides which units stop). Draws use ``sampler.uniform`` (counter-based: seed, draw index, code
+the device: one graph for every position, and an idle seat reads one row. The draw and the unit's books
+(which units go on, the codes kept, what the next step feeds where) stay on the device too, one more graph
+(``TalkerTurns._draw``): the host launches a unit's draws and steps without waiting and reads the codes once
+at the end, or every four draws while a unit may stop (at one seat on the H200 the per-draw reads, ~40 eager
+launches and the small uploads of the host-side loop made a 78-ms unit of 20 ms of GPU work). Draws use ``sampler.uniform`` (counter-based: seed, draw index, code
 id), and each seat keeps its own seed and draw counter, so a conversation draws what it would draw alone,
 whatever else runs in the process (up to the batched forward's rounding).
 """
@@ -206,13 +209,29 @@ class TalkerTurns:
         self.text_start_pos = [0] * seats
         self._codes = torch.zeros(seats, dtype=torch.long, device=self.device)
         self._pos = torch.full((seats, 1), self.idle_pos, dtype=torch.long, device=self.device)
+        # The unit's draw state lives on the device (``_draw``): the host reads it once a call (and, when a
+        # unit may stop early, every few draws), not once a draw.
+        dev, M = self.device, sampling.max_new_codes
+        vocab = tts.cfg.num_audio_tokens
+        self._logits = torch.zeros(seats, vocab, device=dev)    # the next draw's logits (float32, as tts.logits)
+        self._t = torch.zeros((), dtype=torch.long, device=dev)                   # the draw number in the unit
+        self._live = torch.zeros(seats, dtype=torch.bool, device=dev)             # the seat's unit draws on
+        self._hit = torch.zeros(seats, dtype=torch.bool, device=dev)              # ... or drew EOS
+        self._drawn = torch.full((seats, M), -1, dtype=torch.long, device=dev)    # codes kept (-1: none)
+        self._base = torch.zeros(seats, dtype=torch.long, device=dev)             # draw t is fed at base + t
+        self._min_new = torch.zeros(seats, dtype=torch.long, device=dev)          # EOS masked while t < this
+        self._counter = torch.zeros(seats, dtype=torch.long, device=dev)          # the seat's RNG draw counter
+        self._ndraw = torch.zeros(seats, dtype=torch.long, device=dev)            # draws made in this call
+        self._slots = torch.arange(M, device=dev)
         self.buckets = sorted({min(256 << i, self.max_len) for i in range(max(self.max_len.bit_length() - 8, 1))}
                               | {self.max_len})
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._draw_graph: torch.cuda.CUDAGraph | None = None
         if graphs if graphs is not None else self.device.type == "cuda":
             # the fused step reads each seat's position on the device: one graph (keyed by the whole cache)
             for kv_len in ([self.max_len] if self.fused else self.buckets):
-                self._capture(kv_len)
+                self._graphs[kv_len] = self._capture(lambda kv=kv_len: self._step(kv))
+            self._draw_graph = self._capture(self._draw)
 
     def kv_bucket(self, positions: int) -> int:
         """The smallest attention length holding positions ``0 .. positions - 1``."""
@@ -235,30 +254,56 @@ class TalkerTurns:
         return TalkerSeat(self, i)
 
     @torch.no_grad()
-    def _step(self, kv_len: int) -> torch.Tensor:
-        """Feed ``_codes`` at ``_pos`` (one per seat), attending the first ``kv_len`` positions; [seats, V] logits.
-        The fused step attends each seat's positions (``kv_len`` unused); an idle seat, writing at the cache's
-        last position, reads only its first row (its output is never used)."""
+    def _step(self, kv_len: int) -> None:
+        """Feed ``_codes`` at ``_pos`` (one per seat), attending the first ``kv_len`` positions; the [seats, V]
+        logits go to ``_logits``. The fused step attends each seat's positions (``kv_len`` unused); an idle seat,
+        writing at the cache's last position, reads only its first row (its output is never used)."""
         x = self.tts.embed_codes(self._codes)[:, None]
         if self.fused:
             read = self._pos.masked_fill(self._pos == self.idle_pos, 0)
             hidden = self.engine._fused_layers(x, self._pos, read)
         else:
             hidden = self.engine._layers(x, self._pos, slice(0, self.seats), kv_len, self._pos)
-        return self.tts.logits(hidden[:, -1])
+        self._logits.copy_(self.tts.logits(hidden[:, -1]))
 
-    def _capture(self, kv_len: int) -> None:
-        """One graph of ``_step(kv_len)``, captured before any unit: its warm-up writes land at the idle position."""
+    @torch.no_grad()
+    def _draw(self) -> None:
+        """Draw ``_t`` of every live seat's unit from ``_logits``, as ``draw_codes`` draws it for that row (the
+        same operations row by row; a seat that is not live draws too, and nothing of its draw is kept), then
+        the unit's books: an EOS ends the unit, any other code but the last draw's is kept and is what the next
+        step feeds, at ``_base + t``; seats with nothing to feed write at the idle position."""
+        s, eos, t = self.sampling, self.tts.eos_code, self._t
+        x = self._logits.float() / s.temperature
+        if s.repetition_penalty != 1.0:    # this unit's codes so far, the last ``window`` of them
+            window = (self._slots < t) & (self._slots >= t - s.window)
+            x = penalize(x, torch.where(window, self._drawn, -1), s.repetition_penalty)
+        x[:, eos] = torch.where(t < self._min_new, float("-inf"), x[:, eos])
+        u = uniform(self.seeds, self._counter + self._ndraw, x.shape[-1])
+        code = torch.argmax(x.double() - torch.log(-torch.log(u)), dim=-1)
+        live = self._live
+        hit = live & (code == eos)
+        keep = live & ~hit & (t < s.max_new_codes - 1)
+        self._hit.logical_or_(hit)
+        self._ndraw.add_(live.long())
+        self._drawn.scatter_(1, t.expand(self.seats, 1), torch.where(keep, code, -1)[:, None])
+        self._live.copy_(keep)
+        self._codes.copy_(torch.where(keep, code, 0))
+        self._pos.copy_(torch.where(keep, self._base + t, self.idle_pos)[:, None])
+        self._t.add_(1)
+
+    def _capture(self, fn) -> torch.cuda.CUDAGraph:
+        """A graph of ``fn`` (``_step`` or ``_draw``, which work on the persistent buffers), captured before any
+        unit: its warm-up writes land at the idle position, and each call resets the draw state."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step(kv_len)
+                fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = self._step(kv_len)
-        self._graphs[kv_len] = (graph, logits)
+            fn()
+        return graph
 
     @property
     def graphs(self) -> int:
@@ -300,40 +345,41 @@ class TalkerTurns:
             rows.append(cond)
             conds.append(cond.shape[0])
             min_new.append(0 if (start == 0 or u.turn_end) else s.max_new_codes)
-        logits = self._prefill(seats, rows, starts) if units else None
-        codes: list[list[int]] = [[] for _ in units]
-        drew_eos = [False] * len(units)
-        live = list(range(len(units)))      # units still drawing
-        for t in range(s.max_new_codes):
-            if not live:
+        if not units:
+            return []
+        dev, M = self.device, s.max_new_codes
+        idx = torch.tensor(seats, device=dev)
+        self._logits[idx] = self._prefill(seats, rows, starts)
+        # the call's draw state, uploaded in one copy: per seat live, base, min_new, RNG counter (idle: 0)
+        state = torch.zeros(4, self.seats, dtype=torch.long)
+        state[3] = torch.tensor(self.draws)
+        for r, seat in enumerate(seats):
+            state[:3, seat] = torch.tensor([1, starts[r] + conds[r], min_new[r]])
+        state = state.to(dev, non_blocking=True)
+        self._live.copy_(state[0].bool())
+        self._base.copy_(state[1])
+        self._min_new.copy_(state[2])
+        self._counter.copy_(state[3])
+        self._hit.zero_()
+        self._ndraw.zero_()
+        self._drawn.fill_(-1)
+        self._t.zero_()
+        # a unit that may stop early (EOS not masked throughout) is looked at every few draws, so that a round
+        # whose units all stopped skips the rest of its steps; otherwise every unit makes all M draws
+        may_stop = any(m < M for m in min_new)
+        for t in range(M):
+            self._draw_graph.replay() if self._draw_graph is not None else self._draw()
+            if t == M - 1 or (may_stop and t % 4 == 3 and not bool(self._live.any())):
                 break
-            if t > 0:    # feed every live unit's previous draw (idle seats write at the idle position)
-                feed = torch.zeros(self.seats, dtype=torch.long)
-                pos = torch.full((self.seats, 1), self.idle_pos, dtype=torch.long)
-                for r in live:
-                    feed[seats[r]] = codes[r][-1]
-                    pos[seats[r], 0] = starts[r] + conds[r] + t - 1
-                self._codes.copy_(feed)
-                self._pos.copy_(pos)
-                kv_len = self.max_len if self.fused else self.kv_bucket(max(starts[r] + conds[r] + t for r in live))
-                if kv_len in self._graphs:
-                    graph, step_logits = self._graphs[kv_len]
-                    graph.replay()
-                else:
-                    step_logits = self._step(kv_len)
-                logits = step_logits[torch.tensor([seats[r] for r in live], device=self.device)]
-            drawn = draw_codes(logits, [codes[r] for r in live], [t < min_new[r] for r in live],
-                               self.seeds[torch.tensor([seats[r] for r in live], device=self.device)],
-                               [self.draws[seats[r]] for r in live], s, eos)
-            still = []
-            for r, code in zip(live, drawn):
-                self.draws[seats[r]] += 1
-                if code == eos:
-                    drew_eos[r] = True
-                elif t < s.max_new_codes - 1:    # the last draw is not returned (and never fed)
-                    codes[r].append(code)
-                    still.append(r)
-            live = still
+            # the step after draw t feeds at base + t: its attention holds every unit's positions up to there
+            kv_len = self.max_len if self.fused else self.kv_bucket(max(b + c for b, c in zip(starts, conds)) + t + 1)
+            graph = self._graphs.get(kv_len)
+            graph.replay() if graph is not None else self._step(kv_len)
+        drawn, books = torch.cat([self._drawn, torch.stack([self._hit.long(), self._ndraw], 1)], 1).cpu().split([M, 2], 1)
+        codes = [[c for c in drawn[seat].tolist() if c >= 0] for seat in seats]
+        drew_eos = [bool(books[seat, 0]) for seat in seats]
+        for seat in seats:
+            self.draws[seat] += int(books[seat, 1])
         out = []
         for r, u in enumerate(units):
             out.append(UnitCodes(tuple(codes[r]), drew_eos[r], starts[r], starts[r] == 0, u.turn_end))
