@@ -189,12 +189,11 @@ def test_talker_seat_steps_one_conversation_and_checks_its_input(tts):
 
 @requires_cuda
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_talker_turns_graph_equals_the_eager_batch(kernels, monkeypatch):
+def test_talker_turns_graph_equals_the_eager_batch(kernels):
     """On CUDA the batched draw replays a graph (one per bucket with the torch step, one for every position
     with the fused one), the draw another, and the conditions' prefill one per (rows, bucket), captured at first
     use and eager past its budget; it draws what the eager batch draws (same device, same math), seats idle or
     ragged included. In FP32 the fused step draws what the torch step draws."""
-    from minicpmo_rt.talker import chunked
     from minicpmo_rt.talker.chunked import SeatUnit, TalkerTurns
 
     m = MiniCPMTTS(MiniCPMOConfig.from_dict(tiny_config()).tts)
@@ -205,8 +204,7 @@ def test_talker_turns_graph_equals_the_eager_batch(kernels, monkeypatch):
     plain = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=False, kernels="torch")
     assert graph.graphs == (len(graph.buckets) if kernels == "torch" else 1) and eager.graphs == 0
     assert graph.fused == (kernels == "triton")
-    monkeypatch.setattr(chunked, "MAX_PREFILL_GRAPHS", 1)
-    tight = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=True, kernels=kernels)
+    tight = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=True, kernels=kernels, max_prefill_graphs=1)
     for k, rnd in enumerate(_ROUNDS):
         n = 3 if k % 2 else 9      # conditions of 4 and 10 rows: prefill row buckets 8 and 16
         units = [SeatUnit(seat, tuple(_unit(n, seed)[0]), _unit(n, seed)[1].cuda(), end) for seat, seed, end in rnd]

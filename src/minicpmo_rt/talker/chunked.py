@@ -32,9 +32,11 @@ the device: one graph for every position, and an idle seat reads one row. The dr
 (which units go on, the codes kept, what the next step feeds where) stay on the device too, one more graph
 (``TalkerTurns._draw``): the host launches a unit's draws and steps without waiting and reads the codes once
 at the end, or every four draws while a unit may stop (at one seat on the H200 the per-draw reads, ~40 eager
-launches and the small uploads of the host-side loop made a 78-ms unit of 20 ms of GPU work). Draws use ``sampler.uniform`` (counter-based: seed, draw index, code
-id), and each seat keeps its own seed and draw counter, so a conversation draws what it would draw alone,
-whatever else runs in the process (up to the batched forward's rounding).
+launches and the small uploads of the host-side loop made a 78-ms unit of 20 ms of GPU work). The units'
+conditions prefill from graphs too, one per (rows padded to a power of two, attention bucket). Draws use
+``sampler.uniform`` (counter-based: seed, draw index, code id), and each seat keeps its own seed and draw
+counter, so a conversation draws what it would draw alone, whatever else runs in the process (up to the
+batched forward's rounding).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from .engine import TalkerEngine, kv_bytes_per_token
 from .model import MiniCPMTTS
 from .sampler import MASK32, penalize, uniform
 
-MAX_PREFILL_GRAPHS = 24     # (rows, attention bucket) pairs: 4-5 row buckets x the few buckets a turn reaches
+# default cap on the prefill graphs, one per (rows, attention bucket): 4-5 row buckets x the few buckets a turn reaches
+MAX_PREFILL_GRAPHS = 24
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,7 @@ class TalkerTurns:
 
     def __init__(self, tts: MiniCPMTTS, seats: int, sampling: ChunkSampling = ChunkSampling(),
                  seeds: Sequence[int] | None = None, max_len: int = 4096, graphs: bool | None = None,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", max_prefill_graphs: int = MAX_PREFILL_GRAPHS):
         if seats < 1:
             raise InputError(f"talker turns: seats must be >= 1 (got {seats})")
         seeds = list(range(seats)) if seeds is None else list(seeds)
@@ -232,6 +235,7 @@ class TalkerTurns:
         self._prefill_graphs: dict[tuple[int, int], tuple] | None = None
         if graphs if graphs is not None else self.device.type == "cuda":
             self._prefill_graphs = {}
+            self.max_prefill_graphs = max_prefill_graphs
             # the fused step reads each seat's position on the device: one graph (keyed by the whole cache)
             for kv_len in ([self.max_len] if self.fused else self.buckets):
                 self._graphs[kv_len] = self._capture(lambda kv=kv_len: self._step(kv))
@@ -319,7 +323,7 @@ class TalkerTurns:
         last row; other seats' rows are left meaningless). Rows are right-padded to a power of two (from 8), so
         that a few graphs serve every call: padding and seats without a unit write at the idle position. With
         graphs the forward replays one per (rows, attention bucket), captured at its first use, at most
-        ``MAX_PREFILL_GRAPHS`` (eager after that); at one seat on the H200 the eager forward (~35 launches a
+        ``max_prefill_graphs`` (eager after that); at one seat on the H200 the eager forward (~35 launches a
         layer) took ~14 ms of a ~37-ms unit."""
         T = max(8, 1 << (max(c.shape[0] for c in conds) - 1).bit_length())
         kv_len = self.kv_bucket(max(start + c.shape[0] for start, c in zip(starts, conds)))
@@ -334,7 +338,7 @@ class TalkerTurns:
         key = (T, kv_len)
         if self._prefill_graphs is None:
             return self._prefill_forward(x, meta, kv_len)
-        if key not in self._prefill_graphs and len(self._prefill_graphs) < MAX_PREFILL_GRAPHS:
+        if key not in self._prefill_graphs and len(self._prefill_graphs) < self.max_prefill_graphs:
             bx, bm = x.clone(), meta.clone()
             self._prefill_graphs[key] = (self._capture(lambda: self._prefill_forward(bx, bm, kv_len)), bx, bm)
         if key not in self._prefill_graphs:
@@ -399,7 +403,8 @@ class TalkerTurns:
             kv_len = self.max_len if self.fused else self.kv_bucket(max(b + c for b, c in zip(starts, conds)) + t + 1)
             graph = self._graphs.get(kv_len)
             graph.replay() if graph is not None else self._step(kv_len)
-        drawn, books = torch.cat([self._drawn, torch.stack([self._hit.long(), self._ndraw], 1)], 1).cpu().split([M, 2], 1)
+        books = torch.cat([self._drawn, self._hit.long()[:, None], self._ndraw[:, None]], 1).cpu()   # one read
+        drawn, books = books[:, :M], books[:, M:]
         codes = [[c for c in drawn[seat].tolist() if c >= 0] for seat in seats]
         drew_eos = [bool(books[seat, 0]) for seat in seats]
         for seat in seats:
