@@ -232,10 +232,10 @@ class TalkerTurns:
                               | {self.max_len})
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._draw_graph: torch.cuda.CUDAGraph | None = None
-        self._prefill_graphs: dict[tuple[int, int], tuple] | None = None
+        self._prefill_graphs: dict[tuple[int, int], tuple] | None = None     # (rows, bucket) -> graph, inputs
+        self.max_prefill_graphs = max_prefill_graphs
         if graphs if graphs is not None else self.device.type == "cuda":
             self._prefill_graphs = {}
-            self.max_prefill_graphs = max_prefill_graphs
             # the fused step reads each seat's position on the device: one graph (keyed by the whole cache)
             for kv_len in ([self.max_len] if self.fused else self.buckets):
                 self._graphs[kv_len] = self._capture(lambda kv=kv_len: self._step(kv))
@@ -300,8 +300,10 @@ class TalkerTurns:
         self._t.add_(1)
 
     def _capture(self, fn) -> torch.cuda.CUDAGraph:
-        """A graph of ``fn`` (``_step`` or ``_draw``, which work on the persistent buffers), captured before any
-        unit: its warm-up writes land at the idle position, and each call resets the draw state."""
+        """A graph of ``fn`` (``_step``, ``_draw`` or a ``_prefill_forward``, on persistent buffers). The step and
+        draw graphs are captured before any unit: their warm-ups write at the idle position, and each call resets
+        the draw state. A prefill graph is captured at its first call, whose warm-ups write what its replay then
+        writes again."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -357,7 +359,7 @@ class TalkerTurns:
     @torch.no_grad()
     def generate_units(self, units: Sequence[SeatUnit]) -> list[UnitCodes]:
         """Each unit's codes, as ``TalkerTurn.generate_unit`` on its seat (one unit per seat per call)."""
-        s, eos = self.sampling, self.tts.eos_code
+        s = self.sampling
         seats = [u.seat for u in units]
         if len(set(seats)) != len(seats) or any(not 0 <= i < self.seats for i in seats):
             raise InputError(f"talker turns: seats {seats} must be distinct and in 0..{self.seats - 1}")
