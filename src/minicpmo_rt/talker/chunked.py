@@ -156,24 +156,36 @@ def unit_condition(tts: MiniCPMTTS, text_ids, hidden: torch.Tensor) -> torch.Ten
     return torch.cat([tts.emb_text(ids) + proj, bos])
 
 
-def draw_codes(logits: torch.Tensor, histories: Sequence[list[int]], mask_eos: Sequence[bool],
-               seeds: torch.Tensor, draws: Sequence[int], sampling: ChunkSampling, eos: int) -> list[int]:
-    """One code per row of [R, V] logits: temperature, the penalty over the row's history (its unit's
-    draws so far, at most the last ``window``; an empty history changes nothing), EOS masked where asked,
-    then a categorical draw: Gumbel-max over the counter-based uniforms of (seed, draw number)."""
+def draw_rows(logits: torch.Tensor, history: torch.Tensor | None, mask_eos: torch.Tensor, seeds: torch.Tensor,
+              counters: torch.Tensor, sampling: ChunkSampling, eos: int) -> torch.Tensor:
+    """One code per row of [R, V] logits, on their device: temperature, the penalty over ``history`` [R, W]
+    (each row's unit's codes so far, at most the last ``window``, -1 padded; None or all -1 changes nothing),
+    EOS masked where ``mask_eos`` [R], then a categorical draw: Gumbel-max over the counter-based uniforms of
+    (seed, draw number) [R] -> [R] codes. No host sync, so ``TalkerTurns._draw`` runs it inside a graph."""
     s = sampling
     x = logits.float() / s.temperature
-    if s.repetition_penalty != 1.0 and any(histories):
+    if s.repetition_penalty != 1.0 and history is not None:
+        x = penalize(x, history, s.repetition_penalty)
+    x[:, eos] = torch.where(mask_eos, float("-inf"), x[:, eos])
+    u = uniform(seeds, counters, x.shape[-1])
+    return torch.argmax(x.double() - torch.log(-torch.log(u)), dim=-1)
+
+
+def draw_codes(logits: torch.Tensor, histories: Sequence[list[int]], mask_eos: Sequence[bool],
+               seeds: torch.Tensor, draws: Sequence[int], sampling: ChunkSampling, eos: int) -> list[int]:
+    """``draw_rows`` from host lists: each row's unit's draws so far (the last ``window`` count), whether its
+    EOS is masked, its draw number."""
+    s, dev = sampling, logits.device
+    hist = None
+    if any(histories):
         hist = torch.full((len(histories), s.window), -1, dtype=torch.long)
         for r, h in enumerate(histories):
             h = h[-s.window:]
             if h:
                 hist[r, :len(h)] = torch.tensor(h)
-        x = penalize(x, hist.to(x.device), s.repetition_penalty)
-    if any(mask_eos):
-        x[torch.tensor(list(mask_eos), device=x.device), eos] = float("-inf")
-    u = uniform(seeds, torch.tensor(list(draws), device=x.device), x.shape[-1])
-    return torch.argmax(x.double() - torch.log(-torch.log(u)), dim=-1).tolist()
+        hist = hist.to(dev)
+    return draw_rows(logits, hist, torch.tensor(list(mask_eos), device=dev), seeds,
+                     torch.tensor(list(draws), device=dev), s, eos).tolist()
 
 
 @dataclass(frozen=True)
@@ -276,18 +288,14 @@ class TalkerTurns:
 
     @torch.no_grad()
     def _draw(self) -> None:
-        """Draw ``_t`` of every live seat's unit from ``_logits``, as ``draw_codes`` draws it for that row (the
-        same operations row by row; a seat that is not live draws too, and nothing of its draw is kept), then
+        """Draw ``_t`` of every live seat's unit from ``_logits`` (``draw_rows``, as ``draw_codes`` draws it for
+        that row; a seat that is not live draws too, and nothing of its draw is kept), then
         the unit's books: an EOS ends the unit, any other code but the last draw's is kept and is what the next
         step feeds, at ``_base + t``; seats with nothing to feed write at the idle position."""
         s, eos, t = self.sampling, self.tts.eos_code, self._t
-        x = self._logits.float() / s.temperature
-        if s.repetition_penalty != 1.0:    # this unit's codes so far, the last ``window`` of them
-            window = (self._slots < t) & (self._slots >= t - s.window)
-            x = penalize(x, torch.where(window, self._drawn, -1), s.repetition_penalty)
-        x[:, eos] = torch.where(t < self._min_new, float("-inf"), x[:, eos])
-        u = uniform(self.seeds, self._counter + self._ndraw, x.shape[-1])
-        code = torch.argmax(x.double() - torch.log(-torch.log(u)), dim=-1)
+        window = (self._slots < t) & (self._slots >= t - s.window)    # this unit's codes so far, the last window
+        code = draw_rows(self._logits, torch.where(window, self._drawn, -1), t < self._min_new, self.seeds,
+                         self._counter + self._ndraw, s, eos)
         live = self._live
         hit = live & (code == eos)
         keep = live & ~hit & (t < s.max_new_codes - 1)
@@ -397,12 +405,13 @@ class TalkerTurns:
         # a unit that may stop early (EOS not masked throughout) is looked at every few draws, so that a round
         # whose units all stopped skips the rest of its steps; otherwise every unit makes all M draws
         may_stop = any(m < M for m in min_new)
+        reach = max(b + c for b, c in zip(starts, conds))     # the furthest unit's first draw position
         for t in range(M):
             self._draw_graph.replay() if self._draw_graph is not None else self._draw()
             if t == M - 1 or (may_stop and t % 4 == 3 and not bool(self._live.any())):
                 break
             # the step after draw t feeds at base + t: its attention holds every unit's positions up to there
-            kv_len = self.max_len if self.fused else self.kv_bucket(max(b + c for b, c in zip(starts, conds)) + t + 1)
+            kv_len = self.max_len if self.fused else self.kv_bucket(reach + t + 1)
             graph = self._graphs.get(kv_len)
             graph.replay() if graph is not None else self._step(kv_len)
         books = torch.cat([self._drawn, self._hit.long()[:, None], self._ndraw[:, None]], 1).cpu()   # one read
