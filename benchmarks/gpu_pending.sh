@@ -16,7 +16,7 @@
 # passed) and leaves `commits` pending (an A/B of commit_many in both orders, with device time to spare); session
 # 47 ran `dtests` (82 passed) and `commits` (commit_many 1.16-1.29x per second), then the Talker's device draws and
 # prefill graphs against the tree before them (talker_device_draws_session47_h200.md); it leaves `dtests` pending for
-# its last review commit (1a667a7: TalkerTurns' attributes and docstrings, not rerun on the GPU).
+# its review commits (1a667a7: TalkerTurns' attributes and docstrings; 7df944f: draw_rows), not rerun on the GPU.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
