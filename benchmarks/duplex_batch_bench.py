@@ -88,9 +88,10 @@ def attach_code2wav(convs, c2w, feats) -> None:
 
 
 def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy", profile=None,
-        warm: int = 0) -> list[dict]:
+        warm: int = 0, split: bool = False) -> list[dict]:
     """One run of ``units`` seconds. ``profile``: a ``cProfile.Profile`` enabled over the seconds from ``warm``
-    on, with the Thinker's time also split by part (``thinker_parts``; each part synchronised, so only then)."""
+    on. With a profile or ``split`` the Thinker's time is also split by part (``thinker_parts``; each part
+    synchronised, so only then)."""
     thinker, tok, tts, c2w, feats, options = parts
     cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
@@ -108,7 +109,7 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
         clock.wrap(batch, "_think", "thinker")
         clock.wrap(batch.talker, "generate_units", "talker")
         clock.wrap(c2w, "push_many", "code2wav")
-        if profile is not None:
+        if profile is not None or split:
             thinker_parts(clock, batch)
     else:
         batch = None
@@ -158,16 +159,23 @@ def release(dev: torch.device) -> float:
     return torch.cuda.memory_allocated(dev) / 2**30
 
 
-THINKER_PARTS = ("vision", "commit", "rows step", "host copy", "rest")
+THINKER_PARTS = ("vision", "mel", "audio", "prefill", "commit", "rows step", "host copy", "rest")
 
 
 def thinker_parts(clock: Clock, batch: DuplexBatch) -> None:
     """Split a ``DuplexBatch``'s Thinker time: the second's frames through the vision encoder, each session's
-    commit (mel, audio encoder, LLM prefill of its unit), each shared decode step (``StaticRows``), the
-    logits' copy to the host; what is left is the lock-step loop's host work (the decode policy)."""
+    mel and audio-encoder step, the units' LLM prefill (``StaticRows.feed_many``, the seconds' commits
+    together), each session's commit when it commits alone (its mel, audio and prefill then count here too),
+    each shared decode step (``StaticRows``), the logits' copy to the host; what is left is the lock-step
+    loop's host work (the decode policy, the commits' bookkeeping)."""
     for conv in batch.conversations:
         clock.wrap(conv.session, "embed_frames", "vision")
-        clock.wrap(conv.session, "commit", "commit")
+        clock.wrap(conv.session, "_mel_step", "mel")
+        clock.wrap(conv.session, "_audio_step", "audio")
+        if not batch.batched_commit:
+            clock.wrap(conv.session, "commit", "commit")
+    if batch.rows is not None and batch.batched_commit:
+        clock.wrap(batch.rows, "feed_many", "prefill")
     if batch.rows is not None:
         step_logits = batch.rows.step_logits
 
@@ -203,13 +211,13 @@ def write_profile(rows: list[dict], prof, warm: int, n: int, path: Path) -> None
     steady = rows[warm:]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
     parts = ", ".join(f"{p} {med(p + '_ms'):.1f}" for p in THINKER_PARTS[:-1])
-    rest = med("thinker_ms") - sum(med(p + "_ms") for p in ("vision", "commit", "rows step"))
-    head = (f"N={n}, batch-rows: {len(steady)} seconds under cProfile, median {med('ms'):.0f} ms per second "
+    rest = med("thinker_ms") - sum(med(p + "_ms") for p in THINKER_PARTS[:-1] if p != "host copy")
+    head = (f"N={n}, batch-rows: {len(steady)} seconds{' under cProfile' if prof is not None else ''}, median {med('ms'):.0f} ms per second "
             f"(Thinker {med('thinker_ms'):.0f}, Talker {med('talker_ms'):.0f}, Code2Wav {med('code2wav_ms'):.0f} ms)\n"
             f"Thinker parts, ms per second (each synchronised; 'host copy', the logits' copy to the host, is inside "
             f"'rows step'): {parts}; the rest of the Thinker (the lock-step loop's host work: decode policy, "
             f"accepting tokens) {rest:.1f}\n\n")
-    path.write_text(profile_text(prof, head))
+    path.write_text(profile_text(prof, head) if prof is not None else head)
     print(head.rstrip(), flush=True)
 
 
@@ -259,6 +267,9 @@ def main() -> None:
     ap.add_argument("--decode", default="greedy",
                     help="the Thinker's duplex decode modes to run, in order: greedy and/or sampling (upstream's "
                          "default, 0.7 / top-k 20 / top-p 0.8), e.g. greedy,sampling")
+    ap.add_argument("--parts", default="", metavar="N,...",
+                    help="after the timed runs, one batch-rows run of each N (the first --decode mode) with its Thinker "
+                         "split by part, synchronised around each (no cProfile): OUT/duplex_batch_bench_parts_N.txt")
     ap.add_argument("--table", type=Path, help="only rewrite OUT/duplex_batch_bench.md from this run's JSON")
     ap.add_argument("--cprofile", type=int, metavar="N",
                     help="after the timed runs, one batch-rows run of N conversations (the first --decode mode) under "
@@ -305,6 +316,11 @@ def main() -> None:
               f"{s['audio_s']:.2f} s of audio; {held:.1f} GiB held after", flush=True)
         (args.out / "duplex_batch_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows
     write_table(res, args.out / "duplex_batch_bench.md")
+    for n in parse_batches(ap, args.parts) if args.parts else []:
+        rows = run("batch-rows", n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev, decodes[0],
+                   warm=args.warm, split=True)
+        release(dev)
+        write_profile(rows, None, args.warm, n, args.out / f"duplex_batch_bench_parts_{n}.txt")
     if args.cprofile:
         import cProfile
 

@@ -16,7 +16,8 @@
 # passed) and leaves `commits` pending (an A/B of commit_many in both orders, with device time to spare); session
 # 47 ran `dtests` (82 passed) and `commits` (commit_many 1.16-1.29x per second), then the Talker's device draws and
 # prefill graphs against the tree before them (talker_device_draws_session47_h200.md); it leaves `dtests` pending for
-# its review commits (1a667a7: TalkerTurns' attributes and docstrings; 7df944f: draw_rows), not rerun on the GPU.
+# its review commits (1a667a7: TalkerTurns' attributes and docstrings; 7df944f: draw_rows), which session 48 ran
+# (84 passed, 2 skipped: talker_duplex_turn_cuda_tests_session48_h200.txt).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
