@@ -12,6 +12,8 @@ run N conversations side by side in one run:
   per draw, a CUDA graph) and their Code2Wav payloads together (``push_many``);
 - ``batch-rows-each``: ``batch-rows`` with each session's commit prefilling alone (``batched_commit=False``;
   ``batch-rows`` runs the seconds' commits' LLM prefills together, ``thinker.session.commit_many``);
+- ``batch-rows-audio-each``: ``batch-rows`` with each session's audio-encoder step alone (``batched_audio=False``;
+  ``batch-rows`` runs them in one graph replay, ``AudioGraphs.embed_chunks``);
 - ``batch``: ``DuplexBatch`` with ``shared_decode=False``: each session on its own static decoder, so the
   units decode one conversation at a time (the rows of ``duplex_batch_bench_session41_h200.md``);
 - ``sequential``: N ``DuplexConversation``s stepped one after another (each its own Talker graph and
@@ -96,14 +98,16 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
     cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
     clock = Clock(dev)
-    rows_kind = kind in ("batch-rows", "batch-rows-each")
+    rows_kind = kind in ("batch-rows", "batch-rows-each", "batch-rows-audio-each")
     if rows_kind and not options:     # CPU smoke run: static caches on the torch kernels
         options = {"llm_cache": "static", "llm_kernels": "torch"}
-    if kind in ("batch", "batch-rows", "batch-rows-each"):
+    if kind in ("batch", "batch-rows", "batch-rows-each", "batch-rows-audio-each"):
         batch = DuplexBatch(thinker, tok, tts, None, [None] * n, seeds=list(range(n)), decode=cfg, fast=True,
                             session_options=options, shared_decode=rows_kind)
         if kind == "batch-rows-each":     # each session's commit prefills alone (before commit_many)
             batch.batched_commit = False
+        if kind == "batch-rows-audio-each":     # commit_many, each session's audio step alone (before embed_chunks)
+            batch.batched_audio = False
         batch.code2wav = c2w
         convs = batch.conversations
         clock.wrap(batch, "_think", "thinker")
@@ -172,6 +176,10 @@ def thinker_parts(clock: Clock, batch: DuplexBatch) -> None:
         clock.wrap(conv.session, "embed_frames", "vision")
         clock.wrap(conv.session, "_mel_step", "mel")
         clock.wrap(conv.session, "_audio_step", "audio")
+    graphs = {id(c.session.audio_graphs): c.session.audio_graphs for c in batch.conversations
+              if hasattr(c.session.audio_graphs, "embed_chunks")}
+    for g in graphs.values():     # the batched audio steps (commit_many's audio_steps)
+        clock.wrap(g, "embed_chunks", "audio")
         if not batch.batched_commit:
             clock.wrap(conv.session, "commit", "commit")
     if batch.rows is not None and batch.batched_commit:
@@ -301,8 +309,9 @@ def main() -> None:
     decodes = [d for d in args.decode.split(",") if d]
     if not decodes or set(decodes) - {"greedy", "sampling"}:
         ap.error(f"--decode: choose from greedy, sampling (got {args.decode!r})")
-    if set(kinds) - {"batch", "batch-rows", "batch-rows-each"}:
-        ap.error(f"--batch-kinds: choose from batch-rows, batch-rows-each, batch (got {args.batch_kinds!r})")
+    if set(kinds) - {"batch", "batch-rows", "batch-rows-each", "batch-rows-audio-each"}:
+        ap.error(f"--batch-kinds: choose from batch-rows, batch-rows-each, batch-rows-audio-each, batch "
+                 f"(got {args.batch_kinds!r})")
     plan = [(d, k, n) for d in decodes for n in batched for k in kinds] + \
         [(d, "sequential", n) for d in decodes for n in sequential]
     for decode, kind, n in plan:

@@ -299,8 +299,10 @@ class DuplexBatch:
                                    kernels=opts.get("llm_kernels", "auto"), graphs=opts.get("llm_graphs"),
                                    pool=pool if isinstance(pool, StaticDecoderPool) else None)
             conversation_options["session_options"] = {**opts, "llm_pool": self.rows}
-        # with shared rows, the seconds' commits prefill in one forward per run of rows (commit_many)
+        # with shared rows, the seconds' commits prefill in one forward per run of rows (commit_many), and
+        # their audio-encoder steps run in one graph replay (batched_audio; sessions sharing AudioGraphs)
         self.batched_commit = self.rows is not None
+        self.batched_audio = True
         self.code2wav = code2wav
         self.talker = TalkerTurns(tts, len(voices), talker_sampling, seeds, max_len=talker_max_len,
                                   graphs=fast and thinker.device.type == "cuda")
@@ -363,7 +365,7 @@ class DuplexBatch:
             # the seconds' LLM prefills in one forward per run of consecutive rows
             commit_many([self.conversations[i].session for i in stepping],
                         [(inputs[i].audio, frames.get(i, inputs[i].frame), inputs[i].sample_rate) for i in stepping],
-                        self.rows)
+                        self.rows, batched_audio=self.batched_audio)
         else:
             for i in stepping:
                 x = inputs[i]

@@ -88,6 +88,15 @@ def chunk_conv_frames(n_mel: int, prefix_extra_frames: int, suffix_extra_frames:
     return n - back if 0 < back < n else n
 
 
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """x [B, heads, n, d] into cache [B, heads, P, d] at ``rows``: long [n] for every batch row, or [B, n], each
+    batch row at its own (streams whose caches differ in length, ``audio_graph.embed_chunks``)."""
+    if rows.dim() == 1:
+        cache.index_copy_(2, rows, x)
+    else:
+        cache.scatter_(2, rows[:, None, :, None].expand(x.shape), x)
+
+
 class WhisperSelfAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int):
         super().__init__()
@@ -117,8 +126,8 @@ class WhisperSelfAttention(nn.Module):
         [B, n, heads, d], as the projection writes it (no transposed copies)."""
         if last_key is not None:
             b, t, _ = x.shape
-            past[0].index_copy_(2, rows, self._heads(self.k_proj(x)))
-            past[1].index_copy_(2, rows, self._heads(self.v_proj(x)))
+            write_rows(past[0], rows, self._heads(self.k_proj(x)))
+            write_rows(past[1], rows, self._heads(self.v_proj(x)))
             q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
             o = kernels.attention(q, past[0], past[1], last_key)
             return self.out_proj(o.reshape(b, t, -1)), past[0], past[1]
@@ -126,8 +135,8 @@ class WhisperSelfAttention(nn.Module):
         k = self._heads(self.k_proj(x))
         v = self._heads(self.v_proj(x))
         if rows is not None:
-            past[0].index_copy_(2, rows, k)
-            past[1].index_copy_(2, rows, v)
+            write_rows(past[0], rows, k)
+            write_rows(past[1], rows, v)
             k, v = past
         elif past is not None:
             k = torch.cat([past[0], k], dim=2)

@@ -16,6 +16,11 @@ The session's cache stays immutable for snapshots: before a replay the cached K/
 into the buffer (skipped when the buffer already holds them: the previous step's output),
 and after it the new cache is cloned out. A shape whose capture fails stays eager
 (``failures`` keeps the reason). An instance may be shared by every session of one thinker.
+
+Sessions that step together (a duplex batch's commits, ``session.commit_many``) take their audio
+steps in one replay (``embed_chunks``): each stream's cache goes into its own row of a batched
+buffer, and each row writes and embeds at its own positions, so a second of N conversations is
+one encoder pass over N x ~50 frames instead of N launch-bound passes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ from .model import AudioChunkEmbedding, Thinker
 
 
 MASK_ALIGN = 16  # keys per row of an SDPA mask that the fused kernels take without a padded copy
+# Batch sizes of ``embed_chunks``' graphs: a group of streams pads to the next (its padding rows embed
+# silence at position 0 into their own buffer rows) and larger groups split. A bucket's buffer holds a
+# whole encoder cache per row (~150 MB for MiniCPM-o 4.5's 24 layers, in bf16).
+CHUNK_BATCHES = (2, 4, 8, 16, 32)
 
 
 def buffer_rows(max_source_positions: int) -> int:
@@ -68,20 +77,32 @@ def buffered_stream_body(thinker: Thinker, mel: torch.Tensor, buf: torch.Tensor,
     where ``mask`` [1, 1, 1, P] (bool) is True, i.e. rows < past + n. Returns the embeddings.
     ``split_attention``: attend through ``kernels.attention`` instead of SDPA (same keys).
     """
+    return batched_stream_body(thinker, mel, buf, rows, mask, prefix_extra, suffix_extra, split_attention)[0]
+
+
+@torch.no_grad()
+def batched_stream_body(thinker: Thinker, mels: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
+                        mask: torch.Tensor, prefix_extra: int, suffix_extra: int,
+                        split_attention: bool = False) -> torch.Tensor:
+    """``buffered_stream_body`` of B streams at once (capture-safe), each continuing its OWN cache: mels
+    [B, n_mels, T] (one chunk shape and trim for all), buf [layers, 2, B, heads, P, head_dim] holding row b's
+    cache at [0, past_b), ``rows`` long [B, n] (= past_b + arange(n), where row b's new K/V go and which
+    positions it embeds) and ``mask`` [B, 1, 1, P] (row b: rows < past_b + n). Returns [B, n // pool, H].
+    With one row (or ``rows`` [n]) it is ``buffered_stream_body``."""
     apm = thinker.apm
-    return _buffered_layers(thinker, apm.trim_extra(apm.conv_frames(mel), prefix_extra, suffix_extra),
-                            buf, rows, mask, split_attention)[0]
+    return _buffered_layers(thinker, apm.trim_extra(apm.conv_frames(mels), prefix_extra, suffix_extra),
+                            buf, rows, mask, split_attention)
 
 
 def _buffered_layers(thinker: Thinker, h: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
                      mask: torch.Tensor, split_attention: bool = False) -> torch.Tensor:
-    """Conv frames h [B, n, d] at positions ``rows`` through the layers over the fixed buffer
-    (new K/V written at ``rows``, attention where ``mask``), then the final LayerNorm, the
-    projection and the pooling: [B, n // pool, H]."""
+    """Conv frames h [B, n, d] at positions ``rows`` (long [n], or [B, n] per batch row) through the layers
+    over the fixed buffer (new K/V written at ``rows``, attention where ``mask``), then the final
+    LayerNorm, the projection and the pooling: [B, n // pool, H]."""
     apm = thinker.apm
     table = apm.embed_positions.weight
     # upstream repeats the last learned position past the table (unreachable before a reset)
-    h = h + table.index_select(0, rows.clamp_max(table.shape[0] - 1)).to(h.dtype)
+    h = h + table[rows.clamp_max(table.shape[0] - 1)].to(h.dtype)
     bias = last = None
     if split_attention:
         B, n = h.shape[0], h.shape[1]
@@ -153,6 +174,53 @@ def embed_forks_eager(thinker: Thinker, mels: list[torch.Tensor], cache: AudioEn
     return [out[b, :n[b] // thinker.audio_pool_step] for b in range(B)]
 
 
+def chunk_batch_inputs(thinker: Thinker, caches: list[AudioEncoderCache | None], P: int, n: int, B: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """For ``batched_stream_body``: rows [B, n] (past_b + arange(n)), mask [B, 1, 1, P] (rows < past_b + n) and
+    each stream's past; rows past ``len(caches)`` (padding) start at position 0."""
+    pasts = [c.length if c is not None else 0 for c in caches]
+    B = B or len(caches)
+    past = torch.tensor(pasts + [0] * (B - len(caches)), dtype=torch.long).to(thinker.device, non_blocking=True)
+    rows = past[:, None] + torch.arange(n, device=thinker.device)[None]
+    mask = (torch.arange(P, device=thinker.device)[None] < (past + n)[:, None])[:, None, None]
+    return rows, mask, pasts
+
+
+def cut_caches(buf: torch.Tensor, pasts: list[int], n: int) -> list[AudioEncoderCache]:
+    """Each stream's new cache (its first past_b + n buffer rows), copied out of the batched buffer."""
+    out = []
+    for b, past in enumerate(pasts):
+        kv = buf[:, :, b:b + 1, :, :past + n].clone()
+        out.append(AudioEncoderCache(tuple(kv[:, 0].unbind(0)), tuple(kv[:, 1].unbind(0))))
+    return out
+
+
+@torch.no_grad()
+def embed_chunks_eager(thinker: Thinker, mels: list[torch.Tensor], caches: list[AudioEncoderCache | None],
+                       prefix_extra: int, suffix_extra: int, split_attention: bool = False
+                       ) -> list[AudioChunkEmbedding]:
+    """``batched_stream_body`` on freshly built buffers: each stream's step on its own cache, mels of one
+    shape (any device; the reference the graphed ``AudioGraphs.embed_chunks`` is tested against). A stream
+    whose cache is full resets it first, as ``Thinker.embed_audio_chunk`` does."""
+    apm = thinker.apm
+    a = apm.layers[0].self_attn
+    resets = [apm.needs_reset(c, int(m.shape[-1])) for m, c in zip(mels, caches)]
+    caches = [None if r else c for r, c in zip(resets, caches)]
+    n = chunk_conv_frames(int(mels[0].shape[-1]), prefix_extra, suffix_extra)
+    P = max(c.length if c is not None else 0 for c in caches) + n
+    B = len(mels)
+    buf = torch.zeros(len(apm.layers), 2, B, a.num_heads, P, a.head_dim, dtype=thinker.dtype, device=thinker.device)
+    rows, mask, pasts = chunk_batch_inputs(thinker, caches, P, n)
+    for b, c in enumerate(caches):
+        for i, (k, v) in enumerate(zip(c.keys, c.values) if c is not None else ()):
+            buf[i, 0, b:b + 1, :, :pasts[b]] = k
+            buf[i, 1, b:b + 1, :, :pasts[b]] = v
+    x = torch.stack([m.to(thinker.device) for m in mels])
+    out = batched_stream_body(thinker, x, buf, rows, mask, prefix_extra, suffix_extra, split_attention)
+    caches = cut_caches(buf, pasts, n)
+    return [AudioChunkEmbedding(out[b], cache, r) for b, (cache, r) in enumerate(zip(caches, resets))]
+
+
 class AudioGraphs:
     """``embed_chunk(mel, cache, prefix_extra, suffix_extra)`` with ``Thinker.embed_audio_chunk``'s contract."""
 
@@ -172,6 +240,8 @@ class AudioGraphs:
         # forks (``embed_forks``): one buffer per batch size, graphs keyed by (B, width, n, prefix)
         self._fork_bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # B -> (buf, mask)
         self._fork_graphs: dict[tuple, tuple] = {}
+        # several streams' steps (``embed_chunks``): the forks' buffers, graphs keyed by (B, mel shape, trims)
+        self._chunk_graphs: dict[tuple, tuple] = {}
         self.split_attention = split_attention_usable(thinker)
 
     def _eager(self, x, cache, prefix_extra, suffix_extra, reset) -> AudioChunkEmbedding:
@@ -249,14 +319,7 @@ class AudioGraphs:
         key = (B, width, n_max, int(prefix_extra))
         if key in self.failures:
             return None
-        apm = th.apm
-        P = buffer_rows(apm.max_source_positions)
-        if B not in self._fork_bufs:
-            a = apm.layers[0].self_attn
-            self._fork_bufs[B] = (
-                torch.zeros(len(apm.layers), 2, B, a.num_heads, P, a.head_dim, dtype=th.dtype, device=th.device),
-                torch.zeros(B, 1, 1, P, dtype=torch.bool, device=th.device))
-        buf, mask = self._fork_bufs[B]
+        buf, mask = self._batch_buffers(B)
         self._buffers()
         try:
             if key not in self._fork_graphs:
@@ -277,6 +340,93 @@ class AudioGraphs:
         torch.lt(self._arange[None], ends[:, None], out=mask[:, 0, 0])
         g.replay()
         return [out[b, :n[b] // th.audio_pool_step].clone() for b in range(B)]
+
+    def _batch_buffers(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batched buffer [layers, 2, B, heads, P, head_dim] and row mask [B, 1, 1, P] of B rows (forks and
+        several streams' steps share them: every replay first writes the rows it reads)."""
+        if B not in self._fork_bufs:
+            th, apm = self.thinker, self.thinker.apm
+            a, P = apm.layers[0].self_attn, buffer_rows(apm.max_source_positions)
+            self._fork_bufs[B] = (
+                torch.zeros(len(apm.layers), 2, B, a.num_heads, P, a.head_dim, dtype=th.dtype, device=th.device),
+                torch.zeros(B, 1, 1, P, dtype=torch.bool, device=th.device))
+        return self._fork_bufs[B]
+
+    @torch.no_grad()
+    def embed_chunks(self, mels: list[torch.Tensor], caches: list[AudioEncoderCache | None],
+                     prefix_extras: list[int], suffix_extras: list[int]) -> list[AudioChunkEmbedding | None]:
+        """Several streams' steps, each ``embed_chunk(mels[i], caches[i], ...)``: streams whose chunks share a
+        shape and trims run together, one graph replay per group of up to ``CHUNK_BATCHES[-1]`` (padded to a
+        bucket) on CUDA, one eager batch elsewhere (``embed_chunks_eager``). A stream gets None where it cannot
+        share one (the caller runs its own step): alone in its group, a chunk too short for one embedding, a
+        cache of another dtype, a failed capture."""
+        th = self.thinker
+        out: list[AudioChunkEmbedding | None] = [None] * len(mels)
+        groups: dict[tuple, list[int]] = {}
+        for i, (mel, cache, prefix, suffix) in enumerate(zip(mels, caches, prefix_extras, suffix_extras)):
+            if chunk_conv_frames(int(mel.shape[-1]), prefix, suffix) < th.audio_pool_step or \
+                    (cache is not None and cache.keys[0].dtype != th.dtype):
+                continue
+            groups.setdefault((tuple(mel.shape), mel.dtype, int(prefix), int(suffix)), []).append(i)
+        most = CHUNK_BATCHES[-1]
+        for (_, _, prefix, suffix), idx in groups.items():
+            for j in range(0, len(idx), most):
+                part = idx[j:j + most]
+                if len(part) < 2:
+                    continue
+                got = self._embed_group([mels[i] for i in part], [caches[i] for i in part], prefix, suffix)
+                for i, r in zip(part, got or ()):
+                    out[i] = r
+        return out
+
+    def _embed_group(self, mels, caches, prefix_extra: int, suffix_extra: int) -> list[AudioChunkEmbedding] | None:
+        th, apm = self.thinker, self.thinker.apm
+        if th.device.type != "cuda":
+            return embed_chunks_eager(th, mels, caches, prefix_extra, suffix_extra)
+        B = len(mels)
+        Bb = next(b for b in CHUNK_BATCHES if b >= B)
+        n_mel = int(mels[0].shape[-1])
+        resets = [apm.needs_reset(c, n_mel) for c in caches]
+        caches = [None if r else c for r, c in zip(resets, caches)]
+        n = chunk_conv_frames(n_mel, prefix_extra, suffix_extra)
+        key = ("chunks", Bb, tuple(mels[0].shape), mels[0].dtype, prefix_extra, suffix_extra)
+        if key in self.failures:
+            return None
+        buf, mask = self._batch_buffers(Bb)
+        self._buffers()
+        try:
+            if key not in self._chunk_graphs:
+                self._chunk_graphs[key] = self._capture_chunks(buf, mask, Bb, mels[0], n, prefix_extra, suffix_extra)
+        except Exception as e:  # an op that syncs with the host: these streams step one by one
+            self.failures[key] = f"{type(e).__name__}: {e}"
+            torch.cuda.synchronize()
+            return None
+        g, sx, rows, out = self._chunk_graphs[key]
+        # every stream's cache into its buffer row (one launch for all), its chunk and positions, then one replay
+        dst, src = [], []
+        for b, c in enumerate(caches):
+            for i, (k, v) in enumerate(zip(c.keys, c.values) if c is not None else ()):
+                dst += [buf[i, 0, b:b + 1, :, :c.length], buf[i, 1, b:b + 1, :, :c.length]]
+                src += [k, v]
+        if dst:
+            torch._foreach_copy_(dst, src)
+        sx[:B].copy_(torch.stack(mels).to(th.device, non_blocking=True))
+        new_rows, new_mask, pasts = chunk_batch_inputs(th, caches, buf.shape[4], n, Bb)
+        rows.copy_(new_rows)
+        mask.copy_(new_mask)
+        g.replay()
+        return [AudioChunkEmbedding(out[b].clone(), cache, r)
+                for b, (cache, r) in enumerate(zip(cut_caches(buf, pasts, n), resets))]
+
+    def _capture_chunks(self, buf, mask, B: int, mel: torch.Tensor, n: int, prefix_extra: int, suffix_extra: int):
+        th = self.thinker
+        sx = torch.zeros(B, *mel.shape, dtype=mel.dtype, device=th.device)
+        P = buf.shape[4]
+        rows = self._arange[P - n:][None].repeat(B, 1)  # warm-up and capture write past every real cache
+        mask.copy_((self._arange >= P - n).expand(B, P)[:, None, None])
+        g, out = self._graph(lambda: batched_stream_body(th, sx, buf, rows, mask, prefix_extra, suffix_extra,
+                                                         self.split_attention))
+        return g, sx, rows, out
 
     def _capture_forks(self, buf, mask, x, valid, n_max, prefix_extra):
         th = self.thinker

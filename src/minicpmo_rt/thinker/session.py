@@ -103,7 +103,8 @@ def fast_path_census(options: dict) -> dict:
             "free_decoder_prefill_graphs": [] if pool is None else pool.free_prefill_graphs(),
             "vision_graphs": len(vision._graphs) if isinstance(vision, VisionGraphs) else 0,
             "audio_graphs": len(audio._graphs) if isinstance(audio, AudioGraphs) else 0,
-            "audio_fork_graphs": len(audio._fork_graphs) if isinstance(audio, AudioGraphs) else 0}
+            "audio_fork_graphs": len(audio._fork_graphs) if isinstance(audio, AudioGraphs) else 0,
+            "audio_chunk_graphs": len(audio._chunk_graphs) if isinstance(audio, AudioGraphs) else 0}
 
 
 def static_rows_for(thinker: Thinker, window: "WindowPolicy", static_capacity: int | None = None) -> int:
@@ -771,10 +772,30 @@ class StreamingSession:
                                 f"({self.llm_cache.length} rows) after pruning")
 
 
-def commit_many(sessions: "list[StreamingSession]", inputs, rows) -> None:
+def audio_steps(sessions: "list[StreamingSession]", mels: list) -> list[AudioChunkEmbedding]:
+    """Each session's audio-encoder step on its mel chunk (``_audio_step``): sessions that share one
+    ``AudioGraphs`` take theirs together (``AudioGraphs.embed_chunks``, a replay per group of equal chunk
+    shapes), any other one by one."""
+    out: list[AudioChunkEmbedding | None] = [None] * len(sessions)
+    shared: dict[int, tuple[AudioGraphs, list[int]]] = {}
+    for i, s in enumerate(sessions):
+        if isinstance(s.audio_graphs, AudioGraphs):
+            shared.setdefault(id(s.audio_graphs), (s.audio_graphs, []))[1].append(i)
+    for graphs, idx in shared.values():
+        if len(idx) > 1:
+            with record_function("session.audio_encoder_many"):
+                got = graphs.embed_chunks([mels[i].features for i in idx], [sessions[i].audio_cache for i in idx],
+                                          [mels[i].prefix_extra for i in idx], [mels[i].suffix_extra for i in idx])
+            for i, a in zip(idx, got):
+                out[i] = a
+    return [a if a is not None else s._audio_step(m) for a, s, m in zip(out, sessions, mels)]
+
+
+def commit_many(sessions: "list[StreamingSession]", inputs, rows, batched_audio: bool = True) -> None:
     """``sessions[i].commit(audio, frame, sample_rate=sr)`` for each ``inputs[i] = (audio, frame, sr)``, the
     sessions on rows of one ``StaticRows`` (``rows``, their ``llm_pool``): each prepares its unit as ``commit``
-    does (mel, audio encoder, frame, prompt rows), then their LLM prefills run together, one forward per
+    does (mel, audio encoder, frame, prompt rows; with ``batched_audio`` the audio steps of sessions sharing
+    one ``AudioGraphs`` run together, ``audio_steps``), then their LLM prefills run together, one forward per
     run of consecutive rows (``StaticRows.feed_many``), then each keeps its books. A failure anywhere puts
     every session back as it was, as ``commit`` does for one (but for one whose window pruned units in this
     call, which no snapshot can undo)."""
@@ -785,7 +806,9 @@ def commit_many(sessions: "list[StreamingSession]", inputs, rows) -> None:
     units = [s._unit_input(audio, frame, True, "commit", sr) for s, (audio, frame, sr) in zip(sessions, inputs)]
     before = [(s.snapshot(), len(s.pruning_events)) for s in sessions]
     try:
-        prepared = [s._unit_embeds(chunk, processed, False) for s, (chunk, _, processed) in zip(sessions, units)]
+        mels = [s._mel_step(chunk, False) for s, (chunk, _, _) in zip(sessions, units)]
+        audio = audio_steps(sessions, mels) if batched_audio else [s._audio_step(m) for s, m in zip(sessions, mels)]
+        prepared = [s._unit_rows(a, processed) for s, a, (_, _, processed) in zip(sessions, audio, units)]
         with record_function("session.llm_feed_many"):
             steps = rows.feed_many([s.llm_cache for s in sessions], [p[0] for p in prepared])
         for s, (_, rest, _), (_, audio, closing, unit), step in zip(sessions, units, prepared, steps):
