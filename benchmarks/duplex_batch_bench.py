@@ -90,10 +90,11 @@ def attach_code2wav(convs, c2w, feats) -> None:
 
 
 def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy", profile=None,
-        warm: int = 0, split: bool = False) -> list[dict]:
+        warm: int = 0, split: bool = False, warm_up: int = 0) -> list[dict]:
     """One run of ``units`` seconds. ``profile``: a ``cProfile.Profile`` enabled over the seconds from ``warm``
     on. With a profile or ``split`` the Thinker's time is also split by part (``thinker_parts``; each part
-    synchronised, so only then)."""
+    synchronised, so only then). ``warm_up``: a batch first runs ``DuplexBatch.warm_up`` for that many seconds
+    (with the frame), untimed but for its own seconds, which go into the first row as ``warm_up_ms``."""
     thinker, tok, tts, c2w, feats, options = parts
     cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
@@ -109,6 +110,10 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
         if kind == "batch-rows-audio-each":     # commit_many, each session's audio step alone (before embed_chunks)
             batch.batched_audio = False
         batch.code2wav = c2w
+        took = []
+        if warm_up:
+            attach_code2wav(batch.conversations, c2w, feats)
+            took = batch.warm_up(warm_up, frame)     # reopens every seat: the new ones get the voice below
         convs = batch.conversations
         clock.wrap(batch, "_think", "thinker")
         clock.wrap(batch.talker, "generate_units", "talker")
@@ -143,6 +148,8 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
                      "audio_s": sum(u.seconds for u in out)})
     if profile is not None:
         profile.disable()
+    if batch is not None and took:
+        rows[0]["warm_up_ms"] = took
     clock.restore()
     if batch is not None:
         batch.close()     # the conversations and the shared rows' decoder, back to its pool
@@ -278,6 +285,9 @@ def main() -> None:
     ap.add_argument("--parts", default="", metavar="N,...",
                     help="after the timed runs, one batch-rows run of each N (the first --decode mode) with its Thinker "
                          "split by part, synchronised around each (no cProfile): OUT/duplex_batch_bench_parts_N.txt")
+    ap.add_argument("--warm-up", type=int, default=0, metavar="S",
+                    help="each batched run first calls DuplexBatch.warm_up(S, frame) (start-up graphs and compiles "
+                         "made before the timed seconds; its own seconds are reported beside them)")
     ap.add_argument("--table", type=Path, help="only rewrite OUT/duplex_batch_bench.md from this run's JSON")
     ap.add_argument("--cprofile", type=int, metavar="N",
                     help="after the timed runs, one batch-rows run of N conversations (the first --decode mode) under "
@@ -315,7 +325,8 @@ def main() -> None:
     plan = [(d, k, n) for d in decodes for n in batched for k in kinds] + \
         [(d, "sequential", n) for d in decodes for n in sequential]
     for decode, kind, n in plan:
-        rows = run(kind, n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev, decode)
+        rows = run(kind, n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev, decode,
+                   warm_up=args.warm_up if kind != "sequential" else 0)
         held = release(dev)
         s = summarize(rows, args.warm, n)
         res["runs"].append({"kind": kind, "n": n, "decode": decode, "summary": s, "rows": rows,
@@ -323,6 +334,10 @@ def main() -> None:
         print(f"{kind:10s} {decode:8s} N={n:2d}: {s['ms']:7.1f} ms per second (max {s['ms_max']:.1f}; Thinker {s['thinker_ms']:.1f}, "
               f"Talker {s['talker_ms']:.1f}, Code2Wav {s['code2wav_ms']:.1f}), {s['codes']:.0f} codes, "
               f"{s['audio_s']:.2f} s of audio; {held:.1f} GiB held after", flush=True)
+        warm_ms = rows[0].get("warm_up_ms", [])
+        seconds = ", ".join(f"{r['ms']:.0f}" for r in rows)
+        print(f"  seconds: {seconds} ms"
+              + (f" (after warm_up: {', '.join(f'{t:.0f}' for t in warm_ms)} ms)" if warm_ms else ""), flush=True)
         (args.out / "duplex_batch_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows
     write_table(res, args.out / "duplex_batch_bench.md")
     for n in parse_batches(ap, args.parts) if args.parts else []:

@@ -352,6 +352,51 @@ def test_batch_says_what_each_conversation_says_alone(parts, tiny_ckpt, voice, s
     assert any(u.turn_end for u in units), [(u.listen, u.turn_end, len(u.codes)) for u in units]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_warm_up_leaves_every_seat_a_fresh_conversation(parts, tiny_ckpt, voice, device):
+    """``DuplexBatch.warm_up`` steps every seat through seconds of silence (units that speak: the Talker draws
+    and Code2Wav streams open), then reopens every seat with its voice and seed: afterwards the batch says,
+    second by second, what a fresh batch with the same seeds says (decisions, tokens, codes, audio), so the
+    warm-up leaves nothing behind but what it made ahead (a reopened seat also keeps a seed given to
+    ``reopen``). On CUDA (fp32) with the fast paths: shared decoder rows, graphs, the Talker's precaptured
+    prefill graphs."""
+    from minicpmo_rt.code2wav.pipeline import Code2Wav
+    from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
+
+    thinker, tok, tts = parts
+    if device == "cuda":
+        thinker, tts = Thinker.from_snapshot(tiny_ckpt, device="cuda"), load_talker(tiny_ckpt, device="cuda")
+    sp = tok.special
+    cfg = DuplexDecodeConfig(mode="greedy", repetition_penalty=1.0)
+    c2w = Code2Wav.from_snapshot(tiny_ckpt, n_timesteps=2, device=device)
+    head = thinker.llm.lm_head
+    thinker.llm.lm_head = _ByState(head, [sp.speak, WORD, WORD + 1, sp.chunk_eos, sp.listen])
+    warm = DuplexBatch(thinker, tok, tts, c2w, [voice, voice], seeds=[3, 4], decode=cfg)
+    fresh = None
+    try:
+        with pytest.raises(InputError, match="warm_up seconds must be >= 0"):
+            warm.warm_up(-1)
+        warm.reopen(1, voice, seed=5)
+        took = warm.warm_up(2, frame=np.full((28, 28, 3), 128, np.uint8))
+        assert len(took) == 2 and all(t > 0 for t in took)
+        assert device == "cpu" or len(warm.talker._prefill_graphs) >= 3     # (8, 16, 32) rows, precaptured
+        assert warm.seeds == [3, 5] and warm.talker.draws == [0, 0]
+        fresh = DuplexBatch(thinker, tok, tts, c2w, [voice, voice], seeds=[3, 5], decode=cfg)
+        spoke = 0
+        for k in range(3):
+            inputs = [DuplexInput(_audio(1, 10 * k + i)) for i in range(2)]
+            for a, b in zip(fresh.step(inputs), warm.step(inputs)):
+                assert (a.index, a.listen, a.token_ids, a.codes) == (b.index, b.listen, b.token_ids, b.codes), k
+                assert a.pcm.shape == b.pcm.shape and (a.pcm.size == 0 or _pcm_err(b.pcm, a.pcm) <= 1e-5), k
+                spoke += bool(a.codes)
+        assert spoke > 0
+    finally:
+        thinker.llm.lm_head = head
+        warm.close()
+        if fresh is not None:
+            fresh.close()
+
+
 def test_batch_embeds_the_seconds_frames_in_one_vision_call(parts):
     """The frames of one second go through the vision encoder in one batch per frame size (the sessions
     share the thinker), then each session commits its embedded frame: three conversations, two frame

@@ -185,6 +185,11 @@ def test_talker_seat_steps_one_conversation_and_checks_its_input(tts):
         TalkerTurns(tts, 2, seeds=[1])
     with pytest.raises(InputError, match="larger max_len"):
         turns.generate_units([SeatUnit(0, *_unit(110, 1), False)])
+    with pytest.raises(InputError, match="precapture rows"):
+        turns.precapture((8, 0))
+    with pytest.raises(InputError, match="precapture rows"):
+        turns.precapture((8,), kv_len=turns.max_len + 1)
+    assert turns.precapture() == 0      # no graphs off CUDA: nothing to capture
 
 
 @requires_cuda
@@ -205,6 +210,12 @@ def test_talker_turns_graph_equals_the_eager_batch(kernels):
     assert graph.graphs == (len(graph.buckets) if kernels == "torch" else 1) and eager.graphs == 0
     assert graph.fused == (kernels == "triton")
     tight = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=True, kernels=kernels, max_prefill_graphs=1)
+    # precaptured: the prefill graphs of conditions up to 16 rows exist before any unit, and the units' prefills
+    # replay them (their warm-ups wrote at the idle position only: the codes are the eager batch's)
+    ready = TalkerTurns(model, 3, seeds=[1, 2, 3], max_len=512, graphs=True, kernels=kernels)
+    assert ready.precapture((5, 16)) == 2 and set(ready._prefill_graphs) == {(8, 256), (16, 256)}
+    held = dict(ready._prefill_graphs)
+    assert eager.precapture() == 0
     for k, rnd in enumerate(_ROUNDS):
         n = 3 if k % 2 else 9      # conditions of 4 and 10 rows: prefill row buckets 8 and 16
         units = [SeatUnit(seat, tuple(_unit(n, seed)[0]), _unit(n, seed)[1].cuda(), end) for seat, seed, end in rnd]
@@ -212,8 +223,10 @@ def test_talker_turns_graph_equals_the_eager_batch(kernels):
         assert eager.generate_units(units) == got
         assert plain.generate_units(units) == got
         assert tight.generate_units(units) == got
+        assert ready.generate_units(units) == got
     assert eager._prefill_graphs is None and set(graph._prefill_graphs) == {(8, 256), (16, 256)}
     assert len(tight._prefill_graphs) == 1
+    assert all(ready._prefill_graphs[key] is held[key] for key in held) and len(ready._prefill_graphs) == 2
 
 
 @pytest.mark.skipif(not __import__("minicpmo_rt.thinker.kernels", fromlist=["usable_on"]).usable_on(torch.empty(0)),

@@ -271,6 +271,7 @@ class DuplexBatch:
         from ..thinker.session import WindowPolicy, shared_fast_paths, static_rows_for
 
         voices = list(voices)
+        self.thinker_device = thinker.device
         if not voices:
             raise InputError("duplex batch: give at least one conversation (one voice, or None, per conversation)")
         seeds = list(range(len(voices))) if seeds is None else list(seeds)
@@ -310,6 +311,7 @@ class DuplexBatch:
             thinker, tokenizer, tts, code2wav, voice, decode=decode, talker_sampling=talker_sampling, seed=seed,
             fast=fast, talker=self.talker.seat(i), **conversation_options)
         self.conversations = [self._make(i, voice, seed) for i, (voice, seed) in enumerate(zip(voices, seeds))]
+        self.voices, self.seeds = voices, seeds     # each seat's, as built or last reopened (warm_up reopens them)
 
     @classmethod
     def from_snapshot(cls, model, voices: Sequence, profile: str = DEFAULT_DUPLEX_PROFILE, device: str = "cpu",
@@ -434,7 +436,38 @@ class DuplexBatch:
         self.conversations[i].close()
         self.talker.reseat(i, seed)
         self.conversations[i] = self._make(i, voice, seed)
+        self.voices[i], self.seeds[i] = voice, seed
         return self.conversations[i]
+
+    @torch.no_grad()
+    def warm_up(self, seconds: int = 2, frame=None, talker_rows: Sequence[int] = (8, 16, 32)) -> list[float]:
+        """Make what the batch's seconds replay before a user's second needs it, then give every seat a fresh
+        conversation (its voice and seed as before): Code2Wav's graphs for each voice (``Code2Wav.prepare``),
+        the Talker's prefill graphs for conditions of ``talker_rows`` rows (``TalkerTurns.precapture``), then
+        ``seconds`` seconds of silence through every seat, with ``frame`` each second when given (the frame
+        size the users will send), which compiles the kernels and captures the Thinker side's graphs (audio
+        steps at the batch's size, the vision batch, the prefill shapes). A fresh 16-seat batch's first seconds
+        took 787 and 385 ms on the H200 against ~230 once warm (``duplex_batch_bench_session48_audio_h200``).
+        Returns each warm-up second's wall time in ms."""
+        import time
+
+        if seconds < 0:
+            raise InputError(f"duplex batch: warm_up seconds must be >= 0 (got {seconds})")
+        if self.code2wav is not None:
+            for voice in dict.fromkeys(v for v in self.voices if v is not None):
+                self.code2wav.prepare(voice)
+        self.talker.precapture(talker_rows)
+        silence = np.zeros(16000, np.float32)
+        took = []
+        for _ in range(seconds):
+            t0 = time.perf_counter()
+            self.step([DuplexInput(silence, frame) for _ in self.conversations])
+            if self.thinker_device.type == "cuda":
+                torch.cuda.synchronize(self.thinker_device)
+            took.append((time.perf_counter() - t0) * 1e3)
+        for i in range(len(self.conversations)):
+            self.reopen(i, self.voices[i], self.seeds[i])
+        return took
 
     def flush(self) -> list[np.ndarray]:
         """End every conversation's input (``DuplexConversation.flush`` each)."""

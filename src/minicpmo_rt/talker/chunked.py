@@ -345,18 +345,42 @@ class TalkerTurns:
             meta[seat, :cond.shape[0]] = torch.arange(start, start + cond.shape[0])
             meta[seat, T] = cond.shape[0] - 1
         meta = meta.to(self.device, non_blocking=True)
-        key = (T, kv_len)
-        if self._prefill_graphs is None:
+        held = self._prefill_graph((T, kv_len), x, meta) if self._prefill_graphs is not None else None
+        if held is None:
             return self._prefill_forward(x, meta, kv_len)
-        if key not in self._prefill_graphs and len(self._prefill_graphs) < self.max_prefill_graphs:
-            bx, bm = x.clone(), meta.clone()
-            self._prefill_graphs[key] = (self._capture(lambda: self._prefill_forward(bx, bm, kv_len)), bx, bm)
-        if key not in self._prefill_graphs:
-            return self._prefill_forward(x, meta, kv_len)
-        graph, bx, bm = self._prefill_graphs[key]
+        graph, bx, bm = held
         bx.copy_(x)
         bm.copy_(meta)
         graph.replay()
+
+    def _prefill_graph(self, key: tuple[int, int], x: torch.Tensor, meta: torch.Tensor) -> tuple | None:
+        """The prefill graph of ``key`` (rows, attention bucket) with its input buffers, captured now (on
+        copies of ``x`` and ``meta``, which its warm-ups run) while the budget allows; None past it."""
+        if key not in self._prefill_graphs and len(self._prefill_graphs) < self.max_prefill_graphs:
+            bx, bm = x.clone(), meta.clone()
+            self._prefill_graphs[key] = (self._capture(lambda: self._prefill_forward(bx, bm, key[1])), bx, bm)
+        return self._prefill_graphs.get(key)
+
+    @torch.no_grad()
+    def precapture(self, rows: Sequence[int] = (8, 16, 32), kv_len: int | None = None) -> int:
+        """Capture the prefill graphs of conditions of ``rows`` rows (each padded as ``_prefill`` pads it) at
+        the attention bucket holding ``kv_len`` positions (default: the smallest, where a turn starts), before
+        a unit needs them: otherwise a conversation's first unit of each shape waits for a capture. Their
+        warm-ups write at the idle position only. Returns the prefill graphs held (0 without graphs)."""
+        if any(r < 1 for r in rows) or (kv_len is not None and not 1 <= kv_len <= self.max_len):
+            raise InputError(f"talker turns: precapture rows {tuple(rows)} must be >= 1 and kv_len {kv_len} in "
+                             f"1..{self.max_len}")
+        if self._prefill_graphs is None:
+            return 0
+        kv = self.buckets[0] if kv_len is None else self.kv_bucket(kv_len)
+        w = self.tts.emb_text.weight
+        for r in rows:
+            T = max(8, 1 << (r - 1).bit_length())
+            meta = torch.full((self.seats, T + 1), self.idle_pos, dtype=torch.long, device=self.device)
+            meta[:, T] = 0
+            self._prefill_graph((T, kv), torch.zeros(self.seats, T, w.shape[1], dtype=w.dtype, device=self.device),
+                                meta)
+        return len(self._prefill_graphs)
 
     def _prefill_forward(self, x: torch.Tensor, meta: torch.Tensor, kv_len: int) -> None:
         T = x.shape[1]
