@@ -169,8 +169,12 @@ def write_table(res: dict, path: Path) -> None:
              f"{'tiny' if res['tiny'] else 'full-size'} random weights, torch {res['torch']})", "",
              f"N concurrent turns through `TurnPipeline.run`, each answering with {res['tokens']} text tokens and "
              f"{res['codes']} codes ({res['codes'] * SAMPLES_PER_CODE / 24000:.1f} s of audio); each row is the run "
-             f"of median wall time out of {res.get('repeat', 1)}, after warm-up runs per pipeline (each N, "
-             "full-length answers of short text). Time to first audio "
+             f"of median wall time out of {res.get('repeat', 1)}, "
+             + {"bench": "after warm-up runs per pipeline (each N, full-length answers of short text)",
+                "warm_up": "after the pipeline's own `TurnPipeline.warm_up` at each N (ms: " + json.dumps(
+                    {k: {n: round(t) for n, t in v.items()} for k, v in res.get("warm_up_ms", {}).items()}) + ")",
+                "none": "with no warm-up: the first runs pay every capture and compile"}[res.get("startup", "bench")]
+             + ". Time to first audio "
              "(TTFA) is from the call to each request's first PCM chunk. Stage columns: time inside the Talker's "
              "steps and Code2Wav's pushes (synchronised around each call); the Thinker is the rest. `before`: eager "
              "Talker step over the whole 4096-position cache, one Code2Wav push per chunk; `talker-graphs`: Talker "
@@ -206,6 +210,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24, help="text tokens per answer")
     ap.add_argument("--codes", type=int, default=100, help="codes per answer (25 per second of audio)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per row; the row is the run of median wall time")
+    ap.add_argument("--startup", choices=("bench", "warm_up", "none"), default="bench",
+                    help="before each pipeline's timed runs: 'bench', short answers at each N (the default); "
+                         "'warm_up', TurnPipeline.warm_up(voice, batches=N...); 'none', nothing (the first runs "
+                         "pay every capture and compile: run it with --repeat 1 in a fresh process)")
     ap.add_argument("--table", type=Path, help="only rewrite OUT/turn_bench.md from this run's JSON")
     ap.add_argument("--cprofile", metavar="FORM", help="after FORM's timed rows, one more run at the largest N "
                     "under cProfile: OUT/turn_bench_cprofile_{profile}_{FORM}.txt (where the host's time goes)")
@@ -232,7 +240,8 @@ def main() -> None:
     flow, gen, feats, _ = bench_models(args.tiny, dev)
     parts = (thinker, tok, tts, flow, gen, feats)
     res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-           "tiny": args.tiny, "tokens": args.tokens, "codes": args.codes, "repeat": args.repeat, "rows": []}
+           "tiny": args.tiny, "tokens": args.tokens, "codes": args.codes, "repeat": args.repeat,
+           "startup": args.startup, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     shared: dict = {}
     for name in profiles:
@@ -243,8 +252,11 @@ def main() -> None:
             # shared by the forms and keyed by batch and cache length, so the first form to meet one would pay
             # its capture; session 44's runs warmed with 60-code answers and the batched form paid them at
             # N = 8 and 16): each N, full-length answers of short text
-            for n in ns:
-                run(pipe, n, feats, min(2, args.tokens), args.codes, dev, f"warm{n}")
+            if args.startup == "bench":
+                for n in ns:
+                    run(pipe, n, feats, min(2, args.tokens), args.codes, dev, f"warm{n}")
+            elif args.startup == "warm_up":     # the pipeline's own start-up call, at the sizes the runs use
+                res.setdefault("warm_up_ms", {})[f"{name} {form}"] = pipe.warm_up(feats, batches=ns)
             for n in ns:
                 # the run of median wall time out of --repeat (a single run moved by up to ~15% between two
                 # forms that do the same work, session 45)

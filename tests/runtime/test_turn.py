@@ -207,6 +207,25 @@ def test_prepare_voice_solves_the_prompt_at_load(tiny_ckpt, voice):
     assert c2w.prompts.solves == 1
 
 
+def test_warm_up_answers_short_turns_and_leaves_later_answers_as_they_were(tiny_ckpt, voice):
+    """``TurnPipeline.warm_up`` answers short turns at each batch size; a request answered afterwards gets
+    the codes and audio a fresh pipeline gives it (nothing of the warm-up turns stays behind)."""
+    warm = TurnPipeline.from_snapshot(tiny_ckpt, capacity=2, n_timesteps=2)
+    fresh = TurnPipeline.from_snapshot(tiny_ckpt, capacity=2, n_timesteps=2)
+    with pytest.raises(InputError, match="batches"):
+        warm.warm_up(voice, batches=(1, 0))
+    with pytest.raises(InputError, match="tokens"):
+        warm.warm_up(voice, tokens=0)
+    took = warm.warm_up(voice, batches=(1, 2, 2), codes=6)
+    assert list(took) == [1, 2] and all(t > 0 for t in took.values())
+    reqs = [TurnRequest.make(f"r{i}", "Say something.", voice, seed=3 + i, max_new_tokens=5, max_codes=30)
+            for i in range(2)]
+    got = [(warm.codes(reqs), collect(list(warm.run(reqs)))), (fresh.codes(reqs), collect(list(fresh.run(reqs))))]
+    assert got[0][0] == got[1][0] and all(len(c) > 0 for c in got[0][0].values())
+    for rid, pcm in got[1][1].items():
+        assert got[0][1][rid].shape == pcm.shape and np.allclose(got[0][1][rid], pcm, rtol=0, atol=1e-6)
+
+
 def test_progress_reports_tokens_then_codes(pipe):
     """``progress`` hears the Thinker's token count after each generation chunk, then the Talker's code count
     after each codec chunk: counts rise, the last of each equals what the trace holds, every Thinker event

@@ -537,6 +537,36 @@ class TurnPipeline:
         return collect(chunks)[request_id]
 
 
+    def warm_up(self, voice, batches: Sequence[int] | None = None, text: str = "Tell me about your day.",
+                tokens: int = 8, codes: int | None = None) -> dict[int, float]:
+        """Answer short turns in ``voice`` at each of ``batches`` concurrent requests (default: one, and the
+        Talker's capacity) before any user's request, so that what a turn's stages replay at those sizes
+        (Code2Wav's graphs for the voice, the Thinker's prefill and decode graphs, the Talker's, compiled
+        kernels, cuFFT plans) is made ahead instead of inside a user's time to first audio. Each answer has
+        ``tokens`` text tokens and ``codes`` codes (default: the first window and three more, so that Code2Wav
+        meets the first chunk's shapes and reaches its steady cache length). Nothing of the warm-up turns stays
+        behind but those graphs. Returns the wall ms of each batch size's turns."""
+        import time
+
+        batches = (1, self.talker.capacity) if batches is None else tuple(batches)
+        if not batches or min(batches) < 1:
+            raise InputError(f"turn warm-up: batches {batches} must be concurrent request counts >= 1")
+        if tokens < 1 or (codes is not None and codes < 1):
+            raise InputError(f"turn warm-up: tokens ({tokens}) and codes ({codes}) must be >= 1")
+        codes = codes or self.talker.first_window + 3 * self.talker.window
+        took = {}
+        for n in dict.fromkeys(batches):
+            requests = [TurnRequest.make(f"warm-up-{n}-{i}", text, voice, seed=i, max_new_tokens=tokens,
+                                         max_codes=codes) for i in range(n)]
+            t0 = time.perf_counter()
+            for _ in self.run(requests) if self.code2wav is not None else [self.codes(requests)]:
+                pass
+            if self.thinker.device.type == "cuda":
+                torch.cuda.synchronize(self.thinker.device)
+            took[n] = (time.perf_counter() - t0) * 1e3
+        return took
+
+
 def collect(chunks: Sequence[PcmChunk]) -> dict[str, np.ndarray]:
     """Concatenate each request's PcmChunks (checking they arrived in order)."""
     parts: dict[str, list[np.ndarray]] = {}
