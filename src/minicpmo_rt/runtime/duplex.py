@@ -31,6 +31,7 @@ says and hears what it would alone (same seeds; up to the batched arithmetic's r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -446,11 +447,10 @@ class DuplexBatch:
         the Talker's prefill graphs for conditions of ``talker_rows`` rows (``TalkerTurns.precapture``), then
         ``seconds`` seconds of silence through every seat, with ``frame`` each second when given (the frame
         size the users will send), which compiles the kernels and captures the Thinker side's graphs (audio
-        steps at the batch's size, the vision batch, the prefill shapes). A fresh 16-seat batch's first seconds
-        took 787 and 385 ms on the H200 against ~230 once warm (``duplex_batch_bench_session48_audio_h200``).
-        Returns each warm-up second's wall time in ms."""
-        import time
-
+        steps at the batch's size, the vision batch, the prefill shapes). On the H200 a fresh 16-seat batch's
+        first two user seconds took 738 and 380 ms without it, 234 and 249 after a 0.9-s warm-up, a steady
+        second's time (``benchmarks/results/duplex_warm_up_session48_h200.md``). Returns each warm-up second's
+        wall time in ms."""
         if seconds < 0:
             raise InputError(f"duplex batch: warm_up seconds must be >= 0 (got {seconds})")
         if self.code2wav is not None:

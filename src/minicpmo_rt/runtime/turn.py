@@ -29,6 +29,7 @@ The prompts admitted together are prefilled together, in the Thinker's rows and 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, Union
@@ -546,8 +547,6 @@ class TurnPipeline:
         ``tokens`` text tokens and ``codes`` codes (default: the first window and three more, so that Code2Wav
         meets the first chunk's shapes and reaches its steady cache length). Nothing of the warm-up turns stays
         behind but those graphs. Returns the wall ms of each batch size's turns."""
-        import time
-
         batches = (1, self.talker.capacity) if batches is None else tuple(batches)
         if not batches or min(batches) < 1:
             raise InputError(f"turn warm-up: batches {batches} must be concurrent request counts >= 1")
