@@ -272,7 +272,6 @@ class DuplexBatch:
         from ..thinker.session import WindowPolicy, shared_fast_paths, static_rows_for
 
         voices = list(voices)
-        self.thinker_device = thinker.device
         if not voices:
             raise InputError("duplex batch: give at least one conversation (one voice, or None, per conversation)")
         seeds = list(range(len(voices))) if seeds is None else list(seeds)
@@ -458,12 +457,13 @@ class DuplexBatch:
                 self.code2wav.prepare(voice)
         self.talker.precapture(talker_rows)
         silence = np.zeros(16000, np.float32)
+        dev = self.conversations[0].thinker.device
         took = []
         for _ in range(seconds):
             t0 = time.perf_counter()
             self.step([DuplexInput(silence, frame) for _ in self.conversations])
-            if self.thinker_device.type == "cuda":
-                torch.cuda.synchronize(self.thinker_device)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             took.append((time.perf_counter() - t0) * 1e3)
         for i in range(len(self.conversations)):
             self.reopen(i, self.voices[i], self.seeds[i])

@@ -186,6 +186,18 @@ def chunk_batch_inputs(thinker: Thinker, caches: list[AudioEncoderCache | None],
     return rows, mask, pasts
 
 
+def fill_rows(buf: torch.Tensor, caches: list[AudioEncoderCache | None]) -> None:
+    """Each stream's cache into its row of the batched buffer [layers, 2, B, heads, P, head_dim] (rows
+    [0, past_b)), in one launch."""
+    dst, src = [], []
+    for b, c in enumerate(caches):
+        for i, (k, v) in enumerate(zip(c.keys, c.values) if c is not None else ()):
+            dst += [buf[i, 0, b:b + 1, :, :c.length], buf[i, 1, b:b + 1, :, :c.length]]
+            src += [k, v]
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
 def cut_caches(buf: torch.Tensor, pasts: list[int], n: int) -> list[AudioEncoderCache]:
     """Each stream's new cache (its first past_b + n buffer rows), copied out of the batched buffer."""
     out = []
@@ -211,10 +223,7 @@ def embed_chunks_eager(thinker: Thinker, mels: list[torch.Tensor], caches: list[
     B = len(mels)
     buf = torch.zeros(len(apm.layers), 2, B, a.num_heads, P, a.head_dim, dtype=thinker.dtype, device=thinker.device)
     rows, mask, pasts = chunk_batch_inputs(thinker, caches, P, n)
-    for b, c in enumerate(caches):
-        for i, (k, v) in enumerate(zip(c.keys, c.values) if c is not None else ()):
-            buf[i, 0, b:b + 1, :, :pasts[b]] = k
-            buf[i, 1, b:b + 1, :, :pasts[b]] = v
+    fill_rows(buf, caches)
     x = torch.stack([m.to(thinker.device) for m in mels])
     out = batched_stream_body(thinker, x, buf, rows, mask, prefix_extra, suffix_extra, split_attention)
     caches = cut_caches(buf, pasts, n)
@@ -281,14 +290,10 @@ class AudioGraphs:
             torch._foreach_copy_([self._buf[i, j, :, :, :past] for i in range(len(cache.keys)) for j in (0, 1)],
                                  [t for kv in zip(cache.keys, cache.values) for t in kv])
         torch.lt(self._arange, past + n_conv, out=self._mask[0, 0, 0])
-        try:
-            if key not in self._graphs:
-                self._graphs[key] = self._capture(x, n_conv, prefix_extra, suffix_extra)
-        except Exception as e:  # an op that syncs with the host: this shape stays eager
-            self.failures[key] = f"{type(e).__name__}: {e}"
-            torch.cuda.synchronize()
+        held = self._held(self._graphs, key, lambda: self._capture(x, n_conv, prefix_extra, suffix_extra))
+        if held is None:    # this shape stays eager
             return self._eager(x, cache, prefix_extra, suffix_extra, reset)
-        g, sx, rows, out = self._graphs[key]
+        g, sx, rows, out = held
         sx.copy_(x)
         torch.add(self._arange[:n_conv], past, out=rows)
         g.replay()
@@ -321,14 +326,11 @@ class AudioGraphs:
             return None
         buf, mask = self._batch_buffers(B)
         self._buffers()
-        try:
-            if key not in self._fork_graphs:
-                self._fork_graphs[key] = self._capture_forks(buf, mask, x, valid, n_max, prefix_extra)
-        except Exception as e:  # an op that syncs with the host: these forks run eagerly
-            self.failures[key] = f"{type(e).__name__}: {e}"
-            torch.cuda.synchronize()
+        held = self._held(self._fork_graphs, key,
+                          lambda: self._capture_forks(buf, mask, x, valid, n_max, prefix_extra))
+        if held is None:    # these forks run eagerly
             return None
-        g, sx, svalid, rows, out = self._fork_graphs[key]
+        g, sx, svalid, rows, out = held
         past = cache.length if cache is not None else 0
         if past:
             kv = torch.stack([torch.stack([k, v]) for k, v in zip(cache.keys, cache.values)])  # [L, 2, 1, h, past, d]
@@ -340,6 +342,18 @@ class AudioGraphs:
         torch.lt(self._arange[None], ends[:, None], out=mask[:, 0, 0])
         g.replay()
         return [out[b, :n[b] // th.audio_pool_step].clone() for b in range(B)]
+
+    def _held(self, graphs: dict, key: tuple, capture) -> tuple | None:
+        """``graphs[key]``, captured now (``capture()``) if it is not held yet; None when the capture fails (an
+        op that syncs with the host): ``failures`` keeps the reason, and callers skip that key from then on."""
+        if key not in graphs:
+            try:
+                graphs[key] = capture()
+            except Exception as e:
+                self.failures[key] = f"{type(e).__name__}: {e}"
+                torch.cuda.synchronize()
+                return None
+        return graphs[key]
 
     def _batch_buffers(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batched buffer [layers, 2, B, heads, P, head_dim] and row mask [B, 1, 1, P] of B rows (forks and
@@ -394,22 +408,13 @@ class AudioGraphs:
             return None
         buf, mask = self._batch_buffers(Bb)
         self._buffers()
-        try:
-            if key not in self._chunk_graphs:
-                self._chunk_graphs[key] = self._capture_chunks(buf, mask, Bb, mels[0], n, prefix_extra, suffix_extra)
-        except Exception as e:  # an op that syncs with the host: these streams step one by one
-            self.failures[key] = f"{type(e).__name__}: {e}"
-            torch.cuda.synchronize()
+        held = self._held(self._chunk_graphs, key,
+                          lambda: self._capture_chunks(buf, mask, Bb, mels[0], n, prefix_extra, suffix_extra))
+        if held is None:    # these streams step one by one
             return None
-        g, sx, rows, out = self._chunk_graphs[key]
-        # every stream's cache into its buffer row (one launch for all), its chunk and positions, then one replay
-        dst, src = [], []
-        for b, c in enumerate(caches):
-            for i, (k, v) in enumerate(zip(c.keys, c.values) if c is not None else ()):
-                dst += [buf[i, 0, b:b + 1, :, :c.length], buf[i, 1, b:b + 1, :, :c.length]]
-                src += [k, v]
-        if dst:
-            torch._foreach_copy_(dst, src)
+        g, sx, rows, out = held
+        # every stream's cache into its buffer row, its chunk and positions, then one replay
+        fill_rows(buf, caches)
         sx[:B].copy_(torch.stack(mels).to(th.device, non_blocking=True))
         new_rows, new_mask, pasts = chunk_batch_inputs(th, caches, buf.shape[4], n, Bb)
         rows.copy_(new_rows)
