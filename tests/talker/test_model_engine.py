@@ -114,6 +114,8 @@ def test_graph_decode_needs_cuda_and_an_idle_engine(tts):
     eng = TalkerEngine(tts, capacity=2, kv_budget_bytes=1 << 22)
     with pytest.raises(InputError, match="CUDA"):
         eng.capture_cuda_graph()
+    with pytest.raises(InputError, match="CUDA"):
+        eng.capture_prefill_graphs()
 
 
 @pytest.mark.gpu
@@ -136,6 +138,7 @@ def test_graph_decode_emits_the_eager_engines_chunks(tts, kernels):
                            kernels=kernels)
     graphed.capture_cuda_graph()
     assert sorted(graphed._graphs) == (list(graphed.buckets) if kernels == "torch" else [graphed.max_len])
+    assert tuple(sorted(graphed._prefill_graphs)) == graphed.prefill_buckets()
     want, got = eager.run(reqs()), graphed.run(reqs())
     assert sum(len(c.codes) - 3 for c in got["a"]) == 150
     assert {k: [c.codes for c in v] for k, v in got.items()} == {k: [c.codes for c in v] for k, v in want.items()}
@@ -143,6 +146,31 @@ def test_graph_decode_emits_the_eager_engines_chunks(tts, kernels):
         graphed.submit(_request("d"))
         graphed.step()
         graphed.capture_cuda_graph()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefill_graph_replays_the_eager_padded_prefill(tts):
+    """A prefill graph's replay against the same padded prefill run eagerly (fp32; the same kernels, so
+    within 1e-6), also while a slot is live: that slot's cache is not touched."""
+    dev_tts = MiniCPMTTS(tts.cfg)
+    dev_tts.load_state_dict(tts.state_dict())
+    dev_tts = dev_tts.cuda().eval()
+    H = tts.cfg.hidden_size
+    conds = [torch.randn(n, H, device="cuda") for n in (30, 7)]
+    eager = TalkerEngine(dev_tts, capacity=3, kv_budget_bytes=1 << 22)
+    graphed = TalkerEngine(dev_tts, capacity=3, kv_budget_bytes=1 << 22)
+    graphed.capture_prefill_graphs((16, 32))
+    assert sorted(graphed._prefill_graphs) == [16, 32]
+    live = torch.randn_like(graphed.k_cache[:, 1])
+    graphed.k_cache[:, 1] = live
+    want = eager._prefill_graphed([0, 2], conds, 32)
+    got = graphed._prefill_many([0, 2], conds)          # picks bucket 32's graph
+    assert rel_err(got, want) <= 1e-6
+    for slot in (0, 2):
+        assert rel_err(graphed.k_cache[:, slot, :, :32], eager.k_cache[:, slot, :, :32]) <= 1e-6
+        assert rel_err(graphed.v_cache[:, slot, :, :32], eager.v_cache[:, slot, :, :32]) <= 1e-6
+    assert torch.equal(graphed.k_cache[:, 1], live)
 
 
 def test_kv_buckets_cover_the_cache():
@@ -201,6 +229,56 @@ def test_requests_admitted_together_prefill_in_one_forward_as_each_alone(tts):
     for req in reqs():
         one = TalkerEngine(tts, capacity=1, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
         assert [c.codes for c in one.run([req])[req.request_id]] == [c.codes for c in got[req.request_id]]
+
+
+def test_padded_prefill_touches_only_the_admitted_slots_and_matches_the_runs(tts):
+    """The graphs' prefill (``_prefill_graphed``, eager here: no graph is held on the CPU): every slot's row,
+    the conditions padded to a length bucket, into the private K/V buffer, then copied into the admitted
+    slots. Their K/V over the conditions and their last hidden equal the eager runs' (fp32 rounding); a live
+    slot's cache and a free one's stay bit for bit as they were."""
+    H = tts.cfg.hidden_size
+    torch.manual_seed(5)
+    conds = [torch.randn(n, H) for n in (6, 3)]
+    eng = TalkerEngine(tts, capacity=4, kv_budget_bytes=1 << 22)
+    eng.k_cache.normal_()
+    eng.v_cache.normal_()
+    before = eng.k_cache.clone(), eng.v_cache.clone()
+    last = eng._prefill_graphed([2, 0], conds, 16)
+    ref = TalkerEngine(tts, capacity=4, kv_budget_bytes=1 << 22)
+    want = ref._prefill_many([2, 0], conds)
+    assert rel_err(last, want) <= 1e-5
+    for j, slot in enumerate([2, 0]):
+        n = conds[j].shape[0]
+        for got, exp in ((eng.k_cache, ref.k_cache), (eng.v_cache, ref.v_cache)):
+            assert rel_err(got[:, slot, :, :n], exp[:, slot, :, :n]) <= 1e-5
+        for got, old in zip((eng.k_cache, eng.v_cache), before):
+            assert torch.equal(got[:, slot, :, 16:], old[:, slot, :, 16:])
+    for slot in (1, 3):
+        assert torch.equal(eng.k_cache[:, slot], before[0][:, slot])
+        assert torch.equal(eng.v_cache[:, slot], before[1][:, slot])
+    assert eng.prefill_buckets() == tuple(b for b in (16, 32, 64, 128, 256) if b <= eng.max_len)
+
+
+def test_padded_prefill_emits_the_eager_engines_codes(tts):
+    """Requests of different lengths admitted together and one after another (a slot freed and taken while
+    another is live) through the padded prefill give the codes of the eager runs."""
+    params = SamplingParams(min_codes=5, max_codes=40)
+    reqs = lambda: [_request("a", n=4, seed=1), _request("b", n=19, seed=2, max_codes=12),  # noqa: E731
+                    _request("c", n=6, seed=3)]
+    padded = TalkerEngine(tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+    buckets = []
+
+    def through_buckets(slots, conds):
+        bucket = next(b for b in padded.prefill_buckets() if b >= max(c.shape[0] for c in conds))
+        buckets.append(bucket)
+        return padded._prefill_graphed(slots, conds, bucket)
+
+    padded._prefill_many = through_buckets
+    got = padded.run(reqs())
+    assert buckets == [32, 16]        # "a" and "b" (21 rows) together, then "c" in "b"'s freed slot
+    eager = TalkerEngine(tts, capacity=2, kv_budget_bytes=1 << 22, params=params, window=25, first_window=10)
+    want = eager.run(reqs())
+    assert {k: [c.codes for c in v] for k, v in got.items()} == {k: [c.codes for c in v] for k, v in want.items()}
 
 
 @pytest.mark.skipif(not K.usable_on(torch.empty(0)), reason="the Triton kernels on the CPU need TRITON_INTERPRET=1 (scripts/test.sh sets it)")

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from ..sdpa_backend import no_cudnn_sdpa
 from ..talker.engine import CONTEXT_CODES, TalkerEngine, TalkerRequest
 from .contracts import CodecChunk, Message, PcmChunk, TalkerInput, ThinkerStep, TurnRequest
 from .snapshot import SnapshotPublisher, SnapshotReader
@@ -221,7 +222,8 @@ class TurnPipeline:
         th = self.thinker
         piece = turn_prompt(self.builder, req.messages)
         cache = th.new_cache()
-        prefill = th.forward_embeds(th.embed_tokens(piece.ids), cache, logits=True)
+        with no_cudnn_sdpa():       # each prompt's own length: no per-shape cuDNN plan
+            prefill = th.forward_embeds(th.embed_tokens(piece.ids), cache, logits=True)
         gen = torch.Generator(device=prefill.logits.device).manual_seed(req.seed)
         return len(piece), prefill.logits, cache, self._sampling(req), gen
 

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from ..sdpa_backend import no_cudnn_sdpa
 from .engine import TalkerEngine, kv_bytes_per_token
 from .model import MiniCPMTTS
 from .sampler import MASK32, penalize, uniform
@@ -100,7 +101,8 @@ class TalkerTurn:
     @torch.no_grad()
     def _forward(self, rows: torch.Tensor, start: int) -> torch.Tensor:
         pos = torch.arange(start, start + rows.shape[0], device=self.device)[None]
-        hidden, self.cache = self.tts.forward_reference(rows[None], pos, self.cache)
+        with no_cudnn_sdpa():       # a unit's condition length and the cache's change every call
+            hidden, self.cache = self.tts.forward_reference(rows[None], pos, self.cache)
         return self.tts.logits(hidden[0, -1])
 
     def _feed_code(self, code: int, position: int) -> torch.Tensor:

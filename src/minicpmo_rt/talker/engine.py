@@ -15,7 +15,10 @@ One graph per bucket, captured up front, sharing one memory pool.
 On CUDA the decode step runs instead through the Thinker's fused Triton kernels (``kernels="triton"``,
 the default there): the step's ~700 small launches set its time under graph replay, not its weights, and
 the fused attention reads each slot's position on the device, so one graph serves every position.
-The requests admitted on one step are prefilled together, one forward per run of consecutive slots.
+The requests admitted on one step are prefilled together, one forward per run of consecutive slots; with the
+decode graphs captured, that forward is a graph too (``_prefill_graphed``): every slot's row, the conditions
+right-padded to a length bucket, written into a private K/V buffer (a live slot's cache is never touched), then
+copied into the admitted slots. Eagerly it took 19-40 ms of a turn's first audio on the H200 (~600 launches).
 """
 
 from __future__ import annotations
@@ -30,12 +33,16 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..errors import InputError
+from ..sdpa_backend import attention
 from .model import MiniCPMTTS
 from .sampler import SamplingParams, SlotState, sample_step
 
 SILENCE_CODE = 4218
 CONTEXT_CODES = 3
 MIN_BUCKET = 128    # the shortest key span a decode step attends over
+# Condition lengths the admissions' prefill replays from CUDA graphs (longer ones run eagerly). A condition is an
+# answer's text tokens + 2, so a spoken answer's fits the top bucket unless it runs past ~250 tokens.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256)
 
 
 def kv_buckets(max_len: int) -> tuple[int, ...]:
@@ -154,6 +161,9 @@ class TalkerEngine:
         self.slots: dict[int, _Slot] = {}
         self.buckets = kv_buckets(self.max_len)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # T bucket -> (graph, its input rows [capacity, T, H], its hidden [capacity, T, H]); see _prefill_graphed
+        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._prefill_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.batched_prefill = True     # False: one prefill per admitted request (benchmarks' before forms)
         self.kernels = kernels
         if kernels == "triton":
@@ -209,8 +219,10 @@ class TalkerEngine:
 
     # ---- model math on the static cache ----------------------------------------------------
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, rows: slice, kv_len: int,
-                write_at: torch.Tensor) -> torch.Tensor:
-        """x [B,T,H] at positions [B,T] for cache rows ``rows``; writes K/V in place at ``write_at`` [B,T]."""
+                write_at: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [B,T,H] at positions [B,T] for cache rows ``rows``; writes K/V in place at ``write_at`` [B,T].
+        ``caches``: other K/V tensors [layers, ...] to use instead of the engine's (``rows`` indexes them)."""
+        k_cache, v_cache = caches if caches is not None else (self.k_cache, self.v_cache)
         model = self.tts.model
         B, T, _ = x.shape
         cos, sin = model.rotary_emb(x, positions)
@@ -223,7 +235,7 @@ class TalkerEngine:
             k = att.k_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
             v = att.v_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            kc, vc = self.k_cache[li, rows], self.v_cache[li, rows]  # views: writes land in the cache
+            kc, vc = k_cache[li, rows], v_cache[li, rows]  # views: writes land in the cache
             idx = write_at[:, None, :, None].expand(B, self.n_kv, T, self.head_dim)
             kc.scatter_(2, idx, k.to(kc.dtype))
             vc.scatter_(2, idx, v.to(vc.dtype))
@@ -231,7 +243,7 @@ class TalkerEngine:
             if self.n_kv != self.n_heads:
                 rep = self.n_heads // self.n_kv
                 keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
-            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None])
+            o = attention(q, keys, vals, attn_mask=mask[:, None])    # lengths follow each condition: no cuDNN plans
             x = x + att.o_proj(o.transpose(1, 2).reshape(B, T, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return model.norm(x)
@@ -275,6 +287,10 @@ class TalkerEngine:
         (``thinker.decode.padded_runs``): one request at a time took ~10 ms each on the H200."""
         from ..thinker.decode import padded_runs
 
+        longest = max(int(c.shape[0]) for c in conds)
+        bucket = next((b for b in sorted(self._prefill_graphs) if b >= longest), None)
+        if bucket is not None and self.batched_prefill:
+            return self._prefill_graphed(slots, conds, bucket)
         last: list[torch.Tensor | None] = [None] * len(slots)
         for run, first, x in padded_runs(slots, conds, join=self.batched_prefill):
             T = x.shape[1]
@@ -283,6 +299,72 @@ class TalkerEngine:
             for j, i in enumerate(run):
                 last[i] = hidden[j, int(conds[i].shape[0]) - 1]
         return torch.stack(last)
+
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """The condition lengths (``PREFILL_BUCKETS`` within the cache) whose prefill a graph may serve."""
+        return tuple(b for b in PREFILL_BUCKETS if b <= self.max_len)
+
+    def _prefill_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """Every slot's row x [capacity, T, H] from position 0 into the private K/V buffer (what
+        ``_prefill_graphed``'s graphs run) -> final-norm hidden [capacity, T, H]. Rows of slots without a
+        condition compute garbage there, which nothing reads."""
+        T = x.shape[1]
+        pos = torch.arange(T, device=x.device)[None].expand(self.capacity, T)
+        return self._layers(x, pos, slice(0, self.capacity), T, pos, caches=self._prefill_kv)
+
+    def _ensure_prefill_kv(self) -> None:
+        if self._prefill_kv is None:
+            shape = (self.n_layers, self.capacity, self.n_kv, max(self.prefill_buckets()), self.head_dim)
+            self._prefill_kv = (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    @torch.no_grad()
+    def _prefill_graphed(self, slots: list[int], conds: list[torch.Tensor], bucket: int) -> torch.Tensor:
+        """``_prefill_many`` through the graph of ``bucket`` (or eagerly on the same padded rows where no graph
+        is held: the CPU tests' path): condition j in row j, right-padded to ``bucket``; then each admitted
+        slot's K/V rows [0, bucket) copied from row j of the private buffer (the padding's rows are rewritten by
+        the slot's decode steps before any read, as in ``padded_runs``)."""
+        held = self._prefill_graphs.get(bucket)
+        if held is None:
+            self._ensure_prefill_kv()
+            x = conds[0].new_zeros(self.capacity, bucket, conds[0].shape[-1])
+        else:
+            x = held[1]
+            x.zero_()
+        for j, c in enumerate(conds):
+            x[j, :c.shape[0]] = c
+        if held is None:
+            hidden = self._prefill_padded(x)
+        else:
+            held[0].replay()
+            hidden = held[2]
+        n = len(conds)
+        dst = torch.tensor(slots).to(self.device, non_blocking=True)
+        for cache, buf in zip((self.k_cache, self.v_cache), self._prefill_kv):
+            cache[:, dst, :, :bucket] = buf[:, :n, :, :bucket]
+        last = torch.tensor([int(c.shape[0]) - 1 for c in conds]).to(self.device, non_blocking=True)
+        return hidden[torch.arange(n, device=self.device), last]
+
+    def capture_prefill_graphs(self, buckets: tuple[int, ...] | None = None) -> None:
+        """Capture the admissions' prefill at each of ``buckets`` (default: ``prefill_buckets()``) on CUDA. It
+        writes only the private K/V buffer, so it may run while slots are live."""
+        if self.device.type != "cuda":
+            raise InputError("CUDA-graph prefill needs the talker on a CUDA device")
+        self._ensure_prefill_kv()
+        buckets = self.prefill_buckets() if buckets is None else buckets
+        pool = next(iter(self._prefill_graphs.values()))[0].pool() if self._prefill_graphs else None
+        for T in sorted(set(buckets) - set(self._prefill_graphs), reverse=True):     # the longest's pool serves all
+            x = torch.zeros(self.capacity, T, self.tts.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.no_grad(), torch.cuda.stream(side):
+                self._prefill_padded(x)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
+                hidden = self._prefill_padded(x)
+            pool = graph.pool() if pool is None else pool
+            self._prefill_graphs[T] = (graph, x, hidden)
 
     @torch.no_grad()
     def decode_step(self, kv_len: int | None = None) -> torch.Tensor:
@@ -310,12 +392,12 @@ class TalkerEngine:
         self.pos.add_((~self.state.finished).long())
         return codes
 
-    def capture_cuda_graph(self, kv_len: int | None = None) -> None:
+    def capture_cuda_graph(self, kv_len: int | None = None, prefill: bool = True) -> None:
         """Capture ``decode_step`` (CUDA only): one graph per key bucket (``buckets``), or only the one for
         ``kv_len``; with the fused kernels one graph over the whole cache, which serves every position.
         Call while no slot is live: the warm-up steps then change nothing but idle rows.
         Later ``step`` calls replay the shortest captured span that holds every live slot (eager when
-        none does)."""
+        none does). ``prefill``: also the admissions' prefill graphs (``capture_prefill_graphs``)."""
         if self.device.type != "cuda":
             raise InputError("CUDA-graph decode needs the talker on a CUDA device")
         if self.slots:
@@ -337,6 +419,8 @@ class TalkerEngine:
                 self.decode_step(n)
             pool = graph.pool() if pool is None else pool
             self._graphs[n] = graph
+        if prefill:
+            self.capture_prefill_graphs()
 
     def _span(self) -> int:
         """The shortest key bucket holding the next position of every live slot (host counts: prompt
