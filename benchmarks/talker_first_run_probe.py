@@ -14,6 +14,7 @@ and ``--vary-tokens`` gives run k ``--tokens`` + k text tokens, so that each run
 turn had before, as in serving (the bench's answers all have the same length). ``--talker-prefill eager`` drops
 the engine's prefill graphs (session 49) for an A/B against them. Each run also counts Python's garbage-collector
 pauses by generation (``gc.callbacks``), and ``--gc off`` disables the collector over the timed runs.
+``--profile-admit`` runs each admission under cProfile and keeps the slowest one's functions per run.
 
     python benchmarks/talker_first_run_probe.py OUT                 # GPU
     python benchmarks/talker_first_run_probe.py OUT --tiny          # CPU check of the script
@@ -92,6 +93,36 @@ class GcLog:
             self.count[g] = self.count.get(g, 0) + 1
 
 
+def profile_calls(obj, name: str, dev, top: int = 15):
+    """Wrap ``obj.name`` so that each call runs under cProfile (synchronised at both ends); returns the list
+    the slowest call's (ms, its top functions by cumulative and own time) lands in, and the undo."""
+    import cProfile
+    import io
+    import pstats
+
+    fn, worst = getattr(obj, name), []
+
+    def profiled(*a, **k):
+        prof = cProfile.Profile()
+        sync(dev)
+        t0 = time.perf_counter()
+        prof.enable()
+        out = fn(*a, **k)
+        sync(dev)
+        prof.disable()
+        ms = (time.perf_counter() - t0) * 1e3
+        if not worst or ms > worst[0][0]:
+            buf = io.StringIO()
+            stats = pstats.Stats(prof, stream=buf)
+            stats.sort_stats("cumulative").print_stats(top)
+            stats.sort_stats("tottime").print_stats(top)
+            worst[:] = [(round(ms, 2), buf.getvalue())]
+        return out
+
+    setattr(obj, name, profiled)
+    return worst, lambda: obj.__dict__.pop(name, None)
+
+
 def prefill_probe(engine, lengths, dev) -> list[dict]:
     """The engine's prefill of one condition of each length into slot 0, twice each (first call, then again)."""
     w = engine.tts.emb_text.weight
@@ -121,6 +152,9 @@ def main() -> None:
     ap.add_argument("--talker-sdpa", choices=("no-cudnn", "torch"), default="no-cudnn",
                     help="the Talker's attention: without cuDNN's backend (the runtime's) or torch's own choice")
     ap.add_argument("--vary-tokens", action="store_true", help="run k answers with --tokens + k text tokens")
+    ap.add_argument("--profile-admit", action="store_true", help="cProfile every admission; keep the slowest "
+                    "one's top functions per run (in the JSON, and as text under --profile-admit-dir)")
+    ap.add_argument("--profile-admit-dir", type=Path)
     ap.add_argument("--gc", choices=("on", "off"), default="on", help="Python's garbage collector in the timed runs")
     ap.add_argument("--talker-prefill", choices=("graph", "eager"), default="graph",
                     help="admissions' prefill from the engine's graphs (the runtime's on CUDA) or eagerly")
@@ -159,13 +193,20 @@ def main() -> None:
             log.wrap(eng.tts.projector_semantic, "forward")
             pauses = GcLog()
             gc.callbacks.append(pauses)
+            worst, undo = profile_calls(eng, "_admit", dev) if args.profile_admit else ([], lambda: None)
             try:
                 tokens = args.tokens + (k if args.vary_tokens else 0)
                 row = run(pipe, n, feats, tokens, args.codes, dev, f"probe-{n}-{k}")
             finally:
+                undo()
                 gc.callbacks.remove(pauses)
                 log.restore()
             row.update(run=k, tokens=tokens, split=log.summary(args.slow), gc_ms=pauses.ms, gc_count=pauses.count)
+            if worst:
+                row["admit_profile"] = {"ms": worst[0][0], "stats": worst[0][1]}
+                if args.profile_admit_dir:
+                    args.profile_admit_dir.mkdir(parents=True, exist_ok=True)
+                    (args.profile_admit_dir / f"admit_N{n}_run{k}.txt").write_text(f"{worst[0][0]} ms\n{worst[0][1]}")
             res["runs"].append(row)
             print(f"N={n} run {k} ({tokens} tokens): wall {row['wall_ms']:.0f}, Talker {row['talker_ms']:.0f}, Code2Wav "
                   f"{row['code2wav_ms']:.0f} ms; GC {pauses.ms} ms ({pauses.count}); {row['split']}", flush=True)
