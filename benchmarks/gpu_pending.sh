@@ -17,7 +17,9 @@
 # 47 ran `dtests` (82 passed) and `commits` (commit_many 1.16-1.29x per second), then the Talker's device draws and
 # prefill graphs against the tree before them (talker_device_draws_session47_h200.md); it leaves `dtests` pending for
 # its review commits (1a667a7: TalkerTurns' attributes and docstrings; 7df944f: draw_rows), which session 48 ran
-# (84 passed, 2 skipped: talker_duplex_turn_cuda_tests_session48_h200.txt).
+# (84 passed, 2 skipped: talker_duplex_turn_cuda_tests_session48_h200.txt). Session 49 leaves `admit` pending: where a
+# 16-request admission's host->device move of the hidden rows stalls (3-91 ms in some runs,
+# talker_prefill_session49_h200.md section 5), with the rows handed over as now, pinned, and on the device.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -44,6 +46,8 @@
 #            conversations and the turn pipeline
 #   duplex   duplex_batch_bench.py: one second of 8 and 16 concurrent conversations (batch-rows, greedy), the Talker's
 #            draws on the fused kernels (compare duplex_batch_bench_session42b_h200.md, its bucketed torch step)
+#   admit    talker_first_run_probe.py --profile-admit: 16-request turns of a new length each run, each admission
+#            under cProfile, the requests' hidden rows on the host (the contract), pinned, then on the device
 #   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
 #            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
 #            and sampling: session 46 measured the Thinker 222 -> 179 ms at 16 (greedy) in one run, whose Talker
@@ -107,6 +111,12 @@ for s in "$@"; do
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
          step all 570 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=40 tests/ ;;
+    admit) hs="host pinned device"; [ -n "${SMOKE:-}" ] && hs="host device"    # pinned memory needs CUDA
+           for h in $hs; do
+             step "admit_$h" 150 python benchmarks/talker_first_run_probe.py "$W/admit_$h" --runs 6 --requests 16 \
+               --vary-tokens --profile-admit --profile-admit-dir "$W/admit_$h/prof" --hidden-rows "$h" \
+               ${SMOKE:+--tiny --runs 1 --requests 2}
+           done ;;
     dtests) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-6}
             step dtests 540 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=15 tests/talker \
               tests/runtime/test_duplex.py tests/runtime/test_turn.py ;;

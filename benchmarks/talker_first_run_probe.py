@@ -14,7 +14,8 @@ and ``--vary-tokens`` gives run k ``--tokens`` + k text tokens, so that each run
 turn had before, as in serving (the bench's answers all have the same length). ``--talker-prefill eager`` drops
 the engine's prefill graphs (session 49) for an A/B against them. Each run also counts Python's garbage-collector
 pauses by generation (``gc.callbacks``), and ``--gc off`` disables the collector over the timed runs.
-``--profile-admit`` runs each admission under cProfile and keeps the slowest one's functions per run.
+``--profile-admit`` runs each admission under cProfile and keeps the slowest one's functions per run, and
+``--hidden-rows pinned|device`` hands the requests' hidden rows to the Talker in pinned host memory or on the GPU.
 
     python benchmarks/talker_first_run_probe.py OUT                 # GPU
     python benchmarks/talker_first_run_probe.py OUT --tiny          # CPU check of the script
@@ -123,6 +124,23 @@ def profile_calls(obj, name: str, dev, top: int = 15):
     return worst, lambda: obj.__dict__.pop(name, None)
 
 
+def rows_where(where: str, dev: torch.device) -> None:
+    """Each TalkerRequest's hidden rows handed to the Talker in pinned host memory or already on ``dev``, instead
+    of the ``TalkerInput`` contract's plain host rows (a diagnosis of the admission's host->device stall: with
+    rows on the device, ``_admit`` joins them there and moves nothing)."""
+    from dataclasses import replace
+
+    from minicpmo_rt.runtime.contracts import TalkerInput
+
+    plain = TalkerInput.to_request
+
+    def to_request(self, seed, max_codes=None):
+        req = plain(self, seed, max_codes)
+        return replace(req, hidden=req.hidden.pin_memory() if where == "pinned" else req.hidden.to(dev))
+
+    TalkerInput.to_request = to_request
+
+
 def prefill_probe(engine, lengths, dev) -> list[dict]:
     """The engine's prefill of one condition of each length into slot 0, twice each (first call, then again)."""
     w = engine.tts.emb_text.weight
@@ -155,6 +173,8 @@ def main() -> None:
     ap.add_argument("--profile-admit", action="store_true", help="cProfile every admission; keep the slowest "
                     "one's top functions per run (in the JSON, and as text under --profile-admit-dir)")
     ap.add_argument("--profile-admit-dir", type=Path)
+    ap.add_argument("--hidden-rows", choices=("host", "pinned", "device"), default="host",
+                    help="where the Talker requests' hidden rows are handed over (host: the runtime's contract)")
     ap.add_argument("--gc", choices=("on", "off"), default="on", help="Python's garbage collector in the timed runs")
     ap.add_argument("--talker-prefill", choices=("graph", "eager"), default="graph",
                     help="admissions' prefill from the engine's graphs (the runtime's on CUDA) or eagerly")
@@ -166,6 +186,10 @@ def main() -> None:
         engine_module.attention = F.scaled_dot_product_attention
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if args.hidden_rows == "pinned" and dev.type != "cuda":
+        ap.error("--hidden-rows pinned needs CUDA (pinned host memory is a CUDA allocation)")
+    if args.hidden_rows != "host":
+        rows_where(args.hidden_rows, dev)
     tok = load_tokenizer(vendored_tokenizer_dir())
     thinker, tts = build(args.tiny, dev, dtype)
     flow, gen, feats, _ = bench_models(args.tiny, dev)
@@ -176,7 +200,7 @@ def main() -> None:
     res = {"gpu": device_label(dev), "torch": torch.__version__, "profile": PROFILE,
            "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(), "talker_sdpa": args.talker_sdpa,
            "talker_prefill": args.talker_prefill, "prefill_graphs": sorted(pipe.talker._prefill_graphs),
-           "vary_tokens": args.vary_tokens, "runs": []}
+           "vary_tokens": args.vary_tokens, "hidden_rows": args.hidden_rows, "runs": []}
     res["warm_up_ms"] = pipe.warm_up(feats, batches=ns)
     eng = pipe.talker
     res["gc"] = args.gc
