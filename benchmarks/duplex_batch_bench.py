@@ -54,11 +54,12 @@ from duplex_bench import build, sync
 
 
 class Clock:
-    """Milliseconds spent in wrapped calls, synchronised at both ends (a benchmark's phase split). The
-    wrappers are instance attributes over the methods; ``restore`` removes them (objects reused across runs)."""
+    """Milliseconds spent in wrapped calls, synchronised at both ends (a benchmark's phase split), in total per
+    phase (``ms``) and call by call (``calls``: (phase, ms) in order). The wrappers are instance attributes over
+    the methods; ``restore`` removes them (objects reused across runs)."""
 
     def __init__(self, dev: torch.device):
-        self.dev, self.ms, self._undo = dev, {}, []
+        self.dev, self.ms, self.calls, self._undo = dev, {}, [], []
 
     def patch(self, obj, name: str, fn) -> None:
         setattr(obj, name, fn)
@@ -72,7 +73,9 @@ class Clock:
             t0 = time.perf_counter()
             out = fn(*a, **k)
             sync(self.dev)
-            self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
+            ms = (time.perf_counter() - t0) * 1e3
+            self.ms[phase] = self.ms.get(phase, 0.0) + ms
+            self.calls.append((phase, ms))
             return out
 
         self.patch(obj, name, timed)

@@ -35,46 +35,23 @@ import torch
 from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
 
 from code2wav_pipeline_bench import bench_models, device_label
+from duplex_batch_bench import Clock
 from duplex_bench import build, sync
 from turn_bench import pipeline, run
 
 PROFILE = "minicpmo_4_5_turn_mrv2_h200"
 
 
-class CallLog:
-    """Synchronised ms of each call of the wrapped methods, in order (instance attributes over the methods)."""
-
-    def __init__(self, dev: torch.device):
-        self.dev, self.calls, self._undo = dev, [], []
-
-    def wrap(self, obj, name: str) -> None:
-        fn = getattr(obj, name)
-
-        def timed(*a, **k):
-            sync(self.dev)
-            t0 = time.perf_counter()
-            out = fn(*a, **k)
-            sync(self.dev)
-            self.calls.append((name, (time.perf_counter() - t0) * 1e3))
-            return out
-
-        setattr(obj, name, timed)
-        self._undo.append((obj, name))
-
-    def restore(self) -> None:
-        for obj, name in reversed(self._undo):
-            obj.__dict__.pop(name, None)
-        self._undo.clear()
-
-    def summary(self, slow: float) -> dict:
-        by: dict[str, list[float]] = {}
-        for name, ms in self.calls:
-            by.setdefault(name, []).append(ms)
-        slow_calls = [(i, name, round(ms, 2)) for i, (name, ms) in enumerate(self.calls) if ms > slow]
-        return {"total_ms": {k: round(sum(v), 2) for k, v in by.items()}, "calls": {k: len(v) for k, v in by.items()},
-                "median_ms": {k: round(statistics.median(v), 3) for k, v in by.items()},
-                "max_ms": {k: round(max(v), 2) for k, v in by.items()},
-                "slow_calls": len(slow_calls), "slowest": sorted(slow_calls, key=lambda c: -c[2])[:12]}
+def call_summary(calls: list[tuple[str, float]], slow: float) -> dict:
+    """A ``Clock``'s calls by name: total, count, median and max ms, and the slowest calls over ``slow`` ms."""
+    by: dict[str, list[float]] = {}
+    for name, ms in calls:
+        by.setdefault(name, []).append(ms)
+    slow_calls = [(i, name, round(ms, 2)) for i, (name, ms) in enumerate(calls) if ms > slow]
+    return {"total_ms": {k: round(sum(v), 2) for k, v in by.items()}, "calls": {k: len(v) for k, v in by.items()},
+            "median_ms": {k: round(statistics.median(v), 3) for k, v in by.items()},
+            "max_ms": {k: round(max(v), 2) for k, v in by.items()},
+            "slow_calls": len(slow_calls), "slowest": sorted(slow_calls, key=lambda c: -c[2])[:12]}
 
 
 class GcLog:
@@ -94,9 +71,10 @@ class GcLog:
             self.count[g] = self.count.get(g, 0) + 1
 
 
-def profile_calls(obj, name: str, dev, top: int = 15):
-    """Wrap ``obj.name`` so that each call runs under cProfile (synchronised at both ends); returns the list
-    the slowest call's (ms, its top functions by cumulative and own time) lands in, and the undo."""
+def profile_calls(clock: Clock, obj, name: str, dev, top: int = 15) -> list:
+    """Patch ``obj.name`` (through ``clock``, whose ``restore`` removes it) so that each call runs under cProfile,
+    synchronised at both ends; returns the list the slowest call's (ms, its top functions by cumulative and own
+    time) lands in."""
     import cProfile
     import io
     import pstats
@@ -120,8 +98,8 @@ def profile_calls(obj, name: str, dev, top: int = 15):
             worst[:] = [(round(ms, 2), buf.getvalue())]
         return out
 
-    setattr(obj, name, profiled)
-    return worst, lambda: obj.__dict__.pop(name, None)
+    clock.patch(obj, name, profiled)
+    return worst
 
 
 def rows_where(where: str, dev: torch.device) -> None:
@@ -209,23 +187,23 @@ def main() -> None:
         gc.disable()
     for n in ns:
         for k in range(args.runs):
-            log = CallLog(dev)
+            clock = Clock(dev)
             for name in ("_admit", "_prefill_many", "_run_step", "_emit"):
-                log.wrap(eng, name)
-            log.wrap(eng.state, "admit")
-            log.wrap(eng.tts, "logits")
-            log.wrap(eng.tts.projector_semantic, "forward")
+                clock.wrap(eng, name, name)
+            clock.wrap(eng.state, "admit", "admit")
+            clock.wrap(eng.tts, "logits", "logits")
+            clock.wrap(eng.tts.projector_semantic, "forward", "forward")
+            worst = profile_calls(clock, eng, "_admit", dev) if args.profile_admit else []
             pauses = GcLog()
             gc.callbacks.append(pauses)
-            worst, undo = profile_calls(eng, "_admit", dev) if args.profile_admit else ([], lambda: None)
             try:
                 tokens = args.tokens + (k if args.vary_tokens else 0)
                 row = run(pipe, n, feats, tokens, args.codes, dev, f"probe-{n}-{k}")
             finally:
-                undo()
                 gc.callbacks.remove(pauses)
-                log.restore()
-            row.update(run=k, tokens=tokens, split=log.summary(args.slow), gc_ms=pauses.ms, gc_count=pauses.count)
+                clock.restore()
+            row.update(run=k, tokens=tokens, split=call_summary(clock.calls, args.slow), gc_ms=pauses.ms,
+                       gc_count=pauses.count)
             if worst:
                 row["admit_profile"] = {"ms": worst[0][0], "stats": worst[0][1]}
                 if args.profile_admit_dir:

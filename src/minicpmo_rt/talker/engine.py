@@ -285,7 +285,8 @@ class TalkerEngine:
     def _prefill_many(self, slots: list[int], conds: list[torch.Tensor]) -> torch.Tensor:
         """Each conditioning [n_i, H] into its slot from position 0 -> the hidden at each one's last row
         [k, H]. The conds of consecutive slots run as one forward, right-padded to the longest
-        (``thinker.decode.padded_runs``): one request at a time took ~10 ms each on the H200."""
+        (``thinker.decode.padded_runs``): one request at a time took ~10 ms each on the H200. Where a prefill
+        graph's bucket holds the longest, the graph runs them all instead (``_prefill_graphed``)."""
         from ..thinker.decode import padded_runs
 
         longest = max(int(c.shape[0]) for c in conds)
@@ -325,20 +326,18 @@ class TalkerEngine:
         is held: the CPU tests' path): condition j in row j, right-padded to ``bucket``; then each admitted
         slot's K/V rows [0, bucket) copied from row j of the private buffer (the padding's rows are rewritten by
         the slot's decode steps before any read, as in ``padded_runs``)."""
-        held = self._prefill_graphs.get(bucket)
-        if held is None:
+        graph, x, hidden = self._prefill_graphs.get(bucket, (None, None, None))
+        if graph is None:
             self._ensure_prefill_kv()
             x = conds[0].new_zeros(self.capacity, bucket, conds[0].shape[-1])
         else:
-            x = held[1]
             x.zero_()
         for j, c in enumerate(conds):
             x[j, :c.shape[0]] = c
-        if held is None:
+        if graph is None:
             hidden = self._prefill_padded(x)
         else:
-            held[0].replay()
-            hidden = held[2]
+            graph.replay()      # hidden: the graph's output buffer
         n = len(conds)
         dst = torch.tensor(slots).to(self.device, non_blocking=True)
         for cache, buf in zip((self.k_cache, self.v_cache), self._prefill_kv):
