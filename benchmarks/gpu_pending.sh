@@ -19,7 +19,9 @@
 # its review commits (1a667a7: TalkerTurns' attributes and docstrings; 7df944f: draw_rows), which session 48 ran
 # (84 passed, 2 skipped: talker_duplex_turn_cuda_tests_session48_h200.txt). Session 49 leaves `admit` pending: where a
 # 16-request admission's host->device move of the hidden rows stalls (3-91 ms in some runs,
-# talker_prefill_session49_h200.md section 5), with the rows handed over as now, pinned, and on the device.
+# talker_prefill_session49_h200.md section 5), with the rows handed over as now, pinned, and on the device. Session 50
+# ran it, then `admitab` (the rows on the device, the projector padded; talker_admit_session50_h200.md) and `dtests`
+# (93 passed, 2 skipped: talker_duplex_turn_cuda_tests_session50_h200.txt); nothing is left pending.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -48,6 +50,10 @@
 #            draws on the fused kernels (compare duplex_batch_bench_session42b_h200.md, its bucketed torch step)
 #   admit    talker_first_run_probe.py --profile-admit: 16-request turns of a new length each run, each admission
 #            under cProfile, the requests' hidden rows on the host (the contract), pinned, then on the device
+#   admitab  admit_stall_probe.py (the host join of the hidden rows under the cgroup's CPU quota; the projector's
+#            first call at a new row count), then talker_first_run_probe.py at 1 and 16 requests, answers of a new
+#            length each run: this tree (rows on the Thinker's device, padded projector, one state write per
+#            admission) against _base/src (`git archive abad46e src | tar -x -C _base`), two alternating pairs
 #   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
 #            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
 #            and sampling: session 46 measured the Thinker 222 -> 179 ms at 16 (greedy) in one run, whose Talker
@@ -117,6 +123,15 @@ for s in "$@"; do
                --vary-tokens --profile-admit --profile-admit-dir "$W/admit_$h/prof" --hidden-rows "$h" \
                ${SMOKE:+--tiny --runs 1 --requests 2}
            done ;;
+    admitab) step stall 120 python benchmarks/admit_stall_probe.py "$W/stall" ${SMOKE:+--device cpu --reps 5}
+             for k in 1 2; do
+               for form in after before; do    # before: the tree in _base/src (session 50: abad46e)
+                 src=$PWD/src; [ "$form" = before ] && src=$PWD/_base/src
+                 step "admit_${form}_$k" 240 env PYTHONPATH="$src:$PWD/tests:$PWD/benchmarks" \
+                   python benchmarks/talker_first_run_probe.py "$W/admit_${form}_$k" --runs 6 --requests 1,16 \
+                   --vary-tokens ${SMOKE:+--tiny --runs 1 --requests 2}
+               done
+             done ;;
     dtests) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-6}
             step dtests 540 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=15 tests/talker \
               tests/runtime/test_duplex.py tests/runtime/test_turn.py ;;

@@ -15,7 +15,9 @@ turn had before, as in serving (the bench's answers all have the same length). `
 the engine's prefill graphs (session 49) for an A/B against them. Each run also counts Python's garbage-collector
 pauses by generation (``gc.callbacks``), and ``--gc off`` disables the collector over the timed runs.
 ``--profile-admit`` runs each admission under cProfile and keeps the slowest one's functions per run, and
-``--hidden-rows pinned|device`` hands the requests' hidden rows to the Talker in pinned host memory or on the GPU.
+``--hidden-rows host|pinned|device`` hands the requests' hidden rows to the Talker in plain host memory (the
+contract before session 50), pinned host memory or on the GPU (the contract since session 50: the default,
+``contract``, hands them over as the runtime does).
 
     python benchmarks/talker_first_run_probe.py OUT                 # GPU
     python benchmarks/talker_first_run_probe.py OUT --tiny          # CPU check of the script
@@ -103,9 +105,9 @@ def profile_calls(clock: Clock, obj, name: str, dev, top: int = 15) -> list:
 
 
 def rows_where(where: str, dev: torch.device) -> None:
-    """Each TalkerRequest's hidden rows handed to the Talker in pinned host memory or already on ``dev``, instead
-    of the ``TalkerInput`` contract's plain host rows (a diagnosis of the admission's host->device stall: with
-    rows on the device, ``_admit`` joins them there and moves nothing)."""
+    """Each TalkerRequest's hidden rows handed to the Talker in plain host memory, pinned host memory or on
+    ``dev``, instead of where the ``TalkerInput`` contract puts them (a diagnosis of the admission's host->device
+    stall: with rows on the device, ``_admit`` joins them there and moves nothing)."""
     from dataclasses import replace
 
     from minicpmo_rt.runtime.contracts import TalkerInput
@@ -114,7 +116,8 @@ def rows_where(where: str, dev: torch.device) -> None:
 
     def to_request(self, seed, max_codes=None):
         req = plain(self, seed, max_codes)
-        return replace(req, hidden=req.hidden.pin_memory() if where == "pinned" else req.hidden.to(dev))
+        rows = {"host": lambda h: h.cpu(), "pinned": lambda h: h.cpu().pin_memory(), "device": lambda h: h.to(dev)}
+        return replace(req, hidden=rows[where](req.hidden))
 
     TalkerInput.to_request = to_request
 
@@ -151,8 +154,9 @@ def main() -> None:
     ap.add_argument("--profile-admit", action="store_true", help="cProfile every admission; keep the slowest "
                     "one's top functions per run (in the JSON, and as text under --profile-admit-dir)")
     ap.add_argument("--profile-admit-dir", type=Path)
-    ap.add_argument("--hidden-rows", choices=("host", "pinned", "device"), default="host",
-                    help="where the Talker requests' hidden rows are handed over (host: the runtime's contract)")
+    ap.add_argument("--hidden-rows", choices=("contract", "host", "pinned", "device"), default="contract",
+                    help="where the Talker requests' hidden rows are handed over (contract: as the runtime hands "
+                    "them, on the Thinker's device since session 50; host: plain host memory, the contract before)")
     ap.add_argument("--gc", choices=("on", "off"), default="on", help="Python's garbage collector in the timed runs")
     ap.add_argument("--talker-prefill", choices=("graph", "eager"), default="graph",
                     help="admissions' prefill from the engine's graphs (the runtime's on CUDA) or eagerly")
@@ -166,7 +170,7 @@ def main() -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if args.hidden_rows == "pinned" and dev.type != "cuda":
         ap.error("--hidden-rows pinned needs CUDA (pinned host memory is a CUDA allocation)")
-    if args.hidden_rows != "host":
+    if args.hidden_rows != "contract":
         rows_where(args.hidden_rows, dev)
     tok = load_tokenizer(vendored_tokenizer_dir())
     thinker, tts = build(args.tiny, dev, dtype)
@@ -190,7 +194,9 @@ def main() -> None:
             clock = Clock(dev)
             for name in ("_admit", "_prefill_many", "_run_step", "_emit"):
                 clock.wrap(eng, name, name)
-            clock.wrap(eng.state, "admit", "admit")
+            for name in ("admit", "admit_many"):        # per request before session 50, then per admission
+                if hasattr(eng.state, name):
+                    clock.wrap(eng.state, name, name)
             clock.wrap(eng.tts, "logits", "logits")
             clock.wrap(eng.tts.projector_semantic, "forward", "forward")
             worst = profile_calls(clock, eng, "_admit", dev) if args.profile_admit else []

@@ -329,7 +329,8 @@ def test_thinker_rows_end_on_a_terminator_and_free_the_row(pipe, voice):
 def test_cuda_pipeline_defaults_match_the_plain_path(tiny_ckpt):
     """On CUDA, ``from_snapshot`` decodes the Thinker on shared rows (Triton kernels, CUDA graphs) and the
     Talker from per-bucket graphs; the same requests give the same tokens and codes as the single-request
-    static decoder with an eager Talker."""
+    static decoder with an eager Talker. Either way the Thinker's hidden rows reach the Talker on the GPU
+    (``TalkerInput``: the Thinker's device), and from the shared rows as from the plain decoder."""
     kw = dict(device="cuda", with_code2wav=False, capacity=2, talker_params=SamplingParams(min_codes=5),
               thinker_max_len=512)
     fast = TurnPipeline.from_snapshot(tiny_ckpt, **kw)
@@ -341,6 +342,9 @@ def test_cuda_pipeline_defaults_match_the_plain_path(tiny_ckpt):
     assert fast.codes(reqs, a) == plain.codes(reqs, b)
     for r in reqs:
         assert [s.token_id for s in a.steps[r.request_id]] == [s.token_id for s in b.steps[r.request_id]]
+        for trace in (a, b):
+            assert trace.talker_inputs[r.request_id].hidden.is_cuda
+            assert all(s.hidden.is_cuda for s in trace.steps[r.request_id] if s.hidden is not None)
 
 
 @pytest.mark.parametrize("on_rows", [False, True])

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -146,6 +148,37 @@ def test_graph_decode_emits_the_eager_engines_chunks(tts, kernels):
         graphed.submit(_request("d"))
         graphed.step()
         graphed.capture_cuda_graph()
+
+
+def test_projector_padded_to_its_row_bucket_gives_each_rows_own_result(tts):
+    """An admission's projector pass runs over a row bucket on CUDA (``_projector_rows``; zero rows appended):
+    the appended rows change no row's result (fp32, 1e-6); off CUDA no padding is asked for."""
+    eng = TalkerEngine(tts, capacity=2, kv_budget_bytes=1 << 22)
+    hid = torch.randn(37, tts.cfg.llm_dim, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        plain, padded = eng._project(hid), eng._project(hid, 64)
+    assert padded.shape == plain.shape and rel_err(padded, plain) <= 1e-6
+    assert eng._projector_rows(37) == 37
+    eng.warm_projector()                                       # runs on any device; CUDA is where it matters
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_admission_takes_rows_on_the_device_or_the_host_alike(tts):
+    """On CUDA the Thinker hands its hidden rows over on the device (``TalkerInput``); the engine joins them
+    there, pads the projector's rows to a bucket, and gives the same codes as for the same rows on the host."""
+    from minicpmo_rt.talker.engine import PROJECTOR_ROWS
+
+    dev_tts = MiniCPMTTS(tts.cfg)
+    dev_tts.load_state_dict(tts.state_dict())
+    dev_tts = dev_tts.cuda().eval()
+    eng = TalkerEngine(dev_tts, capacity=3, kv_budget_bytes=1 << 22)
+    assert eng._projector_rows(37) == 64 and eng._projector_rows(PROJECTOR_ROWS[-1] + 1) == PROJECTOR_ROWS[-1] + 1
+    reqs = [_request(r, n=n, seed=s) for r, n, s in (("a", 9, 1), ("b", 30, 2), ("c", 4, 3))]
+    on_dev = [replace(r, hidden=r.hidden.cuda()) for r in reqs]
+    host = TalkerEngine(dev_tts, capacity=3, kv_budget_bytes=1 << 22).run(reqs)
+    dev = eng.run(on_dev)
+    assert {k: [c.codes for c in v] for k, v in dev.items()} == {k: [c.codes for c in v] for k, v in host.items()}
 
 
 @pytest.mark.gpu

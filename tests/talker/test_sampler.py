@@ -103,3 +103,28 @@ def test_reproducible_per_seed_and_independent_of_batch():
     b = run([5, 11, 7])
     assert torch.equal(a[0], b[1])
     assert not torch.equal(b[0], b[1])
+
+
+def test_admit_many_resets_only_its_slots_as_admit_does():
+    """``SlotState.admit_many`` (one admission's requests together, the engine's path) leaves the same state as
+    ``admit`` per slot, on rows that have run and finished, and touches no other row; seeds are masked to 32
+    bits as ``admit`` masks them."""
+    params = SamplingParams(min_codes=0, max_codes=100)
+    one, many = SlotState(4, params.window), SlotState(4, params.window)
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
+    for st in (one, many):
+        for slot in range(4):
+            st.admit(slot, seed=slot, limit=3, min_codes=0)
+        for _ in range(5):
+            sample_step(logits, st, params, EOS)
+    before = {k: getattr(many, k).clone() for k in ("step", "finished", "limit", "min_codes", "seed", "history")}
+    seeds, limits = [7, (1 << 40) + 5], [50, 9]
+    for slot, seed, limit in zip((3, 1), seeds, limits):
+        one.admit(slot, seed, limit, min_codes=4)
+    many.admit_many([3, 1], seeds, limits, min_codes=4)
+    for k, was in before.items():
+        a, b = getattr(one, k), getattr(many, k)
+        assert torch.equal(a, b), k
+        assert torch.equal(b[[0, 2]], was[[0, 2]]), k
+    assert many.seed[1] == 5 and many.limit[3] == 50 and not many.finished[[1, 3]].any()
+    assert (many.history[[1, 3]] == -1).all() and (many.step[[1, 3]] == 0).all()

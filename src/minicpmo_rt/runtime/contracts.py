@@ -77,8 +77,9 @@ def check_messages(messages: Sequence[Message], where: str) -> None:
 class ThinkerStep:
     """Thinker -> Talker, one sampled token.
 
-    ``hidden`` is the final-norm hidden row at the token's own position (float32, CPU, copied
-    out of any static buffer). A terminator is sampled but never fed, so it has no row
+    ``hidden`` is the final-norm hidden row at the token's own position (float32, on the Thinker's
+    device, copied out of any static buffer: the Talker reads it on its own device, so on CUDA it
+    never crosses to the host). A terminator is sampled but never fed, so it has no row
     (``hidden is None``) and is never forwarded to the Talker.
     """
 
@@ -104,7 +105,7 @@ class TalkerInput:
 
     request_id: str
     token_ids: tuple[int, ...]
-    hidden: torch.Tensor          # [n, H] float32
+    hidden: torch.Tensor          # [n, H] float32, on the Thinker's device
     text: str
     terminator: int | None        # the id that ended the text; None = the token limit did
 

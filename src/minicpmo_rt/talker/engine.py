@@ -19,7 +19,10 @@ The requests admitted on one step are prefilled together, one forward per run of
 decode graphs captured, that forward is a graph too (``_prefill_graphed``): every slot's row, the conditions
 right-padded to a length bucket, written into a private K/V buffer (a live slot's cache is never touched), then
 copied into the admitted slots. Eagerly it took 19-40 ms of a turn's first audio on the H200 (~600 launches). The
-buffer holds 256 positions per slot beside the KV budget: 252 MB at the H200 profile's 16 slots.
+buffer holds 256 positions per slot beside the KV budget: 252 MB at the H200 profile's 16 slots. The rest of an
+admission is one projector pass for all its requests, over rows the Thinker left on the device, padded to one of
+``PROJECTOR_ROWS``, and one write of the sampler's state: 5 ms at 16 requests on the H200, against 10 ms with
+host rows, the projector at each new row count and six state writes per request.
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ MIN_BUCKET = 128    # the shortest key span a decode step attends over
 # Condition lengths the admissions' prefill replays from CUDA graphs (longer ones run eagerly). A condition is an
 # answer's text tokens + 2, so a spoken answer's fits the top bucket unless it runs past ~250 tokens.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
+# Row counts the admissions' projector pass is padded up to (an admission's text rows, all requests together).
+# A GEMM at a row count cuBLAS has not met may pick a kernel not yet loaded: 2.6-4.0 ms at the first call on the
+# H200, 0.06-0.17 ms at the second (admit_stall_probe_session50_h200.json). The text rows change with every
+# admission, so the engine runs these few counts, and warms them when it captures its graphs.
+PROJECTOR_ROWS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def kv_buckets(max_len: int) -> tuple[int, ...]:
@@ -196,11 +204,10 @@ class TalkerEngine:
         # One batched projector pass for every new request's conditioning.
         with torch.no_grad():
             ids = torch.cat([r.text_ids for _, r in batch]).to(self.device)
-            hid = torch.cat([r.hidden for _, r in batch]).to(self.device, self.dtype)
-            proj = self.tts.projector_semantic(hid)
-            if self.tts.cfg.normalize_projected_hidden:
-                proj = F.normalize(proj, p=2, dim=-1)
-            rows = self.tts.emb_text(ids) + proj
+            # the Thinker hands its rows over on its own device (TalkerInput): joined there, nothing crosses
+            # the bus; host rows (other callers) go up one request at a time
+            hid = torch.cat([r.hidden.to(self.device) for _, r in batch]).to(self.dtype)
+            rows = self.tts.emb_text(ids) + self._project(hid, self._projector_rows(hid.shape[0]))
             conds, start = [], 0
             for slot, req in batch:
                 n = req.text_ids.shape[0]
@@ -214,9 +221,30 @@ class TalkerEngine:
             slots = torch.tensor([slot for slot, _ in batch]).to(self.device, non_blocking=True)
             self.first_logits[slots] = self.tts.logits(last)
             self.pos[slots] = torch.tensor([c.shape[0] for c in conds]).to(self.device, non_blocking=True)
+            self.state.admit_many([slot for slot, _ in batch], [req.seed for _, req in batch],
+                                  [self._limit(req) for _, req in batch], self.params.min_codes)
             for (slot, req), cond in zip(batch, conds):
-                self.state.admit(slot, req.seed, self._limit(req), self.params.min_codes)
                 self.slots[slot] = _Slot(req, cond.shape[0])
+
+    def _projector_rows(self, m: int) -> int:
+        """The row count an admission's projector pass over ``m`` rows runs at: on CUDA the next of
+        ``PROJECTOR_ROWS`` (``m`` past the last); elsewhere ``m``."""
+        return next((b for b in PROJECTOR_ROWS if b >= m), m) if self.device.type == "cuda" else m
+
+    def _project(self, hid: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """``projector_semantic`` (L2-normalised where the config says so) of hidden rows [m, llm_dim], run
+        over ``rows`` >= m rows (zero rows appended; each row's result is its own)."""
+        m = hid.shape[0]
+        pad = m if rows is None else max(rows, m)
+        proj = self.tts.projector_semantic(F.pad(hid, (0, 0, 0, pad - m)) if pad > m else hid)[:m]
+        return F.normalize(proj, p=2, dim=-1) if self.tts.cfg.normalize_projected_hidden else proj
+
+    @torch.no_grad()
+    def warm_projector(self) -> None:
+        """Run an admission's projector pass once at each of ``PROJECTOR_ROWS`` (padded, as admissions are),
+        so that no admission pays for loading a kernel (``capture_prefill_graphs`` calls it)."""
+        for b in PROJECTOR_ROWS:
+            self._project(torch.zeros(b - 1, self.tts.cfg.llm_dim, dtype=self.dtype, device=self.device), b)
 
     # ---- model math on the static cache ----------------------------------------------------
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, rows: slice, kv_len: int,
@@ -351,6 +379,7 @@ class TalkerEngine:
         if self.device.type != "cuda":
             raise InputError("CUDA-graph prefill needs the talker on a CUDA device")
         self._ensure_prefill_kv()
+        self.warm_projector()
         buckets = self.prefill_buckets() if buckets is None else buckets
         pool = next(iter(self._prefill_graphs.values()))[0].pool() if self._prefill_graphs else None
         for T in sorted(set(buckets) - set(self._prefill_graphs), reverse=True):     # the longest's pool serves all
