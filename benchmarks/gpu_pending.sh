@@ -21,7 +21,8 @@
 # 16-request admission's host->device move of the hidden rows stalls (3-91 ms in some runs,
 # talker_prefill_session49_h200.md section 5), with the rows handed over as now, pinned, and on the device. Session 50
 # ran it, then `admitab` (the rows on the device, the projector padded; talker_admit_session50_h200.md) and `dtests`
-# (93 passed, 2 skipped: talker_duplex_turn_cuda_tests_session50_h200.txt); nothing is left pending.
+# (93 passed, 2 skipped: talker_duplex_turn_cuda_tests_session50_h200.txt), and `duplexab` (the same change in duplex
+# mode, 1.3-1.9% slower there, so reverted; section 6 of that report); nothing is left pending.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -54,6 +55,8 @@
 #            first call at a new row count), then talker_first_run_probe.py at 1 and 16 requests, answers of a new
 #            length each run: this tree (rows on the Thinker's device, padded projector, one state write per
 #            admission) against _base/src (`git archive abad46e src | tar -x -C _base`), two alternating pairs
+#   duplexab duplex_batch_bench.py at 16 conversations: this tree against _base/src, two alternating pairs (session 50
+#            measured the duplex Talker's hidden rows kept on the device, instead of one host copy per decode step)
 #   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
 #            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
 #            and sampling: session 46 measured the Thinker 222 -> 179 ms at 16 (greedy) in one run, whose Talker
@@ -132,6 +135,15 @@ for s in "$@"; do
                    --vary-tokens ${SMOKE:+--tiny --runs 1 --requests 2}
                done
              done ;;
+    duplexab) for k in 1 2; do
+                for form in after before; do
+                  src=$PWD/src; [ "$form" = before ] && src=$PWD/_base/src
+                  step "duplex_${form}_$k" 200 env PYTHONPATH="$src:$PWD/tests:$PWD/benchmarks" \
+                    python benchmarks/duplex_batch_bench.py "$W/duplex_${form}_$k" --conversations 16 \
+                    --batch-kinds batch-rows --sequential "" --decode greedy --units 6 --warm 2 \
+                    ${SMOKE:+--tiny --conversations 2 --units 2 --warm 1}
+                done
+              done ;;
     dtests) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-6}
             step dtests 540 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=15 tests/talker \
               tests/runtime/test_duplex.py tests/runtime/test_turn.py ;;

@@ -79,7 +79,8 @@ class ThinkerStep:
 
     ``hidden`` is the final-norm hidden row at the token's own position (float32, on the Thinker's
     device, copied out of any static buffer: the Talker reads it on its own device, so on CUDA it
-    never crosses to the host). A terminator is sampled but never fed, so it has no row
+    never crosses to the host; duplex mode's ``UnitGeneration`` keeps host rows, which ride along
+    with each step's logits). A terminator is sampled but never fed, so it has no row
     (``hidden is None``) and is never forwarded to the Talker.
     """
 

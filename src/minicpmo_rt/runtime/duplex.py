@@ -391,9 +391,9 @@ class DuplexBatch:
             if self.rows is not None and any(t is not None for t in pending.values()):
                 where = {i: self.conversations[i].session.token_row() for i, t in pending.items() if t is not None}
                 out = self.rows.step_logits({row: (pending[i], pos) for i, (row, pos) in where.items()})
-                # the hidden rows and the logits stay on the device: the Talker reads the rows there (each
-                # unit_steps copies its own out of the step's buffer), decode_many every seat's logits at once
-                rows = out.hidden.float()
+                # the hidden rows reach the host in one copy (the Talker reads them there); the logits stay on
+                # the device, where decode_many reads every seat's at once
+                rows = out.hidden.float().cpu()
                 for k, i in enumerate(where):
                     self.conversations[i].session.accept_token(pending[i], out.hidden[k], logits=out.logits[k])
                     hidden[i] = rows[k]

@@ -278,8 +278,7 @@ class UnitGeneration:
                                         # (a token dropped by the character limit is not in it)
     fed: tuple[int, ...]                # ids fed to the LLM (step 0's included)
     talker_ids: tuple[int, ...]         # fed ids from step 1 on: the Talker's text tokens
-    talker_hidden: torch.Tensor         # [len(talker_ids), H] their final-norm hidden rows (float32, the
-                                        # Thinker's device; the Talker reads them there)
+    talker_hidden: torch.Tensor         # [len(talker_ids), H] their final-norm hidden rows (float32, CPU)
     terminator: int                     # fed with </unit> before the next unit
     listen: bool                        # the unit ended with <|listen|>
     turn_end: bool                      # <|turn_eos|> was fed in this unit
@@ -362,7 +361,7 @@ def unit_steps(session, decoder: DuplexDecoder, tokenizer, turn: TurnState, forc
             turn.open, turn_end = False, True
         if j != 0:
             ids.append(token)
-            rows.append(hidden.detach().float().clone())     # out of the step's buffers; stays on its device
+            rows.append(hidden.detach().float().cpu())
     session.end_unit(terminator)
     hidden = torch.stack(rows) if rows else torch.zeros(0, session.thinker.hidden_size)
     return UnitGeneration(tuple(decoded), tuple(fed), tuple(ids), hidden, terminator, terminator == sp.listen,
