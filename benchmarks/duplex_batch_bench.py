@@ -14,6 +14,8 @@ run N conversations side by side in one run:
   ``batch-rows`` runs the seconds' commits' LLM prefills together, ``thinker.session.commit_many``);
 - ``batch-rows-audio-each``: ``batch-rows`` with each session's audio-encoder step alone (``batched_audio=False``;
   ``batch-rows`` runs them in one graph replay, ``AudioGraphs.embed_chunks``);
+- ``batch-rows-mel``: ``batch-rows`` with the commits' mels in one batch (``batched_mel=True``, opt-in:
+  ``mel.process_many``; ``batch-rows`` runs one per session);
 - ``batch``: ``DuplexBatch`` with ``shared_decode=False``: each session on its own static decoder, so the
   units decode one conversation at a time (the rows of ``duplex_batch_bench_session41_h200.md``);
 - ``sequential``: N ``DuplexConversation``s stepped one after another (each its own Talker graph and
@@ -53,17 +55,21 @@ from code2wav_pipeline_bench import bench_models, device_label, parse_batches
 from duplex_bench import build, sync
 
 
+_UNSET = object()
+
+
 class Clock:
     """Milliseconds spent in wrapped calls, synchronised at both ends (a benchmark's phase split), in total per
     phase (``ms``) and call by call (``calls``: (phase, ms) in order). The wrappers are instance attributes over
-    the methods; ``restore`` removes them (objects reused across runs)."""
+    the methods (or over a module's functions); ``restore`` puts back what each replaced (objects reused across
+    runs)."""
 
     def __init__(self, dev: torch.device):
         self.dev, self.ms, self.calls, self._undo = dev, {}, [], []
 
     def patch(self, obj, name: str, fn) -> None:
+        self._undo.append((obj, name, obj.__dict__.get(name, _UNSET)))
         setattr(obj, name, fn)
-        self._undo.append((obj, name))
 
     def wrap(self, obj, name: str, phase: str) -> None:
         fn = getattr(obj, name)
@@ -81,8 +87,11 @@ class Clock:
         self.patch(obj, name, timed)
 
     def restore(self) -> None:
-        for obj, name in reversed(self._undo):
-            obj.__dict__.pop(name, None)    # one attribute patched twice (a wrap over a patch) goes once
+        for obj, name, old in reversed(self._undo):     # newest first: a wrap over a patch unwinds to the original
+            if old is _UNSET:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, old)
         self._undo.clear()
 
 
@@ -102,16 +111,18 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
     cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
     clock = Clock(dev)
-    rows_kind = kind in ("batch-rows", "batch-rows-each", "batch-rows-audio-each")
+    rows_kind = kind in ("batch-rows", "batch-rows-each", "batch-rows-audio-each", "batch-rows-mel")
     if rows_kind and not options:     # CPU smoke run: static caches on the torch kernels
         options = {"llm_cache": "static", "llm_kernels": "torch"}
-    if kind in ("batch", "batch-rows", "batch-rows-each", "batch-rows-audio-each"):
+    if kind in ("batch", "batch-rows", "batch-rows-each", "batch-rows-audio-each", "batch-rows-mel"):
         batch = DuplexBatch(thinker, tok, tts, None, [None] * n, seeds=list(range(n)), decode=cfg, fast=True,
                             session_options=options, shared_decode=rows_kind)
         if kind == "batch-rows-each":     # each session's commit prefills alone (before commit_many)
             batch.batched_commit = False
         if kind == "batch-rows-audio-each":     # commit_many, each session's audio step alone (before embed_chunks)
             batch.batched_audio = False
+        if kind == "batch-rows-mel":            # commit_many, the mels in one batch (opt-in since session 50)
+            batch.batched_mel = True
         batch.code2wav = c2w
         took = []
         if warm_up:
@@ -182,10 +193,14 @@ def thinker_parts(clock: Clock, batch: DuplexBatch) -> None:
     together), each session's commit when it commits alone (its mel, audio and prefill then count here too),
     each shared decode step (``StaticRows``), the logits' copy to the host; what is left is the lock-step
     loop's host work (the decode policy, the commits' bookkeeping)."""
+    import minicpmo_rt.thinker.session as session_module
+
     for conv in batch.conversations:
         clock.wrap(conv.session, "embed_frames", "vision")
         clock.wrap(conv.session, "_mel_step", "mel")
         clock.wrap(conv.session, "_audio_step", "audio")
+    if hasattr(session_module, "process_many"):     # the commits' mels in one batch (commit_many, session 50)
+        clock.wrap(session_module, "process_many", "mel")
     graphs = {id(c.session.audio_graphs): c.session.audio_graphs for c in batch.conversations
               if hasattr(c.session.audio_graphs, "embed_chunks")}
     for g in graphs.values():     # the batched audio steps (commit_many's audio_steps)
@@ -322,9 +337,9 @@ def main() -> None:
     decodes = [d for d in args.decode.split(",") if d]
     if not decodes or set(decodes) - {"greedy", "sampling"}:
         ap.error(f"--decode: choose from greedy, sampling (got {args.decode!r})")
-    if set(kinds) - {"batch", "batch-rows", "batch-rows-each", "batch-rows-audio-each"}:
-        ap.error(f"--batch-kinds: choose from batch-rows, batch-rows-each, batch-rows-audio-each, batch "
-                 f"(got {args.batch_kinds!r})")
+    if set(kinds) - {"batch", "batch-rows", "batch-rows-each", "batch-rows-audio-each", "batch-rows-mel"}:
+        ap.error("--batch-kinds: choose from batch-rows, batch-rows-each, batch-rows-audio-each, batch-rows-mel, "
+                 f"batch (got {args.batch_kinds!r})")
     plan = [(d, k, n) for d in decodes for n in batched for k in kinds] + \
         [(d, "sequential", n) for d in decodes for n in sequential]
     for decode, kind, n in plan:

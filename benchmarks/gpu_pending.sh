@@ -22,7 +22,9 @@
 # talker_prefill_session49_h200.md section 5), with the rows handed over as now, pinned, and on the device. Session 50
 # ran it, then `admitab` (the rows on the device, the projector padded; talker_admit_session50_h200.md) and `dtests`
 # (93 passed, 2 skipped: talker_duplex_turn_cuda_tests_session50_h200.txt), and `duplexab` (the same change in duplex
-# mode, 1.3-1.9% slower there, so reverted; section 6 of that report); nothing is left pending.
+# mode, 1.3-1.9% slower there, so reverted; section 6 of that report), then `mtests melab` and `melab1` (the commits'
+# mels in one batch: the mel 2.5x faster, the second not, so opt-in; duplex_mel_batch_session50_h200.md); nothing is
+# left pending.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -57,6 +59,11 @@
 #            admission) against _base/src (`git archive abad46e src | tar -x -C _base`), two alternating pairs
 #   duplexab duplex_batch_bench.py at 16 conversations: this tree against _base/src, two alternating pairs (session 50
 #            measured the duplex Talker's hidden rows kept on the device, instead of one host copy per decode step)
+#   mtests   CUDA tests of the batched mel (process_many), the session's and the duplex batch's
+#   melab    duplex_batch_bench.py at 16 conversations, this tree against _base/src (session 50: 56ad7be), two
+#            alternating pairs, the first with the Thinker split by part (--parts 16)
+#   melab1   duplex_batch_bench.py at 16 conversations in one process: batch-rows against batch-rows-mel (the opt-in
+#            batched mel), alternating twice
 #   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
 #            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
 #            and sampling: session 46 measured the Thinker 222 -> 179 ms at 16 (greedy) in one run, whose Talker
@@ -144,6 +151,21 @@ for s in "$@"; do
                     ${SMOKE:+--tiny --conversations 2 --units 2 --warm 1}
                 done
               done ;;
+    mtests) step mtests 300 python -m pytest -q -p no:cacheprovider -rsf tests/thinker/test_mel.py \
+              tests/thinker/test_session.py tests/thinker/test_audio_chunks.py tests/runtime/test_duplex.py -k "cuda" ;;
+    melab) for k in 1 2; do        # session 50: the commits' mels in one batch (mel.process_many) against _base/src
+             for form in after before; do
+               src=$PWD/src; [ "$form" = before ] && src=$PWD/_base/src
+               parts=(); [ "$k" = 1 ] && parts=(--parts 16)
+               step "mel_${form}_$k" 200 env PYTHONPATH="$src:$PWD/tests:$PWD/benchmarks" \
+                 python benchmarks/duplex_batch_bench.py "$W/mel_${form}_$k" --conversations 16 \
+                 --batch-kinds batch-rows --sequential "" --decode greedy --units 6 --warm 2 "${parts[@]}" \
+                 ${SMOKE:+--tiny --conversations 2 --units 2 --warm 1}
+             done
+           done ;;
+    melab1) step melab1 420 python benchmarks/duplex_batch_bench.py "$W/melab1" --conversations 16 \
+              --batch-kinds batch-rows,batch-rows-mel,batch-rows,batch-rows-mel --sequential "" --decode greedy \
+              --units 6 --warm 2 ${SMOKE:+--tiny --conversations 2 --units 2 --warm 1} ;;
     dtests) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-6}
             step dtests 540 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=15 tests/talker \
               tests/runtime/test_duplex.py tests/runtime/test_turn.py ;;

@@ -25,3 +25,27 @@ def test_smoke_run_writes_the_table_and_a_profile_split_by_part(tmp_path):
 def test_a_warm_up_that_leaves_no_second_is_refused(tmp_path):
     r = run_benchmark("duplex_batch_bench.py", tmp_path, "--tiny", "--units", "2", "--warm", "2", timeout=300)
     assert r.returncode == 2 and "leaves no measured second" in r.stderr, r.stderr[-2000:]
+
+
+def test_clock_restores_what_each_wrap_replaced_also_a_module_function():
+    """``Clock.restore`` unwinds newest first: an object's wrapped method goes back to the class's (a wrap over
+    a patch included), and a wrapped module function (the split's ``session.process_many``) is put back, not
+    deleted; the wrapped calls were timed under their phase."""
+    import types
+
+    import torch
+    from duplex_batch_bench import Clock
+
+    class Obj:
+        def f(self):
+            return 1
+
+    mod = types.ModuleType("m")
+    mod.g = lambda: 2
+    g, obj, clock = mod.g, Obj(), Clock(torch.device("cpu"))
+    clock.patch(obj, "f", lambda: 10)
+    clock.wrap(obj, "f", "a")
+    clock.wrap(mod, "g", "b")
+    assert obj.f() == 10 and mod.g() == 2 and [p for p, _ in clock.calls] == ["a", "b"]
+    clock.restore()
+    assert "f" not in obj.__dict__ and obj.f() == 1 and mod.g is g

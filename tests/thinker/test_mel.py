@@ -151,3 +151,93 @@ def test_bucketed_stft_equals_the_plain_centered_stft(n):
     got = _bucketed_stft(w)
     assert got.shape == ref.shape and torch.equal(got, ref)
     assert STFT_BUCKET_FRAMES == 100
+
+
+def test_log_mel_many_equals_each_buffer_alone():
+    """One batch of buffers of different lengths (rows padded to a power of two, each to the longest's frame
+    bucket, the reflect padding built by a gather) gives each buffer's ``log_mel`` (fp32, 1e-6), with each
+    row's own floor: fixed, or dynamic from its own frames only (a loud longer row must not lift a quiet
+    one's floor)."""
+    from minicpmo_rt.thinker.mel import batch_rows, log_mel_many
+
+    loud = 5.0 * _speechlike(7.3, seed=3)
+    burst = 0.001 * _speechlike(2.0, seed=5)
+    burst[-40:] = 50.0              # loudest in the frame log_mel drops (the last one): it must not set the floor
+    waves = [_speechlike(1.03, seed=1), loud, 0.01 * _speechlike(6.0, seed=2), np.zeros(400, np.float32),
+             _speechlike(2.5, seed=4), burst]
+    dynamic = [False, True, True, False, True, True]
+    got = log_mel_many(waves, dynamic)
+    assert batch_rows(len(waves)) == 8 and [batch_rows(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]
+    for w, d, g in zip(waves, dynamic, got):
+        want = log_mel(w, d)
+        assert g.shape == want.shape
+        assert rel_err(g, want) <= 1e-6
+    with pytest.raises(ValueError, match="waveform 1 has 100 samples"):
+        log_mel_many([waves[0], np.zeros(100, np.float32)], [False, False])
+    with pytest.raises(ValueError, match="one choice per waveform"):
+        log_mel_many(waves, dynamic[:2])
+
+
+def test_process_many_emits_what_each_processor_emits_alone():
+    """``process_many`` (the duplex batch's commits) against each processor's own ``process``: the same chunks
+    (fp32, 1e-6) and the same states, over streams of different ages (first chunk, steady, past 5 s where the
+    floor turns dynamic), then in last-chunk mode. On the CPU it batches only when asked (``batched=True``);
+    a failure leaves every state as it was."""
+    from minicpmo_rt.thinker.mel import process_many
+
+    def streams():
+        procs = [StreamingMel(device="cpu") for _ in range(3)]
+        for k, p in enumerate(procs):          # ages 0, 2 and 6 chunks
+            for c in range(2 * k + (k == 2) * 2):
+                p.process(_speechlike(1.0 if c else 1.03, seed=10 * k + c)[:p.chunk_size()])
+        return procs
+
+    alone, together = streams(), streams()
+    for step, last in ((0, False), (1, False), (2, True)):
+        audios = [_speechlike(1.03, seed=100 + step + i)[:p.chunk_size()] for i, p in enumerate(alone)]
+        want = [p.process(a, last_chunk=last) for p, a in zip(alone, audios)]
+        got = process_many(together, audios, last_chunk=last, batched=True)
+        for w, g, pa, pt in zip(want, got, alone, together):
+            assert (g.start, g.end, g.core_start, g.core_end) == (w.start, w.end, w.core_start, w.core_end)
+            assert g.features.shape == w.features.shape
+            if w.n_frames:
+                assert rel_err(g.features, w.features) <= 1e-6
+            assert pt.state.digest() == pa.state.digest()
+    with pytest.raises(ValueError, match="processors and"):
+        process_many(together, audios[:2], batched=True)
+    together[0].reset()                          # its next buffer is too short for a frame: the batch fails
+    before = [p.state for p in together]
+    with pytest.raises(ValueError, match="needs at least"):
+        process_many(together, [np.zeros(10, np.float32)] * 3, batched=True)
+    assert all(p.state is s for p, s in zip(together, before))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_process_many_batches_and_matches_each_alone():
+    """On a CUDA device ``process_many`` batches by default (uploads through a shared ``HostStaging``): the
+    chunks of each stream equal its own ``process`` on the same device within cuFFT's batch rounding (fp32,
+    1e-5), its states bit for bit, over ages 0-6 s and a full 30-s window's slide."""
+    from minicpmo_rt.thinker.mel import process_many
+    from minicpmo_rt.thinker.staging import HostStaging
+
+    staging = HostStaging("cuda")
+    ages = (0, 1, 6, 30)
+
+    def streams():
+        procs = [StreamingMel(device="cuda", staging=staging) for _ in ages]
+        for k, (p, age) in enumerate(zip(procs, ages)):
+            for c in range(age):
+                p.process(_speechlike(1.03, seed=10 * k + c)[:p.chunk_size()])
+        return procs
+
+    alone, together = streams(), streams()
+    for step in range(3):
+        audios = [_speechlike(1.03, seed=100 + step + i)[:p.chunk_size()] for i, p in enumerate(alone)]
+        want = [p.process(a) for p, a in zip(alone, audios)]
+        got = process_many(together, audios)
+        for w, g, pa, pt in zip(want, got, alone, together):
+            assert g.features.is_cuda and g.features.shape == w.features.shape
+            if w.n_frames:
+                assert rel_err(g.features, w.features) <= 1e-5
+            assert pt.state.digest() == pa.state.digest()

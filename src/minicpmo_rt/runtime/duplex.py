@@ -304,6 +304,8 @@ class DuplexBatch:
         # their audio-encoder steps run in one graph replay (batched_audio; sessions sharing AudioGraphs)
         self.batched_commit = self.rows is not None
         self.batched_audio = True
+        # opt-in: the commits' mels in one batch (faster alone, but the H200's whole second grew: session 50)
+        self.batched_mel = False
         self.code2wav = code2wav
         self.talker = TalkerTurns(tts, len(voices), talker_sampling, seeds, max_len=talker_max_len,
                                   graphs=fast and thinker.device.type == "cuda")
@@ -367,7 +369,7 @@ class DuplexBatch:
             # the seconds' LLM prefills in one forward per run of consecutive rows
             commit_many([self.conversations[i].session for i in stepping],
                         [(inputs[i].audio, frames.get(i, inputs[i].frame), inputs[i].sample_rate) for i in stepping],
-                        self.rows, batched_audio=self.batched_audio)
+                        self.rows, batched_audio=self.batched_audio, batched_mel=self.batched_mel)
         else:
             for i in stepping:
                 x = inputs[i]
