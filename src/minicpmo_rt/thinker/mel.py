@@ -375,8 +375,8 @@ def process_many(procs: "list[StreamingMel]", audios: list[np.ndarray], last_chu
                  batched: bool | None = None) -> list[MelChunk]:
     """``procs[i].process(audios[i], last_chunk)`` for each, their log-mels in one ``log_mel_many`` batch.
     ``batched`` None: batch where every processor computes on one CUDA device with the same settings (the CPU
-    keeps upstream's own path, one buffer at a time); True: batch on any device. If anything fails, no
-    processor's state has changed."""
+    keeps upstream's own path, one buffer at a time); True: batch on any device. If the batch fails, no
+    processor's state has changed (one at a time, those before the failing one have moved on)."""
     if len(procs) != len(audios):
         raise ValueError(f"process_many: {len(procs)} processors and {len(audios)} audio chunks")
     first = procs[0] if procs else None
