@@ -27,13 +27,16 @@ def test_a_warm_up_that_leaves_no_second_is_refused(tmp_path):
     assert r.returncode == 2 and "leaves no measured second" in r.stderr, r.stderr[-2000:]
 
 
-def test_clock_restores_what_each_wrap_replaced_also_a_module_function():
+def test_clock_restores_what_each_wrap_replaced_also_a_module_function(monkeypatch):
     """``Clock.restore`` unwinds newest first: an object's wrapped method goes back to the class's (a wrap over
     a patch included), and a wrapped module function (the split's ``session.process_many``) is put back, not
     deleted; the wrapped calls were timed under their phase."""
     import types
 
     import torch
+    from conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))     # the benchmarks import their siblings by name
     from duplex_batch_bench import Clock
 
     class Obj:
