@@ -379,15 +379,17 @@ def process_many(procs: "list[StreamingMel]", audios: list[np.ndarray], last_chu
     processor's state has changed (one at a time, those before the failing one have moved on)."""
     if len(procs) != len(audios):
         raise ValueError(f"process_many: {len(procs)} processors and {len(audios)} audio chunks")
-    first = procs[0] if procs else None
-    alike = first is not None and all(
-        p.device is not None and torch.device(p.device) == torch.device(first.device) and p.n_mels == first.n_mels
-        and p.sample_rate == first.sample_rate for p in procs)
+    if not procs:
+        return []
+    first = procs[0]
+    where = torch.device(first.device or "cpu")
+    alike = all(torch.device(p.device or "cpu") == where and (p.n_mels, p.sample_rate) ==
+                (first.n_mels, first.sample_rate) for p in procs)
     if batched is None:
-        batched = alike and len(procs) > 1 and torch.device(first.device).type == "cuda"
-    if not batched or not procs:
+        batched = alike and len(procs) > 1 and where.type == "cuda"
+    if not batched:
         return [p.process(a, last_chunk) for p, a in zip(procs, audios)]
-    if len({(p.n_mels, p.sample_rate) for p in procs}) > 1 or len({str(p.device) for p in procs}) > 1:
+    if not alike:
         raise ValueError("process_many: batched processors must share their device, n_mels and sample rate")
     appended = [p._appended(a) for p, a in zip(procs, audios)]
     floors = [uses_dynamic_floor(int(st.buffer.shape[0]), p.sample_rate) for p, (st, _) in zip(procs, appended)]
