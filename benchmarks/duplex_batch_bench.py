@@ -101,12 +101,52 @@ def attach_code2wav(convs, c2w, feats) -> None:
         c.code2wav, c.voice = c2w, feats
 
 
+ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def machine_state(dev: torch.device, staging=None) -> dict:
+    """Counters a second's row records the change of (``--diag``): the caching allocator's cudaMalloc / cudaFree
+    calls and retries, pinned host allocations, Python's garbage collections, the sessions' shared
+    ``HostStaging`` uploads that waited for a slot's previous copy; and the SM clock with NVML's throttle reasons
+    at the second's end: what a run that slows down midway changed by."""
+    import gc
+
+    out = {"gc_collections": sum(g["collections"] for g in gc.get_stats())}
+    if staging is not None:
+        out["staging_waits"] = staging.waits
+    if dev.type != "cuda":
+        return out
+    stats = torch.cuda.memory_stats(dev)
+    out.update({k: stats.get(k, 0) for k in ALLOC_KEYS})
+    out["segments"] = stats.get("segment.all.current", 0)
+    if hasattr(torch.cuda, "host_memory_stats"):
+        out["host_allocs"] = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(dev.index or 0)
+        out["sm_mhz"] = pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+        out["throttle"] = int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h))
+        out["temp_c"] = pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)
+    except Exception as e:     # no NVML here: the counters above still say something
+        out["nvml"] = type(e).__name__
+    return out
+
+
+def state_change(before: dict, after: dict) -> dict:
+    """A second's row entries: counters as the change over the second, the clock state as at its end."""
+    counted = ("gc_collections", "host_allocs", "staging_waits", *ALLOC_KEYS)
+    return {k: (after[k] - before.get(k, 0) if k in counted else after[k]) for k in after}
+
+
 def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy", profile=None,
-        warm: int = 0, split: bool = False, warm_up: int = 0) -> list[dict]:
+        warm: int = 0, split: bool = False, warm_up: int = 0, diag: bool = False) -> list[dict]:
     """One run of ``units`` seconds. ``profile``: a ``cProfile.Profile`` enabled over the seconds from ``warm``
     on. With a profile or ``split`` the Thinker's time is also split by part (``thinker_parts``; each part
     synchronised, so only then). ``warm_up``: a batch first runs ``DuplexBatch.warm_up`` for that many seconds
-    (with the frame), untimed but for its own seconds, which go into the first row as ``warm_up_ms``."""
+    (with the frame), untimed but for its own seconds, which go into the first row as ``warm_up_ms``. ``diag``: each
+    row also records ``machine_state``'s changes over its second."""
     thinker, tok, tts, c2w, feats, options = parts
     cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
@@ -148,6 +188,7 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
         inputs = [DuplexInput((0.1 * rng.standard_normal(16000)).astype(np.float32), frame) for _ in range(n)]
         clock.ms = {}
         sync(dev)
+        state = machine_state(dev, options.get("staging")) if diag else None
         if profile is not None and k == warm:
             profile.enable()
         t0 = time.perf_counter()
@@ -160,6 +201,8 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
         rows.append({"second": k, "ms": ms, **{f"{p}_ms": v for p, v in clock.ms.items()},
                      "speaking": sum(1 for u in out if u.codes), "codes": sum(len(u.codes) for u in out),
                      "audio_s": sum(u.seconds for u in out)})
+        if diag:
+            rows[-1]["state"] = state_change(state, machine_state(dev, options.get("staging")))
     if profile is not None:
         profile.disable()
     if batch is not None and took:
@@ -266,8 +309,8 @@ def summarize(rows: list[dict], warm: int, n: int) -> dict:
 def write_table(res: dict, path: Path) -> None:
     lines = [f"# Concurrent duplex conversations ({res['gpu']}, Thinker/Talker {res['dtype']}, "
              f"{'tiny' if res['tiny'] else 'full-size'} random weights, torch {res['torch']})", "",
-             "Wall time of one second of N conversations, every unit speaking to its 28-character limit with a "
-             f"448x448 frame; medians over seconds {res['warm']}..{res['units'] - 1}. A second is live while it "
+             "Wall time of one second of N conversations, every unit speaking to its 28-character limit with "
+             f"{'a 448x448 frame' if res.get('frame', True) else 'no frame (audio only)'}; medians over seconds {res['warm']}..{res['units'] - 1}. A second is live while it "
              "takes under 1000 ms (real-time factor < 1). Phase columns are the summed time in each stage "
              "(synchronised around each call). `run` is the run's place in the process (the first run of a size "
              "also pays that size's first captures).", "",
@@ -306,6 +349,11 @@ def main() -> None:
     ap.add_argument("--warm-up", type=int, default=0, metavar="S",
                     help="each batched run first calls DuplexBatch.warm_up(S, frame) (start-up graphs and compiles "
                          "made before the timed seconds; its own seconds are reported beside them)")
+    ap.add_argument("--diag", action="store_true",
+                    help="each second's row records the allocator's cudaMalloc/cudaFree calls, pinned host allocations, "
+                         "garbage collections and the SM clock (machine_state); printed per run")
+    ap.add_argument("--no-frame", action="store_true",
+                    help="the units carry audio only (no 448x448 frame, so no vision encoder ahead of the commits)")
     ap.add_argument("--table", type=Path, help="only rewrite OUT/duplex_batch_bench.md from this run's JSON")
     ap.add_argument("--cprofile", type=int, metavar="N",
                     help="after the timed runs, one batch-rows run of N conversations (the first --decode mode) under "
@@ -329,9 +377,10 @@ def main() -> None:
     if dev.type == "cuda":
         c2w.prepare(feats)
     options = shared_fast_paths(thinker) if dev.type == "cuda" else {}
-    frame = np.random.default_rng(1).integers(0, 255, (448, 448, 3), dtype=np.uint8)
+    frame = None if args.no_frame else np.random.default_rng(1).integers(0, 255, (448, 448, 3), dtype=np.uint8)
     res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-           "tiny": args.tiny, "units": args.units, "warm": args.warm, "code2wav": str(choice), "runs": []}
+           "tiny": args.tiny, "units": args.units, "warm": args.warm, "code2wav": str(choice), "frame": frame is not None,
+           "runs": []}
     args.out.mkdir(parents=True, exist_ok=True)
     kinds = [k for k in args.batch_kinds.split(",") if k]
     decodes = [d for d in args.decode.split(",") if d]
@@ -344,7 +393,7 @@ def main() -> None:
         [(d, "sequential", n) for d in decodes for n in sequential]
     for decode, kind, n in plan:
         rows = run(kind, n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev, decode,
-                   warm_up=args.warm_up if kind != "sequential" else 0)
+                   warm_up=args.warm_up if kind != "sequential" else 0, diag=args.diag)
         held = release(dev)
         s = summarize(rows, args.warm, n)
         res["runs"].append({"kind": kind, "n": n, "decode": decode, "summary": s, "rows": rows,
@@ -356,6 +405,11 @@ def main() -> None:
         seconds = ", ".join(f"{r['ms']:.0f}" for r in rows)
         print(f"  seconds: {seconds} ms"
               + (f" (after warm_up: {', '.join(f'{t:.0f}' for t in warm_ms)} ms)" if warm_ms else ""), flush=True)
+        if args.diag:
+            thinker_ms = ", ".join(f"{r['thinker_ms']:.0f}" for r in rows)
+            print(f"  Thinker: {thinker_ms} ms", flush=True)
+            for key in rows[0]["state"]:
+                print(f"  {key}: {', '.join(str(r['state'][key]) for r in rows)}", flush=True)
         (args.out / "duplex_batch_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows
     write_table(res, args.out / "duplex_batch_bench.md")
     for n in parse_batches(ap, args.parts) if args.parts else []:

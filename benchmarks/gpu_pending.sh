@@ -64,6 +64,10 @@
 #            alternating pairs, the first with the Thinker split by part (--parts 16)
 #   melab1   duplex_batch_bench.py at 16 conversations in one process: batch-rows against batch-rows-mel (the opt-in
 #            batched mel), alternating twice
+#   melnf    melab1 with audio-only units (--no-frame): no vision encoder's GPU work ahead of the commits for the
+#            mel's host time to hide under (session 51's explanation of melab1); 14 seconds per run (UNITS), 4 warm
+#   melf     the same with the frame, as melab1 but 14 seconds per run; both record each second's allocator calls,
+#            collections and SM clock (--diag); ORDER=kind,kind,... overrides the runs' order
 #   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
 #            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
 #            and sampling: session 46 measured the Thinker 222 -> 179 ms at 16 (greedy) in one run, whose Talker
@@ -166,6 +170,10 @@ for s in "$@"; do
     melab1) step melab1 420 python benchmarks/duplex_batch_bench.py "$W/melab1" --conversations 16 \
               --batch-kinds batch-rows,batch-rows-mel,batch-rows,batch-rows-mel --sequential "" --decode greedy \
               --units 6 --warm 2 ${SMOKE:+--tiny --conversations 2 --units 2 --warm 1} ;;
+    melnf|melf) nf=(); [ "$s" = melnf ] && nf=(--no-frame)
+             step "$s" 540 python benchmarks/duplex_batch_bench.py "$W/$s" --conversations 16 "${nf[@]}" \
+             --batch-kinds batch-rows,batch-rows-mel,batch-rows,batch-rows-mel --sequential "" --decode greedy \
+             --units "${UNITS:-14}" --warm 4 --diag ${ORDER:+--batch-kinds "$ORDER"} ${SMOKE:+--tiny --conversations 2 --units 2 --warm 1} ;;
     dtests) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-6}
             step dtests 540 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=15 tests/talker \
               tests/runtime/test_duplex.py tests/runtime/test_turn.py ;;

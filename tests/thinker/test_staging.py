@@ -37,6 +37,25 @@ def test_cpu_upload_into_out_copies_in_place():
         st.upload(torch.arange(24), out=dev)
 
 
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_upload_packed_places_each_part_at_its_offset_in_one_slot(device):
+    """``upload_packed`` lays read-only arrays of several dtypes at their byte offsets in one device buffer,
+    and on CUDA takes one slot of the ring for all of them (log_mel_many's buffers and row table)."""
+    st = HostStaging(device, slots=4)
+    a = np.arange(5, dtype=np.float32)
+    a.setflags(write=False)
+    b = np.array([[7, -3], [2**40, 1]], dtype=np.int64)
+    buf = st.upload_packed([a, b], [0, 24], 24 + b.nbytes)
+    assert buf.dtype == torch.uint8 and buf.shape == (56,) and buf.device.type == device
+    assert torch.equal(buf[:20].view(torch.float32).cpu(), torch.from_numpy(a.copy()))
+    assert torch.equal(buf[24:].view(torch.int64).view(2, 2).cpu(), torch.from_numpy(b))
+    assert st.uploads == (1 if device == "cuda" else 0)
+    with pytest.raises(ValueError, match="part 1 .* outside"):
+        st.upload_packed([a, b], [0, 30], 56)
+    with pytest.raises(ValueError, match="2 parts and 1 offsets"):
+        st.upload_packed([a, b], [0], 56)
+
 @requires_cuda
 def test_cuda_upload_into_out_never_overwrites_a_pending_copy():
     """Uploads into one fixed device tensor run ahead of the device (pinned slots in turn, no host wait):

@@ -304,7 +304,8 @@ class DuplexBatch:
         # their audio-encoder steps run in one graph replay (batched_audio; sessions sharing AudioGraphs)
         self.batched_commit = self.rows is not None
         self.batched_audio = True
-        # opt-in: the commits' mels in one batch (faster alone, but the H200's whole second grew: session 50)
+        # opt-in: the commits' mels in one batch. The mel itself is 2.5x faster; the whole second on the H200 moved
+        # within its run-to-run spread (duplex_mel_batch_session51_h200.md)
         self.batched_mel = False
         self.code2wav = code2wav
         self.talker = TalkerTurns(tts, len(voices), talker_sampling, seeds, max_len=talker_max_len,

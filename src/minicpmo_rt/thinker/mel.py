@@ -115,12 +115,12 @@ def log_mel_many(waveforms: list[np.ndarray], dynamic: list[bool], n_mels: int =
                  device: str | torch.device | None = None, staging: HostStaging | None = None) -> list[torch.Tensor]:
     """``log_mel(waveforms[i], dynamic[i])`` of several buffers in one batch: [n_mels, len_i // 160] each.
 
-    Every buffer goes up into one flat device tensor (through ``staging`` where given), a gather
-    builds each row's reflect-padded signal, zero-padded to the longest's frame bucket (each kept
-    frame reads the samples it reads alone, as in ``_bucketed_stft``), and the STFT, the mel bank,
-    the log and each row's floor run once for all rows (padded to ``batch_rows``). A duplex second
-    of 16 conversations made ~200 launches one buffer at a time. On a CUDA device the first batch
-    of a row count makes its cuFFT plans for every bucket (``warm_stft_plans``)."""
+    Every buffer goes up into one flat device tensor (with the row table: one upload through ``staging``
+    where given), a gather builds each row's reflect-padded signal, zero-padded to the longest's frame
+    bucket (each kept frame reads the samples it reads alone, as in ``_bucketed_stft``), and the STFT,
+    the mel bank, the log and each row's floor run once for all rows (padded to ``batch_rows``). A
+    duplex second of 16 conversations made ~200 launches one buffer at a time. On a CUDA device the
+    first batch of a row count makes its cuFFT plans for every bucket (``warm_stft_plans``)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if len(waveforms) != len(dynamic) or not waveforms:
         raise ValueError(f"log_mel_many: {len(waveforms)} waveforms and {len(dynamic)} floor choices; give one "
@@ -137,16 +137,22 @@ def log_mel_many(waveforms: list[np.ndarray], dynamic: list[bool], n_mels: int =
     bucket = -(-max(frames) // STFT_BUCKET_FRAMES) * STFT_BUCKET_FRAMES
     width = (bucket - 1) * HOP + N_FFT
     offsets = np.concatenate([[0], np.cumsum(lens[:-1])]).astype(np.int64)
-    flat = torch.empty(sum(lens), dtype=torch.float32, device=device)
-    for w, off, n in zip(waves, offsets, lens):
-        seg = flat[off:off + n]
-        if staging is not None and device.type == "cuda":
-            staging.upload(w, out=seg)
-        else:
-            seg.copy_(torch.tensor(w))      # a copy: buffers are read-only numpy arrays
     # per row: offset, length, kept frames, dynamic floor; padding rows repeat row 0 (their output is dropped)
     meta = [[int(offsets[i]), lens[i], frames[i] - 1, int(dynamic[i])] for i in range(B)]
-    meta = torch.tensor(meta + [meta[0]] * (rows - B), dtype=torch.long).to(device, non_blocking=True)
+    meta = np.asarray(meta + [meta[0]] * (rows - B), dtype=np.int64)
+    samples = sum(lens)
+    if staging is not None and device.type == "cuda":
+        # the buffers and the row table in one pinned slot and one copy: a copy from pageable memory syncs the
+        # stream first, and one upload per buffer wrapped the ring the second's frames share, so the batch
+        # waited for the vision encoder queued before it (test_cuda_process_many_never_waits_for_queued_work)
+        meta_at = -(-4 * samples // 8) * 8
+        packed = staging.upload_packed([*waves, meta], [4 * int(o) for o in offsets] + [meta_at],
+                                       meta_at + meta.nbytes)
+        flat = packed[:4 * samples].view(torch.float32)
+        meta = packed[meta_at:].view(torch.int64).view(rows, 4)
+    else:
+        flat = torch.from_numpy(np.concatenate(waves)).to(device)     # a copy: buffers are read-only arrays
+        meta = torch.from_numpy(meta).to(device)
     off, n, kept, dyn = (meta[:, k:k + 1] for k in range(4))
     p = torch.arange(width, device=device)[None] - half          # each padded sample's place in its buffer
     src = p.abs()                                                 # the left reflection: -k reads k

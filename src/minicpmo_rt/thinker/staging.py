@@ -63,24 +63,57 @@ class HostStaging:
         if nbytes == 0:
             return out
         with self._lock:
-            slot = self._slots[self._next]
-            self._next = (self._next + 1) % len(self._slots)
-            if slot.done is not None and not slot.done.query():
-                self.waits += 1
-                slot.done.synchronize()
-            if slot.buffer is None or slot.buffer.numel() < nbytes:
-                slot.buffer = torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
+            slot = self._slot(nbytes)
             host = slot.buffer[:nbytes].view(dtype).view(shape)
             if isinstance(array, np.ndarray):
                 np.copyto(host.numpy(), array, casting="no")  # read-only arrays are fine as a source
             else:
                 host.copy_(array)
-            out.copy_(host, non_blocking=True)
-            if slot.done is None:
-                slot.done = torch.cuda.Event()
-            slot.done.record()
-            self.uploads += 1
+            self._send(slot, host, out)
         return out
+
+    def upload_packed(self, parts: list[np.ndarray], offsets: list[int], nbytes: int) -> torch.Tensor:
+        """One device uint8 tensor of ``nbytes`` holding each numpy array ``parts[i]`` from byte ``offsets[i]``
+        (bytes no part covers are unspecified): arrays one computation reads together go up through one slot
+        as one copy. As many separate uploads would take as many slots of the ring, which the frames of the
+        same second share: once they wrap, an upload waits for a copy queued behind the work before it."""
+        if len(parts) != len(offsets):
+            raise ValueError(f"HostStaging.upload_packed: {len(parts)} parts and {len(offsets)} offsets")
+        for i, (a, at) in enumerate(zip(parts, offsets)):
+            if at < 0 or at + a.nbytes > nbytes:
+                raise ValueError(f"HostStaging.upload_packed: part {i} ({a.nbytes} bytes at {at}) lies outside the "
+                                 f"{nbytes} bytes")
+        if self.device.type != "cuda" or nbytes == 0:
+            host = np.zeros(nbytes, dtype=np.uint8)
+            for a, at in zip(parts, offsets):
+                host[at:at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            return torch.from_numpy(host).to(self.device)
+        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        with self._lock:
+            slot = self._slot(nbytes)
+            host = slot.buffer[:nbytes].numpy()
+            for a, at in zip(parts, offsets):
+                np.copyto(host[at:at + a.nbytes], np.ascontiguousarray(a).reshape(-1).view(np.uint8), casting="no")
+            self._send(slot, slot.buffer[:nbytes], out)
+        return out
+
+    def _slot(self, nbytes: int) -> _Slot:
+        """The ring's next slot, its previous copy finished and its buffer at least ``nbytes`` (under the lock)."""
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        if slot.done is not None and not slot.done.query():
+            self.waits += 1
+            slot.done.synchronize()
+        if slot.buffer is None or slot.buffer.numel() < nbytes:
+            slot.buffer = torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
+        return slot
+
+    def _send(self, slot: _Slot, host: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(host, non_blocking=True)
+        if slot.done is None:
+            slot.done = torch.cuda.Event()
+        slot.done.record()
+        self.uploads += 1
 
 
 _TORCH_DTYPES = {np.dtype(k): v for k, v in ((np.uint8, torch.uint8), (np.float32, torch.float32),
