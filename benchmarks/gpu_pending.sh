@@ -23,8 +23,12 @@
 # ran it, then `admitab` (the rows on the device, the projector padded; talker_admit_session50_h200.md) and `dtests`
 # (93 passed, 2 skipped: talker_duplex_turn_cuda_tests_session50_h200.txt), and `duplexab` (the same change in duplex
 # mode, 1.3-1.9% slower there, so reverted; section 6 of that report), then `mtests melab` and `melab1` (the commits'
-# mels in one batch: the mel 2.5x faster, the second not, so opt-in; duplex_mel_batch_session50_h200.md); nothing is
-# left pending.
+# mels in one batch: the mel 2.5x faster, the second not, so opt-in; duplex_mel_batch_session50_h200.md). Session 51
+# ran `all` (1917 passed at 833781f: cuda_tests_all_session51_h200.txt), `melnf` and `melf` (the batched mel waited for
+# the vision encoder behind a pageable copy, fixed; duplex_mel_batch_session51_h200.md), and leaves `qwait` pending:
+# the CUDA tests of the audio steps' and forks' staged positions (written then, not yet run on a GPU) and the probe
+# of which duplex stages still wait for queued work; then a duplex A/B of those changes (`duplexab` against the tree
+# before them) if the probe shows the commits no longer wait.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -68,6 +72,9 @@
 #            mel's host time to hide under (session 51's explanation of melab1); 14 seconds per run (UNITS), 4 warm
 #   melf     the same with the frame, as melab1 but 14 seconds per run; both record each second's allocator calls,
 #            collections and SM clock (--diag); ORDER=kind,kind,... overrides the runs' order
+#   qwait    the CUDA tests of the uploads that must not wait (mel batch, audio steps and forks, staging), then
+#            queued_wait_probe.py at 16 conversations, each mel form: which stages of a duplex second wait for
+#            ~1 s of device work queued before them (session 51 staged the audio steps' and prefill's positions)
 #   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
 #            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
 #            and sampling: session 46 measured the Thinker 222 -> 179 ms at 16 (greedy) in one run, whose Talker
@@ -174,6 +181,13 @@ for s in "$@"; do
              step "$s" 540 python benchmarks/duplex_batch_bench.py "$W/$s" --conversations 16 "${nf[@]}" \
              --batch-kinds batch-rows,batch-rows-mel,batch-rows,batch-rows-mel --sequential "" --decode greedy \
              --units "${UNITS:-14}" --warm 4 --diag ${ORDER:+--batch-kinds "$ORDER"} ${SMOKE:+--tiny --conversations 2 --units 2 --warm 1} ;;
+    qwait) step qtests 300 python -m pytest -q -p no:cacheprovider -rsf -k "never_wait or cuda_process_many or cuda_graphed" \
+             tests/thinker/test_mel.py tests/thinker/test_audio_chunks.py tests/thinker/test_audio_forks.py \
+             tests/thinker/test_staging.py
+           for m in "" --batched-mel; do
+             step "qwait${m:+_mel}" 240 python benchmarks/queued_wait_probe.py "$W/qwait${m:+_mel}" --conversations 16 $m \
+               ${SMOKE:+--tiny --conversations 2 --warm 1}
+           done ;;
     dtests) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-6}
             step dtests 540 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=15 tests/talker \
               tests/runtime/test_duplex.py tests/runtime/test_turn.py ;;

@@ -94,6 +94,21 @@ def make_tiny_thinker(seed: int):
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def behind_queued_work(fn):
+    """(fn(), the host seconds fn took) with ~1 s of device work queued ahead of it (``torch.cuda._sleep``): a call
+    that syncs the stream on the way (a copy from pageable memory, a host read) takes about that second, one that
+    only queues work returns in milliseconds. CUDA only."""
+    import time
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    t0 = time.perf_counter()
+    out = fn()
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return out, host_s
+
+
 @contextlib.contextmanager
 def ieee_cudnn():
     """IEEE references on CUDA: convolutions run in cuDNN, whose own TF32 default is on (the

@@ -12,7 +12,7 @@ from minicpmo_rt.thinker import kernels
 from minicpmo_rt.thinker.audio_graph import CHUNK_BATCHES, AudioGraphs, embed_chunks_eager
 from minicpmo_rt.thinker.mel import StreamingMel
 
-from conftest import make_tiny_thinker, rel_err, requires_cuda
+from conftest import behind_queued_work, make_tiny_thinker, rel_err, requires_cuda
 
 
 def _audio(seconds: float, seed: int) -> np.ndarray:
@@ -176,3 +176,19 @@ def test_cuda_graphed_streams_equal_one_step_per_stream(dtype, tol):
     finally:
         th.apm.max_source_positions = real
     assert len(g._chunk_graphs) == 1 and not g.failures and CHUNK_BATCHES[1] == 4
+
+
+@requires_cuda
+def test_cuda_graphed_streams_never_wait_for_queued_work():
+    """With ~1 s of device work queued ahead (a duplex second's vision encoder runs just before the commits' audio
+    steps), ``embed_chunks`` replays without waiting for it: the rows' positions go up pinned (a copy from pageable
+    memory syncs the stream first, as the positions did until session 51). The results stay each stream's own."""
+    th = make_tiny_thinker(seed=11).to(device="cuda", dtype=torch.float32)
+    th.rebuild_buffers()
+    g = AudioGraphs(th)
+    caches, mels = _streams(th, (1, 4, 2), device="cuda")
+    args = ([m.features for m in mels], caches, [m.prefix_extra for m in mels], [m.suffix_extra for m in mels])
+    g.embed_chunks(*args)      # captures the group's graph: not timed
+    got, host_s = behind_queued_work(lambda: g.embed_chunks(*args))
+    assert host_s < 0.2, f"embed_chunks waited {host_s:.3f} s for the queued work"
+    _assert_steps_equal(th, caches, mels, got, 1e-5)

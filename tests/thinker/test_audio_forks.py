@@ -11,7 +11,7 @@ from minicpmo_rt.thinker import kernels
 from minicpmo_rt.thinker.audio_graph import AudioGraphs, embed_forks_eager
 from minicpmo_rt.thinker.mel import StreamingMel
 
-from conftest import make_tiny_thinker, rel_err, requires_cuda
+from conftest import behind_queued_work, make_tiny_thinker, rel_err, requires_cuda
 
 
 def _audio(seconds: float, seed: int) -> np.ndarray:
@@ -112,6 +112,23 @@ def test_cuda_graphed_forks_equal_one_step_per_unit(dtype, tol):
             ref = th.embed_audio_chunk(u.features, cache, u.prefix_extra, u.suffix_extra).embeds
             assert x.shape == ref.shape and rel_err(x.float(), ref.float()) <= tol
     assert len(g._fork_graphs) == 1 and not g.failures
+
+
+@requires_cuda
+def test_cuda_graphed_forks_never_wait_for_queued_work():
+    """With ~1 s of device work queued ahead, ``embed_forks`` replays without waiting for it: each fork's mask end
+    goes up pinned (a copy from pageable memory syncs the stream first, as it did until session 51)."""
+    th = make_tiny_thinker(seed=8).to(device="cuda", dtype=torch.float32)
+    th.rebuild_buffers()
+    g = AudioGraphs(th)
+    cache, units = _state_and_units(th, 2, device="cuda")
+    args = ([u.features for u in units], cache, units[0].prefix_extra, [u.suffix_extra for u in units])
+    g.embed_forks(*args)       # captures: not timed
+    got, host_s = behind_queued_work(lambda: g.embed_forks(*args))
+    assert host_s < 0.2, f"embed_forks waited {host_s:.3f} s for the queued work"
+    for u, x in zip(units, got):
+        ref = th.embed_audio_chunk(u.features, cache, u.prefix_extra, u.suffix_extra).embeds
+        assert x.shape == ref.shape and rel_err(x.float(), ref.float()) <= 1e-5
 
 
 def test_buffer_rows_are_mask_aligned_and_the_additive_mask_is_sdpa_own_form():

@@ -25,11 +25,13 @@ one encoder pass over N x ~50 frames instead of N launch-bound passes.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import kernels
 from .audio import AudioEncoderCache, avg_pool, chunk_conv_frames, extra_conv_frames
 from .model import AudioChunkEmbedding, Thinker
+from .staging import HostStaging
 
 
 MASK_ALIGN = 16  # keys per row of an SDPA mask that the fused kernels take without a padded copy
@@ -174,13 +176,16 @@ def embed_forks_eager(thinker: Thinker, mels: list[torch.Tensor], cache: AudioEn
     return [out[b, :n[b] // thinker.audio_pool_step] for b in range(B)]
 
 
-def chunk_batch_inputs(thinker: Thinker, caches: list[AudioEncoderCache | None], P: int, n: int, B: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def chunk_batch_inputs(thinker: Thinker, caches: list[AudioEncoderCache | None], P: int, n: int, B: int | None = None,
+                       staging: HostStaging | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """For ``batched_stream_body``: rows [B, n] (past_b + arange(n)), mask [B, 1, 1, P] (rows < past_b + n) and
-    each stream's past; rows past ``len(caches)`` (padding) start at position 0."""
+    each stream's past; rows past ``len(caches)`` (padding) start at position 0. ``staging``: the pasts go up
+    through it (pinned), since a copy from pageable memory syncs the stream first: behind a duplex second's
+    vision encoder the commits' audio step waited for it."""
     pasts = [c.length if c is not None else 0 for c in caches]
     B = B or len(caches)
-    past = torch.tensor(pasts + [0] * (B - len(caches)), dtype=torch.long).to(thinker.device, non_blocking=True)
+    host = np.asarray(pasts + [0] * (B - len(caches)), dtype=np.int64)
+    past = staging.upload(host) if staging is not None else torch.from_numpy(host).to(thinker.device)
     rows = past[:, None] + torch.arange(n, device=thinker.device)[None]
     mask = (torch.arange(P, device=thinker.device)[None] < (past + n)[:, None])[:, None, None]
     return rows, mask, pasts
@@ -252,6 +257,8 @@ class AudioGraphs:
         # several streams' steps (``embed_chunks``): the forks' buffers, graphs keyed by (B, mel shape, trims)
         self._chunk_graphs: dict[tuple, tuple] = {}
         self.split_attention = split_attention_usable(thinker)
+        # the batched steps' per-row positions go up pinned: a pageable copy would wait for the queued work
+        self._staging = HostStaging(thinker.device, slots=8) if thinker.device.type == "cuda" else None
 
     def _eager(self, x, cache, prefix_extra, suffix_extra, reset) -> AudioChunkEmbedding:
         self._resident = ()
@@ -338,7 +345,7 @@ class AudioGraphs:
         sx.copy_(x)
         svalid.copy_(valid)
         torch.add(self._arange[:n_max], past, out=rows)
-        ends = torch.tensor([past + k for k in n], dtype=torch.long).to(th.device, non_blocking=True)
+        ends = self._staging.upload(np.asarray([past + k for k in n], dtype=np.int64))
         torch.lt(self._arange[None], ends[:, None], out=mask[:, 0, 0])
         g.replay()
         return [out[b, :n[b] // th.audio_pool_step].clone() for b in range(B)]
@@ -416,7 +423,7 @@ class AudioGraphs:
         # every stream's cache into its buffer row, its chunk and positions, then one replay
         fill_rows(buf, caches)
         sx[:B].copy_(torch.stack(mels).to(th.device, non_blocking=True))
-        new_rows, new_mask, pasts = chunk_batch_inputs(th, caches, buf.shape[4], n, Bb)
+        new_rows, new_mask, pasts = chunk_batch_inputs(th, caches, buf.shape[4], n, Bb, self._staging)
         rows.copy_(new_rows)
         mask.copy_(new_mask)
         g.replay()

@@ -1,0 +1,167 @@
+"""Which stages of a duplex second wait for the device: each stage's first call in one second, with ~1 s of
+device work queued just before it (``torch.cuda._sleep``).
+
+A stage that only queues work returns in milliseconds. A stage that syncs the stream on the way (a copy from
+pageable memory, a host read of a device value) takes about the queued second. In a real second, a stage of the
+second kind stops the host from running ahead of the GPU, for example while the vision encoder runs. Session 51
+found two: the batched mel's row table and the audio step's positions. This probe lists the rest in one run.
+
+The conversations are those of ``duplex_batch_bench.py`` (``batch-rows``: every unit speaking, a 448x448 frame,
+full-size random weights on the GPU). After ``--warm`` plain seconds, each further second probes one stage (the
+first call of that stage in that second; later calls run plain). The seconds in between run plain too.
+Expected waits: ``StaticRows.step_logits`` callers read logits on the host after it, not inside it.
+
+    python benchmarks/queued_wait_probe.py OUT --conversations 16      # GPU
+    python benchmarks/queued_wait_probe.py OUT --tiny --conversations 2  # CPU: host times only, nothing queued
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
+from minicpmo_rt.code2wav.pipeline import Code2Wav
+from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
+from minicpmo_rt.profiles import load_profile
+from minicpmo_rt.runtime.duplex import DEFAULT_DUPLEX_PROFILE, DuplexBatch, DuplexInput
+from minicpmo_rt.thinker.duplex import DuplexDecodeConfig
+from minicpmo_rt.thinker.session import shared_fast_paths
+
+from code2wav_pipeline_bench import bench_models, device_label
+from duplex_batch_bench import attach_code2wav
+from duplex_bench import build, sync
+
+SPIN_CYCLES = 2_000_000_000     # ~1 s on the H200's 1.98 GHz clock
+WAITS_FROM_S = 0.3              # a probed call slower than this waited for the queue
+
+
+def stages(batch: DuplexBatch) -> list[tuple[str, object, str]]:
+    """(label, owner, attribute) of each stage probed, in the order a second calls them."""
+    import minicpmo_rt.thinker.session as session_module
+
+    session = batch.conversations[0].session
+    return [("vision (StreamingSession.embed_frames)", session, "embed_frames"),
+            ("unit input (StreamingSession._unit_input)", type(session), "_unit_input"),
+            ("mel, one session (StreamingMel.process)", type(session.mel), "process"),
+            ("mel, all sessions (mel.process_many)", session_module, "process_many"),
+            ("audio steps (session.audio_steps)", session_module, "audio_steps"),
+            ("unit rows (StreamingSession._unit_rows)", type(session), "_unit_rows"),
+            ("prefill (StaticRows.feed_many)", batch.rows, "feed_many"),
+            ("apply unit (StreamingSession._apply_unit)", type(session), "_apply_unit"),
+            ("decode step (StaticRows.step_logits)", batch.rows, "step_logits"),
+            ("Talker (TalkerTurns.generate_units)", batch.talker, "generate_units"),
+            ("Code2Wav (Code2Wav.push_many)", batch.code2wav, "push_many")]
+
+
+class Probe:
+    """Wraps one stage so that its first call runs behind ~1 s of queued device work and is timed; ``undo``
+    puts the attribute back."""
+
+    def __init__(self, owner, name: str, dev: torch.device):
+        self.owner, self.name, self.dev = owner, name, dev
+        self.had = name in vars(owner)
+        self.old = vars(owner).get(name)
+        self.fn = getattr(owner, name)
+        self.host_s: float | None = None
+        probe = self
+
+        def call(*a, **k):
+            if probe.host_s is not None:
+                return probe.fn(*a, **k)
+            sync(dev)
+            if dev.type == "cuda":
+                torch.cuda._sleep(SPIN_CYCLES)
+            t0 = time.perf_counter()
+            try:
+                return probe.fn(*a, **k)
+            finally:
+                probe.host_s = time.perf_counter() - t0
+                sync(dev)
+
+        if isinstance(owner, type):     # a method patched on the class: the wrapper takes self first
+            setattr(owner, name, lambda this, *a, **k: call(this, *a, **k))
+        else:
+            setattr(owner, name, call)
+
+    def undo(self) -> None:
+        if self.had:
+            setattr(self.owner, self.name, self.old)
+        else:
+            delattr(self.owner, self.name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (a check of the script)")
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--warm", type=int, default=3, help="plain seconds first (captures, compiles)")
+    ap.add_argument("--batched-mel", action="store_true", help="the commits' mels in one batch (opt-in path)")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tok = load_tokenizer(vendored_tokenizer_dir())
+    thinker, tts = build(args.tiny, dev, dtype)
+    flow, gen, feats, _ = bench_models(args.tiny, dev)
+    voc = Vocoder(gen, CAUSAL)
+    c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
+    c2w.configure_fast_path(load_profile(DEFAULT_DUPLEX_PROFILE).code2wav.extra)
+    if dev.type == "cuda":
+        c2w.prepare(feats)
+    options = shared_fast_paths(thinker) if dev.type == "cuda" else {"llm_cache": "static", "llm_kernels": "torch"}
+    n = args.conversations
+    batch = DuplexBatch(thinker, tok, tts, None, [None] * n, seeds=list(range(n)), fast=True,
+                        decode=DuplexDecodeConfig(mode="greedy"), session_options=options, shared_decode=True)
+    batch.batched_mel = args.batched_mel
+    batch.code2wav = c2w
+    attach_code2wav(batch.conversations, c2w, feats)
+    frame = np.random.default_rng(1).integers(0, 255, (448, 448, 3), dtype=np.uint8)
+    rng = np.random.default_rng(n)
+
+    def second() -> float:
+        inputs = [DuplexInput((0.1 * rng.standard_normal(16000)).astype(np.float32), frame) for _ in range(n)]
+        sync(dev)
+        t0 = time.perf_counter()
+        batch.step(inputs)
+        sync(dev)
+        return (time.perf_counter() - t0) * 1e3
+
+    plain = [second() for _ in range(args.warm)]
+    rows = []
+    for label, owner, name in stages(batch):
+        probe = Probe(owner, name, dev)
+        try:
+            ms = second()
+        finally:
+            probe.undo()
+        plain.append(second())      # a plain second between probes: no probe sees another's queue
+        waited = probe.host_s is not None and dev.type == "cuda" and probe.host_s > WAITS_FROM_S
+        rows.append({"stage": label, "called": probe.host_s is not None,
+                     "host_ms": None if probe.host_s is None else probe.host_s * 1e3,
+                     "waits": waited, "second_ms": ms})
+        state = "not called" if probe.host_s is None else f"{probe.host_s * 1e3:8.1f} ms" + ("  WAITS" if waited else "")
+        print(f"{label:45s} {state}", flush=True)
+    batch.close()
+    res = {"gpu": device_label(dev), "torch": torch.__version__, "conversations": n, "batched_mel": args.batched_mel,
+           "spin_cycles": SPIN_CYCLES if dev.type == "cuda" else 0, "plain_seconds_ms": plain, "stages": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "queued_wait_probe.json").write_text(json.dumps(res, indent=1))
+    lines = [f"# Stages of a duplex second behind ~1 s of queued device work ({res['gpu']}, N={n}"
+             f"{', batched mel' if args.batched_mel else ''})", "",
+             "Host time of each stage's first call in one second, with ~1 s of device work queued just before "
+             "it. A stage that waits (over 300 ms) synchronised with the stream.", "",
+             "| stage | host ms | waits |", "|---|---:|---|"]
+    for r in rows:
+        host = "-" if r["host_ms"] is None else f"{r['host_ms']:.1f}"
+        lines.append(f"| {r['stage']} | {host} | {'yes' if r['waits'] else ''} |")
+    (args.out / "queued_wait_probe.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
