@@ -26,9 +26,10 @@
 # mels in one batch: the mel 2.5x faster, the second not, so opt-in; duplex_mel_batch_session50_h200.md). Session 51
 # ran `all` (1917 passed at 833781f: cuda_tests_all_session51_h200.txt), `melnf` and `melf` (the batched mel waited for
 # the vision encoder behind a pageable copy, fixed; duplex_mel_batch_session51_h200.md), and leaves `qwait` pending:
-# the CUDA tests of the audio steps' and forks' staged positions (written then, not yet run on a GPU) and the probe
-# of which duplex stages still wait for queued work; then a duplex A/B of those changes (`duplexab` against the tree
-# before them) if the probe shows the commits no longer wait.
+# the CUDA tests of the staged uploads (audio steps, forks, prefill_at, the Talker's admission and turns: written then,
+# not yet run on a GPU) and the probe of which duplex stages still wait for queued work; then A/Bs of those changes
+# against the tree before them (`git archive 833781f src`): `duplexab` (the duplex second) and `admitab` (the turn's
+# admission and first audio).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -72,7 +73,8 @@
 #            mel's host time to hide under (session 51's explanation of melab1); 14 seconds per run (UNITS), 4 warm
 #   melf     the same with the frame, as melab1 but 14 seconds per run; both record each second's allocator calls,
 #            collections and SM clock (--diag); ORDER=kind,kind,... overrides the runs' order
-#   qwait    the CUDA tests of the uploads that must not wait (mel batch, audio steps and forks, staging), then
+#   qwait    the CUDA tests of the uploads that must not wait (mel batch, audio steps and forks, staging, the Talker's
+#            admission) and of the paths whose uploads session 51 staged (static rows, Talker engine and turns), then
 #            queued_wait_probe.py at 16 conversations, each mel form: which stages of a duplex second wait for
 #            ~1 s of device work queued before them (session 51 staged the audio steps' and prefill's positions)
 #   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
@@ -181,9 +183,10 @@ for s in "$@"; do
              step "$s" 540 python benchmarks/duplex_batch_bench.py "$W/$s" --conversations 16 "${nf[@]}" \
              --batch-kinds batch-rows,batch-rows-mel,batch-rows,batch-rows-mel --sequential "" --decode greedy \
              --units "${UNITS:-14}" --warm 4 --diag ${ORDER:+--batch-kinds "$ORDER"} ${SMOKE:+--tiny --conversations 2 --units 2 --warm 1} ;;
-    qwait) step qtests 300 python -m pytest -q -p no:cacheprovider -rsf -k "never_wait or cuda_process_many or cuda_graphed" \
+    qwait) step qtests 400 python -m pytest -q -p no:cacheprovider -rsf -k "never_wait or cuda or graph" \
              tests/thinker/test_mel.py tests/thinker/test_audio_chunks.py tests/thinker/test_audio_forks.py \
-             tests/thinker/test_staging.py
+             tests/thinker/test_staging.py tests/thinker/test_llm_cache.py tests/talker/test_model_engine.py \
+             tests/talker/test_chunked.py
            for m in "" --batched-mel; do
              step "qwait${m:+_mel}" 240 python benchmarks/queued_wait_probe.py "$W/qwait${m:+_mel}" --conversations 16 $m \
                ${SMOKE:+--tiny --conversations 2 --warm 1}

@@ -145,7 +145,8 @@ def main() -> None:
         rows.append({"stage": label, "called": probe.host_s is not None,
                      "host_ms": None if probe.host_s is None else probe.host_s * 1e3,
                      "waits": waited, "second_ms": ms})
-        state = "not called" if probe.host_s is None else f"{probe.host_s * 1e3:8.1f} ms" + ("  WAITS" if waited else "")
+        state = ("not called" if probe.host_s is None
+                 else f"{probe.host_s * 1e3:8.1f} ms" + ("  WAITS" if waited else ""))
         print(f"{label:45s} {state}", flush=True)
     batch.close()
     res = {"gpu": device_label(dev), "torch": torch.__version__, "conversations": n, "batched_mel": args.batched_mel,

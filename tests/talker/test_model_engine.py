@@ -183,6 +183,34 @@ def test_cuda_admission_takes_rows_on_the_device_or_the_host_alike(tts):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_admission_and_a_step_never_wait_for_queued_work(tts):
+    """With ~1 s of device work queued ahead, the step that admits three requests (host text ids and hidden rows on
+    the device, as the turn contract hands them over) and runs their first decode step returns without waiting
+    for it: the ids, the tail tokens, the slots and positions and the sampler's state go up pinned. Until session
+    51 each went up from pageable memory, and a copy from pageable memory syncs the stream first. The codes equal
+    those of an engine run on the same requests without a queue."""
+    from tests.conftest import behind_queued_work
+
+    dev_tts = MiniCPMTTS(tts.cfg)
+    dev_tts.load_state_dict(tts.state_dict())
+    dev_tts = dev_tts.cuda().eval()
+    reqs = [replace(r, hidden=r.hidden.cuda()) for r in
+            (_request(r, n=n, seed=s) for r, n, s in (("a", 9, 1), ("b", 30, 2), ("c", 4, 3)))]
+    want = TalkerEngine(dev_tts, capacity=3, kv_budget_bytes=1 << 22).run(reqs)    # also warms the kernels
+    eng = TalkerEngine(dev_tts, capacity=3, kv_budget_bytes=1 << 22)
+    for r in reqs:
+        eng.submit(r)
+    first, host_s = behind_queued_work(eng.step)
+    assert host_s < 0.2, f"the admitting step waited {host_s:.3f} s for the queued work"
+    assert first == [] and len(eng.slots) == 3      # admitted, no window due after one step
+    got: dict[str, list] = {r.request_id: [] for r in reqs}
+    while eng.pending or eng.slots:
+        for ch in eng.step():
+            got[ch.request_id].append(ch)
+    assert {k: [c.codes for c in v] for k, v in got.items()} == {k: [c.codes for c in v] for k, v in want.items()}
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_prefill_graph_replays_the_eager_padded_prefill(tts):
     """A prefill graph's replay against the same padded prefill run eagerly (fp32; the same kernels, so
     within 1e-6), also while a slot is live: that slot's cache is not touched."""

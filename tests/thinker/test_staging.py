@@ -39,6 +39,19 @@ def test_cpu_upload_into_out_copies_in_place():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_upload_ints_gives_int64_of_the_lists_shape_with_or_without_staging(device):
+    """``upload_ints``: nested host lists (the Talker's slots and positions, rows' starts) as a device int64 tensor
+    of their shape, through the staging ring where one is given (one upload) and by a plain copy without."""
+    from minicpmo_rt.thinker.staging import upload_ints
+
+    st = HostStaging(device, slots=2)
+    for staging in (st, None):
+        got = upload_ints(staging, [[3, 1, 2**33], [0, -5, 7]], device)
+        assert got.dtype == torch.int64 and got.device.type == device
+        assert got.cpu().tolist() == [[3, 1, 2**33], [0, -5, 7]]
+    assert st.uploads == (1 if device == "cuda" else 0)
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 def test_upload_packed_places_each_part_at_its_offset_in_one_slot(device):
     """``upload_packed`` lays read-only arrays of several dtypes at their byte offsets in one device buffer,
     and on CUDA takes one slot of the ring for all of them (log_mel_many's buffers and row table)."""

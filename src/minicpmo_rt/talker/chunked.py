@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..sdpa_backend import no_cudnn_sdpa
+from ..thinker.staging import upload_ints
 from .engine import TalkerEngine, kv_bytes_per_token
 from .model import MiniCPMTTS
 from .sampler import MASK32, penalize, uniform
@@ -346,7 +347,7 @@ class TalkerTurns:
             x[seat, :cond.shape[0]] = cond
             meta[seat, :cond.shape[0]] = torch.arange(start, start + cond.shape[0])
             meta[seat, T] = cond.shape[0] - 1
-        meta = meta.to(self.device, non_blocking=True)
+        meta = upload_ints(self.engine.uploads, meta.numpy(), self.device)     # pinned: a pageable copy would wait
         held = self._prefill_graph((T, kv_len), x, meta) if self._prefill_graphs is not None else None
         if held is None:
             return self._prefill_forward(x, meta, kv_len)
@@ -419,7 +420,7 @@ class TalkerTurns:
         state[3] = torch.tensor(self.draws)
         for r, seat in enumerate(seats):
             state[:3, seat] = torch.tensor([1, starts[r] + conds[r], min_new[r]])
-        state = state.to(dev, non_blocking=True)
+        state = upload_ints(self.engine.uploads, state.numpy(), dev)
         self._live.copy_(state[0].bool())
         self._base.copy_(state[1])
         self._min_new.copy_(state[2])

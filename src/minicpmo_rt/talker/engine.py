@@ -38,6 +38,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..errors import InputError
 from ..sdpa_backend import attention
+from ..thinker.staging import HostStaging, upload_ints
 from .model import MiniCPMTTS
 from .sampler import SamplingParams, SlotState, sample_step
 
@@ -161,7 +162,10 @@ class TalkerEngine:
         shape = (self.n_layers, capacity, self.n_kv, self.max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.state = SlotState(capacity, params.window, self.device)
+        # index and position uploads go through pinned staging (TalkerTurns shares it): a copy from pageable
+        # memory syncs the stream first, so an admission would wait for the prefill it had just queued
+        self.uploads = HostStaging(self.device, slots=8) if self.device.type == "cuda" else None
+        self.state = SlotState(capacity, params.window, self.device, self.uploads)
         self.pos = torch.zeros(capacity, dtype=torch.long, device=self.device)  # next write position
         self.last_code = torch.zeros(capacity, dtype=torch.long, device=self.device)
         self.first_logits = torch.zeros(capacity, c.num_audio_tokens, device=self.device)
@@ -203,24 +207,30 @@ class TalkerEngine:
             return
         # One batched projector pass for every new request's conditioning.
         with torch.no_grad():
-            ids = torch.cat([r.text_ids for _, r in batch]).to(self.device)
+            # every request's text ids and the two tail tokens (text EOS, audio BOS) in one pinned upload: the
+            # contract's ids are host tensors, and a copy from pageable memory would wait for the device
+            ids = torch.cat([r.text_ids.reshape(-1) for _, r in batch])
+            N = ids.shape[0]
+            tails = [self.tts.cfg.text_eos_token_id, self.tts.cfg.audio_bos_token_id]
+            if ids.device.type == "cpu":
+                emb = self.tts.emb_text(upload_ints(self.uploads, ids.tolist() + tails, self.device))
+            else:
+                emb = self.tts.emb_text(torch.cat([ids.to(self.device), upload_ints(self.uploads, tails, self.device)]))
             # the Thinker hands its rows over on its own device (TalkerInput): joined there, nothing crosses
             # the bus; host rows (other callers) go up one request at a time
             hid = torch.cat([r.hidden.to(self.device) for _, r in batch]).to(self.dtype)
-            rows = self.tts.emb_text(ids) + self._project(hid, self._projector_rows(hid.shape[0]))
+            rows = emb[:N] + self._project(hid, self._projector_rows(hid.shape[0]))
             conds, start = [], 0
             for slot, req in batch:
                 n = req.text_ids.shape[0]
-                tail = ([self.tts.cfg.text_eos_token_id] if req.text_finished else []) + \
-                       [self.tts.cfg.audio_bos_token_id]
-                conds.append(torch.cat([rows[start:start + n],
-                                        self.tts.emb_text(torch.tensor(tail, device=self.device))]))
+                tail = emb[N:] if req.text_finished else emb[N + 1:]     # [EOS,] BOS
+                conds.append(torch.cat([rows[start:start + n], tail]))
                 start += n
             last = self._prefill_many([slot for slot, _ in batch], conds)
-            # uploads that do not wait on the device (a pageable copy is staged before the call returns)
-            slots = torch.tensor([slot for slot, _ in batch]).to(self.device, non_blocking=True)
+            vals = upload_ints(self.uploads, [[slot for slot, _ in batch], [c.shape[0] for c in conds]], self.device)
+            slots = vals[0]
             self.first_logits[slots] = self.tts.logits(last)
-            self.pos[slots] = torch.tensor([c.shape[0] for c in conds]).to(self.device, non_blocking=True)
+            self.pos[slots] = vals[1]
             self.state.admit_many([slot for slot, _ in batch], [req.seed for _, req in batch],
                                   [self._limit(req) for _, req in batch], self.params.min_codes)
             for (slot, req), cond in zip(batch, conds):
@@ -367,11 +377,10 @@ class TalkerEngine:
         else:
             graph.replay()      # hidden: the graph's output buffer
         n = len(conds)
-        dst = torch.tensor(slots).to(self.device, non_blocking=True)
+        vals = upload_ints(self.uploads, [list(slots), [int(c.shape[0]) - 1 for c in conds]], self.device)
         for cache, buf in zip((self.k_cache, self.v_cache), self._prefill_kv):
-            cache[:, dst, :, :bucket] = buf[:, :n, :, :bucket]
-        last = torch.tensor([int(c.shape[0]) - 1 for c in conds]).to(self.device, non_blocking=True)
-        return hidden[torch.arange(n, device=self.device), last]
+            cache[:, vals[0], :, :bucket] = buf[:, :n, :, :bucket]
+        return hidden[torch.arange(n, device=self.device), vals[1]]
 
     def capture_prefill_graphs(self, buckets: tuple[int, ...] | None = None) -> None:
         """Capture the admissions' prefill at each of ``buckets`` (default: ``prefill_buckets()``) on CUDA. It

@@ -25,13 +25,12 @@ one encoder pass over N x ~50 frames instead of N launch-bound passes.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import kernels
 from .audio import AudioEncoderCache, avg_pool, chunk_conv_frames, extra_conv_frames
 from .model import AudioChunkEmbedding, Thinker
-from .staging import HostStaging
+from .staging import HostStaging, upload_ints
 
 
 MASK_ALIGN = 16  # keys per row of an SDPA mask that the fused kernels take without a padded copy
@@ -184,8 +183,7 @@ def chunk_batch_inputs(thinker: Thinker, caches: list[AudioEncoderCache | None],
     vision encoder the commits' audio step waited for it."""
     pasts = [c.length if c is not None else 0 for c in caches]
     B = B or len(caches)
-    host = np.asarray(pasts + [0] * (B - len(caches)), dtype=np.int64)
-    past = staging.upload(host) if staging is not None else torch.from_numpy(host).to(thinker.device)
+    past = upload_ints(staging, pasts + [0] * (B - len(caches)), thinker.device)
     rows = past[:, None] + torch.arange(n, device=thinker.device)[None]
     mask = (torch.arange(P, device=thinker.device)[None] < (past + n)[:, None])[:, None, None]
     return rows, mask, pasts
@@ -345,7 +343,7 @@ class AudioGraphs:
         sx.copy_(x)
         svalid.copy_(valid)
         torch.add(self._arange[:n_max], past, out=rows)
-        ends = self._staging.upload(np.asarray([past + k for k in n], dtype=np.int64))
+        ends = upload_ints(self._staging, [past + k for k in n], th.device)
         torch.lt(self._arange[None], ends[:, None], out=mask[:, 0, 0])
         g.replay()
         return [out[b, :n[b] // th.audio_pool_step].clone() for b in range(B)]

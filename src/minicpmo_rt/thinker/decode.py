@@ -19,13 +19,12 @@ from __future__ import annotations
 import copy
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import kernels as K
-from .staging import HostStaging
+from .staging import HostStaging, upload_ints
 
 KERNEL_SETS = ("auto", "torch", "triton")
 
@@ -138,7 +137,7 @@ class StaticDecoder(nn.Module):
         # kv_len (None with the Triton kernels) -> (graph, tokens, positions, logits, hidden)
         self._graphs: dict[int | None, tuple] = {}
         # prefill_at's row starts go up pinned (views share it): a copy from pageable memory syncs the stream
-        self._uploads = HostStaging(self.device, slots=8) if self.device.type == "cuda" else None
+        self.uploads = HostStaging(self.device, slots=8) if self.device.type == "cuda" else None
 
     def row_view(self, row: int) -> "StaticDecoder":
         """A batch-1 decoder on row ``row`` of this one's cache (same weights, the cache a view, graphs of
@@ -220,9 +219,7 @@ class StaticDecoder(nn.Module):
             raise ValueError(f"static cache of {self.max_len} positions cannot hold rows from {list(starts)} + {T}")
         # on the device from the starts: a pageable copy of the positions would sync the stream first, and in a
         # duplex second the commits' prefill then waited for the vision encoder queued before it
-        first = np.asarray(list(starts), dtype=np.int64)
-        first = (self._uploads.upload(first) if self._uploads is not None
-                 else torch.from_numpy(first).to(self.device))
+        first = upload_ints(self.uploads, list(starts), self.device)
         pos = first[:, None] + torch.arange(T, device=self.device)[None]
         return self.step(embeds.to(self.dtype), pos, max(starts) + T)
 

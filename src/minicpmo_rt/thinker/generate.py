@@ -99,7 +99,8 @@ def _penalize(logits: torch.Tensor, ids: torch.Tensor, penalty: float) -> None:
 def edit_rows(logits: torch.Tensor, rows: Sequence[Sequence[int]], fn) -> None:
     """``logits[i, rows[i]] = fn(logits[i, rows[i]])`` for every row i (distinct ids per row), in place, in one
     gather/scatter. Short rows are padded with their own first id (a repeated index writes the same value)
-    and empty rows with id 0, written back unchanged; the index crosses to the device without waiting on it."""
+    and empty rows with id 0, written back unchanged. The index goes up from pageable memory, which syncs the
+    stream first: its callers (the decode policies) have just read these logits on the host, so nothing is queued."""
     width = max((len(r) for r in rows), default=0)
     if width == 0:
         return

@@ -26,6 +26,7 @@ import torch
 from ..errors import InputError
 from .decode import StaticDecoder, padded_runs
 from .model import LLMStep, Thinker, cache_checksum, cache_length, drop_rows, rerotate_keys, truncate_cache
+from .staging import upload_ints
 
 LLM_CACHES = ("dynamic", "static")
 
@@ -212,7 +213,7 @@ class StaticRows:
         session)."""
         logits, hidden = self._forward(feeds)
         rows = list(feeds)
-        pick = torch.tensor(rows).to(hidden.device, non_blocking=True)     # no wait on the device
+        pick = upload_ints(self.big.uploads, rows, hidden.device)     # pinned: no wait on the device
         hidden = hidden.index_select(0, pick)            # a copy: the graph's outputs change at its next replay
         head = self.thinker.llm.lm_head
         if logits is not None and self.big.lm_head is head:
@@ -224,14 +225,13 @@ class StaticRows:
     def _forward(self, feeds: dict[int, tuple[int, int]]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(logits [batch, V] or None, hidden [batch, H]) of one forward of every row (graph outputs)."""
         big = self.big
-        tokens = torch.zeros(self.batch, dtype=torch.long)
-        pos = torch.full((self.batch,), self.capacity, dtype=torch.long)
+        both = [[0] * self.batch, [self.capacity] * self.batch]     # tokens, positions
         for row, (token, position) in feeds.items():
             if not 0 <= position < self.capacity:
                 raise InputError(f"static rows: position {position} is outside the {self.capacity} rows of a session")
-            tokens[row], pos[row] = token, position
-        # non_blocking: a pageable upload is staged before the call returns, without waiting for the device
-        tokens, pos = tokens.to(big.device, non_blocking=True), pos.to(big.device, non_blocking=True)
+            both[0][row], both[1][row] = token, position
+        # one pinned upload (a copy from pageable memory syncs the stream before it starts)
+        tokens, pos = upload_ints(big.uploads, both, big.device)
         if self.graphs:
             return big.decode_graph(tokens, pos)
         return None, big.step(big.embed(tokens)[:, None], pos[:, None], self.capacity + 1)[:, 0]

@@ -1,10 +1,12 @@
 """Host->device uploads that never wait for the device (``HostStaging``).
 
-An upload from pageable host memory (a decoded frame, the mel's waveform buffer) goes
-through the driver's small staging area: a frame of 6 MB does not fit, so the copy call
-returns only once the stream has reached it, i.e. after every kernel queued before it. The
-host then cannot queue the next second's work while the GPU runs this one. Copying into a
-pinned buffer first makes the upload truly asynchronous.
+An upload from pageable host memory (a decoded frame, the mel's waveform buffer, a row of
+indices) returns only once the stream has reached it, i.e. after every kernel queued before
+it, whatever its size: on the H200 a 128-byte table behind 1 s of queued work took 1 s
+(session 51; ``.to(device, non_blocking=True)`` changes nothing for pageable memory). The host
+then cannot queue the next second's work while the GPU runs this one. Copying into a pinned
+buffer first makes the upload truly asynchronous (``upload``, ``upload_packed`` for several
+arrays in one copy, ``upload_ints`` for index lists).
 
 Pinned buffers are kept in a ring and reused, never allocated per call: allocating pinned
 memory per upload (``Tensor.pin_memory()``) grew the host allocator and cost more than it
@@ -114,6 +116,17 @@ class HostStaging:
             slot.done = torch.cuda.Event()
         slot.done.record()
         self.uploads += 1
+
+
+def upload_ints(staging: "HostStaging | None", values, device: torch.device | str) -> torch.Tensor:
+    """Host integers (a nested list or an array) as a device int64 tensor of their shape: through ``staging``
+    (pinned) where given, else a plain copy. On CUDA a copy from pageable memory syncs the stream before it starts,
+    even for a few bytes (H200: a 128-byte row table waited out 1 s of queued work, session 51), so index and
+    position uploads on paths that should run ahead of the GPU go through a staging ring."""
+    host = np.asarray(values, dtype=np.int64)
+    if staging is not None:
+        return staging.upload(host)
+    return torch.from_numpy(host).to(device)
 
 
 _TORCH_DTYPES = {np.dtype(k): v for k, v in ((np.uint8, torch.uint8), (np.float32, torch.float32),
