@@ -142,9 +142,10 @@ def log_mel_many(waveforms: list[np.ndarray], dynamic: list[bool], n_mels: int =
     meta = np.asarray(meta + [meta[0]] * (rows - B), dtype=np.int64)
     samples = sum(lens)
     if staging is not None and device.type == "cuda":
-        # the buffers and the row table in one pinned slot and one copy: a copy from pageable memory syncs the
-        # stream first, and one upload per buffer wrapped the ring the second's frames share, so the batch
-        # waited for the vision encoder queued before it (test_cuda_process_many_never_waits_for_queued_work)
+        # the buffers and the row table in one pinned slot and one copy: the table went up from pageable memory
+        # until session 51, which syncs the stream first, so the batch waited for the vision encoder queued
+        # before it (test_cuda_process_many_never_waits_for_queued_work); one slot also spares the ring
+        # the second's frames share
         meta_at = -(-4 * samples // 8) * 8
         packed = staging.upload_packed([*waves, meta], [4 * int(o) for o in offsets] + [meta_at],
                                        meta_at + meta.nbytes)

@@ -77,8 +77,8 @@ class HostStaging:
     def upload_packed(self, parts: list[np.ndarray], offsets: list[int], nbytes: int) -> torch.Tensor:
         """One device uint8 tensor of ``nbytes`` holding each numpy array ``parts[i]`` from byte ``offsets[i]``
         (bytes no part covers are unspecified): arrays one computation reads together go up through one slot
-        as one copy. As many separate uploads would take as many slots of the ring, which the frames of the
-        same second share: once they wrap, an upload waits for a copy queued behind the work before it."""
+        as one copy, instead of taking as many slots of the ring (a slot reused before its last copy ran waits
+        for that copy, and with it for the work queued before it)."""
         if len(parts) != len(offsets):
             raise ValueError(f"HostStaging.upload_packed: {len(parts)} parts and {len(offsets)} offsets")
         for i, (a, at) in enumerate(zip(parts, offsets)):
