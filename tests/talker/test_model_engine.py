@@ -24,7 +24,7 @@ def tts():
 
 
 def _request(rid, n=5, seed=1, max_codes=60, llm_dim=128):
-    g = torch.Generator().manual_seed(hash(rid) % 1000)
+    g = torch.Generator().manual_seed(sum(map(ord, rid)))     # not hash(): str hashes change per process
     return TalkerRequest(rid, torch.randint(0, 151000, (n,), generator=g), torch.randn(n, llm_dim, generator=g),
                          seed=seed, max_codes=max_codes)
 
