@@ -52,3 +52,60 @@ def test_clock_restores_what_each_wrap_replaced_also_a_module_function(monkeypat
     assert obj.f() == 10 and mod.g() == 2 and [p for p, _ in clock.calls] == ["a", "b"]
     clock.restore()
     assert "f" not in obj.__dict__ and obj.f() == 1 and mod.g is g
+
+
+def test_audio_only_units_and_the_per_second_diagnostics(tmp_path):
+    """``--no-frame`` gives the units no frame (the JSON and the table say so) and ``--diag`` records each second's
+    machine state (on the CPU: the collections only, and no CUDA counters)."""
+    r = run_benchmark("duplex_batch_bench.py", tmp_path, "--tiny", "--conversations", "2", "--sequential", "",
+                      "--batch-kinds", "batch-rows-mel", "--units", "2", "--warm", "1", "--no-frame", "--diag",
+                      one_thread=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "duplex_batch_bench.json").read_text())
+    assert res["frame"] is False and "no frame (audio only)" in (tmp_path / "duplex_batch_bench.md").read_text()
+    rows = res["runs"][0]["rows"]
+    assert all(set(row["state"]) == {"gc_collections"} and row["state"]["gc_collections"] >= 0 for row in rows)
+    assert "gc_collections:" in r.stdout
+
+
+def test_queued_wait_probe_times_each_stage_once_and_puts_every_stage_back(tmp_path, monkeypatch):
+    """``queued_wait_probe.Probe`` on a class's method and on a module's function: only the first call is timed
+    (on the CPU nothing is queued), later calls run plain, and ``undo`` restores the attribute exactly (the class
+    its own method, the module its function)."""
+    import types
+
+    import torch
+    from conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from queued_wait_probe import Probe
+
+    class Owner:
+        def work(self, x):
+            return x + 1
+
+    original = Owner.work
+    mod = types.ModuleType("m")
+    mod.f = lambda x: 2 * x
+    f = mod.f
+    cpu = torch.device("cpu")
+    on_class, on_module = Probe(Owner, "work", cpu), Probe(mod, "f", cpu)
+    assert Owner().work(1) == 2 and on_class.host_s is not None
+    first = on_class.host_s
+    assert Owner().work(2) == 3 and on_class.host_s == first      # a later call is not timed again
+    assert mod.f(3) == 6 and on_module.host_s is not None
+    on_class.undo()
+    on_module.undo()
+    assert Owner.work is original and mod.f is f
+
+
+def test_queued_wait_probe_smoke_run_lists_every_stage(tmp_path):
+    """benchmarks/queued_wait_probe.py on tiny random weights on the CPU (a check of the script: nothing is queued
+    there, so no stage waits): every stage of a duplex second is called and reported, in the JSON and the table."""
+    r = run_benchmark("queued_wait_probe.py", tmp_path, "--tiny", "--conversations", "2", "--warm", "1",
+                      one_thread=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "queued_wait_probe.json").read_text())
+    assert len(res["stages"]) == 11 and all(s["called"] and not s["waits"] for s in res["stages"])
+    table = (tmp_path / "queued_wait_probe.md").read_text()
+    assert "| prefill (StaticRows.feed_many) |" in table and "| Code2Wav (Code2Wav.push_many) |" in table
