@@ -95,6 +95,23 @@ class Clock:
         self._undo.clear()
 
 
+def duplex_models(tiny: bool, dev: torch.device):
+    """(thinker, tokenizer, tts, code2wav, voice features, Code2Wav's fast-path choice, session options): the models
+    of a duplex bench on ``dev``, random weights (Thinker and Talker bf16 on CUDA), Code2Wav under the duplex
+    profile and prepared for the voice on CUDA, the sessions' shared fast paths on CUDA (none elsewhere)."""
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tok = load_tokenizer(vendored_tokenizer_dir())
+    thinker, tts = build(tiny, dev, dtype)
+    flow, gen, feats, _ = bench_models(tiny, dev)
+    voc = Vocoder(gen, CAUSAL)
+    c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
+    choice = c2w.configure_fast_path(load_profile(DEFAULT_DUPLEX_PROFILE).code2wav.extra)
+    if dev.type == "cuda":
+        c2w.prepare(feats)
+    options = shared_fast_paths(thinker) if dev.type == "cuda" else {}
+    return thinker, tok, tts, c2w, feats, choice, options
+
+
 def attach_code2wav(convs, c2w, feats) -> None:
     """Random-weight Code2Wav has no frontend: the streams take the prompt features as their voice."""
     for c in convs:
@@ -367,16 +384,8 @@ def main() -> None:
     batched = parse_batches(ap, args.conversations)
     sequential = parse_batches(ap, args.sequential) if args.sequential else []
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    tok = load_tokenizer(vendored_tokenizer_dir())
-    thinker, tts = build(args.tiny, dev, dtype)
-    flow, gen, feats, _ = bench_models(args.tiny, dev)
-    voc = Vocoder(gen, CAUSAL)
-    c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
-    choice = c2w.configure_fast_path(load_profile(DEFAULT_DUPLEX_PROFILE).code2wav.extra)
-    if dev.type == "cuda":
-        c2w.prepare(feats)
-    options = shared_fast_paths(thinker) if dev.type == "cuda" else {}
+    thinker, tok, tts, c2w, feats, choice, options = duplex_models(args.tiny, dev)
+    dtype = thinker.dtype
     frame = None if args.no_frame else np.random.default_rng(1).integers(0, 255, (448, 448, 3), dtype=np.uint8)
     res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
            "tiny": args.tiny, "units": args.units, "warm": args.warm, "code2wav": str(choice), "frame": frame is not None,

@@ -25,17 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
-from minicpmo_rt.code2wav.pipeline import Code2Wav
-from minicpmo_rt.code2wav.vocoder import CAUSAL, Vocoder, VocoderSet
-from minicpmo_rt.profiles import load_profile
-from minicpmo_rt.runtime.duplex import DEFAULT_DUPLEX_PROFILE, DuplexBatch, DuplexInput
+from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
 from minicpmo_rt.thinker.duplex import DuplexDecodeConfig
-from minicpmo_rt.thinker.session import shared_fast_paths
 
-from code2wav_pipeline_bench import bench_models, device_label
-from duplex_batch_bench import attach_code2wav
-from duplex_bench import build, sync
+from code2wav_pipeline_bench import device_label
+from duplex_batch_bench import attach_code2wav, duplex_models
+from duplex_bench import sync
 
 SPIN_CYCLES = 2_000_000_000     # ~1 s on the H200's 1.98 GHz clock
 WAITS_FROM_S = 0.3              # a probed call slower than this waited for the queue
@@ -105,16 +100,8 @@ def main() -> None:
     ap.add_argument("--batched-mel", action="store_true", help="the commits' mels in one batch (opt-in path)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    tok = load_tokenizer(vendored_tokenizer_dir())
-    thinker, tts = build(args.tiny, dev, dtype)
-    flow, gen, feats, _ = bench_models(args.tiny, dev)
-    voc = Vocoder(gen, CAUSAL)
-    c2w = Code2Wav(flow, VocoderSet(voc, voc), frontend=None, n_timesteps=10)
-    c2w.configure_fast_path(load_profile(DEFAULT_DUPLEX_PROFILE).code2wav.extra)
-    if dev.type == "cuda":
-        c2w.prepare(feats)
-    options = shared_fast_paths(thinker) if dev.type == "cuda" else {"llm_cache": "static", "llm_kernels": "torch"}
+    thinker, tok, tts, c2w, feats, _, options = duplex_models(args.tiny, dev)
+    options = options or {"llm_cache": "static", "llm_kernels": "torch"}     # CPU: static rows on torch kernels
     n = args.conversations
     batch = DuplexBatch(thinker, tok, tts, None, [None] * n, seeds=list(range(n)), fast=True,
                         decode=DuplexDecodeConfig(mode="greedy"), session_options=options, shared_decode=True)

@@ -28,7 +28,6 @@ host rows, the projector at each new row count and six state writes per request.
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -209,13 +208,10 @@ class TalkerEngine:
         with torch.no_grad():
             # every request's text ids and the two tail tokens (text EOS, audio BOS) in one pinned upload: the
             # contract's ids are host tensors, and a copy from pageable memory would wait for the device
-            ids = torch.cat([r.text_ids.reshape(-1) for _, r in batch])
-            N = ids.shape[0]
+            ids = torch.cat([r.text_ids.reshape(-1) for _, r in batch]).tolist()
+            N = len(ids)
             tails = [self.tts.cfg.text_eos_token_id, self.tts.cfg.audio_bos_token_id]
-            if ids.device.type == "cpu":
-                emb = self.tts.emb_text(upload_ints(self.uploads, ids.tolist() + tails, self.device))
-            else:
-                emb = self.tts.emb_text(torch.cat([ids.to(self.device), upload_ints(self.uploads, tails, self.device)]))
+            emb = self.tts.emb_text(upload_ints(self.uploads, ids + tails, self.device))
             # the Thinker hands its rows over on its own device (TalkerInput): joined there, nothing crosses
             # the bus; host rows (other callers) go up one request at a time
             hid = torch.cat([r.hidden.to(self.device) for _, r in batch]).to(self.dtype)

@@ -798,8 +798,9 @@ def commit_many(sessions: "list[StreamingSession]", inputs, rows, batched_audio:
     does (mel, audio encoder, frame, prompt rows; with ``batched_mel`` the mels in one batch on a CUDA device,
     ``mel.process_many``, opt-in: on the H200 it took a 16-conversation second's mel from 10.1 to 4.1 ms, but
     the second's gain stays inside its run-to-run spread, duplex_mel_batch_session51_h200.md; with
-    ``batched_audio`` the audio steps of sessions sharing one ``AudioGraphs`` run together, ``audio_steps``), then their LLM prefills run together, one forward per
-    run of consecutive rows (``StaticRows.feed_many``), then each keeps its books. A failure anywhere puts
+    ``batched_audio`` the audio steps of sessions sharing one ``AudioGraphs`` run together, ``audio_steps``),
+    then their LLM prefills run together, one forward per run of consecutive rows (``StaticRows.feed_many``),
+    then each keeps its books. A failure anywhere puts
     every session back as it was, as ``commit`` does for one (but for one whose window pruned units in this
     call, which no snapshot can undo)."""
     for s in sessions:
