@@ -153,6 +153,23 @@ def test_bucketed_stft_equals_the_plain_centered_stft(n):
     assert STFT_BUCKET_FRAMES == 100
 
 
+def test_the_warmed_stft_plans_are_the_ones_every_buffer_uses():
+    """``warm_stft_plans`` plans, per row count, one STFT per ``stft_buckets`` entry at ``batch_width`` samples a
+    row; every buffer of up to 32 s lands on one of those buckets, and a row that wide makes exactly that many
+    frames. Until session 52 the batched widths warmed were one frame longer, so each new second's bucket made its
+    cuFFT plan mid-stream, which waited for all queued device work (the batched mel, once per duplex second)."""
+    from minicpmo_rt.thinker.mel import HOP, N_FFT, batch_width, frame_bucket, stft_buckets
+
+    buckets = stft_buckets(32.0)
+    assert buckets[0] == 100 and buckets[-1] >= 1 + 32 * 16000 // HOP and len(set(buckets)) == len(buckets)
+    used = {frame_bucket(1 + n // HOP) for n in range(N_FFT, 32 * 16000 + 1, 997)}
+    assert used <= set(buckets)
+    window = torch.hann_window(N_FFT)
+    for bucket in (buckets[0], buckets[1], buckets[-1]):
+        x = torch.zeros(2, batch_width(bucket))
+        assert torch.stft(x, N_FFT, HOP, window=window, center=False, return_complex=True).shape[-1] == bucket
+
+
 def test_log_mel_many_equals_each_buffer_alone():
     """One batch of buffers of different lengths (rows padded to a power of two, each to the longest's frame
     bucket, the reflect padding built by a gather) gives each buffer's ``log_mel`` (fp32, 1e-6), with each
@@ -249,21 +266,33 @@ def test_cuda_process_many_never_waits_for_queued_work():
     """With ~1 s of device work queued ahead (in duplex, the second's vision encoder), a batched ``process_many``
     returns long before it ends: every upload goes through the pinned staging. A copy from pageable memory
     syncs the stream first; the batch's row table went up that way until session 51 and waited out the queue.
-    Its chunks still equal each stream's own ``process`` (fp32, 1e-5)."""
+    So does making a cuFFT plan: the first batch makes one for every frame bucket (a frame off until session
+    52, so each new second's bucket planned mid-stream and waited). The first batch also reserves the largest
+    upload of its sliding windows in the ring, and later calls take that idle slot instead of growing a
+    frame's when their buffers outgrow a frame's 1 MiB (step 3 here). Its chunks still equal each stream's own ``process`` (fp32, 1e-5)."""
     from minicpmo_rt.thinker.mel import process_many
     from minicpmo_rt.thinker.staging import HostStaging
 
-    staging = HostStaging("cuda")
-    alone = [StreamingMel(device="cuda", staging=staging) for _ in range(3)]
-    together = [StreamingMel(device="cuda", staging=staging) for _ in range(3)]
-    for step in range(3):       # the first batch makes its plans and device constants: not timed
+    staging = HostStaging("cuda", slots=4)
+    alone = [StreamingMel(device="cuda") for _ in range(5)]
+    together = [StreamingMel(device="cuda", staging=staging) for _ in range(5)]
+    frame = np.zeros((448, 448, 3), np.uint8)
+    for step in range(4):       # the first batch makes its plans and device constants: not timed
         audios = [_speechlike(1.03, seed=200 + 10 * step + i)[:p.chunk_size()] for i, p in enumerate(alone)]
         want = [p.process(a) for p, a in zip(alone, audios)]
+        # a duplex second's frames share the ring (3 here), so the batch's turn comes round to a frame's slot
+        for _ in range(3):
+            staging.upload(frame)
         if step:
+            plans = torch.backends.cuda.cufft_plan_cache.size
             got, host_s = behind_queued_work(lambda: process_many(together, audios))
             assert host_s < 0.2, f"process_many waited {host_s:.3f} s for the queued work"
+            assert torch.backends.cuda.cufft_plan_cache.size == plans, "a batch made a cuFFT plan mid-stream"
+            assert staging.grows == grown, "a batch grew a pinned slot (page-locking host memory every time)"
         else:
             got = process_many(together, audios)
+            torch.cuda.synchronize()
+            grown = staging.grows   # the first batch reserved the sliding window's largest upload
         for w, g in zip(want, got):
             assert g.features.shape == w.features.shape
             if w.n_frames:

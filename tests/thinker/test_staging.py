@@ -128,3 +128,43 @@ def test_cuda_log_mel_through_staging_equals_the_plain_upload():
     x = np.random.default_rng(4).standard_normal(80000).astype(np.float32)
     st = HostStaging("cuda", slots=2)
     assert torch.equal(log_mel(x, True, device="cuda", staging=st), log_mel(x, True, device="cuda"))
+
+
+@requires_cuda
+def test_cuda_a_large_upload_takes_the_idle_slot_that_holds_it_instead_of_growing_one():
+    """Two small uploads and one large per round on a 4-slot ring: taken strictly in turn, the large one lands on
+    a small slot in most rounds and grows it, page-locking new memory each time (the batched mel, nearly every
+    duplex second until session 52). The ring now takes the smallest idle slot that fits: after two rounds
+    nothing grows, and a round behind ~1 s of queued work returns at once with every value intact."""
+    from conftest import behind_queued_work
+
+    st = HostStaging("cuda", slots=4)
+    rng = np.random.default_rng(0)
+
+    def round_of_uploads():
+        arrays = [rng.standard_normal(1000).astype(np.float32), rng.standard_normal(2000).astype(np.float32),
+                  rng.standard_normal(600_000).astype(np.float32)]      # 2.4 MB: a 4-MiB slot
+        return arrays, [st.upload(a) for a in arrays]
+
+    for _ in range(2):      # every copy pending: each upload of a round holds its own slot
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)
+        round_of_uploads()
+    torch.cuda.synchronize()
+    grown = st.grows
+    for _ in range(3):
+        (arrays, outs), host_s = behind_queued_work(round_of_uploads)
+        assert host_s < 0.2, f"a round of uploads waited {host_s:.3f} s for the queued work"
+        assert all(torch.equal(o.cpu(), torch.from_numpy(a)) for a, o in zip(arrays, outs))
+    assert st.grows == grown and st.waits == 0
+
+
+@requires_cuda
+def test_cuda_upload_packed_grows_to_its_reserve_once():
+    st = HostStaging("cuda", slots=2)
+    parts = [np.arange(n, dtype=np.float32) for n in (10, 1000, 300_000)]
+    for a in parts:
+        out = st.upload_packed([a], [0], a.nbytes, reserve=8 << 20)
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.float32).cpu(), torch.from_numpy(a))
+    assert st.grows == 1 and st.uploads == 3

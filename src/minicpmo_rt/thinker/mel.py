@@ -72,7 +72,7 @@ def _bucketed_stft(wave: torch.Tensor) -> torch.Tensor:
     """
     n = wave.numel()
     frames = 1 + n // HOP
-    bucket = -(-frames // STFT_BUCKET_FRAMES) * STFT_BUCKET_FRAMES
+    bucket = frame_bucket(frames)
     half = N_FFT // 2
     padded = torch.nn.functional.pad(wave[None, None], (half, half), mode="reflect")[0, 0]
     padded = torch.nn.functional.pad(padded, (0, (bucket - 1) * HOP + N_FFT - padded.numel()))
@@ -89,15 +89,26 @@ def warm_stft_plans(device: torch.device | str, max_seconds: float = 32.0, sampl
     device = torch.device(device)
     if device.type != "cuda":
         return 0
-    buckets = int(max_seconds * sample_rate / HOP) // STFT_BUCKET_FRAMES + 1
-    for b in range(1, buckets + 1):
-        n = (b * STFT_BUCKET_FRAMES - 1) * HOP
+    buckets = stft_buckets(max_seconds, sample_rate)
+    for bucket in buckets:
         if rows == 1:
-            _bucketed_stft(torch.zeros(n, device=device))
+            _bucketed_stft(torch.zeros((bucket - 1) * HOP, device=device))    # 1 + n // HOP frames = bucket
         else:
-            torch.stft(torch.zeros(rows, (b - 1) * STFT_BUCKET_FRAMES * HOP + N_FFT, device=device), N_FFT, HOP,
+            torch.stft(torch.zeros(rows, batch_width(bucket), device=device), N_FFT, HOP,
                        window=_window_on(device), center=False, return_complex=True)
-    return buckets
+    return len(buckets)
+
+
+def stft_buckets(max_seconds: float = 32.0, sample_rate: int = SAMPLE_RATE) -> list[int]:
+    """The padded frame counts (``frame_bucket``) of every buffer of up to ``max_seconds``."""
+    return list(range(STFT_BUCKET_FRAMES, frame_bucket(1 + int(max_seconds * sample_rate) // HOP) + 1,
+                      STFT_BUCKET_FRAMES))
+
+
+def frame_bucket(frames: int) -> int:
+    """``frames`` rounded up to whole ``STFT_BUCKET_FRAMES``: the STFT's batch, so that few cuFFT plans serve
+    a buffer that grows at every call."""
+    return -(-frames // STFT_BUCKET_FRAMES) * STFT_BUCKET_FRAMES
 
 
 @lru_cache(maxsize=64)
@@ -106,13 +117,22 @@ def _warmed_rows(device: torch.device, rows: int) -> int:
     return warm_stft_plans(device, rows=rows)
 
 
+def batch_width(bucket: int) -> int:
+    """The samples of a ``log_mel_many`` row whose frames are padded to ``bucket`` (a multiple of
+    ``STFT_BUCKET_FRAMES``): the STFT then makes ``bucket`` frames, one cuFFT plan per bucket and row count.
+    Until session 52 ``warm_stft_plans`` warmed widths of one frame more than a multiple, so every new bucket
+    made its plan mid-stream, which waited for all queued device work (the batched mel, once per second)."""
+    return (bucket - 1) * HOP + N_FFT
+
+
 def batch_rows(n: int) -> int:
     """The row count ``log_mel_many`` runs ``n`` buffers at: the next power of two (few cuFFT plans)."""
     return 1 << max(0, n - 1).bit_length()
 
 
 def log_mel_many(waveforms: list[np.ndarray], dynamic: list[bool], n_mels: int = N_MELS,
-                 device: str | torch.device | None = None, staging: HostStaging | None = None) -> list[torch.Tensor]:
+                 device: str | torch.device | None = None, staging: HostStaging | None = None,
+                 reserve_samples: int = 0) -> list[torch.Tensor]:
     """``log_mel(waveforms[i], dynamic[i])`` of several buffers in one batch: [n_mels, len_i // 160] each.
 
     Every buffer goes up into one flat device tensor (with the row table: one upload through ``staging``
@@ -120,7 +140,9 @@ def log_mel_many(waveforms: list[np.ndarray], dynamic: list[bool], n_mels: int =
     bucket (each kept frame reads the samples it reads alone, as in ``_bucketed_stft``), and the STFT,
     the mel bank, the log and each row's floor run once for all rows (padded to ``batch_rows``). A
     duplex second of 16 conversations made ~200 launches one buffer at a time. On a CUDA device the
-    first batch of a row count makes its cuFFT plans for every bucket (``warm_stft_plans``)."""
+    first batch of a row count makes its cuFFT plans for every bucket (``warm_stft_plans``).
+    ``reserve_samples``: the most samples a batch of the caller's holds, so that the pinned slot grows once
+    (growing page-locks new host memory, milliseconds for tens of MiB, see ``staging``)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if len(waveforms) != len(dynamic) or not waveforms:
         raise ValueError(f"log_mel_many: {len(waveforms)} waveforms and {len(dynamic)} floor choices; give one "
@@ -134,8 +156,8 @@ def log_mel_many(waveforms: list[np.ndarray], dynamic: list[bool], n_mels: int =
     if device.type == "cuda":
         _warmed_rows(device, rows)
     frames = [1 + n // HOP for n in lens]
-    bucket = -(-max(frames) // STFT_BUCKET_FRAMES) * STFT_BUCKET_FRAMES
-    width = (bucket - 1) * HOP + N_FFT
+    bucket = frame_bucket(max(frames))
+    width = batch_width(bucket)
     offsets = np.concatenate([[0], np.cumsum(lens[:-1])]).astype(np.int64)
     # per row: offset, length, kept frames, dynamic floor; padding rows repeat row 0 (their output is dropped)
     meta = [[int(offsets[i]), lens[i], frames[i] - 1, int(dynamic[i])] for i in range(B)]
@@ -147,8 +169,9 @@ def log_mel_many(waveforms: list[np.ndarray], dynamic: list[bool], n_mels: int =
         # before it (test_cuda_process_many_never_waits_for_queued_work); one slot also spares the ring
         # the second's frames share
         meta_at = -(-4 * samples // 8) * 8
+        reserve = -(-4 * max(samples, reserve_samples) // 8) * 8 + meta.nbytes
         packed = staging.upload_packed([*waves, meta], [4 * int(o) for o in offsets] + [meta_at],
-                                       meta_at + meta.nbytes)
+                                       meta_at + meta.nbytes, reserve)
         flat = packed[:4 * samples].view(torch.float32)
         meta = packed[meta_at:].view(torch.int64).view(rows, 4)
     else:
@@ -400,5 +423,8 @@ def process_many(procs: "list[StreamingMel]", audios: list[np.ndarray], last_chu
         raise ValueError("process_many: batched processors must share their device, n_mels and sample rate")
     appended = [p._appended(a) for p, a in zip(procs, audios)]
     floors = [uses_dynamic_floor(int(st.buffer.shape[0]), p.sample_rate) for p, (st, _) in zip(procs, appended)]
-    mels = log_mel_many([st.buffer for st, _ in appended], floors, first.n_mels, first.device, first.staging)
+    # a sliding buffer stays under its trigger: the batch's largest upload, reserved on the first
+    most = sum(p.trigger_samples for p in procs) if all(p.sliding_window for p in procs) else 0
+    mels = log_mel_many([st.buffer for st, _ in appended], floors, first.n_mels, first.device, first.staging,
+                        reserve_samples=most)
     return [p._emit(st, mel, samples, last_chunk) for p, (st, samples), mel in zip(procs, appended, mels)]

@@ -12,6 +12,14 @@ Pinned buffers are kept in a ring and reused, never allocated per call: allocati
 memory per upload (``Tensor.pin_memory()``) grew the host allocator and cost more than it
 saved (features benchmark, session 2). A slot is rewritten only after its previous copy
 finished (one event per slot), so a host far ahead of the GPU waits there at the latest.
+
+Growing a slot page-locks new host memory (milliseconds for tens of MiB; on the H200 it did not
+wait for queued device work) and leaves the old buffer in torch's pinned cache. So an upload
+takes the smallest idle slot that already holds it and grows one only when none does; a caller
+that knows its largest upload can ``reserve`` it on the first. Taking slots strictly in turn,
+the batched mel's growing upload (up to 32 MiB a duplex second) landed on a frame's 1 MiB slot
+and grew it nearly every second (one pinned allocation per second, session 51's ``--diag``;
+none after the first second since session 52).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class HostStaging:
         self._lock = threading.Lock()
         self.uploads = 0
         self.waits = 0   # uploads that found their slot's previous copy still running
+        self.grows = 0   # pinned allocations (slots grown)
 
     def upload(self, array: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A new device tensor holding ``array`` (same dtype and shape); returns at once. ``out``: a device
@@ -74,11 +83,13 @@ class HostStaging:
             self._send(slot, host, out)
         return out
 
-    def upload_packed(self, parts: list[np.ndarray], offsets: list[int], nbytes: int) -> torch.Tensor:
+    def upload_packed(self, parts: list[np.ndarray], offsets: list[int], nbytes: int,
+                      reserve: int = 0) -> torch.Tensor:
         """One device uint8 tensor of ``nbytes`` holding each numpy array ``parts[i]`` from byte ``offsets[i]``
         (bytes no part covers are unspecified): arrays one computation reads together go up through one slot
         as one copy, instead of taking as many slots of the ring (a slot reused before its last copy ran waits
-        for that copy, and with it for the work queued before it)."""
+        for that copy, and with it for the work queued before it). ``reserve``: the caller's largest upload; the
+        slot taken must hold that many bytes (so that it is grown once, not each time the uploads outgrow it)."""
         if len(parts) != len(offsets):
             raise ValueError(f"HostStaging.upload_packed: {len(parts)} parts and {len(offsets)} offsets")
         for i, (a, at) in enumerate(zip(parts, offsets)):
@@ -92,7 +103,7 @@ class HostStaging:
             return torch.from_numpy(host).to(self.device)
         out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         with self._lock:
-            slot = self._slot(nbytes)
+            slot = self._slot(max(nbytes, reserve))
             host = slot.buffer[:nbytes].numpy()
             for a, at in zip(parts, offsets):
                 np.copyto(host[at:at + a.nbytes], np.ascontiguousarray(a).reshape(-1).view(np.uint8), casting="no")
@@ -100,14 +111,29 @@ class HostStaging:
         return out
 
     def _slot(self, nbytes: int) -> _Slot:
-        """The ring's next slot, its previous copy finished and its buffer at least ``nbytes`` (under the lock)."""
+        """A slot whose buffer holds ``nbytes`` and whose previous copy finished (under the lock): the smallest
+        idle one that fits (the first from the ring's turn among equals), else the next in turn, waiting for its
+        copy and growing it."""
+        n, best, best_at = len(self._slots), None, 0
+        for k in range(n):
+            at = (self._next + k) % n
+            slot = self._slots[at]
+            if slot.buffer is None or slot.buffer.numel() < nbytes:
+                continue
+            if best is not None and slot.buffer.numel() >= best.buffer.numel():
+                continue
+            if slot.done is None or slot.done.query():
+                best, best_at = slot, at
+        if best is not None:
+            self._next = (best_at + 1) % n
+            return best
         slot = self._slots[self._next]
-        self._next = (self._next + 1) % len(self._slots)
+        self._next = (self._next + 1) % n
         if slot.done is not None and not slot.done.query():
             self.waits += 1
             slot.done.synchronize()
-        if slot.buffer is None or slot.buffer.numel() < nbytes:
-            slot.buffer = torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
+        slot.buffer = torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
+        self.grows += 1
         return slot
 
     def _send(self, slot: _Slot, host: torch.Tensor, out: torch.Tensor) -> None:
