@@ -29,7 +29,10 @@
 # the CUDA tests of the staged uploads (audio steps, forks, prefill_at, the Talker's admission and turns: written then,
 # not yet run on a GPU) and the probe of which duplex stages still wait for queued work; then A/Bs of those changes
 # against the tree before them (`git archive 833781f src`): `duplexab` (the duplex second) and `admitab` (the turn's
-# admission and first audio).
+# admission and first audio). Session 52 ran `qwait` (26 passed; the batched mel still waited, for cuFFT plans that
+# warm_stft_plans had warmed a frame off each bucket: fixed, duplex_waits_session52_h200.md), `melf` and `duplexab`
+# (1.008x, level), and leaves `stests` (its last CUDA test edits: the plan cache, the ring's reserve) and `admitab`
+# (against 833781f) pending.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -77,6 +80,7 @@
 #            admission) and of the paths whose uploads session 51 staged (static rows, Talker engine and turns), then
 #            queued_wait_probe.py at 16 conversations, each mel form: which stages of a duplex second wait for
 #            ~1 s of device work queued before them (session 51 staged the audio steps' and prefill's positions)
+#   stests   CUDA tests of the mel's plans and the staging ring's slot choice (session 52), then mel_wait_probe.py
 #   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
 #            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
 #            and sampling: session 46 measured the Thinker 222 -> 179 ms at 16 (greedy) in one run, whose Talker
@@ -191,6 +195,10 @@ for s in "$@"; do
              step "qwait${m:+_mel}" 240 python benchmarks/queued_wait_probe.py "$W/qwait${m:+_mel}" --conversations 16 $m \
                ${SMOKE:+--tiny --conversations 2 --warm 1}
            done ;;
+    stests) step stests 200 python -m pytest -q -p no:cacheprovider -rsf tests/thinker/test_mel.py \
+              tests/thinker/test_staging.py -k cuda
+            [ -z "${SMOKE:-}" ] && step melwait 120 python benchmarks/mel_wait_probe.py "$W/melwait/mel_wait.txt" \
+              --streams 16 --frames 16 --steps 6 ;;
     dtests) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-6}
             step dtests 540 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=15 tests/talker \
               tests/runtime/test_duplex.py tests/runtime/test_turn.py ;;

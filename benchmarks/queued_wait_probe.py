@@ -54,16 +54,33 @@ def stages(batch: DuplexBatch) -> list[tuple[str, object, str]]:
             ("Code2Wav (Code2Wav.push_many)", batch.code2wav, "push_many")]
 
 
+def sync_causes(dev: torch.device, staging=None) -> dict:
+    """Counters of host calls a stage can make that may synchronise or cost host time: the caching allocator's
+    cudaMalloc calls, pinned host allocations, and the shared staging ring's slot growths (pinned allocations)
+    and waits for a slot's previous copy. (cuFFT plans, session 52's cause, have no counter here:
+    ``mel_wait_probe.py`` reads the plan cache.)"""
+    out = {}
+    if dev.type == "cuda":
+        out["device_allocs"] = torch.cuda.memory_stats(dev).get("num_device_alloc", 0)
+        if hasattr(torch.cuda, "host_memory_stats"):
+            out["host_allocs"] = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    if staging is not None:
+        out["staging_grows"], out["staging_waits"] = staging.grows, staging.waits
+    return out
+
+
 class Probe:
     """Wraps one stage so that its first call runs behind ~1 s of queued device work and is timed; ``undo``
-    puts the attribute back."""
+    puts the attribute back. ``causes`` (a function returning counters, ``sync_causes``): their change over
+    the call goes into ``counts``."""
 
-    def __init__(self, owner, name: str, dev: torch.device):
+    def __init__(self, owner, name: str, dev: torch.device, causes=dict):
         self.owner, self.name, self.dev = owner, name, dev
         self.had = name in vars(owner)
         self.old = vars(owner).get(name)
         self.fn = getattr(owner, name)
         self.host_s: float | None = None
+        self.counts: dict = {}
         probe = self
 
         def call(*a, **k):
@@ -72,11 +89,14 @@ class Probe:
             sync(dev)
             if dev.type == "cuda":
                 torch.cuda._sleep(SPIN_CYCLES)
+            before = causes()
             t0 = time.perf_counter()
             try:
                 return probe.fn(*a, **k)
             finally:
                 probe.host_s = time.perf_counter() - t0
+                after = causes()
+                probe.counts = {key: after[key] - before.get(key, 0) for key in after}
                 sync(dev)
 
         if isinstance(owner, type):     # a method patched on the class: the wrapper takes self first
@@ -119,10 +139,11 @@ def main() -> None:
         sync(dev)
         return (time.perf_counter() - t0) * 1e3
 
+    staging = batch.conversations[0].session.staging
     plain = [second() for _ in range(args.warm)]
     rows = []
     for label, owner, name in stages(batch):
-        probe = Probe(owner, name, dev)
+        probe = Probe(owner, name, dev, lambda: sync_causes(dev, staging))
         try:
             ms = second()
         finally:
@@ -131,9 +152,10 @@ def main() -> None:
         waited = probe.host_s is not None and dev.type == "cuda" and probe.host_s > WAITS_FROM_S
         rows.append({"stage": label, "called": probe.host_s is not None,
                      "host_ms": None if probe.host_s is None else probe.host_s * 1e3,
-                     "waits": waited, "second_ms": ms})
+                     "waits": waited, "second_ms": ms, "counts": probe.counts})
         state = ("not called" if probe.host_s is None
-                 else f"{probe.host_s * 1e3:8.1f} ms" + ("  WAITS" if waited else ""))
+                 else f"{probe.host_s * 1e3:8.1f} ms" + ("  WAITS" if waited else "")
+                 + "".join(f"  {k}+{v}" for k, v in probe.counts.items() if v))
         print(f"{label:45s} {state}", flush=True)
     batch.close()
     res = {"gpu": device_label(dev), "torch": torch.__version__, "conversations": n, "batched_mel": args.batched_mel,
@@ -144,10 +166,13 @@ def main() -> None:
              f"{', batched mel' if args.batched_mel else ''})", "",
              "Host time of each stage's first call in one second, with ~1 s of device work queued just before "
              "it. A stage that waits (over 300 ms) synchronised with the stream.", "",
-             "| stage | host ms | waits |", "|---|---:|---|"]
+             "The last column counts the calls the stage made that may synchronise: cudaMalloc (device_allocs),"
+             " pinned allocations (host_allocs, staging_grows) and waits for a staging slot.", "",
+             "| stage | host ms | waits | sync-prone calls |", "|---|---:|---|---|"]
     for r in rows:
         host = "-" if r["host_ms"] is None else f"{r['host_ms']:.1f}"
-        lines.append(f"| {r['stage']} | {host} | {'yes' if r['waits'] else ''} |")
+        calls = ", ".join(f"{k} {v}" for k, v in r["counts"].items() if v)
+        lines.append(f"| {r['stage']} | {host} | {'yes' if r['waits'] else ''} | {calls} |")
     (args.out / "queued_wait_probe.md").write_text("\n".join(lines) + "\n")
 
 

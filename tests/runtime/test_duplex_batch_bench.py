@@ -86,14 +86,20 @@ def test_queued_wait_probe_times_each_stage_once_and_puts_every_stage_back(tmp_p
 
     original = Owner.work
     mod = types.ModuleType("m")
-    mod.f = lambda x: 2 * x
-    f = mod.f
+    made = [0]      # a counter the stage moves, as cudaMalloc calls move the allocator's
+
+    def f(x):
+        made[0] += 2
+        return 2 * x
+
+    mod.f = f
     cpu = torch.device("cpu")
-    on_class, on_module = Probe(Owner, "work", cpu), Probe(mod, "f", cpu)
+    on_class, on_module = Probe(Owner, "work", cpu), Probe(mod, "f", cpu, causes=lambda: {"made": made[0]})
     assert Owner().work(1) == 2 and on_class.host_s is not None
     first = on_class.host_s
     assert Owner().work(2) == 3 and on_class.host_s == first      # a later call is not timed again
-    assert mod.f(3) == 6 and on_module.host_s is not None
+    assert mod.f(3) == 6 and on_module.host_s is not None and on_module.counts == {"made": 2}
+    assert mod.f(3) == 6 and on_module.counts == {"made": 2} and on_class.counts == {}
     on_class.undo()
     on_module.undo()
     assert Owner.work is original and mod.f is f
