@@ -31,8 +31,9 @@
 # against the tree before them (`git archive 833781f src`): `duplexab` (the duplex second) and `admitab` (the turn's
 # admission and first audio). Session 52 ran `qwait` (26 passed; the batched mel still waited, for cuFFT plans that
 # warm_stft_plans had warmed a frame off each bucket: fixed, duplex_waits_session52_h200.md), `melf` and `duplexab`
-# (1.008x, level), and leaves `stests` (its last CUDA test edits: the plan cache, the ring's reserve) and `admitab`
-# (against 833781f) pending.
+# (1.008x, level), and leaves `stests` (its last CUDA test edits: the plan cache, the ring's reserve), `wtests` and
+# `warm20` (the duplex warm-up precapturing the Talker's prefill graphs at every attention bucket: found on the CPU
+# to be what made second 8 of every run slow, not yet measured) and `admitab` (against 833781f) pending.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -80,6 +81,9 @@
 #            admission) and of the paths whose uploads session 51 staged (static rows, Talker engine and turns), then
 #            queued_wait_probe.py at 16 conversations, each mel form: which stages of a duplex second wait for
 #            ~1 s of device work queued before them (session 51 staged the audio steps' and prefill's positions)
+#   wtests   CUDA tests of the duplex warm-up (every seat fresh after it, the Talker's prefill graphs precaptured)
+#   warm20   duplex_batch_bench.py at 16 conversations, 20 seconds after DuplexBatch.warm_up(2) (--diag): seconds 8
+#            and 16 (the Talker's 512 and 1024 attention buckets) should now run as fast as their neighbours
 #   stests   CUDA tests of the mel's plans and the staging ring's slot choice (session 52), then mel_wait_probe.py
 #   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
 #            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
@@ -195,6 +199,10 @@ for s in "$@"; do
              step "qwait${m:+_mel}" 240 python benchmarks/queued_wait_probe.py "$W/qwait${m:+_mel}" --conversations 16 $m \
                ${SMOKE:+--tiny --conversations 2 --warm 1}
            done ;;
+    wtests) step wtests 300 python -m pytest -q -p no:cacheprovider -rsf tests/runtime/test_duplex.py -k "warm_up and cuda" ;;
+    warm20) step warm20 300 python benchmarks/duplex_batch_bench.py "$W/warm20" --conversations 16 --batch-kinds batch-rows \
+              --sequential "" --decode greedy --units 20 --warm 2 --warm-up 2 --diag \
+              ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;
     stests) step stests 200 python -m pytest -q -p no:cacheprovider -rsf tests/thinker/test_mel.py \
               tests/thinker/test_staging.py -k cuda
             [ -z "${SMOKE:-}" ] && step melwait 120 python benchmarks/mel_wait_probe.py "$W/melwait/mel_wait.txt" \

@@ -443,22 +443,28 @@ class DuplexBatch:
         return self.conversations[i]
 
     @torch.no_grad()
-    def warm_up(self, seconds: int = 2, frame=None, talker_rows: Sequence[int] = (8, 16, 32)) -> list[float]:
+    def warm_up(self, seconds: int = 2, frame=None, talker_rows: Sequence[int] = (8, 16, 32),
+                talker_kv: Sequence[int] | None = None) -> list[float]:
         """Make what the batch's seconds replay before a user's second needs it, then give every seat a fresh
         conversation (its voice and seed as before): Code2Wav's graphs for each voice (``Code2Wav.prepare``),
-        the Talker's prefill graphs for conditions of ``talker_rows`` rows (``TalkerTurns.precapture``), then
+        the Talker's prefill graphs for conditions of ``talker_rows`` rows at the attention bucket of each
+        ``talker_kv`` length (default: every bucket; ``TalkerTurns.precapture``), then
         ``seconds`` seconds of silence through every seat, with ``frame`` each second when given (the frame
         size the users will send), which compiles the kernels and captures the Thinker side's graphs (audio
         steps at the batch's size, the vision batch, the prefill shapes). On the H200 a fresh 16-seat batch's
         first two user seconds took 738 and 380 ms without it, 234 and 249 after a 0.9-s warm-up, a steady
-        second's time (``benchmarks/results/duplex_warm_up_session48_h200.md``). Returns each warm-up second's
-        wall time in ms."""
+        second's time (``benchmarks/results/duplex_warm_up_session48_h200.md``). Until session 52 only the
+        smallest bucket (256 positions) was precaptured: a speaking seat's Talker context grows ~31 positions a
+        second, so its 9th second captured the 512 bucket's graph mid-conversation (the slow second 8 of every
+        16-seat run, ~60 ms and ~25 cudaMalloc calls; ``duplex_waits_session52_h200.md`` section 6), the 17th the
+        1024 one. Returns each warm-up second's wall time in ms."""
         if seconds < 0:
             raise InputError(f"duplex batch: warm_up seconds must be >= 0 (got {seconds})")
         if self.code2wav is not None:
             for voice in dict.fromkeys(v for v in self.voices if v is not None):
                 self.code2wav.prepare(voice)
-        self.talker.precapture(talker_rows)
+        for kv in (self.talker.buckets if talker_kv is None else talker_kv):
+            self.talker.precapture(talker_rows, kv)
         silence = np.zeros(16000, np.float32)
         dev = self.conversations[0].thinker.device
         took = []

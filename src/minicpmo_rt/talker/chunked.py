@@ -55,6 +55,7 @@ from .model import MiniCPMTTS
 from .sampler import MASK32, penalize, uniform
 
 # default cap on the prefill graphs, one per (rows, attention bucket): 4-5 row buckets x the few buckets a turn reaches
+# (a duplex warm-up precaptures 3 row buckets x the 5 attention buckets of 4096 positions)
 MAX_PREFILL_GRAPHS = 24
 
 
