@@ -168,3 +168,20 @@ def test_cuda_upload_packed_grows_to_its_reserve_once():
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.float32).cpu(), torch.from_numpy(a))
     assert st.grows == 1 and st.uploads == 3
+
+
+def test_pick_slot_takes_the_smallest_idle_slot_that_fits_then_an_idle_one_then_waits():
+    """The ring's choice (``HostStaging._slot`` runs it on CUDA): an upload never grows a slot while an idle one
+    holds it, and never waits for a copy while any slot is idle (growing one costs host time only)."""
+    from minicpmo_rt.thinker.staging import pick_slot
+
+    mib = 1 << 20
+    sizes, idle = [mib, 32 * mib, mib, 0], [True, True, True, True]
+    assert pick_slot(sizes, idle, 0, 600_000) == 0          # the smallest that fits, first from the turn
+    assert pick_slot(sizes, idle, 1, 600_000) == 2          # ... counting from the turn
+    assert pick_slot(sizes, idle, 0, 20 * mib) == 1         # only the large one holds it
+    assert pick_slot(sizes, [True, False, True, True], 0, 20 * mib) == 0      # it is busy: grow an idle one
+    assert pick_slot(sizes, [True, False, True, True], 2, 20 * mib) == 2
+    assert pick_slot(sizes, [False] * 4, 3, 100) == 3       # every slot busy: the one at the turn, waited for
+    assert pick_slot([0, 0], [True, True], 1, 100) == 1     # an empty ring starts at the turn
+    assert pick_slot([mib, mib], [True, True], 5, 100) == 1   # the turn wraps

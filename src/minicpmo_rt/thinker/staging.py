@@ -15,8 +15,9 @@ finished (one event per slot), so a host far ahead of the GPU waits there at the
 
 Growing a slot page-locks new host memory (milliseconds for tens of MiB; on the H200 it did not
 wait for queued device work) and leaves the old buffer in torch's pinned cache. So an upload
-takes the smallest idle slot that already holds it and grows one only when none does; a caller
-that knows its largest upload can ``reserve`` it on the first. Taking slots strictly in turn,
+takes the smallest idle slot that already holds it, grows an idle one only when none does, and
+waits only when every slot is busy (``pick_slot``); a caller that knows its largest upload can
+``reserve`` it on the first. Taking slots strictly in turn,
 the batched mel's growing upload (up to 32 MiB a duplex second) landed on a frame's 1 MiB slot
 and grew it nearly every second (one pinned allocation per second, session 51's ``--diag``;
 none after the first second since session 52).
@@ -111,29 +112,20 @@ class HostStaging:
         return out
 
     def _slot(self, nbytes: int) -> _Slot:
-        """A slot whose buffer holds ``nbytes`` and whose previous copy finished (under the lock): the smallest
-        idle one that fits (the first from the ring's turn among equals), else the next in turn, waiting for its
-        copy and growing it."""
-        n, best, best_at = len(self._slots), None, 0
-        for k in range(n):
-            at = (self._next + k) % n
-            slot = self._slots[at]
-            if slot.buffer is None or slot.buffer.numel() < nbytes:
-                continue
-            if best is not None and slot.buffer.numel() >= best.buffer.numel():
-                continue
-            if slot.done is None or slot.done.query():
-                best, best_at = slot, at
-        if best is not None:
-            self._next = (best_at + 1) % n
-            return best
-        slot = self._slots[self._next]
-        self._next = (self._next + 1) % n
-        if slot.done is not None and not slot.done.query():
+        """The slot ``pick_slot`` names for ``nbytes`` (under the lock), its previous copy finished (waited for
+        only when every slot is busy) and its buffer grown where it is smaller."""
+        n = len(self._slots)
+        sizes = [0 if s.buffer is None else s.buffer.numel() for s in self._slots]
+        idle = [s.done is None or s.done.query() for s in self._slots]
+        at = pick_slot(sizes, idle, self._next, nbytes)
+        slot = self._slots[at]
+        self._next = (at + 1) % n
+        if not idle[at]:
             self.waits += 1
             slot.done.synchronize()
-        slot.buffer = torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
-        self.grows += 1
+        if sizes[at] < nbytes:
+            slot.buffer = torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
+            self.grows += 1
         return slot
 
     def _send(self, slot: _Slot, host: torch.Tensor, out: torch.Tensor) -> None:
@@ -142,6 +134,20 @@ class HostStaging:
             slot.done = torch.cuda.Event()
         slot.done.record()
         self.uploads += 1
+
+
+def pick_slot(sizes: list[int], idle: list[bool], start: int, nbytes: int) -> int:
+    """The slot of a ring that takes an upload of ``nbytes``: ``sizes[i]`` the bytes slot i holds (0: none yet),
+    ``idle[i]`` whether its previous copy finished, ``start`` the ring's turn. The smallest idle slot that holds
+    the upload (the first from the turn among equals); else the first idle slot from the turn, to be grown
+    (page-locking costs host time, not a wait for the device); else, every slot busy, the one at the turn, whose
+    copy the upload then waits for."""
+    n = len(sizes)
+    order = [(start + k) % n for k in range(n)]
+    fits = [i for i in order if idle[i] and sizes[i] >= nbytes]
+    if fits:
+        return min(fits, key=lambda i: sizes[i])     # min keeps the first of equals
+    return next((i for i in order if idle[i]), start % n)
 
 
 def upload_ints(staging: "HostStaging | None", values, device: torch.device | str) -> torch.Tensor:
