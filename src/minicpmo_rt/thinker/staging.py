@@ -17,10 +17,9 @@ Growing a slot page-locks new host memory (milliseconds for tens of MiB; on the 
 wait for queued device work) and leaves the old buffer in torch's pinned cache. So an upload
 takes the smallest idle slot that already holds it, grows an idle one only when none does, and
 waits only when every slot is busy (``pick_slot``); a caller that knows its largest upload can
-``reserve`` it on the first. Taking slots strictly in turn,
-the batched mel's growing upload (up to 32 MiB a duplex second) landed on a frame's 1 MiB slot
-and grew it nearly every second (one pinned allocation per second, session 51's ``--diag``;
-none after the first second since session 52).
+``reserve`` it on the first. Taking slots strictly in turn, the batched mel's growing upload
+(up to 32 MiB a duplex second) landed on a frame's 1 MiB slot and grew it nearly every second
+(one pinned allocation per second, session 51's ``--diag``; none after the first since session 52).
 """
 
 from __future__ import annotations
