@@ -56,12 +56,13 @@ def stages(batch: DuplexBatch) -> list[tuple[str, object, str]]:
 
 def sync_causes(dev: torch.device, staging=None) -> dict:
     """Counters of host calls a stage can make that may synchronise or cost host time: the caching allocator's
-    cudaMalloc calls, pinned host allocations, and the shared staging ring's slot growths (pinned allocations)
-    and waits for a slot's previous copy. (cuFFT plans, session 52's cause, have no counter here:
-    ``mel_wait_probe.py`` reads the plan cache.)"""
+    cudaMalloc calls, cuFFT plans made (the cache's size; session 52's cause of the batched mel's wait), pinned
+    host allocations, and the shared staging ring's slot growths (pinned allocations) and waits for a slot's
+    previous copy."""
     out = {}
     if dev.type == "cuda":
         out["device_allocs"] = torch.cuda.memory_stats(dev).get("num_device_alloc", 0)
+        out["cufft_plans"] = torch.backends.cuda.cufft_plan_cache[dev.index or 0].size
         if hasattr(torch.cuda, "host_memory_stats"):
             out["host_allocs"] = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
     if staging is not None:
@@ -167,7 +168,8 @@ def main() -> None:
              "Host time of each stage's first call in one second, with ~1 s of device work queued just before "
              "it. A stage that waits (over 300 ms) synchronised with the stream.", "",
              "The last column counts the calls the stage made that may synchronise: cudaMalloc (device_allocs),"
-             " pinned allocations (host_allocs, staging_grows) and waits for a staging slot.", "",
+             " cuFFT plans (cufft_plans), pinned allocations (host_allocs, staging_grows) and waits for a staging"
+             " slot.", "",
              "| stage | host ms | waits | sync-prone calls |", "|---|---:|---|---|"]
     for r in rows:
         host = "-" if r["host_ms"] is None else f"{r['host_ms']:.1f}"
