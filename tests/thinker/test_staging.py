@@ -176,12 +176,20 @@ def test_pick_slot_takes_the_smallest_idle_slot_that_fits_then_an_idle_one_then_
     from minicpmo_rt.thinker.staging import pick_slot
 
     mib = 1 << 20
-    sizes, idle = [mib, 32 * mib, mib, 0], [True, True, True, True]
-    assert pick_slot(sizes, idle, 0, 600_000) == 0          # the smallest that fits, first from the turn
+    sizes = [mib, 32 * mib, mib, 0]
+    asked = []
+
+    def idle(i):        # records which slots' events the choice queried
+        asked.append(i)
+        return True
+
+    # the smallest that fits, first from the turn: one event queried when it is idle
+    assert pick_slot(sizes, idle, 0, 600_000) == 0 and asked == [0]
     assert pick_slot(sizes, idle, 1, 600_000) == 2          # ... counting from the turn
     assert pick_slot(sizes, idle, 0, 20 * mib) == 1         # only the large one holds it
-    assert pick_slot(sizes, [True, False, True, True], 0, 20 * mib) == 0      # it is busy: grow an idle one
-    assert pick_slot(sizes, [True, False, True, True], 2, 20 * mib) == 2
-    assert pick_slot(sizes, [False] * 4, 3, 100) == 3       # every slot busy: the one at the turn, waited for
-    assert pick_slot([0, 0], [True, True], 1, 100) == 1     # an empty ring starts at the turn
-    assert pick_slot([mib, mib], [True, True], 5, 100) == 1   # the turn wraps
+    large_busy = [True, False, True, True].__getitem__
+    assert pick_slot(sizes, large_busy, 0, 20 * mib) == 0   # it is busy: grow an idle one
+    assert pick_slot(sizes, large_busy, 2, 20 * mib) == 2
+    assert pick_slot(sizes, lambda i: False, 3, 100) == 3       # every slot busy: the one at the turn, waited for
+    assert pick_slot([0, 0], lambda i: True, 1, 100) == 1     # an empty ring starts at the turn
+    assert pick_slot([mib, mib], lambda i: True, 5, 100) == 1   # the turn wraps

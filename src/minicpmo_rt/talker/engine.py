@@ -37,7 +37,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..errors import InputError
 from ..sdpa_backend import attention
-from ..thinker.staging import HostStaging, upload_ints
+from ..thinker.staging import staging_on, upload_ints
 from .model import MiniCPMTTS
 from .sampler import SamplingParams, SlotState, sample_step
 
@@ -163,7 +163,7 @@ class TalkerEngine:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         # index and position uploads go through pinned staging (TalkerTurns shares it): a copy from pageable
         # memory syncs the stream first, so an admission would wait for the prefill it had just queued
-        self.uploads = HostStaging(self.device, slots=8) if self.device.type == "cuda" else None
+        self.uploads = staging_on(self.device, slots=8)
         self.state = SlotState(capacity, params.window, self.device, self.uploads)
         self.pos = torch.zeros(capacity, dtype=torch.long, device=self.device)  # next write position
         self.last_code = torch.zeros(capacity, dtype=torch.long, device=self.device)

@@ -30,7 +30,7 @@ import torch
 from . import kernels
 from .audio import AudioEncoderCache, avg_pool, chunk_conv_frames, extra_conv_frames
 from .model import AudioChunkEmbedding, Thinker
-from .staging import HostStaging, upload_ints
+from .staging import HostStaging, staging_on, upload_ints
 
 
 MASK_ALIGN = 16  # keys per row of an SDPA mask that the fused kernels take without a padded copy
@@ -256,7 +256,7 @@ class AudioGraphs:
         self._chunk_graphs: dict[tuple, tuple] = {}
         self.split_attention = split_attention_usable(thinker)
         # the batched steps' per-row positions go up pinned: a pageable copy would wait for the queued work
-        self._staging = HostStaging(thinker.device, slots=8) if thinker.device.type == "cuda" else None
+        self._staging = staging_on(thinker.device, slots=8)
 
     def _eager(self, x, cache, prefix_extra, suffix_extra, reset) -> AudioChunkEmbedding:
         self._resident = ()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels as K
-from .staging import HostStaging, upload_ints
+from .staging import staging_on, upload_ints
 
 KERNEL_SETS = ("auto", "torch", "triton")
 
@@ -137,7 +137,7 @@ class StaticDecoder(nn.Module):
         # kv_len (None with the Triton kernels) -> (graph, tokens, positions, logits, hidden)
         self._graphs: dict[int | None, tuple] = {}
         # prefill_at's row starts go up pinned (views share it): a copy from pageable memory syncs the stream
-        self.uploads = HostStaging(self.device, slots=8) if self.device.type == "cuda" else None
+        self.uploads = staging_on(self.device, slots=8)
 
     def row_view(self, row: int) -> "StaticDecoder":
         """A batch-1 decoder on row ``row`` of this one's cache (same weights, the cache a view, graphs of

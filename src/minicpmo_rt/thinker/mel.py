@@ -168,8 +168,11 @@ def log_mel_many(waveforms: list[np.ndarray], dynamic: list[bool], n_mels: int =
         # until session 51, which syncs the stream first, so the batch waited for the vision encoder queued
         # before it (test_cuda_process_many_never_waits_for_queued_work); one slot also spares the ring
         # the second's frames share
-        meta_at = -(-4 * samples // 8) * 8
-        reserve = -(-4 * max(samples, reserve_samples) // 8) * 8 + meta.nbytes
+        def table_at(n: int) -> int:     # the row table's byte offset after n samples, 8-byte aligned
+            return -(-4 * n // 8) * 8
+
+        meta_at = table_at(samples)
+        reserve = table_at(max(samples, reserve_samples)) + meta.nbytes
         packed = staging.upload_packed([*waves, meta], [4 * int(o) for o in offsets] + [meta_at],
                                        meta_at + meta.nbytes, reserve)
         flat = packed[:4 * samples].view(torch.float32)

@@ -75,7 +75,7 @@ from .mel import SAMPLE_RATE, MelState, StreamingMel, process_many, warm_stft_pl
 from .llm_cache import LLM_CACHES, StaticDecoderPool, make_llm_cache
 from .model import AudioChunkEmbedding, Thinker
 from .audio_graph import AudioGraphs
-from .staging import HostStaging
+from .staging import HostStaging, staging_on
 from .vision_graph import VisionGraphs
 from .prompt import PromptBuilder, PromptPiece
 
@@ -301,7 +301,7 @@ class StreamingSession:
         dev = thinker.device
         # pinned uploads of frames and the mel's waveform (shared by the sessions of a thinker)
         self.staging = staging if isinstance(staging, HostStaging) else \
-            HostStaging(dev) if staging and dev.type == "cuda" else None
+            staging_on(dev) if staging else None
         self.mel = mel if mel is not None else StreamingMel(device=None if dev.type == "cpu" else dev,
                                                             staging=self.staging)
         if image_preprocess not in ("pil", "torch"):

@@ -115,11 +115,18 @@ class HostStaging:
         only when every slot is busy) and its buffer grown where it is smaller."""
         n = len(self._slots)
         sizes = [0 if s.buffer is None else s.buffer.numel() for s in self._slots]
-        idle = [s.done is None or s.done.query() for s in self._slots]
+        known: dict[int, bool] = {}
+
+        def idle(i: int) -> bool:     # an event query per slot looked at, at most once per upload
+            if i not in known:
+                done = self._slots[i].done
+                known[i] = done is None or done.query()
+            return known[i]
+
         at = pick_slot(sizes, idle, self._next, nbytes)
         slot = self._slots[at]
         self._next = (at + 1) % n
-        if not idle[at]:
+        if not idle(at):
             self.waits += 1
             slot.done.synchronize()
         if sizes[at] < nbytes:
@@ -135,18 +142,23 @@ class HostStaging:
         self.uploads += 1
 
 
-def pick_slot(sizes: list[int], idle: list[bool], start: int, nbytes: int) -> int:
+def staging_on(device: torch.device | str, slots: int = 16) -> "HostStaging | None":
+    """A ring of ``slots`` for ``device`` where staging pays (CUDA), else None: ``upload_ints`` and the
+    callers that take an optional ring then make a plain copy."""
+    return HostStaging(device, slots) if torch.device(device).type == "cuda" else None
+
+
+def pick_slot(sizes: list[int], idle, start: int, nbytes: int) -> int:
     """The slot of a ring that takes an upload of ``nbytes``: ``sizes[i]`` the bytes slot i holds (0: none yet),
-    ``idle[i]`` whether its previous copy finished, ``start`` the ring's turn. The smallest idle slot that holds
-    the upload (the first from the turn among equals); else the first idle slot from the turn, to be grown
-    (page-locking costs host time, not a wait for the device); else, every slot busy, the one at the turn, whose
-    copy the upload then waits for."""
+    ``idle(i)`` whether its previous copy finished (asked smallest fitting slot first, so that usually one event
+    is queried), ``start`` the ring's turn. The smallest idle slot that holds the upload (the first from the turn
+    among equals); else the first idle slot from the turn, to be grown (page-locking costs host time, not a wait
+    for the device); else, every slot busy, the one at the turn, whose copy the upload then waits for."""
     n = len(sizes)
     order = [(start + k) % n for k in range(n)]
-    fits = [i for i in order if idle[i] and sizes[i] >= nbytes]
-    if fits:
-        return min(fits, key=lambda i: sizes[i])     # min keeps the first of equals
-    return next((i for i in order if idle[i]), start % n)
+    fits = sorted((i for i in order if sizes[i] >= nbytes), key=lambda i: sizes[i])     # stable: turn order kept
+    best = next((i for i in fits if idle(i)), None)
+    return best if best is not None else next((i for i in order if idle(i)), start % n)
 
 
 def upload_ints(staging: "HostStaging | None", values, device: torch.device | str) -> torch.Tensor:
