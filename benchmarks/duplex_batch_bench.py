@@ -119,25 +119,32 @@ def attach_code2wav(convs, c2w, feats) -> None:
 
 
 ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+# counters (their change is what a row or a probed call records); the other machine_state keys are states
+COUNTED = ("gc_collections", "host_allocs", "staging_waits", "staging_grows", "cufft_plans", *ALLOC_KEYS)
 
 
-def machine_state(dev: torch.device, staging=None) -> dict:
-    """Counters a second's row records the change of (``--diag``): the caching allocator's cudaMalloc / cudaFree
-    calls and retries, pinned host allocations, Python's garbage collections, the sessions' shared
-    ``HostStaging`` uploads that waited for a slot's previous copy; and the SM clock with NVML's throttle reasons
-    at the second's end: what a run that slows down midway changed by."""
+def machine_state(dev: torch.device, staging=None, clock: bool = True) -> dict:
+    """Counters a second's row records the change of (``--diag``; ``queued_wait_probe`` records them around one
+    call): the caching allocator's cudaMalloc / cudaFree calls and retries, cuFFT plans made (the cache's size;
+    a plan made mid-stream waits for the device, session 52), pinned host allocations, Python's garbage
+    collections, the sessions' shared ``HostStaging`` uploads that waited for a slot's previous copy and its
+    slots grown; with ``clock``, also the SM clock with NVML's throttle reasons at the second's end: what a run
+    that slows down midway changed by."""
     import gc
 
     out = {"gc_collections": sum(g["collections"] for g in gc.get_stats())}
     if staging is not None:
-        out["staging_waits"] = staging.waits
+        out["staging_waits"], out["staging_grows"] = staging.waits, staging.grows
     if dev.type != "cuda":
         return out
     stats = torch.cuda.memory_stats(dev)
     out.update({k: stats.get(k, 0) for k in ALLOC_KEYS})
     out["segments"] = stats.get("segment.all.current", 0)
+    out["cufft_plans"] = torch.backends.cuda.cufft_plan_cache[dev.index or 0].size
     if hasattr(torch.cuda, "host_memory_stats"):
         out["host_allocs"] = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    if not clock:
+        return out
     try:
         import pynvml
 
@@ -153,8 +160,7 @@ def machine_state(dev: torch.device, staging=None) -> dict:
 
 def state_change(before: dict, after: dict) -> dict:
     """A second's row entries: counters as the change over the second, the clock state as at its end."""
-    counted = ("gc_collections", "host_allocs", "staging_waits", *ALLOC_KEYS)
-    return {k: (after[k] - before.get(k, 0) if k in counted else after[k]) for k in after}
+    return {k: (after[k] - before.get(k, 0) if k in COUNTED else after[k]) for k in after}
 
 
 def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy", profile=None,

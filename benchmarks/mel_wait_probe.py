@@ -4,8 +4,8 @@ Each step appends ~1 s to every stream, uploads ``--frames`` frame-sized arrays 
 (as a duplex second's frames do), then queues ~1 s of device work (``torch.cuda._sleep``) and times the batch's
 host call. A call that returns in milliseconds only queued its work; one that takes the queued second made an
 implicitly synchronising call on the way. Printed per step: the host ms and the change of the counters of such
-calls (the caching allocator's cudaMalloc, pinned allocations, the ring's slot growths and waits) and the cuFFT
-plan cache's size. Each configuration runs ``--runs`` times in one process, fresh streams each time: a cause
+calls (``queued_wait_probe.sync_causes``: cudaMalloc, cuFFT plans made, pinned allocations, the ring's slot
+growths and waits). Each configuration runs ``--runs`` times in one process, fresh streams each time: a cause
 that a run leaves cached (a plan, a slot) waits only in the first.
 
 Session 52 found two causes with it: ``warm_stft_plans`` warmed the batched STFT one frame off each bucket (so
@@ -26,13 +26,10 @@ import torch
 from minicpmo_rt.thinker.mel import StreamingMel, process_many
 from minicpmo_rt.thinker.staging import HostStaging
 
+from queued_wait_probe import sync_causes
+
 SPIN_CYCLES = 2_000_000_000     # ~1 s on the H200's 1.98 GHz clock
-
-
-def counters(staging: HostStaging) -> dict:
-    host = torch.cuda.host_memory_stats().get("num_host_alloc", 0) if hasattr(torch.cuda, "host_memory_stats") else 0
-    return {"device_allocs": torch.cuda.memory_stats().get("num_device_alloc", 0), "host_allocs": host,
-            "grows": staging.grows, "waits": staging.waits}
+DEV = torch.device("cuda")
 
 
 def run(streams: int, steps: int, slots: int, frames: int, seed: int = 0) -> list[dict]:
@@ -46,16 +43,15 @@ def run(streams: int, steps: int, slots: int, frames: int, seed: int = 0) -> lis
         for _ in range(frames):
             staging.upload(frame)
         torch.cuda.synchronize()
-        before = counters(staging)
+        before = sync_causes(DEV, staging)
         if step:        # step 0 makes the batch's plans and constants, by design not behind the queue
             torch.cuda._sleep(SPIN_CYCLES)
         t0 = time.perf_counter()
         process_many(procs, audios)
         host_ms = (time.perf_counter() - t0) * 1e3
-        after = counters(staging)
+        after = sync_causes(DEV, staging)
         torch.cuda.synchronize()
-        rows.append({"step": step, "host_ms": host_ms, "plans": torch.backends.cuda.cufft_plan_cache.size,
-                     **{k: after[k] - before[k] for k in after}})
+        rows.append({"step": step, "host_ms": host_ms, **{k: after[k] - before[k] for k in after}})
     return rows
 
 

@@ -29,7 +29,7 @@ from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput
 from minicpmo_rt.thinker.duplex import DuplexDecodeConfig
 
 from code2wav_pipeline_bench import device_label
-from duplex_batch_bench import attach_code2wav, duplex_models
+from duplex_batch_bench import COUNTED, attach_code2wav, duplex_models, machine_state
 from duplex_bench import sync
 
 SPIN_CYCLES = 2_000_000_000     # ~1 s on the H200's 1.98 GHz clock
@@ -55,19 +55,10 @@ def stages(batch: DuplexBatch) -> list[tuple[str, object, str]]:
 
 
 def sync_causes(dev: torch.device, staging=None) -> dict:
-    """Counters of host calls a stage can make that may synchronise or cost host time: the caching allocator's
-    cudaMalloc calls, cuFFT plans made (the cache's size; session 52's cause of the batched mel's wait), pinned
-    host allocations, and the shared staging ring's slot growths (pinned allocations) and waits for a slot's
-    previous copy."""
-    out = {}
-    if dev.type == "cuda":
-        out["device_allocs"] = torch.cuda.memory_stats(dev).get("num_device_alloc", 0)
-        out["cufft_plans"] = torch.backends.cuda.cufft_plan_cache[dev.index or 0].size
-        if hasattr(torch.cuda, "host_memory_stats"):
-            out["host_allocs"] = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
-    if staging is not None:
-        out["staging_grows"], out["staging_waits"] = staging.grows, staging.waits
-    return out
+    """``machine_state``'s counters without the clock: cudaMalloc calls, cuFFT plans made, pinned allocations,
+    the shared staging ring's waits and slots grown, collections (calls on the way that may synchronise or cost
+    host time)."""
+    return {k: v for k, v in machine_state(dev, staging, clock=False).items() if k in COUNTED}
 
 
 class Probe:
@@ -167,7 +158,7 @@ def main() -> None:
              f"{', batched mel' if args.batched_mel else ''})", "",
              "Host time of each stage's first call in one second, with ~1 s of device work queued just before "
              "it. A stage that waits (over 300 ms) synchronised with the stream.", "",
-             "The last column counts the calls the stage made that may synchronise: cudaMalloc (device_allocs),"
+             "The last column counts the calls the stage made that may synchronise: cudaMalloc (num_device_alloc),"
              " cuFFT plans (cufft_plans), pinned allocations (host_allocs, staging_grows) and waits for a staging"
              " slot.", "",
              "| stage | host ms | waits | sync-prone calls |", "|---|---:|---|---|"]
