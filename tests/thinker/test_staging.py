@@ -193,3 +193,80 @@ def test_pick_slot_takes_the_smallest_idle_slot_that_fits_then_an_idle_one_then_
     assert pick_slot(sizes, lambda i: False, 3, 100) == 3       # every slot busy: the one at the turn, waited for
     assert pick_slot([0, 0], lambda i: True, 1, 100) == 1     # an empty ring starts at the turn
     assert pick_slot([mib, mib], lambda i: True, 5, 100) == 1   # the turn wraps
+
+
+def test_slots_to_hold_matches_the_largest_claims_to_the_largest_slots():
+    """``HostStaging.hold``'s choice: each claim gets a slot of its own, largest to largest, and only a slot
+    smaller than its claim is grown (a held ring that already holds every claim grows nothing)."""
+    from minicpmo_rt.thinker.staging import slots_to_hold
+
+    mib = 1 << 20
+    assert slots_to_hold([0, 0, 0], [2 * mib]) == [(0, 2 * mib)]
+    assert slots_to_hold([mib, 4 * mib, 0], [2 * mib, 2 * mib]) == [(0, 2 * mib)]     # the 4-MiB slot holds one
+    assert slots_to_hold([mib, 4 * mib, 0], [8 * mib, 2 * mib]) == [(1, 8 * mib), (0, 2 * mib)]
+    assert slots_to_hold([2 * mib, 2 * mib], [2 * mib, 2 * mib]) == []
+    assert slots_to_hold([mib, mib, mib], [2 * mib, 2 * mib, 2 * mib]) == [(0, 2 * mib), (1, 2 * mib), (2, 2 * mib)]
+    with pytest.raises(ValueError, match="3 claims on 2 slots"):
+        slots_to_hold([0, 0], [1, 1, 1])
+
+
+def test_the_streaming_mels_largest_upload_is_its_slide_trigger():
+    """A sliding mel buffer slides before its mel is computed, so no upload reaches the trigger (30 s of
+    float32: 1.92 MB); an unbounded one claims nothing."""
+    from minicpmo_rt.thinker.mel import StreamingMel
+
+    m = StreamingMel()
+    assert m.largest_upload == 4 * 30 * 16000
+    rng = np.random.default_rng(0)
+    for _ in range(34):     # past one slide: the buffer always stays under the trigger
+        m._appended(rng.standard_normal(16000).astype(np.float32))
+        st, _ = m._appended(rng.standard_normal(16000).astype(np.float32))
+        m.state = st
+        assert 4 * st.buffer.shape[0] < m.largest_upload
+    assert StreamingMel(sliding_window=False).largest_upload == 0
+    assert HostStaging("cpu").hold(m.largest_upload) == 0     # nothing to page-lock off CUDA
+
+
+@requires_cuda
+def test_cuda_held_slots_take_growing_uploads_without_growing():
+    """Two streams whose uploads grow to ~1.9 MB (the mel's buffers) on a 4-slot ring whose frames keep the
+    other slots at 1 MiB: without ``hold`` the uploads outgrow the 1-MiB slots midway and grow them (16 seats
+    at their 17th second, session 53); with both held when the streams open, nothing grows afterwards. Claims
+    beyond the ring's slots hold nothing more, and a busy slot is not grown (that would wait for its copy)."""
+    st = HostStaging("cuda", slots=4)
+    big = 4 * 30 * 16000
+    assert st.hold(big) == 1 and st.hold(big) == 1 and st.grows == 2
+    assert st.hold(big) + st.hold(big) == 2 and st.hold(big) == 0     # 4 slots, 4 claims: all held
+    assert st.grows == 4
+    rng = np.random.default_rng(1)
+    for seconds in range(1, 30):
+        for _ in range(2):
+            a = rng.standard_normal(16000 * seconds).astype(np.float32)
+            out = st.upload(a)
+            assert torch.equal(out.cpu(), torch.from_numpy(a)) if seconds % 10 == 0 else True
+        st.upload(rng.integers(0, 255, (448, 448, 3), dtype=np.uint8))
+    torch.cuda.synchronize()
+    assert st.grows == 4 and st.waits == 0
+
+    busy = HostStaging("cuda", slots=1)
+    busy.upload(np.zeros(10, np.float32))
+    torch.cuda._sleep(100_000_000)
+    busy.upload(np.ones(10, np.float32))     # its copy waits behind the sleep: the slot is busy
+    assert busy.hold(big) == 0 and busy.grows == 1
+    torch.cuda.synchronize()
+
+
+@requires_cuda
+def test_cuda_a_session_holds_its_mels_largest_upload_when_it_opens(tiny_ckpt, tok):
+    """A session on CUDA holds its mel's largest upload in the (shared) ring as it opens: sessions sharing a
+    ring each get a slot that takes their buffer at 30 s, page-locked before their first second."""
+    from minicpmo_rt.thinker.model import Thinker
+    from minicpmo_rt.thinker.session import StreamingSession
+
+    thinker = Thinker.from_snapshot(tiny_ckpt, device="cuda")
+    ring = HostStaging("cuda", slots=4)
+    sessions = [StreamingSession(thinker, tok, staging=ring) for _ in range(2)]
+    assert ring.grows == 2
+    held = [s.buffer.numel() for s in ring._slots if s.buffer is not None]
+    assert len(held) == 2 and all(n >= sessions[0].mel.largest_upload for n in held)
+    assert StreamingSession(thinker, tok).mel.staging is None and ring.grows == 2     # no ring: nothing held

@@ -317,6 +317,12 @@ class StreamingMel:
         self.stride_samples = int(slide_stride_seconds * sample_rate)
         self.state = empty_state()
 
+    @property
+    def largest_upload(self) -> int:
+        """Bytes of the largest waveform buffer ``process`` uploads: a sliding buffer stays under its trigger
+        (30 s, ~1.9 MB; it slides before the mel is computed); without the slide there is no bound (0)."""
+        return 4 * self.trigger_samples if self.sliding_window else 0
+
     # -- state ------------------------------------------------------------------------------
     def reset(self) -> None:
         self.state = empty_state()
@@ -427,7 +433,7 @@ def process_many(procs: "list[StreamingMel]", audios: list[np.ndarray], last_chu
     appended = [p._appended(a) for p, a in zip(procs, audios)]
     floors = [uses_dynamic_floor(int(st.buffer.shape[0]), p.sample_rate) for p, (st, _) in zip(procs, appended)]
     # a sliding buffer stays under its trigger: the batch's largest upload, reserved on the first
-    most = sum(p.trigger_samples for p in procs) if all(p.sliding_window for p in procs) else 0
+    most = sum(p.largest_upload for p in procs) // 4 if all(p.largest_upload for p in procs) else 0
     mels = log_mel_many([st.buffer for st, _ in appended], floors, first.n_mels, first.device, first.staging,
                         reserve_samples=most)
     return [p._emit(st, mel, samples, last_chunk) for p, (st, samples), mel in zip(procs, appended, mels)]

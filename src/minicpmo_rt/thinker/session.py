@@ -304,6 +304,8 @@ class StreamingSession:
             staging_on(dev) if staging else None
         self.mel = mel if mel is not None else StreamingMel(device=None if dev.type == "cpu" else dev,
                                                             staging=self.staging)
+        if self.mel.staging is not None:     # page-locked now, not when the buffer outgrows a slot mid-conversation
+            self.mel.staging.hold(self.mel.largest_upload)
         if image_preprocess not in ("pil", "torch"):
             raise InputError(f"image_preprocess={image_preprocess!r}: choose 'pil' (the reference) or 'torch' "
                              "(resize + normalise on the model's device)")

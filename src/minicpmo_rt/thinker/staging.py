@@ -17,9 +17,10 @@ Growing a slot page-locks new host memory (milliseconds for tens of MiB; on the 
 wait for queued device work) and leaves the old buffer in torch's pinned cache. So an upload
 takes the smallest idle slot that already holds it, grows an idle one only when none does, and
 waits only when every slot is busy (``pick_slot``); a caller that knows its largest upload can
-``reserve`` it on the first. Taking slots strictly in turn, the batched mel's growing upload
-(up to 32 MiB a duplex second) landed on a frame's 1 MiB slot and grew it nearly every second
-(one pinned allocation per second, session 51's ``--diag``; none after the first since session 52).
+``reserve`` it on the first upload, or ``hold`` it when it opens, before its first second.
+Taking slots strictly in turn, the batched mel's growing upload (up to 32 MiB a duplex second)
+landed on a frame's 1 MiB slot and grew it nearly every second (one pinned allocation per second,
+session 51's ``--diag``; none after the first since session 52).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class HostStaging:
         self.uploads = 0
         self.waits = 0   # uploads that found their slot's previous copy still running
         self.grows = 0   # pinned allocations (slots grown)
+        self._held: list[int] = []   # the sizes ``hold`` was asked for, largest first (at most one per slot)
 
     def upload(self, array: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A new device tensor holding ``array`` (same dtype and shape); returns at once. ``out``: a device
@@ -110,6 +112,29 @@ class HostStaging:
             self._send(slot, slot.buffer[:nbytes], out)
         return out
 
+    def hold(self, nbytes: int) -> int:
+        """Page-lock ahead of the uploads: one more slot (at most every slot) holds ``nbytes``, grown now where it
+        is idle. A stream whose uploads grow up to a known size (the mel's waveform buffer, up to its 30-s slide
+        trigger: ~1.9 MB) holds it when it opens, so its uploads never grow a slot mid-conversation: 16 duplex
+        seats outgrew the ring's 1-MiB slots at their 17th second, 16 page-lockings in 3 seconds that made the
+        slowest second of a 20-s run (``duplex_waits_session53_h200.md``). A busy slot is left to the uploads to
+        grow (growing it would mean waiting for its copy). Returns the slots grown; elsewhere than CUDA, 0."""
+        if self.device.type != "cuda" or nbytes <= 0:
+            return 0
+        with self._lock:
+            self._held.append(int(nbytes))
+            self._held.sort(reverse=True)
+            del self._held[len(self._slots):]     # every slot holds a claim: more claims hold nothing more
+            sizes = [0 if s.buffer is None else s.buffer.numel() for s in self._slots]
+            grown = 0
+            for i, size in slots_to_hold(sizes, self._held):
+                slot = self._slots[i]
+                if slot.done is None or slot.done.query():
+                    slot.buffer = torch.empty(_round_up(size), dtype=torch.uint8, pin_memory=True)
+                    self.grows += 1
+                    grown += 1
+            return grown
+
     def _slot(self, nbytes: int) -> _Slot:
         """The slot ``pick_slot`` names for ``nbytes`` (under the lock), its previous copy finished (waited for
         only when every slot is busy) and its buffer grown where it is smaller."""
@@ -159,6 +184,16 @@ def pick_slot(sizes: list[int], idle, start: int, nbytes: int) -> int:
     fits = sorted((i for i in order if sizes[i] >= nbytes), key=lambda i: sizes[i])     # stable: turn order kept
     best = next((i for i in fits if idle(i)), None)
     return best if best is not None else next((i for i in order if idle(i)), start % n)
+
+
+def slots_to_hold(sizes: list[int], claims: list[int]) -> list[tuple[int, int]]:
+    """The slots to grow so that every claim has a slot of its own that holds it: ``sizes[i]`` the bytes slot i
+    holds, ``claims`` at most one per slot. The largest claim goes to the largest slot, the next to the next, so
+    a slot is grown only where the one matched to it is smaller; returns (slot, bytes) for each to grow."""
+    if len(claims) > len(sizes):
+        raise ValueError(f"slots_to_hold: {len(claims)} claims on {len(sizes)} slots")
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])     # stable: equal slots in ring order
+    return [(i, c) for i, c in zip(order, sorted(claims, reverse=True)) if sizes[i] < c]
 
 
 def upload_ints(staging: "HostStaging | None", values, device: torch.device | str) -> torch.Tensor:
