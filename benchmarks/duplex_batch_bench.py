@@ -33,10 +33,14 @@ frame per conversation per second: the busiest second a conversation has. Code2W
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import gc
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -158,6 +162,28 @@ def machine_state(dev: torch.device, staging=None, clock: bool = True) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def calls_recorded(owner, name: str, sites: list[str]):
+    """``owner.name`` wrapped for the block: each call appends its caller's site (the innermost frame in the
+    project's ``src/``, as ``path:function``) to ``sites``, then runs as before; put back afterwards. ``--diag``
+    wraps ``torch.cuda.CUDAGraph.capture_begin`` with it: a second that captured a graph says which code did."""
+    original = owner.__dict__[name]
+
+    def recorded(*args, **kwargs):
+        f = sys._getframe(1)
+        while f is not None and f"{os.sep}minicpmo_rt{os.sep}" not in f.f_code.co_filename:
+            f = f.f_back
+        at = "?" if f is None else f.f_code.co_filename.rsplit(f"{os.sep}minicpmo_rt{os.sep}", 1)[1]
+        sites.append("?" if f is None else f"{at}:{f.f_code.co_name}")
+        return original(*args, **kwargs)
+
+    setattr(owner, name, recorded)
+    try:
+        yield sites
+    finally:
+        setattr(owner, name, original)
+
+
 def state_change(before: dict, after: dict) -> dict:
     """A second's row entries: counters as the change over the second, the clock state as at its end."""
     return {k: (after[k] - before.get(k, 0) if k in COUNTED else after[k]) for k in after}
@@ -169,7 +195,8 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
     on. With a profile or ``split`` the Thinker's time is also split by part (``thinker_parts``; each part
     synchronised, so only then). ``warm_up``: a batch first runs ``DuplexBatch.warm_up`` for that many seconds
     (with the frame), untimed but for its own seconds, which go into the first row as ``warm_up_ms``. ``diag``: each
-    row also records ``machine_state``'s changes over its second."""
+    row also records ``machine_state``'s changes over its second and, on CUDA, the CUDA graphs captured in it by
+    the code that captured them (``calls_recorded``)."""
     thinker, tok, tts, c2w, feats, options = parts
     cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
@@ -207,25 +234,32 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
             clock.wrap(c, "_think", "thinker")
     attach_code2wav(convs, c2w, feats)
     rows = []
-    for k in range(units):
-        inputs = [DuplexInput((0.1 * rng.standard_normal(16000)).astype(np.float32), frame) for _ in range(n)]
-        clock.ms = {}
-        sync(dev)
-        state = machine_state(dev, options.get("staging")) if diag else None
-        if profile is not None and k == warm:
-            profile.enable()
-        t0 = time.perf_counter()
-        if batch is not None:
-            out = batch.step(inputs)
-        else:
-            out = [c.step(x.audio, x.frame) for c, x in zip(convs, inputs)]
-        sync(dev)
-        ms = (time.perf_counter() - t0) * 1e3
-        rows.append({"second": k, "ms": ms, **{f"{p}_ms": v for p, v in clock.ms.items()},
-                     "speaking": sum(1 for u in out if u.codes), "codes": sum(len(u.codes) for u in out),
-                     "audio_s": sum(u.seconds for u in out)})
-        if diag:
-            rows[-1]["state"] = state_change(state, machine_state(dev, options.get("staging")))
+    captured: list[str] = []
+    recording = contextlib.ExitStack()
+    if diag and dev.type == "cuda":     # which code captured a CUDA graph in a second (the slow ones after a warm-up)
+        recording.enter_context(calls_recorded(torch.cuda.CUDAGraph, "capture_begin", captured))
+    with recording:
+        for k in range(units):
+            inputs = [DuplexInput((0.1 * rng.standard_normal(16000)).astype(np.float32), frame) for _ in range(n)]
+            clock.ms = {}
+            sync(dev)
+            state = machine_state(dev, options.get("staging")) if diag else None
+            if profile is not None and k == warm:
+                profile.enable()
+            t0 = time.perf_counter()
+            if batch is not None:
+                out = batch.step(inputs)
+            else:
+                out = [c.step(x.audio, x.frame) for c, x in zip(convs, inputs)]
+            sync(dev)
+            ms = (time.perf_counter() - t0) * 1e3
+            rows.append({"second": k, "ms": ms, **{f"{p}_ms": v for p, v in clock.ms.items()},
+                         "speaking": sum(1 for u in out if u.codes), "codes": sum(len(u.codes) for u in out),
+                         "audio_s": sum(u.seconds for u in out)})
+            if diag:
+                rows[-1]["state"] = state_change(state, machine_state(dev, options.get("staging")))
+                rows[-1]["captures"] = dict(sorted(collections.Counter(captured).items()))
+                captured.clear()
     if profile is not None:
         profile.disable()
     if batch is not None and took:
@@ -374,7 +408,8 @@ def main() -> None:
                          "made before the timed seconds; its own seconds are reported beside them)")
     ap.add_argument("--diag", action="store_true",
                     help="each second's row records the allocator's cudaMalloc/cudaFree calls, pinned host allocations, "
-                         "garbage collections and the SM clock (machine_state); printed per run")
+                         "garbage collections, the SM clock (machine_state) and the CUDA graphs captured, by the "
+                         "code that captured them; printed per run")
     ap.add_argument("--no-frame", action="store_true",
                     help="the units carry audio only (no 448x448 frame, so no vision encoder ahead of the commits)")
     ap.add_argument("--table", type=Path, help="only rewrite OUT/duplex_batch_bench.md from this run's JSON")
@@ -425,6 +460,9 @@ def main() -> None:
             print(f"  Thinker: {thinker_ms} ms", flush=True)
             for key in rows[0]["state"]:
                 print(f"  {key}: {', '.join(str(r['state'][key]) for r in rows)}", flush=True)
+            for r in rows:
+                if r.get("captures"):
+                    print(f"  second {r['second']} captured: {r['captures']}", flush=True)
         (args.out / "duplex_batch_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows
     write_table(res, args.out / "duplex_batch_bench.md")
     for n in parse_batches(ap, args.parts) if args.parts else []:

@@ -84,6 +84,10 @@
 #   wtests   CUDA tests of the duplex warm-up (every seat fresh after it, the Talker's prefill graphs precaptured)
 #   warm20   duplex_batch_bench.py at 16 conversations, 20 seconds after DuplexBatch.warm_up(2) (--diag): seconds 8
 #            and 16 (the Talker's 512 and 1024 attention buckets) should now run as fast as their neighbours
+#   holdab   duplex_batch_bench.py at 16 conversations after a 2-s warm-up (--diag), UNITS (12) seconds: this tree
+#            against _base/src (session 53: 8ea4de6, before HostStaging.hold), two alternating pairs
+#   htests   CUDA tests of HostStaging.hold (session 53: a session holds its mel's largest upload when it opens),
+#            the mel's and the session's
 #   stests   CUDA tests of the mel's plans and the staging ring's slot choice (session 52), then mel_wait_probe.py
 #   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
 #            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
@@ -172,6 +176,15 @@ for s in "$@"; do
                     ${SMOKE:+--tiny --conversations 2 --units 2 --warm 1}
                 done
               done ;;
+    holdab) for k in 1 2; do    # session 53: HostStaging.hold against _base/src (8ea4de6), after a warm-up
+              for form in after before; do
+                src=$PWD/src; [ "$form" = before ] && src=$PWD/_base/src
+                step "hold_${form}_$k" 150 env PYTHONPATH="$src:$PWD/tests:$PWD/benchmarks" \
+                  python benchmarks/duplex_batch_bench.py "$W/hold_${form}_$k" --conversations 16 \
+                  --batch-kinds batch-rows --sequential "" --decode greedy --units "${UNITS:-12}" --warm 2 --warm-up 2 \
+                  --diag ${SMOKE:+--tiny --conversations 2 --units 2 --warm 1 --warm-up 1}
+              done
+            done ;;
     mtests) step mtests 300 python -m pytest -q -p no:cacheprovider -rsf tests/thinker/test_mel.py \
               tests/thinker/test_session.py tests/thinker/test_audio_chunks.py tests/runtime/test_duplex.py -k "cuda" ;;
     melab) for k in 1 2; do        # session 50: the commits' mels in one batch (mel.process_many) against _base/src
@@ -203,6 +216,8 @@ for s in "$@"; do
     warm20) step warm20 300 python benchmarks/duplex_batch_bench.py "$W/warm20" --conversations 16 --batch-kinds batch-rows \
               --sequential "" --decode greedy --units 20 --warm 2 --warm-up 2 --diag \
               ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;
+    htests) step htests 240 python -m pytest -q -p no:cacheprovider -rsf tests/thinker/test_staging.py \
+              tests/thinker/test_mel.py tests/thinker/test_session.py -k cuda ;;
     stests) step stests 200 python -m pytest -q -p no:cacheprovider -rsf tests/thinker/test_mel.py \
               tests/thinker/test_staging.py -k cuda
             [ -z "${SMOKE:-}" ] && step melwait 120 python benchmarks/mel_wait_probe.py "$W/melwait/mel_wait.txt" \

@@ -66,6 +66,7 @@ def test_audio_only_units_and_the_per_second_diagnostics(tmp_path):
     rows = res["runs"][0]["rows"]
     assert all(set(row["state"]) == {"gc_collections"} and row["state"]["gc_collections"] >= 0 for row in rows)
     assert "gc_collections:" in r.stdout
+    assert all(row["captures"] == {} for row in rows)     # no CUDA graphs on the CPU
 
 
 def test_queued_wait_probe_times_each_stage_once_and_puts_every_stage_back(tmp_path, monkeypatch):
@@ -115,3 +116,54 @@ def test_queued_wait_probe_smoke_run_lists_every_stage(tmp_path):
     assert len(res["stages"]) == 11 and all(s["called"] and not s["waits"] for s in res["stages"])
     table = (tmp_path / "queued_wait_probe.md").read_text()
     assert "| prefill (StaticRows.feed_many) |" in table and "| Code2Wav (Code2Wav.push_many) |" in table
+
+
+def test_calls_recorded_names_the_project_code_that_called_and_puts_the_method_back(monkeypatch):
+    """``--diag``'s graph-capture census (it wraps ``torch.cuda.CUDAGraph.capture_begin``, which needs CUDA, so
+    here a plain class stands in): each call records the innermost caller inside ``src/minicpmo_rt`` as
+    ``path:function``, runs the original with its arguments, and the method is put back after the block, also
+    when the block raises."""
+    import pytest
+    from conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from duplex_batch_bench import calls_recorded
+
+    from minicpmo_rt.thinker.staging import upload_ints
+
+    class Target:     # upload_ints calls its ring's upload: a call made from inside the project
+        def upload(self, x, scale=1):
+            return x * scale
+
+    sites: list[str] = []
+    original = Target.__dict__["upload"]
+    with calls_recorded(Target, "upload", sites):
+        assert Target().upload(3, scale=2) == 6      # called from this test: no project frame
+        assert upload_ints(Target(), [1, 2], "cpu").tolist() == [1, 2]
+    assert sites == ["?", "thinker/staging.py:upload_ints"]
+    assert Target.__dict__["upload"] is original
+    with pytest.raises(RuntimeError):
+        with calls_recorded(Target, "upload", sites):
+            raise RuntimeError("the block fails")
+    assert Target.__dict__["upload"] is original
+
+
+def test_seconds_plot_draws_each_run_and_names_a_bad_input(tmp_path):
+    """``duplex_seconds_plot.py`` draws a PNG of each run's seconds (marking those that allocated) and refuses a
+    file that is not a ``duplex_batch_bench.py`` JSON or an output that is not a PNG, writing nothing."""
+    rows = [{"second": k, "ms": 240.0 + k, "state": {"num_device_alloc": int(k == 1), "host_allocs": int(k == 2)}}
+            for k in range(4)]
+    good = tmp_path / "run.json"
+    good.write_text(json.dumps({"gpu": "test", "runs": [{"rows": rows}, {"rows": rows[:2]}]}))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": []}))
+    out = tmp_path / "plot" / "seconds.png"
+    r = run_benchmark("duplex_seconds_plot.py", out, f"a={good}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for args, message in (((tmp_path / "b.png", f"a={bad}"), "not a duplex_batch_bench.py JSON"),
+                          ((tmp_path / "c.png", str(good)), "LABEL=PATH"),
+                          ((tmp_path / "d.svg", f"a={good}"), "name the output *.png")):
+        r = run_benchmark("duplex_seconds_plot.py", *args)
+        assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+        assert not args[0].exists()
