@@ -124,13 +124,15 @@ def attach_code2wav(convs, c2w, feats) -> None:
 
 ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 # counters (their change is what a row or a probed call records); the other machine_state keys are states
-COUNTED = ("gc_collections", "host_allocs", "staging_waits", "staging_grows", "cufft_plans", *ALLOC_KEYS)
+COUNTED = ("gc_collections", "host_allocs", "staging_waits", "staging_grows", "cufft_plans", "reserved_mib",
+           *ALLOC_KEYS)
 
 
 def machine_state(dev: torch.device, staging=None, clock: bool = True) -> dict:
     """Counters a second's row records the change of (``--diag``; ``queued_wait_probe`` records them around one
-    call): the caching allocator's cudaMalloc / cudaFree calls and retries, cuFFT plans made (the cache's size;
-    a plan made mid-stream waits for the device, session 52), pinned host allocations, Python's garbage
+    call): the caching allocator's cudaMalloc / cudaFree calls and retries and the MiB it reserved, cuFFT plans
+    made (the cache's size; a plan made mid-stream waits for the device, session 52), pinned host allocations,
+    Python's garbage
     collections, the sessions' shared ``HostStaging`` uploads that waited for a slot's previous copy and its
     slots grown; with ``clock``, also the SM clock with NVML's throttle reasons at the second's end: what a run
     that slows down midway changed by."""
@@ -144,6 +146,7 @@ def machine_state(dev: torch.device, staging=None, clock: bool = True) -> dict:
     stats = torch.cuda.memory_stats(dev)
     out.update({k: stats.get(k, 0) for k in ALLOC_KEYS})
     out["segments"] = stats.get("segment.all.current", 0)
+    out["reserved_mib"] = round(stats.get("reserved_bytes.all.current", 0) / 2**20, 1)     # a change: cudaMalloc'd
     out["cufft_plans"] = torch.backends.cuda.cufft_plan_cache[dev.index or 0].size
     if hasattr(torch.cuda, "host_memory_stats"):
         out["host_allocs"] = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
@@ -184,6 +187,15 @@ def calls_recorded(owner, name: str, sites: list[str]):
         setattr(owner, name, original)
 
 
+def triton_jit():
+    """Triton's ``runtime.jit`` module, or None without Triton (its compiles are then not counted)."""
+    try:
+        import triton.runtime.jit as jit
+    except ImportError:
+        return None
+    return jit
+
+
 def state_change(before: dict, after: dict) -> dict:
     """A second's row entries: counters as the change over the second, the clock state as at its end."""
     return {k: (after[k] - before.get(k, 0) if k in COUNTED else after[k]) for k in after}
@@ -195,8 +207,8 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
     on. With a profile or ``split`` the Thinker's time is also split by part (``thinker_parts``; each part
     synchronised, so only then). ``warm_up``: a batch first runs ``DuplexBatch.warm_up`` for that many seconds
     (with the frame), untimed but for its own seconds, which go into the first row as ``warm_up_ms``. ``diag``: each
-    row also records ``machine_state``'s changes over its second and, on CUDA, the CUDA graphs captured in it by
-    the code that captured them (``calls_recorded``)."""
+    row also records ``machine_state``'s changes over its second and, on CUDA, the CUDA graphs captured and the
+    Triton kernels compiled in it, by the project code that made them (``calls_recorded``)."""
     thinker, tok, tts, c2w, feats, options = parts
     cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
@@ -235,9 +247,13 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
     attach_code2wav(convs, c2w, feats)
     rows = []
     captured: list[str] = []
+    compiled: list[str] = []
     recording = contextlib.ExitStack()
     if diag and dev.type == "cuda":     # which code captured a CUDA graph in a second (the slow ones after a warm-up)
         recording.enter_context(calls_recorded(torch.cuda.CUDAGraph, "capture_begin", captured))
+        jit = getattr(triton_jit(), "JITFunction", None)
+        if jit is not None and "_do_compile" in jit.__dict__:     # and which launch compiled a Triton kernel
+            recording.enter_context(calls_recorded(jit, "_do_compile", compiled))
     with recording:
         for k in range(units):
             inputs = [DuplexInput((0.1 * rng.standard_normal(16000)).astype(np.float32), frame) for _ in range(n)]
@@ -259,7 +275,9 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
             if diag:
                 rows[-1]["state"] = state_change(state, machine_state(dev, options.get("staging")))
                 rows[-1]["captures"] = dict(sorted(collections.Counter(captured).items()))
+                rows[-1]["compiles"] = dict(sorted(collections.Counter(compiled).items()))
                 captured.clear()
+                compiled.clear()
     if profile is not None:
         profile.disable()
     if batch is not None and took:
@@ -408,8 +426,8 @@ def main() -> None:
                          "made before the timed seconds; its own seconds are reported beside them)")
     ap.add_argument("--diag", action="store_true",
                     help="each second's row records the allocator's cudaMalloc/cudaFree calls, pinned host allocations, "
-                         "garbage collections, the SM clock (machine_state) and the CUDA graphs captured, by the "
-                         "code that captured them; printed per run")
+                         "garbage collections, the SM clock (machine_state), the CUDA graphs captured and the Triton "
+                         "kernels compiled, by the code that made them; printed per run")
     ap.add_argument("--no-frame", action="store_true",
                     help="the units carry audio only (no 448x448 frame, so no vision encoder ahead of the commits)")
     ap.add_argument("--table", type=Path, help="only rewrite OUT/duplex_batch_bench.md from this run's JSON")
@@ -461,8 +479,9 @@ def main() -> None:
             for key in rows[0]["state"]:
                 print(f"  {key}: {', '.join(str(r['state'][key]) for r in rows)}", flush=True)
             for r in rows:
-                if r.get("captures"):
-                    print(f"  second {r['second']} captured: {r['captures']}", flush=True)
+                for what in ("captures", "compiles"):
+                    if r.get(what):
+                        print(f"  second {r['second']} {what}: {r[what]}", flush=True)
         (args.out / "duplex_batch_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows
     write_table(res, args.out / "duplex_batch_bench.md")
     for n in parse_batches(ap, args.parts) if args.parts else []:

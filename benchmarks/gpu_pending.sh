@@ -214,7 +214,7 @@ for s in "$@"; do
            done ;;
     wtests) step wtests 300 python -m pytest -q -p no:cacheprovider -rsf tests/runtime/test_duplex.py -k "warm_up and cuda" ;;
     warm20) step warm20 300 python benchmarks/duplex_batch_bench.py "$W/warm20" --conversations 16 --batch-kinds batch-rows \
-              --sequential "" --decode greedy --units 20 --warm 2 --warm-up 2 --diag \
+              --sequential "" --decode greedy --units "${UNITS:-20}" --warm 2 --warm-up 2 --diag \
               ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;
     htests) step htests 240 python -m pytest -q -p no:cacheprovider -rsf tests/thinker/test_staging.py \
               tests/thinker/test_mel.py tests/thinker/test_session.py -k cuda ;;
