@@ -246,13 +246,15 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
     attach_code2wav(convs, c2w, feats)
     rows = []
     captured: list[str] = []
-    compiled: list[str] = []
+    compiled: list[str] | None = []
     recording = contextlib.ExitStack()
     if diag and dev.type == "cuda":     # which code captured a CUDA graph in a second (the slow ones after a warm-up)
         recording.enter_context(calls_recorded(torch.cuda.CUDAGraph, "capture_begin", captured))
         jit = getattr(triton_jit(), "JITFunction", None)
         if jit is not None and "_do_compile" in jit.__dict__:     # and which launch compiled a Triton kernel
             recording.enter_context(calls_recorded(jit, "_do_compile", compiled))
+        else:     # a Triton without that method: the rows say nothing of compiles rather than "none"
+            compiled = None
     with recording:
         for k in range(units):
             inputs = [DuplexInput((0.1 * rng.standard_normal(16000)).astype(np.float32), frame) for _ in range(n)]
@@ -274,9 +276,10 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
             if diag:
                 rows[-1]["state"] = state_change(state, machine_state(dev, options.get("staging")))
                 rows[-1]["captures"] = dict(sorted(collections.Counter(captured).items()))
-                rows[-1]["compiles"] = dict(sorted(collections.Counter(compiled).items()))
+                if compiled is not None:
+                    rows[-1]["compiles"] = dict(sorted(collections.Counter(compiled).items()))
+                    compiled.clear()
                 captured.clear()
-                compiled.clear()
     if profile is not None:
         profile.disable()
     if batch is not None and took:
