@@ -33,7 +33,10 @@
 # warm_stft_plans had warmed a frame off each bucket: fixed, duplex_waits_session52_h200.md), `melf` and `duplexab`
 # (1.008x, level), and leaves `stests` (its last CUDA test edits: the plan cache, the ring's reserve), `wtests` and
 # `warm20` (the duplex warm-up precapturing the Talker's prefill graphs at every attention bucket: found on the CPU
-# to be what made second 8 of every run slow, not yet measured) and `admitab` (against 833781f) pending.
+# to be what made second 8 of every run slow, not yet measured) and `admitab` (against 833781f) pending. Session
+# 53 ran them (all pass; second 8 flat; admission level), then `htests`, `warm20` and `holdab` (HostStaging.hold:
+# no slot grown at seconds 16-18, 1.006x) and `UNITS=7 warm20` with the capture/compile census; it leaves the slow
+# seconds 1 and 4 after a warm-up unexplained (duplex_waits_session53_h200.md section 5).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
