@@ -422,7 +422,9 @@ def main() -> None:
                          "default, 0.7 / top-k 20 / top-p 0.8), e.g. greedy,sampling")
     ap.add_argument("--parts", default="", metavar="N,...",
                     help="after the timed runs, one batch-rows run of each N (the first --decode mode) with its Thinker "
-                         "split by part, synchronised around each (no cProfile): OUT/duplex_batch_bench_parts_N.txt")
+                         "split by part, synchronised around each (no cProfile), after --warm-up, with --diag: "
+                         "OUT/duplex_batch_bench_parts_N.txt, each second's rows in "
+                         "OUT/duplex_batch_bench_parts_N.json")
     ap.add_argument("--warm-up", type=int, default=0, metavar="S",
                     help="each batched run first calls DuplexBatch.warm_up(S, frame) (start-up graphs and compiles "
                          "made before the timed seconds; its own seconds are reported beside them)")
@@ -488,9 +490,14 @@ def main() -> None:
     write_table(res, args.out / "duplex_batch_bench.md")
     for n in parse_batches(ap, args.parts) if args.parts else []:
         rows = run("batch-rows", n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev, decodes[0],
-                   warm=args.warm, split=True)
+                   warm=args.warm, split=True, warm_up=args.warm_up, diag=args.diag)
         release(dev)
         write_profile(rows, None, args.warm, n, args.out / f"duplex_batch_bench_parts_{n}.txt")
+        (args.out / f"duplex_batch_bench_parts_{n}.json").write_text(json.dumps(rows, indent=1))     # each second's
+        if args.diag:
+            for p in THINKER_PARTS[:-1]:
+                each = ", ".join(f"{r.get(p + '_ms', 0.0):.0f}" for r in rows)
+                print(f"  {p}: {each} ms", flush=True)
     if args.cprofile:
         import cProfile
 

@@ -89,6 +89,8 @@
 #            and 16 (the Talker's 512 and 1024 attention buckets) should now run as fast as their neighbours
 #   holdab   duplex_batch_bench.py at 16 conversations after a 2-s warm-up (--diag), UNITS (12) seconds: this tree
 #            against _base/src (session 53: 8ea4de6, before HostStaging.hold), two alternating pairs
+#   parts7   duplex_batch_bench.py --parts 16 alone, UNITS (7) seconds after a 2-s warm-up, --diag: each second's
+#            Thinker split by part (session 53: seconds 1 and 4 after a warm-up take ~20 ms more in the Thinker)
 #   htests   CUDA tests of HostStaging.hold (session 53: a session holds its mel's largest upload when it opens),
 #            the mel's and the session's
 #   stests   CUDA tests of the mel's plans and the staging ring's slot choice (session 52), then mel_wait_probe.py
@@ -221,6 +223,9 @@ for s in "$@"; do
               ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;
     htests) step htests 240 python -m pytest -q -p no:cacheprovider -rsf tests/thinker/test_staging.py \
               tests/thinker/test_mel.py tests/thinker/test_session.py -k cuda ;;
+    parts7) step parts7 300 python benchmarks/duplex_batch_bench.py "$W/parts7" --batch-kinds "" --sequential "" \
+              --decode greedy --units "${UNITS:-7}" --warm 2 --warm-up 2 --diag --parts 16 \
+              ${SMOKE:+--tiny --parts 2 --units 3 --warm 1 --warm-up 1} ;;
     stests) step stests 200 python -m pytest -q -p no:cacheprovider -rsf tests/thinker/test_mel.py \
               tests/thinker/test_staging.py -k cuda
             [ -z "${SMOKE:-}" ] && step melwait 120 python benchmarks/mel_wait_probe.py "$W/melwait/mel_wait.txt" \
