@@ -36,7 +36,11 @@
 # to be what made second 8 of every run slow, not yet measured) and `admitab` (against 833781f) pending. Session
 # 53 ran them (all pass; second 8 flat; admission level), then `htests`, `warm20` and `holdab` (HostStaging.hold:
 # no slot grown at seconds 16-18, 1.006x) and `UNITS=7 warm20` with the capture/compile census; it leaves the slow
-# seconds 1 and 4 after a warm-up unexplained (duplex_waits_session53_h200.md section 5).
+# seconds 1 and 4 after a warm-up unexplained (duplex_waits_session53_h200.md section 5). Its last run, `parts7`,
+# found second 4's: the mel took 34 ms against ~12 at the stream's first dynamic floor (5 s of buffer), whose
+# kernels no warm-up had launched; mel.warm_mel now runs both floors at start-up. Pending: `mtests` (its CUDA
+# test, test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches) and `parts7` / `UNITS=7 warm20`
+# (second 4 should be flat; second 1 is still unexplained).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab

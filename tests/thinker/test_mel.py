@@ -8,7 +8,7 @@ import torch
 
 from minicpmo_rt.thinker.mel import StreamingMel, log_mel, mel_filters
 
-from conftest import behind_queued_work, rel_err
+from conftest import behind_queued_work, rel_err, requires_cuda
 
 
 
@@ -168,6 +168,41 @@ def test_the_warmed_stft_plans_are_the_ones_every_buffer_uses():
     for bucket in (buckets[0], buckets[1], buckets[-1]):
         x = torch.zeros(2, batch_width(bucket))
         assert torch.stft(x, N_FFT, HOP, window=window, center=False, return_complex=True).shape[-1] == bucket
+
+
+def test_warm_mel_is_a_no_op_off_cuda_and_both_floors_start_where_streams_reach_them():
+    """``warm_mel`` loads the mel's kernels on CUDA only (the CPU runs upstream's path, nothing to load); the
+    dynamic floor it warms starts at 5 s of buffer, which a stream's buffer (1.035 s, then 1 s a second) first
+    reaches at its 5th second, after any warm-up of fewer seconds."""
+    from minicpmo_rt.thinker.mel import uses_dynamic_floor, warm_mel
+
+    assert warm_mel("cpu") == 0
+    first_dynamic = next(k for k in range(10) if uses_dynamic_floor(16480 + 16000 * k))
+    assert first_dynamic == 4
+
+
+@requires_cuda
+def test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches():
+    """Every CUDA kernel ``log_mel`` launches, with either floor and at any buffer length, is one ``warm_mel``
+    launched: the first launch of a kernel in a process loads it, and the dynamic floor's, first used at a
+    stream's 5th second, took a 16-seat duplex second's mel from ~12 to 34 ms (session 53)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minicpmo_rt.thinker.mel import warm_mel
+
+    def kernels(fn) -> set[str]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            fn()
+            torch.cuda.synchronize()
+        return {e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+    warmed = kernels(lambda: warm_mel("cuda"))
+    rng = np.random.default_rng(0)
+    for seconds, dynamic in ((1.035, False), (5.03, True), (17.3, True), (29.9, True)):
+        wave = rng.standard_normal(int(seconds * 16000)).astype(np.float32)
+        used = kernels(lambda: log_mel(wave, dynamic, device="cuda"))
+        assert used and used <= warmed, (seconds, dynamic, used - warmed)
 
 
 def test_log_mel_many_equals_each_buffer_alone():

@@ -99,6 +99,21 @@ def warm_stft_plans(device: torch.device | str, max_seconds: float = 32.0, sampl
     return len(buckets)
 
 
+def warm_mel(device: torch.device | str, max_seconds: float = 32.0, sample_rate: int = SAMPLE_RATE) -> int:
+    """``warm_stft_plans``, then one ``log_mel`` with each floor: every kernel a streaming mel launches is then
+    loaded before a user's first second. The dynamic floor (a reduction over the whole mel) starts at 5 s of
+    buffer, the 5th second of every stream, after a 2-s warm-up; its first use in a process took the
+    16-seat duplex second's mel from ~12 to 34 ms on the H200 (``duplex_waits_session53_h200.md``). Returns the
+    number of plan buckets; a no-op off CUDA."""
+    device = torch.device(device)
+    buckets = warm_stft_plans(device, max_seconds, sample_rate)
+    if device.type == "cuda":
+        wave = torch.zeros(int(DYNAMIC_FROM_SECONDS * sample_rate), device=device)
+        for dynamic in (False, True):
+            log_mel(wave, dynamic, device=device)
+    return buckets
+
+
 def stft_buckets(max_seconds: float = 32.0, sample_rate: int = SAMPLE_RATE) -> list[int]:
     """The padded frame counts (``frame_bucket``) of every buffer of up to ``max_seconds``."""
     return list(range(STFT_BUCKET_FRAMES, frame_bucket(1 + int(max_seconds * sample_rate) // HOP) + 1,

@@ -71,7 +71,7 @@ from torch.profiler import record_function
 from ..errors import InputError, MiniCPMORTError
 from .audio import AudioEncoderCache
 from .image_processor import ProcessedImage, process_frame_torch, process_image
-from .mel import SAMPLE_RATE, MelState, StreamingMel, process_many, warm_stft_plans
+from .mel import SAMPLE_RATE, MelState, StreamingMel, process_many, warm_mel
 from .llm_cache import LLM_CACHES, StaticDecoderPool, make_llm_cache
 from .model import AudioChunkEmbedding, Thinker
 from .audio_graph import AudioGraphs
@@ -89,8 +89,8 @@ FAST_PATH_OPTIONS = MappingProxyType({"llm_cache": "static", "image_preprocess":
 def shared_fast_paths(thinker: Thinker) -> dict:
     """FAST_PATH_OPTIONS with one vision-graph holder, one audio-graph holder and one decoder
     pool, to pass to every session of ``thinker`` (fresh sessions then reuse the captures).
-    The mel's cuFFT plans are made here too, once per process (see ``mel.warm_stft_plans``)."""
-    warm_stft_plans(thinker.device)
+    The mel's cuFFT plans are made here too, and its kernels loaded, once per process (see ``mel.warm_mel``)."""
+    warm_mel(thinker.device)
     return {**FAST_PATH_OPTIONS, "vision_graphs": VisionGraphs(thinker), "audio_graphs": AudioGraphs(thinker),
             "llm_pool": StaticDecoderPool(thinker), "staging": HostStaging(thinker.device)}
 
