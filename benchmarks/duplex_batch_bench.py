@@ -272,6 +272,7 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
             ms = (time.perf_counter() - t0) * 1e3
             rows.append({"second": k, "ms": ms, **{f"{p}_ms": v for p, v in clock.ms.items()},
                          "speaking": sum(1 for u in out if u.codes), "codes": sum(len(u.codes) for u in out),
+                         "tokens": sum(len(u.token_ids) for u in out),     # the Thinker's decode steps follow these
                          "audio_s": sum(u.seconds for u in out)})
             if diag:
                 rows[-1]["state"] = state_change(state, machine_state(dev, options.get("staging")))
@@ -479,7 +480,7 @@ def main() -> None:
               + (f" (after warm_up: {', '.join(f'{t:.0f}' for t in warm_ms)} ms)" if warm_ms else ""), flush=True)
         if args.diag:
             thinker_ms = ", ".join(f"{r['thinker_ms']:.0f}" for r in rows)
-            print(f"  Thinker: {thinker_ms} ms", flush=True)
+            print(f"  Thinker: {thinker_ms} ms; tokens: {', '.join(str(r['tokens']) for r in rows)}", flush=True)
             for key in rows[0]["state"]:
                 print(f"  {key}: {', '.join(str(r['state'][key]) for r in rows)}", flush=True)
             for r in rows:

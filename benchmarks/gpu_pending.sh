@@ -40,7 +40,7 @@
 # found second 4's: the mel took 34 ms against ~12 at the stream's first dynamic floor (5 s of buffer), whose
 # kernels no warm-up had launched; mel.warm_mel now runs both floors at start-up. Pending: `mtests` (its CUDA
 # test, test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches) and `parts7` / `UNITS=7 warm20`
-# (second 4 should be flat; second 1 is still unexplained).
+# (second 4 should be flat; second 1 is still unexplained: the rows now record each second's Thinker tokens).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab

@@ -67,6 +67,7 @@ def test_audio_only_units_and_the_per_second_diagnostics(tmp_path):
     assert all(set(row["state"]) == {"gc_collections"} and row["state"]["gc_collections"] >= 0 for row in rows)
     assert "gc_collections:" in r.stdout
     assert all(row["captures"] == {} for row in rows)     # no CUDA graphs on the CPU
+    assert all(row["tokens"] > 0 for row in rows) and "tokens:" in r.stdout
 
 
 def test_queued_wait_probe_times_each_stage_once_and_puts_every_stage_back(tmp_path, monkeypatch):
