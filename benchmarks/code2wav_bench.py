@@ -64,7 +64,7 @@ from pathlib import Path
 
 import torch
 
-from minicpmo_rt.atomic import atomic_write
+from minicpmo_rt.atomic import atomic_write, save_png
 from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
 from minicpmo_rt.code2wav.flow import Flow, trim_estimator_att
 from minicpmo_rt.code2wav.flow_config import FULL_SIZE
@@ -692,11 +692,7 @@ def plot(res: dict, path: Path) -> None:
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    try:
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    finally:
-        plt.close(fig)
+    save_png(fig, path)
 
 
 def plot_file(results: Path, out: Path) -> int:

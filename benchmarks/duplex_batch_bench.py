@@ -133,8 +133,8 @@ def machine_state(dev: torch.device, staging=None, clock: bool = True) -> dict:
     call): the caching allocator's cudaMalloc / cudaFree calls and retries and the MiB it reserved, cuFFT plans
     made (the cache's size; a plan made mid-stream waits for the device, session 52), pinned host allocations,
     Python's garbage collections, the sessions' shared ``HostStaging`` uploads that waited for a slot's previous
-    copy and its slots grown; with ``clock``, also the SM clock with NVML's throttle reasons at the second's end: what a run
-    that slows down midway changed by."""
+    copy and its slots grown; with ``clock``, also the SM clock with NVML's throttle reasons at the second's end:
+    what a run that slows down midway changed by."""
     import gc
 
     out = {"gc_collections": sum(g["collections"] for g in gc.get_stats())}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from minicpmo_rt.atomic import atomic_write  # noqa: E402
+from minicpmo_rt.atomic import save_png  # noqa: E402
 
 
 def load(spec: str) -> list[tuple[str, list[dict]]]:
@@ -61,11 +61,7 @@ def plot(runs: list[tuple[str, list[dict]]], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    try:
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    finally:
-        plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

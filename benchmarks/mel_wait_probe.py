@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minicpmo_rt.atomic import atomic_write
 from minicpmo_rt.thinker.mel import StreamingMel, process_many
 from minicpmo_rt.thinker.staging import HostStaging
 
@@ -73,9 +74,7 @@ def main() -> None:
             lines.append(f"run={r} " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in row.items()))
             print(lines[-1], flush=True)
-    tmp = args.out.with_suffix(args.out.suffix + ".part")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(args.out)
+    atomic_write(args.out, lambda f: f.write(("\n".join(lines) + "\n").encode()))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ import torch
 
 from code2wav_pipeline_bench import bench_device, bench_models, device_label
 from first_chunk_bench import _sync, release
-from minicpmo_rt.atomic import atomic_write
+from minicpmo_rt.atomic import atomic_write, save_png
 from minicpmo_rt.code2wav.encoder_graph import EncoderGraphs
 from minicpmo_rt.code2wav.frontend import PromptFeatures
 from minicpmo_rt.code2wav.pipeline import Code2Wav
@@ -399,11 +399,7 @@ def plot(res: dict, path: Path) -> None:
     nx.bar(range(1, len(res["streams_per_round"]) + 1), res["streams_per_round"], color="grey")
     nx.set_ylabel("streams")
     nx.set_xlabel("round (1 s of audio per active stream)")
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_png(fig, path)
 
 
 def _code_range(text: str) -> tuple[int, int]:

@@ -86,3 +86,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def save_png(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """A matplotlib figure laid out and written to ``path`` as PNG through ``atomic_write``, then closed (also
+    when writing fails): the benchmarks' plots."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.tight_layout()
+        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
+    finally:
+        plt.close(fig)

@@ -131,3 +131,26 @@ def test_speak_checks_both_outputs_before_any_work(tiny_ckpt, voice, tmp_path):
         res = CliRunner().invoke(app, base + extra)
         assert res.exit_code == 2 and "afile is a file, not a directory" in res.output, res.output
     assert not (tmp_path / "o.wav").exists()
+
+
+def test_save_png_writes_whole_or_not_at_all_and_closes_the_figure(tmp_path):
+    """The benchmarks' plots: a PNG in place and the figure closed; a figure that fails to draw leaves the
+    previous file as it was, no temp file beside it, and is closed too."""
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from minicpmo_rt.atomic import save_png
+
+    out = tmp_path / "p.png"
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    save_png(fig, out)
+    good = out.read_bytes()
+    assert good[:8] == b"\x89PNG\r\n\x1a\n" and not plt.fignum_exists(fig.number)
+    bad, ax = plt.subplots()
+    ax.text(0.5, 0.5, "$\\notacommand$")     # mathtext fails at draw time
+    with pytest.raises(ValueError):
+        save_png(bad, out)
+    assert out.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ["p.png"]
+    assert not plt.fignum_exists(bad.number)

@@ -305,7 +305,8 @@ def test_cuda_process_many_never_waits_for_queued_work():
     So does making a cuFFT plan: the first batch makes one for every frame bucket (a frame off until session
     52, so each new second's bucket planned mid-stream and waited). The first batch also reserves the largest
     upload of its sliding windows in the ring, and later calls take that idle slot instead of growing a
-    frame's when their buffers outgrow a frame's 1 MiB (step 3 here). Its chunks still equal each stream's own ``process`` (fp32, 1e-5)."""
+    frame's when their buffers outgrow a frame's 1 MiB (step 3 here). Its chunks still equal each stream's own
+    ``process`` (fp32, 1e-5)."""
     from minicpmo_rt.thinker.mel import process_many
     from minicpmo_rt.thinker.staging import HostStaging
 

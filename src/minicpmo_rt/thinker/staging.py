@@ -125,21 +125,27 @@ class HostStaging:
             self._held.append(int(nbytes))
             self._held.sort(reverse=True)
             del self._held[len(self._slots):]     # every slot holds a claim: more claims hold nothing more
-            sizes = [0 if s.buffer is None else s.buffer.numel() for s in self._slots]
             grown = 0
-            for i, size in slots_to_hold(sizes, self._held):
+            for i, size in slots_to_hold(self._sizes(), self._held):
                 slot = self._slots[i]
                 if slot.done is None or slot.done.query():
-                    slot.buffer = torch.empty(_round_up(size), dtype=torch.uint8, pin_memory=True)
-                    self.grows += 1
+                    self._grow(slot, size)
                     grown += 1
             return grown
+
+    def _sizes(self) -> list[int]:
+        return [0 if s.buffer is None else s.buffer.numel() for s in self._slots]
+
+    def _grow(self, slot: _Slot, nbytes: int) -> None:
+        """Page-lock a new buffer for an idle ``slot`` (the old one goes back to torch's pinned cache)."""
+        slot.buffer = torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
+        self.grows += 1
 
     def _slot(self, nbytes: int) -> _Slot:
         """The slot ``pick_slot`` names for ``nbytes`` (under the lock), its previous copy finished (waited for
         only when every slot is busy) and its buffer grown where it is smaller."""
         n = len(self._slots)
-        sizes = [0 if s.buffer is None else s.buffer.numel() for s in self._slots]
+        sizes = self._sizes()
         known: dict[int, bool] = {}
 
         def idle(i: int) -> bool:     # an event query per slot looked at, at most once per upload
@@ -155,8 +161,7 @@ class HostStaging:
             self.waits += 1
             slot.done.synchronize()
         if sizes[at] < nbytes:
-            slot.buffer = torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
-            self.grows += 1
+            self._grow(slot, nbytes)
         return slot
 
     def _send(self, slot: _Slot, host: torch.Tensor, out: torch.Tensor) -> None:
