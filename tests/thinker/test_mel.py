@@ -170,6 +170,26 @@ def test_the_warmed_stft_plans_are_the_ones_every_buffer_uses():
         assert torch.stft(x, N_FFT, HOP, window=window, center=False, return_complex=True).shape[-1] == bucket
 
 
+@pytest.mark.parametrize("n", [16480, 16000 * 5 + 150, 16000 * 17 + 149, 480000])
+def test_the_mel_of_the_bucket_wide_stft_equals_upstreams(n):
+    """The accelerator path runs the whole mel at the frame bucket's width (so its GEMM has the shapes
+    ``warm_mel`` ran) and cuts the kept frames at the end: on the CPU it equals upstream's path (fp32, 1e-6).
+    The signal is quiet but for its last 100 samples, which only the dropped frame and the bucket's extra
+    frames read (when n % 160 > 140): a dynamic floor taken over the bucket's width would be wrong."""
+    from minicpmo_rt.thinker.mel import _floored_mel, _stft_of_bucket, mel_filters
+
+    w = 1e-3 * np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    w[-100:] *= 1e4
+    wave = torch.from_numpy(w)
+    stft = _stft_of_bucket(wave)
+    assert stft.shape[-1] > n // 160 + 1     # extra frames to leave out
+    for dynamic in (False, True):
+        ref = log_mel(w, dynamic)
+        got = _floored_mel(stft, mel_filters(), n // 160, dynamic)
+        assert got.shape == ref.shape
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-6, (n, dynamic)
+
+
 def test_warm_mel_is_a_no_op_off_cuda_and_both_floors_start_where_streams_reach_them():
     """``warm_mel`` loads the mel's kernels on CUDA only (the CPU runs upstream's path, nothing to load); the
     dynamic floor it warms starts at 5 s of buffer, which a stream's buffer (1.035 s, then 1 s a second) first

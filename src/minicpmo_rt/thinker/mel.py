@@ -70,14 +70,16 @@ def _bucketed_stft(wave: torch.Tensor) -> torch.Tensor:
     frame reads exactly the samples it reads in the plain call, and ~31 plans cover a 30-s
     buffer. (The plain call is kept on the CPU, upstream's path.)
     """
-    n = wave.numel()
-    frames = 1 + n // HOP
-    bucket = frame_bucket(frames)
+    return _stft_of_bucket(wave)[:, :1 + wave.numel() // HOP]
+
+
+def _stft_of_bucket(wave: torch.Tensor) -> torch.Tensor:
+    """``_bucketed_stft`` before its extra frames are cut: [freq, frame_bucket(frames)]."""
+    bucket = frame_bucket(1 + wave.numel() // HOP)
     half = N_FFT // 2
     padded = torch.nn.functional.pad(wave[None, None], (half, half), mode="reflect")[0, 0]
     padded = torch.nn.functional.pad(padded, (0, (bucket - 1) * HOP + N_FFT - padded.numel()))
-    return torch.stft(padded, N_FFT, HOP, window=_window_on(wave.device), center=False,
-                      return_complex=True)[:, :frames]
+    return torch.stft(padded, N_FFT, HOP, window=_window_on(wave.device), center=False, return_complex=True)
 
 
 def warm_stft_plans(device: torch.device | str, max_seconds: float = 32.0, sample_rate: int = SAMPLE_RATE,
@@ -100,17 +102,21 @@ def warm_stft_plans(device: torch.device | str, max_seconds: float = 32.0, sampl
 
 
 def warm_mel(device: torch.device | str, max_seconds: float = 32.0, sample_rate: int = SAMPLE_RATE) -> int:
-    """``warm_stft_plans``, then one ``log_mel`` with each floor: every kernel a streaming mel launches is then
-    loaded before a user's first second. The dynamic floor (a reduction over the whole mel) starts at 5 s of
-    buffer, the 5th second of every stream, after a 2-s warm-up; its first use in a process took the
-    16-seat duplex second's mel from ~12 to 34 ms on the H200 (``duplex_waits_session53_h200.md``). Returns the
-    number of plan buckets; a no-op off CUDA."""
+    """``warm_stft_plans``, then ``log_mel`` with each floor at every frame bucket: every kernel a streaming mel
+    launches is then loaded before a user's first second (in a process, a kernel's first launch loads it).
+    The dynamic floor (a reduction over the whole mel) starts at 5 s of buffer, the 5th second of every
+    stream, after a 2-s warm-up; its first use in a process took the 16-seat duplex second's mel from ~12 to
+    34 ms on the H200 (``duplex_waits_session53_h200.md``). The mel bank's GEMM runs at the bucket's width,
+    since cuBLAS picks its kernel by shape (split-K at 1 s, another at 5 s). Returns the number of plan
+    buckets; a no-op off CUDA."""
     device = torch.device(device)
     buckets = warm_stft_plans(device, max_seconds, sample_rate)
     if device.type == "cuda":
-        wave = torch.zeros(int(DYNAMIC_FROM_SECONDS * sample_rate), device=device)
-        for dynamic in (False, True):
-            log_mel(wave, dynamic, device=device)
+        for bucket in stft_buckets(max_seconds, sample_rate):
+            # half a hop short of the bucket: frames = bucket - 1, so the zero padding is not empty, as in a stream
+            wave = torch.zeros((bucket - 1) * HOP - HOP // 2, device=device)
+            for dynamic in (False, True):
+                log_mel(wave, dynamic, device=device)
     return buckets
 
 
@@ -230,17 +236,28 @@ def log_mel(waveform: np.ndarray | torch.Tensor, dynamic: bool, n_mels: int = N_
         wave = torch.tensor(np.asarray(waveform, dtype=np.float32), device=device)
     if wave.numel() < N_FFT:
         raise ValueError(f"log_mel needs at least {N_FFT} samples, got {wave.numel()}")
+    kept = wave.numel() // HOP            # the frames of the centred STFT less the last one, as upstream
     if device.type == "cpu":
         stft = torch.stft(wave, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)
         bank = mel_filters(n_mels)
     else:
-        stft = _bucketed_stft(wave)
+        # every step at the frame bucket's width, cut to the kept frames at the end: the ops' shapes (the
+        # GEMM's kernel among them) are then those ``warm_mel`` ran, whatever the buffer's length
+        stft = _stft_of_bucket(wave)
         bank = _filters_on(n_mels, device)
+    return _floored_mel(stft, bank, kept, dynamic)
+
+
+def _floored_mel(stft: torch.Tensor, bank: torch.Tensor, kept: int, dynamic: bool) -> torch.Tensor:
+    """``log_mel`` from a centred STFT of at least ``kept`` + 1 frames: the mel of its first ``kept``
+    frames; the dynamic floor is taken from those frames only (later ones may read the zero padding)."""
     power = (stft[..., :-1].abs() ** 2).contiguous()
     spec = torch.clamp(bank @ power, min=1e-10).log10()
-    # the fixed floor as a clamp (equal to a maximum with a -10 tensor, without uploading one)
-    floored = torch.maximum(spec, spec.max() - DYNAMIC_RANGE_DB) if dynamic else spec.clamp(min=FIXED_FLOOR_DB)
-    return (floored + 4.0) / 4.0
+    if dynamic:
+        floored = torch.maximum(spec, spec[:, :kept].max() - DYNAMIC_RANGE_DB)
+    else:    # the fixed floor as a clamp (equal to a maximum with a -10 tensor, without uploading one)
+        floored = spec.clamp(min=FIXED_FLOOR_DB)
+    return ((floored + 4.0) / 4.0)[:, :kept]
 
 
 def uses_dynamic_floor(buffer_len: int, sample_rate: int = SAMPLE_RATE) -> bool:
