@@ -205,10 +205,11 @@ def test_warm_mel_is_a_no_op_off_cuda_and_both_floors_start_where_streams_reach_
 def test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches():
     """Every CUDA kernel ``log_mel`` launches, with either floor and at any buffer length, is one ``warm_mel``
     launched: the first launch of a kernel in a process loads it, and the dynamic floor's, first used at a
-    stream's 5th second, took a 16-seat duplex second's mel from ~12 to 34 ms (session 53)."""
+    stream's 5th second, took a 16-seat duplex second's mel from ~12 to 34 ms (session 53). cuBLAS picks the
+    mel bank's GEMM kernel by shape (split-K at 1 s), hence every step at the frame bucket's width."""
     from torch.profiler import ProfilerActivity, profile
 
-    from minicpmo_rt.thinker.mel import warm_mel
+    from minicpmo_rt.thinker.mel import uses_dynamic_floor, warm_mel
 
     def kernels(fn) -> set[str]:
         torch.cuda.synchronize()
@@ -220,8 +221,10 @@ def test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches():
 
     warmed = kernels(lambda: warm_mel("cuda"))
     rng = np.random.default_rng(0)
-    for seconds, dynamic in ((1.035, False), (5.03, True), (17.3, True), (29.9, True)):
+    # a stream's buffer at each of its seconds (1.035 s, then 1 s more each), and lengths off those
+    for seconds in [1.035 + k for k in range(30)] + [0.7, 5.03, 17.3, 29.9]:
         wave = rng.standard_normal(int(seconds * 16000)).astype(np.float32)
+        dynamic = uses_dynamic_floor(wave.shape[0])
         used = kernels(lambda: log_mel(wave, dynamic, device="cuda"))
         assert used and used <= warmed, (seconds, dynamic, used - warmed)
 
