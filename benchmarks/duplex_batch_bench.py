@@ -186,6 +186,50 @@ def calls_recorded(owner, name: str, sites: list[str]):
         setattr(owner, name, original)
 
 
+SEGMENT_ACTIONS = ("segment_alloc", "segment_map")     # a cudaMalloc (or an expandable segment's growth)
+
+
+def segment_sites(events: list[dict]) -> dict[str, float]:
+    """MiB of new allocator segments by the code that asked for them: ``events`` are entries of
+    ``torch.cuda.memory._snapshot()["device_traces"]``; the site is the innermost frame in the project's
+    ``src/`` (``path:line:function``), or the innermost frame at all when none is the project's."""
+    sites: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        if e.get("action") not in SEGMENT_ACTIONS:
+            continue
+        frames = e.get("frames") or []
+        ours = [f for f in frames if f"{os.sep}minicpmo_rt{os.sep}" in f.get("filename", "")]
+        f = (ours or frames or [{}])[0]
+        name = f.get("filename", "?").rsplit(f"{os.sep}minicpmo_rt{os.sep}", 1)[-1]
+        sites[f"{name}:{f.get('line', '?')}:{f.get('name', '?')}"] += e.get("size", 0) / 2**20
+    return {k: round(v, 1) for k, v in sorted(sites.items(), key=lambda kv: -kv[1])}
+
+
+@contextlib.contextmanager
+def segment_history(dev: torch.device):
+    """The caching allocator's history with Python stacks for the block (``--alloc-sites``): yields a function
+    that returns the events recorded since its last call. Only segment events are kept where this torch can
+    skip the others (each event costs a stack walk); off afterwards."""
+    rec = torch.cuda.memory._record_memory_history
+    kw = {"context": "alloc", "stacks": "python", "device": dev, "clear_history": True}
+    try:
+        rec("all", max_entries=100_000, skip_actions=["alloc", "free_requested", "free_completed"], **kw)
+    except TypeError:     # an older torch: every event, in a ring large enough for a second of them
+        rec("all", max_entries=2_000_000, **kw)
+    seen = 0
+
+    def since() -> list[dict]:
+        nonlocal seen
+        traces = torch.cuda.memory._snapshot(dev)["device_traces"][dev.index or 0]
+        new, seen = traces[seen:], len(traces)
+        return new
+
+    try:
+        yield since
+    finally:
+        rec(None, device=dev)
+
+
 def triton_jit():
     """Triton's ``runtime.jit`` module, or None without Triton (its compiles are then not counted)."""
     try:
@@ -201,13 +245,15 @@ def state_change(before: dict, after: dict) -> dict:
 
 
 def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy", profile=None,
-        warm: int = 0, split: bool = False, warm_up: int = 0, diag: bool = False) -> list[dict]:
+        warm: int = 0, split: bool = False, warm_up: int = 0, diag: bool = False,
+        alloc_sites: bool = False) -> list[dict]:
     """One run of ``units`` seconds. ``profile``: a ``cProfile.Profile`` enabled over the seconds from ``warm``
     on. With a profile or ``split`` the Thinker's time is also split by part (``thinker_parts``; each part
     synchronised, so only then). ``warm_up``: a batch first runs ``DuplexBatch.warm_up`` for that many seconds
     (with the frame), untimed but for its own seconds, which go into the first row as ``warm_up_ms``. ``diag``: each
     row also records ``machine_state``'s changes over its second and, on CUDA, the CUDA graphs captured and the
-    Triton kernels compiled in it, by the project code that made them (``calls_recorded``)."""
+    Triton kernels compiled in it, by the project code that made them (``calls_recorded``). ``alloc_sites`` (CUDA):
+    each row also records the MiB of new allocator segments by the code that asked (``segment_sites``)."""
     thinker, tok, tts, c2w, feats, options = parts
     cfg = DuplexDecodeConfig(mode=decode)
     rng = np.random.default_rng(n)
@@ -255,6 +301,7 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
             recording.enter_context(calls_recorded(jit, "_do_compile", compiled))
         else:     # a Triton without that method: the rows say nothing of compiles rather than "none"
             compiled = None
+    since = recording.enter_context(segment_history(dev)) if alloc_sites and dev.type == "cuda" else None
     with recording:
         for k in range(units):
             inputs = [DuplexInput((0.1 * rng.standard_normal(16000)).astype(np.float32), frame) for _ in range(n)]
@@ -281,6 +328,8 @@ def run(kind: str, n: int, parts, units: int, frame, dev, decode: str = "greedy"
                     rows[-1]["compiles"] = dict(sorted(collections.Counter(compiled).items()))
                     compiled.clear()
                 captured.clear()
+            if since is not None:
+                rows[-1]["segment_sites"] = segment_sites(since())
     if profile is not None:
         profile.disable()
     if batch is not None and took:
@@ -433,6 +482,10 @@ def main() -> None:
                     help="each second's row records the allocator's cudaMalloc/cudaFree calls, pinned host allocations, "
                          "garbage collections, the SM clock (machine_state), the CUDA graphs captured and the Triton "
                          "kernels compiled, by the code that made them; printed per run")
+    ap.add_argument("--alloc-sites", action="store_true",
+                    help="on CUDA, each second's row also records the MiB of new allocator segments (cudaMalloc) by "
+                         "the project code that asked for them, from the allocator's history with Python stacks "
+                         "(slows the seconds a little)")
     ap.add_argument("--no-frame", action="store_true",
                     help="the units carry audio only (no 448x448 frame, so no vision encoder ahead of the commits)")
     ap.add_argument("--table", type=Path, help="only rewrite OUT/duplex_batch_bench.md from this run's JSON")
@@ -443,6 +496,7 @@ def main() -> None:
     if args.table:
         args.out.mkdir(parents=True, exist_ok=True)
         return write_table(json.loads(args.table.read_text()), args.out / "duplex_batch_bench.md")
+    args.diag = args.diag or args.alloc_sites     # the sites are printed with the rest of the census
     if args.warm >= args.units:
         ap.error(f"--warm {args.warm} leaves no measured second of --units {args.units}")
     batched = parse_batches(ap, args.conversations)
@@ -466,7 +520,7 @@ def main() -> None:
         [(d, "sequential", n) for d in decodes for n in sequential]
     for decode, kind, n in plan:
         rows = run(kind, n, (thinker, tok, tts, c2w, feats, options), args.units, frame, dev, decode,
-                   warm_up=args.warm_up if kind != "sequential" else 0, diag=args.diag)
+                   warm_up=args.warm_up if kind != "sequential" else 0, diag=args.diag, alloc_sites=args.alloc_sites)
         held = release(dev)
         s = summarize(rows, args.warm, n)
         res["runs"].append({"kind": kind, "n": n, "decode": decode, "summary": s, "rows": rows,
@@ -484,7 +538,7 @@ def main() -> None:
             for key in rows[0]["state"]:
                 print(f"  {key}: {', '.join(str(r['state'][key]) for r in rows)}", flush=True)
             for r in rows:
-                for what in ("captures", "compiles"):
+                for what in ("captures", "compiles", "segment_sites"):
                     if r.get(what):
                         print(f"  second {r['second']} {what}: {r[what]}", flush=True)
         (args.out / "duplex_batch_bench.json").write_text(json.dumps(res, indent=1))   # a cut-off run keeps its rows

@@ -97,6 +97,8 @@
 #            Thinker split by part (session 53: seconds 1 and 4 after a warm-up take ~20 ms more in the Thinker)
 #   htests   CUDA tests of HostStaging.hold (session 53: a session holds its mel's largest upload when it opens),
 #            the mel's and the session's
+#   alloc    duplex_batch_bench.py --alloc-sites: which code made each second's new allocator segments (session 54:
+#            16 x 500 MiB at second 2 after a 2-s warm-up)
 #   stests   CUDA tests of the mel's plans and the staging ring's slot choice (session 52), then mel_wait_probe.py
 #   commits  duplex_batch_bench.py: the seconds' commits prefilled together (batch-rows, commit_many) against each
 #            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
@@ -227,6 +229,9 @@ for s in "$@"; do
               ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;
     htests) step htests 240 python -m pytest -q -p no:cacheprovider -rsf tests/thinker/test_staging.py \
               tests/thinker/test_mel.py tests/thinker/test_session.py -k cuda ;;
+    alloc) step alloc 300 python benchmarks/duplex_batch_bench.py "$W/alloc" --conversations 16 --batch-kinds batch-rows \
+             --sequential "" --decode greedy --units "${UNITS:-7}" --warm 2 --warm-up 2 --alloc-sites \
+             ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;
     parts7) step parts7 300 python benchmarks/duplex_batch_bench.py "$W/parts7" --batch-kinds "" --sequential "" \
               --decode greedy --units "${UNITS:-7}" --warm 2 --warm-up 2 --diag --parts 16 \
               ${SMOKE:+--tiny --parts 2 --units 3 --warm 1 --warm-up 1} ;;

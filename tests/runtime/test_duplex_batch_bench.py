@@ -2,6 +2,7 @@
 numbers mean nothing here): the table, the JSON, and the cProfile run with its Thinker split by part."""
 
 import json
+import os
 
 from conftest import run_benchmark
 
@@ -168,3 +169,25 @@ def test_seconds_plot_draws_each_run_and_names_a_bad_input(tmp_path):
         r = run_benchmark("duplex_seconds_plot.py", *args)
         assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
         assert not args[0].exists()
+
+
+def test_segment_sites_sum_each_new_segment_by_the_project_code_that_asked():
+    """``--alloc-sites`` reads the allocator's history (``torch.cuda.memory._snapshot()``'s device traces, whose
+    entries are built here as that function returns them: the history needs CUDA). Only segment events count,
+    each under its innermost project frame, or its innermost frame when the project has none."""
+    import duplex_batch_bench as bench
+
+    ours = {"filename": f"{os.sep}x{os.sep}src{os.sep}minicpmo_rt{os.sep}thinker{os.sep}audio.py", "line": 12,
+            "name": "encode"}
+    torch_frame = {"filename": f"{os.sep}site-packages{os.sep}torch{os.sep}nn{os.sep}functional.py", "line": 5,
+                   "name": "conv1d"}
+    mib = 2**20
+    events = [{"action": "segment_alloc", "size": 500 * mib, "frames": [torch_frame, ours]},
+              {"action": "segment_map", "size": 20 * mib, "frames": [ours]},
+              {"action": "alloc", "size": 900 * mib, "frames": [ours]},     # a block from a held segment: not new
+              {"action": "segment_alloc", "size": 2 * mib, "frames": [torch_frame]},
+              {"action": "segment_free", "size": 64 * mib, "frames": [ours]}]
+    assert bench.segment_sites(events) == {"thinker/audio.py:12:encode": 520.0,
+                                           f"{os.sep}site-packages{os.sep}torch{os.sep}nn{os.sep}functional.py"
+                                           ":5:conv1d": 2.0}
+    assert bench.segment_sites([]) == {}
