@@ -41,6 +41,10 @@
 # kernels no warm-up had launched; mel.warm_mel now runs both floors at start-up. Pending: `mtests` (its CUDA
 # test, test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches) and `parts7` / `UNITS=7 warm20`
 # (second 4 should be flat; second 1 is still unexplained: the rows now record each second's Thinker tokens).
+# Session 54 ran `parts7 mtests` (second 4 flat; the mel test failed on cuBLAS's shape-picked GEMM kernels, fixed
+# by running the mel at the bucket's width), the mel's CUDA tests with `UNITS=7 warm20` (pass; flat), and `alloc`
+# (second 2's 8000 MiB: the Code2Wav streams' first steady caches); nothing is pending
+# (duplex_waits_session54_h200.md).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
