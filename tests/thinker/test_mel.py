@@ -194,9 +194,12 @@ def test_warm_mel_is_a_no_op_off_cuda_and_both_floors_start_where_streams_reach_
     """``warm_mel`` loads the mel's kernels on CUDA only (the CPU runs upstream's path, nothing to load); the
     dynamic floor it warms starts at 5 s of buffer, which a stream's buffer (1.035 s, then 1 s a second) first
     reaches at its 5th second, after any warm-up of fewer seconds."""
-    from minicpmo_rt.thinker.mel import uses_dynamic_floor, warm_mel
+    from minicpmo_rt.thinker.mel import frame_bucket, stft_buckets, uses_dynamic_floor, warm_mel
 
     assert warm_mel("cpu") == 0
+    # the lengths warm_mel runs fill each bucket but for a frame (a zero padding, as in a stream)
+    assert all(frame_bucket(1 + ((b - 1) * 160 - 80) // 160) == b and ((b - 1) * 160 - 80) // 160 + 1 < b
+               for b in stft_buckets())
     first_dynamic = next(k for k in range(10) if uses_dynamic_floor(16480 + 16000 * k))
     assert first_dynamic == 4
 
@@ -220,6 +223,7 @@ def test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches():
                 and not e.name.startswith(("Memcpy", "Memset"))}     # kernels: copies load nothing
 
     warmed = kernels(lambda: warm_mel("cuda"))
+    plans = torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()].size
     rng = np.random.default_rng(0)
     # a stream's buffer at each of its seconds (1.035 s, then 1 s more each), and lengths off those
     for seconds in [1.035 + k for k in range(30)] + [0.7, 5.03, 17.3, 29.9]:
@@ -227,6 +231,8 @@ def test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches():
         dynamic = uses_dynamic_floor(wave.shape[0])
         used = kernels(lambda: log_mel(wave, dynamic, device="cuda"))
         assert used and used <= warmed, (seconds, dynamic, used - warmed)
+    # and no cuFFT plan made: a plan made mid-stream waits for the device (session 52)
+    assert torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()].size == plans
 
 
 def test_log_mel_many_equals_each_buffer_alone():

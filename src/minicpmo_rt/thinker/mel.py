@@ -102,22 +102,23 @@ def warm_stft_plans(device: torch.device | str, max_seconds: float = 32.0, sampl
 
 
 def warm_mel(device: torch.device | str, max_seconds: float = 32.0, sample_rate: int = SAMPLE_RATE) -> int:
-    """``warm_stft_plans``, then ``log_mel`` with each floor at every frame bucket: every kernel a streaming mel
-    launches is then loaded before a user's first second (in a process, a kernel's first launch loads it).
-    The dynamic floor (a reduction over the whole mel) starts at 5 s of buffer, the 5th second of every
-    stream, after a 2-s warm-up; its first use in a process took the 16-seat duplex second's mel from ~12 to
-    34 ms on the H200 (``duplex_waits_session53_h200.md``). The mel bank's GEMM runs at the bucket's width,
-    since cuBLAS picks its kernel by shape (split-K at 1 s, another at 5 s). Returns the number of plan
+    """``log_mel`` with each floor at every frame bucket of a buffer of up to ``max_seconds``: its cuFFT plans
+    are made and every kernel a streaming mel launches is loaded (in a process, a kernel's first launch loads
+    it) before a user's first second. The dynamic floor (a reduction over the whole mel) starts at 5 s of
+    buffer, the 5th second of every stream, after a 2-s warm-up; its first use in a process took the 16-seat
+    duplex second's mel from ~12 to 34 ms on the H200 (``duplex_waits_session53_h200.md``). Every bucket, since
+    cuBLAS picks the mel bank's GEMM kernel by shape (split-K at 1 s, another at 5 s). Returns the number of
     buckets; a no-op off CUDA."""
     device = torch.device(device)
-    buckets = warm_stft_plans(device, max_seconds, sample_rate)
-    if device.type == "cuda":
-        for bucket in stft_buckets(max_seconds, sample_rate):
-            # half a hop short of the bucket: frames = bucket - 1, so the zero padding is not empty, as in a stream
-            wave = torch.zeros((bucket - 1) * HOP - HOP // 2, device=device)
-            for dynamic in (False, True):
-                log_mel(wave, dynamic, device=device)
-    return buckets
+    if device.type != "cuda":
+        return 0
+    buckets = stft_buckets(max_seconds, sample_rate)
+    for bucket in buckets:
+        # half a hop short of the bucket: frames = bucket - 1, so the zero padding is not empty, as in a stream
+        wave = torch.zeros((bucket - 1) * HOP - HOP // 2, device=device)
+        for dynamic in (False, True):
+            log_mel(wave, dynamic, device=device)
+    return len(buckets)
 
 
 def stft_buckets(max_seconds: float = 32.0, sample_rate: int = SAMPLE_RATE) -> list[int]:
