@@ -43,8 +43,11 @@
 # (second 4 should be flat; second 1 is still unexplained: the rows now record each second's Thinker tokens).
 # Session 54 ran `parts7 mtests` (second 4 flat; the mel test failed on cuBLAS's shape-picked GEMM kernels, fixed
 # by running the mel at the bucket's width), the mel's CUDA tests with `UNITS=7 warm20` (pass; flat), and `alloc`
-# (second 2's 8000 MiB: the Code2Wav streams' first steady caches); nothing is pending
-# (duplex_waits_session54_h200.md).
+# (second 2's 8000 MiB: the Code2Wav streams' first steady caches; duplex_waits_session54_h200.md). Its last two
+# mel edits ran on no GPU (the device was not lent again): warm_mel's plans from its own log_mel calls with the
+# no-new-plan check, and _warmed_rows running the batched mel at every bucket. Pending: `mtests` (test_mel.py's
+# test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches and
+# test_cuda_batched_mel_launches_no_kernel_and_makes_no_plan_after_its_first_batch).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab

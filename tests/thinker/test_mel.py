@@ -154,10 +154,11 @@ def test_bucketed_stft_equals_the_plain_centered_stft(n):
 
 
 def test_the_warmed_stft_plans_are_the_ones_every_buffer_uses():
-    """``warm_stft_plans`` plans, per row count, one STFT per ``stft_buckets`` entry at ``batch_width`` samples a
-    row; every buffer of up to 32 s lands on one of those buckets, and a row that wide makes exactly that many
-    frames. Until session 52 the batched widths warmed were one frame longer, so each new second's bucket made its
-    cuFFT plan mid-stream, which waited for all queued device work (the batched mel, once per duplex second)."""
+    """The warm-ups (``warm_mel``, ``_warmed_rows``) plan one STFT per ``stft_buckets`` entry, a batch's at
+    ``batch_width`` samples a row; every buffer of up to 32 s lands on one of those buckets, and a row that wide
+    makes exactly that many frames. Until session 52 the batched widths warmed were one frame longer, so each new
+    second's bucket made its cuFFT plan mid-stream, which waited for all queued device work (the batched mel, once
+    per duplex second)."""
     from minicpmo_rt.thinker.mel import HOP, N_FFT, batch_width, frame_bucket, stft_buckets
 
     buckets = stft_buckets(32.0)
@@ -232,6 +233,49 @@ def test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches():
         used = kernels(lambda: log_mel(wave, dynamic, device="cuda"))
         assert used and used <= warmed, (seconds, dynamic, used - warmed)
     # and no cuFFT plan made: a plan made mid-stream waits for the device (session 52)
+    assert torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()].size == plans
+
+
+def test_warmed_rows_runs_the_batched_mel_at_every_bucket():
+    """``_warmed_rows`` (a row count's first ``log_mel_many`` batch on CUDA) runs the batch's math at every bucket
+    with both floors; run here on the CPU, where the batched path runs the same ops, for its shapes."""
+    from minicpmo_rt.thinker.mel import _warmed_rows, stft_buckets
+
+    assert _warmed_rows(torch.device("cpu"), 2) == len(stft_buckets()) == 33
+
+
+@requires_cuda
+def test_cuda_batched_mel_launches_no_kernel_and_makes_no_plan_after_its_first_batch():
+    """After a row count's first ``log_mel_many`` batch (which runs ``_warmed_rows``), four streams' buffers at
+    each of their 30 seconds, with their floors, launch only kernels that batch launched and make no cuFFT plan:
+    a kernel's first launch loads it and a plan made mid-stream waits for the device (sessions 52-54)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minicpmo_rt.thinker.mel import _warmed_rows, log_mel_many, uses_dynamic_floor
+
+    def kernels(fn) -> set[str]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            fn()
+            torch.cuda.synchronize()
+        return {e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                and not e.name.startswith(("Memcpy", "Memset"))}
+
+    _warmed_rows.cache_clear()
+    rng = np.random.default_rng(0)
+
+    def batch(seconds: float) -> list[np.ndarray]:     # four streams a few hops apart
+        return [rng.standard_normal(int(seconds * 16000) + 37 * i).astype(np.float32) for i in range(4)]
+
+    def mels(waves):
+        return log_mel_many(waves, [uses_dynamic_floor(w.shape[0]) for w in waves], device="cuda")
+
+    warmed = kernels(lambda: mels(batch(1.035)))
+    plans = torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()].size
+    for seconds in [1.035 + k for k in range(30)]:
+        waves = batch(seconds)
+        used = kernels(lambda: mels(waves))
+        assert used and used <= warmed, (seconds, used - warmed)
     assert torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()].size == plans
 
 

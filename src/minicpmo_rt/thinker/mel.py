@@ -82,25 +82,6 @@ def _stft_of_bucket(wave: torch.Tensor) -> torch.Tensor:
     return torch.stft(padded, N_FFT, HOP, window=_window_on(wave.device), center=False, return_complex=True)
 
 
-def warm_stft_plans(device: torch.device | str, max_seconds: float = 32.0, sample_rate: int = SAMPLE_RATE,
-                    rows: int = 1) -> int:
-    """Make the cuFFT plan of every ``_bucketed_stft`` batch a buffer of up to ``max_seconds``
-    can use (the streaming buffer slides at 30 s), so no plan is made mid-stream; returns the
-    number of buckets. ``rows`` > 1: the plans of ``log_mel_many``'s batches of that many rows
-    instead. A no-op off CUDA."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 0
-    buckets = stft_buckets(max_seconds, sample_rate)
-    for bucket in buckets:
-        if rows == 1:
-            _bucketed_stft(torch.zeros((bucket - 1) * HOP, device=device))    # 1 + n // HOP frames = bucket
-        else:
-            torch.stft(torch.zeros(rows, batch_width(bucket), device=device), N_FFT, HOP,
-                       window=_window_on(device), center=False, return_complex=True)
-    return len(buckets)
-
-
 def warm_mel(device: torch.device | str, max_seconds: float = 32.0, sample_rate: int = SAMPLE_RATE) -> int:
     """``log_mel`` with each floor at every frame bucket of a buffer of up to ``max_seconds``: its cuFFT plans
     are made and every kernel a streaming mel launches is loaded (in a process, a kernel's first launch loads
@@ -134,15 +115,23 @@ def frame_bucket(frames: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def _warmed_rows(device: torch.device, rows: int) -> int:
-    # a batch size's plans, made once per process at its first use (a cache of work done, not a switch)
-    return warm_stft_plans(device, rows=rows)
+def _warmed_rows(device: torch.device, rows: int, n_mels: int = N_MELS) -> int:
+    """``log_mel_many``'s math for ``rows`` rows at every frame bucket, with both floors, once per process at a
+    row count's first batch (a cache of work done, not a switch): its cuFFT plans are made and its kernels
+    loaded (cuBLAS picks the batched GEMM's by shape) before the streams' buffers reach each bucket, as
+    ``warm_mel`` does for one buffer. Returns the number of buckets."""
+    buckets = stft_buckets()
+    dyn = (torch.arange(rows, device=device) % 2)[:, None]       # both floors in each batch
+    for bucket in buckets:
+        kept = torch.full((rows, 1), bucket - 2, device=device)  # frames = bucket - 1: as a stream's, short of it
+        _mel_rows(torch.zeros(rows, batch_width(bucket), device=device), bucket, kept, dyn, n_mels)
+    return len(buckets)
 
 
 def batch_width(bucket: int) -> int:
     """The samples of a ``log_mel_many`` row whose frames are padded to ``bucket`` (a multiple of
     ``STFT_BUCKET_FRAMES``): the STFT then makes ``bucket`` frames, one cuFFT plan per bucket and row count.
-    Until session 52 ``warm_stft_plans`` warmed widths of one frame more than a multiple, so every new bucket
+    Until session 52 the plan warm-up warmed widths of one frame more than a multiple, so every new bucket
     made its plan mid-stream, which waited for all queued device work (the batched mel, once per second)."""
     return (bucket - 1) * HOP + N_FFT
 
@@ -162,7 +151,7 @@ def log_mel_many(waveforms: list[np.ndarray], dynamic: list[bool], n_mels: int =
     bucket (each kept frame reads the samples it reads alone, as in ``_bucketed_stft``), and the STFT,
     the mel bank, the log and each row's floor run once for all rows (padded to ``batch_rows``). A
     duplex second of 16 conversations made ~200 launches one buffer at a time. On a CUDA device the
-    first batch of a row count makes its cuFFT plans for every bucket (``warm_stft_plans``).
+    first batch of a row count runs the math at every bucket first (``_warmed_rows``: plans and kernels).
     ``reserve_samples``: the most samples a batch of the caller's holds, so that the pinned slot grows once
     (growing page-locks new host memory, milliseconds for tens of MiB, see ``staging``)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -176,7 +165,7 @@ def log_mel_many(waveforms: list[np.ndarray], dynamic: list[bool], n_mels: int =
             raise ValueError(f"log_mel_many: waveform {i} has {n} samples; each needs at least {N_FFT}")
     B, rows, half = len(waves), batch_rows(len(waves)), N_FFT // 2
     if device.type == "cuda":
-        _warmed_rows(device, rows)
+        _warmed_rows(device, rows, n_mels)
     frames = [1 + n // HOP for n in lens]
     bucket = frame_bucket(max(frames))
     width = batch_width(bucket)
@@ -207,14 +196,22 @@ def log_mel_many(waveforms: list[np.ndarray], dynamic: list[bool], n_mels: int =
     src = p.abs()                                                 # the left reflection: -k reads k
     src = torch.where(src >= n, 2 * (n - 1) - src, src)           # the right one: n - 1 + k reads n - 1 - k
     signal = torch.where(p < n + half, flat[(off + src.clamp(min=0)).clamp(max=flat.numel() - 1)], 0.0)
+    out = _mel_rows(signal, bucket, kept, dyn, n_mels)
+    return [out[i, :, :frames[i] - 1] for i in range(B)]
+
+
+def _mel_rows(signal: torch.Tensor, bucket: int, kept: torch.Tensor, dyn: torch.Tensor,
+              n_mels: int) -> torch.Tensor:
+    """``log_mel_many`` from its padded rows ([rows, batch_width(bucket)] samples): [rows, n_mels, bucket - 1],
+    each row's floor (``dyn`` [rows, 1] nonzero: dynamic) from its first ``kept`` [rows, 1] frames only."""
+    device = signal.device
     stft = torch.stft(signal, N_FFT, HOP, window=_window_on(device), center=False, return_complex=True)
     power = (stft[..., :bucket - 1].abs() ** 2).contiguous()      # [rows, freq, bucket - 1]
     spec = torch.clamp(_filters_on(n_mels, device) @ power, min=1e-10).log10()
     valid = torch.arange(bucket - 1, device=device)[None] < kept  # [rows, frames]
     top = spec.masked_fill(~valid[:, None], float("-inf")).amax(dim=(1, 2))
     floor = torch.where(dyn[:, 0].bool(), top - DYNAMIC_RANGE_DB, torch.full_like(top, FIXED_FLOOR_DB))
-    out = (torch.maximum(spec, floor[:, None, None]) + 4.0) / 4.0
-    return [out[i, :, :frames[i] - 1] for i in range(B)]
+    return (torch.maximum(spec, floor[:, None, None]) + 4.0) / 4.0
 
 
 def log_mel(waveform: np.ndarray | torch.Tensor, dynamic: bool, n_mels: int = N_MELS,
