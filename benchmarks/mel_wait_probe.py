@@ -8,8 +8,9 @@ calls (``queued_wait_probe.sync_causes``: cudaMalloc, cuFFT plans made, pinned a
 growths and waits). Each configuration runs ``--runs`` times in one process, fresh streams each time: a cause
 that a run leaves cached (a plan, a slot) waits only in the first.
 
-Session 52 found two causes with it: ``warm_stft_plans`` warmed the batched STFT one frame off each bucket (so
-each new second's bucket planned mid-stream), and the ring grew a frame's slot for the batch's growing upload.
+Session 52 found two causes with it: the plan warm-up (then ``warm_stft_plans``) warmed the batched STFT one
+frame off each bucket (so each new second's bucket planned mid-stream), and the ring grew a frame's slot for the
+batch's growing upload.
 
     python benchmarks/mel_wait_probe.py OUT.txt --streams 3 --steps 4        # CUDA only
 """
