@@ -205,32 +205,34 @@ def test_warm_mel_is_a_no_op_off_cuda_and_both_floors_start_where_streams_reach_
     assert first_dynamic == 4
 
 
+def _cuda_kernels(fn) -> set[str]:
+    """The names of the CUDA kernels ``fn()`` launches (copies and fills left out: they load nothing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset"))}
+
+
 @requires_cuda
 def test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches():
     """Every CUDA kernel ``log_mel`` launches, with either floor and at any buffer length, is one ``warm_mel``
     launched: the first launch of a kernel in a process loads it, and the dynamic floor's, first used at a
     stream's 5th second, took a 16-seat duplex second's mel from ~12 to 34 ms (session 53). cuBLAS picks the
     mel bank's GEMM kernel by shape (split-K at 1 s), hence every step at the frame bucket's width."""
-    from torch.profiler import ProfilerActivity, profile
-
     from minicpmo_rt.thinker.mel import uses_dynamic_floor, warm_mel
 
-    def kernels(fn) -> set[str]:
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            fn()
-            torch.cuda.synchronize()
-        return {e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                and not e.name.startswith(("Memcpy", "Memset"))}     # kernels: copies load nothing
-
-    warmed = kernels(lambda: warm_mel("cuda"))
+    warmed = _cuda_kernels(lambda: warm_mel("cuda"))
     plans = torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()].size
     rng = np.random.default_rng(0)
     # a stream's buffer at each of its seconds (1.035 s, then 1 s more each), and lengths off those
     for seconds in [1.035 + k for k in range(30)] + [0.7, 5.03, 17.3, 29.9]:
         wave = rng.standard_normal(int(seconds * 16000)).astype(np.float32)
         dynamic = uses_dynamic_floor(wave.shape[0])
-        used = kernels(lambda: log_mel(wave, dynamic, device="cuda"))
+        used = _cuda_kernels(lambda: log_mel(wave, dynamic, device="cuda"))
         assert used and used <= warmed, (seconds, dynamic, used - warmed)
     # and no cuFFT plan made: a plan made mid-stream waits for the device (session 52)
     assert torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()].size == plans
@@ -249,17 +251,7 @@ def test_cuda_batched_mel_launches_no_kernel_and_makes_no_plan_after_its_first_b
     """After a row count's first ``log_mel_many`` batch (which runs ``_warmed_rows``), four streams' buffers at
     each of their 30 seconds, with their floors, launch only kernels that batch launched and make no cuFFT plan:
     a kernel's first launch loads it and a plan made mid-stream waits for the device (sessions 52-54)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from minicpmo_rt.thinker.mel import _warmed_rows, log_mel_many, uses_dynamic_floor
-
-    def kernels(fn) -> set[str]:
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            fn()
-            torch.cuda.synchronize()
-        return {e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                and not e.name.startswith(("Memcpy", "Memset"))}
 
     _warmed_rows.cache_clear()
     rng = np.random.default_rng(0)
@@ -270,11 +262,11 @@ def test_cuda_batched_mel_launches_no_kernel_and_makes_no_plan_after_its_first_b
     def mels(waves):
         return log_mel_many(waves, [uses_dynamic_floor(w.shape[0]) for w in waves], device="cuda")
 
-    warmed = kernels(lambda: mels(batch(1.035)))
+    warmed = _cuda_kernels(lambda: mels(batch(1.035)))
     plans = torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()].size
     for seconds in [1.035 + k for k in range(30)]:
         waves = batch(seconds)
-        used = kernels(lambda: mels(waves))
+        used = _cuda_kernels(lambda: mels(waves))
         assert used and used <= warmed, (seconds, used - warmed)
     assert torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()].size == plans
 
