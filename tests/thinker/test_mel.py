@@ -223,8 +223,9 @@ def test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches():
     launched: the first launch of a kernel in a process loads it, and the dynamic floor's, first used at a
     stream's 5th second, took a 16-seat duplex second's mel from ~12 to 34 ms (session 53). cuBLAS picks the
     mel bank's GEMM kernel by shape (split-K at 1 s), hence every step at the frame bucket's width."""
-    from minicpmo_rt.thinker.mel import uses_dynamic_floor, warm_mel
+    from minicpmo_rt.thinker.mel import _warmed_mel, uses_dynamic_floor, warm_mel
 
+    _warmed_mel.cache_clear()     # warmed by an earlier test in this process, it would launch nothing
     warmed = _cuda_kernels(lambda: warm_mel("cuda"))
     plans = torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()].size
     rng = np.random.default_rng(0)

@@ -89,10 +89,15 @@ def warm_mel(device: torch.device | str, max_seconds: float = 32.0, sample_rate:
     buffer, the 5th second of every stream, after a 2-s warm-up; its first use in a process took the 16-seat
     duplex second's mel from ~12 to 34 ms on the H200 (``duplex_waits_session53_h200.md``). Every bucket, since
     cuBLAS picks the mel bank's GEMM kernel by shape (split-K at 1 s, another at 5 s). Returns the number of
-    buckets; a no-op off CUDA."""
+    buckets; a no-op off CUDA, and done once per process and device (``shared_fast_paths`` calls it for every
+    batch or conversation it equips)."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return 0
+    return _warmed_mel(device, max_seconds, sample_rate) if device.type == "cuda" else 0
+
+
+@lru_cache(maxsize=8)
+def _warmed_mel(device: torch.device, max_seconds: float, sample_rate: int) -> int:
+    # a cache of work done, not a switch: the plans stay in cuFFT's cache and loaded kernels stay loaded
     buckets = stft_buckets(max_seconds, sample_rate)
     for bucket in buckets:
         # half a hop short of the bucket: frames = bucket - 1, so the zero padding is not empty, as in a stream
