@@ -164,6 +164,12 @@ def machine_state(dev: torch.device, staging=None, clock: bool = True) -> dict:
     return out
 
 
+def project_path(filename: str) -> str | None:
+    """``filename``'s path inside the project's package (``thinker/mel.py``), or None for a file outside it."""
+    head, sep, tail = filename.rpartition(f"{os.sep}minicpmo_rt{os.sep}")
+    return tail if sep else None
+
+
 @contextlib.contextmanager
 def calls_recorded(owner, name: str, sites: list[str]):
     """``owner.name`` wrapped for the block: each call appends its caller's site (the innermost frame in the
@@ -173,10 +179,9 @@ def calls_recorded(owner, name: str, sites: list[str]):
 
     def recorded(*args, **kwargs):
         f = sys._getframe(1)
-        while f is not None and f"{os.sep}minicpmo_rt{os.sep}" not in f.f_code.co_filename:
+        while f is not None and project_path(f.f_code.co_filename) is None:
             f = f.f_back
-        at = "?" if f is None else f.f_code.co_filename.rsplit(f"{os.sep}minicpmo_rt{os.sep}", 1)[1]
-        sites.append("?" if f is None else f"{at}:{f.f_code.co_name}")
+        sites.append("?" if f is None else f"{project_path(f.f_code.co_filename)}:{f.f_code.co_name}")
         return original(*args, **kwargs)
 
     setattr(owner, name, recorded)
@@ -198,9 +203,8 @@ def segment_sites(events: list[dict]) -> dict[str, float]:
         if e.get("action") not in SEGMENT_ACTIONS:
             continue
         frames = e.get("frames") or []
-        ours = [f for f in frames if f"{os.sep}minicpmo_rt{os.sep}" in f.get("filename", "")]
-        f = (ours or frames or [{}])[0]
-        name = f.get("filename", "?").rsplit(f"{os.sep}minicpmo_rt{os.sep}", 1)[-1]
+        f = next((f for f in frames if project_path(f.get("filename", ""))), frames[0] if frames else {})
+        name = project_path(f.get("filename", "?")) or f.get("filename", "?")
         sites[f"{name}:{f.get('line', '?')}:{f.get('name', '?')}"] += e.get("size", 0) / 2**20
     return {k: round(v, 1) for k, v in sorted(sites.items(), key=lambda kv: -kv[1])}
 
