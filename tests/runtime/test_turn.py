@@ -93,6 +93,9 @@ def test_respond_streams_960_samples_per_code_in_order(pipe, voice):
     prof = pipe.profile.talker
     ref = pipe.code2wav.stream_codes(codes, voice, window=prof.window, first_window=prof.first_window)
     assert np.array_equal(wav, ref)
+    # respond_waveform: the same turn (same seed) as one array
+    whole = pipe.respond_waveform("Tell me a story.", voice, request_id="two", seed=1, max_new_tokens=6, max_codes=30)
+    assert whole.dtype == np.float32 and np.array_equal(whole, wav)
 
 
 def test_two_requests_in_one_batch_equal_each_alone(pipe, voice):

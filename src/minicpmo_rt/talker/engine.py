@@ -166,7 +166,6 @@ class TalkerEngine:
         self.uploads = staging_on(self.device, slots=8)
         self.state = SlotState(capacity, params.window, self.device, self.uploads)
         self.pos = torch.zeros(capacity, dtype=torch.long, device=self.device)  # next write position
-        self.last_code = torch.zeros(capacity, dtype=torch.long, device=self.device)
         self.first_logits = torch.zeros(capacity, c.num_audio_tokens, device=self.device)
         self.codes = torch.zeros(capacity, self.max_len, dtype=torch.long, device=self.device)
         self.pending: deque[TalkerRequest] = deque()

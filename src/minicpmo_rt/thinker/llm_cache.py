@@ -139,7 +139,6 @@ class StaticRows:
         self.pool = pool
         self.graphs = (self.big.kernels == "triton" and self.big.device.type == "cuda") if graphs is None else graphs
         self._free = [self.big.row_view(i) for i in range(batch)]
-        self._tokens = torch.zeros(batch, dtype=torch.long, device=self.big.device)
 
     def acquire(self, capacity: int, batch: int = 1) -> StaticDecoder:
         if batch != 1 or capacity != self.capacity:

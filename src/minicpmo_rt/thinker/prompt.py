@@ -34,14 +34,10 @@ EOS_S_ID = 128247  # "</s>": a plain added token of this vocabulary, upstream's 
 
 # Turn-streaming generation stops on upstream's "<|tts_eos|>", "<|im_end|>" and "</s>".
 TURN_TERMINATORS = (TTS_EOS_ID, IM_END_ID, EOS_S_ID)
-CHAT_TERMINATORS = (IM_END_ID, ENDOFTEXT_ID)
-DUPLEX_UNIT_TERMINATORS = (LISTEN_ID, CHUNK_EOS_ID, CHUNK_TTS_EOS_ID)
 
 THINK_EMPTY = "<think>\n\n</think>\n\n"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. You can accept audio and text input and output voice and text."
 DUPLEX_DEFAULT_SYSTEM_TEXT = "Streaming Omni Conversation."
-AUDIO_TAG = "<audio>./</audio>"  # upstream's in-text marker for an audio item (replaced by its placeholder)
-IMAGE_TAG = "<image>./</image>"
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ import torch
 
 from . import AVAILABLE, interpreting
 
-EPS = 1e-9  # hift.Snake's epsilon
 ACTS = {"snake": 0, "leaky": 1, "none": 2}
 
 if AVAILABLE:
