@@ -265,6 +265,42 @@ def duplex_batch_cmd(
                f"(profile {info['profile']}, {info['dtype']})")
 
 
+@app.command("serve")
+def serve_cmd(
+    model: str = typer.Option(..., "--model", help="Snapshot dir (all weights, tokenizer, assets/token2wav/)."),
+    voices: list[str] = typer.Option(..., "--voice", help="A voice to speak in: PATH (named by its stem) or "
+                                     "NAME=PATH; repeat for several. The first is the default."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free one, printed at start)."),
+    profile: str = typer.Option("minicpmo_4_5_turn_mrv2", "--profile", help="Turn-mode deploy profile (name or YAML)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Spoken requests answered together "
+                                            "(default: the profile's Talker capacity)."),
+    min_codes: int = typer.Option(50, "--min-codes", help="Codes before EOS may be drawn (upstream 50)."),
+    n_timesteps: Optional[int] = typer.Option(None, "--n-timesteps", help="Euler steps of the flow (default: the "
+                                              "profile's)."),
+    served_name: str = typer.Option("minicpm-o-4.5", "--served-model-name", help="The model id the API reports."),
+    warm_up: bool = typer.Option(False, "--warm-up", help="Answer short turns in every voice before listening "
+                                 "(graphs and kernels made ahead of the first client)."),
+) -> None:
+    """Serve spoken turns over HTTP: OpenAI-style /v1/chat/completions, answered in text or text and speech."""
+    from .serving.http import parse_voices, serve
+
+    def ready(server) -> None:
+        typer.echo(f"serving {served_name} on {server.url} (voices: {', '.join(server.service.voices)}; "
+                   f"POST /v1/chat/completions, GET /v1/models, GET /health); Ctrl-C stops")
+
+    try:
+        if max_batch is not None and max_batch < 1:
+            raise InputError(f"--max-batch must be >= 1, got {max_batch}")
+        serve(model, parse_voices(voices), host, port, profile, device, max_batch, min_codes, n_timesteps,
+              served_name, warm_up, ready)
+    except MiniCPMORTError as exc:
+        _fail(exc)
+    except OSError as exc:
+        _fail(InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port or --host"))
+
+
 @app.command("make-targets")
 def make_targets_cmd(
     easycom_root: Path = typer.Option(..., "--easycom-root", help="EasyCom Main/ folder (holds Speech_Transcriptions/)."),

@@ -1,0 +1,192 @@
+"""TurnService: the one thread that runs the turn pipeline for the server, in batches.
+
+The pipeline's stages keep per-device state (static caches, graphs, Code2Wav streams), so a single worker
+owns it and HTTP threads only queue requests and read events. The worker takes the oldest request, waits
+``batch_wait_s`` for others, and runs up to ``max_batch`` spoken requests through ``TurnPipeline.run`` together
+(they share the Thinker's and Talker's steps and Code2Wav's calls; each answer equals its solo run, which
+the tests check). Requests that arrive meanwhile wait for the next batch: the pipeline admits a batch at its
+start. Text-only requests run through the Thinker alone, one at a time.
+
+Each request gets a ``Ticket``: events in order, ``Text`` pieces, then (spoken) ``Audio`` chunks, then one
+``Done`` or ``Failed``. A spoken answer's text comes whole, with its first audio chunk: the Talker starts
+once the Thinker's text is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Union
+
+import numpy as np
+
+from ..errors import InputError
+from ..runtime.contracts import TurnRequest
+from ..runtime.turn import TurnPipeline, TurnTrace
+from .openai_api import ChatRequest, new_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class Audio:
+    samples: np.ndarray      # 24 kHz float32, the next samples of the answer
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str       # "stop": the Thinker ended its text; "length": it hit the token limit
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+    bad_request: bool        # the request itself could not be answered (else the server failed)
+
+
+Event = Union[Text, Audio, Done, Failed]
+
+
+class Ticket:
+    """One queued request and the events of its answer."""
+
+    def __init__(self, chat: ChatRequest):
+        self.id, self.chat = new_id(), chat
+        self._events: queue.Queue[Event] = queue.Queue()
+        self.emitted = False        # an event went out (a failed batch is then not rerun for it)
+
+    def put(self, event: Event) -> None:
+        self.emitted = True
+        self._events.put(event)
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """The answer's events until ``Done`` or ``Failed`` (``queue.Empty`` after ``timeout`` s of silence)."""
+        while True:
+            ev = self._events.get(timeout=timeout)
+            yield ev
+            if isinstance(ev, (Done, Failed)):
+                return
+
+
+class TurnService:
+    """Serves ``ChatRequest``s on ``pipe`` from one worker thread; ``voices``: name -> reference WAV."""
+
+    def __init__(self, pipe: TurnPipeline, voices: dict[str, Path], max_batch: int | None = None,
+                 batch_wait_s: float = 0.02):
+        if not voices:
+            raise ValueError("TurnService: register at least one voice (name -> reference WAV)")
+        self.pipe, self.voices = pipe, dict(voices)
+        self.max_batch = max_batch or pipe.talker.capacity
+        if self.max_batch < 1:
+            raise ValueError(f"TurnService: max_batch must be >= 1, got {self.max_batch}")
+        self.batch_wait_s = batch_wait_s
+        self._queue: queue.Queue[Ticket | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="turn-service", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, chat: ChatRequest) -> Ticket:
+        if not self._thread.is_alive():
+            raise RuntimeError("TurnService is closed")
+        ticket = Ticket(chat)
+        self._queue.put(ticket)
+        return ticket
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop after the batch in progress; requests still queued fail."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    # ---- the worker --------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                break
+            batch, stop = [first], False
+            while len(batch) < self.max_batch:
+                try:
+                    t = self._queue.get(timeout=self.batch_wait_s)
+                except queue.Empty:
+                    break
+                if t is None:
+                    stop = True
+                    break
+                batch.append(t)
+            spoken = [t for t in batch if t.chat.speak]
+            for t in batch:
+                if not t.chat.speak:
+                    self._guarded([t], self._think)
+            if spoken:
+                self._guarded(spoken, self._speak)
+            if stop:
+                break
+        while True:     # closed: whatever is still queued is answered with a failure
+            try:
+                t = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if t is not None:
+                t.put(Failed("the server is shutting down", bad_request=False))
+
+    def _guarded(self, tickets: list[Ticket], run) -> None:
+        """``run(tickets)``; a failure before any output reruns each request alone, so one bad request does not
+        fail the others; after output, every unfinished request of the batch fails with the error."""
+        try:
+            run(tickets)
+        except Exception as exc:  # noqa: BLE001 (reported to the client, never swallowed)
+            if len(tickets) > 1 and not any(t.emitted for t in tickets):
+                for t in tickets:
+                    self._guarded([t], run)
+                return
+            bad = isinstance(exc, InputError)
+            if not bad:
+                log.exception("turn batch of %d failed", len(tickets))
+            for t in tickets:
+                t.put(Failed(str(exc) if bad else f"internal error: {type(exc).__name__}: {exc}", bad))
+
+    def _request(self, t: Ticket) -> TurnRequest:
+        c = t.chat
+        return TurnRequest.make(t.id, c.messages, self.voices[c.voice] if c.speak else None, c.seed, c.max_tokens,
+                                c.max_codes)
+
+    def _think(self, tickets: list[Ticket]) -> None:
+        (t,) = tickets
+        prompt, n, finish = 0, 0, "length"
+        for steps in self.pipe.think(self._request(t)):
+            for s in steps:
+                prompt = prompt or s.position
+                n += 1
+                if s.is_terminator:
+                    finish = "stop"
+                    break
+                t.put(Text(s.text))
+        t.put(Done(finish, prompt, n))
+
+    def _speak(self, tickets: list[Ticket]) -> None:
+        by_id = {t.id: t for t in tickets}
+        trace = TurnTrace()
+        for chunk in self.pipe.run([self._request(t) for t in tickets], trace):
+            t = by_id[chunk.request_id]
+            if not t.emitted:
+                t.put(Text(trace.talker_inputs[t.id].text))
+            if len(chunk.samples):
+                t.put(Audio(chunk.samples))
+            if chunk.final:
+                steps = trace.steps[t.id]
+                stopped = trace.talker_inputs[t.id].terminator is not None
+                t.put(Done("stop" if stopped else "length", steps[0].position, len(steps)))

@@ -1,0 +1,57 @@
+"""`minicpmo-rt serve` as a user runs it: a process that listens, answers, and stops on Ctrl-C."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+
+def _serve(tiny_ckpt, voice, *extra) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "minicpmo_rt.cli", "serve", "--model", str(tiny_ckpt), "--voice", f"anna={voice}",
+           "--min-codes", "5", "--n-timesteps", "2", *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _url(proc: subprocess.Popen, timeout: float = 240.0) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("serving "):
+            return line.split(" on ", 1)[1].split(" ", 1)[0]
+    proc.kill()
+    pytest.fail(f"serve did not start: {proc.stderr.read()[-2000:]}")
+
+
+def test_serve_answers_then_stops_on_ctrl_c(tiny_ckpt, voice):
+    proc = _serve(tiny_ckpt, voice, "--port", "0")
+    try:
+        url = _url(proc)
+        body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
+                           "max_tokens": 4, "max_codes": 30}).encode()
+        answer = json.load(urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", body),
+                                                  timeout=240))
+        assert answer["choices"][0]["message"]["audio"]["format"] == "wav"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, proc.stderr.read()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_taken_port_fails_with_a_message_before_loading(tiny_ckpt, voice):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = _serve(tiny_ckpt, voice, "--port", str(port))
+        _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err, err

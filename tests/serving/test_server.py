@@ -1,0 +1,200 @@
+"""The HTTP server on the tiny checkpoint: real sockets, the real turn pipeline, answers compared with the
+pipeline's own turns (same messages and seed)."""
+
+import base64
+import http.client
+import io
+import json
+import threading
+import urllib.error
+import urllib.request
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from conftest import rel_err
+from minicpmo_rt.runtime.contracts import TurnRequest
+from minicpmo_rt.runtime.turn import TurnPipeline, TurnTrace, collect
+from minicpmo_rt.serving.http import TurnServer, parse_voices
+from minicpmo_rt.serving.openai_api import parse_chat, pcm16
+from minicpmo_rt.serving.turns import Audio, Done, Failed, Text, TurnService
+from minicpmo_rt.talker.sampler import SamplingParams
+
+USER = [{"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, voice, tmp_path_factory):
+    broken = tmp_path_factory.mktemp("voices") / "broken.wav"
+    broken.write_text("not audio")
+    pipe = TurnPipeline.from_snapshot(tiny_ckpt, capacity=2, n_timesteps=2, talker_params=SamplingParams(min_codes=5))
+    service = TurnService(pipe, {"anna": voice, "broken": broken})
+    srv = TurnServer(("127.0.0.1", 0), service, "tiny-test")
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    service.close(timeout=60)
+
+
+def _post(srv, body, raw: bytes | None = None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(srv.url + "/v1/chat/completions", data, {"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=300)
+
+
+def _refused(srv, body=None, raw=None, method="POST", path="/v1/chat/completions") -> tuple[int, dict]:
+    if method == "GET":
+        req = urllib.request.Request(srv.url + path)
+    else:
+        req = urllib.request.Request(srv.url + path, raw if raw is not None else json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=60)
+    return info.value.code, json.loads(info.value.read())
+
+
+@lru_cache(maxsize=None)
+def _reference(pipe, voice, seed: int, max_tokens: int = 6, max_codes: int = 30):
+    """The pipeline's own turn (no server): (24 kHz samples, transcript, generated token count)."""
+    trace = TurnTrace()
+    req = TurnRequest.make(f"ref-{seed}", USER, voice, seed, max_tokens, max_codes)
+    wav = collect(list(pipe.run([req], trace)))[req.request_id]
+    return wav, trace.talker_inputs[req.request_id].text, len(trace.steps[req.request_id])
+
+
+def _events(resp) -> list:
+    out = []
+    for block in resp.read().decode().split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_health_models_and_refusals(server):
+    health = json.load(urllib.request.urlopen(server.url + "/health", timeout=60))
+    assert health == {"status": "ok", "model": "tiny-test", "voices": ["anna", "broken"], "queued": 0}
+    models = json.load(urllib.request.urlopen(server.url + "/v1/models", timeout=60))
+    assert [m["id"] for m in models["data"]] == ["tiny-test"]
+    code, body = _refused(server, method="GET", path="/nope")
+    assert code == 404 and "/v1/chat/completions" in body["error"]["message"]
+    assert _refused(server, method="GET")[0] == 405
+    assert _refused(server, {"messages": USER}, path="/v1/completions")[0] == 404
+    code, body = _refused(server, raw=b"{not json")
+    assert code == 400 and "not JSON" in body["error"]["message"]
+    code, body = _refused(server, {"messages": USER, "modalities": ["text", "audio"], "audio": {"voice": "zoe"}})
+    assert code == 400 and body["error"]["param"] == "audio.voice" and "anna, broken" in body["error"]["message"]
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)    # no Content-Length
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.endheaders()
+    assert conn.getresponse().status == 411
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+    conn.request("POST", "/v1/chat/completions", headers={"Content-Length": str(1 << 30)})
+    assert conn.getresponse().status == 413
+
+
+def test_spoken_answer_is_the_pipelines_own_turn(server, voice):
+    body = json.load(_post(server, {"messages": USER, "modalities": ["text", "audio"], "seed": 3, "max_tokens": 6,
+                                    "max_codes": 30}))
+    wav, text, n = _reference(server.service.pipe, voice, 3)
+    choice = body["choices"][0]
+    audio = choice["message"]["audio"]
+    samples, sr = sf.read(io.BytesIO(base64.b64decode(audio["data"])), dtype="int16")
+    assert sr == 24000 and audio["format"] == "wav" and len(samples) > 0
+    assert np.array_equal(samples, np.frombuffer(pcm16(wav), "<i2"))
+    assert audio["transcript"] == text and choice["message"]["content"] is None
+    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == n == 6
+
+
+def test_stream_sends_the_transcript_then_pcm16_chunks(server, voice):
+    events = _events(_post(server, {"messages": USER, "modalities": ["text", "audio"], "seed": 3, "max_tokens": 6,
+                                    "max_codes": 30, "stream": True}))
+    wav, text, n = _reference(server.service.pipe, voice, 3)
+    assert events[-1] == "[DONE]"
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": None}
+    assert deltas[1]["audio"]["transcript"] == text
+    chunks = [base64.b64decode(d["audio"]["data"]) for d in deltas[2:-1]]
+    assert len(chunks) >= 2 and b"".join(chunks) == pcm16(wav)
+    last = events[-2]
+    assert last["choices"][0]["finish_reason"] == "length" and last["usage"]["completion_tokens"] == n
+
+
+def test_text_answer_is_the_thinkers_text(server):
+    pipe = server.service.pipe
+    steps = [s for chunk in pipe.think(TurnRequest.make("ref", USER, None, 5, 6)) for s in chunk]
+    want = "".join(s.text for s in steps if not s.is_terminator)
+    body = json.load(_post(server, {"messages": USER, "seed": 5, "max_tokens": 6}))
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want}
+    events = _events(_post(server, {"messages": USER, "seed": 5, "max_tokens": 6, "stream": True}))
+    pieces = [e["choices"][0]["delta"].get("content") for e in events[1:-2]]
+    assert "".join(pieces) == want and len(pieces) == sum(not s.is_terminator for s in steps)
+
+
+def test_concurrent_requests_share_a_batch_and_each_is_its_solo_turn(server, voice, monkeypatch):
+    """Two clients at once: one ``TurnPipeline.run`` of both; each gets its own turn's transcript and audio."""
+    pipe, service = server.service.pipe, server.service
+    refs = {seed: _reference(pipe, voice, seed) for seed in (3, 4)}
+    batches = []
+    run = pipe.run
+
+    def recording_run(requests, *args, **kw):
+        batches.append(len(requests))
+        return run(requests, *args, **kw)
+
+    monkeypatch.setattr(pipe, "run", recording_run)
+    monkeypatch.setattr(service, "batch_wait_s", 2.0)
+    got = {}
+
+    def ask(seed):
+        got[seed] = json.load(_post(server, {"messages": USER, "modalities": ["text", "audio"], "seed": seed,
+                                             "max_tokens": 6, "max_codes": 30, "audio": {"format": "pcm16"}}))
+
+    threads = [threading.Thread(target=ask, args=(s,)) for s in (3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert batches == [2]
+    for seed, (wav, text, _) in refs.items():
+        audio = got[seed]["choices"][0]["message"]["audio"]
+        assert audio["transcript"] == text
+        # batched Code2Wav calls sum in another order (test_turn: within 1e-5 of each request alone), and 16-bit
+        # rounding adds at most half a step (1.5e-5 of full scale; this noise is near full scale)
+        pcm = np.frombuffer(base64.b64decode(audio["data"]), "<i2") / 32767.0
+        assert pcm.shape == wav.shape and rel_err(torch.from_numpy(pcm), torch.from_numpy(wav).double()) < 1e-4
+
+
+def test_a_bad_voice_fails_its_request_alone(server, voice, monkeypatch):
+    """A batch that fails before any output is rerun request by request: the broken voice's request is
+    refused (400, naming the file), its batch mate is answered as if alone."""
+    service = server.service
+    monkeypatch.setattr(service, "batch_wait_s", 2.0)
+    voices = list(service.voices)
+    bad = service.submit(parse_chat({"messages": USER, "modalities": ["text", "audio"], "audio": {"voice": "broken"},
+                                     "max_tokens": 6, "max_codes": 30, "seed": 3}, voices))
+    good = service.submit(parse_chat({"messages": USER, "modalities": ["text", "audio"], "max_tokens": 6,
+                                      "max_codes": 30, "seed": 3}, voices))
+    bad_events = list(bad.events(timeout=300))
+    assert isinstance(bad_events[-1], Failed) and bad_events[-1].bad_request, bad_events
+    assert "broken.wav" in bad_events[-1].message
+    events = list(good.events(timeout=300))
+    assert isinstance(events[0], Text) and isinstance(events[-1], Done)
+    wav, text, _ = _reference(service.pipe, voice, 3)
+    assert events[0].text == text
+    assert np.array_equal(np.concatenate([e.samples for e in events if isinstance(e, Audio)]), wav)
+
+
+def test_voices_are_named_and_checked(tmp_path, voice):
+    assert parse_voices([str(voice), f"b={voice}"]) == {voice.stem: voice, "b": voice}
+    from minicpmo_rt.errors import InputError
+
+    for specs, words in (([], "at least one"), ([f"a={voice}", f"a={voice}"], "is taken"),
+                         ([str(tmp_path / "none.wav")], "is not a file"), (["=x"], "NAME=PATH")):
+        with pytest.raises(InputError, match=words):
+            parse_voices(specs)
