@@ -270,31 +270,42 @@ def serve_cmd(
     model: str = typer.Option(..., "--model", help="Snapshot dir (all weights, tokenizer, assets/token2wav/)."),
     voices: list[str] = typer.Option(..., "--voice", help="A voice to speak in: PATH (named by its stem) or "
                                      "NAME=PATH; repeat for several. The first is the default."),
+    mode: str = typer.Option("turn", "--mode", help="turn: OpenAI-style /v1/chat/completions; duplex: duplex "
+                             "sessions fed one second of audio (and a camera frame) at a time."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free one, printed at start)."),
-    profile: str = typer.Option("minicpmo_4_5_turn_mrv2", "--profile", help="Turn-mode deploy profile (name or YAML)."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Deploy profile (name or YAML; default: "
+                                          "minicpmo_4_5_turn_mrv2, or minicpmo_4_5_duplex_h200 with --mode duplex)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Spoken requests answered together "
-                                            "(default: the profile's Talker capacity)."),
-    min_codes: int = typer.Option(50, "--min-codes", help="Codes before EOS may be drawn (upstream 50)."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Turn mode: spoken requests answered "
+                                            "together (default: the profile's Talker capacity)."),
+    seats: int = typer.Option(4, "--seats", help="Duplex mode: sessions open at once (each a seat of one "
+                                                "batch; their seconds step together)."),
+    idle_timeout: float = typer.Option(60.0, "--idle-timeout", help="Duplex mode: seconds without input after "
+                                       "which a session is closed and its seat freed."),
+    dtype: str = typer.Option("auto", "--dtype", help="Duplex mode's Thinker and Talker weights: auto (bfloat16 on "
+                                                      "CUDA, float32 on the CPU), float32, bfloat16 or float16."),
+    min_codes: int = typer.Option(50, "--min-codes", help="Turn mode: codes before EOS may be drawn (upstream 50)."),
     n_timesteps: Optional[int] = typer.Option(None, "--n-timesteps", help="Euler steps of the flow (default: the "
                                               "profile's)."),
     served_name: str = typer.Option("minicpm-o-4.5", "--served-model-name", help="The model id the API reports."),
-    warm_up: bool = typer.Option(False, "--warm-up", help="Answer short turns in every voice before listening "
-                                 "(graphs and kernels made ahead of the first client)."),
+    warm_up: bool = typer.Option(False, "--warm-up", help="Make graphs and kernels before listening (turn: short "
+                                 "turns in every voice; duplex: a few seconds on every seat)."),
 ) -> None:
-    """Serve spoken turns over HTTP: OpenAI-style /v1/chat/completions, answered in text or text and speech."""
+    """Serve over HTTP: OpenAI-style chat completions (turn mode) or duplex sessions (duplex mode)."""
     from .serving.http import parse_voices, serve
 
     def ready(server) -> None:
-        typer.echo(f"serving {served_name} on {server.url} (voices: {', '.join(server.service.voices)}; "
-                   f"POST /v1/chat/completions, GET /v1/models, GET /health); Ctrl-C stops")
+        typer.echo(f"serving {served_name} ({server.mode} mode) on {server.url} (voices: {', '.join(server.voices)}; "
+                   "GET /health lists the routes' state); Ctrl-C stops")
 
     try:
         if max_batch is not None and max_batch < 1:
             raise InputError(f"--max-batch must be >= 1, got {max_batch}")
-        serve(model, parse_voices(voices), host, port, profile, device, max_batch, min_codes, n_timesteps,
-              served_name, warm_up, ready)
+        if not (idle_timeout > 0 and math.isfinite(idle_timeout)):
+            raise InputError(f"--idle-timeout must be a positive number of seconds, got {idle_timeout}")
+        serve(model, parse_voices(voices), host, port, mode, profile, device, max_batch, seats, min_codes,
+              n_timesteps, dtype, served_name, warm_up, idle_timeout, ready)
     except MiniCPMORTError as exc:
         _fail(exc)
     except OSError as exc:

@@ -55,3 +55,26 @@ def test_a_taken_port_fails_with_a_message_before_loading(tiny_ckpt, voice):
         proc = _serve(tiny_ckpt, voice, "--port", str(port))
         _, err = proc.communicate(timeout=240)
     assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err, err
+
+
+def test_serve_duplex_mode_opens_a_session_and_steps_a_second(tiny_ckpt, voice):
+    import base64
+
+    proc = _serve(tiny_ckpt, voice, "--port", "0", "--mode", "duplex", "--seats", "1")
+    try:
+        url = _url(proc)
+
+        def call(method, path, body):
+            req = urllib.request.Request(url + path, json.dumps(body).encode(), method=method)
+            return json.load(urllib.request.urlopen(req, timeout=240))
+
+        sid = call("POST", "/v1/duplex/sessions", {"seed": 3})["id"]
+        second = base64.b64encode(bytes(32000)).decode()       # one second of silence
+        unit = call("POST", f"/v1/duplex/sessions/{sid}/seconds", {"audio": second})
+        assert unit["index"] == 0 and unit["sample_rate"] == 24000
+        assert call("DELETE", f"/v1/duplex/sessions/{sid}", {})["closed"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, proc.stderr.read()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

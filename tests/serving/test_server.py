@@ -18,7 +18,7 @@ import torch
 from conftest import rel_err
 from minicpmo_rt.runtime.contracts import TurnRequest
 from minicpmo_rt.runtime.turn import TurnPipeline, TurnTrace, collect
-from minicpmo_rt.serving.http import TurnServer, parse_voices
+from minicpmo_rt.serving.http import Server, parse_voices
 from minicpmo_rt.serving.openai_api import parse_chat, pcm16
 from minicpmo_rt.serving.turns import Audio, Done, Failed, Text, TurnService
 from minicpmo_rt.talker.sampler import SamplingParams
@@ -32,7 +32,7 @@ def server(tiny_ckpt, voice, tmp_path_factory):
     broken.write_text("not audio")
     pipe = TurnPipeline.from_snapshot(tiny_ckpt, capacity=2, n_timesteps=2, talker_params=SamplingParams(min_codes=5))
     service = TurnService(pipe, {"anna": voice, "broken": broken})
-    srv = TurnServer(("127.0.0.1", 0), service, "tiny-test")
+    srv = Server(("127.0.0.1", 0), "tiny-test", turns=service)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv
@@ -78,13 +78,15 @@ def _events(resp) -> list:
 
 def test_health_models_and_refusals(server):
     health = json.load(urllib.request.urlopen(server.url + "/health", timeout=60))
-    assert health == {"status": "ok", "model": "tiny-test", "voices": ["anna", "broken"], "queued": 0}
+    assert health == {"status": "ok", "mode": "turn", "model": "tiny-test", "voices": ["anna", "broken"], "queued": 0}
     models = json.load(urllib.request.urlopen(server.url + "/v1/models", timeout=60))
     assert [m["id"] for m in models["data"]] == ["tiny-test"]
     code, body = _refused(server, method="GET", path="/nope")
     assert code == 404 and "/v1/chat/completions" in body["error"]["message"]
     assert _refused(server, method="GET")[0] == 405
     assert _refused(server, {"messages": USER}, path="/v1/completions")[0] == 404
+    code, body = _refused(server, {}, path="/v1/duplex/sessions")
+    assert code == 404 and "--mode duplex" in body["error"]["message"]
     code, body = _refused(server, raw=b"{not json")
     assert code == 400 and "not JSON" in body["error"]["message"]
     code, body = _refused(server, {"messages": USER, "modalities": ["text", "audio"], "audio": {"voice": "zoe"}})
@@ -101,7 +103,7 @@ def test_health_models_and_refusals(server):
 def test_spoken_answer_is_the_pipelines_own_turn(server, voice):
     body = json.load(_post(server, {"messages": USER, "modalities": ["text", "audio"], "seed": 3, "max_tokens": 6,
                                     "max_codes": 30}))
-    wav, text, n = _reference(server.service.pipe, voice, 3)
+    wav, text, n = _reference(server.turns.pipe, voice, 3)
     choice = body["choices"][0]
     audio = choice["message"]["audio"]
     samples, sr = sf.read(io.BytesIO(base64.b64decode(audio["data"])), dtype="int16")
@@ -114,7 +116,7 @@ def test_spoken_answer_is_the_pipelines_own_turn(server, voice):
 def test_stream_sends_the_transcript_then_pcm16_chunks(server, voice):
     events = _events(_post(server, {"messages": USER, "modalities": ["text", "audio"], "seed": 3, "max_tokens": 6,
                                     "max_codes": 30, "stream": True}))
-    wav, text, n = _reference(server.service.pipe, voice, 3)
+    wav, text, n = _reference(server.turns.pipe, voice, 3)
     assert events[-1] == "[DONE]"
     deltas = [e["choices"][0]["delta"] for e in events[:-1]]
     assert deltas[0] == {"role": "assistant", "content": None}
@@ -126,7 +128,7 @@ def test_stream_sends_the_transcript_then_pcm16_chunks(server, voice):
 
 
 def test_text_answer_is_the_thinkers_text(server):
-    pipe = server.service.pipe
+    pipe = server.turns.pipe
     steps = [s for chunk in pipe.think(TurnRequest.make("ref", USER, None, 5, 6)) for s in chunk]
     want = "".join(s.text for s in steps if not s.is_terminator)
     body = json.load(_post(server, {"messages": USER, "seed": 5, "max_tokens": 6}))
@@ -138,7 +140,7 @@ def test_text_answer_is_the_thinkers_text(server):
 
 def test_concurrent_requests_share_a_batch_and_each_is_its_solo_turn(server, voice, monkeypatch):
     """Two clients at once: one ``TurnPipeline.run`` of both; each gets its own turn's transcript and audio."""
-    pipe, service = server.service.pipe, server.service
+    pipe, service = server.turns.pipe, server.turns
     refs = {seed: _reference(pipe, voice, seed) for seed in (3, 4)}
     batches = []
     run = pipe.run
@@ -173,7 +175,7 @@ def test_concurrent_requests_share_a_batch_and_each_is_its_solo_turn(server, voi
 def test_a_bad_voice_fails_its_request_alone(server, voice, monkeypatch):
     """A batch that fails before any output is rerun request by request: the broken voice's request is
     refused (400, naming the file), its batch mate is answered as if alone."""
-    service = server.service
+    service = server.turns
     monkeypatch.setattr(service, "batch_wait_s", 2.0)
     voices = list(service.voices)
     bad = service.submit(parse_chat({"messages": USER, "modalities": ["text", "audio"], "audio": {"voice": "broken"},

@@ -331,7 +331,7 @@ class DuplexBatch:
     def step(self, inputs: Sequence[DuplexInput | None]) -> list[DuplexUnit | None]:
         """One second for every conversation: ``inputs[i]`` is conversation i's, or None when it does
         not step this second (its unit is then None too)."""
-        self._check(inputs)
+        self.check(inputs)
         thought = self._think(inputs)
         talking = [i for i, (_, gen) in thought.items() if speaks(gen)]
         made = self.talker.generate_units([SeatUnit(i, thought[i][1].talker_ids, thought[i][1].talker_hidden,
@@ -412,7 +412,7 @@ class DuplexBatch:
             pending = nxt
         return done
 
-    def _check(self, inputs) -> None:
+    def check(self, inputs) -> None:
         """Every input is checked before any conversation commits its second, so a bad one for
         conversation k does not leave the others a second ahead (audio and frame, as ``commit`` checks them)."""
         from ..thinker.image_processor import to_rgb_image

@@ -193,9 +193,10 @@ def video_frames_per_second(path: Path, seconds: int) -> list:
     return out
 
 
-def _duplex_options(profile: str, decode: str, force_listen_units: int, max_units: int | None,
+def duplex_options(profile: str, decode: str, force_listen_units: int, max_units: int | None,
                     n_timesteps: int | None, device: str, dtype: str):
-    """The duplex jobs' checked flags -> (profile, torch dtype, DuplexDecodeConfig), before any model loads."""
+    """The duplex jobs' (and ``serve --mode duplex``'s) checked flags -> (profile, torch dtype,
+    DuplexDecodeConfig), before any model loads."""
     import torch
 
     from ..profiles import load_profile
@@ -241,7 +242,7 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
     for flag, path in (("--input", input_audio), ("--voice", voice)) + ((("--video", video),) if video else ()):
         if not Path(path).is_file():
             raise InputError(f"{flag} {path}: file not found; pass a WAV (any sample rate, mono or stereo)")
-    prof, torch_dtype, cfg = _duplex_options(profile, decode, force_listen_units, max_units, n_timesteps,
+    prof, torch_dtype, cfg = duplex_options(profile, decode, force_listen_units, max_units, n_timesteps,
                                              device, dtype)
     check_output_path(output, "--output")
     if transcript is not None:
@@ -309,7 +310,7 @@ def run_duplex_batch(model: str, inputs: list[Path], voices: list[Path], outputs
                 raise InputError(f"{flag} {path}: file not found; pass a WAV (any sample rate, mono or stereo)")
     if len({Path(o).resolve() for o in outputs}) != n:
         raise InputError("--output: two conversations would write the same file; give distinct paths")
-    prof, torch_dtype, cfg = _duplex_options(profile, decode, force_listen_units, max_units, n_timesteps,
+    prof, torch_dtype, cfg = duplex_options(profile, decode, force_listen_units, max_units, n_timesteps,
                                              device, dtype)
     for out in outputs:
         check_output_path(out, "--output")

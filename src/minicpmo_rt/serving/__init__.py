@@ -1,8 +1,9 @@
-"""An HTTP server for spoken turns: OpenAI-style chat completions answered in text and speech.
+"""An HTTP server for spoken conversation: OpenAI-style chat completions (turn mode) or duplex sessions.
 
-    openai_api  request parsing and response bodies (plain data; no model, no sockets)
+    openai_api  chat-completions request parsing and response bodies (plain data; no model, no sockets)
     turns       TurnService: one worker thread that owns a TurnPipeline and batches requests
-    http        the stdlib HTTP server that routes requests to the service
+    duplex      DuplexService: duplex sessions on the seats of one DuplexBatch, stepped together
+    http        the stdlib HTTP server that routes requests to the service of its mode
 
 Standard library only (``http.server``), so serving adds no dependency to the package.
 """

@@ -1,10 +1,17 @@
-"""The HTTP front of a ``TurnService`` (standard library ``http.server``, one thread per connection).
+"""The HTTP front of a ``TurnService`` or a ``DuplexService`` (standard library ``http.server``, one thread
+per connection).
 
-    GET  /health                status, model name, voices, queued requests
-    GET  /v1/models             OpenAI's model list (the one served model)
-    POST /v1/chat/completions   OpenAI-style chat completions (``openai_api``); ``stream: true`` answers with
-                                server-sent events: the text, then base64 24 kHz PCM16 audio deltas, a last
-                                chunk with the finish reason and usage, then ``data: [DONE]``
+    GET    /health                         status, mode, model name, voices, load
+    GET    /v1/models                      OpenAI's model list (the one served model)
+  turn mode:
+    POST   /v1/chat/completions            OpenAI-style chat completions (``openai_api``); ``stream: true``
+                                           answers with server-sent events: the text, then base64 24 kHz PCM16
+                                           audio deltas, a last chunk with the finish reason and usage, then
+                                           ``data: [DONE]``
+  duplex mode:
+    POST   /v1/duplex/sessions             open a session {"voice", "seed"} -> {"id", ...}
+    POST   /v1/duplex/sessions/ID/seconds  one second of the user's audio (and camera frame) -> the model's unit
+    DELETE /v1/duplex/sessions/ID          close it -> the model's last words
 
 Every refusal is OpenAI's error object with a 4xx status; a failure of the model itself is a 500 (or, once a
 stream has started, an ``error`` event before the stream ends).
@@ -20,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
+from .duplex import DuplexService, parse_second, unit_body
 from .openai_api import ApiError, b64, chunk_body, completion_body, parse_chat, pcm16, usage
 from .turns import Audio, Done, Failed, Text, TurnService
 
@@ -29,12 +37,24 @@ MAX_BODY = 1 << 20          # bytes of request JSON
 EVENT_TIMEOUT_S = 600.0     # silence from the worker after which a request is answered with an error
 
 
-class TurnServer(ThreadingHTTPServer):
+class Server(ThreadingHTTPServer):
+    """``turns`` (chat completions) or ``duplex`` (duplex sessions): the service this server fronts."""
+
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], service: TurnService | None, model: str):
+    def __init__(self, address: tuple[str, int], model: str, turns: TurnService | None = None,
+                 duplex: DuplexService | None = None):
         super().__init__(address, _Handler)     # binds and listens; requests are read once serve_forever runs
-        self.service, self.model = service, model
+        self.turns, self.duplex, self.model = turns, duplex, model
+
+    @property
+    def mode(self) -> str:
+        return "duplex" if self.duplex is not None else "turn"
+
+    @property
+    def voices(self) -> list[str]:
+        service = self.duplex if self.duplex is not None else self.turns
+        return [] if service is None else list(service.voices)
 
     @property
     def url(self) -> str:
@@ -43,7 +63,7 @@ class TurnServer(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: TurnServer
+    server: Server
     server_version = "minicpmo-rt"
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
@@ -85,31 +105,76 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (the base class's name)
         srv = self.server
         if self.path == "/health":
-            self._json(200, {"status": "ok", "model": srv.model, "voices": list(srv.service.voices),
-                             "queued": srv.service.queued})
+            load = ({"seats": srv.duplex.seats, "sessions": srv.duplex.open_sessions} if srv.duplex is not None
+                    else {"queued": srv.turns.queued if srv.turns is not None else 0})
+            self._json(200, {"status": "ok", "mode": srv.mode, "model": srv.model, "voices": srv.voices, **load})
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": srv.model, "object": "model", "created": 0,
                                                          "owned_by": "minicpmo-rt"}]})
-        elif self.path == "/v1/chat/completions":
-            self._error(ApiError("POST a chat-completions request here", status=405))
+        elif self.path in ("/v1/chat/completions", "/v1/duplex/sessions") or self.path.startswith("/v1/duplex/"):
+            self._error(ApiError(f"GET {self.path}: use POST (DELETE to close a duplex session)", status=405))
         else:
-            self._error(ApiError(f"no route {self.path}: GET /health, GET /v1/models, POST /v1/chat/completions",
-                                 status=404))
+            self._error(ApiError(f"no route {self.path}: {self._routes()}", status=404))
+
+    def _routes(self) -> str:
+        if self.server.mode == "duplex":
+            return ("GET /health, GET /v1/models, POST /v1/duplex/sessions, POST /v1/duplex/sessions/ID/seconds, "
+                    "DELETE /v1/duplex/sessions/ID")
+        return "GET /health, GET /v1/models, POST /v1/chat/completions"
+
+    def _mode_error(self, want: str) -> ApiError:
+        return ApiError(f"this server runs in {self.server.mode} mode; {self.path} needs `minicpmo-rt serve --mode "
+                        f"{want}` ({self._routes()} here)", status=404)
+
+    def _duplex_session(self, suffix: str = "") -> str | None:
+        """The session id of /v1/duplex/sessions/ID{suffix}, or None when the path is not that."""
+        prefix = "/v1/duplex/sessions/"
+        if not (self.path.startswith(prefix) and self.path.endswith(suffix)):
+            return None
+        sid = self.path[len(prefix):len(self.path) - len(suffix)]
+        return sid if sid and "/" not in sid else None
 
     def do_POST(self) -> None:  # noqa: N802
-        if self.path != "/v1/chat/completions":
-            self._error(ApiError(f"no route POST {self.path}: POST /v1/chat/completions", status=404))
-            return
+        srv = self.server
         try:
-            chat = parse_chat(self._body(), list(self.server.service.voices))
+            if self.path == "/v1/chat/completions":
+                if srv.turns is None:
+                    raise self._mode_error("turn")
+                chat = parse_chat(self._body(), list(srv.turns.voices))
+                ticket = srv.turns.submit(chat)
+                self._stream(ticket) if chat.stream else self._whole(ticket)
+            elif self.path == "/v1/duplex/sessions" or self._duplex_session("/seconds") is not None:
+                if srv.duplex is None:
+                    raise self._mode_error("duplex")
+                body = self._body()
+                if self.path == "/v1/duplex/sessions":
+                    if not isinstance(body, dict) or set(body) - {"voice", "seed"}:
+                        raise ApiError("open a session with {'voice': NAME, 'seed': INT} (both optional)")
+                    s = srv.duplex.open(body.get("voice"), body.get("seed", 0))
+                    self._json(200, {"id": s.id, "voice": s.voice, "seed": s.seed, "input_sample_rate": 16000,
+                                     "output_sample_rate": 24000})
+                else:
+                    sid = self._duplex_session("/seconds")
+                    srv.duplex.session(sid)         # an unknown session is a 404 whatever its body holds
+                    second = parse_second(body)
+                    self._json(200, unit_body(sid, srv.duplex.step(sid, second)))
+            else:
+                raise ApiError(f"no route POST {self.path}: {self._routes()}", status=404)
         except ApiError as err:
             self._error(err)
-            return
-        ticket = self.server.service.submit(chat)
-        if chat.stream:
-            self._stream(ticket)
-        else:
-            self._whole(ticket)
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        srv = self.server
+        sid = self._duplex_session()
+        try:
+            if sid is None:
+                raise ApiError(f"no route DELETE {self.path}: {self._routes()}", status=404)
+            if srv.duplex is None:
+                raise self._mode_error("duplex")
+            tail = srv.duplex.close_session(sid)
+            self._json(200, {"id": sid, "closed": True, "audio": b64(pcm16(tail)), "sample_rate": 24000})
+        except ApiError as err:
+            self._error(err)
 
     def _whole(self, ticket) -> None:
         text, audio = [], []
@@ -185,23 +250,44 @@ def parse_voices(specs: list[str]) -> dict:
     return voices
 
 
-def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, profile: str | None = None,
-          device: str = "cpu", max_batch: int | None = None, min_codes: int = 50, n_timesteps: int | None = None,
-          served_name: str = "minicpm-o-4.5", warm_up: bool = False, ready=None) -> None:
-    """Load the turn pipeline, then serve until interrupted. ``warm_up``: answer short turns in every voice
-    first (``TurnPipeline.warm_up``), so graphs and kernels are made before the first client's turn.
-    ``ready(server)`` is called once the socket listens."""
-    from ..runtime.turn import DEFAULT_PROFILE, TurnPipeline
-    from ..talker.sampler import SamplingParams
+def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, mode: str = "turn",
+          profile: str | None = None, device: str = "cpu", max_batch: int | None = None, seats: int = 4,
+          min_codes: int = 50, n_timesteps: int | None = None, dtype: str = "auto", served_name: str = "minicpm-o-4.5",
+          warm_up: bool = False, idle_timeout_s: float = 60.0, ready=None) -> None:
+    """Bind, load the models for ``mode`` (turn: a TurnPipeline for chat completions; duplex: a DuplexBatch of
+    ``seats`` seats), then serve until interrupted. ``warm_up``: graphs and kernels made before the first
+    client (turn: short turns in every voice; duplex: ``DuplexBatch.warm_up``). ``ready(server)`` is called
+    once the socket listens and the models are loaded."""
+    from ..errors import InputError
 
-    server = TurnServer((host, port), None, served_name)     # bound first: a taken port fails before the load
+    if mode not in ("turn", "duplex"):
+        raise InputError(f"--mode {mode!r}: choose turn (chat completions) or duplex (duplex sessions)")
+    if seats < 1:
+        raise InputError(f"--seats must be >= 1, got {seats}")
+    server = Server((host, port), served_name)     # bound first: a taken port fails before the load
     try:
-        pipe = TurnPipeline.from_snapshot(model, profile or DEFAULT_PROFILE, device=device, n_timesteps=n_timesteps,
-                                          talker_params=SamplingParams(min_codes=min_codes))
-        if warm_up:
-            for path in voices.values():
-                pipe.warm_up(path)
-        service = server.service = TurnService(pipe, voices, max_batch)
+        if mode == "turn":
+            from ..runtime.turn import DEFAULT_PROFILE, TurnPipeline
+            from ..talker.sampler import SamplingParams
+
+            pipe = TurnPipeline.from_snapshot(model, profile or DEFAULT_PROFILE, device=device, n_timesteps=n_timesteps,
+                                              talker_params=SamplingParams(min_codes=min_codes))
+            if warm_up:
+                for path in voices.values():
+                    pipe.warm_up(path)
+            server.turns = TurnService(pipe, voices, max_batch)
+        else:
+            from ..runtime.duplex import DEFAULT_DUPLEX_PROFILE, DuplexBatch
+            from ..runtime.jobs import duplex_options
+
+            profile = profile or DEFAULT_DUPLEX_PROFILE
+            _, torch_dtype, decode = duplex_options(profile, "greedy", 0, None, n_timesteps, device, dtype)
+            default = next(iter(voices.values()))
+            batch = DuplexBatch.from_snapshot(model, [default] * seats, profile=profile, device=device,
+                                              dtype=torch_dtype, n_timesteps=n_timesteps, decode=decode)
+            if warm_up:
+                batch.warm_up()
+            server.duplex = DuplexService(batch, voices, idle_timeout_s=idle_timeout_s)
     except BaseException:
         server.server_close()
         raise
@@ -213,4 +299,6 @@ def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, p
         pass
     finally:
         server.server_close()
-        service.close()
+        for service in (server.turns, server.duplex):
+            if service is not None:
+                service.close()

@@ -1,0 +1,185 @@
+"""Duplex sessions over HTTP on the tiny checkpoint: real sockets and a real DuplexBatch; each session's units are
+compared with the same conversation stepped on a DuplexBatch of its own (same voice, seed and seconds)."""
+
+import base64
+import io
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import rel_err
+from minicpmo_rt.runtime.duplex import DuplexBatch, DuplexInput, read_audio_16k
+from minicpmo_rt.serving.duplex import DuplexService, parse_second
+from minicpmo_rt.serving.http import Server
+from minicpmo_rt.serving.openai_api import ApiError, pcm16
+
+SECONDS = 3
+
+
+@pytest.fixture(scope="module")
+def user_audio(voice):
+    """The user's side: SECONDS seconds of a real recording, as the 16-bit PCM a client sends."""
+    x = read_audio_16k(voice)[: SECONDS * 16000]
+    return np.round(np.clip(x, -1, 1) * 32767).astype("<i2")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, voice):
+    batch = DuplexBatch.from_snapshot(tiny_ckpt, [voice] * 2, n_timesteps=2)
+    service = DuplexService(batch, {"anna": voice})
+    srv = Server(("127.0.0.1", 0), "tiny-test", duplex=service)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    service.close(timeout=60)
+
+
+def _call(srv, method, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(srv.url + path, data, method=method)
+    try:
+        return 200, json.load(urllib.request.urlopen(req, timeout=300))
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _second(pcm: np.ndarray, k: int) -> dict:
+    return {"audio": base64.b64encode(pcm[k * 16000:(k + 1) * 16000].tobytes()).decode()}
+
+
+_refs: dict = {}
+
+
+def _reference(tiny_ckpt, voice, user_audio, seed: int):
+    """The conversation on a DuplexBatch of its own (seat 0 of 2, the other seat idle): its units."""
+    if seed not in _refs:
+        batch = DuplexBatch.from_snapshot(tiny_ckpt, [voice] * 2, n_timesteps=2)
+        batch.reopen(0, voice, seed)
+        x = user_audio.astype(np.float32) / 32768.0
+        _refs[seed] = [batch.step([DuplexInput(x[k * 16000:(k + 1) * 16000]), None])[0] for k in range(SECONDS)]
+        _refs[seed].append(batch.conversations[0].flush())
+        batch.close()
+    return _refs[seed]
+
+
+def test_a_session_answers_each_second_as_the_conversation_would(server, tiny_ckpt, voice, user_audio):
+    code, opened = _call(server, "POST", "/v1/duplex/sessions", {"voice": "anna", "seed": 1})
+    assert code == 200 and opened["voice"] == "anna" and opened["input_sample_rate"] == 16000
+    sid = opened["id"]
+    ref = _reference(tiny_ckpt, voice, user_audio, 1)
+    for k in range(SECONDS):
+        code, unit = _call(server, "POST", f"/v1/duplex/sessions/{sid}/seconds", _second(user_audio, k))
+        assert code == 200, unit
+        want = ref[k]
+        assert (unit["index"], unit["listen"], unit["text"], unit["turn_end"], unit["codes"]) == \
+            (want.index, want.listen, want.text, want.turn_end, len(want.codes))
+        assert base64.b64decode(unit["audio"]) == pcm16(want.pcm)
+    code, closed = _call(server, "DELETE", f"/v1/duplex/sessions/{sid}")
+    assert code == 200 and base64.b64decode(closed["audio"]) == pcm16(ref[-1])
+    assert _call(server, "DELETE", f"/v1/duplex/sessions/{sid}")[0] == 404
+    assert _call(server, "GET", "/health")[1]["sessions"] == 0
+
+
+def test_two_sessions_step_together_and_a_third_waits_for_a_seat(server, tiny_ckpt, voice, user_audio, monkeypatch):
+    service = server.duplex
+    batch = service.batch
+    stepped = []
+    step = batch.step
+
+    def recording_step(inputs):
+        stepped.append(sum(x is not None for x in inputs))
+        return step(inputs)
+
+    monkeypatch.setattr(batch, "step", recording_step)
+    monkeypatch.setattr(service, "tick_wait_s", 2.0)
+    ids = [_call(server, "POST", "/v1/duplex/sessions", {"seed": s})[1]["id"] for s in (1, 2)]
+    code, full = _call(server, "POST", "/v1/duplex/sessions", {})
+    assert code == 503 and "2 duplex seats" in full["error"]["message"]
+    got = {}
+
+    def send(sid):
+        got[sid] = _call(server, "POST", f"/v1/duplex/sessions/{sid}/seconds", _second(user_audio, 0))
+
+    threads = [threading.Thread(target=send, args=(sid,)) for sid in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert stepped == [2]
+    for sid, seed in zip(ids, (1, 2)):
+        code, unit = got[sid]
+        want = _reference(tiny_ckpt, voice, user_audio, seed)[0]
+        assert code == 200 and unit["text"] == want.text and unit["codes"] == len(want.codes)
+        # the two sessions' Code2Wav payloads went through one push_many (another summation order) and 16-bit
+        # rounding adds at most half a step: within 1e-4 of the session alone
+        pcm = np.frombuffer(base64.b64decode(unit["audio"]), "<i2") / 32767.0
+        assert pcm.shape == want.pcm.shape and rel_err(torch.from_numpy(pcm), torch.from_numpy(want.pcm)) < 1e-4
+    for sid in ids:
+        assert _call(server, "DELETE", f"/v1/duplex/sessions/{sid}")[0] == 200
+
+
+def test_refusals(server, user_audio, monkeypatch):
+    sid = _call(server, "POST", "/v1/duplex/sessions", {})[1]["id"]
+    code, err = _call(server, "POST", f"/v1/duplex/sessions/{sid}/seconds", {"audio": "AAAA"})
+    assert code == 400 and err["error"]["param"] == "audio" and "exactly one second" in err["error"]["message"]
+    code, err = _call(server, "POST", "/v1/duplex/sessions/duplex-none/seconds", {"audio": "AAAA"})
+    assert code == 404 and "open a new one" in err["error"]["message"]
+    code, err = _call(server, "POST", "/v1/duplex/sessions", {"voice": "zoe"})
+    assert code == 400 and "anna" in err["error"]["message"]
+    code, err = _call(server, "POST", "/v1/chat/completions", {"messages": []})
+    assert code == 404 and "--mode turn" in err["error"]["message"]
+    # a second while the session's last one is still being answered: 409
+    release, entered = threading.Event(), threading.Event()
+    step = server.duplex.batch.step
+
+    def slow_step(inputs):
+        entered.set()
+        release.wait(60)
+        return step(inputs)
+
+    monkeypatch.setattr(server.duplex.batch, "step", slow_step)
+    first = threading.Thread(target=_call, args=(server, "POST", f"/v1/duplex/sessions/{sid}/seconds",
+                                                 _second(user_audio, 0)))
+    first.start()
+    assert entered.wait(60)
+    code, err = _call(server, "POST", f"/v1/duplex/sessions/{sid}/seconds", _second(user_audio, 1))
+    release.set()
+    first.join(300)
+    assert code == 409 and "after its unit came back" in err["error"]["message"]
+    assert _call(server, "DELETE", f"/v1/duplex/sessions/{sid}")[0] == 200
+
+
+def test_an_idle_session_expires_and_frees_its_seat(server, monkeypatch):
+    monkeypatch.setattr(server.duplex, "idle_timeout_s", 0.5)
+    sid = _call(server, "POST", "/v1/duplex/sessions", {})[1]["id"]
+    deadline = time.time() + 30
+    while server.duplex.open_sessions and time.time() < deadline:
+        time.sleep(0.2)
+    code, err = _call(server, "DELETE", f"/v1/duplex/sessions/{sid}")
+    assert code == 404 and "expired after 0.5 s idle" in err["error"]["message"]
+    assert len(server.duplex._free) == server.duplex.seats
+
+
+def test_parse_second_checks_every_field():
+    one = base64.b64encode(np.zeros(16000, "<i2").tobytes()).decode()
+    png = io.BytesIO()
+    Image.new("L", (8, 6), 200).save(png, format="PNG")
+    x = parse_second({"audio": one, "frame": base64.b64encode(png.getvalue()).decode(), "force_listen": True})
+    assert x.audio.shape == (16000,) and x.frame.mode == "RGB" and x.frame.size == (8, 6) and x.force_listen
+    at8k = parse_second({"audio": base64.b64encode(np.full(8000, 16384, "<i2").tobytes()).decode(),
+                         "sample_rate": 8000})
+    assert at8k.sample_rate == 8000 and np.all(at8k.audio == 0.5)
+    for body, param in (([], None), ({"audio": one, "extra": 1}, "extra"), ({"audio": "!!"}, "audio"),
+                        ({"audio": one, "sample_rate": 44}, "sample_rate"), ({"audio": one, "frame": "AAAA"}, "frame"),
+                        ({"audio": one, "force_listen": 1}, "force_listen")):
+        with pytest.raises(ApiError) as info:
+            parse_second(body)
+        assert info.value.status == 400 and info.value.param == param, info.value.message
