@@ -16,6 +16,7 @@ import soundfile as sf
 import torch
 
 from conftest import rel_err
+from minicpmo_rt.errors import InputError
 from minicpmo_rt.runtime.contracts import TurnRequest
 from minicpmo_rt.runtime.turn import TurnPipeline, TurnTrace, collect
 from minicpmo_rt.serving.http import Server, parse_voices
@@ -27,11 +28,9 @@ USER = [{"role": "user", "content": "Tell me a story."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_ckpt, voice, tmp_path_factory):
-    broken = tmp_path_factory.mktemp("voices") / "broken.wav"
-    broken.write_text("not audio")
+def server(tiny_ckpt, voice):
     pipe = TurnPipeline.from_snapshot(tiny_ckpt, capacity=2, n_timesteps=2, talker_params=SamplingParams(min_codes=5))
-    service = TurnService(pipe, {"anna": voice, "broken": broken})
+    service = TurnService(pipe, {"anna": voice})
     srv = Server(("127.0.0.1", 0), "tiny-test", turns=service)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
@@ -78,7 +77,7 @@ def _events(resp) -> list:
 
 def test_health_models_and_refusals(server):
     health = json.load(urllib.request.urlopen(server.url + "/health", timeout=60))
-    assert health == {"status": "ok", "mode": "turn", "model": "tiny-test", "voices": ["anna", "broken"], "queued": 0}
+    assert health == {"status": "ok", "mode": "turn", "model": "tiny-test", "voices": ["anna"], "queued": 0}
     models = json.load(urllib.request.urlopen(server.url + "/v1/models", timeout=60))
     assert [m["id"] for m in models["data"]] == ["tiny-test"]
     code, body = _refused(server, method="GET", path="/nope")
@@ -90,7 +89,7 @@ def test_health_models_and_refusals(server):
     code, body = _refused(server, raw=b"{not json")
     assert code == 400 and "not JSON" in body["error"]["message"]
     code, body = _refused(server, {"messages": USER, "modalities": ["text", "audio"], "audio": {"voice": "zoe"}})
-    assert code == 400 and body["error"]["param"] == "audio.voice" and "anna, broken" in body["error"]["message"]
+    assert code == 400 and body["error"]["param"] == "audio.voice" and "anna" in body["error"]["message"]
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)    # no Content-Length
     conn.putrequest("POST", "/v1/chat/completions")
     conn.endheaders()
@@ -120,8 +119,11 @@ def test_stream_sends_the_transcript_then_pcm16_chunks(server, voice):
     assert events[-1] == "[DONE]"
     deltas = [e["choices"][0]["delta"] for e in events[:-1]]
     assert deltas[0] == {"role": "assistant", "content": None}
-    assert deltas[1]["audio"]["transcript"] == text
-    chunks = [base64.b64decode(d["audio"]["data"]) for d in deltas[2:-1]]
+    kinds = ["transcript" if "transcript" in d.get("audio", {}) else "data" for d in deltas[1:-1]]
+    n_text = kinds.index("data")
+    assert n_text >= 1 and kinds == ["transcript"] * n_text + ["data"] * (len(kinds) - n_text)  # text first
+    assert "".join(d["audio"]["transcript"] for d in deltas[1:1 + n_text]) == text
+    chunks = [base64.b64decode(d["audio"]["data"]) for d in deltas[1 + n_text:-1]]
     assert len(chunks) >= 2 and b"".join(chunks) == pcm16(wav)
     last = events[-2]
     assert last["choices"][0]["finish_reason"] == "length" and last["usage"]["completion_tokens"] == n
@@ -172,30 +174,36 @@ def test_concurrent_requests_share_a_batch_and_each_is_its_solo_turn(server, voi
         assert pcm.shape == wav.shape and rel_err(torch.from_numpy(pcm), torch.from_numpy(wav).double()) < 1e-4
 
 
-def test_a_bad_voice_fails_its_request_alone(server, voice, monkeypatch):
-    """A batch that fails before any output is rerun request by request: the broken voice's request is
-    refused (400, naming the file), its batch mate is answered as if alone."""
+def test_a_bad_request_fails_alone_and_its_batch_mate_is_answered_once(server, voice, monkeypatch):
+    """The second request's prompt is refused at its prefill, after the first one's text went out: the batch
+    is rerun request by request, the bad one is refused (its message names the problem), and the good one's
+    text is not sent twice; its answer is its solo turn."""
     service = server.turns
     monkeypatch.setattr(service, "batch_wait_s", 2.0)
     voices = list(service.voices)
-    bad = service.submit(parse_chat({"messages": USER, "modalities": ["text", "audio"], "audio": {"voice": "broken"},
-                                     "max_tokens": 6, "max_codes": 30, "seed": 3}, voices))
     good = service.submit(parse_chat({"messages": USER, "modalities": ["text", "audio"], "max_tokens": 6,
                                       "max_codes": 30, "seed": 3}, voices))
+    bad = service.submit(parse_chat({"messages": [{"role": "user", "content": "look <image>./</image>"}],
+                                     "modalities": ["text", "audio"], "max_tokens": 6, "max_codes": 30}, voices))
     bad_events = list(bad.events(timeout=300))
-    assert isinstance(bad_events[-1], Failed) and bad_events[-1].bad_request, bad_events
-    assert "broken.wav" in bad_events[-1].message
+    assert len(bad_events) == 1 and isinstance(bad_events[0], Failed) and bad_events[0].bad_request
+    assert "markers" in bad_events[0].message
     events = list(good.events(timeout=300))
-    assert isinstance(events[0], Text) and isinstance(events[-1], Done)
+    assert isinstance(events[-1], Done)
     wav, text, _ = _reference(service.pipe, voice, 3)
-    assert events[0].text == text
+    assert "".join(e.text for e in events if isinstance(e, Text)) == text
     assert np.array_equal(np.concatenate([e.samples for e in events if isinstance(e, Audio)]), wav)
+
+
+def test_a_voice_that_cannot_be_read_is_refused_at_start(server, tmp_path):
+    broken = tmp_path / "broken.wav"
+    broken.write_text("not audio")
+    with pytest.raises(InputError, match="broken.wav: cannot be read as audio"):
+        TurnService(server.turns.pipe, {"anna": broken})
 
 
 def test_voices_are_named_and_checked(tmp_path, voice):
     assert parse_voices([str(voice), f"b={voice}"]) == {voice.stem: voice, "b": voice}
-    from minicpmo_rt.errors import InputError
-
     for specs, words in (([], "at least one"), ([f"a={voice}", f"a={voice}"], "is taken"),
                          ([str(tmp_path / "none.wav")], "is not a file"), (["=x"], "NAME=PATH")):
         with pytest.raises(InputError, match=words):

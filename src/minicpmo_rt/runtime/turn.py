@@ -59,6 +59,9 @@ class TurnTrace:
     talker_inputs: dict[str, TalkerInput] = field(default_factory=dict)
     talker_requests: dict[str, TalkerRequest] = field(default_factory=dict)
     chunks: dict[str, list[CodecChunk]] = field(default_factory=dict)
+    # hears each request's ThinkerSteps as the Thinker publishes them (before the Talker has its text), e.g. a
+    # server streaming the transcript ahead of the audio; called on the thread that runs the pipeline
+    on_steps: Callable[[str, list[ThinkerStep]], None] | None = None
 
     def codes(self, request_id: str) -> list[int]:
         """The request's codec ids in order (context and EOS excluded)."""
@@ -371,6 +374,8 @@ class TurnPipeline:
 
         def publish(rid: str, steps: list[ThinkerStep]) -> None:
             outs[rid].publish(*steps)
+            if trace.on_steps is not None and steps:
+                trace.on_steps(rid, steps)
             if progress is not None:
                 tokens[rid] += sum(not s.is_terminator for s in steps)
                 progress("thinker", rid, tokens[rid])

@@ -57,6 +57,10 @@ class DuplexService:
                  tick_wait_s: float = 0.05, reply_timeout_s: float = 600.0):
         if not voices:
             raise ValueError("DuplexService: register at least one voice (name -> reference WAV)")
+        from ..code2wav.frontend import read_audio
+
+        for path in voices.values():    # a voice that cannot be read fails at start-up, not in a client's session
+            read_audio(path)
         self.batch, self.voices = batch, dict(voices)
         self.idle_timeout_s, self.tick_wait_s, self.reply_timeout_s = idle_timeout_s, tick_wait_s, reply_timeout_s
         self._lock = threading.Lock()

@@ -7,9 +7,11 @@ owns it and HTTP threads only queue requests and read events. The worker takes t
 the tests check). Requests that arrive meanwhile wait for the next batch: the pipeline admits a batch at its
 start. Text-only requests run through the Thinker alone, one at a time.
 
-Each request gets a ``Ticket``: events in order, ``Text`` pieces, then (spoken) ``Audio`` chunks, then one
-``Done`` or ``Failed``. A spoken answer's text comes whole, with its first audio chunk: the Talker starts
-once the Thinker's text is complete.
+Each request gets a ``Ticket``: events in order, ``Text`` pieces as the Thinker makes them (``TurnTrace.on_steps``;
+a spoken answer's text is complete before the Talker starts), then (spoken) ``Audio`` chunks, then one ``Done``
+or ``Failed``. A batch that fails before any audio went out (one request's text was empty, say) is rerun request
+by request, so one bad request does not fail the others; text already sent is not sent again (a rerun makes the
+same text: same seed, and the batched Thinker equals the solo one).
 """
 
 from __future__ import annotations
@@ -63,11 +65,32 @@ class Ticket:
     def __init__(self, chat: ChatRequest):
         self.id, self.chat = new_id(), chat
         self._events: queue.Queue[Event] = queue.Queue()
-        self.emitted = False        # an event went out (a failed batch is then not rerun for it)
+        self.sent_text = ""         # the text sent so far
+        self._run_text = ""         # the text the current run has made (a rerun repeats what was sent)
+        self.audio_sent = False
+        self.finished = False
 
-    def put(self, event: Event) -> None:
-        self.emitted = True
-        self._events.put(event)
+    def begin_run(self) -> None:
+        self._run_text = ""
+
+    def text(self, piece: str) -> None:
+        """The run's next text; only what goes beyond the text already sent is sent."""
+        self._run_text += piece
+        sent, made = self.sent_text, self._run_text
+        if not (sent.startswith(made) if len(made) <= len(sent) else made.startswith(sent)):
+            raise RuntimeError(f"{self.id}: a rerun made other text than the first run sent ({made!r} vs {sent!r})")
+        if len(made) > len(sent):
+            self.sent_text = made
+            self._events.put(Text(made[len(sent):]))
+
+    def audio(self, samples: np.ndarray) -> None:
+        self.audio_sent = True
+        self._events.put(Audio(samples))
+
+    def finish(self, event: Done | Failed) -> None:
+        if not self.finished:
+            self.finished = True
+            self._events.put(event)
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
         """The answer's events until ``Done`` or ``Failed`` (``queue.Empty`` after ``timeout`` s of silence)."""
@@ -85,6 +108,10 @@ class TurnService:
                  batch_wait_s: float = 0.02):
         if not voices:
             raise ValueError("TurnService: register at least one voice (name -> reference WAV)")
+        from ..code2wav.frontend import read_audio
+
+        for path in voices.values():    # a voice that cannot be read fails at start-up, not in a client's turn
+            read_audio(path)
         self.pipe, self.voices = pipe, dict(voices)
         self.max_batch = max_batch or pipe.talker.capacity
         if self.max_batch < 1:
@@ -141,23 +168,26 @@ class TurnService:
             except queue.Empty:
                 return
             if t is not None:
-                t.put(Failed("the server is shutting down", bad_request=False))
+                t.finish(Failed("the server is shutting down", bad_request=False))
 
     def _guarded(self, tickets: list[Ticket], run) -> None:
-        """``run(tickets)``; a failure before any output reruns each request alone, so one bad request does not
-        fail the others; after output, every unfinished request of the batch fails with the error."""
+        """``run(tickets)``; a failure before any audio reruns each unfinished request alone, so one bad request
+        does not fail the others; after audio, every unfinished request of the batch fails with the error."""
+        for t in tickets:
+            t.begin_run()
         try:
             run(tickets)
         except Exception as exc:  # noqa: BLE001 (reported to the client, never swallowed)
-            if len(tickets) > 1 and not any(t.emitted for t in tickets):
+            if len(tickets) > 1 and not any(t.audio_sent for t in tickets):
                 for t in tickets:
-                    self._guarded([t], run)
+                    if not t.finished:
+                        self._guarded([t], run)
                 return
             bad = isinstance(exc, InputError)
             if not bad:
                 log.exception("turn batch of %d failed", len(tickets))
             for t in tickets:
-                t.put(Failed(str(exc) if bad else f"internal error: {type(exc).__name__}: {exc}", bad))
+                t.finish(Failed(str(exc) if bad else f"internal error: {type(exc).__name__}: {exc}", bad))
 
     def _request(self, t: Ticket) -> TurnRequest:
         c = t.chat
@@ -174,19 +204,23 @@ class TurnService:
                 if s.is_terminator:
                     finish = "stop"
                     break
-                t.put(Text(s.text))
-        t.put(Done(finish, prompt, n))
+                t.text(s.text)
+        t.finish(Done(finish, prompt, n))
 
     def _speak(self, tickets: list[Ticket]) -> None:
         by_id = {t.id: t for t in tickets}
-        trace = TurnTrace()
+
+        def heard(rid: str, steps) -> None:
+            for s in steps:
+                if not s.is_terminator:
+                    by_id[rid].text(s.text)
+
+        trace = TurnTrace(on_steps=heard)
         for chunk in self.pipe.run([self._request(t) for t in tickets], trace):
             t = by_id[chunk.request_id]
-            if not t.emitted:
-                t.put(Text(trace.talker_inputs[t.id].text))
             if len(chunk.samples):
-                t.put(Audio(chunk.samples))
+                t.audio(chunk.samples)
             if chunk.final:
                 steps = trace.steps[t.id]
                 stopped = trace.talker_inputs[t.id].terminator is not None
-                t.put(Done("stop" if stopped else "length", steps[0].position, len(steps)))
+                t.finish(Done("stop" if stopped else "length", steps[0].position, len(steps)))
