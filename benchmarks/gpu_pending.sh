@@ -48,6 +48,8 @@
 # no-new-plan check, and _warmed_rows running the batched mel at every bucket. Pending: `mtests` (test_mel.py's
 # test_cuda_warm_mel_launches_every_kernel_a_streaming_mel_launches and
 # test_cuda_batched_mel_launches_no_kernel_and_makes_no_plan_after_its_first_batch).
+# Session 55 (no device lent) added `serve`: the HTTP server's tests on the GPU and serve_bench.py (streamed HTTP
+# answers against direct pipeline calls, N = 1, 8, 16). Pending: `mtests`, `serve`, `all`.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -104,6 +106,8 @@
 #            Thinker split by part (session 53: seconds 1 and 4 after a warm-up take ~20 ms more in the Thinker)
 #   htests   CUDA tests of HostStaging.hold (session 53: a session holds its mel's largest upload when it opens),
 #            the mel's and the session's
+#   serve    tests/serving (the HTTP server: turn and duplex modes, the CLI) with CUDA present, then serve_bench.py:
+#            N concurrent streamed turns through the server against the pipeline called directly (session 55)
 #   alloc    duplex_batch_bench.py --alloc-sites: which code made each second's new allocator segments (session 54:
 #            16 x 500 MiB at second 2 after a 2-s warm-up)
 #   stests   CUDA tests of the mel's plans and the staging ring's slot choice (session 52), then mel_wait_probe.py
@@ -236,6 +240,9 @@ for s in "$@"; do
               ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;
     htests) step htests 240 python -m pytest -q -p no:cacheprovider -rsf tests/thinker/test_staging.py \
               tests/thinker/test_mel.py tests/thinker/test_session.py -k cuda ;;
+    serve) step servetests 300 python -m pytest -q -p no:cacheprovider -rsf tests/serving
+           step serve 420 python benchmarks/serve_bench.py "$W/serve" \
+             ${SMOKE:+--tiny --requests 1,2 --tokens 4 --codes 30 --repeat 1} ;;
     alloc) step alloc 300 python benchmarks/duplex_batch_bench.py "$W/alloc" --conversations 16 --batch-kinds batch-rows \
              --sequential "" --decode greedy --units "${UNITS:-7}" --warm 2 --warm-up 2 --alloc-sites \
              ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;

@@ -102,7 +102,8 @@ class Ticket:
 
 
 class TurnService:
-    """Serves ``ChatRequest``s on ``pipe`` from one worker thread; ``voices``: name -> reference WAV."""
+    """Serves ``ChatRequest``s on ``pipe`` from one worker thread; ``voices``: name -> reference WAV (or any voice
+    ``Code2Wav.open_stream`` takes)."""
 
     def __init__(self, pipe: TurnPipeline, voices: dict[str, Path], max_batch: int | None = None,
                  batch_wait_s: float = 0.02):
@@ -111,7 +112,8 @@ class TurnService:
         from ..code2wav.frontend import read_audio
 
         for path in voices.values():    # a voice that cannot be read fails at start-up, not in a client's turn
-            read_audio(path)
+            if isinstance(path, (str, Path)):   # (else a voice Code2Wav takes as it is: prompt features)
+                read_audio(path)
         self.pipe, self.voices = pipe, dict(voices)
         self.max_batch = max_batch or pipe.talker.capacity
         if self.max_batch < 1:

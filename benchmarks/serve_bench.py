@@ -1,0 +1,171 @@
+"""What the HTTP front costs a spoken turn: N concurrent turns through ``minicpmo-rt serve``'s server
+(``serving.http.Server`` + ``TurnService``, streamed answers, N client threads released together) against the
+same pipeline called directly (``TurnPipeline.run`` of the N requests), side by side in one process.
+
+The pipeline is ``turn_bench``'s default form (``talker-kernels``) of one turn profile on full-size random
+weights, every answer exactly ``--tokens`` text tokens and ``--codes`` codes, so both paths do the same work.
+Measured per run: each request's time to its first audio (direct: its first PcmChunk; HTTP: the first audio
+delta its client reads) and the wall time until the last answer is complete. The server adds the batch window
+(``TurnService.batch_wait_s``, 20 ms by default: requests released together share one batch), the JSON/base64
+encoding of each chunk and the socket; each run checks that the server answered in one batch of N.
+
+    python benchmarks/serve_bench.py OUT                                     # GPU: N = 1, 8, 16
+    python benchmarks/serve_bench.py OUT --tiny --requests 1,2 --tokens 4 --codes 30 --repeat 1   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from minicpmo_rt.checkpoint.tokenizer import load_tokenizer, vendored_tokenizer_dir
+from minicpmo_rt.profiles import load_profile
+from minicpmo_rt.serving.http import Server
+from minicpmo_rt.serving.turns import TurnService
+
+from code2wav_pipeline_bench import bench_models, device_label, parse_batches
+from duplex_bench import build, sync
+from turn_bench import QUESTIONS, pipeline, run
+
+FORM = "talker-kernels"
+
+
+def http_run(server: Server, n: int, tokens: int, codes: int, dev: torch.device) -> dict:
+    """N clients post streamed spoken requests at once; each one's time to its first audio delta and to
+    ``[DONE]``, from the common release."""
+    gate = threading.Barrier(n + 1)
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    errors: list[str] = []
+    t0 = [0.0]
+
+    def client(i: int) -> None:
+        body = json.dumps({"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                           "modalities": ["text", "audio"], "stream": True, "seed": i, "max_tokens": tokens,
+                           "max_codes": codes}).encode()
+        req = urllib.request.Request(server.url + "/v1/chat/completions", body)
+        gate.wait()
+        try:
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                for line in resp:
+                    if line.startswith(b"data: {") and b'"data":' in line and i not in first:
+                        first[i] = (time.perf_counter() - t0[0]) * 1e3
+                    if line.startswith(b"data: [DONE]"):
+                        done[i] = (time.perf_counter() - t0[0]) * 1e3
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(f"client {i}: {exc!r}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    sync(dev)
+    t0[0] = time.perf_counter()
+    gate.wait()
+    for t in threads:
+        t.join()
+    if errors or len(first) != n or len(done) != n:
+        raise RuntimeError(f"N={n}: {len(first)} first audio, {len(done)} done of {n}; {errors[:3]}")
+    ttfa = sorted(first.values())
+    return {"n": n, "wall_ms": max(done.values()), "ttfa_ms_first": ttfa[0], "ttfa_ms_median": statistics.median(ttfa),
+            "ttfa_ms_last": ttfa[-1]}
+
+
+def write_table(res: dict, path: Path) -> None:
+    lines = [f"# Serving overhead: streamed HTTP answers against direct pipeline calls on {res['gpu']}", "",
+             f"torch {res['torch']}, profile {res['profile']}, {res['dtype']} Thinker/Talker; {res['tokens']} text "
+             f"tokens and {res['codes']} codes per answer; the run of median wall time out of {res['repeat']}.", "",
+             "| N | path | wall ms | TTFA first / median / last ms | wall x direct | median TTFA x direct |",
+             "|---:|---|---:|---|---:|---:|"]
+    for n in sorted({r["n"] for r in res["rows"]}):
+        rows = {r["path"]: r for r in res["rows"] if r["n"] == n}
+        d = rows["direct"]
+        for name in ("direct", "http"):
+            r = rows.get(name)
+            if r is None:
+                continue
+            ttfa = f"{r['ttfa_ms_first']:.0f} / {r['ttfa_ms_median']:.0f} / {r['ttfa_ms_last']:.0f}"
+            lines.append(f"| {n} | {name} | {r['wall_ms']:.0f} | {ttfa} | {r['wall_ms'] / d['wall_ms']:.3f} | "
+                         f"{r['ttfa_ms_median'] / d['ttfa_ms_median']:.3f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (a check of the script)")
+    ap.add_argument("--requests", default="1,8,16", help="N concurrent turns per run")
+    ap.add_argument("--profile", default="minicpmo_4_5_turn_mrv2_h200")
+    ap.add_argument("--tokens", type=int, default=24, help="text tokens per answer")
+    ap.add_argument("--codes", type=int, default=100, help="codes per answer (25 per second of audio)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per row; the row is the run of median wall time")
+    args = ap.parse_args()
+    ns = parse_batches(ap, args.requests)
+    if load_profile(args.profile).mode != "turn":
+        ap.error(f"--profile: {args.profile!r} is not a turn-mode profile")
+    if args.tokens < 1 or args.codes < 1 or args.repeat < 1:
+        ap.error("--tokens, --codes and --repeat must be positive")
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    thinker, tts = build(args.tiny, dev, dtype)
+    flow, gen, feats, _ = bench_models(args.tiny, dev)
+    parts = (thinker, load_tokenizer(vendored_tokenizer_dir()), tts, flow, gen, feats)
+    pipe = pipeline(args.profile, FORM, parts, dev, args.codes, {})
+    if max(ns) > pipe.talker.capacity:
+        ap.error(f"--requests: {max(ns)} exceeds the profile's Talker capacity {pipe.talker.capacity} (one batch)")
+    for n in ns:    # captures and compiles at every N the runs use
+        run(pipe, n, feats, min(2, args.tokens), args.codes, dev, f"warm{n}")
+    service = TurnService(pipe, {"bench": feats})
+    server = Server(("127.0.0.1", 0), "bench", turns=service)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    batches: list[int] = []
+    direct_run = pipe.run
+
+    def counted(requests, *a, **kw):
+        batches.append(len(requests))
+        return direct_run(requests, *a, **kw)
+
+    res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
+           "tiny": args.tiny, "profile": args.profile, "form": FORM, "tokens": args.tokens, "codes": args.codes,
+           "repeat": args.repeat, "batch_wait_ms": service.batch_wait_s * 1e3, "rows": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        for n in ns:
+            http_run(server, n, min(2, args.tokens), args.codes, dev)      # the server's own first batch of N
+            for name in ("direct", "http"):     # alternating, so drift between runs hits both paths alike
+                runs = []
+                for k in range(args.repeat):
+                    if name == "direct":
+                        runs.append(run(pipe, n, feats, args.tokens, args.codes, dev, f"direct-{n}-{k}"))
+                    else:
+                        batches.clear()
+                        pipe.run = counted
+                        try:
+                            runs.append(http_run(server, n, args.tokens, args.codes, dev))
+                        finally:
+                            del pipe.run
+                        if batches != [n]:
+                            raise RuntimeError(f"N={n}: the server ran batches {batches}, not one of {n}")
+                runs.sort(key=lambda r: r["wall_ms"])
+                row = {k: v for k, v in runs[len(runs) // 2].items() if k in
+                       ("n", "wall_ms", "ttfa_ms_first", "ttfa_ms_median", "ttfa_ms_last")}
+                row.update(path=name, wall_ms_runs=[r["wall_ms"] for r in runs])
+                res["rows"].append(row)
+                print(f"N={n:2d} {name:6s}: {row['wall_ms']:8.0f} ms, TTFA {row['ttfa_ms_first']:.0f}/"
+                      f"{row['ttfa_ms_median']:.0f}/{row['ttfa_ms_last']:.0f} ms", flush=True)
+                (args.out / "serve_bench.json").write_text(json.dumps(res, indent=1))  # a cut-off run keeps its rows
+    finally:
+        server.shutdown()
+        server.server_close()
+        service.close(timeout=60)
+    write_table(res, args.out / "serve_bench.md")
+
+
+if __name__ == "__main__":
+    main()
