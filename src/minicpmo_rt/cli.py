@@ -291,6 +291,9 @@ def serve_cmd(
     served_name: str = typer.Option("minicpm-o-4.5", "--served-model-name", help="The model id the API reports."),
     warm_up: bool = typer.Option(False, "--warm-up", help="Make graphs and kernels before listening (turn: short "
                                  "turns in every voice; duplex: a few seconds on every seat)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MINICPMO_RT_API_KEY", show_default=False,
+                                          help="Require 'Authorization: Bearer KEY' on every route but /health "
+                                          "(also from $MINICPMO_RT_API_KEY)."),
 ) -> None:
     """Serve over HTTP: OpenAI-style chat completions (turn mode) or duplex sessions (duplex mode)."""
     from .serving.http import parse_voices, serve
@@ -305,7 +308,7 @@ def serve_cmd(
         if not (idle_timeout > 0 and math.isfinite(idle_timeout)):
             raise InputError(f"--idle-timeout must be a positive number of seconds, got {idle_timeout}")
         serve(model, parse_voices(voices), host, port, mode, profile, device, max_batch, seats, min_codes,
-              n_timesteps, dtype, served_name, warm_up, idle_timeout, ready)
+              n_timesteps, dtype, served_name, warm_up, idle_timeout, api_key, ready)
     except MiniCPMORTError as exc:
         _fail(exc)
     except OSError as exc:

@@ -208,3 +208,39 @@ def test_voices_are_named_and_checked(tmp_path, voice):
                          ([str(tmp_path / "none.wav")], "is not a file"), (["=x"], "NAME=PATH")):
         with pytest.raises(InputError, match=words):
             parse_voices(specs)
+
+
+def test_connections_persist_between_json_answers_and_close_after_an_unread_body(server):
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+    conn.request("GET", "/health")
+    r = conn.getresponse()
+    r.read()
+    sock = conn.sock
+    assert not r.will_close and sock is not None
+    conn.request("GET", "/v1/models")
+    r = conn.getresponse()
+    assert r.status == 200 and not r.will_close and conn.sock is sock      # the same connection
+    assert json.loads(r.read())["data"]
+    conn.request("POST", "/v1/nope", body=b'{"x": 1}', headers={"Content-Length": "8"})
+    r = conn.getresponse()
+    assert r.status == 404 and r.will_close and r.getheader("Connection") == "close"     # its body was never read
+    r.read()
+    conn.request("GET", "/health")          # http.client opens a new connection
+    assert conn.getresponse().status == 200
+
+
+def test_an_api_key_guards_every_route_but_health(server):
+    keyed = Server(("127.0.0.1", 0), "tiny-test", turns=server.turns, api_key="s3cret")
+    threading.Thread(target=keyed.serve_forever, daemon=True).start()
+    try:
+        assert urllib.request.urlopen(keyed.url + "/health", timeout=60).status == 200
+        for path, data in (("/v1/models", None), ("/v1/chat/completions", json.dumps({"messages": USER}).encode())):
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(urllib.request.Request(keyed.url + path, data), timeout=60)
+            assert info.value.code == 401 and info.value.headers["WWW-Authenticate"] == "Bearer"
+            assert "Authorization: Bearer" in json.loads(info.value.read())["error"]["message"]
+        ok = urllib.request.Request(keyed.url + "/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert json.load(urllib.request.urlopen(ok, timeout=60))["data"][0]["id"] == "tiny-test"
+    finally:
+        keyed.shutdown()
+        keyed.server_close()

@@ -19,6 +19,7 @@ stream has started, an ``error`` event before the stream ends).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import queue
@@ -43,9 +44,10 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], model: str, turns: TurnService | None = None,
-                 duplex: DuplexService | None = None):
+                 duplex: DuplexService | None = None, api_key: str | None = None):
         super().__init__(address, _Handler)     # binds and listens; requests are read once serve_forever runs
         self.turns, self.duplex, self.model = turns, duplex, model
+        self.api_key = api_key or None          # clients then send "Authorization: Bearer KEY" (not to /health)
 
     @property
     def mode(self) -> str:
@@ -65,17 +67,37 @@ class Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: Server
     server_version = "minicpmo-rt"
+    # persistent connections: a duplex client posts a second per second without a new connection each time.
+    # Every JSON answer has a Content-Length; a stream ends its connection; an answer sent before the request's
+    # body was read closes it too, since the unread body would be taken for the next request.
+    protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
         log.info("%s %s", self.address_string(), format % args)
 
     # ---- plumbing ----------------------------------------------------------------------------------------
 
+    def _begin(self, open_route: bool = False) -> None:
+        """A request's start: nothing of its body read yet; the API key checked unless ``open_route``."""
+        self._read_body = False
+        key = self.server.api_key
+        if key is not None and not open_route:
+            given = self.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise ApiError("this server needs an API key: send the header 'Authorization: Bearer KEY'",
+                               status=401, kind="authentication_error")
+
     def _json(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        unread = self.command == "POST" or self.headers.get("Content-Length", "0") not in ("", "0")
+        if not getattr(self, "_read_body", True) and unread:
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         self.wfile.write(data)
 
@@ -90,6 +112,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(f"the request body must be at most {MAX_BODY} bytes of JSON (Content-Length {n})",
                            status=413)
         raw = self.rfile.read(int(n))
+        self._read_body = True
         try:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -104,6 +127,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 (the base class's name)
         srv = self.server
+        try:
+            self._begin(open_route=self.path == "/health")
+        except ApiError as err:
+            self._error(err)
+            return
         if self.path == "/health":
             load = ({"seats": srv.duplex.seats, "sessions": srv.duplex.open_sessions} if srv.duplex is not None
                     else {"queued": srv.turns.queued if srv.turns is not None else 0})
@@ -137,6 +165,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         srv = self.server
         try:
+            self._begin()
             if self.path == "/v1/chat/completions":
                 if srv.turns is None:
                     raise self._mode_error("turn")
@@ -167,6 +196,7 @@ class _Handler(BaseHTTPRequestHandler):
         srv = self.server
         sid = self._duplex_session()
         try:
+            self._begin()
             if sid is None:
                 raise ApiError(f"no route DELETE {self.path}: {self._routes()}", status=404)
             if srv.duplex is None:
@@ -200,6 +230,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")     # the stream's end is the connection's (no length ahead)
+        self.close_connection = True
         self.end_headers()
         rid, model, speak = ticket.id, self.server.model, ticket.chat.speak
         audio_id = "audio_" + rid.split("-", 1)[-1]
@@ -253,7 +285,7 @@ def parse_voices(specs: list[str]) -> dict:
 def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, mode: str = "turn",
           profile: str | None = None, device: str = "cpu", max_batch: int | None = None, seats: int = 4,
           min_codes: int = 50, n_timesteps: int | None = None, dtype: str = "auto", served_name: str = "minicpm-o-4.5",
-          warm_up: bool = False, idle_timeout_s: float = 60.0, ready=None) -> None:
+          warm_up: bool = False, idle_timeout_s: float = 60.0, api_key: str | None = None, ready=None) -> None:
     """Bind, load the models for ``mode`` (turn: a TurnPipeline for chat completions; duplex: a DuplexBatch of
     ``seats`` seats), then serve until interrupted. ``warm_up``: graphs and kernels made before the first
     client (turn: short turns in every voice; duplex: ``DuplexBatch.warm_up``). ``ready(server)`` is called
@@ -264,7 +296,7 @@ def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, m
         raise InputError(f"--mode {mode!r}: choose turn (chat completions) or duplex (duplex sessions)")
     if seats < 1:
         raise InputError(f"--seats must be >= 1, got {seats}")
-    server = Server((host, port), served_name)     # bound first: a taken port fails before the load
+    server = Server((host, port), served_name, api_key=api_key)    # bound first: a taken port fails before the load
     try:
         if mode == "turn":
             from ..runtime.turn import DEFAULT_PROFILE, TurnPipeline
