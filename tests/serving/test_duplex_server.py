@@ -2,8 +2,12 @@
 compared with the same conversation stepped on a DuplexBatch of its own (same voice, seed and seconds)."""
 
 import base64
+import hashlib
 import io
 import json
+import os
+import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -183,3 +187,106 @@ def test_parse_second_checks_every_field():
         with pytest.raises(ApiError) as info:
             parse_second(body)
         assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+class _WebSocketClient:
+    """A minimal RFC 6455 client (masked frames, the handshake's accept key computed here), for the tests."""
+
+    def __init__(self, server, path="/v1/duplex/realtime"):
+        host, port = server.server_address[:2]
+        self.sock = socket.create_connection((host, port), timeout=300)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall((f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                           "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+        self.f = self.sock.makefile("rb")
+        self.status = int(self.f.readline().split()[1])
+        self.headers = {}
+        while (line := self.f.readline().decode().strip()):
+            name, _, value = line.partition(":")
+            self.headers[name.strip().lower()] = value.strip()
+        want = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
+        self.accepted = self.status == 101 and self.headers.get("sec-websocket-accept") == want
+
+    def send(self, opcode: int, payload: bytes, fin: bool = True) -> None:
+        mask = os.urandom(4)
+        n = len(payload)
+        head = bytes([(0x80 if fin else 0) | opcode])
+        head += bytes([0x80 | n]) if n < 126 else (bytes([0x80 | 126]) + struct.pack("!H", n) if n < 65536
+                                                   else bytes([0x80 | 127]) + struct.pack("!Q", n))
+        self.sock.sendall(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+
+    def send_json(self, obj) -> None:
+        self.send(0x1, json.dumps(obj).encode())
+
+    def recv(self) -> tuple[int, bytes]:
+        b0, b1 = self.f.read(2)
+        assert not b1 & 0x80, "server frames are never masked"
+        n = b1 & 0x7F
+        if n == 126:
+            (n,) = struct.unpack("!H", self.f.read(2))
+        elif n == 127:
+            (n,) = struct.unpack("!Q", self.f.read(8))
+        return b0 & 0x0F, self.f.read(n)
+
+    def recv_json(self) -> dict:
+        opcode, data = self.recv()
+        assert opcode == 0x1, (opcode, data)
+        return json.loads(data)
+
+
+def test_a_realtime_websocket_session_answers_as_the_conversation_would(server, tiny_ckpt, voice, user_audio):
+    ws = _WebSocketClient(server)
+    assert ws.accepted, (ws.status, ws.headers)
+    ws.send_json({"type": "session.open", "seed": 1})
+    opened = ws.recv_json()
+    assert opened["type"] == "session.opened" and opened["voice"] == "anna"
+    ref = _reference(tiny_ckpt, voice, user_audio, 1)
+    for k in range(SECONDS):
+        msg = json.dumps({"type": "input.second", **_second(user_audio, k)}).encode()
+        if k == 1:      # a fragmented message with a ping between its fragments: the pong comes first
+            ws.send(0x1, msg[:100], fin=False)
+            ws.send(0x9, b"hi")
+            ws.send(0x0, msg[100:])
+            assert ws.recv() == (0xA, b"hi")
+        else:
+            ws.send(0x1, msg)
+        unit = ws.recv_json()
+        assert unit["type"] == "unit" and unit["session"] == opened["id"]
+        assert (unit["index"], unit["text"], unit["listen"]) == (ref[k].index, ref[k].text, ref[k].listen)
+        assert base64.b64decode(unit["audio"]) == pcm16(ref[k].pcm)
+    ws.send_json({"type": "session.close"})
+    closed = ws.recv_json()
+    assert closed["type"] == "session.closed" and base64.b64decode(closed["audio"]) == pcm16(ref[-1])
+    ws.send(0x8, struct.pack("!H", 1000))
+    assert ws.recv() == (0x8, struct.pack("!H", 1000))
+    assert server.duplex.open_sessions == 0
+
+
+def test_realtime_refusals_keep_the_connection_and_a_dropped_one_frees_its_seat(server):
+    ws = _WebSocketClient(server)
+    for msg, words in (({"type": "input.second", "audio": ""}, "send session.open first"),
+                       ({"type": "hello"}, "session.open, input.second or session.close"), ("[1]", "message type")):
+        ws.send_json(msg) if isinstance(msg, dict) else ws.send(0x1, msg.encode())
+        err = ws.recv_json()
+        assert err["type"] == "error" and err["status"] == 400 and words in err["error"]["message"], err
+    ws.send(0x1, b"{not json")
+    assert "not JSON" in ws.recv_json()["error"]["message"]
+    ws.send_json({"type": "session.open"})
+    assert ws.recv_json()["type"] == "session.opened" and server.duplex.open_sessions == 1
+    ws.send_json({"type": "input.second", "audio": "AAAA"})
+    err = ws.recv_json()
+    assert err["error"]["param"] == "audio" and "exactly one second" in err["error"]["message"]
+    ws.send(0x2, b"\x00\x01")       # binary: the protocol is JSON text
+    opcode, data = ws.recv()
+    assert opcode == 0x8 and struct.unpack("!H", data[:2])[0] == 1003
+    ws.sock.close()
+    deadline = time.time() + 30
+    while server.duplex.open_sessions and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.duplex.open_sessions == 0 and len(server.duplex._free) == server.duplex.seats
+
+
+def test_realtime_needs_a_websocket_handshake(server):
+    code, err = _call(server, "GET", "/v1/duplex/realtime")
+    assert code == 426 and "WebSocket" in err["error"]["message"]

@@ -86,6 +86,8 @@ def test_health_models_and_refusals(server):
     assert _refused(server, {"messages": USER}, path="/v1/completions")[0] == 404
     code, body = _refused(server, {}, path="/v1/duplex/sessions")
     assert code == 404 and "--mode duplex" in body["error"]["message"]
+    code, body = _refused(server, method="GET", path="/v1/duplex/realtime")
+    assert code == 404 and "--mode duplex" in body["error"]["message"]
     code, body = _refused(server, raw=b"{not json")
     assert code == 400 and "not JSON" in body["error"]["message"]
     code, body = _refused(server, {"messages": USER, "modalities": ["text", "audio"], "audio": {"voice": "zoe"}})

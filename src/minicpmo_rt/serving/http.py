@@ -12,6 +12,7 @@ per connection).
     POST   /v1/duplex/sessions             open a session {"voice", "seed"} -> {"id", ...}
     POST   /v1/duplex/sessions/ID/seconds  one second of the user's audio (and camera frame) -> the model's unit
     DELETE /v1/duplex/sessions/ID          close it -> the model's last words
+    GET    /v1/duplex/realtime             the same over one WebSocket (JSON messages; ``_realtime``)
 
 Every refusal is OpenAI's error object with a 4xx status; a failure of the model itself is a 500 (or, once a
 stream has started, an ``error`` event before the stream ends).
@@ -31,6 +32,9 @@ import numpy as np
 from .duplex import DuplexService, parse_second, unit_body
 from .openai_api import ApiError, b64, chunk_body, completion_body, parse_chat, pcm16, usage
 from .turns import Audio, Done, Failed, Text, TurnService
+from .websocket import Closed as WebSocketClosed
+from .websocket import Connection as WebSocket
+from .websocket import accept_key as ws_accept_key
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +136,12 @@ class _Handler(BaseHTTPRequestHandler):
         except ApiError as err:
             self._error(err)
             return
+        if self.path == "/v1/duplex/realtime":
+            try:
+                self._realtime()
+            except ApiError as err:
+                self._error(err)
+            return
         if self.path == "/health":
             load = ({"seats": srv.duplex.seats, "sessions": srv.duplex.open_sessions} if srv.duplex is not None
                     else {"queued": srv.turns.queued if srv.turns is not None else 0})
@@ -147,7 +157,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _routes(self) -> str:
         if self.server.mode == "duplex":
             return ("GET /health, GET /v1/models, POST /v1/duplex/sessions, POST /v1/duplex/sessions/ID/seconds, "
-                    "DELETE /v1/duplex/sessions/ID")
+                    "DELETE /v1/duplex/sessions/ID, GET /v1/duplex/realtime (WebSocket)")
         return "GET /health, GET /v1/models, POST /v1/chat/completions"
 
     def _mode_error(self, want: str) -> ApiError:
@@ -205,6 +215,70 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, {"id": sid, "closed": True, "audio": b64(pcm16(tail)), "sample_rate": 24000})
         except ApiError as err:
             self._error(err)
+
+    def _realtime(self) -> None:
+        """A duplex session over one WebSocket: JSON messages session.open -> session.opened, input.second ->
+        unit, session.close -> session.closed; a refused message is answered with an error message and the
+        connection goes on. A connection that ends without session.close closes its session."""
+        srv = self.server
+        if srv.duplex is None:
+            raise self._mode_error("duplex")
+        h = self.headers
+        if h.get("Upgrade", "").lower() != "websocket" or "upgrade" not in h.get("Connection", "").lower():
+            raise ApiError("GET /v1/duplex/realtime is a WebSocket; connect with a WebSocket client (Upgrade: "
+                           "websocket)", status=426)
+        if h.get("Sec-WebSocket-Version") != "13" or not h.get("Sec-WebSocket-Key"):
+            raise ApiError("a WebSocket handshake needs Sec-WebSocket-Version: 13 and a Sec-WebSocket-Key", status=426)
+        self.send_response(101, "Switching Protocols")
+        self.send_header("Upgrade", "websocket")
+        self.send_header("Connection", "Upgrade")
+        self.send_header("Sec-WebSocket-Accept", ws_accept_key(h["Sec-WebSocket-Key"]))
+        self.end_headers()
+        self.close_connection = True
+        ws = WebSocket(self.rfile, self.wfile, MAX_BODY)
+        session = None
+
+        def send(kind: str, body: dict) -> None:
+            ws.send_text(json.dumps({"type": kind, **body}))
+
+        try:
+            while True:
+                try:
+                    msg = json.loads(ws.receive())
+                    kind = msg.get("type") if isinstance(msg, dict) else None
+                    if kind == "session.open":
+                        if session is not None:
+                            raise ApiError("this connection has an open session; send session.close first")
+                        s = srv.duplex.open(msg.get("voice"), msg.get("seed", 0))
+                        session = s.id
+                        send("session.opened", {"id": s.id, "voice": s.voice, "seed": s.seed,
+                                                "input_sample_rate": 16000, "output_sample_rate": 24000})
+                    elif kind in ("input.second", "session.close"):
+                        if session is None:
+                            raise ApiError(f"{kind}: no open session; send session.open first")
+                        if kind == "input.second":
+                            second = parse_second({k: v for k, v in msg.items() if k != "type"})
+                            send("unit", unit_body(session, srv.duplex.step(session, second)))
+                        else:
+                            tail, session = srv.duplex.close_session(session), None
+                            send("session.closed", {"audio": b64(pcm16(tail)), "sample_rate": 24000})
+                    else:
+                        raise ApiError(f"message type {kind!r}: send session.open, input.second or session.close")
+                except json.JSONDecodeError as exc:
+                    send("error", {"status": 400, **ApiError(f"a message that is not JSON: {exc}").body()})
+                except ApiError as err:
+                    send("error", {"status": err.status, **err.body()})
+        except WebSocketClosed as closed:
+            if not ws.closed:
+                ws.close(closed.code, closed.reason)
+        except OSError:
+            pass
+        finally:
+            if session is not None:
+                try:
+                    srv.duplex.close_session(session)
+                except ApiError:
+                    pass
 
     def _whole(self, ticket) -> None:
         text, audio = [], []
