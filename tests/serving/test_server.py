@@ -76,7 +76,7 @@ def _events(resp) -> list:
 
 
 def test_health_models_and_refusals(server):
-    health = json.load(urllib.request.urlopen(server.url + "/health", timeout=60))
+    health = json.load(urllib.request.urlopen(server.url + "/health?verbose=1", timeout=60))   # a query is no route
     assert health == {"status": "ok", "mode": "turn", "model": "tiny-test", "voices": ["anna"], "queued": 0}
     models = json.load(urllib.request.urlopen(server.url + "/v1/models", timeout=60))
     assert [m["id"] for m in models["data"]] == ["tiny-test"]

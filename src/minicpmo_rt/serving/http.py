@@ -81,6 +81,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- plumbing ----------------------------------------------------------------------------------------
 
+    @property
+    def route(self) -> str:
+        """The request's path without its query string."""
+        return self.path.split("?", 1)[0]
+
     def _begin(self, open_route: bool = False) -> None:
         """A request's start: nothing of its body read yet; the API key checked unless ``open_route``."""
         self._read_body = False
@@ -132,27 +137,27 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (the base class's name)
         srv = self.server
         try:
-            self._begin(open_route=self.path == "/health")
+            self._begin(open_route=self.route == "/health")
         except ApiError as err:
             self._error(err)
             return
-        if self.path == "/v1/duplex/realtime":
+        if self.route == "/v1/duplex/realtime":
             try:
                 self._realtime()
             except ApiError as err:
                 self._error(err)
             return
-        if self.path == "/health":
+        if self.route == "/health":
             load = ({"seats": srv.duplex.seats, "sessions": srv.duplex.open_sessions} if srv.duplex is not None
                     else {"queued": srv.turns.queued if srv.turns is not None else 0})
             self._json(200, {"status": "ok", "mode": srv.mode, "model": srv.model, "voices": srv.voices, **load})
-        elif self.path == "/v1/models":
+        elif self.route == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": srv.model, "object": "model", "created": 0,
                                                          "owned_by": "minicpmo-rt"}]})
-        elif self.path in ("/v1/chat/completions", "/v1/duplex/sessions") or self.path.startswith("/v1/duplex/"):
-            self._error(ApiError(f"GET {self.path}: use POST (DELETE to close a duplex session)", status=405))
+        elif self.route in ("/v1/chat/completions", "/v1/duplex/sessions") or self.route.startswith("/v1/duplex/"):
+            self._error(ApiError(f"GET {self.route}: use POST (DELETE to close a duplex session)", status=405))
         else:
-            self._error(ApiError(f"no route {self.path}: {self._routes()}", status=404))
+            self._error(ApiError(f"no route {self.route}: {self._routes()}", status=404))
 
     def _routes(self) -> str:
         if self.server.mode == "duplex":
@@ -161,32 +166,32 @@ class _Handler(BaseHTTPRequestHandler):
         return "GET /health, GET /v1/models, POST /v1/chat/completions"
 
     def _mode_error(self, want: str) -> ApiError:
-        return ApiError(f"this server runs in {self.server.mode} mode; {self.path} needs `minicpmo-rt serve --mode "
+        return ApiError(f"this server runs in {self.server.mode} mode; {self.route} needs `minicpmo-rt serve --mode "
                         f"{want}` ({self._routes()} here)", status=404)
 
     def _duplex_session(self, suffix: str = "") -> str | None:
         """The session id of /v1/duplex/sessions/ID{suffix}, or None when the path is not that."""
         prefix = "/v1/duplex/sessions/"
-        if not (self.path.startswith(prefix) and self.path.endswith(suffix)):
+        if not (self.route.startswith(prefix) and self.route.endswith(suffix)):
             return None
-        sid = self.path[len(prefix):len(self.path) - len(suffix)]
+        sid = self.route[len(prefix):len(self.route) - len(suffix)]
         return sid if sid and "/" not in sid else None
 
     def do_POST(self) -> None:  # noqa: N802
         srv = self.server
         try:
             self._begin()
-            if self.path == "/v1/chat/completions":
+            if self.route == "/v1/chat/completions":
                 if srv.turns is None:
                     raise self._mode_error("turn")
                 chat = parse_chat(self._body(), list(srv.turns.voices))
                 ticket = srv.turns.submit(chat)
                 self._stream(ticket) if chat.stream else self._whole(ticket)
-            elif self.path == "/v1/duplex/sessions" or self._duplex_session("/seconds") is not None:
+            elif self.route == "/v1/duplex/sessions" or self._duplex_session("/seconds") is not None:
                 if srv.duplex is None:
                     raise self._mode_error("duplex")
                 body = self._body()
-                if self.path == "/v1/duplex/sessions":
+                if self.route == "/v1/duplex/sessions":
                     if not isinstance(body, dict) or set(body) - {"voice", "seed"}:
                         raise ApiError("open a session with {'voice': NAME, 'seed': INT} (both optional)")
                     s = srv.duplex.open(body.get("voice"), body.get("seed", 0))
@@ -198,7 +203,7 @@ class _Handler(BaseHTTPRequestHandler):
                     second = parse_second(body)
                     self._json(200, unit_body(sid, srv.duplex.step(sid, second)))
             else:
-                raise ApiError(f"no route POST {self.path}: {self._routes()}", status=404)
+                raise ApiError(f"no route POST {self.route}: {self._routes()}", status=404)
         except ApiError as err:
             self._error(err)
 
@@ -208,7 +213,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._begin()
             if sid is None:
-                raise ApiError(f"no route DELETE {self.path}: {self._routes()}", status=404)
+                raise ApiError(f"no route DELETE {self.route}: {self._routes()}", status=404)
             if srv.duplex is None:
                 raise self._mode_error("duplex")
             tail = srv.duplex.close_session(sid)

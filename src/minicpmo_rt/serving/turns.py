@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import InputError
 from ..runtime.contracts import TurnRequest
 from ..runtime.turn import TurnPipeline, TurnTrace
-from .openai_api import ChatRequest, new_id
+from .openai_api import ApiError, ChatRequest, new_id
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class TurnService:
 
     def submit(self, chat: ChatRequest) -> Ticket:
         if not self._thread.is_alive():
-            raise RuntimeError("TurnService is closed")
+            raise ApiError("the turn service has stopped; restart the server", status=503, kind="server_error")
         ticket = Ticket(chat)
         self._queue.put(ticket)
         return ticket
