@@ -246,3 +246,11 @@ def test_an_api_key_guards_every_route_but_health(server):
     finally:
         keyed.shutdown()
         keyed.server_close()
+
+
+def test_a_turn_that_ends_without_its_final_chunk_fails_instead_of_hanging(server, monkeypatch):
+    service = server.turns
+    monkeypatch.setattr(service.pipe, "run", lambda requests, trace=None: iter(()))
+    ticket = service.submit(parse_chat({"messages": USER, "modalities": ["text", "audio"]}, list(service.voices)))
+    (event,) = list(ticket.events(timeout=60))
+    assert isinstance(event, Failed) and not event.bad_request and "final audio chunk" in event.message

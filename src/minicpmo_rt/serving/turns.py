@@ -226,3 +226,5 @@ class TurnService:
                 steps = trace.steps[t.id]
                 stopped = trace.talker_inputs[t.id].terminator is not None
                 t.finish(Done("stop" if stopped else "length", steps[0].position, len(steps)))
+        for t in tickets:      # a run that ended without a request's final chunk would leave its client waiting
+            t.finish(Failed("internal error: the turn ended without its final audio chunk", bad_request=False))
