@@ -194,7 +194,7 @@ def video_frames_per_second(path: Path, seconds: int) -> list:
 
 
 def duplex_options(profile: str, decode: str, force_listen_units: int, max_units: int | None,
-                    n_timesteps: int | None, device: str, dtype: str):
+                   n_timesteps: int | None, device: str, dtype: str):
     """The duplex jobs' (and ``serve --mode duplex``'s) checked flags -> (profile, torch dtype,
     DuplexDecodeConfig), before any model loads."""
     import torch
@@ -243,7 +243,7 @@ def run_duplex(model: str, input_audio: Path, voice: Path, output: Path, transcr
         if not Path(path).is_file():
             raise InputError(f"{flag} {path}: file not found; pass a WAV (any sample rate, mono or stereo)")
     prof, torch_dtype, cfg = duplex_options(profile, decode, force_listen_units, max_units, n_timesteps,
-                                             device, dtype)
+                                            device, dtype)
     check_output_path(output, "--output")
     if transcript is not None:
         check_output_path(transcript, "--transcript")
@@ -311,7 +311,7 @@ def run_duplex_batch(model: str, inputs: list[Path], voices: list[Path], outputs
     if len({Path(o).resolve() for o in outputs}) != n:
         raise InputError("--output: two conversations would write the same file; give distinct paths")
     prof, torch_dtype, cfg = duplex_options(profile, decode, force_listen_units, max_units, n_timesteps,
-                                             device, dtype)
+                                            device, dtype)
     for out in outputs:
         check_output_path(out, "--output")
     if transcript is not None:
