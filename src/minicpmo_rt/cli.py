@@ -297,7 +297,8 @@ def serve_cmd(
                                           "(also from $MINICPMO_RT_API_KEY)."),
 ) -> None:
     """Serve over HTTP: OpenAI-style chat completions (turn mode) or duplex sessions (duplex mode)."""
-    from .serving.http import parse_voices, serve
+    from .serving.http import serve
+    from .serving.voices import parse_voices
 
     def ready(server) -> None:
         typer.echo(f"serving {served_name} ({server.mode} mode) on {server.url} (voices: {', '.join(server.voices)}; "

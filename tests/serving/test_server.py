@@ -19,9 +19,10 @@ from conftest import rel_err
 from minicpmo_rt.errors import InputError
 from minicpmo_rt.runtime.contracts import TurnRequest
 from minicpmo_rt.runtime.turn import TurnPipeline, TurnTrace, collect
-from minicpmo_rt.serving.http import Server, parse_voices
+from minicpmo_rt.serving.http import Server
 from minicpmo_rt.serving.openai_api import parse_chat, pcm16
 from minicpmo_rt.serving.turns import Audio, Done, Failed, Text, TurnService
+from minicpmo_rt.serving.voices import parse_voices
 from minicpmo_rt.talker.sampler import SamplingParams
 
 USER = [{"role": "user", "content": "Tell me a story."}]

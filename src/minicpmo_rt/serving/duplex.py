@@ -25,8 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from ..runtime.contracts import SAMPLE_RATE
 from ..runtime.duplex import DuplexBatch, DuplexInput, DuplexUnit
-from .openai_api import ApiError
+from ..thinker.mel import SAMPLE_RATE as INPUT_RATE
+from .openai_api import ApiError, b64, pcm16
+from .voices import check_voices
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +58,7 @@ class DuplexService:
 
     def __init__(self, batch: DuplexBatch, voices: dict[str, Path], idle_timeout_s: float = 60.0,
                  tick_wait_s: float = 0.05, reply_timeout_s: float = 600.0):
-        if not voices:
-            raise ValueError("DuplexService: register at least one voice (name -> reference WAV)")
-        from ..code2wav.frontend import read_audio
-
-        for path in voices.values():    # a voice that cannot be read fails at start-up, not in a client's session
-            read_audio(path)
-        self.batch, self.voices = batch, dict(voices)
+        self.batch, self.voices = batch, check_voices(voices, "DuplexService")
         self.idle_timeout_s, self.tick_wait_s, self.reply_timeout_s = idle_timeout_s, tick_wait_s, reply_timeout_s
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
@@ -269,7 +266,7 @@ def parse_second(body) -> DuplexInput:
     if unknown:
         raise ApiError(f"unsupported field(s) {', '.join(unknown)}: a second takes audio, sample_rate, frame, "
                        "force_listen", unknown[0])
-    rate = body.get("sample_rate", 16000)
+    rate = body.get("sample_rate", INPUT_RATE)
     if isinstance(rate, bool) or not isinstance(rate, int) or not 8000 <= rate <= 192000:
         raise ApiError(f"sample_rate must be an integer in 8000..192000 Hz, got {rate!r}", "sample_rate")
     try:
@@ -292,10 +289,18 @@ def parse_second(body) -> DuplexInput:
     return DuplexInput(audio, frame, force, rate)
 
 
+def opened_body(session: Session) -> dict:
+    return {"id": session.id, "voice": session.voice, "seed": session.seed, "input_sample_rate": INPUT_RATE,
+            "output_sample_rate": SAMPLE_RATE}
+
+
 def unit_body(session_id: str, unit: DuplexUnit) -> dict:
     """What the model did in the second: listened, or spoke (text, codes, 24 kHz PCM16 audio in base64)."""
-    from .openai_api import b64, pcm16
-
     return {"session": session_id, "index": unit.index, "listen": unit.listen, "text": unit.text,
             "turn_end": unit.turn_end, "interrupted": unit.interrupted, "codes": len(unit.codes),
-            "audio": b64(pcm16(unit.pcm)), "sample_rate": 24000}
+            "audio": b64(pcm16(unit.pcm)), "sample_rate": SAMPLE_RATE}
+
+
+def closed_body(session_id: str, tail: np.ndarray) -> dict:
+    """A closed session: the model's last words (24 kHz PCM16 in base64)."""
+    return {"id": session_id, "closed": True, "audio": b64(pcm16(tail)), "sample_rate": SAMPLE_RATE}

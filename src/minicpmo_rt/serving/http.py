@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
-from .duplex import DuplexService, parse_second, unit_body
+from .duplex import DuplexService, closed_body, opened_body, parse_second, unit_body
 from .openai_api import ApiError, b64, chunk_body, completion_body, parse_chat, pcm16, usage
 from .turns import Audio, Done, Failed, Text, TurnService
 from .websocket import Closed as WebSocketClosed
@@ -75,6 +75,7 @@ class _Handler(BaseHTTPRequestHandler):
     # Every JSON answer has a Content-Length; a stream ends its connection; an answer sent before the request's
     # body was read closes it too, since the unread body would be taken for the next request.
     protocol_version = "HTTP/1.1"
+    _read_body = True       # until _begin starts a request
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
         log.info("%s %s", self.address_string(), format % args)
@@ -104,7 +105,7 @@ class _Handler(BaseHTTPRequestHandler):
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")
         unread = self.command == "POST" or self.headers.get("Content-Length", "0") not in ("", "0")
-        if not getattr(self, "_read_body", True) and unread:
+        if not self._read_body and unread:
             self.send_header("Connection", "close")
             self.close_connection = True
         self.end_headers()
@@ -194,9 +195,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if self.route == "/v1/duplex/sessions":
                     if not isinstance(body, dict) or set(body) - {"voice", "seed"}:
                         raise ApiError("open a session with {'voice': NAME, 'seed': INT} (both optional)")
-                    s = srv.duplex.open(body.get("voice"), body.get("seed", 0))
-                    self._json(200, {"id": s.id, "voice": s.voice, "seed": s.seed, "input_sample_rate": 16000,
-                                     "output_sample_rate": 24000})
+                    self._json(200, opened_body(srv.duplex.open(body.get("voice"), body.get("seed", 0))))
                 else:
                     sid = self._duplex_session("/seconds")
                     srv.duplex.session(sid)         # an unknown session is a 404 whatever its body holds
@@ -216,8 +215,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(f"no route DELETE {self.route}: {self._routes()}", status=404)
             if srv.duplex is None:
                 raise self._mode_error("duplex")
-            tail = srv.duplex.close_session(sid)
-            self._json(200, {"id": sid, "closed": True, "audio": b64(pcm16(tail)), "sample_rate": 24000})
+            self._json(200, closed_body(sid, srv.duplex.close_session(sid)))
         except ApiError as err:
             self._error(err)
 
@@ -242,37 +240,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         ws = WebSocket(self.rfile, self.wfile, MAX_BODY)
         session = None
-
-        def send(kind: str, body: dict) -> None:
-            ws.send_text(json.dumps({"type": kind, **body}))
-
         try:
             while True:
                 try:
-                    msg = json.loads(ws.receive())
-                    kind = msg.get("type") if isinstance(msg, dict) else None
-                    if kind == "session.open":
-                        if session is not None:
-                            raise ApiError("this connection has an open session; send session.close first")
-                        s = srv.duplex.open(msg.get("voice"), msg.get("seed", 0))
-                        session = s.id
-                        send("session.opened", {"id": s.id, "voice": s.voice, "seed": s.seed,
-                                                "input_sample_rate": 16000, "output_sample_rate": 24000})
-                    elif kind in ("input.second", "session.close"):
-                        if session is None:
-                            raise ApiError(f"{kind}: no open session; send session.open first")
-                        if kind == "input.second":
-                            second = parse_second({k: v for k, v in msg.items() if k != "type"})
-                            send("unit", unit_body(session, srv.duplex.step(session, second)))
-                        else:
-                            tail, session = srv.duplex.close_session(session), None
-                            send("session.closed", {"audio": b64(pcm16(tail)), "sample_rate": 24000})
-                    else:
-                        raise ApiError(f"message type {kind!r}: send session.open, input.second or session.close")
-                except json.JSONDecodeError as exc:
-                    send("error", {"status": 400, **ApiError(f"a message that is not JSON: {exc}").body()})
+                    session = self._realtime_message(ws, ws.receive(), session)
                 except ApiError as err:
-                    send("error", {"status": err.status, **err.body()})
+                    ws.send_text(json.dumps({"type": "error", "status": err.status, **err.body()}))
         except WebSocketClosed as closed:
             if not ws.closed:
                 ws.close(closed.code, closed.reason)
@@ -284,6 +257,31 @@ class _Handler(BaseHTTPRequestHandler):
                     srv.duplex.close_session(session)
                 except ApiError:
                     pass
+
+    def _realtime_message(self, ws: WebSocket, text: str, session: str | None) -> str | None:
+        """One message of a realtime connection, answered; returns the connection's open session after it."""
+        duplex = self.server.duplex
+        try:
+            msg = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ApiError(f"a message that is not JSON: {exc}") from None
+        kind = msg.get("type") if isinstance(msg, dict) else None
+        if kind not in ("session.open", "input.second", "session.close"):
+            raise ApiError(f"message type {kind!r}: send session.open, input.second or session.close")
+        if (kind == "session.open") != (session is None):
+            raise ApiError("this connection has an open session; send session.close first" if session is not None
+                           else f"{kind}: no open session; send session.open first")
+        if kind == "session.open":
+            reply = {"type": "session.opened", **opened_body(duplex.open(msg.get("voice"), msg.get("seed", 0)))}
+            session = reply["id"]
+        elif kind == "input.second":
+            second = parse_second({k: v for k, v in msg.items() if k != "type"})
+            reply = {"type": "unit", **unit_body(session, duplex.step(session, second))}
+        else:
+            reply = {"type": "session.closed", **closed_body(session, duplex.close_session(session))}
+            session = None
+        ws.send_text(json.dumps(reply))
+        return session
 
     def _whole(self, ticket) -> None:
         text, audio = [], []
@@ -337,28 +335,6 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             log.info("%s: the client left after %.1f s; its answer is still computed", rid,
                      time.perf_counter() - started)
-
-
-def parse_voices(specs: list[str]) -> dict:
-    """``NAME=PATH`` or ``PATH`` (named by the file's stem) -> {name: Path}; the first is the default voice."""
-    from pathlib import Path
-
-    from ..errors import InputError
-
-    voices: dict[str, Path] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        name, path = (name, path) if sep else (Path(spec).stem, spec)
-        if not name or not path:
-            raise InputError(f"--voice {spec!r}: pass PATH or NAME=PATH")
-        if name in voices:
-            raise InputError(f"--voice {spec!r}: the name {name!r} is taken; give each voice its own NAME=")
-        if not Path(path).is_file():
-            raise InputError(f"--voice {spec!r}: {path} is not a file; pass a reference recording (WAV)")
-        voices[name] = Path(path)
-    if not voices:
-        raise InputError("pass at least one --voice (a reference recording to speak in)")
-    return voices
 
 
 def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, mode: str = "turn",

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-SAMPLE_RATE = 24000
+from ..runtime.contracts import SAMPLE_RATE
+
 AUDIO_FORMATS = ("wav", "pcm16")
 # accepted and not acted on: they change nothing about the answer
 IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "stream_options"})

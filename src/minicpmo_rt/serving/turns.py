@@ -29,6 +29,7 @@ from ..errors import InputError
 from ..runtime.contracts import TurnRequest
 from ..runtime.turn import TurnPipeline, TurnTrace
 from .openai_api import ApiError, ChatRequest, new_id
+from .voices import check_voices
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +108,7 @@ class TurnService:
 
     def __init__(self, pipe: TurnPipeline, voices: dict[str, Path], max_batch: int | None = None,
                  batch_wait_s: float = 0.02):
-        if not voices:
-            raise ValueError("TurnService: register at least one voice (name -> reference WAV)")
-        from ..code2wav.frontend import read_audio
-
-        for path in voices.values():    # a voice that cannot be read fails at start-up, not in a client's turn
-            if isinstance(path, (str, Path)):   # (else a voice Code2Wav takes as it is: prompt features)
-                read_audio(path)
-        self.pipe, self.voices = pipe, dict(voices)
+        self.pipe, self.voices = pipe, check_voices(voices, "TurnService")
         self.max_batch = max_batch or pipe.talker.capacity
         if self.max_batch < 1:
             raise ValueError(f"TurnService: max_batch must be >= 1, got {self.max_batch}")
