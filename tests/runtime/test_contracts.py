@@ -67,3 +67,59 @@ def test_turn_request_limits():
         TurnRequest.make("r", "hi", max_codes=0)
     with pytest.raises(InputError, match="request id"):
         TurnRequest.make("", "hi")
+
+
+def test_turn_request_parts_are_typed_and_frozen(tmp_path):
+    """Lists, 16 kHz waveforms and PIL images become a tuple of text, AudioPart and ImagePart; the audio is a
+    read-only copy (changing the caller's array changes nothing); files load through from_file / from_image."""
+    import soundfile as sf
+    from PIL import Image
+
+    from minicpmo_rt.runtime.contracts import AudioPart, ImagePart
+
+    wave = np.linspace(-0.5, 0.5, 16000, dtype=np.float32)
+    img = Image.new("RGB", (64, 48), (10, 200, 30))
+    req = TurnRequest.make("r", [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": [img, wave, "What is this?"]}])
+    parts = req.messages[1]["content"]
+    assert isinstance(parts, tuple) and [type(p) for p in parts] == [ImagePart, AudioPart, str]
+    wave[:] = 0
+    assert parts[1].samples[-1] == pytest.approx(0.5) and not parts[1].samples.flags.writeable
+    assert parts[0].image.image_size == (64, 48) and parts[0].image.num_sub_images == 1
+    sf.write(tmp_path / "q.wav", np.full(8000, 0.25, np.float32), 8000)       # 1 s at 8 kHz -> 16000 samples
+    assert AudioPart.from_file(tmp_path / "q.wav").samples.size == 16000
+    img.save(tmp_path / "p.png")
+    assert ImagePart.from_image(tmp_path / "p.png").image.image_size == (64, 48)
+    # audio alone is a whole question
+    assert TurnRequest.make("s", [{"role": "user", "content": [np.zeros(16000, np.float32)]}]).messages
+
+
+@pytest.mark.parametrize("content,role,match", [
+    ([np.zeros(800, np.float32)], "user", "too short"),
+    ([np.zeros((2, 16000), np.float32)], "user", "not mono"),
+    ([np.zeros(16000, np.int16)], "user", "not floating"),
+    ([np.full(16000, np.nan, np.float32)], "user", "NaN"),
+    ([{"type": "image_url"}], "user", "not text, audio"),
+    (["  ", ""], "user", "empty"),
+    ([], "user", "non-empty list"),
+    (["look <image>./</image>"], "user", "marker"),
+    ("<|audio_start|><unk><|audio_end|>", "user", "marker"),
+])
+def test_bad_parts_are_refused_by_name(content, role, match):
+    with pytest.raises(InputError, match=match):
+        TurnRequest.make("bad", [{"role": role, "content": content}])
+
+
+def test_media_only_in_user_messages_and_unreadable_files_named(tmp_path):
+    from minicpmo_rt.runtime.contracts import AudioPart, ImagePart
+
+    with pytest.raises(InputError, match=r"messages\[0\] \(assistant\) holds audio"):
+        TurnRequest.make("x", [{"role": "assistant", "content": [np.zeros(16000, np.float32)]},
+                               {"role": "user", "content": "And?"}])
+    (tmp_path / "not.png").write_text("hello")
+    with pytest.raises(InputError, match="cannot be read as an image"):
+        ImagePart.from_image(tmp_path / "not.png")
+    with pytest.raises(InputError, match="not found"):
+        ImagePart.from_image(tmp_path / "missing.png")
+    with pytest.raises(InputError, match="not found"):
+        AudioPart.from_file(tmp_path / "missing.wav")

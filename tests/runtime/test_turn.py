@@ -327,6 +327,74 @@ def test_thinker_rows_end_on_a_terminator_and_free_the_row(pipe, voice):
     assert len(rows._free) == 2
 
 
+def _omni_request(rid: str, seed: int, voice=None, words: str = "What do you see and hear?"):
+    """A user message of an image, 1.5 s of sound and words (random pixels and noise: the tiny model only
+    needs the plumbing)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray((rng.random((120, 200, 3)) * 255).astype(np.uint8))
+    audio = (rng.standard_normal(24000) * 0.1).astype(np.float32)
+    return TurnRequest.make(rid, [{"role": "user", "content": [image, audio, words]}], voice, seed=seed,
+                            max_new_tokens=5, max_codes=10), image, audio
+
+
+def test_spoken_and_pictured_turn_feeds_the_encodings_in_their_placeholders(pipe):
+    """A user message of an image, a recording and words: the prompt is upstream's turn layout with the parts
+    joined by newlines, the image as ``<image>`` + 64 ``<unk>`` + ``</image>`` and the 1.5 s of audio as
+    ``<|audio_start|>`` + 15 ``<unk>`` + ``<|audio_end|>`` (written out here by hand), and the Thinker's hidden
+    rows equal one full forward over those ids with the encodings scattered into the ``<unk>`` runs by hand."""
+    from minicpmo_rt.thinker.prompt import DEFAULT_SYSTEM_PROMPT, UNK_ID
+
+    req, image, audio = _omni_request("omni", 4)
+    trace = TurnTrace()
+    pipe.codes([req], trace)
+    th, tok = pipe.thinker, pipe.tokenizer
+    text = (f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
+            f"<image>{'<unk>' * 64}</image>\n<|audio_start|>{'<unk>' * 15}<|audio_end|>\nWhat do you see and hear?")
+    prompt = tok.encode(text) + list(pipe.builder.assistant_bos().ids)
+    assert list(turn_prompt(pipe.builder, req.messages).ids) == prompt
+    ids = prompt + list(trace.talker_requests["omni"].text_ids.tolist())
+    unk = [i for i, t in enumerate(ids) if t == UNK_ID]
+    assert len(unk) == 64 + 15
+    with torch.no_grad():
+        embeds = th.llm.model.embed_tokens(torch.tensor(ids)).clone()
+        embeds[unk[:64]] = th.embed_image(np.asarray(image))[0]
+        embeds[unk[64:]] = th.embed_audio(audio)
+        h, _ = final_norm_hidden(th.llm, embeds[None])
+    steps = [s for s in trace.steps["omni"] if s.hidden is not None]
+    assert [s.position for s in steps] == list(range(len(prompt), len(ids)))
+    err = rel_err(torch.stack([s.hidden for s in steps]), h[0, len(prompt):])
+    assert err < 1e-5, err
+    # the same words without the picture and the sound make another prompt and other hidden rows
+    words = TurnRequest.make("words", "What do you see and hear?", seed=4, max_new_tokens=5, max_codes=10)
+    plain = TurnTrace()
+    pipe.codes([words], plain)
+    assert rel_err(plain.steps["words"][0].hidden, steps[0].hidden) > 1e-2
+
+
+def test_thinker_rows_take_spoken_turns_as_think_does(pipe, voice):
+    """``think_rows`` prefills a request with an image and audio in its row (beside a text-only one, in one
+    forward) and decodes the same tokens with the same hidden rows as ``think`` alone."""
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+
+    reqs = [_omni_request("m0", 7, voice)[0],
+            TurnRequest.make("m1", "Name a colour.", voice, seed=8, max_new_tokens=6, max_codes=10)]
+    alone = TurnTrace()
+    codes = pipe.codes(reqs, alone)
+    pipe.rows = StaticRows(pipe.thinker, 2, 512, kernels="torch")
+    try:
+        together = TurnTrace()
+        assert pipe.codes(reqs, together) == codes
+    finally:
+        pipe.rows = None
+    for r in reqs:
+        a, b = alone.steps[r.request_id], together.steps[r.request_id]
+        assert [(s.token_id, s.position) for s in b] == [(s.token_id, s.position) for s in a]
+        assert rel_err(torch.stack([s.hidden for s in b if s.hidden is not None]),
+                       torch.stack([s.hidden for s in a if s.hidden is not None])) < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_pipeline_defaults_match_the_plain_path(tiny_ckpt):

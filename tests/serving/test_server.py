@@ -180,17 +180,27 @@ def test_concurrent_requests_share_a_batch_and_each_is_its_solo_turn(server, voi
 def test_a_bad_request_fails_alone_and_its_batch_mate_is_answered_once(server, voice, monkeypatch):
     """The second request's prompt is refused at its prefill, after the first one's text went out: the batch
     is rerun request by request, the bad one is refused (its message names the problem), and the good one's
-    text is not sent twice; its answer is its solo turn."""
+    text is not sent twice; its answer is its solo turn. Every refusal of the pipeline's own is made before a
+    run starts (``TurnRequest.make``), so the refusal at the prefill is injected: the pipeline's prompt step
+    raises the InputError it would raise for a bad prompt, for that request only."""
     service = server.turns
     monkeypatch.setattr(service, "batch_wait_s", 2.0)
     voices = list(service.voices)
+    prompt = service.pipe._prompt
+
+    def refuse_second(req):
+        if req.messages[-1]["content"] == "Name a fruit.":
+            raise InputError(f"request {req.request_id!r}: refused at its prefill")
+        return prompt(req)
+
+    monkeypatch.setattr(service.pipe, "_prompt", refuse_second)
     good = service.submit(parse_chat({"messages": USER, "modalities": ["text", "audio"], "max_tokens": 6,
                                       "max_codes": 30, "seed": 3}, voices))
-    bad = service.submit(parse_chat({"messages": [{"role": "user", "content": "look <image>./</image>"}],
+    bad = service.submit(parse_chat({"messages": [{"role": "user", "content": "Name a fruit."}],
                                      "modalities": ["text", "audio"], "max_tokens": 6, "max_codes": 30}, voices))
     bad_events = list(bad.events(timeout=300))
     assert len(bad_events) == 1 and isinstance(bad_events[0], Failed) and bad_events[0].bad_request
-    assert "markers" in bad_events[0].message
+    assert "refused at its prefill" in bad_events[0].message
     events = list(good.events(timeout=300))
     assert isinstance(events[-1], Done)
     wav, text, _ = _reference(service.pipe, voice, 3)

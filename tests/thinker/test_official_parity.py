@@ -467,7 +467,7 @@ def test_session_with_voice_reference_matches_official(thinker):
 
 def test_reference_audio_embeddings_through_the_thinker_match_official(thinker):
     audio, _ = _load("audio")
-    emb = thinker.embed_reference_audio(_audio_f32(audio["ref_audio_i16"]))
+    emb = thinker.embed_audio(_audio_f32(audio["ref_audio_i16"]))
     ref = torch.from_numpy(audio["ref_embeds"])
     assert emb.shape == ref.shape
     assert rel_err(emb, ref) <= TOL

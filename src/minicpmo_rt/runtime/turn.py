@@ -1,4 +1,4 @@
-"""Turn-mode spoken conversation: text in, 24 kHz speech out, through three decoupled stages.
+"""Turn-mode spoken conversation: text, speech and images in, 24 kHz speech out, through three decoupled stages.
 
     pipe = TurnPipeline.from_snapshot("/path/to/MiniCPM-o-4_5")     # profile: generic MRv2
     for pcm in pipe.respond("Hello!", voice="ref.wav", seed=0):    # PcmChunk, in order
@@ -40,7 +40,8 @@ import torch
 from ..errors import InputError
 from ..sdpa_backend import no_cudnn_sdpa
 from ..talker.engine import CONTEXT_CODES, TalkerEngine, TalkerRequest
-from .contracts import CodecChunk, Message, PcmChunk, TalkerInput, ThinkerStep, TurnRequest
+from ..thinker.prompt import audio_piece_counts
+from .contracts import AudioPart, CodecChunk, ImagePart, Message, PcmChunk, TalkerInput, ThinkerStep, TurnRequest
 from .snapshot import SnapshotPublisher, SnapshotReader
 
 DEFAULT_PROFILE = "minicpmo_4_5_turn_mrv2"
@@ -68,19 +69,46 @@ class TurnTrace:
         return [c for ch in self.chunks.get(request_id, []) for c in ch.codes[ch.n_context:]]
 
 
+def _placeholder(part) -> str:
+    """A media part's prompt text: an image's ``<image>`` + 64 ``<unk>`` + ``</image>`` (and its slices), an
+    audio's ``<|audio_start|>`` + 10 ``<unk>`` a second + ``<|audio_end|>`` per 30-s piece."""
+    from ..thinker.image_processor import image_placeholder
+
+    if isinstance(part, ImagePart):
+        return image_placeholder(part.image.grid)
+    return "".join("<|audio_start|>" + "<unk>" * n + "<|audio_end|>" for n in audio_piece_counts(part.samples.size))
+
+
+def content_text(content) -> str:
+    """A message's content as prompt text: its parts joined by newlines, as upstream's prefill joins them when
+    not in omni mode, each audio and image by its placeholder."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(p if isinstance(p, str) else _placeholder(p) for p in content)
+
+
+def media_parts(messages: Sequence[Message]) -> list:
+    """The messages' audio and images in prompt order (the order their slots are filled in)."""
+    return [p for m in messages if not isinstance(m["content"], str) for p in m["content"] if not isinstance(p, str)]
+
+
 def turn_prompt(builder, messages: Sequence[Message]):
     """System (the default one unless given) + earlier turns through the chat template, then
-    ``<|im_start|>user\\n{text}`` and the assistant bos ending in ``<|tts_bos|>`` (upstream's
-    streaming turn layout, text only: no reference audio is fed to the Thinker)."""
+    ``<|im_start|>user\\n{content}`` and the assistant bos ending in ``<|tts_bos|>`` (upstream's
+    streaming turn layout; no reference audio is fed to the Thinker). Audio and images in the content
+    become placeholders whose slots ``TurnPipeline`` fills with their encodings (``media_parts`` order)."""
     from ..thinker.prompt import DEFAULT_SYSTEM_PROMPT, apply_chat_template
 
-    msgs = list(messages)
+    msgs = [{**m, "content": content_text(m["content"])} for m in messages]
     if msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": DEFAULT_SYSTEM_PROMPT})
     piece = builder.from_text(apply_chat_template(msgs[:-1]) + builder.user_prefix() + msgs[-1]["content"])
-    if piece.slots:
-        raise InputError("user text contains audio/image markers (<|audio_start|>, <image>...); "
-                         "this pipeline takes plain text")
+    media = media_parts(messages)
+    images = sum(p.image.num_sub_images for p in media if isinstance(p, ImagePart))
+    audio = sum(len(audio_piece_counts(p.samples.size)) for p in media if isinstance(p, AudioPart))
+    if [s.kind for s in piece.slots].count("image") != images or [s.kind for s in piece.slots].count("audio") != audio:
+        raise InputError("the prompt's audio/image slots do not match the request's audio and images; send media "
+                         "as parts, with no placeholder text (<|audio_start|>, <image>...) in the words")
     return piece + builder.assistant_bos()
 
 
@@ -225,12 +253,25 @@ class TurnPipeline:
         """The request's prompt through the Thinker on a fresh DynamicCache -> (prompt length, last logits,
         cache, sampling config, generator)."""
         th = self.thinker
-        piece = turn_prompt(self.builder, req.messages)
+        piece, embeds = self._prompt(req)
         cache = th.new_cache()
         with no_cudnn_sdpa():       # each prompt's own length: no per-shape cuDNN plan
-            prefill = th.forward_embeds(th.embed_tokens(piece.ids), cache, logits=True)
+            prefill = th.forward_embeds(embeds, cache, logits=True)
         gen = torch.Generator(device=prefill.logits.device).manual_seed(req.seed)
         return len(piece), prefill.logits, cache, self._sampling(req), gen
+
+    def _prompt(self, req: TurnRequest):
+        """The request's prompt piece and its input rows: token embeddings, with the audio and images encoded
+        into their slots (all of a request's images in one vision pass)."""
+        th = self.thinker
+        piece = turn_prompt(self.builder, req.messages)
+        media = media_parts(req.messages)
+        if not media:
+            return piece, th.embed_tokens(piece.ids)
+        images = [p.image for p in media if isinstance(p, ImagePart)]
+        audio = [th.embed_audio(p.samples) for p in media if isinstance(p, AudioPart)]
+        return piece, th.fill_slots(piece, [th.embed_image(images)] if images else [],
+                                    torch.cat(audio) if audio else None)
 
     def _sampling(self, req: TurnRequest):
         """The pipeline's sampling config with the request's own token limit."""
@@ -281,27 +322,27 @@ class TurnPipeline:
         live: dict[int, list] = {}      # row -> [request, Generation, _Steps, next position, row view]
         try:
             while waiting or live:
-                admitted: list[tuple] = []      # (request, prompt, sampling, row view)
+                admitted: list[tuple] = []      # (request, prompt, sampling, row view, input rows)
                 try:
                     while waiting and len(live) + len(admitted) < rows.batch:
                         req = waiting.pop(0)
-                        piece = turn_prompt(self.builder, req.messages)
+                        piece, embeds = self._prompt(req)
                         sampling = self._sampling(req)
                         self._fits(req, len(piece), sampling, rows.capacity)
-                        admitted.append((req, piece, sampling, rows.acquire(rows.capacity)))
+                        admitted.append((req, piece, sampling, rows.acquire(rows.capacity), embeds))
                     if admitted:
                         # the prompts go straight into their rows through the decoder's own kernels, those of
                         # consecutive rows in one forward (one prompt at a time, each read the weights and
                         # launched every layer's kernels again: ~12 ms a request on the H200, most of the
                         # Thinker's time once the decode steps were shared)
-                        views, prompts = [a[3] for a in admitted], [th.embed_tokens(a[1].ids) for a in admitted]
+                        views, prompts = [a[3] for a in admitted], [a[4] for a in admitted]
                         hidden = rows.prefill_many(views, prompts, join=self.batched_prefill)
                         logits = th.llm.lm_head(hidden).float()
                 except BaseException:
                     for a in admitted:
                         rows.release(a[3])
                     raise
-                for j, (req, piece, sampling, view) in enumerate(admitted):
+                for j, (req, piece, sampling, view, _) in enumerate(admitted):
                     gen = torch.Generator(device=logits.device).manual_seed(req.seed)
                     live[view.row] = [req, Generation(th.llm, logits[j:j + 1], sampling,
                                                       forbidden_ids=self.forbidden, generator=gen),

@@ -24,6 +24,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from ..errors import InputError
 from .staging import HostStaging
 
 SAMPLE_RATE = 16000
@@ -472,3 +473,38 @@ def process_many(procs: "list[StreamingMel]", audios: list[np.ndarray], last_chu
     mels = log_mel_many([st.buffer for st, _ in appended], floors, first.n_mels, first.device, first.staging,
                         reserve_samples=most)
     return [p._emit(st, mel, samples, last_chunk) for p, (st, samples), mel in zip(procs, appended, mels)]
+
+
+def check_audio(audio, sample_rate: int, where: str) -> np.ndarray:
+    """Audio as the Thinker takes it: a 1-D float array (a [1, N] or [N, 1] one is flattened), finite,
+    resampled to 16 kHz when ``sample_rate`` differs -> float32 samples; anything else is refused naming
+    ``where``."""
+    if isinstance(audio, torch.Tensor):
+        audio = audio.detach().cpu().numpy()
+    if not isinstance(audio, np.ndarray):
+        raise InputError(f"{where}: audio must be a numpy array of 16 kHz mono float samples, got "
+                         f"{type(audio).__name__}")
+    if audio.ndim == 2 and 1 in audio.shape:
+        audio = audio.reshape(-1)
+    if audio.ndim != 1:
+        raise InputError(f"{where}: audio of shape {list(audio.shape)} is not mono; mix it down to one channel")
+    if not np.issubdtype(audio.dtype, np.floating):
+        raise InputError(f"{where}: audio dtype {audio.dtype} is not floating point; pass float32 samples in "
+                         "[-1, 1] (e.g. int16 / 32768)")
+    if audio.size == 0:
+        raise InputError(f"{where}: empty audio; pass at least one sample ({SAMPLE_RATE} a second)")
+    if not np.isfinite(audio).all():
+        raise InputError(f"{where}: audio holds NaN or infinite samples")
+    if int(sample_rate) <= 0:
+        raise InputError(f"{where}: sample_rate must be positive, got {sample_rate}")
+    audio = audio.astype(np.float32, copy=False)
+    if int(sample_rate) != SAMPLE_RATE:
+        from math import gcd
+
+        from scipy.signal import resample_poly
+
+        g = gcd(int(sample_rate), SAMPLE_RATE)
+        audio = resample_poly(audio, SAMPLE_RATE // g, int(sample_rate) // g).astype(np.float32)
+        if audio.size == 0:
+            raise InputError(f"{where}: audio is empty after resampling {sample_rate} Hz to {SAMPLE_RATE} Hz")
+    return audio

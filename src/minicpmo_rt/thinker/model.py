@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -153,21 +155,25 @@ class Thinker(nn.Module):
         return AudioChunkEmbedding(embeds.to(self.dtype), cache, reset)
 
     @torch.no_grad()
-    def embed_reference_audio(self, waveform) -> torch.Tensor:
-        """A voice reference (mono 16 kHz float samples) -> [n, H] LLM-space embeddings, as
-        upstream's ``get_audio_embedding(..., chunk_length=1.0)`` for the duplex system prompt.
+    def embed_audio(self, waveform) -> torch.Tensor:
+        """A whole recording (mono 16 kHz float samples) -> [n, H] LLM-space embeddings, as upstream's
+        non-streaming ``get_audio_embedding(..., chunk_length=1.0)``: a duplex voice reference, and the
+        audio of a turn-mode user message (``non_streaming_prefill``, ``chunk_length`` = the config's 1 s).
 
-        Non-streaming: each 30-s piece is zero-padded to 30 s before the mel (dynamic max-8
-        floor), cut to ``len // 160`` frames, encoded with a 1-s (50-frame) block-causal mask,
-        projected and pooled; the pieces' embeddings are concatenated in order."""
+        Each 30-s piece is zero-padded to 30 s before the mel (dynamic max-8 floor), cut to the
+        feature extractor's ``ceil(len / 160)`` frames, encoded with a 1-s (50-frame) block-causal
+        mask, projected and pooled; the pieces' embeddings are concatenated in order (``audio_piece_lengths``
+        gives each piece's count)."""
         from .mel import SAMPLE_RATE, log_mel
 
-        x = torch.as_tensor(waveform, dtype=torch.float32).reshape(-1).cpu()
+        x = waveform.detach().float() if isinstance(waveform, torch.Tensor) else \
+            torch.from_numpy(np.array(waveform, dtype=np.float32))      # a copy: the caller's may be read-only
+        x = x.reshape(-1).cpu()
         window = 30 * SAMPLE_RATE
         parts = []
         for start in range(0, x.numel(), window):
             piece = x[start:start + window]
-            frames = piece.numel() // 160
+            frames = -(-piece.numel() // 160)
             n = conv_output_length(frames)
             if n < self.audio_pool_step:
                 continue  # a tail too short for one pooled embedding, as upstream's pooling drops it
@@ -179,6 +185,28 @@ class Thinker(nn.Module):
         if not parts:
             return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
         return torch.cat(parts).to(self.dtype)
+
+    def fill_slots(self, piece, images: Sequence[torch.Tensor] = (), audio: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """A prompt piece's input rows [L, H]: its token embeddings, with each image slot taking the next
+        sub-image's 64 rows of ``images`` (each [n_sub, 64, H]) and the audio slots the rows of ``audio``
+        [n, H] in order, as upstream scatters encoder outputs over the ``<unk>`` placeholders."""
+        embeds = self.embed_tokens(piece.ids).clone()
+        image_rows = [row for im in images for row in im]
+        audio_rows = audio if audio is not None else embeds[:0]
+        n_image = sum(1 for s in piece.slots if s.kind == "image")
+        n_audio = sum(s.length for s in piece.slots if s.kind == "audio")
+        if n_image != len(image_rows) or n_audio != audio_rows.shape[0]:
+            raise ValueError(f"prompt slots ({n_image} image, {n_audio} audio rows) do not match the encoder "
+                             f"outputs ({len(image_rows)} sub-images, {audio_rows.shape[0]} audio rows)")
+        next_image, at = iter(image_rows), 0
+        for slot in piece.slots:
+            if slot.kind == "image":
+                embeds[slot.start:slot.start + slot.length] = next(next_image).to(embeds.dtype)
+            else:
+                embeds[slot.start:slot.start + slot.length] = audio_rows[at:at + slot.length].to(embeds.dtype)
+                at += slot.length
+        return embeds
 
     # -- the LLM --------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:

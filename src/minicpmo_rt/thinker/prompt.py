@@ -79,6 +79,19 @@ def audio_embed_count(num_samples: int, hop_length: int = 160, pool_step: int = 
     return (frames - pool_step) // pool_step + 1
 
 
+AUDIO_PIECE_SAMPLES = 30 * 16000   # the feature extractor's 30-s window; longer audio is encoded piece by piece
+
+
+def audio_piece_counts(num_samples: int) -> list[int]:
+    """LLM positions of each 30-s piece of a whole recording, as ``Thinker.embed_audio`` encodes it (a tail
+    too short for one pooled embedding gives none and is left out)."""
+    if num_samples <= 0:
+        raise InputError(f"audio: {num_samples} samples; pass a non-empty 16 kHz waveform")
+    counts = (audio_embed_count(min(AUDIO_PIECE_SAMPLES, num_samples - start))
+              for start in range(0, num_samples, AUDIO_PIECE_SAMPLES))
+    return [c for c in counts if c > 0]
+
+
 def audio_placeholder(num_samples: int, chunk_input: bool = False, chunk_length: float = 1.0,
                       hop_length: int = 160, pool_step: int = 5) -> str:
     """Upstream get_audio_placeholder. Turn-mode streaming calls it with chunk_input False: one

@@ -71,7 +71,7 @@ from torch.profiler import record_function
 from ..errors import InputError, MiniCPMORTError
 from .audio import AudioEncoderCache
 from .image_processor import ProcessedImage, process_frame_torch, process_image
-from .mel import SAMPLE_RATE, MelState, StreamingMel, process_many, warm_mel
+from .mel import SAMPLE_RATE, MelState, StreamingMel, check_audio, process_many, warm_mel
 from .llm_cache import LLM_CACHES, StaticDecoderPool, make_llm_cache
 from .model import AudioChunkEmbedding, Thinker
 from .audio_graph import AudioGraphs
@@ -233,39 +233,6 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _check_audio(audio, sample_rate: int, where: str) -> np.ndarray:
-    if isinstance(audio, torch.Tensor):
-        audio = audio.detach().cpu().numpy()
-    if not isinstance(audio, np.ndarray):
-        raise InputError(f"{where}: audio must be a numpy array of 16 kHz mono float samples, got "
-                         f"{type(audio).__name__}")
-    if audio.ndim == 2 and 1 in audio.shape:
-        audio = audio.reshape(-1)
-    if audio.ndim != 1:
-        raise InputError(f"{where}: audio of shape {list(audio.shape)} is not mono; mix it down to one channel")
-    if not np.issubdtype(audio.dtype, np.floating):
-        raise InputError(f"{where}: audio dtype {audio.dtype} is not floating point; pass float32 samples in "
-                         "[-1, 1] (e.g. int16 / 32768)")
-    if audio.size == 0:
-        raise InputError(f"{where}: empty audio chunk; pass at least one sample (a native chunk is 1 s = "
-                         f"{SAMPLE_RATE} samples)")
-    if not np.isfinite(audio).all():
-        raise InputError(f"{where}: audio holds NaN or infinite samples")
-    if int(sample_rate) <= 0:
-        raise InputError(f"{where}: sample_rate must be positive, got {sample_rate}")
-    audio = audio.astype(np.float32, copy=False)
-    if int(sample_rate) != SAMPLE_RATE:
-        from math import gcd
-
-        from scipy.signal import resample_poly
-
-        g = gcd(int(sample_rate), SAMPLE_RATE)
-        audio = resample_poly(audio, SAMPLE_RATE // g, int(sample_rate) // g).astype(np.float32)
-        if audio.size == 0:
-            raise InputError(f"{where}: audio is empty after resampling {sample_rate} Hz to {SAMPLE_RATE} Hz")
-    return audio
-
-
 @dataclass(frozen=True)
 class EmbeddedFrame:
     """A frame already preprocessed and through the vision tower (``StreamingSession.embed_frames``).
@@ -342,7 +309,7 @@ class StreamingSession:
         # between <|audio_start|> and <|audio_end|> of the system prompt.
         ref_rows = None
         if ref_audio is not None:
-            ref_rows = thinker.embed_reference_audio(_check_audio(ref_audio, ref_sample_rate, "ref_audio"))
+            ref_rows = thinker.embed_audio(check_audio(ref_audio, ref_sample_rate, "ref_audio"))
         self.system_piece = self.prompts.duplex_system(system_prompt, 0 if ref_rows is None else ref_rows.shape[0])
         if len(self.system_piece) > self.max_positions:
             raise ContextLimitError(f"system prompt: {len(self.system_piece)} tokens exceed the model's "
@@ -626,7 +593,7 @@ class StreamingSession:
     def _unit_input(self, audio, frame, whole: bool, where: str, sample_rate: int):
         """One unit's checked inputs: (the mel's chunk, samples carried on, processed frame).
         A whole unit is a native chunk as ``commit`` feeds it; otherwise a partial tail."""
-        audio = _check_audio(audio, sample_rate, where)
+        audio = check_audio(audio, sample_rate, where)
         if not whole and audio.shape[0] >= self.mel.chunk_samples:
             raise InputError(f"{where}: {audio.shape[0]} samples is a whole chunk; a tail must be shorter than "
                              f"{self.mel.chunk_samples} samples (use commit for complete seconds)")
@@ -740,15 +707,7 @@ class StreamingSession:
         return embeds, audio, closing, unit
 
     def _assemble(self, piece: PromptPiece, images: list[torch.Tensor], audio: torch.Tensor) -> torch.Tensor:
-        th = self.thinker
-        embeds = th.embed_tokens(piece.ids).clone()
-        image_rows = iter([row for im in images for row in im])  # each [64, H]
-        for slot in piece.slots:
-            if slot.kind == "image":
-                embeds[slot.start:slot.start + slot.length] = next(image_rows).to(embeds.dtype)
-            else:
-                embeds[slot.start:slot.start + slot.length] = audio[:slot.length].to(embeds.dtype)
-        return embeds
+        return self.thinker.fill_slots(piece, images, audio)
 
     def _enforce_window(self) -> None:
         w = self.window
