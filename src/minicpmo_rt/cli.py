@@ -153,11 +153,15 @@ def talker_cmd(
 @app.command("speak")
 def speak_cmd(
     model: str = typer.Option(..., "--model", help="Snapshot dir (all weights, tokenizer, assets/token2wav/)."),
-    text: list[str] = typer.Option(..., "--text", help="The user's words; the answer is spoken. Repeat the flag "
-                                   "(with one --output each) to answer several at once."),
+    text: Optional[list[str]] = typer.Option(None, "--text", help="The user's words; the answer is spoken. Repeat "
+                                             "the flag (with one --output each) to answer several turns at once."),
+    audio: Optional[list[Path]] = typer.Option(None, "--audio", help="A recording of the user (WAV/FLAC/OGG, any "
+                                               "rate): a spoken question, or sound to talk about; one per turn."),
+    image: Optional[list[Path]] = typer.Option(None, "--image", help="A picture (PNG/JPEG) the turn is about; one "
+                                               "per turn. Turn i is the i-th --image, --audio and --text given."),
     voice: Path = typer.Option(..., "--voice", help="Reference recording of the voice to speak in."),
-    output: list[Path] = typer.Option(..., "--output", help="WAV to write (24 kHz, float32), one per --text."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the Thinker and Talker sampling (text i: seed + i)."),
+    output: list[Path] = typer.Option(..., "--output", help="WAV to write (24 kHz, float32), one per turn."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the Thinker and Talker sampling (turn i: seed + i)."),
     profile: str = typer.Option("minicpmo_4_5_turn_mrv2", "--profile", help="Turn-mode deploy profile (name or YAML)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Thinker text token limit (default 256)."),
     max_codes: Optional[int] = typer.Option(None, "--max-codes", help="Talker code limit (default 2048)."),
@@ -168,13 +172,15 @@ def speak_cmd(
                                              "per --text when several)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
 ) -> None:
-    """Spoken turns: text -> Thinker -> Talker -> Code2Wav -> 24 kHz WAV (several texts share each stage)."""
+    """Spoken turns: words, speech and pictures -> Thinker -> Talker -> Code2Wav -> 24 kHz WAV (several turns share
+    each stage)."""
     from .runtime.jobs import run_speak
 
     try:
-        info = run_speak(model, text, voice, output, seed=seed, profile=profile, max_codes=max_codes,
+        info = run_speak(model, text or [], voice, output, seed=seed, profile=profile, max_codes=max_codes,
                          min_codes=min_codes, max_new_tokens=max_new_tokens, capacity=capacity,
-                         n_timesteps=n_timesteps, device=device, codes_out=codes_out)
+                         n_timesteps=n_timesteps, device=device, codes_out=codes_out, audio=audio or [],
+                         image=image or [])
     except MiniCPMORTError as exc:
         _fail(exc)
     if info["warning"]:

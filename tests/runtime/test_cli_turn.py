@@ -126,7 +126,7 @@ def test_speak_answers_several_texts_at_once_as_each_alone(tiny_ckpt, voice, tmp
 
 
 @pytest.mark.parametrize("extra, msg", [
-    (["--text", "Two."], "2 --text but 1 --output"),
+    (["--text", "Two."], "2 turns but 1 --output"),
     (["--text", "Two.", "--output", "OUT"], "the same file is given twice"),
 ])
 def test_speak_refuses_unpaired_or_repeated_outputs(tiny_ckpt, voice, tmp_path, extra, msg):
@@ -136,3 +136,52 @@ def test_speak_refuses_unpaired_or_repeated_outputs(tiny_ckpt, voice, tmp_path, 
                               "--output", str(out), *extra])
     assert res.exit_code == 2 and msg in res.output, res.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_speak_answers_a_spoken_question_about_a_picture(tiny_ckpt, voice, tmp_path):
+    """--image, --audio and --text make one turn (a picture, a recording at 22.05 kHz, words): its codes are
+    those of ``TurnPipeline.codes`` on the same parts built directly, and the WAV holds 960 samples a code."""
+    import numpy as np
+    from PIL import Image
+
+    from minicpmo_rt.runtime.contracts import AudioPart, ImagePart, TurnRequest
+    from minicpmo_rt.runtime.turn import TurnPipeline
+    from minicpmo_rt.talker.sampler import SamplingParams
+
+    rng = np.random.default_rng(5)
+    Image.fromarray((rng.random((90, 140, 3)) * 255).astype(np.uint8)).save(tmp_path / "pic.png")
+    sf.write(tmp_path / "q.wav", (rng.standard_normal(33075) * 0.1).astype(np.float32), 22050)
+    out, codes_out = tmp_path / "a.wav", tmp_path / "c.json"
+    res = runner.invoke(app, ["speak", "--model", str(tiny_ckpt), "--voice", str(voice), "--image",
+                              str(tmp_path / "pic.png"), "--audio", str(tmp_path / "q.wav"), "--text", "What is it?",
+                              "--output", str(out), "--codes-out", str(codes_out), "--seed", "4",
+                              "--max-new-tokens", "6", "--max-codes", "30", "--n-timesteps", "2", *FAST])
+    assert res.exit_code == 0, res.output
+    codes = json.loads(codes_out.read_text())
+    pipe = TurnPipeline.from_snapshot(tiny_ckpt, with_code2wav=False, capacity=1,
+                                      talker_params=SamplingParams(min_codes=5))
+    parts = [ImagePart.from_image(tmp_path / "pic.png"), AudioPart.from_file(tmp_path / "q.wav"), "What is it?"]
+    assert parts[1].samples.size == 24000                       # 1.5 s resampled to 16 kHz
+    req = TurnRequest.make("cli", [{"role": "user", "content": parts}], seed=4, max_new_tokens=6, max_codes=30)
+    assert pipe.codes([req])["cli"] == codes
+    assert sf.read(out, dtype="float32")[0].shape == (len(codes) * 960,)
+
+
+@pytest.mark.parametrize("extra, msg", [
+    ([], "nothing to answer"),
+    (["--text", "One.", "--audio", "Q", "--audio", "Q"], "1 --text, 2 --audio"),
+    (["--audio", "BAD"], "cannot be read as audio"),
+    (["--image", "BAD"], "cannot be read as an image"),
+    (["--audio", "MISSING"], "not found"),
+])
+def test_speak_refuses_bad_turns_by_name_and_writes_nothing(tiny_ckpt, voice, tmp_path, extra, msg):
+    import numpy as np
+
+    sf.write(tmp_path / "q.wav", np.zeros(16000, np.float32), 16000)
+    (tmp_path / "bad.bin").write_text("not media")
+    names = {"Q": tmp_path / "q.wav", "BAD": tmp_path / "bad.bin", "MISSING": tmp_path / "none.wav"}
+    out = tmp_path / "out.wav"
+    res = runner.invoke(app, ["speak", "--model", str(tiny_ckpt), "--voice", str(voice), "--output", str(out),
+                              *[str(names.get(e, e)) for e in extra]])
+    assert res.exit_code == 2 and msg in res.output, res.output
+    assert not out.exists()

@@ -66,19 +66,20 @@ class PromptFeatures:
 
 # ----------------------------------------------------------------------------- audio I/O
 
-def read_audio(path: Union[str, Path]) -> tuple[np.ndarray, int]:
-    """Any soundfile-readable file -> (mono float32 samples, sample rate). Channels are averaged."""
+def read_audio(path: Union[str, Path], what: str = "reference audio") -> tuple[np.ndarray, int]:
+    """Any soundfile-readable file -> (mono float32 samples, sample rate). Channels are averaged; ``what`` names
+    the recording in errors."""
     import soundfile as sf
 
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"{path}: reference audio not found")
+        raise InputError(f"{path}: {what} not found")
     try:
         data, sr = sf.read(str(path), dtype="float32", always_2d=True)
     except Exception as exc:  # noqa: BLE001 - libsndfile raises several types for bad files
         raise InputError(f"{path}: cannot be read as audio ({exc}); use WAV/FLAC/OGG") from None
     if data.shape[0] == 0:
-        raise InputError(f"{path}: the reference audio is empty")
+        raise InputError(f"{path}: the {what} is empty")
     return data.mean(axis=1).astype(np.float32), int(sr)
 
 

@@ -67,7 +67,7 @@ class AudioPart:
         """A soundfile-readable recording (WAV/FLAC/OGG), mixed to mono and resampled to 16 kHz."""
         from ..code2wav.frontend import read_audio, resample
 
-        x, sr = read_audio(path)
+        x, sr = read_audio(path, "audio")
         return cls(resample(x, sr, 16000))
 
     @property

@@ -25,10 +25,11 @@ def write_json_atomic(path: Path, data) -> None:
     atomic_write(path, lambda fh: fh.write(json.dumps(data).encode()))
 
 
-def _check_inputs(text: str, profile: str, voice: Path | None = None) -> None:
+def _check_inputs(text: str | None, profile: str, voice: Path | None = None) -> None:
+    """``text`` None: the caller checked the words (or there are none)."""
     from ..profiles import load_profile
 
-    if not text or not text.strip():
+    if text is not None and not text.strip():
         raise InputError("--text is empty; pass the user's words to answer, e.g. --text \"Hello!\"")
     if voice is not None and not Path(voice).is_file():
         raise InputError(f"--voice {voice}: reference audio not found; pass a WAV of the voice to speak in")
@@ -110,33 +111,65 @@ def run_talker(model: str, text: str, codes_out: Path, seed: int = 0, profile: s
             "capacity": pipe.talker.capacity}
 
 
+def _turn_contents(texts: list[str], audios: list[Path], images: list[Path]) -> list:
+    """Turn i is the i-th --image, --audio and --text given, in that order (a picture, a spoken question,
+    words); every flag that is given must be given once per turn. Files are read here, before any model loads."""
+    from .contracts import AudioPart, ImagePart
+
+    given = {flag: vals for flag, vals in (("--text", texts), ("--audio", audios), ("--image", images)) if vals}
+    if not given:
+        raise InputError("nothing to answer: pass --text and/or --audio (a recording of the question), with an "
+                         "optional --image")
+    n = max(len(v) for v in given.values())
+    if any(len(v) != n for v in given.values()):
+        counts = ", ".join(f"{len(v)} {flag}" for flag, v in given.items())
+        raise InputError(f"{counts}: turn i is made of the i-th of each flag given, so give each one once per turn")
+    for t in texts:
+        if not t.strip():
+            raise InputError("--text is empty; pass the user's words to answer, e.g. --text \"Hello!\"")
+    turns = []
+    for i in range(n):
+        parts: list = []
+        if images:
+            parts.append(ImagePart.from_image(images[i], where="--image"))
+        if audios:
+            parts.append(AudioPart.from_file(audios[i]))
+        if texts:
+            parts.append(texts[i])
+        turns.append(parts[0] if len(parts) == 1 and isinstance(parts[0], str) else
+                     [{"role": "user", "content": parts}])
+    return turns
+
+
 def run_speak(model: str, text: Union[str, Sequence[str]], voice: Path, output: Union[Path, Sequence[Path]],
               seed: int = 0, profile: str = DEFAULT_PROFILE, max_codes: int | None = None, min_codes: int = 50,
               max_new_tokens: int | None = None, capacity: int | None = None, n_timesteps: int | None = None,
-              device: str = "cpu", codes_out: Path | None = None) -> dict:
-    """The whole turn pipeline to 24 kHz float WAVs (and optionally the codes as JSON). Several texts (one
-    output each, text i sampled with seed + i) run as one ``TurnPipeline.run``: they share the Thinker's
-    rows, the Talker's slots and Code2Wav's calls. Nothing is written unless every turn succeeded."""
+              device: str = "cpu", codes_out: Path | None = None, audio: Sequence[Path] = (),
+              image: Sequence[Path] = ()) -> dict:
+    """The whole turn pipeline to 24 kHz float WAVs (and optionally the codes as JSON). Several turns (one
+    output each, turn i sampled with seed + i) run as one ``TurnPipeline.run``: they share the Thinker's
+    rows, the Talker's slots and Code2Wav's calls. A turn is words, a recording of the question (``audio``),
+    a picture (``image``) or a mix. Nothing is written unless every turn succeeded."""
     from ..code2wav.io import write_wav_atomic
     from .turn import collect
 
-    texts = [text] if isinstance(text, str) else list(text)
+    texts = [text] if isinstance(text, str) else list(text or ())
+    turns = _turn_contents(texts, [Path(a) for a in audio], [Path(i) for i in image])
     outputs = [Path(output)] if isinstance(output, (str, Path)) else [Path(o) for o in output]
-    if len(texts) != len(outputs):
-        raise InputError(f"{len(texts)} --text but {len(outputs)} --output; pass one --output per --text, in order")
+    if len(turns) != len(outputs):
+        raise InputError(f"{len(turns)} turns but {len(outputs)} --output; pass one --output per turn, in order")
     if len({o.resolve() for o in outputs}) != len(outputs):
-        raise InputError("--output: the same file is given twice; give each --text its own WAV")
-    for t in texts:
-        _check_inputs(t, profile, voice)
+        raise InputError("--output: the same file is given twice; give each turn its own WAV")
+    _check_inputs(None, profile, voice)
     for o in outputs:
         check_output_path(o, "--output")
     if codes_out is not None:
         check_output_path(codes_out, "--codes-out")
     if n_timesteps is not None and n_timesteps < 1:
         raise InputError(f"--n-timesteps must be >= 1, got {n_timesteps}")
-    ids = ["cli"] if len(texts) == 1 else [f"cli-{i}" for i in range(len(texts))]
+    ids = ["cli"] if len(turns) == 1 else [f"cli-{i}" for i in range(len(turns))]
     reqs = [TurnRequest.make(rid, t, voice, seed + i, max_new_tokens, max_codes)
-            for i, (rid, t) in enumerate(zip(ids, texts))]
+            for i, (rid, t) in enumerate(zip(ids, turns))]
     t0 = time.perf_counter()
     pipe = _pipeline(model, profile, device, True, capacity, min_codes, n_timesteps)
     trace = TurnTrace()
