@@ -40,8 +40,10 @@ def test_text_parts_join_and_developer_is_the_system_role():
     ({"messages": []}, "messages", "non-empty list"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'tool'"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
-     "messages[0].content", "'input_audio'"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "string or a list"),
+     "messages[0].content[0].input_audio.data", "base64"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]},
+     "messages[0].content[0]", "'video_url'"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "string or a non-empty list"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "messages",
      "last message must come from the user"),
     ({"messages": [{"role": "user", "content": "  "}]}, "messages", "empty"),
@@ -86,3 +88,76 @@ def test_completion_body_carries_speech_as_its_audio_and_text_as_transcript():
                                   "finish_reason": "length"}
     chunk = chunk_body("chatcmpl-abc", "m", {"content": "x"})
     assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["finish_reason"] is None
+
+
+def _wav_b64(samples: np.ndarray, rate: int) -> str:
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format="WAV", subtype="PCM_16")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _png_url(w: int = 80, h: int = 60) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((np.random.default_rng(0).random((h, w, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_input_audio_and_image_url_parts_become_the_pipelines_parts(tmp_path):
+    """A stereo 22.05 kHz WAV sent inline is the AudioPart the same file makes (mono, 16 kHz); a PNG data URL
+    is an ImagePart of that picture; the parts keep their order and text parts stay separate beside media."""
+    from minicpmo_rt.runtime.contracts import AudioPart, ImagePart
+
+    stereo = (np.random.default_rng(1).standard_normal((33075, 2)) * 0.1).astype(np.float32)
+    sf.write(tmp_path / "q.wav", stereo, 22050, subtype="PCM_16")
+    r = parse_chat({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _png_url(), "detail": "low"}},
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode((tmp_path / "q.wav").read_bytes()).decode(),
+                                                "format": "wav"}},
+        {"type": "text", "text": "What is this?"}]}], "modalities": ["text", "audio"]}, VOICES)
+    image, audio, text = r.messages[0]["content"]
+    assert isinstance(image, ImagePart) and image.image.image_size == (80, 60)
+    assert isinstance(audio, AudioPart)
+    assert np.array_equal(audio.samples, AudioPart.from_file(tmp_path / "q.wav").samples)
+    assert audio.samples.size == 24000 and text == "What is this?"
+
+
+@pytest.mark.parametrize("part, param, words", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "image_url.url", "fetches nothing"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "image_url.url", "not valid base64"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"hello").decode()}},
+     "image_url.url", "cannot be read as an image"),
+    ({"type": "image_url", "image_url": 5}, "image_url", "'url'"),
+    ({"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFFjunk").decode(), "format": "wav"}},
+     "input_audio.data", "cannot be decoded as wav"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aac"}}, "input_audio.format", "'aac'"),
+    ({"type": "input_audio", "input_audio": {"data": _wav_b64(np.zeros(800, np.float32), 16000)}},
+     "input_audio.data", "too short"),
+])
+def test_media_refusals_name_the_part(part, param, words):
+    with pytest.raises(ApiError) as info:
+        parse_chat({"messages": [{"role": "user", "content": [part]}]}, VOICES)
+    err = info.value
+    assert err.status == 400 and err.param == "messages[0].content[0]." + param and words in err.message, \
+        (err.param, err.message)
+
+
+def test_media_limits_roles_and_markers_are_refused(monkeypatch):
+    import minicpmo_rt.serving.openai_api as api
+
+    monkeypatch.setattr(api, "MAX_INPUT_AUDIO_S", 1.0)
+    long = {"type": "input_audio", "input_audio": {"data": _wav_b64(np.zeros(17000, np.float32), 16000)}}
+    with pytest.raises(ApiError, match="at most 1 s"):
+        parse_chat({"messages": [{"role": "user", "content": [long]}]}, VOICES)
+    monkeypatch.setattr(api, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(ApiError, match="80x60 image"):
+        parse_chat({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _png_url()}}]}]}, VOICES)
+    picture = {"type": "image_url", "image_url": {"url": _png_url()}}
+    with pytest.raises(ApiError, match="user messages only") as info:
+        parse_chat({"messages": [{"role": "assistant", "content": [picture]}, *USER]}, VOICES)
+    assert info.value.param == "messages[0].content[0]"
+    with pytest.raises(ApiError, match="marker") as info:
+        parse_chat({"messages": [{"role": "user", "content": "look <image>./</image>"}]}, VOICES)
+    assert info.value.param == "messages"

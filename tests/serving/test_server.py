@@ -265,3 +265,36 @@ def test_a_turn_that_ends_without_its_final_chunk_fails_instead_of_hanging(serve
     ticket = service.submit(parse_chat({"messages": USER, "modalities": ["text", "audio"]}, list(service.voices)))
     (event,) = list(ticket.events(timeout=60))
     assert isinstance(event, Failed) and not event.bad_request and "final audio chunk" in event.message
+
+
+def test_a_spoken_question_about_a_picture_is_the_pipelines_own_turn(server, voice):
+    """``input_audio`` (a WAV) and ``image_url`` (a PNG data URL) parts over HTTP: the answer's transcript and
+    PCM16 samples are those of ``TurnPipeline.run`` on the same recording and picture as AudioPart/ImagePart."""
+    from PIL import Image
+
+    from minicpmo_rt.runtime.contracts import AudioPart, ImagePart
+
+    rng = np.random.default_rng(9)
+    wave = (rng.standard_normal(20000) * 0.1).astype(np.float32)
+    wav = io.BytesIO()
+    sf.write(wav, wave, 16000, format="WAV", subtype="FLOAT")
+    picture = Image.fromarray((rng.random((70, 110, 3)) * 255).astype(np.uint8))
+    png = io.BytesIO()
+    picture.save(png, "PNG")
+    content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue())
+                                                   .decode()}},
+               {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
+                                                       "format": "wav"}},
+               {"type": "text", "text": "What is it?"}]
+    body = json.load(_post(server, {"messages": [{"role": "user", "content": content}],
+                                    "modalities": ["text", "audio"], "seed": 5, "max_tokens": 6, "max_codes": 30}))
+    trace = TurnTrace()
+    req = TurnRequest.make("ref-omni", [{"role": "user", "content": [ImagePart.from_image(picture),
+                                                                     AudioPart(wave), "What is it?"]}],
+                           voice, 5, 6, 30)
+    ref = collect(list(server.turns.pipe.run([req], trace)))["ref-omni"]
+    audio = body["choices"][0]["message"]["audio"]
+    samples, _ = sf.read(io.BytesIO(base64.b64decode(audio["data"])), dtype="int16")
+    assert audio["transcript"] == trace.talker_inputs["ref-omni"].text
+    assert np.array_equal(samples, np.frombuffer(pcm16(ref), "<i2"))
+    assert body["usage"]["prompt_tokens"] == trace.steps["ref-omni"][0].position     # the placeholders counted

@@ -39,6 +39,7 @@ from .websocket import accept_key as ws_accept_key
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20          # bytes of request JSON
+MAX_CHAT_BODY = 32 << 20    # ... of a chat completion, which may carry recordings and pictures
 EVENT_TIMEOUT_S = 600.0     # silence from the worker after which a request is answered with an error
 
 
@@ -114,12 +115,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, err: ApiError) -> None:
         self._json(err.status, err.body())
 
-    def _body(self) -> object:
+    def _body(self, limit: int = MAX_BODY) -> object:
         n = self.headers.get("Content-Length")
         if n is None:
             raise ApiError("send the JSON body with a Content-Length header", status=411)
-        if not n.isdigit() or int(n) > MAX_BODY:
-            raise ApiError(f"the request body must be at most {MAX_BODY} bytes of JSON (Content-Length {n})",
+        if not n.isdigit() or int(n) > limit:
+            raise ApiError(f"the request body must be at most {limit} bytes of JSON (Content-Length {n})",
                            status=413)
         raw = self.rfile.read(int(n))
         self._read_body = True
@@ -185,7 +186,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.route == "/v1/chat/completions":
                 if srv.turns is None:
                     raise self._mode_error("turn")
-                chat = parse_chat(self._body(), list(srv.turns.voices))
+                chat = parse_chat(self._body(MAX_CHAT_BODY), list(srv.turns.voices))
                 ticket = srv.turns.submit(chat)
                 self._stream(ticket) if chat.stream else self._whole(ticket)
             elif self.route == "/v1/duplex/sessions" or self._duplex_session("/seconds") is not None:

@@ -2,15 +2,17 @@
 
 A request is checked in full before it reaches the model, and every refusal names the field, what was wrong
 and what to send instead (``ApiError``, answered as OpenAI's error object). Only what the turn pipeline can
-honour is accepted: text in (system, user and assistant messages), the answer as text, or as text and 24 kHz
-speech in one of the voices the server was started with. Sampling stays the deploy profile's, so fields such
-as ``temperature`` are refused rather than silently ignored. A text-only answer is the Thinker's text in the
-spoken-turn prompt layout (the words a spoken answer would say).
+honour is accepted: text (system, user and assistant messages), and in user messages recordings (``input_audio``
+parts) and pictures (``image_url`` parts with an inline ``data:`` URL; the server fetches nothing); the answer as
+text, or as text and 24 kHz speech in one of the voices the server was started with. Sampling stays the deploy
+profile's, so fields such as ``temperature`` are refused rather than silently ignored. A text-only answer is the
+Thinker's text in the spoken-turn prompt layout (the words a spoken answer would say).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import time
 import uuid
@@ -19,9 +21,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..runtime.contracts import SAMPLE_RATE
+from ..errors import InputError
+from ..runtime.contracts import SAMPLE_RATE, AudioPart, ImagePart, check_messages
+from ..thinker.mel import SAMPLE_RATE as THINKER_RATE
 
 AUDIO_FORMATS = ("wav", "pcm16")
+INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")     # what libsndfile decodes
+MAX_INPUT_AUDIO_S = 120.0       # per part: 10 prompt positions a second
+MAX_IMAGE_PIXELS = 40_000_000
 # accepted and not acted on: they change nothing about the answer
 IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "stream_options"})
 FIELDS = frozenset({"messages", "modalities", "audio", "stream", "seed", "max_tokens", "max_completion_tokens", "n",
@@ -44,7 +51,7 @@ class ApiError(Exception):
 class ChatRequest:
     """A checked chat-completions request, in the turn pipeline's terms."""
 
-    messages: tuple[dict, ...]      # {"role": system | user | assistant, "content": str}
+    messages: tuple[dict, ...]      # {"role": ..., "content": str, or a tuple of str, AudioPart and ImagePart}
     speak: bool                     # modalities include "audio"
     voice: str | None               # a registered voice name (speak only)
     audio_format: str | None        # "wav" | "pcm16" (speak only)
@@ -63,20 +70,96 @@ def _positive_int(body: dict, name: str) -> int | None:
     return v
 
 
-def _content(content: Any, where: str) -> str:
-    """A message's text: a string, or a list of text parts (joined)."""
+def _b64(data: Any, where: str) -> bytes:
+    if not isinstance(data, str) or not data:
+        raise ApiError(f"{where} must be a non-empty base64 string", where)
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(f"{where} is not valid base64", where) from None
+
+
+def _input_audio(part: dict, where: str) -> AudioPart:
+    """``{"type": "input_audio", "input_audio": {"data": base64, "format": "wav" | "mp3" | ...}}``: the
+    recording decoded (any rate and channel count), mixed to mono and resampled to 16 kHz."""
+    import soundfile as sf
+
+    from ..code2wav.frontend import resample
+
+    spec = part.get("input_audio")
+    if not isinstance(spec, dict):
+        raise ApiError(f"{where}.input_audio must be an object {{'data': base64, 'format': ...}}",
+                       f"{where}.input_audio")
+    fmt = spec.get("format", "wav")
+    if fmt not in INPUT_AUDIO_FORMATS:
+        raise ApiError(f"{where}.input_audio.format {fmt!r}: send one of {', '.join(INPUT_AUDIO_FORMATS)}",
+                       f"{where}.input_audio.format")
+    raw = _b64(spec.get("data"), f"{where}.input_audio.data")
+    try:
+        data, sr = sf.read(io.BytesIO(raw), dtype="float32", always_2d=True)
+    except Exception as exc:  # noqa: BLE001 - libsndfile raises several types for bad data
+        raise ApiError(f"{where}.input_audio.data cannot be decoded as {fmt} audio ({exc})",
+                       f"{where}.input_audio.data") from None
+    if data.shape[0] / sr > MAX_INPUT_AUDIO_S:
+        raise ApiError(f"{where}: {data.shape[0] / sr:.1f} s of audio; send at most {MAX_INPUT_AUDIO_S:.0f} s a "
+                       "request", f"{where}.input_audio.data")
+    try:
+        return AudioPart(resample(data.mean(axis=1), int(sr), THINKER_RATE))
+    except InputError as exc:
+        raise ApiError(f"{where}: {exc}", f"{where}.input_audio.data") from None
+
+
+def _image_url(part: dict, where: str) -> ImagePart:
+    """``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``: an inline PNG/JPEG/WebP.
+    The server fetches nothing, so remote URLs are refused."""
+    from PIL import Image, UnidentifiedImageError
+
+
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str):
+        raise ApiError(f"{where}.image_url must be an object {{'url': 'data:image/...;base64,...'}}",
+                       f"{where}.image_url")
+    head, _, data = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64")):
+        raise ApiError(f"{where}.image_url.url: this server fetches nothing; send the picture inline as "
+                       "'data:image/png;base64,...' (or image/jpeg)", f"{where}.image_url.url")
+    try:
+        with Image.open(io.BytesIO(_b64(data, f"{where}.image_url.url"))) as im:
+            if im.width * im.height > MAX_IMAGE_PIXELS:
+                raise ApiError(f"{where}: a {im.width}x{im.height} image; send at most {MAX_IMAGE_PIXELS} pixels "
+                               "(it is resized to about 448x448 anyway)", f"{where}.image_url.url")
+            image = im.convert("RGB")
+        return ImagePart.from_image(image, where=where)
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, InputError) as exc:
+        raise ApiError(f"{where}.image_url.url cannot be read as an image ({exc})", f"{where}.image_url.url") from None
+
+
+def _content(content: Any, where: str, role: str) -> str | tuple:
+    """A message's content: a string, or a list of parts. Text parts alone are joined into one string; with
+    audio or images the parts stay in order (the prompt joins them by newlines, as upstream does)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(f"{where}[{j}]: a part of type {kind!r} is not served here; turn mode takes text in "
-                               "(send the words as {'type': 'text', 'text': ...})", where)
+    if not isinstance(content, list) or not content:
+        raise ApiError(f"{where} must be a string or a non-empty list of parts", where)
+    parts: list = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        at = f"{where}[{j}]"
+        if kind == "text" and isinstance(part.get("text"), str):
             parts.append(part["text"])
+        elif kind in ("input_audio", "image_url") and role != "user":
+            raise ApiError(f"{at}: {kind} parts go in user messages only", at)
+        elif kind == "input_audio":
+            parts.append(_input_audio(part, at))
+        elif kind == "image_url":
+            parts.append(_image_url(part, at))
+        else:
+            raise ApiError(f"{at}: a part of type {kind!r} is not served here; send text ({{'type': 'text', "
+                           "'text': ...}}), input_audio or image_url parts", at)
+    if all(isinstance(p, str) for p in parts):
         return "".join(parts)
-    raise ApiError(f"{where} must be a string or a list of text parts, got {type(content).__name__}", where)
+    return tuple(parts)
 
 
 def _messages(raw: Any) -> tuple[dict, ...]:
@@ -92,12 +175,17 @@ def _messages(raw: Any) -> tuple[dict, ...]:
         if role not in ("system", "user", "assistant"):
             raise ApiError(f"{where}.role {m.get('role')!r} is not served here; use system, developer, user or "
                            "assistant", f"{where}.role")
-        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
+        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content", role)})
     if out[-1]["role"] != "user":
         raise ApiError(f"the last message must come from the user (got {out[-1]['role']!r}): it is what gets "
                        "answered", "messages")
-    if not out[-1]["content"].strip():
+    last = out[-1]["content"]
+    if isinstance(last, str) and not last.strip():
         raise ApiError("the last user message is empty; send the words to answer", "messages")
+    try:
+        check_messages(out, "messages")
+    except InputError as exc:
+        raise ApiError(str(exc), "messages") from None
     return tuple(out)
 
 
