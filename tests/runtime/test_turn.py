@@ -395,6 +395,54 @@ def test_thinker_rows_take_spoken_turns_as_think_does(pipe, voice):
                        torch.stack([s.hidden for s in a if s.hidden is not None])) < 1e-5
 
 
+@pytest.mark.parametrize("on_rows", [False, True])
+def test_requests_that_join_a_run_in_progress_get_their_solo_answers(pipe, voice, on_rows):
+    """``run(admit=...)``: one request starts the run, a second joins at the 3rd step and a third once the first
+    has its first codec chunk, while it is still speaking (on two Thinker rows the third waits for a free one). Each request's codes
+    are its solo run's, its audio within the batched Code2Wav's FP32 reordering of its solo audio, and the run
+    ends once all three are done."""
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+
+    reqs = [TurnRequest.make(f"j{i}", text, voice, seed=30 + i, max_new_tokens=5, max_codes=40)
+            for i, text in enumerate(["Tell me a story.", "Name a colour.", "Count to three."])]
+    solo = {}
+    for r in reqs:
+        trace = TurnTrace()
+        solo[r.request_id] = (collect(list(pipe.run([r], trace)))[r.request_id], trace.codes(r.request_id))
+    calls, joined, trace = [], [], TurnTrace()
+
+    def admit():
+        calls.append(len(calls))
+        if len(calls) == 3:
+            return [reqs[1]]
+        if trace.chunks.get("j0") and reqs[2] not in calls:
+            calls.append(reqs[2])
+            joined.append(not any(c.final for c in trace.chunks["j0"]))     # j0 still speaking
+            return [reqs[2]]
+        return []
+
+    pipe.rows = StaticRows(pipe.thinker, 2, 256, kernels="torch") if on_rows else None
+    try:
+        chunks = list(pipe.run(reqs[:1], trace, admit=admit))
+    finally:
+        pipe.rows = None
+    wavs = collect(chunks)
+    assert joined == [True]
+    for r in reqs:
+        wav, codes = solo[r.request_id]
+        assert trace.codes(r.request_id) == codes
+        assert wavs[r.request_id].shape == wav.shape
+        assert rel_err(torch.from_numpy(wavs[r.request_id]), torch.from_numpy(wav)) < 1e-5
+    assert reqs[2] in calls and not pipe.talker.slots and not pipe.talker.pending
+
+
+def test_a_request_that_joins_with_a_taken_id_is_refused(pipe, voice):
+    req = TurnRequest.make("same", "Hello.", voice, seed=1, max_new_tokens=3, max_codes=10)
+    with pytest.raises(InputError, match="used twice"):
+        list(pipe.run([req], admit=lambda: [req]))
+    assert not pipe.talker.slots and not pipe.talker.pending
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_pipeline_defaults_match_the_plain_path(tiny_ckpt):

@@ -261,7 +261,7 @@ def test_an_api_key_guards_every_route_but_health(server):
 
 def test_a_turn_that_ends_without_its_final_chunk_fails_instead_of_hanging(server, monkeypatch):
     service = server.turns
-    monkeypatch.setattr(service.pipe, "run", lambda requests, trace=None: iter(()))
+    monkeypatch.setattr(service.pipe, "run", lambda requests, trace=None, admit=None: iter(()))
     ticket = service.submit(parse_chat({"messages": USER, "modalities": ["text", "audio"]}, list(service.voices)))
     (event,) = list(ticket.events(timeout=60))
     assert isinstance(event, Failed) and not event.bad_request and "final audio chunk" in event.message
@@ -298,3 +298,45 @@ def test_a_spoken_question_about_a_picture_is_the_pipelines_own_turn(server, voi
     assert audio["transcript"] == trace.talker_inputs["ref-omni"].text
     assert np.array_equal(samples, np.frombuffer(pcm16(ref), "<i2"))
     assert body["usage"]["prompt_tokens"] == trace.steps["ref-omni"][0].position     # the placeholders counted
+
+
+def test_a_spoken_request_that_arrives_mid_batch_joins_it(server, voice, monkeypatch):
+    """A second spoken request submitted while the first one's run is under way joins that run (one
+    ``TurnPipeline.run`` in all) and both answers are their solo turns; a text-only request that arrives
+    meanwhile is set aside and answered after the batch."""
+    pipe, service = server.turns.pipe, server.turns
+    refs = {seed: _reference(pipe, voice, seed) for seed in (3, 4)}
+    steps = [s for chunk in pipe.think(TurnRequest.make("ref", USER, None, 5, 6)) for s in chunk]
+    want_text = "".join(s.text for s in steps if not s.is_terminator)
+    batches = []
+    run = pipe.run
+
+    def recording_run(requests, *args, **kw):
+        batches.append(len(requests))
+        return run(requests, *args, **kw)
+
+    monkeypatch.setattr(pipe, "run", recording_run)
+    monkeypatch.setattr(service, "batch_wait_s", 0.0)
+    voices = list(service.voices)
+
+    def spoken(seed):
+        return parse_chat({"messages": USER, "modalities": ["text", "audio"], "seed": seed, "max_tokens": 6,
+                           "max_codes": 30}, voices)
+
+    a = service.submit(spoken(3))
+    events_a = a.events(timeout=300)
+    first = next(events_a)
+    assert isinstance(first, Text)                                  # a's run is under way
+    b = service.submit(spoken(4))
+    c = service.submit(parse_chat({"messages": USER, "seed": 5, "max_tokens": 6}, voices))
+    got = {3: [first, *events_a], 4: list(b.events(timeout=300))}
+    text_events = list(c.events(timeout=300))
+    assert batches == [1]                                           # b joined a's run
+    for seed, events in got.items():
+        wav, text, _ = refs[seed]
+        assert isinstance(events[-1], Done)
+        assert "".join(e.text for e in events if isinstance(e, Text)) == text
+        samples = np.concatenate([e.samples for e in events if isinstance(e, Audio)])
+        assert samples.shape == wav.shape and rel_err(torch.from_numpy(samples), torch.from_numpy(wav)) < 1e-5
+    assert isinstance(text_events[-1], Done)
+    assert "".join(e.text for e in text_events if isinstance(e, Text)) == want_text

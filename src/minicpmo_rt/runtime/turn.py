@@ -32,7 +32,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, Union
+from collections import deque
+from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import numpy as np
 import torch
@@ -50,6 +51,8 @@ TICK = (None, [], False)  # what the Thinker's producers yield after each decode
 # progress(stage, request_id, count): "thinker" with the request's tokens generated so far (the terminator not
 # counted), then "talker" with its codes emitted so far (context codes not counted); for progress bars
 Progress = Callable[[str, str, int], None]
+# admit(): requests that join a run in progress (an empty list when none); asked before every step
+Admit = Callable[[], Sequence[TurnRequest]]
 
 
 @dataclass
@@ -314,18 +317,19 @@ class TurnPipeline:
         history, as ``think``; all rows' draws in one batch). A request takes a row as soon as one is free.
         Yields (request id, the ThinkerSteps of one generation chunk, whether the request's text is done),
         requests interleaved, and ``TICK`` after each decode step (for a caller that interleaves other
-        work per step)."""
+        work per step). ``requests`` may be a deque that the caller extends between steps: a request added
+        takes a row at the next step that has one free."""
         from ..thinker.generate import Generation, GenerationChunk, draw_many
 
         rows, th = self.rows, self.thinker
-        waiting = list(requests)
+        waiting = requests if isinstance(requests, deque) else deque(requests)     # a caller may extend it
         live: dict[int, list] = {}      # row -> [request, Generation, _Steps, next position, row view]
         try:
             while waiting or live:
                 admitted: list[tuple] = []      # (request, prompt, sampling, row view, input rows)
                 try:
                     while waiting and len(live) + len(admitted) < rows.batch:
-                        req = waiting.pop(0)
+                        req = waiting.popleft()
                         piece, embeds = self._prompt(req)
                         sampling = self._sampling(req)
                         self._fits(req, len(piece), sampling, rows.capacity)
@@ -375,10 +379,10 @@ class TurnPipeline:
                 rows.release(entry[4])
 
     # ---- stages 1 + 2: text and codec chunks ----------------------------------------------------
-    def _check(self, requests: Sequence[TurnRequest], need_voice: bool) -> None:
+    def _check(self, requests: Sequence[TurnRequest], need_voice: bool, taken: Iterable[str] = ()) -> None:
         if not requests:
             raise InputError("no requests; pass at least one TurnRequest")
-        busy = {s.request.request_id for s in self.talker.slots.values()} | \
+        busy = set(taken) | {s.request.request_id for s in self.talker.slots.values()} | \
                {p.request_id for p in self.talker.pending}
         seen: set[str] = set()
         for r in requests:
@@ -398,20 +402,33 @@ class TurnPipeline:
             yield from chunks
 
     def codec_rounds(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None,
-                     progress: Progress | None = None) -> Iterator[list[CodecChunk]]:
+                     progress: Progress | None = None, admit: Admit | None = None) -> Iterator[list[CodecChunk]]:
         """``codec_chunks`` grouped by the Talker step that emitted them (steps that emit nothing
-        are skipped): the chunks of one round belong to different requests."""
+        are skipped): the chunks of one round belong to different requests. ``admit`` (optional) is asked
+        before every step for requests that join the run (checked by the caller); with it the stages overlap
+        as with ``overlap_stages``, so a request that joins while others speak starts at once."""
         trace = trace if trace is not None else TurnTrace()
         outs: dict[str, SnapshotPublisher[ThinkerStep]] = {}
         readers: dict[str, SnapshotReader] = {}
-        for req in requests:
-            outs[req.request_id] = SnapshotPublisher(f"thinker[{req.request_id}]")
-            readers[req.request_id] = SnapshotReader(outs[req.request_id])
-        by_id = {req.request_id: req for req in requests}
-        produced = self.think_rows(requests) if self.rows is not None else self._think_each(requests)
-        tokens = dict.fromkeys(by_id, 0)
-        ids = set(by_id)
-        emitted = dict.fromkeys(ids, 0)
+        by_id: dict[str, TurnRequest] = {}
+        tokens: dict[str, int] = {}
+        emitted: dict[str, int] = {}
+        waiting: deque[TurnRequest] = deque()     # requests the Thinker has not taken yet
+
+        def register(reqs: Iterable[TurnRequest]) -> None:
+            for req in reqs:
+                rid = req.request_id
+                outs[rid] = SnapshotPublisher(f"thinker[{rid}]")
+                readers[rid] = SnapshotReader(outs[rid])
+                by_id[rid], tokens[rid], emitted[rid] = req, 0, 0
+                waiting.append(req)
+
+        def thinker() -> Iterator[tuple[str | None, list[ThinkerStep], bool]]:
+            return self.think_rows(waiting) if self.rows is not None else self._think_each(waiting)
+
+        register(requests)
+        ids = by_id.keys()          # a live view: requests that join are abandoned too if the run stops
+        produced = thinker()
 
         def publish(rid: str, steps: list[ThinkerStep]) -> None:
             outs[rid].publish(*steps)
@@ -444,7 +461,7 @@ class TurnPipeline:
             return chunks
 
         try:
-            if not self.overlap_stages:
+            if not self.overlap_stages and admit is None:
                 for rid, steps, _ in produced:
                     if rid is not None:
                         publish(rid, steps)
@@ -456,8 +473,15 @@ class TurnPipeline:
                     self.talker.submit(talker_req)
             else:
                 # each request goes to the Talker as soon as its text is done, and the Talker steps once
-                # per Thinker decode step (its TICKs) while the Thinker works
-                for rid, steps, done in produced:
+                # per Thinker decode step (its TICKs) while the Thinker works, alone when it has nothing
+                while True:
+                    if admit is not None:
+                        register(admit())
+                    item = next(produced, None)
+                    if item is None and waiting:        # joined after the Thinker ran out of requests
+                        produced = thinker()
+                        continue
+                    rid, steps, done = item if item is not None else TICK
                     if rid is not None:
                         publish(rid, steps)
                         if done:
@@ -466,21 +490,25 @@ class TurnPipeline:
                         chunks = talker_step()
                         if chunks:
                             yield chunks
+                    elif item is None:
+                        break
             while self.talker.pending or self.talker.slots:
                 chunks = talker_step()
                 if chunks:
                     yield chunks
         finally:
             produced.close()        # a Thinker cut short hands its rows back
-            self._abandon(ids)
+            self._abandon(set(ids))
 
     def _think_each(self, requests: Sequence[TurnRequest]) -> Iterator[tuple[str, list[ThinkerStep], bool]]:
         """``think`` for each request in turn, as ``think_rows`` yields: (id, steps, whether it is done),
-        then a ``TICK`` per token of those steps."""
+        then a ``TICK`` per token of those steps. ``requests`` may be a deque that the caller extends."""
         def ticks(steps):      # one per decode step that made them
             return [TICK] * sum(not s.is_terminator for s in steps)
 
-        for req in requests:
+        waiting = requests if isinstance(requests, deque) else deque(requests)
+        while waiting:
+            req = waiting.popleft()
             last = None
             for steps in self.think(req):
                 if last is not None:
@@ -511,25 +539,36 @@ class TurnPipeline:
 
     # ---- stage 3: Code2Wav ------------------------------------------------------------------------
     def run(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None,
-            progress: Progress | None = None) -> Iterator[PcmChunk]:
+            progress: Progress | None = None, admit: Admit | None = None) -> Iterator[PcmChunk]:
         """All three stages; PcmChunks of different requests interleave, each request's in order.
         Inputs (ids, voices) are checked before the first chunk is produced. ``progress`` hears of each
-        Talker chunk before Code2Wav decodes it."""
+        Talker chunk before Code2Wav decodes it. ``admit`` (optional, e.g. a server's queue): called before
+        every step, it returns requests that join this run (checked as they join; an empty list when none);
+        they take the Thinker's rows and the Talker's slots as these free, and the run ends when every
+        request it holds is done."""
         if self.code2wav is None:
             raise InputError("this pipeline was built without Code2Wav; build it with with_code2wav=True")
         self._check(requests, need_voice=True)
-        return self._run(list(requests), trace, progress)
+        return self._run(list(requests), trace, progress, admit)
 
     def _run(self, requests: list[TurnRequest], trace: TurnTrace | None,
-             progress: Progress | None = None) -> Iterator[PcmChunk]:
+             progress: Progress | None = None, admit: Admit | None = None) -> Iterator[PcmChunk]:
         voices = {r.request_id: r.voice for r in requests}
+
+        def joining() -> list[TurnRequest]:
+            new = list(admit())
+            if new:
+                self._check(new, need_voice=True, taken=voices)
+                voices.update((r.request_id, r.voice) for r in new)
+            return new
+
         codec_out: SnapshotPublisher[CodecChunk] = SnapshotPublisher("talker")
         reader = SnapshotReader(codec_out)
         streams: dict = {}
         skip: dict[str, int] = {}
         seq: dict[str, int] = {}
         try:
-            for chunks in self.codec_rounds(requests, trace, progress):
+            for chunks in self.codec_rounds(requests, trace, progress, joining if admit is not None else None):
                 codec_out.publish(*chunks)
                 todo = []
                 for chunk in reader.poll():

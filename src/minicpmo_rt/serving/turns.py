@@ -4,8 +4,9 @@ The pipeline's stages keep per-device state (static caches, graphs, Code2Wav str
 owns it and HTTP threads only queue requests and read events. The worker takes the oldest request, waits
 ``batch_wait_s`` for others, and runs up to ``max_batch`` spoken requests through ``TurnPipeline.run`` together
 (they share the Thinker's and Talker's steps and Code2Wav's calls; each answer equals its solo run, which
-the tests check). Requests that arrive meanwhile wait for the next batch: the pipeline admits a batch at its
-start. Text-only requests run through the Thinker alone, one at a time.
+the tests check). Spoken requests that arrive while a batch runs join it (``TurnPipeline.run``'s ``admit``)
+as long as fewer than ``max_batch`` of its requests are unfinished. Text-only requests run through the Thinker
+alone, one at a time, between batches.
 
 Each request gets a ``Ticket``: events in order, ``Text`` pieces as the Thinker makes them (``TurnTrace.on_steps``;
 a spoken answer's text is complete before the Talker starts), then (spoken) ``Audio`` chunks, then one ``Done``
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Union
@@ -114,12 +116,14 @@ class TurnService:
             raise ValueError(f"TurnService: max_batch must be >= 1, got {self.max_batch}")
         self.batch_wait_s = batch_wait_s
         self._queue: queue.Queue[Ticket | None] = queue.Queue()
+        self._held: deque[Ticket] = deque()     # taken from the queue by a running batch, not spoken: run next
+        self._stopping = False
         self._thread = threading.Thread(target=self._work, name="turn-service", daemon=True)
         self._thread.start()
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + len(self._held)
 
     def submit(self, chat: ChatRequest) -> Ticket:
         if not self._thread.is_alive():
@@ -135,19 +139,29 @@ class TurnService:
 
     # ---- the worker --------------------------------------------------------------------------------------
 
+    def _next(self, timeout: float | None) -> Ticket | None:
+        """The next ticket to run (those a batch set aside first); None: the service is closing."""
+        if self._held:
+            return self._held.popleft()
+        if self._stopping:
+            return None
+        t = self._queue.get(timeout=timeout)
+        if t is None:
+            self._stopping = True
+        return t
+
     def _work(self) -> None:
         while True:
-            first = self._queue.get()
+            first = self._next(None)
             if first is None:
                 break
-            batch, stop = [first], False
+            batch = [first]
             while len(batch) < self.max_batch:
                 try:
-                    t = self._queue.get(timeout=self.batch_wait_s)
+                    t = self._next(self.batch_wait_s)
                 except queue.Empty:
                     break
                 if t is None:
-                    stop = True
                     break
                 batch.append(t)
             spoken = [t for t in batch if t.chat.speak]
@@ -155,29 +169,53 @@ class TurnService:
                 if not t.chat.speak:
                     self._guarded([t], self._think)
             if spoken:
-                self._guarded(spoken, self._speak)
-            if stop:
-                break
+                self._guarded(spoken, self._speak_admitting, rerun=self._speak)
         while True:     # closed: whatever is still queued is answered with a failure
             try:
-                t = self._queue.get_nowait()
+                t = self._held.popleft() if self._held else self._queue.get_nowait()
             except queue.Empty:
                 return
             if t is not None:
                 t.finish(Failed("the server is shutting down", bad_request=False))
 
-    def _guarded(self, tickets: list[Ticket], run) -> None:
-        """``run(tickets)``; a failure before any audio reruns each unfinished request alone, so one bad request
-        does not fail the others; after audio, every unfinished request of the batch fails with the error."""
+    def _admit(self, tickets: list[Ticket], by_id: dict[str, Ticket]) -> list[TurnRequest]:
+        """Spoken requests queued since the batch started, while fewer than ``max_batch`` of its requests are
+        unfinished; they join ``tickets``. Text-only ones are set aside for after the batch."""
+        out: list[TurnRequest] = []
+        while not self._stopping and sum(not t.finished for t in tickets) < self.max_batch:
+            try:
+                t = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if t is None:
+                self._stopping = True
+            elif not t.chat.speak:
+                self._held.append(t)
+            else:
+                try:
+                    req = self._request(t)
+                except InputError as exc:
+                    t.finish(Failed(str(exc), bad_request=True))
+                    continue
+                t.begin_run()
+                tickets.append(t)
+                by_id[t.id] = t
+                out.append(req)
+        return out
+
+    def _guarded(self, tickets: list[Ticket], run, rerun=None) -> None:
+        """``run(tickets)``; a failure before any audio reruns each unfinished request alone (``rerun``, default
+        ``run``), so one bad request does not fail the others; after audio, every unfinished request of the batch
+        (those that joined it included) fails with the error."""
         for t in tickets:
             t.begin_run()
         try:
             run(tickets)
         except Exception as exc:  # noqa: BLE001 (reported to the client, never swallowed)
             if len(tickets) > 1 and not any(t.audio_sent for t in tickets):
-                for t in tickets:
+                for t in list(tickets):
                     if not t.finished:
-                        self._guarded([t], run)
+                        self._guarded([t], rerun or run)
                 return
             bad = isinstance(exc, InputError)
             if not bad:
@@ -203,7 +241,12 @@ class TurnService:
                 t.text(s.text)
         t.finish(Done(finish, prompt, n))
 
-    def _speak(self, tickets: list[Ticket]) -> None:
+    def _speak_admitting(self, tickets: list[Ticket]) -> None:
+        self._speak(tickets, admit=True)
+
+    def _speak(self, tickets: list[Ticket], admit: bool = False) -> None:
+        """One ``TurnPipeline.run`` for ``tickets``; with ``admit``, requests queued meanwhile join it (appended
+        to ``tickets``)."""
         by_id = {t.id: t for t in tickets}
 
         def heard(rid: str, steps) -> None:
@@ -212,7 +255,8 @@ class TurnService:
                     by_id[rid].text(s.text)
 
         trace = TurnTrace(on_steps=heard)
-        for chunk in self.pipe.run([self._request(t) for t in tickets], trace):
+        joining = (lambda: self._admit(tickets, by_id)) if admit else None
+        for chunk in self.pipe.run([self._request(t) for t in tickets], trace, admit=joining):
             t = by_id[chunk.request_id]
             if len(chunk.samples):
                 t.audio(chunk.samples)
