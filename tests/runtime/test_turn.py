@@ -398,9 +398,9 @@ def test_thinker_rows_take_spoken_turns_as_think_does(pipe, voice):
 @pytest.mark.parametrize("on_rows", [False, True])
 def test_requests_that_join_a_run_in_progress_get_their_solo_answers(pipe, voice, on_rows):
     """``run(admit=...)``: one request starts the run, a second joins at the 3rd step and a third once the first
-    has its first codec chunk, while it is still speaking (on two Thinker rows the third waits for a free one). Each request's codes
-    are its solo run's, its audio within the batched Code2Wav's FP32 reordering of its solo audio, and the run
-    ends once all three are done."""
+    has its first codec chunk, while it is still speaking (on two Thinker rows the third waits for a free one).
+    Each request's codes are its solo run's, its audio within the batched Code2Wav's FP32 reordering of its solo
+    audio, and the run ends once all three are done."""
     from minicpmo_rt.thinker.llm_cache import StaticRows
 
     reqs = [TurnRequest.make(f"j{i}", text, voice, seed=30 + i, max_new_tokens=5, max_codes=40)
