@@ -192,12 +192,12 @@ def test_parse_second_checks_every_field():
 class _WebSocketClient:
     """A minimal RFC 6455 client (masked frames, the handshake's accept key computed here), for the tests."""
 
-    def __init__(self, server, path="/v1/duplex/realtime"):
+    def __init__(self, server, path="/v1/duplex/realtime", headers: str = ""):
         host, port = server.server_address[:2]
         self.sock = socket.create_connection((host, port), timeout=300)
         key = base64.b64encode(os.urandom(16)).decode()
         self.sock.sendall((f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
-                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n{headers}"
                            "Sec-WebSocket-Version: 13\r\n\r\n").encode())
         self.f = self.sock.makefile("rb")
         self.status = int(self.f.readline().split()[1])
@@ -290,3 +290,32 @@ def test_realtime_refusals_keep_the_connection_and_a_dropped_one_frees_its_seat(
 def test_realtime_needs_a_websocket_handshake(server):
     code, err = _call(server, "GET", "/v1/duplex/realtime")
     assert code == 426 and "WebSocket" in err["error"]["message"]
+
+
+def test_a_browser_may_send_the_api_key_as_a_websocket_subprotocol(server):
+    """Browsers cannot set Authorization on a WebSocket: with --api-key, the realtime route also takes the key
+    as the subprotocol 'minicpmo-rt.key.KEY' beside 'minicpmo-rt', and answers 'minicpmo-rt' (never the key).
+    A wrong key, or none, is refused with 401 before the upgrade; other routes still need the header."""
+    keyed = Server(("127.0.0.1", 0), "tiny-test", duplex=server.duplex, api_key="s3cret")
+    threading.Thread(target=keyed.serve_forever, daemon=True).start()
+    try:
+        for headers in ("", "Sec-WebSocket-Protocol: minicpmo-rt, minicpmo-rt.key.wrong\r\n"):
+            ws = _WebSocketClient(keyed, headers=headers)
+            assert ws.status == 401 and not ws.accepted
+            ws.sock.close()
+        ws = _WebSocketClient(keyed, headers="Sec-WebSocket-Protocol: minicpmo-rt, minicpmo-rt.key.s3cret\r\n")
+        assert ws.accepted and ws.headers.get("sec-websocket-protocol") == "minicpmo-rt"
+        ws.send(0x8, b"")                                   # close
+        ws.sock.close()
+        ws = _WebSocketClient(keyed, headers="Authorization: Bearer s3cret\r\n")
+        assert ws.accepted and "sec-websocket-protocol" not in ws.headers
+        ws.send(0x8, b"")
+        ws.sock.close()
+        req = urllib.request.Request(keyed.url + "/v1/duplex/sessions", b"{}",
+                                     headers={"Sec-WebSocket-Protocol": "minicpmo-rt.key.s3cret"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=60)
+        assert info.value.code == 401
+    finally:
+        keyed.shutdown()
+        keyed.server_close()

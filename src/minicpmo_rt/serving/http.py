@@ -39,6 +39,10 @@ from .websocket import accept_key as ws_accept_key
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20          # bytes of request JSON
+# A browser's WebSocket cannot set headers, so it may offer its key as a subprotocol beside this one:
+# new WebSocket(url, ["minicpmo-rt", "minicpmo-rt.key." + KEY]); the server then answers "minicpmo-rt".
+WS_PROTOCOL = "minicpmo-rt"
+WS_KEY_PREFIX = WS_PROTOCOL + ".key."
 MAX_CHAT_BODY = 32 << 20    # ... of a chat completion, which may carry recordings and pictures
 EVENT_TIMEOUT_S = 600.0     # silence from the worker after which a request is answered with an error
 
@@ -94,9 +98,19 @@ class _Handler(BaseHTTPRequestHandler):
         key = self.server.api_key
         if key is not None and not open_route:
             given = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                raise ApiError("this server needs an API key: send the header 'Authorization: Bearer KEY'",
+            ok = hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+            realtime = self.route == "/v1/duplex/realtime"
+            if not ok and realtime:
+                ok = any(hmac.compare_digest(p.encode(), (WS_KEY_PREFIX + key).encode()) for p in self._protocols())
+            if not ok:
+                also = (f" (a browser, which cannot set headers, may offer the WebSocket subprotocols "
+                        f"'{WS_PROTOCOL}' and '{WS_KEY_PREFIX}KEY')" if realtime else "")
+                raise ApiError(f"this server needs an API key: send the header 'Authorization: Bearer KEY'{also}",
                                status=401, kind="authentication_error")
+
+    def _protocols(self) -> list[str]:
+        """The WebSocket subprotocols the client offered."""
+        return [p.strip() for p in self.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
 
     def _json(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -237,6 +251,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Upgrade", "websocket")
         self.send_header("Connection", "Upgrade")
         self.send_header("Sec-WebSocket-Accept", ws_accept_key(h["Sec-WebSocket-Key"]))
+        if WS_PROTOCOL in self._protocols():     # never the key's: the answer names a protocol, not a secret
+            self.send_header("Sec-WebSocket-Protocol", WS_PROTOCOL)
         self.end_headers()
         self.close_connection = True
         ws = WebSocket(self.rfile, self.wfile, MAX_BODY)
