@@ -50,6 +50,7 @@
 # test_cuda_batched_mel_launches_no_kernel_and_makes_no_plan_after_its_first_batch).
 # Session 55 (no device lent) added `serve`: the HTTP server's tests on the GPU and serve_bench.py (streamed HTTP
 # answers against direct pipeline calls, N = 1, 8, 16). Pending: `mtests`, `serve`, `all`.
+# Session 56 (no device lent) added mid-batch admission to the server and a staggered-arrival run to `serve`.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -107,7 +108,8 @@
 #   htests   CUDA tests of HostStaging.hold (session 53: a session holds its mel's largest upload when it opens),
 #            the mel's and the session's
 #   serve    tests/serving (the HTTP server: turn and duplex modes, the CLI) with CUDA present, then serve_bench.py:
-#            N concurrent streamed turns through the server against the pipeline called directly (session 55)
+#            N concurrent streamed turns through the server against the pipeline called directly (session 55), then
+#            the same with arrivals 250 ms apart: mid-batch joining against batches (session 56)
 #   alloc    duplex_batch_bench.py --alloc-sites: which code made each second's new allocator segments (session 54:
 #            16 x 500 MiB at second 2 after a 2-s warm-up)
 #   stests   CUDA tests of the mel's plans and the staging ring's slot choice (session 52), then mel_wait_probe.py
@@ -242,7 +244,9 @@ for s in "$@"; do
               tests/thinker/test_mel.py tests/thinker/test_session.py -k cuda ;;
     serve) step servetests 300 python -m pytest -q -p no:cacheprovider -rsf tests/serving
            step serve 420 python benchmarks/serve_bench.py "$W/serve" \
-             ${SMOKE:+--tiny --requests 1,2 --tokens 4 --codes 30 --repeat 1} ;;
+             ${SMOKE:+--tiny --requests 1,2 --tokens 4 --codes 30 --repeat 1}
+           step stagger 420 python benchmarks/serve_bench.py "$W/stagger" --requests 8,16 --stagger-ms 250 \
+             ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
     alloc) step alloc 300 python benchmarks/duplex_batch_bench.py "$W/alloc" --conversations 16 --batch-kinds batch-rows \
              --sequential "" --decode greedy --units "${UNITS:-7}" --warm 2 --warm-up 2 --alloc-sites \
              ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;

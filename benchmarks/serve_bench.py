@@ -5,11 +5,17 @@ same pipeline called directly (``TurnPipeline.run`` of the N requests), side by 
 The pipeline is ``turn_bench``'s default form (``talker-kernels``) of one turn profile on full-size random
 weights, every answer exactly ``--tokens`` text tokens and ``--codes`` codes, so both paths do the same work.
 Measured per run: each request's time to its first audio (direct: its first PcmChunk; HTTP: the first audio
-delta its client reads) and the wall time until the last answer is complete. The server adds the batch window
-(``TurnService.batch_wait_s``, 20 ms by default: requests released together share one batch), the JSON/base64
-encoding of each chunk and the socket; each run checks that the server answered in one batch of N.
+delta its client reads, from the moment it sent the request) and the wall time until the last answer is
+complete. The server adds the batch window (``TurnService.batch_wait_s``, 20 ms by default: requests released
+together share one batch), the JSON/base64 encoding of each chunk and the socket; each run checks that the
+server answered all N (released together) in one pipeline run.
+
+``--stagger-ms S`` sends request i S*i ms after the first, as users arrive, and compares the server as it is
+(``http``: a request that arrives while a batch runs joins it, ``TurnPipeline.run``'s ``admit``) against the
+server without mid-batch admission (``http-batched``: a late request waits for the next batch), side by side.
 
     python benchmarks/serve_bench.py OUT                                     # GPU: N = 1, 8, 16
+    python benchmarks/serve_bench.py OUT --requests 8,16 --stagger-ms 250    # GPU: arrivals 250 ms apart
     python benchmarks/serve_bench.py OUT --tiny --requests 1,2 --tokens 4 --codes 30 --repeat 1   # CPU smoke
 """
 
@@ -37,9 +43,9 @@ from turn_bench import QUESTIONS, pipeline, run
 FORM = "talker-kernels"
 
 
-def http_run(server: Server, n: int, tokens: int, codes: int, dev: torch.device) -> dict:
-    """N clients post streamed spoken requests at once; each one's time to its first audio delta and to
-    ``[DONE]``, from the common release."""
+def http_run(server: Server, n: int, tokens: int, codes: int, dev: torch.device, stagger_ms: float = 0.0) -> dict:
+    """N clients post streamed spoken requests, client i ``stagger_ms`` * i after the common release; each one's
+    time to its first audio delta from its own send, and the time to the last ``[DONE]`` from the release."""
     gate = threading.Barrier(n + 1)
     first: dict[int, float] = {}
     done: dict[int, float] = {}
@@ -52,11 +58,14 @@ def http_run(server: Server, n: int, tokens: int, codes: int, dev: torch.device)
                            "max_codes": codes}).encode()
         req = urllib.request.Request(server.url + "/v1/chat/completions", body)
         gate.wait()
+        if stagger_ms:
+            time.sleep(stagger_ms * i / 1e3)
+        sent = time.perf_counter() if stagger_ms else t0[0]
         try:
             with urllib.request.urlopen(req, timeout=600) as resp:
                 for line in resp:
                     if line.startswith(b"data: {") and b'"data":' in line and i not in first:
-                        first[i] = (time.perf_counter() - t0[0]) * 1e3
+                        first[i] = (time.perf_counter() - sent) * 1e3
                     if line.startswith(b"data: [DONE]"):
                         done[i] = (time.perf_counter() - t0[0]) * 1e3
         except Exception as exc:  # noqa: BLE001 (reported below)
@@ -78,22 +87,33 @@ def http_run(server: Server, n: int, tokens: int, codes: int, dev: torch.device)
 
 
 def write_table(res: dict, path: Path) -> None:
-    lines = [f"# Serving overhead: streamed HTTP answers against direct pipeline calls on {res['gpu']}", "",
+    base = paths(res["stagger_ms"])[0]
+    title = ("Serving overhead: streamed HTTP answers against direct pipeline calls" if not res["stagger_ms"] else
+             f"Mid-batch admission: requests {res['stagger_ms']:.0f} ms apart, joining the running batch or not")
+    lines = [f"# {title} on {res['gpu']}", "",
              f"torch {res['torch']}, profile {res['profile']}, {res['dtype']} Thinker/Talker; {res['tokens']} text "
-             f"tokens and {res['codes']} codes per answer; the run of median wall time out of {res['repeat']}.", "",
-             "| N | path | wall ms | TTFA first / median / last ms | wall x direct | median TTFA x direct |",
-             "|---:|---|---:|---|---:|---:|"]
+             f"tokens and {res['codes']} codes per answer; the run of median wall time out of {res['repeat']}. "
+             "TTFA: time to first audio, from each request's own send. Runs: pipeline runs the answers took "
+             "(requests that joined a running one in brackets).", "",
+             f"| N | path | wall ms | TTFA first / median / last ms | runs | wall x {base} | median TTFA x {base} |",
+             "|---:|---|---:|---|---|---:|---:|"]
     for n in sorted({r["n"] for r in res["rows"]}):
         rows = {r["path"]: r for r in res["rows"] if r["n"] == n}
-        d = rows["direct"]
-        for name in ("direct", "http"):
+        d = rows[base]
+        for name in paths(res["stagger_ms"]):
             r = rows.get(name)
             if r is None:
                 continue
             ttfa = f"{r['ttfa_ms_first']:.0f} / {r['ttfa_ms_median']:.0f} / {r['ttfa_ms_last']:.0f}"
-            lines.append(f"| {n} | {name} | {r['wall_ms']:.0f} | {ttfa} | {r['wall_ms'] / d['wall_ms']:.3f} | "
+            runs = "-" if "runs" not in r else f"{r['runs']} ({r['joined']})"
+            lines.append(f"| {n} | {name} | {r['wall_ms']:.0f} | {ttfa} | {runs} | {r['wall_ms'] / d['wall_ms']:.3f} | "
                          f"{r['ttfa_ms_median'] / d['ttfa_ms_median']:.3f} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def paths(stagger_ms: float) -> tuple[str, ...]:
+    """The compared paths, the reference first: at once, the direct call; staggered, the server without joining."""
+    return ("direct", "http") if not stagger_ms else ("http-batched", "http")
 
 
 def main() -> None:
@@ -105,12 +125,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24, help="text tokens per answer")
     ap.add_argument("--codes", type=int, default=100, help="codes per answer (25 per second of audio)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per row; the row is the run of median wall time")
+    ap.add_argument("--stagger-ms", type=float, default=0.0, help="send request i this many ms * i after the first "
+                    "(0: all at once, against the direct call; >0: the server with and without mid-batch joining)")
     args = ap.parse_args()
     ns = parse_batches(ap, args.requests)
     if load_profile(args.profile).mode != "turn":
         ap.error(f"--profile: {args.profile!r} is not a turn-mode profile")
     if args.tokens < 1 or args.codes < 1 or args.repeat < 1:
         ap.error("--tokens, --codes and --repeat must be positive")
+    if args.stagger_ms < 0:
+        ap.error(f"--stagger-ms must be >= 0, got {args.stagger_ms}")
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     thinker, tts = build(args.tiny, dev, dtype)
@@ -124,37 +148,47 @@ def main() -> None:
     service = TurnService(pipe, {"bench": feats})
     server = Server(("127.0.0.1", 0), "bench", turns=service)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    batches: list[int] = []
+    batches: list[list[int]] = []         # per pipeline run: [requests it started with, requests that joined]
     direct_run = pipe.run
 
-    def counted(requests, *a, **kw):
-        batches.append(len(requests))
-        return direct_run(requests, *a, **kw)
+    def counted(requests, *a, admit=None, **kw):
+        batch = [len(requests), 0]
+        batches.append(batch)
+
+        def joining():
+            new = admit()
+            batch[1] += len(new)
+            return new
+
+        return direct_run(requests, *a, admit=joining if admit is not None else None, **kw)
 
     res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
            "tiny": args.tiny, "profile": args.profile, "form": FORM, "tokens": args.tokens, "codes": args.codes,
-           "repeat": args.repeat, "batch_wait_ms": service.batch_wait_s * 1e3, "rows": []}
+           "repeat": args.repeat, "batch_wait_ms": service.batch_wait_s * 1e3, "stagger_ms": args.stagger_ms,
+           "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         for n in ns:
             http_run(server, n, min(2, args.tokens), args.codes, dev)      # the server's own first batch of N
-            for name in ("direct", "http"):     # alternating, so drift between runs hits both paths alike
+            for name in paths(args.stagger_ms):     # one after the other, so drift between runs hits both alike
                 runs = []
                 for k in range(args.repeat):
                     if name == "direct":
                         runs.append(run(pipe, n, feats, args.tokens, args.codes, dev, f"direct-{n}-{k}"))
-                    else:
-                        batches.clear()
-                        pipe.run = counted
-                        try:
-                            runs.append(http_run(server, n, args.tokens, args.codes, dev))
-                        finally:
-                            del pipe.run
-                        if batches != [n]:
-                            raise RuntimeError(f"N={n}: the server ran batches {batches}, not one of {n}")
+                        continue
+                    batches.clear()
+                    pipe.run, service.join_running = counted, name == "http"
+                    try:
+                        runs.append(http_run(server, n, args.tokens, args.codes, dev, args.stagger_ms))
+                    finally:
+                        del pipe.run
+                        service.join_running = True
+                    if not args.stagger_ms and len(batches) != 1:     # released together: one run
+                        raise RuntimeError(f"N={n}: the server ran {len(batches)} pipeline runs {batches}, not one")
+                    runs[-1].update(runs=len(batches), joined=sum(b[1] for b in batches))
                 runs.sort(key=lambda r: r["wall_ms"])
                 row = {k: v for k, v in runs[len(runs) // 2].items() if k in
-                       ("n", "wall_ms", "ttfa_ms_first", "ttfa_ms_median", "ttfa_ms_last")}
+                       ("n", "wall_ms", "ttfa_ms_first", "ttfa_ms_median", "ttfa_ms_last", "runs", "joined")}
                 row.update(path=name, wall_ms_runs=[r["wall_ms"] for r in runs])
                 res["rows"].append(row)
                 print(f"N={n:2d} {name:6s}: {row['wall_ms']:8.0f} ms, TTFA {row['ttfa_ms_first']:.0f}/"

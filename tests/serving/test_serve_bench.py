@@ -13,6 +13,7 @@ def test_smoke_run_writes_both_paths_and_the_table(tmp_path):
     assert [(r["n"], r["path"]) for r in res["rows"]] == [(2, "direct"), (2, "http")]
     for r in res["rows"]:
         assert 0 < r["ttfa_ms_first"] <= r["ttfa_ms_median"] <= r["ttfa_ms_last"] < r["wall_ms"]
+    assert (res["rows"][1]["runs"], res["rows"][1]["joined"]) in ((1, 0), (1, 1))   # one run (a late one joins)
     table = (tmp_path / "serve_bench.md").read_text()
     assert "| 2 | direct |" in table and "| 2 | http |" in table and "cpu (smoke run)" in table
 
@@ -21,3 +22,18 @@ def test_more_requests_than_one_batch_are_refused(tmp_path):
     run = run_benchmark("serve_bench.py", tmp_path, "--tiny", "--requests", "17", "--profile",
                         "minicpmo_4_5_turn_mrv2_h200", one_thread=True)
     assert run.returncode == 2 and "exceeds the profile's Talker capacity 16" in run.stderr
+
+
+def test_staggered_arrivals_compare_joining_with_batches(tmp_path):
+    """--stagger-ms: the server with mid-batch joining against the server without, both answering every request;
+    joining never takes more pipeline runs than batching."""
+    run = run_benchmark("serve_bench.py", tmp_path, "--tiny", "--requests", "2", "--tokens", "3", "--codes", "26",
+                        "--repeat", "1", "--stagger-ms", "150", one_thread=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads((tmp_path / "serve_bench.json").read_text())
+    rows = {r["path"]: r for r in res["rows"]}
+    assert list(rows) == ["http-batched", "http"] and res["stagger_ms"] == 150
+    assert 1 <= rows["http"]["runs"] <= rows["http-batched"]["runs"] <= 2
+    assert rows["http"]["runs"] + rows["http"]["joined"] == 2 and rows["http-batched"]["joined"] == 0
+    table = (tmp_path / "serve_bench.md").read_text()
+    assert "Mid-batch admission" in table and "| 2 | http-batched |" in table and "x http-batched" in table

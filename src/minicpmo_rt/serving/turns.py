@@ -106,11 +106,13 @@ class Ticket:
 
 class TurnService:
     """Serves ``ChatRequest``s on ``pipe`` from one worker thread; ``voices``: name -> reference WAV (or any voice
-    ``Code2Wav.open_stream`` takes)."""
+    ``Code2Wav.open_stream`` takes). ``join_running`` False: a request that arrives while a batch runs waits for
+    the next batch (the form before mid-batch admission; for comparisons)."""
 
     def __init__(self, pipe: TurnPipeline, voices: dict[str, Path], max_batch: int | None = None,
-                 batch_wait_s: float = 0.02):
+                 batch_wait_s: float = 0.02, join_running: bool = True):
         self.pipe, self.voices = pipe, check_voices(voices, "TurnService")
+        self.join_running = join_running
         self.max_batch = max_batch or pipe.talker.capacity
         if self.max_batch < 1:
             raise ValueError(f"TurnService: max_batch must be >= 1, got {self.max_batch}")
@@ -169,7 +171,7 @@ class TurnService:
                 if not t.chat.speak:
                     self._guarded([t], self._think)
             if spoken:
-                self._guarded(spoken, self._speak_admitting, rerun=self._speak)
+                self._guarded(spoken, self._speak_admitting if self.join_running else self._speak, rerun=self._speak)
         while True:     # closed: whatever is still queued is answered with a failure
             try:
                 t = self._held.popleft() if self._held else self._queue.get_nowait()
