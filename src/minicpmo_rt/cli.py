@@ -301,6 +301,8 @@ def serve_cmd(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MINICPMO_RT_API_KEY", show_default=False,
                                           help="Require 'Authorization: Bearer KEY' on every route but /health "
                                           "(also from $MINICPMO_RT_API_KEY)."),
+    tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate (chain): serve HTTPS, wss://."),
+    tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="The certificate's PEM private key."),
 ) -> None:
     """Serve over HTTP: OpenAI-style chat completions (turn mode) or duplex sessions (duplex mode)."""
     from .serving.http import serve
@@ -316,7 +318,8 @@ def serve_cmd(
         if not (idle_timeout > 0 and math.isfinite(idle_timeout)):
             raise InputError(f"--idle-timeout must be a positive number of seconds, got {idle_timeout}")
         serve(model, parse_voices(voices), host, port, mode, profile, device, max_batch, seats, min_codes,
-              n_timesteps, dtype, served_name, warm_up, idle_timeout, api_key, ready)
+              n_timesteps, dtype, served_name, warm_up, idle_timeout, api_key, ready,
+              None if tls_cert is None else str(tls_cert), None if tls_key is None else str(tls_key))
     except MiniCPMORTError as exc:
         _fail(exc)
     except OSError as exc:

@@ -78,3 +78,13 @@ def test_serve_duplex_mode_opens_a_session_and_steps_a_second(tiny_ckpt, voice):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_certificate_without_its_key_is_refused_before_loading(tiny_ckpt, voice, tmp_path):
+    proc = _serve(tiny_ckpt, voice, "--port", "0", "--tls-cert", str(tmp_path / "cert.pem"))
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 2 and "--tls-cert and --tls-key together" in err, err
+    proc = _serve(tiny_ckpt, voice, "--port", "0", "--tls-cert", str(tmp_path / "c.pem"), "--tls-key",
+                  str(tmp_path / "k.pem"))
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 2 and "cannot load them" in err, err

@@ -340,3 +340,54 @@ def test_a_spoken_request_that_arrives_mid_batch_joins_it(server, voice, monkeyp
         assert samples.shape == wav.shape and rel_err(torch.from_numpy(samples), torch.from_numpy(wav)) < 1e-5
     assert isinstance(text_events[-1], Done)
     assert "".join(e.text for e in text_events if isinstance(e, Text)) == want_text
+
+
+def _self_signed(tmp_path):
+    """A throwaway certificate for 127.0.0.1 (the openssl command makes it; the standard library cannot)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls_serves_https_and_a_plain_http_client_does_not_stop_it(server, tmp_path):
+    """With a certificate the server speaks HTTPS only: a client that trusts the certificate gets its answers
+    while another connection stalls its handshake (each handshake runs on its connection's thread), a plain-HTTP
+    client on the same port is dropped and the next HTTPS client is served; unreadable certificate files are
+    named."""
+    import ssl
+
+    from minicpmo_rt.errors import InputError
+    from minicpmo_rt.serving.http import tls_context
+
+    cert, key = _self_signed(tmp_path)
+    secure = Server(("127.0.0.1", 0), "tiny-test", turns=server.turns, tls=tls_context(str(cert), str(key)))
+    threading.Thread(target=secure.serve_forever, daemon=True).start()
+    trust = ssl.create_default_context(cafile=str(cert))
+    try:
+        assert secure.url.startswith("https://")
+        import socket
+
+        staller = socket.create_connection(secure.server_address[:2])      # connects, never says hello
+        health = json.load(urllib.request.urlopen(secure.url + "/health", timeout=20, context=trust))
+        assert health["status"] == "ok"
+        staller.close()
+        with pytest.raises((urllib.error.URLError, http.client.HTTPException, ConnectionError)):
+            urllib.request.urlopen(secure.url.replace("https", "http") + "/health", timeout=60)
+        with pytest.raises(urllib.error.URLError):                       # a client that does not trust it
+            urllib.request.urlopen(secure.url + "/health", timeout=60)
+        body = json.load(urllib.request.urlopen(urllib.request.Request(
+            secure.url + "/v1/chat/completions", json.dumps({"messages": USER, "max_tokens": 3}).encode()),
+            timeout=300, context=trust))
+        assert body["choices"][0]["message"]["content"]
+    finally:
+        secure.shutdown()
+        secure.server_close()
+    with pytest.raises(InputError, match="cannot load them"):
+        tls_context(str(tmp_path / "missing.pem"), str(key))

@@ -24,6 +24,7 @@ import hmac
 import json
 import logging
 import queue
+import ssl
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -44,6 +45,7 @@ MAX_BODY = 1 << 20          # bytes of request JSON
 WS_PROTOCOL = "minicpmo-rt"
 WS_KEY_PREFIX = WS_PROTOCOL + ".key."
 MAX_CHAT_BODY = 32 << 20    # ... of a chat completion, which may carry recordings and pictures
+HANDSHAKE_TIMEOUT_S = 30.0
 EVENT_TIMEOUT_S = 600.0     # silence from the worker after which a request is answered with an error
 
 
@@ -53,10 +55,15 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], model: str, turns: TurnService | None = None,
-                 duplex: DuplexService | None = None, api_key: str | None = None):
+                 duplex: DuplexService | None = None, api_key: str | None = None, tls: ssl.SSLContext | None = None):
         super().__init__(address, _Handler)     # binds and listens; requests are read once serve_forever runs
         self.turns, self.duplex, self.model = turns, duplex, model
         self.api_key = api_key or None          # clients then send "Authorization: Bearer KEY" (not to /health)
+        self.tls = tls is not None
+        if tls is not None:
+            # the handshake runs on the connection's own thread (_Handler.setup), not in accept(): a client that
+            # stalls it holds up nobody else
+            self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
 
     @property
     def mode(self) -> str:
@@ -70,7 +77,20 @@ class Server(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{port}"
+
+
+def tls_context(cert: str, key: str):
+    """A server TLS context from a PEM certificate (chain) and its private key; unreadable files are named."""
+    from ..errors import InputError
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise InputError(f"--tls-cert {cert} / --tls-key {key}: cannot load them ({exc}); pass a PEM certificate "
+                         "and its private key (unencrypted)") from None
+    return ctx
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -84,6 +104,22 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
         log.info("%s %s", self.address_string(), format % args)
+
+    def setup(self) -> None:
+        self._tls_failed = False
+        if isinstance(self.request, ssl.SSLSocket):
+            try:
+                self.request.settimeout(HANDSHAKE_TIMEOUT_S)
+                self.request.do_handshake()
+                self.request.settimeout(None)
+            except (ssl.SSLError, OSError) as exc:     # plain HTTP on a TLS port, a bad client, a stall
+                log.info("%s: TLS handshake failed: %s", self.client_address[0], exc)
+                self._tls_failed = True
+        super().setup()
+
+    def handle(self) -> None:
+        if not self._tls_failed:
+            super().handle()
 
     # ---- plumbing ----------------------------------------------------------------------------------------
 
@@ -357,18 +393,23 @@ class _Handler(BaseHTTPRequestHandler):
 def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, mode: str = "turn",
           profile: str | None = None, device: str = "cpu", max_batch: int | None = None, seats: int = 4,
           min_codes: int = 50, n_timesteps: int | None = None, dtype: str = "auto", served_name: str = "minicpm-o-4.5",
-          warm_up: bool = False, idle_timeout_s: float = 60.0, api_key: str | None = None, ready=None) -> None:
+          warm_up: bool = False, idle_timeout_s: float = 60.0, api_key: str | None = None, ready=None,
+          tls_cert: str | None = None, tls_key: str | None = None) -> None:
     """Bind, load the models for ``mode`` (turn: a TurnPipeline for chat completions; duplex: a DuplexBatch of
     ``seats`` seats), then serve until interrupted. ``warm_up``: graphs and kernels made before the first
     client (turn: short turns in every voice; duplex: ``DuplexBatch.warm_up``). ``ready(server)`` is called
-    once the socket listens and the models are loaded."""
+    once the socket listens and the models are loaded. ``tls_cert`` and ``tls_key`` (PEM files): HTTPS and
+    wss:// instead of HTTP."""
     from ..errors import InputError
 
     if mode not in ("turn", "duplex"):
         raise InputError(f"--mode {mode!r}: choose turn (chat completions) or duplex (duplex sessions)")
     if seats < 1:
         raise InputError(f"--seats must be >= 1, got {seats}")
-    server = Server((host, port), served_name, api_key=api_key)    # bound first: a taken port fails before the load
+    if (tls_cert is None) != (tls_key is None):
+        raise InputError("pass --tls-cert and --tls-key together (the certificate and its private key)")
+    tls = tls_context(tls_cert, tls_key) if tls_cert is not None else None
+    server = Server((host, port), served_name, api_key=api_key, tls=tls)    # bound first: a taken port fails early
     try:
         if mode == "turn":
             from ..runtime.turn import DEFAULT_PROFILE, TurnPipeline
