@@ -125,7 +125,10 @@ def code2wav_cmd(
 @app.command("talker")
 def talker_cmd(
     model: str = typer.Option(..., "--model", help="Snapshot dir (Thinker, tokenizer and tts.* weights)."),
-    text: str = typer.Option(..., "--text", help="The user's words; the Thinker answers and the Talker voices it."),
+    text: Optional[str] = typer.Option(None, "--text", help="The user's words; the Thinker answers and the Talker "
+                                       "voices it."),
+    audio: Optional[Path] = typer.Option(None, "--audio", help="A recording of the user (WAV/FLAC/OGG, any rate)."),
+    image: Optional[Path] = typer.Option(None, "--image", help="A picture (PNG/JPEG) the turn is about."),
     codes_out: Path = typer.Option(..., "--codes-out", help="JSON list of codec ids (0..6560, no EOS) to write."),
     seed: int = typer.Option(0, "--seed", help="Seed of the Thinker and Talker sampling."),
     profile: str = typer.Option("minicpmo_4_5_turn_mrv2", "--profile", help="Turn-mode deploy profile (name or YAML)."),
@@ -135,12 +138,13 @@ def talker_cmd(
     capacity: Optional[int] = typer.Option(None, "--capacity", help="Talker slots (default: the profile's)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
 ) -> None:
-    """Text -> Thinker (text + hidden states) -> Talker -> codec ids (JSON)."""
+    """Words, speech and a picture -> Thinker (text + hidden states) -> Talker -> codec ids (JSON)."""
     from .runtime.jobs import run_talker
 
     try:
         info = run_talker(model, text, codes_out, seed=seed, profile=profile, max_codes=max_codes,
-                          min_codes=min_codes, max_new_tokens=max_new_tokens, capacity=capacity, device=device)
+                          min_codes=min_codes, max_new_tokens=max_new_tokens, capacity=capacity, device=device,
+                          audio=audio, image=image)
     except MiniCPMORTError as exc:
         _fail(exc)
     if info["warning"]:

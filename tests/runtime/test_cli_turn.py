@@ -185,3 +185,26 @@ def test_speak_refuses_bad_turns_by_name_and_writes_nothing(tiny_ckpt, voice, tm
                               *[str(names.get(e, e)) for e in extra]])
     assert res.exit_code == 2 and msg in res.output, res.output
     assert not out.exists()
+
+
+def test_talker_takes_a_recording_of_the_user(tiny_ckpt, tmp_path):
+    """``talker --audio``: the codes of ``TurnPipeline.codes`` for the same recording as an AudioPart; nothing to
+    answer is refused by name."""
+    import numpy as np
+
+    from minicpmo_rt.runtime.contracts import AudioPart, TurnRequest
+    from minicpmo_rt.runtime.turn import TurnPipeline
+    from minicpmo_rt.talker.sampler import SamplingParams
+
+    sf.write(tmp_path / "q.wav", (np.random.default_rng(2).standard_normal(20000) * 0.1).astype(np.float32), 16000)
+    out = tmp_path / "codes.json"
+    res = runner.invoke(app, ["talker", "--model", str(tiny_ckpt), "--audio", str(tmp_path / "q.wav"), "--codes-out",
+                              str(out), "--seed", "6", "--max-codes", "20", "--max-new-tokens", "5", *FAST])
+    assert res.exit_code == 0, res.output
+    pipe = TurnPipeline.from_snapshot(tiny_ckpt, with_code2wav=False, capacity=1,
+                                      talker_params=SamplingParams(min_codes=5))
+    req = TurnRequest.make("cli", [{"role": "user", "content": [AudioPart.from_file(tmp_path / "q.wav")]}], seed=6,
+                           max_new_tokens=5, max_codes=20)
+    assert pipe.codes([req])["cli"] == json.loads(out.read_text())
+    res = runner.invoke(app, ["talker", "--model", str(tiny_ckpt), "--codes-out", str(tmp_path / "none.json")])
+    assert res.exit_code == 2 and "nothing to answer" in res.output and not (tmp_path / "none.json").exists()

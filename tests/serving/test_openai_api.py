@@ -161,3 +161,19 @@ def test_media_limits_roles_and_markers_are_refused(monkeypatch):
     with pytest.raises(ApiError, match="marker") as info:
         parse_chat({"messages": [{"role": "user", "content": "look <image>./</image>"}]}, VOICES)
     assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize("fmt, sf_format, subtype", [("mp3", "MP3", None), ("flac", "FLAC", "PCM_16"),
+                                                     ("ogg", "OGG", "VORBIS")])
+def test_compressed_input_audio_decodes_to_16k_mono(fmt, sf_format, subtype):
+    """MP3, FLAC and OGG recordings (here 1 s of a 440 Hz tone at 24 kHz) decode through libsndfile to 1 s of
+    16 kHz samples that still hold the tone."""
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(24000) / 24000)).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, tone, 24000, format=sf_format, subtype=subtype)
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": fmt}}
+    (audio,) = parse_chat({"messages": [{"role": "user", "content": [part]}]}, VOICES).messages[0]["content"]
+    x = audio.samples
+    assert abs(x.size - 16000) <= 1200                       # codec padding at most a few frames
+    spectrum = np.abs(np.fft.rfft(x[:16000] if x.size >= 16000 else np.pad(x, (0, 16000 - x.size))))
+    assert abs(int(np.argmax(spectrum)) - 440) <= 2          # 1-Hz bins: the tone is where it was

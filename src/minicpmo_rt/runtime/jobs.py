@@ -89,13 +89,17 @@ def tiny_warning(pipe) -> str | None:
     return None
 
 
-def run_talker(model: str, text: str, codes_out: Path, seed: int = 0, profile: str = DEFAULT_PROFILE,
+def run_talker(model: str, text: str | None, codes_out: Path, seed: int = 0, profile: str = DEFAULT_PROFILE,
                max_codes: int | None = None, min_codes: int = 50, max_new_tokens: int | None = None,
-               capacity: int | None = None, device: str = "cpu") -> dict:
-    """Thinker generate -> Talker; writes the codec ids (no EOS) as a JSON list."""
-    _check_inputs(text, profile)
+               capacity: int | None = None, device: str = "cpu", audio: Path | None = None,
+               image: Path | None = None) -> dict:
+    """Thinker generate -> Talker; writes the codec ids (no EOS) as a JSON list. The turn is the words, a
+    recording of the user (``audio``) and a picture (``image``), any of them."""
+    (turn,) = _turn_contents([text] if text is not None else [], [Path(audio)] if audio is not None else [],
+                             [Path(image)] if image is not None else [])
+    _check_inputs(None, profile)
     check_output_path(codes_out, "--codes-out")
-    req = TurnRequest.make("cli", text, None, seed, max_new_tokens, max_codes)
+    req = TurnRequest.make("cli", turn, None, seed, max_new_tokens, max_codes)
     t = time.perf_counter()
     pipe = _pipeline(model, profile, device, False, capacity, min_codes)
     trace = TurnTrace()
