@@ -2,6 +2,7 @@
 # Set up (if needed), write the built-in tiny checkpoint and run the main jobs on it:
 #   1. spoken reply: Thinker -> Talker -> Code2Wav (turn mode), whole and streamed Code2Wav;
 #      a duplex conversation over a recorded user side (one unit per second: listen or speak);
+#      a turn whose question is that recording (the Thinker hears it);
 #   2. research chain: synthetic EasyCom sessions -> causal features (both modes, audited)
 #      -> turn-taking labels -> turn head (k-fold by session).
 # The tiny checkpoint has RANDOM weights: its audio is noise, its text gibberish and the
@@ -30,6 +31,10 @@ minicpmo-rt code2wav --model "$OUT/tiny" --codes "$OUT/reply_codes.json" --voice
 echo "== duplex: the reply above as the user's side, one unit per second (random weights) =="
 minicpmo-rt duplex --model "$OUT/tiny" --input "$OUT/reply.wav" --voice "$VOICE" \
   --output "$OUT/duplex_reply.wav" --transcript "$OUT/duplex_units.json" --force-listen-units 1
+
+echo "== a spoken question: the reply above as the user's recording, answered in turn mode (random weights) =="
+minicpmo-rt speak --model "$OUT/tiny" --audio "$OUT/reply.wav" --text "What did I just say?" --voice "$VOICE" \
+  --output "$OUT/spoken_reply.wav" --max-new-tokens 8 --max-codes 50 --min-codes 25
 
 echo "== research chain: synthetic EasyCom -> causal features -> labels -> turn head =="
 rm -rf "$OUT/easycom" "$OUT/features" "$OUT/targets" "$OUT/turn_head"
