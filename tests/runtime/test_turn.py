@@ -340,10 +340,12 @@ def _omni_request(rid: str, seed: int, voice=None, words: str = "What do you see
 
 
 def test_spoken_and_pictured_turn_feeds_the_encodings_in_their_placeholders(pipe):
-    """A user message of an image, a recording and words: the prompt is upstream's turn layout with the parts
-    joined by newlines, the image as ``<image>`` + 64 ``<unk>`` + ``</image>`` and the 1.5 s of audio as
-    ``<|audio_start|>`` + 15 ``<unk>`` + ``<|audio_end|>`` (written out here by hand), and the Thinker's hidden
-    rows equal one full forward over those ids with the encodings scattered into the ``<unk>`` runs by hand."""
+    """A user message of an image, a recording and words: the prompt is upstream's ``streaming_prefill`` layout
+    (omni mode: the parts joined with nothing between them), the image as ``<image>`` + 64 ``<unk>`` +
+    ``</image>`` and the 1.5 s of audio as one ``<|audio_start|>`` ... ``<|audio_end|>`` block per second (10
+    then 5 ``<unk>``; written out here by hand), and the Thinker's hidden rows equal one full forward over those
+    ids with the encodings (the whole recording through the encoder with full attention) scattered into the
+    ``<unk>`` runs by hand."""
     from minicpmo_rt.thinker.prompt import DEFAULT_SYSTEM_PROMPT, UNK_ID
 
     req, image, audio = _omni_request("omni", 4)
@@ -351,7 +353,8 @@ def test_spoken_and_pictured_turn_feeds_the_encodings_in_their_placeholders(pipe
     pipe.codes([req], trace)
     th, tok = pipe.thinker, pipe.tokenizer
     text = (f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
-            f"<image>{'<unk>' * 64}</image>\n<|audio_start|>{'<unk>' * 15}<|audio_end|>\nWhat do you see and hear?")
+            f"<image>{'<unk>' * 64}</image><|audio_start|>{'<unk>' * 10}<|audio_end|><|audio_start|>{'<unk>' * 5}"
+            "<|audio_end|>What do you see and hear?")
     prompt = tok.encode(text) + list(pipe.builder.assistant_bos().ids)
     assert list(turn_prompt(pipe.builder, req.messages).ids) == prompt
     ids = prompt + list(trace.talker_requests["omni"].text_ids.tolist())
@@ -360,7 +363,7 @@ def test_spoken_and_pictured_turn_feeds_the_encodings_in_their_placeholders(pipe
     with torch.no_grad():
         embeds = th.llm.model.embed_tokens(torch.tensor(ids)).clone()
         embeds[unk[:64]] = th.embed_image(np.asarray(image))[0]
-        embeds[unk[64:]] = th.embed_audio(audio)
+        embeds[unk[64:]] = th.embed_audio(audio, chunk_length=None)
         h, _ = final_norm_hidden(th.llm, embeds[None])
     steps = [s for s in trace.steps["omni"] if s.hidden is not None]
     assert [s.position for s in steps] == list(range(len(prompt), len(ids)))
@@ -371,6 +374,25 @@ def test_spoken_and_pictured_turn_feeds_the_encodings_in_their_placeholders(pipe
     plain = TurnTrace()
     pipe.codes([words], plain)
     assert rel_err(plain.steps["words"][0].hidden, steps[0].hidden) > 1e-2
+
+
+def test_the_first_recording_is_front_padded_to_1035_ms_as_upstream_feeds_it(pipe):
+    """Upstream's ``streaming_prefill`` pads the session's first audio with zeros on the left to 1035 ms (16560
+    samples) and no later one: a 0.5-s question after a 0.5-s clip in an earlier message takes 10 positions, then
+    5, and the first clip's encoding is that of the padded samples."""
+    from minicpmo_rt.runtime.contracts import AudioPart
+    from minicpmo_rt.runtime.turn import fed_audio
+
+    rng = np.random.default_rng(11)
+    clip, question = (rng.standard_normal((2, 8000)) * 0.1).astype(np.float32)
+    req = TurnRequest.make("pad", [{"role": "user", "content": [clip, "Remember this."]},
+                                   {"role": "assistant", "content": "OK."},
+                                   {"role": "user", "content": [AudioPart(question)]}])
+    fed = fed_audio(req.messages)
+    assert [x.size for x in fed] == [16560, 8000]
+    assert not fed[0][:8560].any() and np.array_equal(fed[0][8560:], clip) and np.array_equal(fed[1], question)
+    piece = turn_prompt(pipe.builder, req.messages)
+    assert [s.length for s in piece.slots if s.kind == "audio"] == [10, 5]
 
 
 def test_thinker_rows_take_spoken_turns_as_think_does(pipe, voice):

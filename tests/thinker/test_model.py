@@ -146,12 +146,14 @@ def test_embed_image_shapes(thinker):
     assert sliced.shape[0] > 1 and sliced.shape[1:] == (64, thinker.hidden_size)
 
 
+@pytest.mark.parametrize("chunk_length", [1.0, None])
 @pytest.mark.parametrize("seconds", [1.234567, 31.0])
-def test_embed_audio_cuts_the_mel_where_the_whisper_feature_extractor_does(thinker, seconds):
-    """Upstream's non-streaming audio path (``get_audio_embedding``, 1-s block-causal): transformers'
-    WhisperFeatureExtractor pads each 30-s piece to 30 s and keeps ``attention_mask.sum()`` =
-    ceil(len / 160) frames. A length that is no multiple of 160 (and a second piece past 30 s) through that
-    extractor, the encoder with upstream's mask, the projection and AvgPool(5), against ``embed_audio``."""
+def test_embed_audio_cuts_the_mel_where_the_whisper_feature_extractor_does(thinker, seconds, chunk_length):
+    """Upstream's non-streaming audio path (``get_audio_embedding``: 1-s block-causal, or full attention with
+    ``chunk_length=-1``): transformers' WhisperFeatureExtractor pads each 30-s piece to 30 s and keeps
+    ``attention_mask.sum()`` = ceil(len / 160) frames. A length that is no multiple of 160 (and a second piece
+    past 30 s) through that extractor, the encoder with upstream's mask, the projection and AvgPool(5), against
+    ``embed_audio``."""
     from transformers import WhisperFeatureExtractor
 
     from minicpmo_rt.thinker.audio import avg_pool, block_causal_mask, conv_output_length
@@ -166,9 +168,10 @@ def test_embed_audio_cuts_the_mel_where_the_whisper_feature_extractor_does(think
         frames = int(out.attention_mask.sum())
         n = conv_output_length(frames)
         with torch.no_grad():
-            hidden = thinker.apm(out.input_features[:, :, :frames], block_causal_mask(n, 50))
+            mask = None if chunk_length is None else block_causal_mask(n, 50)
+            hidden = thinker.apm(out.input_features[:, :, :frames], mask)
             refs.append(avg_pool(thinker.audio_projection_layer(hidden), 5)[0])
     ref = torch.cat(refs)
-    got = thinker.embed_audio(x)
+    got = thinker.embed_audio(x, chunk_length)
     assert got.shape == ref.shape and [r.shape[0] for r in refs] == audio_piece_counts(x.size)
     assert rel_err(got, ref) <= 1e-5

@@ -39,7 +39,8 @@ MEDIA_MARKERS = ("<image>", "</image>", "<slice>", "</slice>", "<|audio_start|>"
 @dataclass(frozen=True, eq=False)
 class AudioPart:
     """Sound in a user message (their spoken words, a clip to talk about): mono float32 at 16 kHz, read-only.
-    The Thinker encodes it whole (upstream's non-streaming audio path, 1-s block-causal): 10 positions a second."""
+    The Thinker encodes it whole (Whisper with full attention, as upstream's turn-mode ``streaming_prefill`` with
+    ``stream_input=False``): 10 positions a second."""
 
     samples: np.ndarray = field(repr=False)
 

@@ -72,44 +72,58 @@ class TurnTrace:
         return [c for ch in self.chunks.get(request_id, []) for c in ch.codes[ch.n_context:]]
 
 
-def _placeholder(part) -> str:
-    """A media part's prompt text: an image's ``<image>`` + 64 ``<unk>`` + ``</image>`` (and its slices), an
-    audio's ``<|audio_start|>`` + 10 ``<unk>`` a second + ``<|audio_end|>`` per 30-s piece."""
-    from ..thinker.image_processor import image_placeholder
-
-    if isinstance(part, ImagePart):
-        return image_placeholder(part.image.grid)
-    return "".join("<|audio_start|>" + "<unk>" * n + "<|audio_end|>" for n in audio_piece_counts(part.samples.size))
-
-
-def content_text(content) -> str:
-    """A message's content as prompt text: its parts joined by newlines, as upstream's prefill joins them when
-    not in omni mode, each audio and image by its placeholder."""
-    if isinstance(content, str):
-        return content
-    return "\n".join(p if isinstance(p, str) else _placeholder(p) for p in content)
-
-
 def media_parts(messages: Sequence[Message]) -> list:
     """The messages' audio and images in prompt order (the order their slots are filled in)."""
     return [p for m in messages if not isinstance(m["content"], str) for p in m["content"] if not isinstance(p, str)]
 
 
+def fed_audio(messages: Sequence[Message]) -> list[np.ndarray]:
+    """Each audio part's samples as upstream's ``streaming_prefill`` feeds them, in prompt order: the
+    conversation's first recording front-padded with zeros to 1035 ms when shorter."""
+    from ..thinker.session import FIRST_CHUNK_PAD_SAMPLES
+
+    out: list[np.ndarray] = []
+    for p in media_parts(messages):
+        if isinstance(p, AudioPart):
+            x = p.samples
+            if not out and x.size < FIRST_CHUNK_PAD_SAMPLES:
+                x = np.concatenate([np.zeros(FIRST_CHUNK_PAD_SAMPLES - x.size, np.float32), x])
+            out.append(x)
+    return out
+
+
+def _content_text(content, audio_lengths: Iterator[int]) -> str:
+    """A message's content as prompt text: its parts joined with nothing between them (upstream's
+    ``streaming_prefill`` in its default omni mode), an image as ``<image>`` + 64 ``<unk>`` + ``</image>`` (and
+    its slices), an audio as ``<|audio_start|>`` + up to 10 ``<unk>`` + ``<|audio_end|>`` per second of the
+    samples fed (the processor's ``chunk_input`` placeholder)."""
+    from ..thinker.image_processor import image_placeholder
+    from ..thinker.prompt import audio_placeholder
+
+    if isinstance(content, str):
+        return content
+    return "".join(p if isinstance(p, str) else image_placeholder(p.image.grid) if isinstance(p, ImagePart)
+                   else audio_placeholder(next(audio_lengths), chunk_input=True) for p in content)
+
+
 def turn_prompt(builder, messages: Sequence[Message]):
     """System (the default one unless given) + earlier turns through the chat template, then
     ``<|im_start|>user\\n{content}`` and the assistant bos ending in ``<|tts_bos|>`` (upstream's
-    streaming turn layout; no reference audio is fed to the Thinker). Audio and images in the content
-    become placeholders whose slots ``TurnPipeline`` fills with their encodings (``media_parts`` order)."""
+    streaming turn layout, ``streaming_prefill`` + ``streaming_generate``; no reference audio is fed to the
+    Thinker). Audio and images in the content become placeholders whose slots ``TurnPipeline`` fills with
+    their encodings (``media_parts`` order; audio as ``fed_audio`` gives it)."""
     from ..thinker.prompt import DEFAULT_SYSTEM_PROMPT, apply_chat_template
 
-    msgs = [{**m, "content": content_text(m["content"])} for m in messages]
+    fed = fed_audio(messages)
+    lengths = iter([x.size for x in fed])
+    msgs = [{**m, "content": _content_text(m["content"], lengths)} for m in messages]
     if msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": DEFAULT_SYSTEM_PROMPT})
     piece = builder.from_text(apply_chat_template(msgs[:-1]) + builder.user_prefix() + msgs[-1]["content"])
-    media = media_parts(messages)
-    images = sum(p.image.num_sub_images for p in media if isinstance(p, ImagePart))
-    audio = sum(len(audio_piece_counts(p.samples.size)) for p in media if isinstance(p, AudioPart))
-    if [s.kind for s in piece.slots].count("image") != images or [s.kind for s in piece.slots].count("audio") != audio:
+    images = sum(p.image.num_sub_images for p in media_parts(messages) if isinstance(p, ImagePart))
+    audio = sum(sum(audio_piece_counts(x.size)) for x in fed)
+    if [s.kind for s in piece.slots].count("image") != images or \
+            sum(s.length for s in piece.slots if s.kind == "audio") != audio:
         raise InputError("the prompt's audio/image slots do not match the request's audio and images; send media "
                          "as parts, with no placeholder text (<|audio_start|>, <image>...) in the words")
     return piece + builder.assistant_bos()
@@ -272,7 +286,7 @@ class TurnPipeline:
         if not media:
             return piece, th.embed_tokens(piece.ids)
         images = [p.image for p in media if isinstance(p, ImagePart)]
-        audio = [th.embed_audio(p.samples) for p in media if isinstance(p, AudioPart)]
+        audio = [th.embed_audio(x, chunk_length=None) for x in fed_audio(req.messages)]
         return piece, th.fill_slots(piece, [th.embed_image(images)] if images else [],
                                     torch.cat(audio) if audio else None)
 

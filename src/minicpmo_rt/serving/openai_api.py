@@ -137,7 +137,7 @@ def _image_url(part: dict, where: str) -> ImagePart:
 
 def _content(content: Any, where: str, role: str) -> str | tuple:
     """A message's content: a string, or a list of parts. Text parts alone are joined into one string; with
-    audio or images the parts stay in order (the prompt joins them by newlines, as upstream does)."""
+    audio or images the parts stay in order (the prompt lays them side by side, as upstream's turn mode does)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:

@@ -155,15 +155,15 @@ class Thinker(nn.Module):
         return AudioChunkEmbedding(embeds.to(self.dtype), cache, reset)
 
     @torch.no_grad()
-    def embed_audio(self, waveform) -> torch.Tensor:
+    def embed_audio(self, waveform, chunk_length: float | None = 1.0) -> torch.Tensor:
         """A whole recording (mono 16 kHz float samples) -> [n, H] LLM-space embeddings, as upstream's
-        non-streaming ``get_audio_embedding(..., chunk_length=1.0)``: a duplex voice reference, and the
-        audio of a turn-mode user message (``non_streaming_prefill``, ``chunk_length`` = the config's 1 s).
+        non-streaming ``get_audio_embedding(..., chunk_length)``: 1.0 (a 1-s block-causal encoder, a duplex
+        voice reference) or None (full attention, ``chunk_length=-1``: the audio of a turn-mode user message,
+        which upstream's ``streaming_prefill`` encodes whole with ``stream_input=False``).
 
         Each 30-s piece is zero-padded to 30 s before the mel (dynamic max-8 floor), cut to the
-        feature extractor's ``ceil(len / 160)`` frames, encoded with a 1-s (50-frame) block-causal
-        mask, projected and pooled; the pieces' embeddings are concatenated in order (``audio_piece_lengths``
-        gives each piece's count)."""
+        feature extractor's ``ceil(len / 160)`` frames, encoded, projected and pooled; the pieces'
+        embeddings are concatenated in order (``prompt.audio_piece_counts`` gives each piece's count)."""
         from .mel import SAMPLE_RATE, log_mel
 
         x = waveform.detach().float() if isinstance(waveform, torch.Tensor) else \
@@ -180,7 +180,8 @@ class Thinker(nn.Module):
             padded = torch.zeros(window)
             padded[:piece.numel()] = piece
             mel = log_mel(padded, True)[:, :frames][None].to(self.device)
-            hidden = self.apm(mel, block_causal_mask(n, 50, device=self.device))
+            mask = None if chunk_length is None else block_causal_mask(n, int(chunk_length * 50), device=self.device)
+            hidden = self.apm(mel, mask)
             parts.append(avg_pool(self.audio_projection_layer(hidden), self.audio_pool_step)[0])
         if not parts:
             return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
