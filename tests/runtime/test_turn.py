@@ -342,8 +342,9 @@ def _omni_request(rid: str, seed: int, voice=None, words: str = "What do you see
 def test_spoken_and_pictured_turn_feeds_the_encodings_in_their_placeholders(pipe):
     """A user message of an image, a recording and words: the prompt is upstream's ``streaming_prefill`` layout
     (omni mode: the parts joined with nothing between them), the image as ``<image>`` + 64 ``<unk>`` +
-    ``</image>`` and the 1.5 s of audio as one ``<|audio_start|>`` ... ``<|audio_end|>`` block per second (10
-    then 5 ``<unk>``; written out here by hand), and the Thinker's hidden rows equal one full forward over those
+    ``</image>`` and the 1.5 s of audio as ``<|audio_start|>`` + 15 ``<unk>`` + ``<|audio_end|>`` (written out
+    here by hand; the official layout is checked in test_official_parity), and the Thinker's hidden rows equal one
+    full forward over those
     ids with the encodings (the whole recording through the encoder with full attention) scattered into the
     ``<unk>`` runs by hand."""
     from minicpmo_rt.thinker.prompt import DEFAULT_SYSTEM_PROMPT, UNK_ID
@@ -353,8 +354,7 @@ def test_spoken_and_pictured_turn_feeds_the_encodings_in_their_placeholders(pipe
     pipe.codes([req], trace)
     th, tok = pipe.thinker, pipe.tokenizer
     text = (f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
-            f"<image>{'<unk>' * 64}</image><|audio_start|>{'<unk>' * 10}<|audio_end|><|audio_start|>{'<unk>' * 5}"
-            "<|audio_end|>What do you see and hear?")
+            f"<image>{'<unk>' * 64}</image><|audio_start|>{'<unk>' * 15}<|audio_end|>What do you see and hear?")
     prompt = tok.encode(text) + list(pipe.builder.assistant_bos().ids)
     assert list(turn_prompt(pipe.builder, req.messages).ids) == prompt
     ids = prompt + list(trace.talker_requests["omni"].text_ids.tolist())
@@ -378,8 +378,8 @@ def test_spoken_and_pictured_turn_feeds_the_encodings_in_their_placeholders(pipe
 
 def test_the_first_recording_is_front_padded_to_1035_ms_as_upstream_feeds_it(pipe):
     """Upstream's ``streaming_prefill`` pads the session's first audio with zeros on the left to 1035 ms (16560
-    samples) and no later one: a 0.5-s question after a 0.5-s clip in an earlier message takes 10 positions, then
-    5, and the first clip's encoding is that of the padded samples."""
+    samples) and no later one: a 0.5-s question after a 0.5-s clip in an earlier message takes 5 positions, the
+    clip 10, and the clip's encoding is that of the padded samples."""
     from minicpmo_rt.runtime.contracts import AudioPart
     from minicpmo_rt.runtime.turn import fed_audio
 

@@ -593,3 +593,45 @@ def test_turn_mode_prefill_and_greedy_generate_match_official(llm):
     ref = torch.from_numpy(data["forward_last_hidden"][n_pre:])
     err = rel_err(turn.hidden, ref)
     assert err <= TOL, f"per-token hidden rel err {err:.3e}"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scenario", ["s1", "s2"])
+def test_turn_mode_with_a_picture_and_recordings_matches_official(thinker, scenario):
+    """Turn mode with whole recordings (official ``streaming_prefill(..., stream_input=False)``, omni mode):
+    s1 = [picture, 1.5 s of audio, words], s2 = [0.5 s of audio, words] (front-padded to 1035 ms). The prompt
+    ids (parts side by side, one audio block), the input rows with the encodings in their slots (SigLIP +
+    resampler, Whisper with full attention), the final-norm hidden after the prompt and the greedy tokens and
+    hidden rows of ``streaming_generate`` equal the official ones."""
+    from PIL import Image
+
+    from minicpmo_rt.runtime.contracts import TurnRequest
+    from minicpmo_rt.runtime.turn import prompt_embeds
+    from minicpmo_rt.thinker.generate import SamplingConfig, generate
+    from minicpmo_rt.thinker.prompt import PromptBuilder
+
+    data, meta = _load("turn_media")
+    vision, _ = _load("vision")
+    audio, _ = _load("audio")
+    pcm = _audio_f32(audio["audio_i16"])
+    content = {"s1": [Image.fromarray(vision["img_b"]), pcm[:24000], "What is this?"],
+               "s2": [pcm[:8000], "Hi"]}[scenario]
+    req = TurnRequest.make("t", [{"role": "system", "content": meta["system_text"]},
+                                 {"role": "user", "content": content}])
+    builder = PromptBuilder(load_tokenizer(vendored_tokenizer_dir()))
+    piece, embeds = prompt_embeds(thinker, builder, req.messages)
+    official_ids = data[f"{scenario}_prompt_ids"].tolist()
+    assert list(piece.ids) == official_ids + list(builder.assistant_bos().ids)
+    rows = data[f"{scenario}_forward_rows"]
+    n = int(rows[:3].sum())                              # system, user, assistant bos
+    ref = torch.from_numpy(data[f"{scenario}_inputs_embeds"])
+    assert embeds.shape[0] == n and rel_err(embeds, ref[:n]) <= TOL
+    cache = thinker.new_cache()
+    step = thinker.forward_embeds(embeds, cache, logits=True)
+    last = torch.from_numpy(data[f"{scenario}_forward_last_hidden"])
+    assert rel_err(step.hidden[-1], last[2]) <= TOL
+    want = meta["scenarios"][scenario]["generated_ids"]
+    sampling = SamplingConfig(greedy=True, temperature=0.7, repetition_penalty=1.02, max_new_tokens=len(want))
+    turn = generate(thinker.llm, cache, step.logits, sampling)
+    assert turn.token_ids == want
+    assert rel_err(turn.hidden, last[3:3 + len(want)]) <= TOL

@@ -95,15 +95,15 @@ def fed_audio(messages: Sequence[Message]) -> list[np.ndarray]:
 def _content_text(content, audio_lengths: Iterator[int]) -> str:
     """A message's content as prompt text: its parts joined with nothing between them (upstream's
     ``streaming_prefill`` in its default omni mode), an image as ``<image>`` + 64 ``<unk>`` + ``</image>`` (and
-    its slices), an audio as ``<|audio_start|>`` + up to 10 ``<unk>`` + ``<|audio_end|>`` per second of the
-    samples fed (the processor's ``chunk_input`` placeholder)."""
+    its slices), an audio as one ``<|audio_start|>`` + 10 ``<unk>`` a second + ``<|audio_end|>`` block for the
+    samples fed (the processor's placeholder when the audio is not streamed)."""
     from ..thinker.image_processor import image_placeholder
     from ..thinker.prompt import audio_placeholder
 
     if isinstance(content, str):
         return content
     return "".join(p if isinstance(p, str) else image_placeholder(p.image.grid) if isinstance(p, ImagePart)
-                   else audio_placeholder(next(audio_lengths), chunk_input=True) for p in content)
+                   else audio_placeholder(next(audio_lengths)) for p in content)
 
 
 def turn_prompt(builder, messages: Sequence[Message]):
@@ -127,6 +127,19 @@ def turn_prompt(builder, messages: Sequence[Message]):
         raise InputError("the prompt's audio/image slots do not match the request's audio and images; send media "
                          "as parts, with no placeholder text (<|audio_start|>, <image>...) in the words")
     return piece + builder.assistant_bos()
+
+
+def prompt_embeds(thinker, builder, messages: Sequence[Message]):
+    """The turn prompt and its input rows: token embeddings, with the audio (each recording whole, Whisper with
+    full attention) and the images (all in one vision pass) encoded into their slots."""
+    piece = turn_prompt(builder, messages)
+    media = media_parts(messages)
+    if not media:
+        return piece, thinker.embed_tokens(piece.ids)
+    images = [p.image for p in media if isinstance(p, ImagePart)]
+    audio = [thinker.embed_audio(x, chunk_length=None) for x in fed_audio(messages)]
+    return piece, thinker.fill_slots(piece, [thinker.embed_image(images)] if images else [],
+                                     torch.cat(audio) if audio else None)
 
 
 class _CopiedStep:
@@ -278,17 +291,7 @@ class TurnPipeline:
         return len(piece), prefill.logits, cache, self._sampling(req), gen
 
     def _prompt(self, req: TurnRequest):
-        """The request's prompt piece and its input rows: token embeddings, with the audio and images encoded
-        into their slots (all of a request's images in one vision pass)."""
-        th = self.thinker
-        piece = turn_prompt(self.builder, req.messages)
-        media = media_parts(req.messages)
-        if not media:
-            return piece, th.embed_tokens(piece.ids)
-        images = [p.image for p in media if isinstance(p, ImagePart)]
-        audio = [th.embed_audio(x, chunk_length=None) for x in fed_audio(req.messages)]
-        return piece, th.fill_slots(piece, [th.embed_image(images)] if images else [],
-                                    torch.cat(audio) if audio else None)
+        return prompt_embeds(self.thinker, self.builder, req.messages)
 
     def _sampling(self, req: TurnRequest):
         """The pipeline's sampling config with the request's own token limit."""
