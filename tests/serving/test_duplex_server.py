@@ -266,7 +266,7 @@ def test_a_realtime_websocket_session_answers_as_the_conversation_would(server, 
 def test_realtime_refusals_keep_the_connection_and_a_dropped_one_frees_its_seat(server):
     ws = _WebSocketClient(server)
     for msg, words in (({"type": "input.second", "audio": ""}, "send session.open first"),
-                       ({"type": "hello"}, "session.open, input.second or session.close"), ("[1]", "message type")):
+                       ({"type": "hello"}, "input.second, input.audio or session.close"), ("[1]", "message type")):
         ws.send_json(msg) if isinstance(msg, dict) else ws.send(0x1, msg.encode())
         err = ws.recv_json()
         assert err["type"] == "error" and err["status"] == 400 and words in err["error"]["message"], err
@@ -319,3 +319,55 @@ def test_a_browser_may_send_the_api_key_as_a_websocket_subprotocol(server):
     finally:
         keyed.shutdown()
         keyed.server_close()
+
+
+def test_realtime_audio_in_pieces_of_any_length_is_cut_into_the_conversations_seconds(server, tiny_ckpt, voice,
+                                                                                      user_audio):
+    """``input.audio`` pieces of a quarter second (as a microphone sends them): a unit comes back each time a
+    whole second has arrived, equal to the same conversation fed whole seconds; an input.second while part of
+    a second waits is refused (409), as is a change of sample rate; closing reports the samples left over."""
+    ws = _WebSocketClient(server)
+    ws.send_json({"type": "session.open", "seed": 1})
+    opened = ws.recv_json()
+    ref = _reference(tiny_ckpt, voice, user_audio, 1)
+    piece = 4000
+    for j in range(SECONDS * 16000 // piece):
+        chunk = user_audio[j * piece:(j + 1) * piece]
+        ws.send_json({"type": "input.audio", "audio": base64.b64encode(chunk.tobytes()).decode()})
+        if (j + 1) * piece % 16000 == 0:
+            unit = ws.recv_json()
+            k = (j + 1) * piece // 16000 - 1
+            assert unit["type"] == "unit" and unit["session"] == opened["id"] and unit["index"] == ref[k].index
+            assert (unit["text"], unit["listen"]) == (ref[k].text, ref[k].listen)
+            assert base64.b64decode(unit["audio"]) == pcm16(ref[k].pcm)
+    ws.send_json({"type": "input.audio", "audio": base64.b64encode(bytes(2000)).decode()})      # 1000 samples
+    ws.send_json({"type": "input.second", **_second(user_audio, 0)})
+    err = ws.recv_json()
+    assert err["status"] == 409 and "1000 samples" in err["error"]["message"]
+    ws.send_json({"type": "input.audio", "audio": base64.b64encode(bytes(2000)).decode(), "sample_rate": 24000})
+    err = ws.recv_json()
+    assert err["status"] == 400 and err["error"]["param"] == "sample_rate"
+    ws.send_json({"type": "session.close"})
+    closed = ws.recv_json()
+    assert closed["type"] == "session.closed" and closed["dropped_samples"] == 1000
+    assert base64.b64decode(closed["audio"]) == pcm16(ref[-1])
+    ws.send(0x8, struct.pack("!H", 1000))
+    assert ws.recv() == (0x8, struct.pack("!H", 1000))
+
+
+def test_audio_buffer_carries_the_latest_frame_and_any_barge_in_to_its_second():
+    from minicpmo_rt.serving.duplex import AudioBuffer
+
+    buf = AudioBuffer()
+    png = io.BytesIO()
+    Image.new("RGB", (8, 6), (200, 10, 10)).save(png, "PNG")
+    frame = base64.b64encode(png.getvalue()).decode()
+    half = base64.b64encode(np.arange(8000, dtype="<i2").tobytes()).decode()
+    assert buf.add({"audio": half, "frame": frame}) == [] and buf.pending_samples == 8000
+    (second,) = buf.add({"audio": half, "force_listen": True})
+    assert second.frame.size == (8, 6) and second.force_listen and second.audio.shape == (16000,)
+    assert np.array_equal(second.audio[:8000] * 32768, np.arange(8000))
+    (second,) = buf.add({"audio": base64.b64encode(bytes(32000)).decode()})
+    assert second.frame is None and not second.force_listen and buf.pending_samples == 0
+    with pytest.raises(ApiError, match="whole number"):
+        buf.add({"audio": base64.b64encode(b"abc").decode()})

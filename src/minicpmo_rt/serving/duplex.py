@@ -250,33 +250,40 @@ class DuplexService:
                 self._free.append(s.seat)
 
 
-def parse_second(body) -> DuplexInput:
-    """A ``seconds`` request body -> DuplexInput: ``audio`` base64 16-bit little-endian mono PCM of exactly one
-    second at ``sample_rate`` (default 16000; others are resampled), optional ``frame`` (a base64 JPEG or PNG:
-    the camera when the second ended), optional ``force_listen`` (the client's barge-in)."""
+def _fields(body, allowed: set[str], what: str) -> None:
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(f"unsupported field(s) {', '.join(unknown)}: {what} takes {', '.join(sorted(allowed))}",
+                       unknown[0])
+
+
+def _rate(body) -> int:
+    rate = body.get("sample_rate", INPUT_RATE)
+    if isinstance(rate, bool) or not isinstance(rate, int) or not 8000 <= rate <= 192000:
+        raise ApiError(f"sample_rate must be an integer in 8000..192000 Hz, got {rate!r}", "sample_rate")
+    return rate
+
+
+def _pcm_bytes(body) -> bytes:
+    import base64
+    import binascii
+
+    try:
+        raw = base64.b64decode(body.get("audio") or "", validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        raise ApiError("audio must be base64 of 16-bit little-endian mono PCM", "audio") from None
+    return raw
+
+
+def _frame_and_force(body):
     import base64
     import binascii
     import io
 
     from PIL import Image, UnidentifiedImageError
 
-    if not isinstance(body, dict):
-        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - {"audio", "sample_rate", "frame", "force_listen"})
-    if unknown:
-        raise ApiError(f"unsupported field(s) {', '.join(unknown)}: a second takes audio, sample_rate, frame, "
-                       "force_listen", unknown[0])
-    rate = body.get("sample_rate", INPUT_RATE)
-    if isinstance(rate, bool) or not isinstance(rate, int) or not 8000 <= rate <= 192000:
-        raise ApiError(f"sample_rate must be an integer in 8000..192000 Hz, got {rate!r}", "sample_rate")
-    try:
-        raw = base64.b64decode(body.get("audio") or "", validate=True)
-    except (binascii.Error, TypeError, ValueError):
-        raise ApiError("audio must be base64 of 16-bit little-endian mono PCM", "audio") from None
-    if len(raw) != 2 * rate:
-        raise ApiError(f"audio holds {len(raw) / 2:g} samples; send exactly one second ({rate} 16-bit samples at "
-                       f"{rate} Hz, {2 * rate} bytes)", "audio")
-    audio = np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
     frame = None
     if body.get("frame") is not None:
         try:
@@ -286,7 +293,61 @@ def parse_second(body) -> DuplexInput:
     force = body.get("force_listen", False)
     if not isinstance(force, bool):
         raise ApiError(f"force_listen must be true or false, got {force!r}", "force_listen")
-    return DuplexInput(audio, frame, force, rate)
+    return frame, force
+
+
+def pcm_second(raw: bytes, rate: int, frame=None, force_listen: bool = False) -> DuplexInput:
+    """One second of 16-bit little-endian PCM at ``rate`` -> DuplexInput."""
+    audio = np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
+    return DuplexInput(audio, frame, force_listen, rate)
+
+
+def parse_second(body) -> DuplexInput:
+    """A ``seconds`` request body -> DuplexInput: ``audio`` base64 16-bit little-endian mono PCM of exactly one
+    second at ``sample_rate`` (default 16000; others are resampled), optional ``frame`` (a base64 JPEG or PNG:
+    the camera when the second ended), optional ``force_listen`` (the client's barge-in)."""
+    _fields(body, {"audio", "sample_rate", "frame", "force_listen"}, "a second")
+    rate = _rate(body)
+    raw = _pcm_bytes(body)
+    if len(raw) != 2 * rate:
+        raise ApiError(f"audio holds {len(raw) / 2:g} samples; send exactly one second ({rate} 16-bit samples at "
+                       f"{rate} Hz, {2 * rate} bytes)", "audio")
+    return pcm_second(raw, rate, *_frame_and_force(body))
+
+
+class AudioBuffer:
+    """A realtime connection's ``input.audio`` pieces of any length, cut into whole seconds: each second carries
+    the latest frame sent since the previous second and ``force_listen`` if any piece since then asked for it.
+    The sample rate is the first piece's; a later piece at another rate is refused."""
+
+    def __init__(self):
+        self.raw, self.rate, self.frame, self.force = bytearray(), None, None, False
+
+    def add(self, body) -> list[DuplexInput]:
+        """One ``input.audio`` message's fields -> the whole seconds it completes (often none)."""
+        _fields(body, {"audio", "sample_rate", "frame", "force_listen"}, "input.audio")
+        rate = _rate(body)
+        if self.rate is not None and rate != self.rate:
+            raise ApiError(f"sample_rate {rate} differs from this session's audio so far ({self.rate} Hz); keep one "
+                           "rate per session", "sample_rate")
+        raw = _pcm_bytes(body)
+        if len(raw) % 2:
+            raise ApiError(f"audio holds {len(raw)} bytes, not a whole number of 16-bit samples", "audio")
+        frame, force = _frame_and_force(body)
+        self.rate = rate
+        self.raw += raw
+        self.frame = frame if frame is not None else self.frame
+        self.force = self.force or force
+        seconds = []
+        while len(self.raw) >= 2 * rate:
+            seconds.append(pcm_second(bytes(self.raw[:2 * rate]), rate, self.frame, self.force))
+            del self.raw[:2 * rate]
+            self.frame, self.force = None, False
+        return seconds
+
+    @property
+    def pending_samples(self) -> int:
+        return len(self.raw) // 2
 
 
 def opened_body(session: Session) -> dict:

@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
-from .duplex import DuplexService, closed_body, opened_body, parse_second, unit_body
+from .duplex import AudioBuffer, DuplexService, closed_body, opened_body, parse_second, unit_body
 from .openai_api import ApiError, b64, chunk_body, completion_body, parse_chat, pcm16, usage
 from .turns import Audio, Done, Failed, Text, TurnService
 from .websocket import Closed as WebSocketClosed
@@ -292,11 +292,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         ws = WebSocket(self.rfile, self.wfile, MAX_BODY)
-        session = None
+        session, buffered = None, AudioBuffer()
         try:
             while True:
                 try:
-                    session = self._realtime_message(ws, ws.receive(), session)
+                    session, buffered = self._realtime_message(ws, ws.receive(), session, buffered)
                 except ApiError as err:
                     ws.send_text(json.dumps({"type": "error", "status": err.status, **err.body()}))
         except WebSocketClosed as closed:
@@ -311,30 +311,41 @@ class _Handler(BaseHTTPRequestHandler):
                 except ApiError:
                     pass
 
-    def _realtime_message(self, ws: WebSocket, text: str, session: str | None) -> str | None:
-        """One message of a realtime connection, answered; returns the connection's open session after it."""
+    def _realtime_message(self, ws: WebSocket, text: str, session: str | None,
+                          buffered: AudioBuffer) -> tuple[str | None, AudioBuffer]:
+        """One message of a realtime connection, answered; returns the connection's open session and its
+        ``input.audio`` buffer after it."""
         duplex = self.server.duplex
         try:
             msg = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ApiError(f"a message that is not JSON: {exc}") from None
         kind = msg.get("type") if isinstance(msg, dict) else None
-        if kind not in ("session.open", "input.second", "session.close"):
-            raise ApiError(f"message type {kind!r}: send session.open, input.second or session.close")
+        if kind not in ("session.open", "input.second", "input.audio", "session.close"):
+            raise ApiError(f"message type {kind!r}: send session.open, input.second, input.audio or session.close")
         if (kind == "session.open") != (session is None):
             raise ApiError("this connection has an open session; send session.close first" if session is not None
                            else f"{kind}: no open session; send session.open first")
+        fields = {k: v for k, v in msg.items() if k != "type"}
         if kind == "session.open":
-            reply = {"type": "session.opened", **opened_body(duplex.open(msg.get("voice"), msg.get("seed", 0)))}
-            session = reply["id"]
+            replies = [{"type": "session.opened", **opened_body(duplex.open(msg.get("voice"), msg.get("seed", 0)))}]
+            session, buffered = replies[0]["id"], AudioBuffer()
         elif kind == "input.second":
-            second = parse_second({k: v for k, v in msg.items() if k != "type"})
-            reply = {"type": "unit", **unit_body(session, duplex.step(session, second))}
+            if buffered.pending_samples:
+                raise ApiError(f"{buffered.pending_samples} samples of input.audio wait for the rest of their second; "
+                               "keep sending input.audio", status=409)
+            replies = [{"type": "unit", **unit_body(session, duplex.step(session, parse_second(fields)))}]
+        elif kind == "input.audio":
+            replies = [{"type": "unit", **unit_body(session, duplex.step(session, second))}
+                       for second in buffered.add(fields)]
         else:
-            reply = {"type": "session.closed", **closed_body(session, duplex.close_session(session))}
-            session = None
-        ws.send_text(json.dumps(reply))
-        return session
+            dropped = buffered.pending_samples
+            replies = [{"type": "session.closed", **closed_body(session, duplex.close_session(session)),
+                        "dropped_samples": dropped}]
+            session, buffered = None, AudioBuffer()
+        for reply in replies:
+            ws.send_text(json.dumps(reply))
+        return session, buffered
 
     def _whole(self, ticket) -> None:
         text, audio = [], []
