@@ -30,9 +30,9 @@ The prompts admitted together are prefilled together, in the Thinker's rows and 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from collections import deque
 from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import numpy as np
