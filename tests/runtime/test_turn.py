@@ -395,6 +395,23 @@ def test_the_first_recording_is_front_padded_to_1035_ms_as_upstream_feeds_it(pip
     assert [s.length for s in piece.slots if s.kind == "audio"] == [10, 5]
 
 
+def test_the_encoders_of_a_turns_media_run_without_cudnn_attention(pipe, monkeypatch):
+    """A recording's and a picture's encoder calls have lengths that follow the input, so they run with cuDNN's
+    SDPA backend off (a new cuDNN plan per shape costs 36-60 ms on the H200), and the flag is restored after."""
+    seen = []
+    th = pipe.thinker
+    for name in ("embed_audio", "embed_image"):
+        real = getattr(th, name)
+        monkeypatch.setattr(th, name, lambda *a, _real=real, _n=name, **k: (
+            seen.append((_n, torch.backends.cuda.cudnn_sdp_enabled())), _real(*a, **k))[1])
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert before           # torch's default: the check below can fail
+    req, _, _ = _omni_request("cudnn", 1)
+    pipe._prompt(req)
+    assert sorted(seen) == [("embed_audio", False), ("embed_image", False)]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def test_thinker_rows_take_spoken_turns_as_think_does(pipe, voice):
     """``think_rows`` prefills a request with an image and audio in its row (beside a text-only one, in one
     forward) and decodes the same tokens with the same hidden rows as ``think`` alone."""

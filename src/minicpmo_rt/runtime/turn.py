@@ -137,9 +137,10 @@ def prompt_embeds(thinker, builder, messages: Sequence[Message]):
     if not media:
         return piece, thinker.embed_tokens(piece.ids)
     images = [p.image for p in media if isinstance(p, ImagePart)]
-    audio = [thinker.embed_audio(x, chunk_length=None) for x in fed_audio(messages)]
-    return piece, thinker.fill_slots(piece, [thinker.embed_image(images)] if images else [],
-                                     torch.cat(audio) if audio else None)
+    with no_cudnn_sdpa():   # each recording's and picture's own length: no per-shape cuDNN plan (36-60 ms each)
+        audio = [thinker.embed_audio(x, chunk_length=None) for x in fed_audio(messages)]
+        image_rows = [thinker.embed_image(images)] if images else []
+    return piece, thinker.fill_slots(piece, image_rows, torch.cat(audio) if audio else None)
 
 
 class _CopiedStep:
