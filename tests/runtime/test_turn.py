@@ -505,6 +505,25 @@ def test_cuda_pipeline_defaults_match_the_plain_path(tiny_ckpt):
             assert all(s.hidden.is_cuda for s in trace.steps[r.request_id] if s.hidden is not None)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pipeline_takes_spoken_and_pictured_turns(tiny_ckpt):
+    """On CUDA a request with a picture and a recording (encoded on the GPU, written into its prompt's slots)
+    decodes on the shared rows as on the single-request static decoder, beside a text-only request."""
+    kw = dict(device="cuda", with_code2wav=False, capacity=2, talker_params=SamplingParams(min_codes=5),
+              thinker_max_len=512)
+    fast = TurnPipeline.from_snapshot(tiny_ckpt, **kw)
+    plain = TurnPipeline.from_snapshot(tiny_ckpt, thinker_rows=0, talker_graph=False, **kw)
+    reqs = [_omni_request("m0", 7)[0], TurnRequest.make("m1", "Name a colour.", seed=8, max_new_tokens=6,
+                                                        max_codes=20)]
+    piece, embeds = fast._prompt(reqs[0])
+    assert embeds.is_cuda and embeds.shape[0] == len(piece)
+    a, b = TurnTrace(), TurnTrace()
+    assert fast.codes(reqs, a) == plain.codes(reqs, b)
+    for r in reqs:
+        assert [s.token_id for s in a.steps[r.request_id]] == [s.token_id for s in b.steps[r.request_id]]
+
+
 @pytest.mark.parametrize("on_rows", [False, True])
 def test_overlapped_stages_give_each_request_its_own_codes_and_start_the_talker_early(pipe, voice, on_rows):
     """``overlap_stages``: a request enters the Talker as soon as its text is done, and Talker steps run
