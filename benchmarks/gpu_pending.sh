@@ -109,7 +109,8 @@
 #            the mel's and the session's
 #   serve    tests/serving (the HTTP server: turn and duplex modes, the CLI) with CUDA present, then serve_bench.py:
 #            N concurrent streamed turns through the server against the pipeline called directly (session 55), then
-#            the same with arrivals 250 ms apart: mid-batch joining against batches (session 56)
+#            the same with arrivals 250 ms apart: mid-batch joining against batches (session 56); `sbench` and
+#            `stagger` are its two benchmark steps alone
 #   alloc    duplex_batch_bench.py --alloc-sites: which code made each second's new allocator segments (session 54:
 #            16 x 500 MiB at second 2 after a 2-s warm-up)
 #   stests   CUDA tests of the mel's plans and the staging ring's slot choice (session 52), then mel_wait_probe.py
@@ -247,6 +248,10 @@ for s in "$@"; do
              ${SMOKE:+--tiny --requests 1,2 --tokens 4 --codes 30 --repeat 1}
            step stagger 420 python benchmarks/serve_bench.py "$W/stagger" --requests 8,16 --stagger-ms 250 \
              ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
+    sbench) step serve 420 python benchmarks/serve_bench.py "$W/serve" \
+              ${SMOKE:+--tiny --requests 1,2 --tokens 4 --codes 30 --repeat 1} ;;
+    stagger) step stagger 420 python benchmarks/serve_bench.py "$W/stagger" --requests 8,16 --stagger-ms 250 \
+               ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
     alloc) step alloc 300 python benchmarks/duplex_batch_bench.py "$W/alloc" --conversations 16 --batch-kinds batch-rows \
              --sequential "" --decode greedy --units "${UNITS:-7}" --warm 2 --warm-up 2 --alloc-sites \
              ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;
