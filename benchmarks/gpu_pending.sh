@@ -252,6 +252,8 @@ for s in "$@"; do
               ${SMOKE:+--tiny --requests 1,2 --tokens 4 --codes 30 --repeat 1} ;;
     stagger) step stagger 420 python benchmarks/serve_bench.py "$W/stagger" --requests 8,16 --stagger-ms 250 \
                ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
+    stagger50) step stagger50 300 python benchmarks/serve_bench.py "$W/stagger50" --requests 16 --stagger-ms 50 \
+                 ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
     alloc) step alloc 300 python benchmarks/duplex_batch_bench.py "$W/alloc" --conversations 16 --batch-kinds batch-rows \
              --sequential "" --decode greedy --units "${UNITS:-7}" --warm 2 --warm-up 2 --alloc-sites \
              ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;

@@ -7,8 +7,9 @@ weights, every answer exactly ``--tokens`` text tokens and ``--codes`` codes, so
 Measured per run: each request's time to its first audio (direct: its first PcmChunk; HTTP: the first audio
 delta its client reads, from the moment it sent the request) and the wall time until the last answer is
 complete. The server adds the batch window (``TurnService.batch_wait_s``, 20 ms by default: requests released
-together share one batch), the JSON/base64 encoding of each chunk and the socket; each run checks that the
-server answered all N (released together) in one pipeline run.
+together share one batch), the JSON/base64 encoding of each chunk and the socket; each row says how many
+pipeline runs the answers took and how many requests joined a running one (requests released together that
+reach the server after the batch window join it, or start the next run once it has ended).
 
 ``--stagger-ms S`` sends request i S*i ms after the first, as users arrive, and compares the server as it is
 (``http``: a request that arrives while a batch runs joins it, ``TurnPipeline.run``'s ``admit``) against the
@@ -183,8 +184,6 @@ def main() -> None:
                     finally:
                         del pipe.run
                         service.join_running = True
-                    if not args.stagger_ms and len(batches) != 1:     # released together: one run
-                        raise RuntimeError(f"N={n}: the server ran {len(batches)} pipeline runs {batches}, not one")
                     runs[-1].update(runs=len(batches), joined=sum(b[1] for b in batches))
                 runs.sort(key=lambda r: r["wall_ms"])
                 row = {k: v for k, v in runs[len(runs) // 2].items() if k in

@@ -13,7 +13,7 @@ def test_smoke_run_writes_both_paths_and_the_table(tmp_path):
     assert [(r["n"], r["path"]) for r in res["rows"]] == [(2, "direct"), (2, "http")]
     for r in res["rows"]:
         assert 0 < r["ttfa_ms_first"] <= r["ttfa_ms_median"] <= r["ttfa_ms_last"] < r["wall_ms"]
-    assert (res["rows"][1]["runs"], res["rows"][1]["joined"]) in ((1, 0), (1, 1))   # one run (a late one joins)
+    assert 1 <= res["rows"][1]["runs"] <= 2 and res["rows"][1]["joined"] <= 1   # a late one joins, or runs next
     table = (tmp_path / "serve_bench.md").read_text()
     assert "| 2 | direct |" in table and "| 2 | http |" in table and "cpu (smoke run)" in table
 
