@@ -307,6 +307,9 @@ def serve_cmd(
                                           "(also from $MINICPMO_RT_API_KEY)."),
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate (chain): serve HTTPS, wss://."),
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="The certificate's PEM private key."),
+    join_running: bool = typer.Option(False, "--join-running", help="Turn mode: a spoken request that arrives "
+                                      "while a batch runs joins it instead of waiting for the next (opt-in: slower "
+                                      "on the H200 in session 56's runs)."),
 ) -> None:
     """Serve over HTTP: OpenAI-style chat completions (turn mode) or duplex sessions (duplex mode)."""
     from .serving.http import serve
@@ -323,7 +326,7 @@ def serve_cmd(
             raise InputError(f"--idle-timeout must be a positive number of seconds, got {idle_timeout}")
         serve(model, parse_voices(voices), host, port, mode, profile, device, max_batch, seats, min_codes,
               n_timesteps, dtype, served_name, warm_up, idle_timeout, api_key, ready,
-              None if tls_cert is None else str(tls_cert), None if tls_key is None else str(tls_key))
+              None if tls_cert is None else str(tls_cert), None if tls_key is None else str(tls_key), join_running)
     except MiniCPMORTError as exc:
         _fail(exc)
     except OSError as exc:

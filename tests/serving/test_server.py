@@ -300,8 +300,35 @@ def test_a_spoken_question_about_a_picture_is_the_pipelines_own_turn(server, voi
     assert body["usage"]["prompt_tokens"] == trace.steps["ref-omni"][0].position     # the placeholders counted
 
 
+def test_a_spoken_request_that_arrives_mid_batch_waits_for_the_next_by_default(server, voice, monkeypatch):
+    """Without join_running (the default), a spoken request submitted while a run is under way gets a run of its
+    own after it, and its answer is its solo turn."""
+    pipe, service = server.turns.pipe, server.turns
+    wav4, text4, _ = _reference(pipe, voice, 4)
+    batches = []
+    run = pipe.run
+
+    def recording_run(requests, *args, **kw):
+        batches.append((len(requests), kw.get("admit") is not None))
+        return run(requests, *args, **kw)
+
+    monkeypatch.setattr(pipe, "run", recording_run)
+    monkeypatch.setattr(service, "batch_wait_s", 0.0)
+    voices = list(service.voices)
+    body = {"messages": USER, "modalities": ["text", "audio"], "max_tokens": 6, "max_codes": 30}
+    a = service.submit(parse_chat({**body, "seed": 3}, voices))
+    events_a = a.events(timeout=300)
+    assert isinstance(next(events_a), Text)
+    b = service.submit(parse_chat({**body, "seed": 4}, voices))
+    list(events_a)
+    events_b = list(b.events(timeout=300))
+    assert batches == [(1, False), (1, False)]
+    assert "".join(e.text for e in events_b if isinstance(e, Text)) == text4
+    assert np.array_equal(np.concatenate([e.samples for e in events_b if isinstance(e, Audio)]), wav4)
+
+
 def test_a_spoken_request_that_arrives_mid_batch_joins_it(server, voice, monkeypatch):
-    """A second spoken request submitted while the first one's run is under way joins that run (one
+    """With join_running, a second spoken request submitted while the first one's run is under way joins that run (one
     ``TurnPipeline.run`` in all) and both answers are their solo turns; a text-only request that arrives
     meanwhile is set aside and answered after the batch."""
     pipe, service = server.turns.pipe, server.turns
@@ -317,6 +344,7 @@ def test_a_spoken_request_that_arrives_mid_batch_joins_it(server, voice, monkeyp
 
     monkeypatch.setattr(pipe, "run", recording_run)
     monkeypatch.setattr(service, "batch_wait_s", 0.0)
+    monkeypatch.setattr(service, "join_running", True)
     voices = list(service.voices)
 
     def spoken(seed):
@@ -391,3 +419,20 @@ def test_tls_serves_https_and_a_plain_http_client_does_not_stop_it(server, tmp_p
         secure.server_close()
     with pytest.raises(InputError, match="cannot load them"):
         tls_context(str(tmp_path / "missing.pem"), str(key))
+
+
+def test_a_burst_of_connections_is_queued_not_dropped(server):
+    """More new connections at once than socketserver's default backlog (5) all complete their handshake at once
+    (the kernel drops the SYNs past the backlog, and clients resend them only after a second)."""
+    import socket
+
+    idle = Server(("127.0.0.1", 0), "tiny-test", turns=server.turns)     # listening, not yet accepting
+    try:
+        assert idle.request_queue_size >= 32
+        conns = []
+        for _ in range(32):
+            conns.append(socket.create_connection(idle.server_address[:2], timeout=0.5))
+        for c in conns:
+            c.close()
+    finally:
+        idle.server_close()

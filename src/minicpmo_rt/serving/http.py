@@ -53,6 +53,10 @@ class Server(ThreadingHTTPServer):
     """``turns`` (chat completions) or ``duplex`` (duplex sessions): the service this server fronts."""
 
     daemon_threads = True
+    # socketserver's default backlog is 5: a burst of more new connections overflows it, and the kernel drops their
+    # SYNs, which the clients resend only after 1 s (on the H200, 1-2 of 8-16 requests released together arrived
+    # ~1 s late and missed their batch, session 56)
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], model: str, turns: TurnService | None = None,
                  duplex: DuplexService | None = None, api_key: str | None = None, tls: ssl.SSLContext | None = None):
@@ -405,12 +409,12 @@ def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, m
           profile: str | None = None, device: str = "cpu", max_batch: int | None = None, seats: int = 4,
           min_codes: int = 50, n_timesteps: int | None = None, dtype: str = "auto", served_name: str = "minicpm-o-4.5",
           warm_up: bool = False, idle_timeout_s: float = 60.0, api_key: str | None = None, ready=None,
-          tls_cert: str | None = None, tls_key: str | None = None) -> None:
+          tls_cert: str | None = None, tls_key: str | None = None, join_running: bool = False) -> None:
     """Bind, load the models for ``mode`` (turn: a TurnPipeline for chat completions; duplex: a DuplexBatch of
     ``seats`` seats), then serve until interrupted. ``warm_up``: graphs and kernels made before the first
     client (turn: short turns in every voice; duplex: ``DuplexBatch.warm_up``). ``ready(server)`` is called
     once the socket listens and the models are loaded. ``tls_cert`` and ``tls_key`` (PEM files): HTTPS and
-    wss:// instead of HTTP."""
+    wss:// instead of HTTP. ``join_running`` (turn mode, opt-in): spoken requests join a running batch."""
     from ..errors import InputError
 
     if mode not in ("turn", "duplex"):
@@ -431,7 +435,7 @@ def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, m
             if warm_up:
                 for path in voices.values():
                     pipe.warm_up(path)
-            server.turns = TurnService(pipe, voices, max_batch)
+            server.turns = TurnService(pipe, voices, max_batch, join_running=join_running)
         else:
             from ..runtime.duplex import DEFAULT_DUPLEX_PROFILE, DuplexBatch
             from ..runtime.jobs import duplex_options

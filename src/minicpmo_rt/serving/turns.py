@@ -4,9 +4,11 @@ The pipeline's stages keep per-device state (static caches, graphs, Code2Wav str
 owns it and HTTP threads only queue requests and read events. The worker takes the oldest request, waits
 ``batch_wait_s`` for others, and runs up to ``max_batch`` spoken requests through ``TurnPipeline.run`` together
 (they share the Thinker's and Talker's steps and Code2Wav's calls; each answer equals its solo run, which
-the tests check). Spoken requests that arrive while a batch runs join it (``TurnPipeline.run``'s ``admit``)
-as long as fewer than ``max_batch`` of its requests are unfinished. Text-only requests run through the Thinker
-alone, one at a time, between batches.
+the tests check). A spoken request that arrives while a batch runs waits for the next batch, or, opt-in
+(``join_running``), joins the running one (``TurnPipeline.run``'s ``admit``) while fewer than ``max_batch`` of
+its requests are unfinished: on the H200 joining was the slower of the two (median time to first audio 1.17-1.33x,
+``benchmarks/results/serve_session56_h200.md``), since a run with joiners alternates Thinker and Talker steps.
+Text-only requests run through the Thinker alone, one at a time, between batches.
 
 Each request gets a ``Ticket``: events in order, ``Text`` pieces as the Thinker makes them (``TurnTrace.on_steps``;
 a spoken answer's text is complete before the Talker starts), then (spoken) ``Audio`` chunks, then one ``Done``
@@ -106,11 +108,11 @@ class Ticket:
 
 class TurnService:
     """Serves ``ChatRequest``s on ``pipe`` from one worker thread; ``voices``: name -> reference WAV (or any voice
-    ``Code2Wav.open_stream`` takes). ``join_running`` False: a request that arrives while a batch runs waits for
-    the next batch (the form before mid-batch admission; for comparisons)."""
+    ``Code2Wav.open_stream`` takes). ``join_running`` (opt-in): a spoken request that arrives while a batch runs
+    joins it instead of waiting for the next batch."""
 
     def __init__(self, pipe: TurnPipeline, voices: dict[str, Path], max_batch: int | None = None,
-                 batch_wait_s: float = 0.02, join_running: bool = True):
+                 batch_wait_s: float = 0.02, join_running: bool = False):
         self.pipe, self.voices = pipe, check_voices(voices, "TurnService")
         self.join_running = join_running
         self.max_batch = max_batch or pipe.talker.capacity
