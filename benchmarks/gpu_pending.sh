@@ -50,7 +50,10 @@
 # test_cuda_batched_mel_launches_no_kernel_and_makes_no_plan_after_its_first_batch).
 # Session 55 (no device lent) added `serve`: the HTTP server's tests on the GPU and serve_bench.py (streamed HTTP
 # answers against direct pipeline calls, N = 1, 8, 16). Pending: `mtests`, `serve`, `all`.
-# Session 56 (no device lent) added mid-batch admission to the server and a staggered-arrival run to `serve`.
+# Session 56 added mid-batch admission to the server and a staggered-arrival run to `serve`, then was lent the
+# device: it ran `all` (every CUDA test passed; the only failures need PyAV, which the image lacks), `stagger`,
+# `sbench` (which found the listen backlog of 5, fixed), `stagger50` and again `sbench stagger50`
+# (serve_session56_h200.md). Pending: nothing of the serving work; `all` with PyAV carried.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
