@@ -66,6 +66,19 @@ def _reference(pipe, voice, seed: int, max_tokens: int = 6, max_codes: int = 30)
     return wav, trace.talker_inputs[req.request_id].text, len(trace.steps[req.request_id])
 
 
+def _record_runs(monkeypatch, pipe, entry=lambda requests, kw: len(requests)) -> list:
+    """``pipe.run`` patched to note each call (``entry``: what to note) before running it; the notes."""
+    calls = []
+    run = pipe.run
+
+    def recording_run(requests, *args, **kw):
+        calls.append(entry(requests, kw))
+        return run(requests, *args, **kw)
+
+    monkeypatch.setattr(pipe, "run", recording_run)
+    return calls
+
+
 def _events(resp) -> list:
     out = []
     for block in resp.read().decode().split("\n\n"):
@@ -147,14 +160,7 @@ def test_concurrent_requests_share_a_batch_and_each_is_its_solo_turn(server, voi
     """Two clients at once: one ``TurnPipeline.run`` of both; each gets its own turn's transcript and audio."""
     pipe, service = server.turns.pipe, server.turns
     refs = {seed: _reference(pipe, voice, seed) for seed in (3, 4)}
-    batches = []
-    run = pipe.run
-
-    def recording_run(requests, *args, **kw):
-        batches.append(len(requests))
-        return run(requests, *args, **kw)
-
-    monkeypatch.setattr(pipe, "run", recording_run)
+    batches = _record_runs(monkeypatch, pipe)
     monkeypatch.setattr(service, "batch_wait_s", 2.0)
     got = {}
 
@@ -305,14 +311,7 @@ def test_a_spoken_request_that_arrives_mid_batch_waits_for_the_next_by_default(s
     own after it, and its answer is its solo turn."""
     pipe, service = server.turns.pipe, server.turns
     wav4, text4, _ = _reference(pipe, voice, 4)
-    batches = []
-    run = pipe.run
-
-    def recording_run(requests, *args, **kw):
-        batches.append((len(requests), kw.get("admit") is not None))
-        return run(requests, *args, **kw)
-
-    monkeypatch.setattr(pipe, "run", recording_run)
+    batches = _record_runs(monkeypatch, pipe, lambda requests, kw: (len(requests), kw.get("admit") is not None))
     monkeypatch.setattr(service, "batch_wait_s", 0.0)
     voices = list(service.voices)
     body = {"messages": USER, "modalities": ["text", "audio"], "max_tokens": 6, "max_codes": 30}
@@ -335,14 +334,7 @@ def test_a_spoken_request_that_arrives_mid_batch_joins_it(server, voice, monkeyp
     refs = {seed: _reference(pipe, voice, seed) for seed in (3, 4)}
     steps = [s for chunk in pipe.think(TurnRequest.make("ref", USER, None, 5, 6)) for s in chunk]
     want_text = "".join(s.text for s in steps if not s.is_terminator)
-    batches = []
-    run = pipe.run
-
-    def recording_run(requests, *args, **kw):
-        batches.append(len(requests))
-        return run(requests, *args, **kw)
-
-    monkeypatch.setattr(pipe, "run", recording_run)
+    batches = _record_runs(monkeypatch, pipe)
     monkeypatch.setattr(service, "batch_wait_s", 0.0)
     monkeypatch.setattr(service, "join_running", True)
     voices = list(service.voices)

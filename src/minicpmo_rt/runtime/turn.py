@@ -106,15 +106,15 @@ def _content_text(content, audio_lengths: Iterator[int]) -> str:
                    else audio_placeholder(next(audio_lengths)) for p in content)
 
 
-def turn_prompt(builder, messages: Sequence[Message]):
+def turn_prompt(builder, messages: Sequence[Message], fed: list[np.ndarray] | None = None):
     """System (the default one unless given) + earlier turns through the chat template, then
     ``<|im_start|>user\\n{content}`` and the assistant bos ending in ``<|tts_bos|>`` (upstream's
     streaming turn layout, ``streaming_prefill`` + ``streaming_generate``; no reference audio is fed to the
     Thinker). Audio and images in the content become placeholders whose slots ``TurnPipeline`` fills with
-    their encodings (``media_parts`` order; audio as ``fed_audio`` gives it)."""
+    their encodings (``media_parts`` order; audio as ``fed_audio`` gives it, or ``fed`` when the caller has it)."""
     from ..thinker.prompt import DEFAULT_SYSTEM_PROMPT, apply_chat_template
 
-    fed = fed_audio(messages)
+    fed = fed_audio(messages) if fed is None else fed
     lengths = iter([x.size for x in fed])
     msgs = [{**m, "content": _content_text(m["content"], lengths)} for m in messages]
     if msgs[0]["role"] != "system":
@@ -132,13 +132,14 @@ def turn_prompt(builder, messages: Sequence[Message]):
 def prompt_embeds(thinker, builder, messages: Sequence[Message]):
     """The turn prompt and its input rows: token embeddings, with the audio (each recording whole, Whisper with
     full attention) and the images (all in one vision pass) encoded into their slots."""
-    piece = turn_prompt(builder, messages)
+    fed = fed_audio(messages)
+    piece = turn_prompt(builder, messages, fed)
     media = media_parts(messages)
     if not media:
         return piece, thinker.embed_tokens(piece.ids)
     images = [p.image for p in media if isinstance(p, ImagePart)]
     with no_cudnn_sdpa():   # each recording's and picture's own length: no per-shape cuDNN plan (36-60 ms each)
-        audio = [thinker.embed_audio(x, chunk_length=None) for x in fed_audio(messages)]
+        audio = [thinker.embed_audio(x, chunk_length=None) for x in fed]
         image_rows = [thinker.embed_image(images)] if images else []
     return piece, thinker.fill_slots(piece, image_rows, torch.cat(audio) if audio else None)
 

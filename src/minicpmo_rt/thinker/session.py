@@ -317,7 +317,7 @@ class StreamingSession:
         if len(self.system_piece) > self.llm_cache.capacity:
             raise ContextLimitError(f"system prompt: {len(self.system_piece)} tokens exceed the static LLM "
                                     f"cache's {self.llm_cache.capacity} rows; pass a larger static_capacity")
-        step = self.llm_cache.feed(self._assemble(self.system_piece, [], ref_rows) if ref_rows is not None
+        step = self.llm_cache.feed(thinker.fill_slots(self.system_piece, [], ref_rows) if ref_rows is not None
                                    else thinker.embed_tokens(self.system_piece.ids))
         self._last_hidden = step.last
         self.preserve = self.llm_cache.length
@@ -703,11 +703,8 @@ class StreamingSession:
                 f"model's {self.max_positions} (window {self.window.name!r}, pruning "
                 f"{'suspended' if self._suspended else 'active'}); use a bounded WindowPolicy or shorter sessions")
         with record_function("session.llm_feed"):
-            embeds = self._assemble(piece, images, audio.embeds)
+            embeds = self.thinker.fill_slots(piece, images, audio.embeds)
         return embeds, audio, closing, unit
-
-    def _assemble(self, piece: PromptPiece, images: list[torch.Tensor], audio: torch.Tensor) -> torch.Tensor:
-        return self.thinker.fill_slots(piece, images, audio)
 
     def _enforce_window(self) -> None:
         w = self.window
