@@ -50,6 +50,8 @@
 # test_cuda_batched_mel_launches_no_kernel_and_makes_no_plan_after_its_first_batch).
 # Session 55 (no device lent) added `serve`: the HTTP server's tests on the GPU and serve_bench.py (streamed HTTP
 # answers against direct pipeline calls, N = 1, 8, 16). Pending: `mtests`, `serve`, `all`.
+# Session 57 added the Talker's lead (a joiner thinks while the speakers are ahead of real time) and playback
+# stalls to serve_bench: steps `lead` and `lead50`.
 # Session 56 added mid-batch admission to the server and a staggered-arrival run to `serve`, then was lent the
 # device: it ran `all` (every CUDA test passed; the only failures need PyAV, which the image lacks), `stagger`,
 # `sbench` (which found the listen backlog of 5, fixed), `stagger50` and again `sbench stagger50`
@@ -114,6 +116,9 @@
 #            N concurrent streamed turns through the server against the pipeline called directly (session 55), then
 #            the same with arrivals 250 ms apart: mid-batch joining against batches (session 56); `sbench` and
 #            `stagger` are its two benchmark steps alone
+#   lead     serve_bench.py with 15-s answers (48 tokens, 375 codes), N = 8, 16 arriving 250 ms apart: batches against
+#            joining, with and without the Talker's lead (TurnPipeline.talker_lead_s, session 57), with each client's
+#            real-time playback stalls; `lead50`: the same at 50 ms apart with session 56's 4-s answers
 #   alloc    duplex_batch_bench.py --alloc-sites: which code made each second's new allocator segments (session 54:
 #            16 x 500 MiB at second 2 after a 2-s warm-up)
 #   stests   CUDA tests of the mel's plans and the staging ring's slot choice (session 52), then mel_wait_probe.py
@@ -257,6 +262,10 @@ for s in "$@"; do
                ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
     stagger50) step stagger50 300 python benchmarks/serve_bench.py "$W/stagger50" --requests 16 --stagger-ms 50 \
                  ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
+    lead) step lead 540 python benchmarks/serve_bench.py "$W/lead" --requests 8,16 --stagger-ms 250 --tokens 48 \
+            --codes 375 ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
+    lead50) step lead50 300 python benchmarks/serve_bench.py "$W/lead50" --requests 16 --stagger-ms 50 \
+              ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
     alloc) step alloc 300 python benchmarks/duplex_batch_bench.py "$W/alloc" --conversations 16 --batch-kinds batch-rows \
              --sequential "" --decode greedy --units "${UNITS:-7}" --warm 2 --warm-up 2 --alloc-sites \
              ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;

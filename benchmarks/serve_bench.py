@@ -11,18 +11,26 @@ together share one batch), the JSON/base64 encoding of each chunk and the socket
 pipeline runs the answers took and how many requests joined a running one (requests released together that
 reach the server after the batch window join it, or start the next run once it has ended).
 
-``--stagger-ms S`` sends request i S*i ms after the first, as users arrive, and compares the server as it is
-(``http``: a request that arrives while a batch runs joins it, ``TurnPipeline.run``'s ``admit``) against the
-server without mid-batch admission (``http-batched``: a late request waits for the next batch), side by side.
+``--stagger-ms S`` sends request i S*i ms after the first, as users arrive, and compares, side by side, the
+server without mid-batch admission (``http-batched``, its default: a late request waits for the next batch), with
+it (``http``: a request that arrives while a batch runs joins it, ``TurnPipeline.run``'s ``admit``), and with it
+and the Talker's lead (``http-lead``: ``TurnPipeline.talker_lead_s`` = ``--lead-s``, the Thinker goes first while
+every speaking request is that far ahead of real time).
+
+Each client also plays its answer back as it arrives, in real time from its first audio: ``stall`` is how long
+that playback would wait for audio that has not arrived (summed over the answer; the table gives the largest
+request's and how many requests stalled at all).
 
     python benchmarks/serve_bench.py OUT                                     # GPU: N = 1, 8, 16
     python benchmarks/serve_bench.py OUT --requests 8,16 --stagger-ms 250    # GPU: arrivals 250 ms apart
+    python benchmarks/serve_bench.py OUT --requests 8,16 --stagger-ms 250 --tokens 48 --codes 375   # 15-s answers
     python benchmarks/serve_bench.py OUT --tiny --requests 1,2 --tokens 4 --codes 30 --repeat 1   # CPU smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import statistics
 import threading
@@ -50,6 +58,7 @@ def http_run(server: Server, n: int, tokens: int, codes: int, dev: torch.device,
     gate = threading.Barrier(n + 1)
     first: dict[int, float] = {}
     done: dict[int, float] = {}
+    heard: dict[int, list[tuple[float, int]]] = {i: [] for i in range(n)}    # (arrival s, samples) per delta
     errors: list[str] = []
     t0 = [0.0]
 
@@ -65,8 +74,12 @@ def http_run(server: Server, n: int, tokens: int, codes: int, dev: torch.device,
         try:
             with urllib.request.urlopen(req, timeout=600) as resp:
                 for line in resp:
-                    if line.startswith(b"data: {") and b'"data":' in line and i not in first:
-                        first[i] = (time.perf_counter() - sent) * 1e3
+                    if line.startswith(b"data: {") and b'"audio":' in line:
+                        now = time.perf_counter()
+                        audio = json.loads(line[6:])["choices"][0]["delta"].get("audio", {})
+                        if audio.get("data"):
+                            first.setdefault(i, (now - sent) * 1e3)
+                            heard[i].append((now, len(base64.b64decode(audio["data"])) // 2))    # PCM16
                     if line.startswith(b"data: [DONE]"):
                         done[i] = (time.perf_counter() - t0[0]) * 1e3
         except Exception as exc:  # noqa: BLE001 (reported below)
@@ -83,8 +96,20 @@ def http_run(server: Server, n: int, tokens: int, codes: int, dev: torch.device,
     if errors or len(first) != n or len(done) != n:
         raise RuntimeError(f"N={n}: {len(first)} first audio, {len(done)} done of {n}; {errors[:3]}")
     ttfa = sorted(first.values())
+    stalls = [stall_s(heard[i]) * 1e3 for i in range(n)]
     return {"n": n, "wall_ms": max(done.values()), "ttfa_ms_first": ttfa[0], "ttfa_ms_median": statistics.median(ttfa),
-            "ttfa_ms_last": ttfa[-1]}
+            "ttfa_ms_last": ttfa[-1], "stall_ms_max": max(stalls), "stalled": sum(x > 0 for x in stalls)}
+
+
+def stall_s(deltas: list[tuple[float, int]], rate: int = 24_000) -> float:
+    """Seconds a real-time playback of the deltas (arrival time, samples), started at the first one's arrival,
+    waits for audio that has not arrived yet."""
+    stall, end = 0.0, None
+    for t, samples in deltas:
+        if end is not None and t > end:
+            stall += t - end
+        end = max(end if end is not None else t, t) + samples / rate
+    return stall
 
 
 def write_table(res: dict, path: Path) -> None:
@@ -96,8 +121,9 @@ def write_table(res: dict, path: Path) -> None:
              f"tokens and {res['codes']} codes per answer; the run of median wall time out of {res['repeat']}. "
              "TTFA: time to first audio, from each request's own send. Runs: pipeline runs the answers took "
              "(requests that joined a running one in brackets).", "",
-             f"| N | path | wall ms | TTFA first / median / last ms | runs | wall x {base} | median TTFA x {base} |",
-             "|---:|---|---:|---|---|---:|---:|"]
+             f"| N | path | wall ms | TTFA first / median / last ms | stall max ms (stalled) | runs | wall x {base} | "
+             f"median TTFA x {base} |",
+             "|---:|---|---:|---|---|---|---:|---:|"]
     for n in sorted({r["n"] for r in res["rows"]}):
         rows = {r["path"]: r for r in res["rows"] if r["n"] == n}
         d = rows[base]
@@ -107,14 +133,15 @@ def write_table(res: dict, path: Path) -> None:
                 continue
             ttfa = f"{r['ttfa_ms_first']:.0f} / {r['ttfa_ms_median']:.0f} / {r['ttfa_ms_last']:.0f}"
             runs = "-" if "runs" not in r else f"{r['runs']} ({r['joined']})"
-            lines.append(f"| {n} | {name} | {r['wall_ms']:.0f} | {ttfa} | {runs} | {r['wall_ms'] / d['wall_ms']:.3f} | "
-                         f"{r['ttfa_ms_median'] / d['ttfa_ms_median']:.3f} |")
+            stall = "-" if "stall_ms_max" not in r else f"{r['stall_ms_max']:.0f} ({r['stalled']})"
+            lines.append(f"| {n} | {name} | {r['wall_ms']:.0f} | {ttfa} | {stall} | {runs} | "
+                         f"{r['wall_ms'] / d['wall_ms']:.3f} | {r['ttfa_ms_median'] / d['ttfa_ms_median']:.3f} |")
     path.write_text("\n".join(lines) + "\n")
 
 
 def paths(stagger_ms: float) -> tuple[str, ...]:
     """The compared paths, the reference first: at once, the direct call; staggered, the server without joining."""
-    return ("direct", "http") if not stagger_ms else ("http-batched", "http")
+    return ("direct", "http") if not stagger_ms else ("http-batched", "http", "http-lead")
 
 
 def main() -> None:
@@ -128,6 +155,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per row; the row is the run of median wall time")
     ap.add_argument("--stagger-ms", type=float, default=0.0, help="send request i this many ms * i after the first "
                     "(0: all at once, against the direct call; >0: the server with and without mid-batch joining)")
+    ap.add_argument("--lead-s", type=float, default=1.0, help="the http-lead path's TurnPipeline.talker_lead_s")
     args = ap.parse_args()
     ns = parse_batches(ap, args.requests)
     if load_profile(args.profile).mode != "turn":
@@ -136,6 +164,8 @@ def main() -> None:
         ap.error("--tokens, --codes and --repeat must be positive")
     if args.stagger_ms < 0:
         ap.error(f"--stagger-ms must be >= 0, got {args.stagger_ms}")
+    if args.lead_s < 0:
+        ap.error(f"--lead-s must be >= 0, got {args.lead_s}")
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     thinker, tts = build(args.tiny, dev, dtype)
@@ -166,7 +196,7 @@ def main() -> None:
     res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
            "tiny": args.tiny, "profile": args.profile, "form": FORM, "tokens": args.tokens, "codes": args.codes,
            "repeat": args.repeat, "batch_wait_ms": service.batch_wait_s * 1e3, "stagger_ms": args.stagger_ms,
-           "rows": []}
+           "lead_s": args.lead_s, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         for n in ns:
@@ -178,20 +208,24 @@ def main() -> None:
                         runs.append(run(pipe, n, feats, args.tokens, args.codes, dev, f"direct-{n}-{k}"))
                         continue
                     batches.clear()
-                    pipe.run, service.join_running = counted, name == "http"
+                    join, lead = service.join_running, pipe.talker_lead_s
+                    pipe.run, service.join_running = counted, name != "http-batched"
+                    pipe.talker_lead_s = args.lead_s if name == "http-lead" else None
                     try:
                         runs.append(http_run(server, n, args.tokens, args.codes, dev, args.stagger_ms))
                     finally:
                         del pipe.run
-                        service.join_running = True
+                        service.join_running, pipe.talker_lead_s = join, lead
                     runs[-1].update(runs=len(batches), joined=sum(b[1] for b in batches))
                 runs.sort(key=lambda r: r["wall_ms"])
                 row = {k: v for k, v in runs[len(runs) // 2].items() if k in
-                       ("n", "wall_ms", "ttfa_ms_first", "ttfa_ms_median", "ttfa_ms_last", "runs", "joined")}
+                       ("n", "wall_ms", "ttfa_ms_first", "ttfa_ms_median", "ttfa_ms_last", "stall_ms_max", "stalled",
+                        "runs", "joined")}
                 row.update(path=name, wall_ms_runs=[r["wall_ms"] for r in runs])
                 res["rows"].append(row)
-                print(f"N={n:2d} {name:6s}: {row['wall_ms']:8.0f} ms, TTFA {row['ttfa_ms_first']:.0f}/"
-                      f"{row['ttfa_ms_median']:.0f}/{row['ttfa_ms_last']:.0f} ms", flush=True)
+                print(f"N={n:2d} {name:12s}: {row['wall_ms']:8.0f} ms, TTFA {row['ttfa_ms_first']:.0f}/"
+                      f"{row['ttfa_ms_median']:.0f}/{row['ttfa_ms_last']:.0f} ms, stall max "
+                      f"{row.get('stall_ms_max', 0):.0f} ms", flush=True)
                 (args.out / "serve_bench.json").write_text(json.dumps(res, indent=1))  # a cut-off run keeps its rows
     finally:
         server.shutdown()

@@ -475,6 +475,78 @@ def test_requests_that_join_a_run_in_progress_get_their_solo_answers(pipe, voice
     assert reqs[2] in calls and not pipe.talker.slots and not pipe.talker.pending
 
 
+def _join_while_speaking(pipe, voice, clock_after_join=None):
+    """l0 speaks; l1 joins once l0's first PCM is out, on Thinker rows (which tick once per decode step). Returns
+    (the run's events: "T" per Talker step, ("join", id), ("submit", id) when a request's text is done; the codes
+    of both; their audio)."""
+    from minicpmo_rt.thinker.llm_cache import StaticRows
+
+    reqs = [TurnRequest.make(f"l{i}", text, voice, seed=40 + i, max_new_tokens=6, max_codes=45)
+            for i, text in enumerate(["Tell me a story.", "Name a colour."])]
+    events, trace, now = [], TurnTrace(), [0.0]
+    eng = pipe.talker
+    real_step, real_submit = eng.step, eng.submit
+
+    def step():
+        events.append("T")
+        return real_step()
+
+    def submit(r):
+        events.append(("submit", r.request_id))
+        return real_submit(r)
+
+    def admit():
+        if trace.chunks.get("l0") and ("join", "l1") not in events:
+            events.append(("join", "l1"))
+            if clock_after_join is not None:
+                now[0] = clock_after_join
+            return [reqs[1]]
+        return []
+
+    clock, pipe.clock = pipe.clock, lambda: now[0]      # frozen unless the test moves it: no lead runs out by itself
+    eng.step, eng.submit = step, submit
+    pipe.rows = StaticRows(pipe.thinker, 2, 256, kernels="torch")
+    try:
+        wavs = collect(list(pipe.run(reqs[:1], trace, admit=admit)))
+    finally:
+        del eng.step, eng.submit
+        pipe.rows, pipe.clock = None, clock
+    return events, {r.request_id: trace.codes(r.request_id) for r in reqs}, wavs
+
+
+def _talker_steps_while_joining(events, rid="l1"):
+    return events[events.index(("join", rid)):events.index(("submit", rid))].count("T")
+
+
+def test_a_joiner_thinks_at_the_thinkers_pace_while_the_others_are_ahead(pipe, voice):
+    """``talker_lead_s``: a request that joins while another speaks gets its whole text before the Talker steps
+    again, as long as the speaker's audio stays that far ahead of the (here frozen) clock; once the clock has moved
+    past the speaker's lead, the Talker steps between the joiner's tokens as without it. Either way each request's
+    codes and audio are those of the plain schedule."""
+    plain = _join_while_speaking(pipe, voice)
+    assert _talker_steps_while_joining(plain[0]) >= 4         # one Talker step per Thinker step
+    pipe.talker_lead_s = 0.5
+    try:
+        led = _join_while_speaking(pipe, voice)
+        late = _join_while_speaking(pipe, voice, clock_after_join=60.0)
+    finally:
+        pipe.talker_lead_s = None
+    assert _talker_steps_while_joining(led[0]) == 0
+    assert _talker_steps_while_joining(late[0]) == _talker_steps_while_joining(plain[0])
+    # the joiner reaches the Talker sooner, so the two share more of its steps
+    assert led[0].count("T") < plain[0].count("T") == late[0].count("T")
+    for events, codes, wavs in (led, late):
+        assert codes == plain[1] and all(codes.values())
+        for rid, wav in plain[2].items():
+            assert rel_err(torch.from_numpy(wavs[rid]), torch.from_numpy(wav)) < 1e-5
+    assert not pipe.talker.slots and not pipe.talker.pending
+
+
+def test_talker_lead_must_be_a_duration(tiny_ckpt):
+    with pytest.raises(InputError, match="talker_lead_s must be >= 0"):
+        TurnPipeline.from_snapshot(tiny_ckpt, with_code2wav=False, talker_lead_s=-1.0)
+
+
 def test_a_request_that_joins_with_a_taken_id_is_refused(pipe, voice):
     req = TurnRequest.make("same", "Hello.", voice, seed=1, max_new_tokens=3, max_codes=10)
     with pytest.raises(InputError, match="used twice"):

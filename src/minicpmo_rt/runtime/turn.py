@@ -47,6 +47,7 @@ from .snapshot import SnapshotPublisher, SnapshotReader
 
 DEFAULT_PROFILE = "minicpmo_4_5_turn_mrv2"
 SAMPLES_PER_CODE = 960  # 24 kHz / 25 Hz
+SAMPLE_RATE = 24_000
 TICK = (None, [], False)  # what the Thinker's producers yield after each decode step
 # progress(stage, request_id, count): "thinker" with the request's tokens generated so far (the terminator not
 # counted), then "talker" with its codes emitted so far (context codes not counted); for progress bars
@@ -191,7 +192,7 @@ class TurnPipeline:
 
     def __init__(self, thinker, tokenizer, talker_engine: TalkerEngine, code2wav=None, profile=None,
                  sampling=None, decoder=None, use_graph: bool = False, batch_code2wav: bool = True, rows=None,
-                 overlap_stages: bool = False):
+                 overlap_stages: bool = False, talker_lead_s: float | None = None):
         from ..thinker.generate import SamplingConfig, forbidden_token_ids
         from ..thinker.prompt import PromptBuilder
 
@@ -206,6 +207,15 @@ class TurnPipeline:
         # Opt-in (on the H200 it measured the same as without it, session 45): each request enters the Talker
         # when its text is done, and the Talker steps between the Thinker's (``codec_rounds``).
         self.overlap_stages = overlap_stages
+        # With the stages overlapped (``overlap_stages`` or requests joining a run), the Talker lets the Thinker
+        # go first while every request it holds has at least this much audio out beyond real time (seconds of
+        # PCM yielded less the seconds since its first PCM): a request that joins while others speak then gets
+        # its text at the Thinker's own pace instead of one Talker step per token. None: one Talker step per
+        # Thinker step (``codec_rounds``).
+        if talker_lead_s is not None and not talker_lead_s >= 0:
+            raise InputError(f"talker_lead_s must be >= 0 seconds (or None), got {talker_lead_s!r}")
+        self.talker_lead_s = talker_lead_s
+        self.clock: Callable[[], float] = time.perf_counter    # the lead's clock (tests replace it)
         # think_rows draws every row's token in one batch (thinker.generate.draw_many, one wait on the device
         # per step); False draws row by row as ``think`` does (the same tokens; for benchmarks' before form)
         self.batched_draws = True
@@ -222,7 +232,7 @@ class TurnPipeline:
                       talker_params=None, sampling=None, thinker_fast: bool | None = None,
                       thinker_max_len: int = 4096, prepare_voice=None, talker_graph: bool | None = None,
                       batch_code2wav: bool = True, thinker_rows: int | None = None,
-                      overlap_stages: bool = False) -> "TurnPipeline":
+                      overlap_stages: bool = False, talker_lead_s: float | None = None) -> "TurnPipeline":
         """Load every stage from a snapshot; ``capacity``/``n_timesteps`` override the profile.
         ``thinker_fast`` (default: on CUDA) decodes the Thinker on a static KV cache of
         ``thinker_max_len`` positions through CUDA graphs. ``prepare_voice`` (a reference WAV): capture
@@ -233,7 +243,8 @@ class TurnPipeline:
         ``thinker_rows`` (default with ``thinker_fast``: the Talker's capacity; 0 for none): decode that many
         requests' Thinker steps together on the rows of one static decoder (``think_rows``; each row holds
         ``thinker_max_len`` positions of KV cache). ``overlap_stages`` (opt-in): a request enters the Talker
-        as soon as its text is done, and the Talker steps once per Thinker decode step meanwhile."""
+        as soon as its text is done, and the Talker steps once per Thinker decode step meanwhile.
+        ``talker_lead_s``: see ``TurnPipeline.talker_lead_s``."""
         from ..checkpoint.snapshot import resolve_snapshot
         from ..checkpoint.tokenizer import load_tokenizer
         from ..code2wav.pipeline import Code2Wav
@@ -278,7 +289,7 @@ class TurnPipeline:
             decoder = StaticDecoder(thinker.llm, thinker_max_len)
         return cls(thinker, tokenizer, engine, c2w, prof, sampling, decoder,
                    use_graph=fast and torch.device(device).type == "cuda", batch_code2wav=batch_code2wav,
-                   rows=rows, overlap_stages=overlap_stages)
+                   rows=rows, overlap_stages=overlap_stages, talker_lead_s=talker_lead_s)
 
     # ---- stage 1: Thinker ---------------------------------------------------------------------
     def _prefill(self, req: TurnRequest):
@@ -421,11 +432,15 @@ class TurnPipeline:
             yield from chunks
 
     def codec_rounds(self, requests: Sequence[TurnRequest], trace: TurnTrace | None = None,
-                     progress: Progress | None = None, admit: Admit | None = None) -> Iterator[list[CodecChunk]]:
+                     progress: Progress | None = None, admit: Admit | None = None,
+                     talker_may_wait: Callable[[], bool] | None = None) -> Iterator[list[CodecChunk]]:
         """``codec_chunks`` grouped by the Talker step that emitted them (steps that emit nothing
         are skipped): the chunks of one round belong to different requests. ``admit`` (optional) is asked
         before every step for requests that join the run (checked by the caller); with it the stages overlap
-        as with ``overlap_stages``, so a request that joins while others speak starts at once."""
+        as with ``overlap_stages``, so a request that joins while others speak starts at once. With the stages
+        overlapped, ``talker_may_wait`` (optional) is asked after each Thinker decode step; True skips the
+        Talker step due then (the Thinker goes on), so it must turn False in time (it is not asked while the
+        Thinker is idle)."""
         trace = trace if trace is not None else TurnTrace()
         outs: dict[str, SnapshotPublisher[ThinkerStep]] = {}
         readers: dict[str, SnapshotReader] = {}
@@ -506,6 +521,8 @@ class TurnPipeline:
                         if done:
                             self.talker.submit(stage(rid))     # raises the engine's named error if it never fits
                     elif self.talker.pending or self.talker.slots:
+                        if item is not None and talker_may_wait is not None and talker_may_wait():
+                            continue
                         chunks = talker_step()
                         if chunks:
                             yield chunks
@@ -586,8 +603,24 @@ class TurnPipeline:
         streams: dict = {}
         skip: dict[str, int] = {}
         seq: dict[str, int] = {}
+        heard: dict[str, tuple[float, int]] = {}     # request -> (clock at its first PCM, samples yielded)
+
+        def ahead() -> bool:
+            """Every request the Talker holds is more than ``talker_lead_s`` of audio ahead of real time."""
+            eng, lead = self.talker, self.talker_lead_s
+            if eng.pending or not eng.slots:
+                return False
+            now = self.clock()
+            for slot in eng.slots.values():
+                t0, n = heard.get(slot.request.request_id, (None, 0))
+                if t0 is None or n / SAMPLE_RATE - (now - t0) < lead:
+                    return False
+            return True
+
+        rounds = self.codec_rounds(requests, trace, progress, joining if admit is not None else None,
+                                   ahead if self.talker_lead_s is not None else None)
         try:
-            for chunks in self.codec_rounds(requests, trace, progress, joining if admit is not None else None):
+            for chunks in rounds:
                 codec_out.publish(*chunks)
                 todo = []
                 for chunk in reader.poll():
@@ -605,11 +638,15 @@ class TurnPipeline:
                     cut = min(skip[rid], len(wav))
                     skip[rid] -= cut
                     wav = wav[cut:]
+                    if len(wav):
+                        t0, n = heard.get(rid, (self.clock(), 0))
+                        heard[rid] = (t0, n + len(wav))
                     if len(wav) or chunk.final:
                         yield PcmChunk(rid, seq[rid], wav, chunk.final)
                         seq[rid] += 1
             codec_out.close()
         finally:
+            rounds.close()      # a consumer that stops early frees the Thinker's rows and the Talker's slots now
             for s in streams.values():
                 s.close()
 
