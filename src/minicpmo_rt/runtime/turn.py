@@ -207,12 +207,11 @@ class TurnPipeline:
         # Opt-in (on the H200 it measured the same as without it, session 45): each request enters the Talker
         # when its text is done, and the Talker steps between the Thinker's (``codec_rounds``).
         self.overlap_stages = overlap_stages
-        # With the stages overlapped (``overlap_stages`` or requests joining a run), whoever is nearest to
-        # their first audio goes first. The Talker steps alone while a request it holds has no audio yet (its
-        # first window), and lets the Thinker go first while every request it holds has at least this much
-        # audio out beyond real time (seconds of PCM yielded less the seconds since its first PCM): a request
-        # that joins while others speak then gets its text at the Thinker's own pace instead of one Talker step
-        # per token. None: one Talker step per Thinker step (``codec_rounds``).
+        # With the stages overlapped (``overlap_stages`` or requests joining a run), the Talker lets the Thinker
+        # go first while every request it holds has at least this much audio out beyond real time (seconds of
+        # PCM yielded less the seconds since its first PCM): a request that joins while others speak then gets
+        # its text at the Thinker's own pace instead of one Talker step per token. None: one Talker step per
+        # Thinker step (``codec_rounds``).
         if talker_lead_s is not None and not talker_lead_s >= 0:
             raise InputError(f"talker_lead_s must be >= 0 seconds (or None), got {talker_lead_s!r}")
         self.talker_lead_s = talker_lead_s
@@ -441,8 +440,7 @@ class TurnPipeline:
         as with ``overlap_stages``, so a request that joins while others speak starts at once. With the stages
         overlapped, ``talker_may_wait`` (optional) is asked after each Thinker decode step; True skips the
         Talker step due then (the Thinker goes on), so it must turn False in time (it is not asked while the
-        Thinker is idle). With it, too, a request whose first chunk is due goes first: while one the Talker holds
-        has not emitted its first chunk, the Talker steps without the Thinker."""
+        Thinker is idle)."""
         trace = trace if trace is not None else TurnTrace()
         outs: dict[str, SnapshotPublisher[ThinkerStep]] = {}
         readers: dict[str, SnapshotReader] = {}
@@ -486,10 +484,6 @@ class TurnPipeline:
             trace.chunks[rid] = []
             return talker_req
 
-        def starting() -> bool:
-            """A request the Talker holds in a slot has not emitted its first chunk yet."""
-            return any(not trace.chunks.get(s.request.request_id) for s in self.talker.slots.values())
-
         def talker_step() -> list[CodecChunk]:
             chunks = self.talker.step()
             for ch in chunks:
@@ -532,14 +526,6 @@ class TurnPipeline:
                         chunks = talker_step()
                         if chunks:
                             yield chunks
-                        # first audio first: a request in its first window is fewer steps from its first audio
-                        # than any the Thinker holds, so the Talker steps alone until each it holds has spoken
-                        while item is not None and talker_may_wait is not None and starting():
-                            if admit is not None:
-                                register(admit())
-                            chunks = talker_step()
-                            if chunks:
-                                yield chunks
                     elif item is None:
                         break
             while self.talker.pending or self.talker.slots:
