@@ -308,8 +308,12 @@ def serve_cmd(
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate (chain): serve HTTPS, wss://."),
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="The certificate's PEM private key."),
     join_running: bool = typer.Option(False, "--join-running", help="Turn mode: a spoken request that arrives "
-                                      "while a batch runs joins it instead of waiting for the next (opt-in: slower "
-                                      "on the H200 in session 56's runs)."),
+                                      "while a batch runs joins it instead of waiting for the next (opt-in: on the "
+                                      "H200 it gave long answers' requests their first audio sooner, short ones' "
+                                      "later)."),
+    talker_lead: Optional[float] = typer.Option(None, "--talker-lead", help="With --join-running: the Thinker goes "
+                                                "first while every speaking request is this many seconds of audio "
+                                                "ahead of real time (e.g. 1.0)."),
 ) -> None:
     """Serve over HTTP: OpenAI-style chat completions (turn mode) or duplex sessions (duplex mode)."""
     from .serving.http import serve
@@ -326,7 +330,8 @@ def serve_cmd(
             raise InputError(f"--idle-timeout must be a positive number of seconds, got {idle_timeout}")
         serve(model, parse_voices(voices), host, port, mode, profile, device, max_batch, seats, min_codes,
               n_timesteps, dtype, served_name, warm_up, idle_timeout, api_key, ready,
-              None if tls_cert is None else str(tls_cert), None if tls_key is None else str(tls_key), join_running)
+              None if tls_cert is None else str(tls_cert), None if tls_key is None else str(tls_key), join_running,
+              talker_lead)
     except MiniCPMORTError as exc:
         _fail(exc)
     except OSError as exc:

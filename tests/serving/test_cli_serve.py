@@ -88,3 +88,12 @@ def test_a_certificate_without_its_key_is_refused_before_loading(tiny_ckpt, voic
                   str(tmp_path / "k.pem"))
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 2 and "cannot load them" in err, err
+
+
+def test_a_talker_lead_without_joining_is_refused_before_loading(tiny_ckpt, voice):
+    proc = _serve(tiny_ckpt, voice, "--port", "0", "--talker-lead", "1.0")
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 2 and "pass it with --mode turn and --join-running" in err, err
+    proc = _serve(tiny_ckpt, voice, "--port", "0", "--join-running", "--talker-lead", "-1")
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 2 and "--talker-lead must be a number of seconds >= 0, got -1.0" in err, err

@@ -326,11 +326,13 @@ def test_a_spoken_request_that_arrives_mid_batch_waits_for_the_next_by_default(s
     assert np.array_equal(np.concatenate([e.samples for e in events_b if isinstance(e, Audio)]), wav4)
 
 
-def test_a_spoken_request_that_arrives_mid_batch_joins_it(server, voice, monkeypatch):
+@pytest.mark.parametrize("lead", [None, 1.0])
+def test_a_spoken_request_that_arrives_mid_batch_joins_it(server, voice, monkeypatch, lead):
     """With join_running, a second spoken request submitted while the first one's run is under way joins that run (one
-    ``TurnPipeline.run`` in all) and both answers are their solo turns; a text-only request that arrives
-    meanwhile is set aside and answered after the batch."""
+    ``TurnPipeline.run`` in all) and both answers are their solo turns, with the Talker's lead too (``serve
+    --talker-lead``); a text-only request that arrives meanwhile is set aside and answered after the batch."""
     pipe, service = server.turns.pipe, server.turns
+    monkeypatch.setattr(pipe, "talker_lead_s", lead)
     refs = {seed: _reference(pipe, voice, seed) for seed in (3, 4)}
     steps = [s for chunk in pipe.think(TurnRequest.make("ref", USER, None, 5, 6)) for s in chunk]
     want_text = "".join(s.text for s in steps if not s.is_terminator)

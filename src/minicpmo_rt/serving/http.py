@@ -23,6 +23,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import queue
 import ssl
 import time
@@ -409,12 +410,14 @@ def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, m
           profile: str | None = None, device: str = "cpu", max_batch: int | None = None, seats: int = 4,
           min_codes: int = 50, n_timesteps: int | None = None, dtype: str = "auto", served_name: str = "minicpm-o-4.5",
           warm_up: bool = False, idle_timeout_s: float = 60.0, api_key: str | None = None, ready=None,
-          tls_cert: str | None = None, tls_key: str | None = None, join_running: bool = False) -> None:
+          tls_cert: str | None = None, tls_key: str | None = None, join_running: bool = False,
+          talker_lead_s: float | None = None) -> None:
     """Bind, load the models for ``mode`` (turn: a TurnPipeline for chat completions; duplex: a DuplexBatch of
     ``seats`` seats), then serve until interrupted. ``warm_up``: graphs and kernels made before the first
     client (turn: short turns in every voice; duplex: ``DuplexBatch.warm_up``). ``ready(server)`` is called
     once the socket listens and the models are loaded. ``tls_cert`` and ``tls_key`` (PEM files): HTTPS and
-    wss:// instead of HTTP. ``join_running`` (turn mode, opt-in): spoken requests join a running batch."""
+    wss:// instead of HTTP. ``join_running`` (turn mode, opt-in): spoken requests join a running batch;
+    ``talker_lead_s`` (with it): ``TurnPipeline.talker_lead_s``."""
     from ..errors import InputError
 
     if mode not in ("turn", "duplex"):
@@ -423,6 +426,11 @@ def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, m
         raise InputError(f"--seats must be >= 1, got {seats}")
     if (tls_cert is None) != (tls_key is None):
         raise InputError("pass --tls-cert and --tls-key together (the certificate and its private key)")
+    if talker_lead_s is not None and not (mode == "turn" and join_running):
+        raise InputError("--talker-lead orders the stages of a turn batch that others join: pass it with --mode turn "
+                         "and --join-running")
+    if talker_lead_s is not None and not (talker_lead_s >= 0 and math.isfinite(talker_lead_s)):
+        raise InputError(f"--talker-lead must be a number of seconds >= 0, got {talker_lead_s}")
     tls = tls_context(tls_cert, tls_key) if tls_cert is not None else None
     server = Server((host, port), served_name, api_key=api_key, tls=tls)    # bound first: a taken port fails early
     try:
@@ -431,7 +439,8 @@ def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, m
             from ..talker.sampler import SamplingParams
 
             pipe = TurnPipeline.from_snapshot(model, profile or DEFAULT_PROFILE, device=device, n_timesteps=n_timesteps,
-                                              talker_params=SamplingParams(min_codes=min_codes))
+                                              talker_params=SamplingParams(min_codes=min_codes),
+                                              talker_lead_s=talker_lead_s)
             if warm_up:
                 for path in voices.values():
                     pipe.warm_up(path)
