@@ -118,7 +118,9 @@
 #            `stagger` are its two benchmark steps alone
 #   lead     serve_bench.py with 15-s answers (48 tokens, 375 codes), N = 8, 16 arriving 250 ms apart: batches against
 #            joining, with and without the Talker's lead (TurnPipeline.talker_lead_s, session 57), with each client's
-#            real-time playback stalls; `lead50`: the same at 50 ms apart with session 56's 4-s answers
+#            real-time playback stalls; `lead50`: the same at 50 ms apart with session 56's 4-s answers. PATHS picks
+#            serve_bench's --paths (e.g. http-batched,http,http-side,http-lead-side: the Talker on its own stream)
+#   sidetest the turn pipeline's CUDA tests (the Talker on its own stream among them, session 57)
 #   alloc    duplex_batch_bench.py --alloc-sites: which code made each second's new allocator segments (session 54:
 #            16 x 500 MiB at second 2 after a 2-s warm-up)
 #   stests   CUDA tests of the mel's plans and the staging ring's slot choice (session 52), then mel_wait_probe.py
@@ -263,9 +265,12 @@ for s in "$@"; do
     stagger50) step stagger50 300 python benchmarks/serve_bench.py "$W/stagger50" --requests 16 --stagger-ms 50 \
                  ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
     lead) step lead 540 python benchmarks/serve_bench.py "$W/lead" --requests 8,16 --stagger-ms 250 --tokens 48 \
-            --codes 375 ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
+            --codes 375 --paths "${PATHS:-http-batched,http,http-lead}" \
+            ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
     lead50) step lead50 300 python benchmarks/serve_bench.py "$W/lead50" --requests 16 --stagger-ms 50 \
-              ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
+              --paths "${PATHS:-http-batched,http,http-lead}" ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
+    sidetest) step sidetest 240 python -m pytest -q -p no:cacheprovider -rsf tests/runtime/test_turn.py \
+                -k "cuda" ;;
     alloc) step alloc 300 python benchmarks/duplex_batch_bench.py "$W/alloc" --conversations 16 --batch-kinds batch-rows \
              --sequential "" --decode greedy --units "${UNITS:-7}" --warm 2 --warm-up 2 --alloc-sites \
              ${SMOKE:+--tiny --conversations 2 --units 3 --warm 1 --warm-up 1} ;;

@@ -15,7 +15,8 @@ reach the server after the batch window join it, or start the next run once it h
 server without mid-batch admission (``http-batched``, its default: a late request waits for the next batch), with
 it (``http``: a request that arrives while a batch runs joins it, ``TurnPipeline.run``'s ``admit``), and with it
 and the Talker's lead (``http-lead``: ``TurnPipeline.talker_lead_s`` = ``--lead-s``, the Thinker goes first while
-every speaking request is that far ahead of real time).
+every speaking request is that far ahead of real time); ``--paths`` picks others (``-side``: the Talker on a CUDA
+stream of its own, ``TurnPipeline.talker_side_stream``).
 
 Each client also plays its answer back as it arrives, in real time from its first audio: ``stall`` is how long
 that playback would wait for audio that has not arrived (summed over the answer; the table gives the largest
@@ -113,7 +114,7 @@ def stall_s(deltas: list[tuple[float, int]], rate: int = 24_000) -> float:
 
 
 def write_table(res: dict, path: Path) -> None:
-    base = paths(res["stagger_ms"])[0]
+    base = paths(res["stagger_ms"], res.get("paths", STAGGERED))[0]
     title = ("Serving overhead: streamed HTTP answers against direct pipeline calls" if not res["stagger_ms"] else
              f"Mid-batch admission: requests {res['stagger_ms']:.0f} ms apart, joining the running batch or not")
     lines = [f"# {title} on {res['gpu']}", "",
@@ -127,7 +128,7 @@ def write_table(res: dict, path: Path) -> None:
     for n in sorted({r["n"] for r in res["rows"]}):
         rows = {r["path"]: r for r in res["rows"] if r["n"] == n}
         d = rows[base]
-        for name in paths(res["stagger_ms"]):
+        for name in paths(res["stagger_ms"], res.get("paths", STAGGERED)):
             r = rows.get(name)
             if r is None:
                 continue
@@ -139,9 +140,17 @@ def write_table(res: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def paths(stagger_ms: float) -> tuple[str, ...]:
-    """The compared paths, the reference first: at once, the direct call; staggered, the server without joining."""
-    return ("direct", "http") if not stagger_ms else ("http-batched", "http", "http-lead")
+# staggered paths: name -> (TurnService.join_running, whether TurnPipeline.talker_lead_s is --lead-s, and
+# TurnPipeline.talker_side_stream)
+SERVER_PATHS = {"http-batched": (False, False, False), "http": (True, False, False), "http-lead": (True, True, False),
+                "http-side": (True, False, True), "http-lead-side": (True, True, True)}
+STAGGERED = "http-batched,http,http-lead"
+
+
+def paths(stagger_ms: float, chosen: str = STAGGERED) -> tuple[str, ...]:
+    """The compared paths, the reference first: at once, the direct call and the server; staggered, ``chosen``
+    (names of SERVER_PATHS; by default the server without joining, with it, and with it and the Talker's lead)."""
+    return ("direct", "http") if not stagger_ms else tuple(chosen.split(","))
 
 
 def main() -> None:
@@ -156,6 +165,8 @@ def main() -> None:
     ap.add_argument("--stagger-ms", type=float, default=0.0, help="send request i this many ms * i after the first "
                     "(0: all at once, against the direct call; >0: the server with and without mid-batch joining)")
     ap.add_argument("--lead-s", type=float, default=1.0, help="the http-lead path's TurnPipeline.talker_lead_s")
+    ap.add_argument("--paths", default=STAGGERED, help="with --stagger-ms, the compared server paths, the reference "
+                    f"first: {', '.join(SERVER_PATHS)} (-side: the Talker on its own CUDA stream)")
     args = ap.parse_args()
     ns = parse_batches(ap, args.requests)
     if load_profile(args.profile).mode != "turn":
@@ -166,6 +177,9 @@ def main() -> None:
         ap.error(f"--stagger-ms must be >= 0, got {args.stagger_ms}")
     if args.lead_s < 0:
         ap.error(f"--lead-s must be >= 0, got {args.lead_s}")
+    unknown = [p for p in args.paths.split(",") if p not in SERVER_PATHS]
+    if unknown or len(set(args.paths.split(","))) < len(args.paths.split(",")):
+        ap.error(f"--paths {args.paths!r}: name each of {', '.join(SERVER_PATHS)} at most once")
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     thinker, tts = build(args.tiny, dev, dtype)
@@ -196,26 +210,27 @@ def main() -> None:
     res = {"gpu": device_label(dev), "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
            "tiny": args.tiny, "profile": args.profile, "form": FORM, "tokens": args.tokens, "codes": args.codes,
            "repeat": args.repeat, "batch_wait_ms": service.batch_wait_s * 1e3, "stagger_ms": args.stagger_ms,
-           "lead_s": args.lead_s, "rows": []}
+           "lead_s": args.lead_s, "paths": args.paths, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         for n in ns:
             http_run(server, n, min(2, args.tokens), args.codes, dev)      # the server's own first batch of N
-            for name in paths(args.stagger_ms):     # one after the other, so drift between runs hits both alike
+            for name in paths(args.stagger_ms, args.paths):     # one after the other: drift hits each alike
                 runs = []
                 for k in range(args.repeat):
                     if name == "direct":
                         runs.append(run(pipe, n, feats, args.tokens, args.codes, dev, f"direct-{n}-{k}"))
                         continue
                     batches.clear()
-                    join, lead = service.join_running, pipe.talker_lead_s
-                    pipe.run, service.join_running = counted, name != "http-batched"
-                    pipe.talker_lead_s = args.lead_s if name == "http-lead" else None
+                    before = service.join_running, pipe.talker_lead_s, pipe.talker_side_stream
+                    join, lead, side = SERVER_PATHS[name] if args.stagger_ms else (True, False, False)
+                    pipe.run, service.join_running = counted, join
+                    pipe.talker_lead_s, pipe.talker_side_stream = args.lead_s if lead else None, side
                     try:
                         runs.append(http_run(server, n, args.tokens, args.codes, dev, args.stagger_ms))
                     finally:
                         del pipe.run
-                        service.join_running, pipe.talker_lead_s = join, lead
+                        service.join_running, pipe.talker_lead_s, pipe.talker_side_stream = before
                     runs[-1].update(runs=len(batches), joined=sum(b[1] for b in batches))
                 runs.sort(key=lambda r: r["wall_ms"])
                 row = {k: v for k, v in runs[len(runs) // 2].items() if k in

@@ -596,6 +596,28 @@ def test_cuda_pipeline_takes_spoken_and_pictured_turns(tiny_ckpt):
         assert [s.token_id for s in a.steps[r.request_id]] == [s.token_id for s in b.steps[r.request_id]]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_talker_on_its_own_stream_gives_the_same_codes(tiny_ckpt):
+    """``talker_side_stream``: with the stages overlapped, the Talker's admissions and steps run on a stream of their
+    own beside the Thinker's rows; every request's tokens and codes are those of the one-stream schedule, and the
+    caller's stream is ordered after the Talker's last step."""
+    kw = dict(device="cuda", with_code2wav=False, capacity=2, talker_params=SamplingParams(min_codes=5),
+              thinker_max_len=512, overlap_stages=True)
+    pipe = TurnPipeline.from_snapshot(tiny_ckpt, **kw)
+    reqs = [TurnRequest.make(f"s{i}", q, seed=50 + i, max_new_tokens=n, max_codes=40)
+            for i, (q, n) in enumerate((("Hello!", 3), ("Tell me a story.", 30), ("Why?", 24)))]
+    one, two = TurnTrace(), TurnTrace()
+    want = pipe.codes(reqs, one)
+    pipe.talker_side_stream = True
+    got = pipe.codes(reqs, two)
+    assert pipe._side is not None and pipe._side != torch.cuda.current_stream()
+    assert got == want and all(want.values())
+    for r in reqs:
+        assert [s.token_id for s in two.steps[r.request_id]] == [s.token_id for s in one.steps[r.request_id]]
+    assert not pipe.talker.slots and not pipe.talker.pending
+
+
 @pytest.mark.parametrize("on_rows", [False, True])
 def test_overlapped_stages_give_each_request_its_own_codes_and_start_the_talker_early(pipe, voice, on_rows):
     """``overlap_stages``: a request enters the Talker as soon as its text is done, and Talker steps run

@@ -31,18 +31,26 @@ def test_staggered_arrivals_compare_joining_with_batches(tmp_path):
     """--stagger-ms: the server with mid-batch joining (with and without the Talker's lead) against the server
     without, each answering every request; joining never takes more pipeline runs than batching."""
     run = run_benchmark("serve_bench.py", tmp_path, "--tiny", "--requests", "2", "--tokens", "3", "--codes", "26",
-                        "--repeat", "1", "--stagger-ms", "150", one_thread=True)
+                        "--repeat", "1", "--stagger-ms", "150", "--paths", "http-batched,http,http-lead-side",
+                        one_thread=True)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((tmp_path / "serve_bench.json").read_text())
     rows = {r["path"]: r for r in res["rows"]}
-    assert list(rows) == ["http-batched", "http", "http-lead"] and res["stagger_ms"] == 150 and res["lead_s"] == 1.0
-    for joining in ("http", "http-lead"):
+    assert list(rows) == ["http-batched", "http", "http-lead-side"] and res["stagger_ms"] == 150
+    assert res["lead_s"] == 1.0
+    for joining in ("http", "http-lead-side"):
         assert 1 <= rows[joining]["runs"] <= rows["http-batched"]["runs"] <= 2
         assert rows[joining]["runs"] + rows[joining]["joined"] == 2 and rows["http-batched"]["joined"] == 0
     assert all(r["stall_ms_max"] >= 0 and 0 <= r["stalled"] <= 2 for r in rows.values())
     table = (tmp_path / "serve_bench.md").read_text()
-    assert "Mid-batch admission" in table and "| 2 | http-lead |" in table and "x http-batched" in table
+    assert "Mid-batch admission" in table and "| 2 | http-lead-side |" in table and "x http-batched" in table
     assert "stall max ms (stalled)" in table
+
+
+def test_unknown_or_repeated_paths_are_refused(tmp_path):
+    for paths in ("http,http-fast", "http,http"):
+        run = run_benchmark("serve_bench.py", tmp_path, "--tiny", "--stagger-ms", "50", "--paths", paths)
+        assert run.returncode == 2 and "name each of http-batched, http, http-lead" in run.stderr, run.stderr
 
 
 def test_stall_is_the_wait_of_a_real_time_playback(monkeypatch):

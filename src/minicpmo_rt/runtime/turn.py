@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence, Union
@@ -216,6 +217,11 @@ class TurnPipeline:
             raise InputError(f"talker_lead_s must be >= 0 seconds (or None), got {talker_lead_s!r}")
         self.talker_lead_s = talker_lead_s
         self.clock: Callable[[], float] = time.perf_counter    # the lead's clock (tests replace it)
+        # With the stages overlapped on CUDA, the Talker's work goes to a stream of its own, so that its decode
+        # step (a graph replay that waits for nothing until a window is due) runs beside the Thinker's on the
+        # device instead of after it in one stream (``codec_rounds``).
+        self.talker_side_stream = False
+        self._side: torch.cuda.Stream | None = None
         # think_rows draws every row's token in one batch (thinker.generate.draw_many, one wait on the device
         # per step); False draws row by row as ``think`` does (the same tokens; for benchmarks' before form)
         self.batched_draws = True
@@ -463,6 +469,15 @@ class TurnPipeline:
         register(requests)
         ids = by_id.keys()          # a live view: requests that join are abandoned too if the run stops
         produced = thinker()
+        overlapped = self.overlap_stages or admit is not None
+        side = self._talker_stream() if overlapped else None
+
+        def on_talker():
+            """The Talker's stream, after everything queued so far on the caller's (its input rows)."""
+            if side is None:
+                return nullcontext()
+            side.wait_stream(torch.cuda.current_stream(side.device))
+            return torch.cuda.stream(side)
 
         def publish(rid: str, steps: list[ThinkerStep]) -> None:
             outs[rid].publish(*steps)
@@ -484,8 +499,18 @@ class TurnPipeline:
             trace.chunks[rid] = []
             return talker_req
 
+        def submit(req: TalkerRequest) -> None:
+            with on_talker():
+                if side is not None and req.hidden.is_cuda:
+                    req.hidden.record_stream(side)      # read by the Talker's admission on its own stream
+                self.talker.submit(req)
+
         def talker_step() -> list[CodecChunk]:
-            chunks = self.talker.step()
+            if side is not None:
+                with torch.cuda.stream(side):
+                    chunks = self.talker.step()
+            else:
+                chunks = self.talker.step()
             for ch in chunks:
                 if ch.request_id in ids:
                     trace.chunks[ch.request_id].append(ch)
@@ -495,7 +520,7 @@ class TurnPipeline:
             return chunks
 
         try:
-            if not self.overlap_stages and admit is None:
+            if not overlapped:
                 for rid, steps, _ in produced:
                     if rid is not None:
                         publish(rid, steps)
@@ -519,7 +544,7 @@ class TurnPipeline:
                     if rid is not None:
                         publish(rid, steps)
                         if done:
-                            self.talker.submit(stage(rid))     # raises the engine's named error if it never fits
+                            submit(stage(rid))     # raises the engine's named error if it never fits
                     elif self.talker.pending or self.talker.slots:
                         if item is not None and talker_may_wait is not None and talker_may_wait():
                             continue
@@ -534,7 +559,18 @@ class TurnPipeline:
                     yield chunks
         finally:
             produced.close()        # a Thinker cut short hands its rows back
+            if side is not None:    # the caller's stream (and _abandon's writes) after the Talker's last step
+                torch.cuda.current_stream(side.device).wait_stream(side)
             self._abandon(set(ids))
+
+    def _talker_stream(self) -> torch.cuda.Stream | None:
+        """The Talker's own CUDA stream (``talker_side_stream``), made once; None off CUDA or when off."""
+        dev = torch.device(self.talker.device)
+        if not self.talker_side_stream or dev.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(dev)
+        return self._side
 
     def _think_each(self, requests: Sequence[TurnRequest]) -> Iterator[tuple[str, list[ThinkerStep], bool]]:
         """``think`` for each request in turn, as ``think_rows`` yields: (id, steps, whether it is done),
