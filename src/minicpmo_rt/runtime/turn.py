@@ -642,7 +642,7 @@ class TurnPipeline:
         heard: dict[str, tuple[float, int]] = {}     # request -> (clock at its first PCM, samples yielded)
 
         def ahead() -> bool:
-            """Every request the Talker holds is more than ``talker_lead_s`` of audio ahead of real time."""
+            """Every request the Talker holds is at least ``talker_lead_s`` of audio ahead of real time."""
             eng, lead = self.talker, self.talker_lead_s
             if eng.pending or not eng.slots:
                 return False
