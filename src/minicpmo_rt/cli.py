@@ -321,7 +321,7 @@ def serve_cmd(
 
     def ready(server) -> None:
         typer.echo(f"serving {served_name} ({server.mode} mode) on {server.url} (voices: {', '.join(server.voices)}; "
-                   "GET /health lists the routes' state); Ctrl-C stops")
+                   "GET /health lists the routes' state); Ctrl-C or SIGTERM stops")
 
     try:
         if max_batch is not None and max_batch < 1:

@@ -16,7 +16,10 @@ def _serve(tiny_ckpt, voice, *extra) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "minicpmo_rt.cli", "serve", "--model", str(tiny_ckpt), "--voice", f"anna={voice}",
            "--min-codes", "5", "--n-timesteps", "2", *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # a shell without job control starts `cmd &` with SIGINT ignored, exec keeps that, and Python then installs no
+    # Ctrl-C handler: a test run launched that way would see the server ignore SIGINT. Start it as a terminal would.
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _url(proc: subprocess.Popen, timeout: float = 240.0) -> str:
@@ -57,7 +60,7 @@ def test_a_taken_port_fails_with_a_message_before_loading(tiny_ckpt, voice):
     assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err, err
 
 
-def test_serve_duplex_mode_opens_a_session_and_steps_a_second(tiny_ckpt, voice):
+def test_serve_duplex_mode_opens_a_session_steps_a_second_and_stops_on_sigterm(tiny_ckpt, voice):
     import base64
 
     proc = _serve(tiny_ckpt, voice, "--port", "0", "--mode", "duplex", "--seats", "1")
@@ -73,7 +76,7 @@ def test_serve_duplex_mode_opens_a_session_and_steps_a_second(tiny_ckpt, voice):
         unit = call("POST", f"/v1/duplex/sessions/{sid}/seconds", {"audio": second})
         assert unit["index"] == 0 and unit["sample_rate"] == 24000
         assert call("DELETE", f"/v1/duplex/sessions/{sid}", {})["closed"]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)      # as systemd or docker stop would
         assert proc.wait(60) == 0, proc.stderr.read()[-2000:]
     finally:
         if proc.poll() is None:

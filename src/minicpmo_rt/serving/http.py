@@ -25,7 +25,9 @@ import json
 import logging
 import math
 import queue
+import signal
 import ssl
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -462,12 +464,22 @@ def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, m
         raise
     if ready is not None:
         ready(server)
+    # SIGTERM (what systemd, docker stop and kill send) stops like Ctrl-C: the socket closed, the worker joined.
+    # Only the main thread may set a handler; a server run on another thread (tests) stops by shutdown().
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if on_main else None
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
         server.server_close()
         for service in (server.turns, server.duplex):
             if service is not None:
                 service.close()
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt
