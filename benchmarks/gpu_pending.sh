@@ -119,7 +119,8 @@
 #   lead     serve_bench.py with 15-s answers (48 tokens, 375 codes), N = 8, 16 arriving 250 ms apart: batches against
 #            joining, with and without the Talker's lead (TurnPipeline.talker_lead_s, session 57), with each client's
 #            real-time playback stalls; `lead50`: the same at 50 ms apart with session 56's 4-s answers. PATHS picks
-#            serve_bench's --paths (e.g. http-batched,http,http-side,http-lead-side: the Talker on its own stream)
+#            serve_bench's --paths (e.g. http-batched,http,http-side,http-lead-side: the Talker on its own stream);
+#            REQUESTS its N (default 8,16: on an H100 three paths fit the step's 540 s, four did not reach N=16)
 #   sidetest the turn pipeline's CUDA tests (the Talker on its own stream among them, session 57)
 #   alloc    duplex_batch_bench.py --alloc-sites: which code made each second's new allocator segments (session 54:
 #            16 x 500 MiB at second 2 after a 2-s warm-up)
@@ -264,7 +265,7 @@ for s in "$@"; do
                ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
     stagger50) step stagger50 300 python benchmarks/serve_bench.py "$W/stagger50" --requests 16 --stagger-ms 50 \
                  ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
-    lead) step lead 540 python benchmarks/serve_bench.py "$W/lead" --requests 8,16 --stagger-ms 250 --tokens 48 \
+    lead) step lead 540 python benchmarks/serve_bench.py "$W/lead" --requests "${REQUESTS:-8,16}" --stagger-ms 250 --tokens 48 \
             --codes 375 --paths "${PATHS:-http-batched,http,http-lead}" \
             ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
     lead50) step lead50 300 python benchmarks/serve_bench.py "$W/lead50" --requests 16 --stagger-ms 50 \
