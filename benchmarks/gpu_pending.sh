@@ -265,8 +265,8 @@ for s in "$@"; do
                ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
     stagger50) step stagger50 300 python benchmarks/serve_bench.py "$W/stagger50" --requests 16 --stagger-ms 50 \
                  ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
-    lead) step lead 540 python benchmarks/serve_bench.py "$W/lead" --requests "${REQUESTS:-8,16}" --stagger-ms 250 --tokens 48 \
-            --codes 375 --paths "${PATHS:-http-batched,http,http-lead}" \
+    lead) step lead 540 python benchmarks/serve_bench.py "$W/lead" --requests "${REQUESTS:-8,16}" --stagger-ms 250 \
+            --tokens 48 --codes 375 --paths "${PATHS:-http-batched,http,http-lead}" \
             ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;
     lead50) step lead50 300 python benchmarks/serve_bench.py "$W/lead50" --requests 16 --stagger-ms 50 \
               --paths "${PATHS:-http-batched,http,http-lead}" ${SMOKE:+--tiny --requests 2 --tokens 4 --codes 30 --repeat 1} ;;

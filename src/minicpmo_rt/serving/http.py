@@ -467,7 +467,7 @@ def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, m
     # SIGTERM (what systemd, docker stop and kill send) stops like Ctrl-C: the socket closed, the worker joined.
     # Only the main thread may set a handler; a server run on another thread (tests) stops by shutdown().
     on_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if on_main else None
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if on_main else None
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -479,7 +479,3 @@ def serve(model: str, voices: dict, host: str = "127.0.0.1", port: int = 8000, m
         for service in (server.turns, server.duplex):
             if service is not None:
                 service.close()
-
-
-def _stop_on_sigterm(signum, frame) -> None:
-    raise KeyboardInterrupt
