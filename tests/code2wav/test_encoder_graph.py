@@ -5,10 +5,10 @@ import logging
 import torch
 
 from conftest import rel_err, requires_cuda
+from fake_graphs import FakeGraphs
 from minicpmo_rt.checkpoint.tiny import randomize_
 from minicpmo_rt.code2wav.encoder import POS_TABLES_KEPT, EncoderCache, rel_position_table
 from minicpmo_rt.code2wav.encoder_graph import EncoderGraphs
-from minicpmo_rt.code2wav.hift_graph import ShapeGraphs
 from minicpmo_rt.code2wav.flow import Flow
 from minicpmo_rt.code2wav.flow_config import TINY
 
@@ -97,33 +97,14 @@ def test_off_cuda_the_graphs_run_the_eager_encoder():
     assert not flow.encoder_graphs.graphs()
 
 
-class _FakeShapes(ShapeGraphs):
-    """ShapeGraphs on CPU tensors (CUDA graphs cannot run on a CPU): a "graph" recomputes into its
-    fixed output memory on replay, as a captured graph overwrites its static outputs."""
-
-    def _graphable(self, xs):
-        return not self.off
-
-    def _capture(self, xs, fn):
-        static_in = [x.clone() for x in xs]
-        out = fn(*static_in)
-
-        class Replay:
-            def replay(self):
-                for o, n in zip(out, fn(*static_in)):
-                    o.copy_(n)
-
-        return Replay(), static_in, out, []
-
-
 class _CPUGraphs(EncoderGraphs):
-    """EncoderGraphs' bookkeeping on CPU tensors, through ``_FakeShapes``."""
+    """EncoderGraphs' bookkeeping on CPU tensors, through ``FakeGraphs``."""
 
     def __init__(self, flow, max_graphs):
         super().__init__(flow, max_graphs)
-        self.shapes.__class__ = _FakeShapes    # the real set's configuration (buckets, axes, budget), faked capture
-        self.padded.__class__ = _FakeShapes
-        self.ended.__class__ = _FakeShapes
+        self.shapes.__class__ = FakeGraphs    # the real set's configuration (buckets, axes, budget), faked capture
+        self.padded.__class__ = FakeGraphs
+        self.ended.__class__ = FakeGraphs
 
     @property
     def captures(self):

@@ -9,6 +9,7 @@ from minicpmo_rt.code2wav.hift_graph import GraphedHiFT, ShapeGraphs
 from minicpmo_rt.code2wav.precision import ieee_fp32, tf32_enabled
 
 from conftest import ieee_cudnn, rel_err, requires_cuda
+from fake_graphs import FakeGraphs
 from test_fused_dit import randomize
 
 
@@ -40,26 +41,6 @@ def test_shape_graphs_fall_back_on_cpu_and_count_nothing():
     sg = ShapeGraphs(lambda x: x * 2, "t")
     assert torch.equal(sg(torch.ones(3)), torch.full((3,), 2.0))
     assert not sg.graphs
-
-
-class FakeGraphs(ShapeGraphs):
-    """ShapeGraphs' bookkeeping on the CPU: a "graph" recomputes into fixed output memory on
-    replay, exactly as a captured graph overwrites its static outputs."""
-
-    def _graphable(self, xs):
-        return not self.off
-
-    def _capture(self, xs, fn):
-        static_in = [x.clone() for x in xs]
-        out = fn(*static_in)
-
-        class Replay:
-            def replay(self):
-                new = fn(*static_in)
-                for o, n in zip(out, new) if isinstance(out, tuple) else ((out, new),):
-                    o.copy_(n)
-
-        return Replay(), static_in, out, []
 
 
 def test_shape_graphs_capture_after_budget_and_copy_out():
