@@ -91,25 +91,32 @@ def test_bad_values_name_the_input(extra, env):
     assert key in str(exc.value)
 
 
-@pytest.mark.parametrize("fused,allow,env,dev", list(itertools.product(FUSED, ALLOW, ENV, DEVICES)))
-def test_fp16_operands_only_with_the_fused_tf32_triton_path(fused, allow, env, dev):
-    """``cfm_fp16_operands`` (opt-in): FP16 GEMM operands exactly when the fused body runs Triton TF32
-    attention with TF32 on (its GEMMs are Triton ones); otherwise ignored, and the reason says so."""
-    extra = {"cfm_fp16_operands": "true"}
-    if fused is not None:
-        extra["cfm_fused_body"] = fused
-    if allow is not None:
-        extra["token2wav_allow_tf32"] = allow
-    c = resolve_code2wav(extra, DEVICES[dev], {} if env is None else {TF32_ENV: env})
-    tf32_on = not (env is not None and env.lower() == "off") and allow is not False
-    # stated from the inputs: SM80+ NVIDIA, TF32 on, and the fused body (auto picks it when TF32 is on)
-    applies = dev in ("sm80", "sm90") and tf32_on and fused is not False
-    assert applies == (c.body == "fused" and c.tf32 and c.attention == "triton-tf32")
-    assert c.gemm_operands == ("fp16" if applies else "fp32")
-    assert ("operands FP16" in c.describe()) == applies
-    assert ("cfm_fp16_operands ignored" in c.reason) == (not applies)
-    assert resolve_code2wav({k: v for k, v in extra.items() if k != "cfm_fp16_operands"}, DEVICES[dev],
-                            {} if env is None else {TF32_ENV: env}).gemm_operands == "fp32"     # default off
+@pytest.mark.parametrize("fit", [None, True, False])
+@pytest.mark.parametrize("ask", [None, "true", "false"])
+def test_fp16_operands_by_knob_and_range_certificate(ask, fit):
+    """``cfm_fp16_operands`` over every body / TF32 / device case: FP16 GEMM operands only where the fused body
+    runs Triton TF32 attention with TF32 on (its GEMMs are Triton ones); there ``true`` forces them, ``false``
+    refuses them and unset takes them exactly when the weights' range certificate fits (``fit``; None: not
+    checked, as ``inspect`` without weights). A forced FP16 past a failed certificate says so; ``true`` where
+    the path does not apply is ignored, and the reason says so."""
+    for fused, allow, env, dev in itertools.product(FUSED, ALLOW, ENV, DEVICES):
+        extra = {} if ask is None else {"cfm_fp16_operands": ask}
+        if fused is not None:
+            extra["cfm_fused_body"] = fused
+        if allow is not None:
+            extra["token2wav_allow_tf32"] = allow
+        facts = DeviceFacts(**{**DEVICES[dev].__dict__, "operands_fit_fp16": fit})
+        c = resolve_code2wav(extra, facts, {} if env is None else {TF32_ENV: env})
+        tf32_on = not (env is not None and env.lower() == "off") and allow is not False
+        # stated from the inputs: SM80+ NVIDIA, TF32 on, and the fused body (auto picks it when TF32 is on)
+        path = dev in ("sm80", "sm90") and tf32_on and fused is not False
+        assert path == (c.body == "fused" and c.tf32 and c.attention == "triton-tf32")
+        fp16 = path and (ask == "true" or (ask is None and fit is True))
+        assert c.gemm_operands == ("fp16" if fp16 else "fp32"), (fused, allow, env, dev)
+        assert ("operands FP16" in c.describe()) == fp16
+        assert ("cfm_fp16_operands ignored" in c.reason) == (ask == "true" and not path)
+        assert ("saturate" in c.reason) == (path and ask == "true" and fit is False)
+        assert ("range certificate" in c.reason) == (path and (ask is None or (ask == "true" and fit is False)))
 
 
 def test_fp16_operands_bad_value_names_the_key():

@@ -190,7 +190,7 @@ class WholeEulerSolver:
         (``kernels/euler_step.py``) instead of ~12 torch ops; None (default) and True: whenever the
         fused body's Triton stages run; False: the torch ops (the reference the tests compare).
         ``wide_gemm``: ``FusedDiT``'s (None: Triton tile GEMMs with TF32 from WIDE_MIN_ROWS rows on CUDA).
-        ``gemm_operands``: ``FusedDiT``'s ("fp16": the Triton GEMMs' operands stored as FP16, opt-in).
+        ``gemm_operands``: ``FusedDiT``'s ("fp16": the Triton GEMMs' operands stored as FP16; ``solver_from_knobs`` picks it where ``operand_range`` fits).
         ``direct``: trimmed solves read each stream's cache where it is (module docstring); None (default):
         wherever the staged body runs, and the persistent block kernel's from ``BLOCK_DIRECT_MIN_ROWS`` rows
         (batch 2); True: the block kernel's batch-1 solves too (as fast as the arena there since session 22's
@@ -913,7 +913,14 @@ def solver_from_knobs(cfm, extra: dict | None, device, config: GraphConfig = Gra
     from .knobs import device_facts, log_choice, resolve_code2wav
 
     ok, why = supports_fused_body(cfm.estimator)
-    facts = device_facts(device, att_cache_dtype=torch.float32, layout_supported=ok)
+    fit = None
+    if ok and torch.device(device).type == "cuda":      # only there can the GEMM operands be FP16
+        from .operand_range import operand_range
+
+        rng = operand_range(cfm.estimator, n_timesteps)
+        fit = rng.fits_fp16
+        log.info("Code2Wav CFM: %s", rng.describe())
+    facts = device_facts(device, att_cache_dtype=torch.float32, layout_supported=ok, operands_fit_fp16=fit)
     choice = resolve_code2wav(extra, facts, env)
     if not ok and choice.body == "original" and why:
         log.info("fused DiT body not eligible: %s", why)

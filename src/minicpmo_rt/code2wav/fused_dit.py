@@ -26,7 +26,8 @@ With many rows (>= WIDE_MIN_ROWS: batch 8+ with CFG, TF32 on CUDA) the GEMMs but
 GEMMs instead (``kernels/wide_gemm.py``, ``blocks``): conv1/conv2 as implicit GEMMs over their taps
 (stages 8 and 10 then read one C-wide output), fc1's GELU in the GEMM, and stage 3 inside the QKV
 GEMM's epilogue (``WIDE_QKV_LN_MAX_ROWS``): 11 kernels per block, none of them cuBLAS's GELU or
-memset kernels. With FP16 operands (opt-in ``gemm_operands="fp16"``) they take every staged row
+memset kernels. With FP16 operands (``gemm_operands="fp16"``, which the knobs pick where the weights'
+range certificate fits, ``operand_range``) they take every staged row
 count, and fc2 too.
 
 Without Triton (CPU CI, pre-SM80 CUDA, HIP) every fused stage runs as its torch
@@ -283,7 +284,8 @@ class FusedDiT:
         made); True: whenever the staged body runs Triton (also on CPU under the interpreter; with TF32 off
         their IEEE dots run on the FMA units, 2.3x slower than cuBLAS at B=16, ``wide_gemm.IEEE_TILE``);
         False: never.
-        ``gemm_operands="fp16"`` (opt-in): where Triton GEMMs run under TF32 (the tile GEMMs, from any
+        ``gemm_operands="fp16"`` (the knobs' choice where ``operand_range`` certifies the weights; default
+        "fp32" here): where Triton GEMMs run under TF32 (the tile GEMMs, from any
         staged row count, and the persistent block kernel), the buffers holding their operands (the LN
         outputs, the conv histories, the attention output, fc1's output) and the GEMM weights are FP16,
         and fc2 runs as a tile GEMM too. A TF32-rounded value in FP16's range is exact

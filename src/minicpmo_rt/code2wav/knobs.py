@@ -14,10 +14,12 @@ Precedence (seed 000, DESIGN.md "Profiles and knobs"):
   cache keeps the original body, whatever was asked.
 * Attention inside the fused body: Triton tiled attention with TF32 dots on NVIDIA
   SM80+; the fused body's SDPA fallback elsewhere (older CUDA, HIP, CPU).
-* ``cfm_fp16_operands: true`` (opt-in, not in the seed): the fused body's Triton GEMMs read their
-  operands as FP16, which holds a TF32-rounded value exactly within FP16's range (same 10-bit
-  mantissa), so the arithmetic stays TF32's. Applies only to the fused body with TF32 on (CUDA);
-  anything else keeps FP32 operands and says so in the choice.
+* GEMM operand storage (``cfm_fp16_operands``): where the fused body's Triton GEMMs run TF32 on CUDA
+  SM80+, their operands are stored as FP16, which holds a TF32-rounded value exactly within FP16's
+  range (the same 10-bit mantissa), so the arithmetic stays TF32's with half the bytes. Unset (auto):
+  FP16 exactly when the weights' range certificate (``operand_range``) shows that no operand can
+  leave FP16's range, else FP32; ``true`` forces FP16 (values beyond +-65504 would saturate);
+  ``false`` keeps FP32. Anything but the fused TF32 Triton path keeps FP32 and says so in the choice.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class DeviceFacts:
     hip: bool = False               # ROCm build (Triton tiled attention not used there)
     att_cache_dtype: torch.dtype = torch.float32
     layout_supported: bool = True   # fused_dit.supports_fused_body(dit)
+    # operand_range(dit, n_timesteps).fits_fp16 for the loaded weights; None: not known (no weights loaded)
+    operands_fit_fp16: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -229,23 +233,32 @@ def resolve_code2wav(extra: Mapping[str, Any] | None, facts: DeviceFacts,
     if body == "fused":
         attention = "triton-tf32" if (facts.cuda and not facts.hip and facts.sm_major >= 8) else "sdpa"
     reason = f"{why}; {tf32_why}"
-    operands = "fp32"
-    if _parse_bool(extra.get("cfm_fp16_operands"), "cfm_fp16_operands"):
-        if body == "fused" and tf32 and attention == "triton-tf32":
-            operands, reason = "fp16", reason + "; cfm_fp16_operands=true"
-        else:
-            reason += "; cfm_fp16_operands ignored (needs the fused body's Triton GEMMs with TF32 on CUDA SM80+)"
+    operands, fit = "fp32", facts.operands_fit_fp16
+    asked = _parse_bool(extra.get("cfm_fp16_operands"), "cfm_fp16_operands")
+    triton_tf32 = body == "fused" and tf32 and attention == "triton-tf32"
+    if asked and not triton_tf32:
+        reason += "; cfm_fp16_operands ignored (needs the fused body's Triton GEMMs with TF32 on CUDA SM80+)"
+    elif asked:
+        operands, reason = "fp16", reason + "; cfm_fp16_operands=true" + (
+            " although the weights' range certificate exceeds FP16 (such operands saturate)" if fit is False else "")
+    elif asked is None and triton_tf32 and fit:
+        operands, reason = "fp16", reason + "; auto: GEMM operands FP16, the weights' range certificate fits"
+    elif asked is None and triton_tf32:
+        reason += ("; auto: GEMM operands FP32, the weights' range certificate exceeds FP16" if fit is False else
+                   "; auto: FP16 GEMM operands if the weights' range certificate fits (checked when they load)")
     return Code2WavChoice(body=body, attention=attention, tf32=tf32, reason=reason, gemm_operands=operands)
 
 
 def device_facts(device: torch.device | str, att_cache_dtype: torch.dtype = torch.float32,
-                 layout_supported: bool = True) -> DeviceFacts:
+                 layout_supported: bool = True, operands_fit_fp16: bool | None = None) -> DeviceFacts:
     device = torch.device(device)
     if device.type != "cuda":
-        return DeviceFacts(cuda=False, att_cache_dtype=att_cache_dtype, layout_supported=layout_supported)
+        return DeviceFacts(cuda=False, att_cache_dtype=att_cache_dtype, layout_supported=layout_supported,
+                           operands_fit_fp16=operands_fit_fp16)
     major, _ = torch.cuda.get_device_capability(device)
     return DeviceFacts(cuda=True, sm_major=major, hip=torch.version.hip is not None,
-                       att_cache_dtype=att_cache_dtype, layout_supported=layout_supported)
+                       att_cache_dtype=att_cache_dtype, layout_supported=layout_supported,
+                       operands_fit_fp16=operands_fit_fp16)
 
 
 def log_choice(choice: Code2WavChoice) -> None:
