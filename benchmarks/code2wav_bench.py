@@ -69,6 +69,7 @@ from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver
 from minicpmo_rt.code2wav.flow import Flow, trim_estimator_att
 from minicpmo_rt.code2wav.flow_config import FULL_SIZE
 from minicpmo_rt.code2wav.fused_dit import FusedDiT
+from minicpmo_rt.code2wav.operand_range import operand_range
 from minicpmo_rt.code2wav.precision import matmul_tf32
 
 S, T, L = 10, 50, 400
@@ -390,8 +391,16 @@ FP16_ROW = "fused + graph TF32 on, FP16 operands"      # opt-in gemm_operands="f
 FP16_TF32PV_ROW = "fused + graph TF32 on, FP16 operands, TF32 P@V"   # the same with P @ V kept in TF32 (A/B)
 FP16_BK1_ROW = "fused + graph TF32 on, FP16 operands, block kernel FP32 K steps"   # k_step_scale 1 (A/B)
 TRIM_ARENA_ROW = "fused + graph TF32 on, trimmed, arena"         # solve(trim=...) with direct=False
-DIRECT_ROW = "fused + graph TF32 on, trimmed, direct"            # solve(trim=...), the flow's default
-DIRECT16_ROW = "fused + graph TF32 on, FP16 operands, trimmed, direct"
+DIRECT_ROW = "fused + graph TF32 on, trimmed, direct"            # solve(trim=...), FP32 operands
+DIRECT16_ROW = "fused + graph TF32 on, FP16 operands, trimmed, direct"   # the flow's default where FP16 fits
+
+
+def flow_row(res: dict) -> str:
+    """The row the flow's own path takes: FP16 operands where the weights' range certificate fits (runs from
+    before the certificate, whose JSON has none, took FP32 operands)."""
+    return DIRECT16_ROW if res.get("operand_range", {}).get("fits_fp16") else DIRECT_ROW
+
+
 DIRECT_S2_ROW = "fused + graph TF32 on, trimmed, direct, 2 key splits"    # launch-shape A/B
 DIRECT_ALL_ROW = "fused + graph TF32 on, trimmed, direct everywhere"   # direct=True: the block kernel's too (B=1-2)
 DIRECT_PTR_ROW = "fused + graph TF32 on, trimmed, direct, pointer loads"   # direct_tma=False (A/B of the TMA loads)
@@ -429,6 +438,9 @@ def main(argv=None) -> int:
     cfm = flow.decoder
     res = {"gpu": gpu, "torch": torch.__version__, "triton": _triton_version(), "query": T, "steps": S,
            "cache": L, "cfg": True, "rows": [], "notes": []}
+    rng = operand_range(cfm.estimator, S)     # decides the flow's GEMM operands (knobs: cfm_fp16_operands unset)
+    res["operand_range"] = {"fits_fp16": rng.fits_fp16, "describe": rng.describe(), "activations": rng.activations,
+                            "weights": rng.weights}
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save():   # after every row, so a cut-off run still leaves its numbers (each file whole, never torn)
@@ -675,7 +687,7 @@ def plot(res: dict, path: Path) -> None:
         pts = sorted((r["batch"], r["median_ms"]) for r in res["rows"] if r["row"] == name)
         if len(pts) < 2:
             continue
-        ours = name == DIRECT_ROW
+        ours = name == flow_row(res)
         ax.plot(*zip(*pts), marker="o", ms=4, lw=2.6 if ours else 1.1, zorder=3 if ours else 2,
                 label=name + (" (the flow's path)" if ours else ""))
     ax.scatter(list(GOALS_MS), list(GOALS_MS.values()), marker="*", s=180, color="red", zorder=4,
@@ -721,6 +733,9 @@ def markdown(res: dict) -> str:
              f"torch {res['torch']}, triton {res['triton']}; per steady 1-s chunk: query {res['query']} mel frames, "
              f"{res['steps']} Euler steps with CFG, estimator cache {res['cache']} frames. Medians of CUDA-event timings.",
              f"Measured matmul peak: TF32 {res['peak_tf32_tflops']:.0f} TFLOP/s, FP32 {res['peak_fp32_tflops']:.0f} TFLOP/s."]
+    if "operand_range" in res:
+        lines.append(f"The weights' FP16 range certificate: {res['operand_range']['describe']}; the flow's own path "
+                     f"is the row '{flow_row(res)}'.")
     if "kernels_per_block" in res:
         lines.append(f"Kernels per DiT block: original {res['kernels_per_block']['original']:.1f}, "
                      f"fused {res['kernels_per_block']['fused']:.1f}.")

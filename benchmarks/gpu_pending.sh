@@ -129,6 +129,8 @@
 #            alone (batch-rows-each), and together again after it (the order's effect), 8 and 16 conversations, greedy
 #            and sampling: session 46 measured the Thinker 222 -> 179 ms at 16 (greedy) in one run, whose Talker
 #            column moved by +41 ms with no Talker change (duplex_batch_bench_session46d_commit_many_h200.md)
+#   fp16     session 59: the CUDA tests of the FP16 range certificate and of the solver / pipelines whose default it
+#            changes, then the flow's direct rows with FP32 and with FP16 operands at B=1,4,8,16 (one run)
 #   table    code2wav_bench.py: the issue's table (session 22's rows, slot pool, row merging, whole flow chunk,
 #            HiFT, upstream minicpmo-utils 1.0.7 inference_chunk from .upstream_ref, which git ignores: unpack
 #            `pip download --no-deps minicpmo-utils==1.0.7`, copy its src/ to .upstream_ref and carry it), one call
@@ -184,6 +186,12 @@ for s in "$@"; do
              "(copy the src/ folder of pip download --no-deps minicpmo-utils==1.0.7 there and carry it)" >&2; exit 2; }
            step table 555 python benchmarks/code2wav_bench.py --out "$W/table" --batches 1,16,4,8 --budget 0.3 \
              --upstream .upstream_ref --rows "=original + graph|=fused + graph TF32 on|=fused + graph TF32 off|=fused + graph IEEE|=fused + graph TF32 on, trimmed, arena|=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct" ;;
+    fp16) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
+          step fp16tests 300 python -m pytest -q -p no:cacheprovider -n "$n" -rsf tests/code2wav/test_operand_range.py \
+            tests/code2wav/test_knobs.py tests/code2wav/test_euler_graph.py tests/code2wav/test_slot_pool.py \
+            tests/code2wav/test_pipeline.py tests/code2wav/test_pipeline_batched.py tests/code2wav/test_pipeline_slot_pool.py
+          step fp16rows 280 python benchmarks/code2wav_bench.py --out "$W/fp16rows" --batches 1,16,4,8 --budget 0.3 \
+            --only graphs --rows "=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct" ;;
     profile) step profile 300 python benchmarks/code2wav_replay_profile.py --out "$W/profile" --batches 1,8,16 \
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
