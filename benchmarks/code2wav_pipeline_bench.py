@@ -159,6 +159,8 @@ def main() -> None:
     paths = (("reference (original DiT, eager)", None),
              ("original DiT + Whole-Euler graph (cfm_fused_body: false)", {"cfm_fused_body": False}),
              ("fast path (knobs auto: fused + Whole-Euler graphs, TF32)", {}),
+             # FP16 operands are the auto default where the weights' range certificate fits: this is the old default
+             ("fast path, FP32 operands (cfm_fp16_operands: false)", {"cfm_fp16_operands": False}),
              (ARENA_PATH, {}),
              (PTR_PATH, {}),
              (f"fast path + slot pool (cfm_slot_pool: {args.streams})", {"cfm_slot_pool": args.streams}),
