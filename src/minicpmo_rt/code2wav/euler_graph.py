@@ -190,7 +190,8 @@ class WholeEulerSolver:
         (``kernels/euler_step.py``) instead of ~12 torch ops; None (default) and True: whenever the
         fused body's Triton stages run; False: the torch ops (the reference the tests compare).
         ``wide_gemm``: ``FusedDiT``'s (None: Triton tile GEMMs with TF32 from WIDE_MIN_ROWS rows on CUDA).
-        ``gemm_operands``: ``FusedDiT``'s ("fp16": the Triton GEMMs' operands stored as FP16; ``solver_from_knobs`` picks it where ``operand_range`` fits).
+        ``gemm_operands``: ``FusedDiT``'s ("fp16": the Triton GEMMs' operands stored as FP16;
+        ``solver_from_knobs`` picks it where ``operand_range`` fits).
         ``direct``: trimmed solves read each stream's cache where it is (module docstring); None (default):
         wherever the staged body runs, and the persistent block kernel's from ``BLOCK_DIRECT_MIN_ROWS`` rows
         (batch 2); True: the block kernel's batch-1 solves too (as fast as the arena there since session 22's

@@ -252,13 +252,12 @@ def resolve_code2wav(extra: Mapping[str, Any] | None, facts: DeviceFacts,
 def device_facts(device: torch.device | str, att_cache_dtype: torch.dtype = torch.float32,
                  layout_supported: bool = True, operands_fit_fp16: bool | None = None) -> DeviceFacts:
     device = torch.device(device)
+    model = dict(att_cache_dtype=att_cache_dtype, layout_supported=layout_supported,
+                 operands_fit_fp16=operands_fit_fp16)
     if device.type != "cuda":
-        return DeviceFacts(cuda=False, att_cache_dtype=att_cache_dtype, layout_supported=layout_supported,
-                           operands_fit_fp16=operands_fit_fp16)
+        return DeviceFacts(cuda=False, **model)
     major, _ = torch.cuda.get_device_capability(device)
-    return DeviceFacts(cuda=True, sm_major=major, hip=torch.version.hip is not None,
-                       att_cache_dtype=att_cache_dtype, layout_supported=layout_supported,
-                       operands_fit_fp16=operands_fit_fp16)
+    return DeviceFacts(cuda=True, sm_major=major, hip=torch.version.hip is not None, **model)
 
 
 def log_choice(choice: Code2WavChoice) -> None:
