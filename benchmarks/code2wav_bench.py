@@ -404,7 +404,8 @@ def flow_row(res: dict) -> str:
 DIRECT_S2_ROW = "fused + graph TF32 on, trimmed, direct, 2 key splits"    # launch-shape A/B
 DIRECT_ALL_ROW = "fused + graph TF32 on, trimmed, direct everywhere"   # direct=True: the block kernel's too (B=1-2)
 DIRECT_PTR_ROW = "fused + graph TF32 on, trimmed, direct, pointer loads"   # direct_tma=False (A/B of the TMA loads)
-TRIMMED_ROWS = (TRIM_ARENA_ROW, DIRECT_ROW, DIRECT16_ROW, DIRECT_S2_ROW, DIRECT_ALL_ROW, DIRECT_PTR_ROW)
+DIRECT16_ALL_ROW = "fused + graph TF32 on, FP16 operands, trimmed, direct everywhere"   # DIRECT_ALL_ROW, FP16 operands
+TRIMMED_ROWS = (TRIM_ARENA_ROW, DIRECT_ROW, DIRECT16_ROW, DIRECT_S2_ROW, DIRECT_ALL_ROW, DIRECT_PTR_ROW, DIRECT16_ALL_ROW)
 ROW_GROUPS = ("kernels", "original", "graphs", "slot", "merge", "flow", "hift")
 
 
@@ -513,6 +514,8 @@ def main(argv=None) -> int:
                 (DIRECT16_ROW, dict(body="fused", attention="triton-tf32", tf32=True, gemm_operands="fp16")),
                 (DIRECT_S2_ROW, dict(body="fused", attention="triton-tf32", tf32=True, attn_splits=2)),
                 (DIRECT_ALL_ROW, dict(body="fused", attention="triton-tf32", tf32=True, direct=True)),
+                (DIRECT16_ALL_ROW, dict(body="fused", attention="triton-tf32", tf32=True, direct=True,
+                                        gemm_operands="fp16")),
                 (DIRECT_PTR_ROW, dict(body="fused", attention="triton-tf32", tf32=True)),
                 ("fused + graph TF32 off", dict(body="fused", attention="triton-tf32", tf32=False)),
                 ("fused + graph IEEE", dict(body="fused", attention="triton-ieee", tf32=False))]

@@ -18,7 +18,7 @@ For each batch and variant: the graph replay's median (CUDA events), then one re
 profiler sees no kernels inside a replay (older CUPTI), the same program is profiled eagerly
 (``source`` says which); kernel durations are the same, only the gaps differ.
 
-    PYTHONPATH=src python benchmarks/code2wav_replay_profile.py --out DIR [--batches 1,16]
+    PYTHONPATH=src python benchmarks/code2wav_replay_profile.py --out DIR [--batches 1,16] [--variants 'FP16|...']
 
 Writes replay_profile.json / replay_profile.md into --out (CUDA only).
 """
@@ -112,10 +112,11 @@ def main(argv=None) -> int:
     # "the flow's path": the solve as the flow calls it, trimmed (prompt + 100 kept), so from batch 4 the
     # direct attention reads each row's old frames in place and writes its successor (no arena)
     variants = [("the flow's path (trimmed)", "trim"),
+                ("the flow's path (trimmed), FP16 operands", "trim16"),
                 ("default (arena)", dict()),
                 ("pointer-load attention", dict(attn_tma=False)),
                 ("cuBLAS GEMMs", dict(wide_gemm=False)),
-                ("slot pool", None), ("slot pool, pointer loads", False)]
+                ("slot pool", None), ("slot pool, pointer loads", False), ("slot pool, FP16 operands", "slot16")]
     variants = [v for v in variants if not args.variants or any(w in v[0] for w in args.variants.split("|"))]
     for B in batches:
         cnn, att, mu, spk, cond = chunk_inputs(B)
@@ -123,13 +124,14 @@ def main(argv=None) -> int:
         for name, kw in variants:
             keep = None     # a direct replay writes into the successors its solve bound: they stay alive
             with torch.inference_mode():
-                if kw == "trim":
+                if kw in ("trim", "trim16"):
                     solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
-                                              config=cfg)
+                                              config=cfg, gemm_operands="fp16" if kw == "trim16" else "fp32")
                     keep = [solver.solve(mu, spk, cond, cnn, att, copy_out=False, trim=(L - 100, 100))]
-                elif not isinstance(kw, dict):     # slot pool; kw: its attn_tma
+                elif not isinstance(kw, dict):     # slot pool; kw: its attn_tma (or "slot16": FP16 operands)
                     solver = _slot_solver(cfm, cfg, S, B, L - 100, 100, T, mu.device, "triton-tf32", True,
-                                          attn_tma=kw)
+                                          attn_tma=None if kw == "slot16" else kw,
+                                          gemm_operands="fp16" if kw == "slot16" else "fp32")
                     hs = [solver.pool.admit(_stream(cnn, i, B), _stream(att, i, B), L - 100) for i in range(B)]
                     solver.solve_slots(hs, mu, spk, cond)
                 else:

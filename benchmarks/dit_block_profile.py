@@ -6,7 +6,10 @@ launch and as one launch per phase (each replayed from a CUDA graph), and the co
 registers / spills.
 
     PYTHONPATH=src:benchmarks python benchmarks/dit_block_profile.py OUT_DIR \
-        [--default-only | --key-tiles | --stages | --tiles | --prefetch | --combine]
+        [--default-only | --key-tiles | --stages | --tiles | --prefetch | --combine] [--fp16]
+
+``--fp16``: FP16 GEMM operands and weights (``FusedDiT(gemm_operands="fp16")``, the flow's default where the
+weights' range certificate fits) instead of FP32 ones.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def per_program_profile(block, names, depth, nprog, dev, reps: int = 10) -> dict
     return {name: dict(zip(keys, [round(v, 3) for v in med[i].tolist()])) for i, name in enumerate(names)}
 
 
-def main(out_dir: str, configs=None) -> None:
+def main(out_dir: str, configs=None, fp16: bool = False) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dev = "cuda"
@@ -88,13 +91,14 @@ def main(out_dir: str, configs=None) -> None:
     randomize_(flow, 0)
     dit = flow.decoder.estimator.to(dev).eval()
     R = 2
-    res = {"gpu": torch.cuda.get_device_name(), "rows": R * T, "cache": L, "configs": []}
+    res = {"gpu": torch.cuda.get_device_name(), "rows": R * T, "cache": L, "operands": "fp16" if fp16 else "fp32",
+           "configs": []}
     configs = configs or [{"num_warps": 8}, {"num_warps": 8, "att_splits": 1}]
     with torch.inference_mode(), matmul_tf32(True):
-        fused = FusedDiT(dit, attention="triton-tf32", block_kernel=True)
+        fused = FusedDiT(dit, attention="triton-tf32", block_kernel=True, gemm_operands="fp16" if fp16 else "fp32")
         xin = torch.randn(R, T, 320, device=dev)
         kv = torch.randn(16, R, 8, T + L, 128, device=dev)
-        hist = fused.new_hist(R, T, dev).zero_()
+        hist = fused.new_hist(R, T, dev).zero_()     # in the workspace's operand dtype
         ws = fused.workspace(R, T, dev)
         out_t = torch.empty(R, T, 80, device=dev)
         mod = fused.modulation(torch.full((1,), 0.5, device=dev))
@@ -121,7 +125,7 @@ def main(out_dir: str, configs=None) -> None:
             ws.h.normal_()
             ws.norm.normal_()
 
-            weights = fused.stacked_weights(True)
+            weights = fused._gemm_weights(fp16, True)      # what FusedDiT.blocks passes
 
             def block(i=0, times=None, phase_by_phase=False, zero=True, n=1, j=0, per_program=False):
                 if zero:
@@ -132,7 +136,7 @@ def main(out_dir: str, configs=None) -> None:
                     ctr=ws.ctr[j:j + 1], w=weights, mod_chain=mod.chain, first=i, n_blocks=n, eps=1e-6,
                     qk_eps=1e-6, conv_eps=1e-5, attn_splits=a_splits, keys_per_split=per_split, nprog=nprog,
                     phase_by_phase=phase_by_phase, num_warps=nw, times=times, per_program=per_program,
-                    tile_ctr=ws.att_ctr)
+                    tile_ctr=ws.att_ctr, pv16=fused.attn_pv16, k_step_scale=fused.block_k_step_scale)
 
             try:
                 k = block()
@@ -171,7 +175,7 @@ def main(out_dir: str, configs=None) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--default-only"]
+    args = [a for a in sys.argv[1:] if a not in ("--default-only", "--fp16")]
     configs = None
     if "--default-only" in sys.argv:
         configs = [{"num_warps": 8}]
@@ -191,4 +195,4 @@ if __name__ == "__main__":
     elif "--combine" in sys.argv:       # key-split partials: a combine phase, or the last split's combine
         configs = [{"num_warps": 8, "last_combine": False}, {"num_warps": 8, "last_combine": True}]
     args = [a for a in args if a not in ("--key-tiles", "--stages", "--tiles", "--prefetch", "--combine")]
-    main(args[0] if args else "/tmp/dit_block_profile", configs)
+    main(args[0] if args else "/tmp/dit_block_profile", configs, fp16="--fp16" in sys.argv)
