@@ -131,6 +131,8 @@
 #            column moved by +41 ms with no Talker change (duplex_batch_bench_session46d_commit_many_h200.md)
 #   fp16     session 59: the CUDA tests of the FP16 range certificate and of the solver / pipelines whose default it
 #            changes, then the flow's direct rows with FP32 and with FP16 operands at B=1,4,8,16 (one run)
+#   cublas16 session 60: the CUDA tests of the fused body and slot pool (the staged FP16 body's out-proj and fc2 as
+#            cuBLAS FP16 GEMMs), then cublas16_probe.py: tile GEMMs against cuBLAS ones at B=16,8,4 (one run)
 #   table    code2wav_bench.py: the issue's table (session 22's rows, slot pool, row merging, whole flow chunk,
 #            HiFT, upstream minicpmo-utils 1.0.7 inference_chunk from .upstream_ref, which git ignores: unpack
 #            `pip download --no-deps minicpmo-utils==1.0.7`, copy its src/ to .upstream_ref and carry it), one call
@@ -192,6 +194,10 @@ for s in "$@"; do
             tests/code2wav/test_pipeline.py tests/code2wav/test_pipeline_batched.py tests/code2wav/test_pipeline_slot_pool.py
           step fp16rows 280 python benchmarks/code2wav_bench.py --out "$W/fp16rows" --batches 1,16,4,8 --budget 0.3 \
             --only graphs --rows "=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct" ;;
+    cublas16) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
+              step c16tests 240 python -m pytest -q -p no:cacheprovider -n "$n" -rsf tests/code2wav/test_fused_dit.py \
+                tests/code2wav/test_slot_pool.py tests/code2wav/test_pipeline_slot_pool.py -k cuda
+              step c16probe 240 python benchmarks/cublas16_probe.py --out "$W/c16probe" --batches 16,8,4 ;;
     profile) step profile 300 python benchmarks/code2wav_replay_profile.py --out "$W/profile" --batches 1,8,16 \
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}

@@ -250,19 +250,23 @@ def test_matches_upstream_original_dit_full_width():
 @requires_cuda
 @pytest.mark.parametrize("R,gemm", [(8, "cublas"), (2, "cublas"), (32, "cublas"), (2, "cublas-split"),
                                     (8, "cublas-split"), (32, "wide"), (16, "wide"), (32, "wide16"),
-                                    (8, "wide16")])
+                                    (8, "wide16"), (32, "wide16-tiles"), (8, "wide16-tiles")])
 @pytest.mark.parametrize("tf32,tol", [(False, 1e-5), (True, 1e-3)])
 def test_cuda_fused_vs_original_full_size(tf32, tol, R, gemm):
     """gemm "wide": the Triton tile GEMMs forced on (by default they run with TF32 from 768 rows, so
     R=32 "cublas" with TF32 takes them too); with TF32 off they compute IEEE dots. "wide16": FP16
-    operands (``gemm_operands="fp16"``, tile GEMMs from any staged row count under TF32)."""
+    operands (``gemm_operands="fp16"``, tile GEMMs from any staged row count under TF32, but for the out-proj
+    and fc2 as cuBLAS FP16 GEMMs with FP32 outputs); "wide16-tiles": the same with every GEMM a tile GEMM
+    (``FusedDiT.cublas16`` empty)."""
     from minicpmo_rt.code2wav.flow_config import FULL_SIZE
     from minicpmo_rt.code2wav.precision import matmul_tf32
     dit = our_dit(FULL_SIZE.dit, seed=7).cuda()
     kind = dict(gemm="cublas-split", wide_gemm=True) if gemm == "wide" else dict(gemm=gemm)
-    if gemm == "wide16":    # FP16 operands under TF32; with TF32 off the workspace keeps FP32 ones (IEEE dots)
+    if gemm.startswith("wide16"):   # FP16 operands under TF32; with TF32 off the workspace keeps FP32 ones (IEEE dots)
         kind = dict(gemm="cublas-split", gemm_operands="fp16")
     fused = FusedDiT(dit, attention="triton-tf32" if tf32 else "triton-ieee", **kind)
+    if gemm == "wide16-tiles":
+        fused.cublas16 = frozenset()
     kw = inputs(R, 50, 400, 16, 512, 8, 64, seed=8, device="cuda")
     with matmul_tf32(False), ieee_cudnn():   # the reference is always IEEE (its Conv1d runs in cuDNN)
         ref = dit.forward_chunk(**kw)
@@ -368,6 +372,38 @@ def test_wide_gemm_body_matches_original_tiny(R, T, Lc, qkv_ln, monkeypatch):
     assert not FusedDiT(dit, attention="triton-tf32", use_triton=True, block_kernel=True,
                         wide_gemm=True).uses_wide(R, T, dev)
     assert not FusedDiT(dit, use_triton=True).uses_wide(32, 50, "cpu")          # auto: CUDA only
+
+
+def test_cublas16_roles_only_on_cuda_and_overridable():
+    """The staged FP16-operand body's out-proj and fc2 run as cuBLAS FP16 GEMMs (FP32 out) on CUDA only:
+    ``torch.mm(out_dtype=)`` exists only there, so CPU (the interpreter's tests) keeps the tile GEMMs."""
+    from minicpmo_rt.code2wav.fused_dit import CUBLAS16_ROLES
+    fused = FusedDiT(our_dit(), use_triton=False, gemm_operands="fp16")
+    assert fused.cublas16_roles("cpu") == frozenset()
+    assert fused.cublas16_roles("cuda") == CUBLAS16_ROLES == {"proj", "fc2"}
+    fused.cublas16 = frozenset({"fc2"})
+    assert fused.cublas16_roles("cuda") == {"fc2"} and fused.cublas16_roles("cpu") == {"fc2"}
+
+
+@requires_cuda
+@pytest.mark.parametrize("R", [8, 32])
+def test_cuda_cublas16_matches_tile_gemms(R):
+    """Out-proj and fc2 as cuBLAS FP16 GEMMs with FP32 outputs (the default with FP16 operands on CUDA)
+    against the tile GEMMs: the same exact FP16 products summed in FP32, so only the summation order could
+    differ (the H100 probe found the mel bit-identical); FP32 tolerance."""
+    from minicpmo_rt.code2wav.flow_config import FULL_SIZE
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    dit = our_dit(FULL_SIZE.dit, seed=7).cuda()
+    kw = inputs(R, 50, 400, 16, 512, 8, 64, seed=8, device="cuda")
+    outs = []
+    for roles in (None, frozenset()):
+        fused = FusedDiT(dit, attention="triton-tf32", gemm="cublas-split", gemm_operands="fp16")
+        fused.cublas16 = roles
+        with matmul_tf32(True):
+            outs.append(fused.forward_chunk(**kw))
+    errs = [rel_err(a, b) for a, b in zip(*outs)]
+    print(f"cuBLAS FP16 out-proj + fc2 vs tile GEMMs, R={R}: {errs}")
+    assert max(errs) <= 1e-5
 
 
 @pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),

@@ -28,7 +28,8 @@ GEMMs instead (``kernels/wide_gemm.py``, ``blocks``): conv1/conv2 as implicit GE
 GEMM's epilogue (``WIDE_QKV_LN_MAX_ROWS``): 11 kernels per block, none of them cuBLAS's GELU or
 memset kernels. With FP16 operands (``gemm_operands="fp16"``, which the knobs pick where the weights'
 range certificate fits, ``operand_range``) they take every staged row
-count, and fc2 too.
+count, but for the out-proj and fc2, which on CUDA run as cuBLAS FP16 GEMMs with FP32 outputs
+(``CUBLAS16_ROLES``).
 
 Without Triton (CPU CI, pre-SM80 CUDA, HIP) every fused stage runs as its torch
 formulation on the same buffers and attention goes through SDPA: the "SDPA
@@ -110,6 +111,14 @@ WIDE_MIN_ROWS = 768
 # isolation at 100 rows one block's five GEMMs take 25 us against cuBLAS TF32's 34
 # (fp16_operand_probe_session13_h200.md).
 WIDE16_MIN_ROWS = 0
+# ... but for these roles, which on CUDA run as cuBLAS FP16 GEMMs with FP32 outputs (``torch.mm(out_dtype=)``:
+# the tile GEMMs' arithmetic, exact FP16 products summed in FP32; their bias goes to the residual stage
+# after them, as split-K partials' does). Both take K in order without splits, and the mel came out
+# bit-identical. H100, the flow's solve as called (cublas16_probe_session60_h100.md), tile GEMMs / cuBLAS
+# out-proj + fc2: B=4 13.03 / 12.39 ms, B=8 16.16 / 15.03, B=16 22.66 / 21.91 (fc2 alone 12.39 / 15.18 / 22.26,
+# out-proj alone 12.84 / 16.06 / 22.76). The QKV (head-LN epilogue), the convs (taps summed in the GEMM) and
+# fc1 (GELU) keep their tile GEMMs' epilogues. The CPU interpreter has no such cuBLAS call: tile GEMMs there.
+CUBLAS16_ROLES = frozenset({"proj", "fc2"})
 # Up to this many rows (None: any) the wide path's QKV GEMM also applies the q/k head LNs in its
 # epilogue and writes [k|v] straight into the cache (``wide_qkv``). H200 whole-solve replays, same
 # machine (code2wav_gemm_probe_session11_qkv_h200.md): B=8 16.14 vs 16.45 ms with the separate LN
@@ -321,6 +330,9 @@ class FusedDiT:
         # tiled_attention.device_tma); False: pointer loads
         self.direct_tma: bool | None = None
         self.block_k_step_scale: int | None = None     # block kernel's K step x this (None: 2 with FP16 weights)
+        # staged body with FP16 operands: the GEMM roles that run as cuBLAS FP16 GEMMs with FP32 outputs
+        # (None: ``CUBLAS16_ROLES`` on CUDA, none elsewhere; benchmarks/cublas16_probe.py sets them)
+        self.cublas16: frozenset[str] | None = None
         ok, why = dit_block.supported(self.L.hidden, self.L.heads, self.L.head_dim, self.L.mlp_hidden)
         if block_kernel and not ok:
             raise ValueError(f"block_kernel: this DiT's shapes do not fit the persistent kernel: {why}")
@@ -684,6 +696,12 @@ class FusedDiT:
         FP32 (rounded to nearest TF32 with ``rounded``)."""
         return self.stacked_weights(False, torch.float16) if half else self.stacked_weights(rounded)
 
+    def cublas16_roles(self, device) -> frozenset[str]:
+        """The staged body's GEMM roles that run as cuBLAS FP16 GEMMs (FP32 out) when its operands are FP16."""
+        if self.cublas16 is not None:
+            return self.cublas16
+        return CUBLAS16_ROLES if torch.device(device).type == "cuda" else frozenset()
+
     def runs_persistent(self, ws: Workspace) -> bool:
         """Does ``blocks`` take the persistent block kernel for this workspace under the current
         TF32 setting? Auto: only while TF32 is on (its IEEE dots would trail cuBLAS FP32); the
@@ -748,6 +766,7 @@ class FusedDiT:
         # with FP16 operands every operand buffer and weight is FP16, ``store_operand``)
         wide = ws.wide
         rnd = wide and dit_block.rounds(precision, ws.h.device)
+        by_cublas = self.cublas16_roles(ws.h.device) if half else frozenset()
         wts = self._gemm_weights(half, True) if half or rnd else None
         kt = 1 if wide else K           # taps the conv outputs still hold
 
@@ -774,7 +793,10 @@ class FusedDiT:
                 b = self._gemm(ws.norm.view(N, C), wt("w_qkv", i, self.w_qkv[i]), self.b_qkv[i], ws.qkv, wide)
                 self._qkv_ln(ws, blk, kv_cur, rows, pos, bias=b)
             self._attend(ws, kv[i], mask, rows, round_out=rnd, streams=streams, layer=i)
-            b = self._gemm(ws.o.view(N, -1), wt("w_proj", i, a.proj.weight), a.proj.bias, ws.y, wide)
+            if "proj" in by_cublas:
+                b = _mm16(ws.o.view(N, -1), wt("w_proj", i, a.proj.weight), a.proj.bias, ws.y)
+            else:
+                b = self._gemm(ws.o.view(N, -1), wt("w_proj", i, a.proj.weight), a.proj.bias, ws.y, wide)
             h1, h2 = hist[i, 0], hist[i, 1]
             w_taps1, w_taps2, w_fc1 = (wt("w_taps1", i, self.w_taps1[i]), wt("w_taps2", i, self.w_taps2[i]),
                                        wt("w_fc1", i, mlp.fc1.weight))
@@ -787,8 +809,12 @@ class FusedDiT:
                          taps=kt, round_out=rnd, prefetch=ahead(w_fc1))
             self._gemm(ws.norm.view(N, C), w_fc1, mlp.fc1.bias, ws.mlp.view(1, N, -1), wide,
                        gelu=True, round_out=rnd)
-            # fc2: cuBLAS with FP32 operands (a tile GEMM is no faster there), a tile GEMM with FP16 ones
-            b = self._gemm(ws.mlp.view(N, -1), wt("w_fc2", i, mlp.fc2.weight), mlp.fc2.bias, ws.y2, half)
+            # fc2: cuBLAS with FP32 operands (a tile GEMM is no faster there); with FP16 ones cuBLAS's FP16 GEMM
+            # on CUDA (CUBLAS16_ROLES), a tile GEMM under the interpreter
+            if "fc2" in by_cublas:
+                b = _mm16(ws.mlp.view(N, -1), wt("w_fc2", i, mlp.fc2.weight), mlp.fc2.bias, ws.y2)
+            else:
+                b = self._gemm(ws.mlp.view(N, -1), wt("w_fc2", i, mlp.fc2.weight), mlp.fc2.bias, ws.y2, half)
             # this block's MLP residual fused with the next block's attention-input LN (or the final one)
             self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps, round_out=rnd,
                          prefetch=ahead(wt("w_qkv", i + 1, self.w_qkv[i + 1])) if i + 1 < L.depth else None)
@@ -830,6 +856,13 @@ class FusedDiT:
         L = self.L
         return torch.empty(L.depth, 2, R, T + L.taps - 1, L.hidden, device=device,
                            dtype=self._operands_for(R, T, device, dtype))
+
+
+def _mm16(x16: torch.Tensor, w16: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (1, M, N) FP32 = x16 @ w16.T by cuBLAS (FP16 operands, FP32 output and sums: the tile GEMMs'
+    arithmetic); returns the bias for the stage that reads ``out`` (as split-K partials do)."""
+    torch.mm(x16, w16.t(), out_dtype=torch.float32, out=out.view(x16.shape[0], -1))
+    return b
 
 
 @functools.lru_cache(maxsize=None)
