@@ -627,7 +627,8 @@ class FusedDiT:
             torch._C._nn.gelu_(out2d, approximate="tanh")
 
     def _gemm(self, x2d: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
-              wide: bool = False, taps: int = 1, gelu: bool = False, round_out: bool = False):
+              wide: bool = False, taps: int = 1, gelu: bool = False, round_out: bool = False,
+              cublas16: bool = False):
         """``out`` (S, ..., N) = x2d @ w.T (+ b) as S split-K partials. S == 1: one GEMM with its bias
         (and tanh-GELU), returns None. S > 1: partial s = x2d[:, slice s] @ w[:, slice s].T, one
         strided-batched GEMM (no copies: both slicings are strides cuBLAS takes); returns the bias
@@ -635,8 +636,13 @@ class FusedDiT:
         ``wide``: a Triton tile GEMM (``wide_gemm``, S == 1) instead, where ``taps`` > 1 makes it the
         implicit conv (w the taps matrix, out C wide) and ``round_out`` stores the result TF32-rounded;
         without ``wide`` the taps matrix gives cuBLAS's taps products (out K*C wide) and ``taps`` and
-        ``round_out`` are not used."""
+        ``round_out`` are not used.
+        ``cublas16``: FP16 operands into an FP32 ``out`` by cuBLAS (``CUBLAS16_ROLES``: the tile GEMMs'
+        arithmetic), returning the bias for the stage that reads ``out``, as split-K partials do."""
         M = x2d.shape[0]
+        if cublas16:
+            torch.mm(x2d, w.t(), out_dtype=torch.float32, out=out.view(M, -1))
+            return b
         if wide:
             _wide_gemm(x2d, w, b, out.view(M, -1), gelu=gelu, taps=taps, round_out=round_out,
                        precision=dot_precision(x2d), tma=_has_tma(x2d.device))
@@ -793,10 +799,8 @@ class FusedDiT:
                 b = self._gemm(ws.norm.view(N, C), wt("w_qkv", i, self.w_qkv[i]), self.b_qkv[i], ws.qkv, wide)
                 self._qkv_ln(ws, blk, kv_cur, rows, pos, bias=b)
             self._attend(ws, kv[i], mask, rows, round_out=rnd, streams=streams, layer=i)
-            if "proj" in by_cublas:
-                b = _mm16(ws.o.view(N, -1), wt("w_proj", i, a.proj.weight), a.proj.bias, ws.y)
-            else:
-                b = self._gemm(ws.o.view(N, -1), wt("w_proj", i, a.proj.weight), a.proj.bias, ws.y, wide)
+            b = self._gemm(ws.o.view(N, -1), wt("w_proj", i, a.proj.weight), a.proj.bias, ws.y, wide,
+                           cublas16="proj" in by_cublas)
             h1, h2 = hist[i, 0], hist[i, 1]
             w_taps1, w_taps2, w_fc1 = (wt("w_taps1", i, self.w_taps1[i]), wt("w_taps2", i, self.w_taps2[i]),
                                        wt("w_fc1", i, mlp.fc1.weight))
@@ -811,10 +815,8 @@ class FusedDiT:
                        gelu=True, round_out=rnd)
             # fc2: cuBLAS with FP32 operands (a tile GEMM is no faster there); with FP16 ones cuBLAS's FP16 GEMM
             # on CUDA (CUBLAS16_ROLES), a tile GEMM under the interpreter
-            if "fc2" in by_cublas:
-                b = _mm16(ws.mlp.view(N, -1), wt("w_fc2", i, mlp.fc2.weight), mlp.fc2.bias, ws.y2)
-            else:
-                b = self._gemm(ws.mlp.view(N, -1), wt("w_fc2", i, mlp.fc2.weight), mlp.fc2.bias, ws.y2, half)
+            b = self._gemm(ws.mlp.view(N, -1), wt("w_fc2", i, mlp.fc2.weight), mlp.fc2.bias, ws.y2, half,
+                           cublas16="fc2" in by_cublas)
             # this block's MLP residual fused with the next block's attention-input LN (or the final one)
             self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps, round_out=rnd,
                          prefetch=ahead(wt("w_qkv", i + 1, self.w_qkv[i + 1])) if i + 1 < L.depth else None)
@@ -856,13 +858,6 @@ class FusedDiT:
         L = self.L
         return torch.empty(L.depth, 2, R, T + L.taps - 1, L.hidden, device=device,
                            dtype=self._operands_for(R, T, device, dtype))
-
-
-def _mm16(x16: torch.Tensor, w16: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (1, M, N) FP32 = x16 @ w16.T by cuBLAS (FP16 operands, FP32 output and sums: the tile GEMMs'
-    arithmetic); returns the bias for the stage that reads ``out`` (as split-K partials do)."""
-    torch.mm(x16, w16.t(), out_dtype=torch.float32, out=out.view(x16.shape[0], -1))
-    return b
 
 
 @functools.lru_cache(maxsize=None)
