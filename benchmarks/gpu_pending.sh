@@ -76,6 +76,14 @@
 #   ftests   CUDA tests of the final chunks' padded encoder calls (EncoderGraphs.ended, warm-up, serving)
 #   ptests   CUDA tests of the slot pool in the pipeline (the wide final keys precaptured, finals joining)
 #   pool     stream_churn_bench.py --breakdown --final-codes 1,25: the default against the slot pool (opt-in)
+#   c16tests the CUDA tests of the fused body and slot pool (the cublas16 step without its probe)
+#   overhead solve_overhead_probe.py at batches 1 and 16 (the flow's choices), then batch 1 on the direct path:
+#            host steps and the GPU timeline of one solve as called (where "as called" exceeds the replay)
+#   dpf      the block kernel's direct phase prefetching each row's old frames (kernels.dit_block.DIRECT_PREFETCH,
+#            session 61): its CUDA tests, then off / on at batches 1-2 on the direct path, then batch 1 through the
+#            arena (BLOCK_DIRECT_MIN_ROWS 200, the default) against the direct path (100), as called
+#   hostab   solve_overhead_probe.py at batches 1 and 16, the tree in _base/src (`git archive <commit> src | tar -x -C
+#            _base`) against this one, two alternating pairs (session 61: the solve's host steps before its replay)
 #   profile  code2wav_replay_profile.py: GPU time by kernel class of the flow's trimmed solve (the direct path from
 #            batch 4) and the untrimmed arena solve, batches 1, 8, 16
 #   dtests   CUDA tests of the Talker (turn engine, duplex TalkerTurns: fused against torch, graphs), the duplex
@@ -198,6 +206,23 @@ for s in "$@"; do
               step c16tests 240 python -m pytest -q -p no:cacheprovider -n "$n" -rsf tests/code2wav/test_fused_dit.py \
                 tests/code2wav/test_slot_pool.py tests/code2wav/test_pipeline_slot_pool.py -k cuda
               step c16probe 240 python benchmarks/cublas16_probe.py --out "$W/c16probe" --batches 16,8,4 ;;
+    c16tests) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
+              step c16tests 240 python -m pytest -q -p no:cacheprovider -n "$n" -rsf tests/code2wav/test_fused_dit.py \
+                tests/code2wav/test_slot_pool.py tests/code2wav/test_pipeline_slot_pool.py -k cuda ;;
+    overhead) step overhead 240 python benchmarks/solve_overhead_probe.py --out "$W/overhead" --batches 1,16
+              step overhead_direct1 150 python benchmarks/solve_overhead_probe.py --out "$W/overhead_direct1" \
+                --batches 1 --direct on ;;
+    dpf) step dpftests 200 python -m pytest -q -p no:cacheprovider -rsf tests/code2wav/test_euler_graph.py \
+           -k "block_kernel or direct"
+         step dpf 240 python benchmarks/solve_switch_probe.py --out "$W/dpf" --attr kernels.dit_block.DIRECT_PREFETCH \
+           --values 0,1 --batches 1,2 --trim --called --direct on --gemm-operands fp16
+         step dpf1 200 python benchmarks/solve_switch_probe.py --out "$W/dpf1" \
+           --attr euler_graph.BLOCK_DIRECT_MIN_ROWS --values 200,100 --batches 1 --trim --called --gemm-operands fp16 ;;
+    hostab) for i in 1 2; do    # PYTHONPATH as this script's, with the baseline's src first
+              step "hostab_base$i" 150 env PYTHONPATH="$PWD/_base/src:$PWD/tests:$PWD/benchmarks" \
+                python benchmarks/solve_overhead_probe.py --out "$W/hostab_base$i" --batches 1,16
+              step "hostab_new$i" 150 python benchmarks/solve_overhead_probe.py --out "$W/hostab_new$i" --batches 1,16
+            done ;;
     profile) step profile 300 python benchmarks/code2wav_replay_profile.py --out "$W/profile" --batches 1,8,16 \
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}

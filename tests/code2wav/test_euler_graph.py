@@ -276,6 +276,32 @@ def test_block_kernel_direct_solve_matches_the_arena():
     assert not any(k.direct for k in auto._statics)         # by default few rows keep the arena
 
 
+@requires_cuda
+@pytest.mark.skipif(not kernels.AVAILABLE, reason="needs Triton")
+def test_cuda_block_kernel_direct_prefetch_changes_no_result(monkeypatch):
+    """The block kernel's direct phase asks L2 for each row's old frames (``dit_block.DIRECT_PREFETCH``, inline
+    PTX, so CUDA only: the interpreter issues no prefetch). A prefetch is a hint: with it on and off the solve
+    (batch 1 padded to 2 and batch 2, per-stream caches, graph replay) gives the same bits."""
+    from minicpmo_rt.code2wav.kernels import dit_block
+
+    cfm = tiny_cfm(seed=16).to("cuda")
+    cfg = GraphConfig(batch_buckets=(2,), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(dit_block, "DIRECT_PREFETCH", on)
+        solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S, config=cfg,
+                                  use_triton=True, block_kernel=True, direct=True)
+        for B in (1, 2):
+            kw = chunk(B, 6, 8, seed=60 + B, device="cuda")
+            att = kw.pop("att_cache")
+            streams = [torch.cat([att[:, :, i:i + 1], att[:, :, B + i:B + i + 1]], 2) for i in range(B)]
+            got = solver.solve(**kw, att_cache=streams, trim=(5, 4))
+            assert all(k.direct for k in solver.graphs())
+            outs[on, B] = [got[0].clone(), got[1].clone(), _stacked(got[2]).clone()]
+    for B in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(outs[True, B], outs[False, B]))
+
+
 @pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
                     reason="Triton needs CUDA or TRITON_INTERPRET=1")
 def test_block_kernel_arena_writes_the_trimmed_successor(monkeypatch):

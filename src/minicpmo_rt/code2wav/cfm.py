@@ -45,11 +45,14 @@ class CausalConditionalCFM(nn.Module):
         noise = torch.randn(1, self.out_channels, noise_frames, generator=gen, device="cpu")
         self.register_buffer("rand_noise", noise, persistent=False)
 
-    def noise(self, offset: int, frames: int, temperature: float = 1.0) -> torch.Tensor:
+    def noise(self, offset: int, frames: int, temperature: float = 1.0, view: bool = False) -> torch.Tensor:
+        """The fixed noise frames [offset, offset + frames) times ``temperature``, (1, 80, frames), in memory of
+        their own; ``view=True``: at temperature 1 a read-only view of the buffer instead (no kernel launch)."""
         if offset + frames > self.rand_noise.shape[2]:
             raise ValueError(f"noise buffer holds {self.rand_noise.shape[2]} frames; "
                              f"frames {offset}..{offset + frames} requested (utterance or cache too long)")
-        return self.rand_noise[:, :, offset:offset + frames] * temperature
+        z = self.rand_noise[:, :, offset:offset + frames]
+        return z if view and temperature == 1.0 else z * temperature
 
     def _guide(self, v: torch.Tensor) -> torch.Tensor:
         cond, uncond = v.chunk(2, dim=0)

@@ -760,17 +760,19 @@ class WholeEulerSolver:
         return self._uploads
 
     def _fill(self, st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L, widths=None) -> None:
+        """This call's inputs into the static buffers the graph reads: as few launches as may be, since the
+        host time they take comes before the replay (~1 ms of a batch-16 solve as called, in session 61)."""
         Bb, Q, O = st.key.batch, st.key.query, st.key.offset
         if st.key.rows:     # each row's noise at its own cache length, one copy per run of equal lengths
             i = 0
             while i < B:
                 n = att_cache[i].shape[4]
                 j = next((k for k in range(i, B) if att_cache[k].shape[4] != n), B)
-                z = self.cfm.noise(n, T, temperature).to(mu.dtype).transpose(1, 2)
+                z = self.cfm.noise(n, T, temperature, view=True).to(mu.dtype).transpose(1, 2)
                 st.z[i:j, :T].copy_(z.expand(j - i, -1, -1))
                 i = j
         else:
-            z = self.cfm.noise(L, T, temperature).to(mu.dtype).transpose(1, 2)      # (1, T, 80)
+            z = self.cfm.noise(L, T, temperature, view=True).to(mu.dtype).transpose(1, 2)      # (1, T, 80)
             st.z[:B, :T].copy_(z.expand(B, -1, -1))
         st.mu[:B, :T].copy_(mu.transpose(1, 2))
         st.cond[:B, :T].copy_(cond.transpose(1, 2))
@@ -785,6 +787,8 @@ class WholeEulerSolver:
         st.spk[:B].copy_(spks)
         if cnn_cache is None:
             st.cnn_in.zero_()
+        elif B == Bb:
+            st.cnn_in.copy_(cnn_cache)
         else:
             st.cnn_in[:, :, :B].copy_(cnn_cache[:, :, :B])
             st.cnn_in[:, :, Bb:Bb + B].copy_(cnn_cache[:, :, B:])
@@ -792,7 +796,9 @@ class WholeEulerSolver:
         if self.body == "fused":
             if L and st.streams is None:   # the bulk of a chunk's copying (8.4 GB at batch 16): 16 bytes per access
                 copy(st.kv[..., Q:Q + L, :], att_cache, B, Bb)
-            torch.arange(T, T + self.K1, out=st.cnn_idx)    # on the device: a host copy would wait for it
+            if st.extra.get("cnn_idx_T") != T:   # made on the device (a host copy would wait for it), once per T
+                torch.arange(T, T + self.K1, out=st.cnn_idx)
+                st.extra["cnn_idx_T"] = T
             if st.mask is not None:
                 keys = torch.zeros(Bb, Q + O, dtype=torch.bool)
                 keys[:, :T] = True

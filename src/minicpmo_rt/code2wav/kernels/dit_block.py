@@ -94,6 +94,10 @@ PREFETCH = 11
 # SM90's bulk prefetch (one per program and region) instead of one per 128-byte line (dit_block_profile_prefetch_
 # session20_h200.json, PREFETCH 11: 44.55 against 44.76 us per block, 190 registers against 236)
 BULK_PREFETCH = True
+# The direct phase (each row's old frames read where its stream cache holds them) prefetches those frames of the
+# block's step and layer with the weights, at the end of the QKV GEMM (``_prefetch_at``), as the arena's phase
+# prefetches the arena; before session 61 only the arena's were.
+DIRECT_PREFETCH = True
 # With key splits, the split that finishes a query block last combines its partials (``tiled_attention.
 # _last_combine``, counted in ``tile_ctr``) instead of phase 3 after a barrier of its own. Whole-solve replays
 # (last_combine_probe_session21_h200.md), off / on: B=1 7.42-7.45 / 7.30-7.34 ms (B=2 has no key splits).
@@ -127,14 +131,22 @@ if AVAILABLE:
 
     @triton.jit
     def _prefetch_at(END: tl.constexpr, ON: tl.constexpr, pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2,
-                     WQKV_NEXT, n_qkv_next, n_proj, n_taps, n_mlp, BULK: tl.constexpr):
+                     WQKV_NEXT, n_qkv_next, n_proj, n_taps, n_mlp, BULK: tl.constexpr,
+                     BASE, SRC, step, layer, R, H: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr):
         """The L2 prefetches due at the end of phase END (none unless ON): each GEMM's weights at the end of
         the phase just before it (the attention's combine for the out-proj, the previous block's last phase
-        for the QKV), and the attention's cache at the end of the QKV GEMM. Weights do not depend on the
-        phase before, so their HBM latency runs under that phase's barrier."""
+        for the QKV), and the attention's cache at the end of the QKV GEMM: the arena's, or (``DIRECT``) each
+        row's old frames of this step and layer where its ``SRC`` table row says (a contiguous (H, frames,
+        2D) block per row). Neither depends on the phase before, so their HBM latency runs under that phase's
+        barrier."""
         if ON:
             if END == 0:
-                _prefetch_l2(KV, kv_extent, pid, nprog, BULK)
+                if DIRECT:
+                    for b in range(R):
+                        old, _ = stream_row(BASE, SRC, b, 0 * b, step, layer, 0, D)     # head 0: the row's block start
+                        _prefetch_l2(old, H * (2 * D) * tl.load(SRC + b * 8 + 4), pid, nprog, BULK)
+                else:
+                    _prefetch_l2(KV, kv_extent, pid, nprog, BULK)
             if END == 3:
                 _prefetch_l2(WPROJ, n_proj, pid, nprog, BULK)
             if END == 5:
@@ -151,19 +163,19 @@ if AVAILABLE:
     @triton.jit
     def _phase_end(END: tl.constexpr, CTR, nb, nprog, TIMES, pid, TIMED: tl.constexpr, PREFETCH: tl.constexpr,
                    BULK: tl.constexpr, KV, kv_extent, WPROJ, WT1, WT2, W1, W2, WQKV_NEXT, n_qkv_next, n_proj, n_taps,
-                   n_mlp):
+                   n_mlp, BASE, SRC, step, layer, R, H: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr):
         """The grid barrier after phase END (barrier nb+1: nb+1 arrivals per program; stamped; returns nb+1),
         with the prefetches due then (``PREFETCH``: 1 before this program's arrival, 11 between its arrival
         and its wait)."""
         _prefetch_at(END, PREFETCH == 1, pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2, WQKV_NEXT,
-                     n_qkv_next, n_proj, n_taps, n_mlp, BULK)
+                     n_qkv_next, n_proj, n_taps, n_mlp, BULK, BASE, SRC, step, layer, R, H, D, DIRECT)
         nb += 1
         if TIMED == 2:      # this program's arrival
             tl.store(TIMES + (2 * nb - 1) * nprog + pid, tl.extra.cuda.globaltimer())
         tl.debug_barrier()      # every warp's stores of the phase are issued before the program arrives
         tl.atomic_add(CTR, 1, sem="release", scope="gpu")
         _prefetch_at(END, PREFETCH == 11, pid, nprog, KV, kv_extent, WPROJ, WT1, WT2, W1, W2,
-                     WQKV_NEXT, n_qkv_next, n_proj, n_taps, n_mlp, BULK)
+                     WQKV_NEXT, n_qkv_next, n_proj, n_taps, n_mlp, BULK, BASE, SRC, step, layer, R, H, D, DIRECT)
         while tl.atomic_add(CTR, 0, sem="acquire", scope="gpu") < nb * nprog:
             pass
         tl.debug_barrier()
@@ -234,7 +246,7 @@ if AVAILABLE:
                    PV16: tl.constexpr = False, DIRECT: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                    BULK_PREFETCH: tl.constexpr = False, LAST_COMBINE: tl.constexpr = False,
                    SUCC: tl.constexpr = False, ROW_COPY: tl.constexpr = True,
-                   ROW_LENGTHS: tl.constexpr = False):
+                   ROW_LENGTHS: tl.constexpr = False, PF_OLD: tl.constexpr = False):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         M = R * T
@@ -287,7 +299,8 @@ if AVAILABLE:
                             False, ROUND, PRECISION)
             if PHASE < 0:
                 nb = _phase_end(0, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
-                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                BASE, SRC, step, i, R, H, D, PF_OLD)
             if PHASE < 0 or PHASE == 1:
                 for n in range(pid, M, nprog):
                     qkv_head_ln_row(n, QKV, BQKV, QNW, QNB, KNW, KNB, Q, KV, ROWS, POS,
@@ -295,7 +308,8 @@ if AVAILABLE:
                                     T, H, D, qk_eps, BLOCK_H, D, POOLED, True, S_QKV)
             if PHASE < 0:
                 nb = _phase_end(1, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
-                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                BASE, SRC, step, i, R, H, D, PF_OLD)
             if PHASE < 0 or PHASE == 2:
                 for u in range(pid, R * H * n_mblk * A_SPLITS, nprog):
                     split = u % A_SPLITS
@@ -322,7 +336,7 @@ if AVAILABLE:
             if PHASE < 0:     # the out-proj's weights are due here unless a combine phase follows
                 nb = _phase_end(2 + (COMBINE_PHASE == 0), CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH,
                                 KV, kv_extent, WPROJ, WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C,
-                                MLPH * C)
+                                MLPH * C, BASE, SRC, step, i, R, H, D, PF_OLD)
             if COMBINE_PHASE:
                 if PHASE < 0 or PHASE == 3:
                     n_cblk = tl.cdiv(T, C_BM)
@@ -332,13 +346,15 @@ if AVAILABLE:
                                           D, C_BM, A_SPLITS, ROUND)
                 if PHASE < 0:
                     nb = _phase_end(3, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
-                                    WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                    WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                    BASE, SRC, step, i, R, H, D, PF_OLD)
             if PHASE < 0 or PHASE == 4:
                 _gemm_phase(pid, nprog, O, WPROJ, Y, BPROJ, M, C, HD, S_PROJ, BM_PROJ, BN_PROJ, BK_PROJ,
                             False, ROUND, PRECISION)
             if PHASE < 0:
                 nb = _phase_end(4, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
-                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                BASE, SRC, step, i, R, H, D, PF_OLD)
             if PHASE < 0 or PHASE == 5:
                 for n in range(pid, M, nprog):
                     res_ln_row(n, HX, Y, BPROJ, G_MSA, SH_CONV, SC_CONV, HIST1 + (TAPS - 1) * C,
@@ -346,26 +362,30 @@ if AVAILABLE:
                                0, True, True, S_PROJ, BLOCK_C, ROUND)
             if PHASE < 0:
                 nb = _phase_end(5, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
-                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                BASE, SRC, step, i, R, H, D, PF_OLD)
             if PHASE < 0 or PHASE == 6:
                 _gemm_phase(pid, nprog, HIST1, WT1, TAPSB, BC1, Mh, NT, C, S_CONV, BM_CONV, BN_CONV, BK_CONV,
                             False, ROUND, PRECISION)
             if PHASE < 0:
                 nb = _phase_end(6, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
-                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                BASE, SRC, step, i, R, H, D, PF_OLD)
             if PHASE < 0 or PHASE == 7:
                 for n in range(pid, M, nprog):
                     taps_ln_mish_row(n, TAPSB, BC1, LNW, LNB, HIST2 + (TAPS - 1) * C, Th * NT, NT, Th * C, C,
                                      Mh * NT, T, C, conv_eps, TAPS, S_CONV, BLOCK_C, ROUND)
             if PHASE < 0:
                 nb = _phase_end(7, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
-                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                BASE, SRC, step, i, R, H, D, PF_OLD)
             if PHASE < 0 or PHASE == 8:
                 _gemm_phase(pid, nprog, HIST2, WT2, TAPSB, BC2, Mh, NT, C, S_CONV, BM_CONV, BN_CONV, BK_CONV,
                             False, ROUND, PRECISION)
             if PHASE < 0:
                 nb = _phase_end(8, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
-                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                BASE, SRC, step, i, R, H, D, PF_OLD)
             if PHASE < 0 or PHASE == 9:
                 for n in range(pid, M, nprog):
                     res_ln_row(n, HX, TAPSB, BC2, G_CONV, SH_MLP, SC_MLP, NORM,
@@ -373,19 +393,22 @@ if AVAILABLE:
                                TAPS, True, True, S_CONV, BLOCK_C, ROUND)
             if PHASE < 0:
                 nb = _phase_end(9, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
-                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                BASE, SRC, step, i, R, H, D, PF_OLD)
             if PHASE < 0 or PHASE == 10:
                 _gemm_phase(pid, nprog, NORM, W1, MLP, B1, M, MLPH, C, 1, BM_FC1, BN_FC1, BK_FC1,
                             True, ROUND, PRECISION)
             if PHASE < 0:
                 nb = _phase_end(10, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
-                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                BASE, SRC, step, i, R, H, D, PF_OLD)
             if PHASE < 0 or PHASE == 11:
                 _gemm_phase(pid, nprog, MLP, W2, Y2, B2, M, C, MLPH, S_FC2, BM_FC2, BN_FC2, BK_FC2,
                             False, ROUND, PRECISION)
             if PHASE < 0:
                 nb = _phase_end(11, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent, WPROJ,
-                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                BASE, SRC, step, i, R, H, D, PF_OLD)
             if PHASE < 0 or PHASE == 12:
                 for n in range(pid, M, nprog):
                     res_ln_row(n, HX, Y2, B2, G_MLP, NSH, NSC, NORM,
@@ -394,7 +417,8 @@ if AVAILABLE:
             if PHASE < 0:
                 if i + 1 < first + n_blocks:     # block i+1 reads the residual stream block i wrote
                     nb = _phase_end(12, CTR, nb, nprog, TIMES, pid, TIMED, PREFETCH, BULK_PREFETCH, KV, kv_extent,
-                                    WPROJ, WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C)
+                                    WPROJ, WT1, WT2, W1, W2, WQKV + 3 * HD * C, pf_next, C * HD, NT * C, MLPH * C,
+                                    BASE, SRC, step, i, R, H, D, PF_OLD)
         if PHASE < 0:
             if TIMED == 2:      # the last phase's end, as an arrival
                 tl.store(TIMES + (2 * nb + 1) * nprog + pid, tl.extra.cuda.globaltimer())
@@ -680,6 +704,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                 PRECISION=precision, PV16=pv16_for(o, precision) if pv16 is None else pv16,
                 TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps,
                 DIRECT=streams is not None, PREFETCH=prefetch, BULK_PREFETCH=bulk, SUCC=successor is not None,
+                PF_OLD=streams is not None and DIRECT_PREFETCH,
                 ROW_COPY=ROW_COPY, ROW_LENGTHS=streams is not None and streams.row_lengths)
     if phase_by_phase:     # one launch per block and phase: the launch boundary is the barrier
         for b in range(first, first + n_blocks):

@@ -597,30 +597,49 @@ def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], bas
         raise ValueError(f"stream_table: base must be a 64-byte aligned FP32 tensor (got {base.dtype} at "
                          f"{base.data_ptr() % 64} bytes past 64-byte alignment)")
     origin = base.data_ptr()
+    views: dict[tuple[int, bool], tuple] = {}   # per tensor, checked once (``_table_view``)
     out = []
     for r in rows:
         if r is None:
             out.append((0,) * TABLE_WIDTH)
             continue
-        if isinstance(r, tuple):
-            t, j = r
-            if t.dim() != 6 or not 0 <= j < t.shape[2]:
+        t, j = r if isinstance(r, tuple) else (r, None)
+        view = views.get((id(t), j is None))
+        if view is None:
+            view = views[id(t), j is None] = _table_view(t, origin, batched=j is not None)
+        off, st0, st1, frames, row_stride, n_rows = view
+        if j is not None:
+            if not 0 <= j < n_rows:
                 raise ValueError(f"stream_table: row {j} of a tensor {tuple(t.shape)}; expected a batch row of a "
                                  "(steps, depth, rows, heads, frames, 2D) tensor")
-            st, shape, ptr = t.stride(), t.shape, t.data_ptr() + j * t.stride(2) * t.element_size()
-            st, shape = st[:2] + st[3:], shape[:2] + shape[3:]
-        else:
-            st, shape, ptr, t = r.stride(), r.shape, r.data_ptr(), r
-        if t.dtype != torch.float32 or st[2:] != (shape[3] * shape[4], shape[4], 1):
-            raise ValueError(f"stream_table: a row view {tuple(shape)} with strides {st} and dtype "
-                             f"{t.dtype}; each (heads, frames, 2D) block must be contiguous FP32")
-        row = ((ptr - origin) // 4, st[0], st[1], 1 if current is None else int(current[len(out)]))
-        if any(v % 16 for v in row[:3]) or (shape[3] * shape[4]) % 16:
-            raise ValueError(f"stream_table: a row view at {ptr} with strides {st} is not "
-                             "aligned to 16 elements (64 bytes)")
-        d0, d1 = (shape[3], shape[3]) if drops is None else drops[len(out)]
-        out.append(row + (shape[3], int(d0), int(d1), 0))
+            off += j * row_stride
+        d0, d1 = (frames, frames) if drops is None else drops[len(out)]
+        out.append((off, st0, st1, 1 if current is None else int(current[len(out)]), frames, int(d0), int(d1), 0))
     return torch.tensor(out, dtype=torch.int64)
+
+
+def _table_view(t: torch.Tensor, origin: int, batched: bool) -> tuple[int, int, int, int, int, int]:
+    """``stream_table``'s checks and numbers for one tensor, once per call whatever its row count: (offset of
+    its first row from ``origin``, step and layer strides, frames, row stride, rows), in FP32 elements. A
+    batched tensor is (steps, depth, rows, heads, frames, 2D) and its rows are read by index; else it is one
+    row's (steps, depth, heads, frames, 2D) view."""
+    if batched:
+        if t.dim() != 6:
+            raise ValueError(f"stream_table: a batch row of a tensor {tuple(t.shape)}; expected a (steps, depth, "
+                             "rows, heads, frames, 2D) tensor")
+        st, shape = t.stride(), t.shape
+        row_stride, n_rows = st[2], shape[2]
+        st, shape = st[:2] + st[3:], shape[:2] + shape[3:]
+    else:
+        st, shape, row_stride, n_rows = t.stride(), t.shape, 0, 1
+    if t.dtype != torch.float32 or len(shape) != 5 or st[2:] != (shape[3] * shape[4], shape[4], 1):
+        raise ValueError(f"stream_table: a row view {tuple(shape)} with strides {st} and dtype "
+                         f"{t.dtype}; each (heads, frames, 2D) block must be contiguous FP32")
+    off = (t.data_ptr() - origin) // 4
+    if any(v % 16 for v in (off, st[0], st[1], row_stride if n_rows > 1 else 0)) or (shape[3] * shape[4]) % 16:
+        raise ValueError(f"stream_table: a row view at {t.data_ptr()} with strides {st} is not "
+                         "aligned to 16 elements (64 bytes)")
+    return off, st[0], st[1], shape[3], row_stride, n_rows
 
 
 @functools.lru_cache(maxsize=None)
