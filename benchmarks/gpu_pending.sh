@@ -56,6 +56,8 @@
 # device: it ran `all` (every CUDA test passed; the only failures need PyAV, which the image lacks), `stagger`,
 # `sbench` (which found the listen backlog of 5, fixed), `stagger50` and again `sbench stagger50`
 # (serve_session56_h200.md). Pending: nothing of the serving work; `all` with PyAV carried.
+# Session 61 (H100 only) added and ran `c16tests`, `overhead`, `dpf` and `hostab`; pending: the issue's table on an H200
+# (`table`; its B=16 error sums now fit an 80-GB H100 too).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
