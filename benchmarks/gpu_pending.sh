@@ -56,8 +56,8 @@
 # device: it ran `all` (every CUDA test passed; the only failures need PyAV, which the image lacks), `stagger`,
 # `sbench` (which found the listen backlog of 5, fixed), `stagger50` and again `sbench stagger50`
 # (serve_session56_h200.md). Pending: nothing of the serving work; `all` with PyAV carried.
-# Session 61 (H100 only) added and ran `c16tests`, `overhead`, `dpf` and `hostab`; pending: the issue's table on an H200
-# (`table`; its B=16 error sums now fit an 80-GB H100 too).
+# Session 61 (H100 only) added and ran `c16tests`, `overhead`, `dpf` and `hostab`; pending: `oneloop` (written when the
+# session's device time was spent) and the issue's table on an H200 (`table`; its B=16 error sums now fit an H100 too).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -86,6 +86,10 @@
 #            arena (BLOCK_DIRECT_MIN_ROWS 200, the default) against the direct path (100), as called
 #   hostab   solve_overhead_probe.py at batches 1 and 16, the tree in _base/src (`git archive <commit> src | tar -x -C
 #            _base`) against this one, two alternating pairs (session 61: the solve's host steps before its replay)
+#   oneloop  the block kernel's direct phase with one key loop over both sources (kernels.dit_block.DIRECT_ONE_LOOP, off
+#            until timed) against two, batches 1-2 as called, then the arena path for reference (session 61: arena B=1
+#            6.77-6.89 / B=2 8.92-8.97 ms replay, direct 7.55-7.67 / 10.60-10.78, direct without successor writes
+#            7.39-7.55 / 10.33-10.46 on an H100)
 #   profile  code2wav_replay_profile.py: GPU time by kernel class of the flow's trimmed solve (the direct path from
 #            batch 4) and the untrimmed arena solve, batches 1, 8, 16
 #   dtests   CUDA tests of the Talker (turn engine, duplex TalkerTurns: fused against torch, graphs), the duplex
@@ -225,6 +229,12 @@ for s in "$@"; do
                 python benchmarks/solve_overhead_probe.py --out "$W/hostab_base$i" --batches 1,16
               step "hostab_new$i" 150 python benchmarks/solve_overhead_probe.py --out "$W/hostab_new$i" --batches 1,16
             done ;;
+    oneloop) step oneloop 200 python benchmarks/solve_switch_probe.py --out "$W/oneloop" \
+               --attr kernels.dit_block.DIRECT_ONE_LOOP --values 0,1 --batches 1,2 --trim --called --direct on \
+               --gemm-operands fp16
+             step oneloop_arena 100 python benchmarks/solve_switch_probe.py --out "$W/oneloop_arena" \
+               --attr kernels.dit_block.DIRECT_ONE_LOOP --values 0 --batches 1,2 --trim --called --direct off \
+               --gemm-operands fp16 ;;
     profile) step profile 300 python benchmarks/code2wav_replay_profile.py --out "$W/profile" --batches 1,8,16 \
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}

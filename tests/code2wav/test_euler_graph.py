@@ -276,6 +276,36 @@ def test_block_kernel_direct_solve_matches_the_arena():
     assert not any(k.direct for k in auto._statics)         # by default few rows keep the arena
 
 
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_block_kernel_direct_one_key_loop_matches_two(monkeypatch):
+    """The block kernel's direct phase walking a split's current and old key tiles in one loop
+    (``dit_block.DIRECT_ONE_LOOP``) gives the two loops' bits: the same tiles in the same order. Width 20 and 150
+    old frames: under the interpreter (one program, one key split) the split holds one tile of current frames and
+    three of old ones (the last partial); on CUDA the splits take a tile each. Two query blocks take turns writing
+    the successor, whose dropped span [5, 35) crosses the sources. Batch 1 (a padding row) and 2, per-stream
+    caches, TF32 dots on CUDA, FP32 under the interpreter."""
+    from minicpmo_rt.code2wav.kernels import dit_block
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfm = tiny_cfm(seed=17).to(dev)
+    cfg = GraphConfig(batch_buckets=(2,), query_buckets=(20,), offset_bucket=10, offset_anchor=150)
+    outs = {}
+    for one in (False, True):
+        monkeypatch.setattr(dit_block, "DIRECT_ONE_LOOP", one)
+        solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=2, config=cfg,
+                                  use_triton=True, block_kernel=True, direct=True)
+        for B in (1, 2):
+            kw = chunk(B, 20, 150, seed=80 + B, device=dev)
+            kw["cnn_cache"], att = kw["cnn_cache"][:2], kw.pop("att_cache")[:2]
+            streams = [torch.cat([att[:, :, i:i + 1], att[:, :, B + i:B + i + 1]], 2) for i in range(B)]
+            got = solver.solve(**kw, att_cache=streams, graph=False, trim=(5, 135))
+            assert all(k.direct for k in solver._statics)
+            outs[one, B] = [got[0].clone(), got[1].clone(), _stacked(got[2]).clone()]
+    for B in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(outs[True, B], outs[False, B]))
+
+
 @requires_cuda
 @pytest.mark.skipif(not kernels.AVAILABLE, reason="needs Triton")
 def test_cuda_block_kernel_direct_prefetch_changes_no_result(monkeypatch):

@@ -98,6 +98,12 @@ BULK_PREFETCH = True
 # block's step and layer with the weights, at the end of the QKV GEMM (``_prefetch_at``), as the arena's phase
 # prefetches the arena; before session 61 only the arena's were.
 DIRECT_PREFETCH = True
+# The direct phase walking a split's current and old key tiles in one loop (``tiled_attention._direct_keys_one_loop``)
+# instead of one loop per source: bit-identical (tests), not yet timed, so off. Why it may matter: on the H100 in
+# session 61 the direct phase's replay exceeded the arena's by ~0.7 ms at B=1 and ~1.4-1.7 ms at B=2, and only ~0.15 /
+# ~0.3 ms of that were its successor writes (``solve_switch_probe --no-successor``); the two loops' pipeline refill
+# at the sources' boundary is one suspect. Pending: ``gpu_pending.sh oneloop``.
+DIRECT_ONE_LOOP = False
 # With key splits, the split that finishes a query block last combines its partials (``tiled_attention.
 # _last_combine``, counted in ``tile_ctr``) instead of phase 3 after a barrier of its own. Whole-solve replays
 # (last_combine_probe_session21_h200.md), off / on: B=1 7.42-7.45 / 7.30-7.34 ms (B=2 has no key splits).
@@ -246,7 +252,8 @@ if AVAILABLE:
                    PV16: tl.constexpr = False, DIRECT: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                    BULK_PREFETCH: tl.constexpr = False, LAST_COMBINE: tl.constexpr = False,
                    SUCC: tl.constexpr = False, ROW_COPY: tl.constexpr = True,
-                   ROW_LENGTHS: tl.constexpr = False, PF_OLD: tl.constexpr = False):
+                   ROW_LENGTHS: tl.constexpr = False, PF_OLD: tl.constexpr = False,
+                   ONE_LOOP: tl.constexpr = False):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         M = R * T
@@ -321,7 +328,7 @@ if AVAILABLE:
                                     T * HD, D, HD, 1, skv_r, skv_h, T * HD, D, HD, 1, step, i, T, n_old, n_out,
                                     drop0, drop1, attn_scale, keys_per_split, cur_keys, D, A_BM, A_BN, PRECISION,
                                     A_SPLITS, ROUND, PV16, CNT=TCTR, LAST_COMBINE=LAST_COMBINE, ROW_COPY=ROW_COPY,
-                                    ROW_LENGTHS=ROW_LENGTHS)
+                                    ROW_LENGTHS=ROW_LENGTHS, ONE_LOOP=ONE_LOOP)
                     else:
                         if SUCC:    # the arena's frames are read here; the trimmed successor is written too
                             succ, present = stream_row(BASE, DST, bh // H, bh % H, step, i, n_out, D)
@@ -704,7 +711,7 @@ def dit_blocks(*, h, norm, qkv, q, kv, mask, o, attn_acc, attn_ml, y, hist, taps
                 PRECISION=precision, PV16=pv16_for(o, precision) if pv16 is None else pv16,
                 TIMED=0 if times is None or phase_by_phase else 2 if per_program else 1, num_warps=num_warps,
                 DIRECT=streams is not None, PREFETCH=prefetch, BULK_PREFETCH=bulk, SUCC=successor is not None,
-                PF_OLD=streams is not None and DIRECT_PREFETCH,
+                PF_OLD=streams is not None and DIRECT_PREFETCH, ONE_LOOP=DIRECT_ONE_LOOP,
                 ROW_COPY=ROW_COPY, ROW_LENGTHS=streams is not None and streams.row_lengths)
     if phase_by_phase:     # one launch per block and phase: the launch boundary is the barrier
         for b in range(first, first + n_blocks):

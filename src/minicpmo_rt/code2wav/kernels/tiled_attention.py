@@ -319,13 +319,51 @@ if AVAILABLE:
         return m_i, l_i, acc
 
     @triton.jit
+    def _direct_keys_one_loop(q, m_i, l_i, acc, cur, src, k_lo, k_hi, n_cur, cur_keys, nq, row_ok, dst,
+                              present, mblk, n_mblk, drop0, drop1, scale, HEAD_D: tl.constexpr,
+                              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr,
+                              ROW_COPY: tl.constexpr = True):
+        """``_direct_keys`` over both sources in one loop (pointer loads only): split keys [k_lo, k_hi), of which
+        [0, cur_keys) are this chunk's frames (the first n_cur valid) and the rest row b's old ones. The splits
+        cut whole tiles of each source (``direct_key_splits``), so each tile comes from one source, picked per
+        tile; the tiles arrive in the two loops' order (the same sums, bit for bit), but the loads pipeline
+        across the sources' boundary instead of draining and refilling there."""
+        offs_d = tl.arange(0, HEAD_D)
+        cur_hi = tl.minimum(k_hi, n_cur)                    # the two loops' bounds, in each source's keys
+        old_lo = tl.maximum(k_lo, cur_keys) - cur_keys
+        old_hi = k_hi - cur_keys
+        n_cur_tiles = tl.cdiv(tl.maximum(cur_hi - k_lo, 0), BLOCK_N)
+        n_tiles = n_cur_tiles + tl.cdiv(tl.maximum(old_hi - old_lo, 0), BLOCK_N)
+        for t in range(0, n_tiles):
+            now = t < n_cur_tiles
+            base = tl.where(now, cur, src)
+            first = tl.where(now, k_lo + t * BLOCK_N, old_lo + (t - n_cur_tiles) * BLOCK_N)  # in its source
+            hi = tl.where(now, cur_hi, old_hi)
+            w_hi = tl.where(present & ((first // BLOCK_N) % n_mblk == mblk), hi, 0)
+            offs_n = first + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < hi
+            f0 = tl.where(now, 0, nq)
+            if ROW_COPY:
+                rows, kept, fo = _load_kept(base, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+            kt = tl.load(base + offs_n[None, :] * (2 * HEAD_D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+            p, alpha, m_i, l_i = _scores(q, kt, row_ok[:, None] & col_ok[None, :], m_i, l_i, scale, PRECISION)
+            v = tl.load(base + offs_n[:, None] * (2 * HEAD_D) + HEAD_D + offs_d[None, :], mask=col_ok[:, None],
+                        other=0.0)
+            acc = _weigh_values(p, v, acc, alpha, PRECISION, PV16)
+            if ROW_COPY:
+                _store_kept(dst, rows, kept, fo, HEAD_D)
+            else:
+                _write_kept(dst, kt, v, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+        return m_i, l_i, acc
+
+    @triton.jit
     def direct_tile(b, h, mblk, split, H, Q, CUR, BASE, SRC, DST, O, PACC, PML,
                     sqb, sqh, sqm, sqd, scb, sch, sob, soh, som, sod,
                     step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr = False,
                     CNT=None, LAST_COMBINE: tl.constexpr = False, ROW_COPY: tl.constexpr = True,
-                    ROW_LENGTHS: tl.constexpr = False):
+                    ROW_LENGTHS: tl.constexpr = False, ONE_LOOP: tl.constexpr = False):
         """``direct_attention``'s unit (also a phase of the persistent block kernel): query block ``mblk`` x
         key split ``split`` of (row b, head h). The keys are this chunk's [k|v] (CUR) followed by row b's own
         old frames, found through its SRC table row [offset from BASE, step stride, layer stride, present]
@@ -353,12 +391,17 @@ if AVAILABLE:
         cur = CUR + b.to(tl.int64) * scb + h * sch
         # the current frames (queries and keys alike), then the old ones: each source loads with its own
         # contiguous strides; the softmax does not depend on the order the keys arrive in
-        m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, n_cur), 0, row_ok, dst, present,
-                                     mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA,
-                                     ROW_COPY)
-        m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, cur_keys) - cur_keys, k_hi - cur_keys,
-                                     nq, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N,
-                                     PRECISION, PV16, TMA, ROW_COPY)
+        if ONE_LOOP and not TMA:
+            m_i, l_i, acc = _direct_keys_one_loop(q, m_i, l_i, acc, cur, src, k_lo, k_hi, n_cur, cur_keys, nq,
+                                                  row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale, HEAD_D,
+                                                  BLOCK_N, PRECISION, PV16, ROW_COPY)
+        else:
+            m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, n_cur), 0, row_ok, dst,
+                                         present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16,
+                                         TMA, ROW_COPY)
+            m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, cur_keys) - cur_keys,
+                                         k_hi - cur_keys, nq, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale,
+                                         HEAD_D, BLOCK_N, PRECISION, PV16, TMA, ROW_COPY)
         _finish(acc, m_i, l_i, b, h, mblk, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
                 HEAD_D, BLOCK_M, SPLITS, ROUND_OUT, CNT, LAST_COMBINE)
 
