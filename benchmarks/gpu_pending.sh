@@ -89,7 +89,8 @@
 #   oneloop  the block kernel's direct phase with one key loop over both sources (kernels.dit_block.DIRECT_ONE_LOOP, off
 #            until timed) against two, batches 1-2 as called, then the arena path for reference (session 61: arena B=1
 #            6.77-6.89 / B=2 8.92-8.97 ms replay, direct 7.55-7.67 / 10.60-10.78, direct without successor writes
-#            7.39-7.55 / 10.33-10.46 on an H100)
+#            7.39-7.55 / 10.33-10.46 on an H100); then B=2 as called, direct (its default since session 22) against
+#            the arena (BLOCK_DIRECT_MIN_ROWS 300), whose replay was 1.7 ms shorter in session 61
 #   profile  code2wav_replay_profile.py: GPU time by kernel class of the flow's trimmed solve (the direct path from
 #            batch 4) and the untrimmed arena solve, batches 1, 8, 16
 #   dtests   CUDA tests of the Talker (turn engine, duplex TalkerTurns: fused against torch, graphs), the duplex
@@ -234,7 +235,9 @@ for s in "$@"; do
                --gemm-operands fp16
              step oneloop_arena 100 python benchmarks/solve_switch_probe.py --out "$W/oneloop_arena" \
                --attr kernels.dit_block.DIRECT_ONE_LOOP --values 0 --batches 1,2 --trim --called --direct off \
-               --gemm-operands fp16 ;;
+               --gemm-operands fp16
+             step oneloop_b2 120 python benchmarks/solve_switch_probe.py --out "$W/oneloop_b2" \
+               --attr euler_graph.BLOCK_DIRECT_MIN_ROWS --values 200,300 --batches 2 --trim --called --gemm-operands fp16 ;;
     profile) step profile 300 python benchmarks/code2wav_replay_profile.py --out "$W/profile" --batches 1,8,16 \
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
