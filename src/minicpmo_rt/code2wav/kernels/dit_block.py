@@ -96,12 +96,13 @@ PREFETCH = 11
 BULK_PREFETCH = True
 # The direct phase (each row's old frames read where its stream cache holds them) prefetches those frames of the
 # block's step and layer with the weights, at the end of the QKV GEMM (``_prefetch_at``), as the arena's phase
-# prefetches the arena; before session 61 only the arena's were.
+# prefetches the arena. H100, whole-solve replays on the direct path (direct_prefetch_probe_session61_h100.md),
+# off / on: B=1 7.41-7.52 / 7.52-7.53 ms (level), B=2 10.68-10.69 / 10.53-10.59; bit-identical.
 DIRECT_PREFETCH = True
 # The direct phase walking a split's current and old key tiles in one loop (``tiled_attention._direct_keys_one_loop``)
 # instead of one loop per source: bit-identical (tests), not yet timed, so off. Why it may matter: on the H100 in
 # session 61 the direct phase's replay exceeded the arena's by ~0.7 ms at B=1 and ~1.4-1.7 ms at B=2, and only ~0.15 /
-# ~0.3 ms of that were its successor writes (``solve_switch_probe --no-successor``); the two loops' pipeline refill
+# ~0.35 ms of that were its successor writes (direct_successor_cost_session61_h100.md); the two loops' pipeline refill
 # at the sources' boundary is one suspect. Pending: ``gpu_pending.sh oneloop``.
 DIRECT_ONE_LOOP = False
 # With key splits, the split that finishes a query block last combines its partials (``tiled_attention.
