@@ -209,13 +209,12 @@ for s in "$@"; do
             tests/code2wav/test_pipeline.py tests/code2wav/test_pipeline_batched.py tests/code2wav/test_pipeline_slot_pool.py
           step fp16rows 280 python benchmarks/code2wav_bench.py --out "$W/fp16rows" --batches 1,16,4,8 --budget 0.3 \
             --only graphs --rows "=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct" ;;
-    cublas16) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
+    cublas16|c16tests) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
               step c16tests 240 python -m pytest -q -p no:cacheprovider -n "$n" -rsf tests/code2wav/test_fused_dit.py \
                 tests/code2wav/test_slot_pool.py tests/code2wav/test_pipeline_slot_pool.py -k cuda
-              step c16probe 240 python benchmarks/cublas16_probe.py --out "$W/c16probe" --batches 16,8,4 ;;
-    c16tests) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
-              step c16tests 240 python -m pytest -q -p no:cacheprovider -n "$n" -rsf tests/code2wav/test_fused_dit.py \
-                tests/code2wav/test_slot_pool.py tests/code2wav/test_pipeline_slot_pool.py -k cuda ;;
+              if [ "$s" = cublas16 ]; then
+                step c16probe 240 python benchmarks/cublas16_probe.py --out "$W/c16probe" --batches 16,8,4
+              fi ;;
     overhead) step overhead 240 python benchmarks/solve_overhead_probe.py --out "$W/overhead" --batches 1,16
               step overhead_direct1 150 python benchmarks/solve_overhead_probe.py --out "$W/overhead_direct1" \
                 --batches 1 --direct on ;;

@@ -164,6 +164,7 @@ class _Static:
     att_out: torch.Tensor | None = None  # original: (S, depth, 2Bb, H, Q+O, 2D)
     mask: torch.Tensor | None = None    # (2Bb, Q, Q+O)
     cnn_idx: torch.Tensor | None = None  # (K-1,) frames of the new CNN cache
+    cnn_idx_width: int | None = None    # the chunk width _fill last made cnn_idx for
     xin: torch.Tensor | None = None
     hist: torch.Tensor | None = None
     hc: torch.Tensor | None = None      # fused: (2Bb, Q, C) step-invariant part of the input projection
@@ -796,9 +797,9 @@ class WholeEulerSolver:
         if self.body == "fused":
             if L and st.streams is None:   # the bulk of a chunk's copying (8.4 GB at batch 16): 16 bytes per access
                 copy(st.kv[..., Q:Q + L, :], att_cache, B, Bb)
-            if st.extra.get("cnn_idx_T") != T:   # made on the device (a host copy would wait for it), once per T
+            if st.cnn_idx_width != T:    # made on the device (a host copy would wait for it), once per width
                 torch.arange(T, T + self.K1, out=st.cnn_idx)
-                st.extra["cnn_idx_T"] = T
+                st.cnn_idx_width = T
             if st.mask is not None:
                 keys = torch.zeros(Bb, Q + O, dtype=torch.bool)
                 keys[:, :T] = True

@@ -280,6 +280,35 @@ if AVAILABLE:
                   PV16, CNT, LAST_COMBINE)
 
     @triton.jit
+    def _key_tile(q, m_i, l_i, acc, base, desc, first, hi, w_hi, f0, row_ok, dst, drop0, drop1, scale,
+                  HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr,
+                  TMA: tl.constexpr, ROW_COPY: tl.constexpr):
+        """One key tile, keys [first, first + BLOCK_N) below ``hi`` of a packed [k|v] source (frames 2*HEAD_D apart
+        from ``base``; with TMA through ``desc``), folded into the running softmax; its keys below ``w_hi`` also go
+        into the trimmed successor at ``dst`` (their frames f0 + key of the [current | old] order)."""
+        offs_d = tl.arange(0, HEAD_D)
+        offs_n = first + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < hi
+        if ROW_COPY:
+            rows, kept, fo = _load_kept(base, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+        if TMA:
+            kt = tl.trans(desc.load([first, 0]))
+        else:
+            kt = tl.load(base + offs_n[None, :] * (2 * HEAD_D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        p, alpha, m_i, l_i = _scores(q, kt, row_ok[:, None] & col_ok[None, :], m_i, l_i, scale, PRECISION)
+        if TMA:
+            v = desc.load([first, HEAD_D])
+        else:
+            v = tl.load(base + offs_n[:, None] * (2 * HEAD_D) + HEAD_D + offs_d[None, :], mask=col_ok[:, None],
+                        other=0.0)
+        acc = _weigh_values(p, v, acc, alpha, PRECISION, PV16)
+        if ROW_COPY:
+            _store_kept(dst, rows, kept, fo, HEAD_D)
+        else:
+            _write_kept(dst, kt, v, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+        return m_i, l_i, acc
+
+    @triton.jit
     def _direct_keys(q, m_i, l_i, acc, base, lo, hi, f0, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale,
                      HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr,
                      TMA: tl.constexpr, ROW_COPY: tl.constexpr = True):
@@ -289,33 +318,16 @@ if AVAILABLE:
         [drop0, drop1) left out), written by one of the n_mblk query blocks that all read it, in turn.
         TMA: the tiles arrive through a descriptor built here over the source's first ``hi`` frames (Hopper;
         frames past ``hi`` read as zeros, masked like the pointer loads' ``other``)."""
-        offs_d = tl.arange(0, HEAD_D)
         if TMA:
             desc = tl.make_tensor_descriptor(base, shape=[hi, 2 * HEAD_D], strides=[2 * HEAD_D, 1],
                                              block_shape=[BLOCK_N, HEAD_D])
+        else:
+            desc = base         # unused: pointer loads
         for start in range(lo, hi, BLOCK_N):
             # keys below w_hi are written (_write_kept)
             w_hi = tl.where(present & ((start // BLOCK_N) % n_mblk == mblk), hi, lo)
-            offs_n = start + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < hi
-            if ROW_COPY:
-                rows, kept, fo = _load_kept(base, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
-            if TMA:
-                kt = tl.trans(desc.load([start, 0]))
-            else:
-                kt = tl.load(base + offs_n[None, :] * (2 * HEAD_D) + offs_d[:, None], mask=col_ok[None, :],
-                             other=0.0)
-            p, alpha, m_i, l_i = _scores(q, kt, row_ok[:, None] & col_ok[None, :], m_i, l_i, scale, PRECISION)
-            if TMA:
-                v = desc.load([start, HEAD_D])
-            else:
-                v = tl.load(base + offs_n[:, None] * (2 * HEAD_D) + HEAD_D + offs_d[None, :], mask=col_ok[:, None],
-                            other=0.0)
-            acc = _weigh_values(p, v, acc, alpha, PRECISION, PV16)
-            if ROW_COPY:
-                _store_kept(dst, rows, kept, fo, HEAD_D)
-            else:
-                _write_kept(dst, kt, v, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+            m_i, l_i, acc = _key_tile(q, m_i, l_i, acc, base, desc, start, hi, w_hi, f0, row_ok, dst, drop0, drop1,
+                                      scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA, ROW_COPY)
         return m_i, l_i, acc
 
     @triton.jit
@@ -328,7 +340,6 @@ if AVAILABLE:
         cut whole tiles of each source (``direct_key_splits``), so each tile comes from one source, picked per
         tile; the tiles arrive in the two loops' order (the same sums, bit for bit), but the loads pipeline
         across the sources' boundary instead of draining and refilling there."""
-        offs_d = tl.arange(0, HEAD_D)
         cur_hi = tl.minimum(k_hi, n_cur)                    # the two loops' bounds, in each source's keys
         old_lo = tl.maximum(k_lo, cur_keys) - cur_keys
         old_hi = k_hi - cur_keys
@@ -340,20 +351,8 @@ if AVAILABLE:
             first = tl.where(now, k_lo + t * BLOCK_N, old_lo + (t - n_cur_tiles) * BLOCK_N)  # in its source
             hi = tl.where(now, cur_hi, old_hi)
             w_hi = tl.where(present & ((first // BLOCK_N) % n_mblk == mblk), hi, 0)
-            offs_n = first + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < hi
-            f0 = tl.where(now, 0, nq)
-            if ROW_COPY:
-                rows, kept, fo = _load_kept(base, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
-            kt = tl.load(base + offs_n[None, :] * (2 * HEAD_D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-            p, alpha, m_i, l_i = _scores(q, kt, row_ok[:, None] & col_ok[None, :], m_i, l_i, scale, PRECISION)
-            v = tl.load(base + offs_n[:, None] * (2 * HEAD_D) + HEAD_D + offs_d[None, :], mask=col_ok[:, None],
-                        other=0.0)
-            acc = _weigh_values(p, v, acc, alpha, PRECISION, PV16)
-            if ROW_COPY:
-                _store_kept(dst, rows, kept, fo, HEAD_D)
-            else:
-                _write_kept(dst, kt, v, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+            m_i, l_i, acc = _key_tile(q, m_i, l_i, acc, base, base, first, hi, w_hi, tl.where(now, 0, nq), row_ok,
+                                      dst, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16, False, ROW_COPY)
         return m_i, l_i, acc
 
     @triton.jit
