@@ -1,11 +1,11 @@
-"""Staged body with FP16 operands (batch 4-16): out-proj and fc2 as cuBLAS FP16 GEMMs with FP32 outputs
-(``FusedDiT.cublas16``) against the Triton tile GEMMs, in the solve as the flow calls it (trimmed, direct).
+"""Staged body with FP16 operands (batch 4-16): sets of GEMM roles as cuBLAS FP16 GEMMs (``FusedDiT.cublas16``,
+``fused_dit.CUBLAS16_ALL``) against the Triton tile GEMMs, in the solve as the flow calls it (trimmed, direct).
 
 Both forms multiply the same FP16 operands exactly and sum in FP32, so outputs differ only by summation
-order. Per batch and variant: the solve as called and its graph replay (medians of CUDA-event timings,
+order (but for fc1 through cuBLASLt's GELU epilogue, which takes its bias in FP16: ``--roles``). Per batch and variant: the solve as called and its graph replay (medians of CUDA-event timings,
 two alternating rounds), and the mel's relative difference from the tile-GEMM variant.
 
-    PYTHONPATH=src python benchmarks/cublas16_probe.py --out DIR [--batches 16,8,4]
+    PYTHONPATH=src python benchmarks/cublas16_probe.py --out DIR [--batches 16,8,4] [--roles proj+fc2,all]
 
 Writes cublas16_probe.json / .md into --out (CUDA only).
 """
@@ -28,10 +28,36 @@ from code2wav_bench import L, S, T, chunk_inputs, randomize_, timed  # noqa: E40
 from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver  # noqa: E402
 from minicpmo_rt.code2wav.flow import Flow  # noqa: E402
 from minicpmo_rt.code2wav.flow_config import FULL_SIZE  # noqa: E402
+from minicpmo_rt.code2wav.fused_dit import CUBLAS16_ALL, CUBLAS16_ROLES  # noqa: E402
 
-# the first is the reference of the mel differences; the last is the default since session 60 (CUBLAS16_ROLES)
-VARIANTS = {"tile GEMMs": frozenset(), "cuBLAS fc2": frozenset({"fc2"}),
-            "cuBLAS proj": frozenset({"proj"}), "cuBLAS proj + fc2 (default)": frozenset({"proj", "fc2"})}
+# the first is the reference of the mel differences
+DEFAULT_ROLES = "tiles,proj+fc2,proj+conv+fc2,proj+conv+fc1+fc2"
+
+
+def variants(spec: str | None) -> dict[str, frozenset]:
+    """``--roles``: comma-separated role sets joined by '+' ('' or 'tiles': none; 'all': every role of
+    ``CUBLAS16_ALL``), the first the reference of the mel differences; the default's name says so."""
+    out = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if part in ("", "tiles"):
+            roles = frozenset()
+        elif part == "all":
+            roles = CUBLAS16_ALL
+        else:
+            roles = frozenset(r.strip() for r in part.split("+"))
+        unknown = roles - CUBLAS16_ALL
+        if unknown:
+            raise SystemExit(f"cublas16_probe.py --roles: unknown roles {sorted(unknown)} in {part!r}; "
+                             f"choose from {sorted(CUBLAS16_ALL)}")
+        name = "tile GEMMs" if not roles else "cuBLAS " + " + ".join(r for r in ROLE_ORDER if r in roles)
+        if roles == CUBLAS16_ROLES:
+            name += " (default)"
+        out[name] = roles
+    return out
+
+
+ROLE_ORDER = ("qkv", "proj", "conv", "fc1", "fc2")
 
 
 def main(argv=None) -> int:
@@ -39,7 +65,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batches", default="16,8,4")
     ap.add_argument("--budget", type=float, default=0.3)
+    ap.add_argument("--roles", default=DEFAULT_ROLES, help="role sets to compare, e.g. 'proj+fc2,proj+fc2+qkv,all' "
+                    f"(the first the mel reference; default {DEFAULT_ROLES})")
     args = ap.parse_args(argv)
+    chosen = variants(args.roles)
     if not torch.cuda.is_available():
         ap.error("needs CUDA")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -53,7 +82,7 @@ def main(argv=None) -> int:
         cfg = GraphConfig(batch_buckets=(B,), query_buckets=(T,), offset_bucket=50, offset_anchor=L, max_graphs=4)
         solvers, last, ref = {}, {}, None
         with torch.inference_mode():
-            for name, roles in VARIANTS.items():
+            for name, roles in chosen.items():
                 s = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
                                      config=cfg, gemm_operands="fp16")
                 s.fused.cublas16 = roles
@@ -63,7 +92,7 @@ def main(argv=None) -> int:
                     ref = mel.clone()
                 err = float((mel - ref).norm() / ref.norm())
                 solvers[name] = (s, err)
-            times = {n: ([], []) for n in VARIANTS}
+            times = {n: ([], []) for n in chosen}
             for _ in range(2):          # alternating rounds: drift shows as a spread, not as a variant's gain
                 for name, (s, _) in solvers.items():
                     def call(s=s, name=name):
@@ -74,7 +103,7 @@ def main(argv=None) -> int:
         for name, (s, err) in solvers.items():
             called, rep = times[name]
             r = {"batch": B, "variant": name, "called_ms": statistics.median(called), "replay_ms": statistics.median(rep),
-                 "called_spread_ms": [min(called), max(called)], "mel_rel_diff_vs_tiles": err}
+                 "called_spread_ms": [min(called), max(called)], "mel_rel_diff_vs_first": err}
             res["rows"].append(r)
             print(f"B={B:2d} {name:28s} as called {r['called_ms']:7.2f} ms, replay {r['replay_ms']:7.2f} ms, "
                   f"mel diff {err:.1e}", flush=True)
@@ -91,10 +120,10 @@ def markdown(res: dict) -> str:
     lines = [f"# Staged body, FP16 operands: cuBLAS FP16 GEMMs (FP32 out) vs tile GEMMs ({res['gpu']})", "",
              f"torch {res['torch']}; one steady 1-s chunk (query {T}, {S} Euler steps, CFG, cache {L}, trimmed, "
              "direct), ms, medians of two alternating rounds.", "",
-             "| B | variant | as called | replay | mel rel. diff vs tiles |", "|---|---|---:|---:|---:|"]
+             "| B | variant | as called | replay | mel rel. diff vs the first row |", "|---|---|---:|---:|---:|"]
     for r in res["rows"]:
         lines.append(f"| {r['batch']} | {r['variant']} | {r['called_ms']:.2f} | {r['replay_ms']:.2f} | "
-                     f"{r['mel_rel_diff_vs_tiles']:.1e} |")
+                     f"{r.get('mel_rel_diff_vs_first', r.get('mel_rel_diff_vs_tiles')):.1e} |")
     return "\n".join(lines) + "\n"
 
 

@@ -58,6 +58,7 @@
 # (serve_session56_h200.md). Pending: nothing of the serving work; `all` with PyAV carried.
 # Session 61 (H100 only) added and ran `c16tests`, `overhead`, `dpf` and `hostab`; pending: `oneloop` (written when the
 # session's device time was spent) and the issue's table on an H200 (`table`; its B=16 error sums now fit an H100 too).
+# Session 62 ran `c16roles` (an H200), `oneloop` and `s62` (H100s).
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -91,6 +92,13 @@
 #            6.77-6.89 / B=2 8.92-8.97 ms replay, direct 7.55-7.67 / 10.60-10.78, direct without successor writes
 #            7.39-7.55 / 10.33-10.46 on an H100); then B=2 as called, direct (its default since session 22) against
 #            the arena (BLOCK_DIRECT_MIN_ROWS 300), whose replay was 1.7 ms shorter in session 61
+#   c16roles the staged FP16 body's other GEMM roles on cuBLAS (fused_dit.CUBLAS16_ALL: the QKV with its head LNs
+#            as a row stage, the convs as taps products, fc1 through cuBLASLt's GELU epilogue): their CUDA tests,
+#            then cublas16_probe.py --roles against the default (out-proj + fc2), batches 16, 8, 4 as called
+#   s62      session 62's follow-ups: the CUDA tests of the cuBLAS roles, the block kernel and the direct attention
+#            (DIRECT_ONE_LOOP now on); the staged direct attention with one key loop (FusedDiT.direct_one_loop,
+#            pointer loads) against two (TMA) at batches 16, 8, 4; cuBLAS role combinations with the convs; batch 1
+#            through the arena (BLOCK_DIRECT_MIN_ROWS 200, the default) against the direct path with one loop
 #   profile  code2wav_replay_profile.py: GPU time by kernel class of the flow's trimmed solve (the direct path from
 #            batch 4) and the untrimmed arena solve, batches 1, 8, 16
 #   dtests   CUDA tests of the Talker (turn engine, duplex TalkerTurns: fused against torch, graphs), the duplex
@@ -237,6 +245,21 @@ for s in "$@"; do
                --gemm-operands fp16
              step oneloop_b2 120 python benchmarks/solve_switch_probe.py --out "$W/oneloop_b2" \
                --attr euler_graph.BLOCK_DIRECT_MIN_ROWS --values 200,300 --batches 2 --trim --called --gemm-operands fp16 ;;
+    c16roles) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
+              step c16rtests 200 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=10 \
+                tests/code2wav/test_fused_dit.py -k "cublas16 or wide16"
+              step c16roles 330 python benchmarks/cublas16_probe.py --out "$W/c16roles" --batches 16,8,4 \
+                --roles "proj+fc2,qkv+proj+fc2,proj+conv+fc2,proj+fc1+fc2,all" ;;
+    s62) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
+         step s62tests 280 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=10 \
+           tests/code2wav/test_fused_dit.py tests/code2wav/test_euler_graph.py tests/code2wav/test_tiled_attention.py \
+           -k "cublas16 or wide16 or block_kernel or direct"
+         step olstaged 150 python benchmarks/solve_switch_probe.py --out "$W/olstaged" --attr FusedDiT.direct_one_loop \
+           --values 0,1 --batches 16,8,4 --trim --called --direct on --gemm-operands fp16
+         step c16combo 200 python benchmarks/cublas16_probe.py --out "$W/c16combo" --batches 16,8,4 \
+           --roles "proj+fc2,proj+conv+fc2,proj+conv+fc1+fc2,all"
+         step b1path 100 python benchmarks/solve_switch_probe.py --out "$W/b1path" \
+           --attr euler_graph.BLOCK_DIRECT_MIN_ROWS --values 200,100 --batches 1 --trim --called --gemm-operands fp16 ;;
     profile) step profile 300 python benchmarks/code2wav_replay_profile.py --out "$W/profile" --batches 1,8,16 \
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}

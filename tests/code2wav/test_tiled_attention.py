@@ -200,7 +200,8 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     16-query blocks, which take turns writing the tiles they both read. ``tma``: the tiles through
     descriptors the kernel builds (frames past a source's end read as zeros, then masked), and the successor
     written as whole rows read again (``SUCCESSOR_ROW_COPY``; without TMA: stored from the tiles' registers).
-    ``aligned``: the key splits count the current frames as whole tiles (the default) or as they are."""
+    ``aligned``: the key splits count the current frames as whole tiles (the default) or as they are. Without
+    TMA, ``one_loop=True`` (one loop over both sources' tiles) must give the same bits."""
     from minicpmo_rt.code2wav.kernels import tiled_attention as ta
     from minicpmo_rt.code2wav.kernels.tiled_attention import StreamKV, device_tma, direct_attention, stream_table
 
@@ -239,6 +240,17 @@ def test_direct_attention_reads_own_caches_and_writes_the_trimmed_successor(spli
     want = torch.cat([full[:, :, :drop[0]], full[:, :, drop[1]:]], 2)
     assert torch.equal(outs[0][1, 1, 0], want[0]) and torch.equal(outs[1][1, 1, 1], want[1])
     assert torch.isnan(outs[0][1, 1, 1]).all() and torch.isnan(outs[0][0]).all()     # other rows / steps untouched
+    if not tma:     # ``one_loop``: both sources' tiles in one loop, in the same order: the same bits everywhere
+        written = [x.clone() for x in outs]
+        for x in outs:
+            x.fill_(float("nan"))
+        o1 = torch.full_like(o, float("nan"))
+        direct_attention(q, cur, streams, layer=1, out=o1.transpose(1, 2), precision="ieee", block_m=16, block_n=16,
+                         splits=splits, one_loop=True)
+        assert torch.equal(o1, o)
+        assert all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(outs, written))
+    with pytest.raises(ValueError, match="pointer loads"):
+        direct_attention(q, cur, streams, 1, o.transpose(1, 2), tma=True, one_loop=True)
     with pytest.raises(ValueError, match="dropped"):
         direct_attention(q, cur, StreamKV(base, src, dst, n_old, n_out + 1, drop), 1, o.transpose(1, 2))
     with pytest.raises(ValueError, match="aligned"):       # 4 elements (16 bytes) off the 64-byte grid

@@ -28,8 +28,8 @@ GEMMs instead (``kernels/wide_gemm.py``, ``blocks``): conv1/conv2 as implicit GE
 GEMM's epilogue (``WIDE_QKV_LN_MAX_ROWS``): 11 kernels per block, none of them cuBLAS's GELU or
 memset kernels. With FP16 operands (``gemm_operands="fp16"``, which the knobs pick where the weights'
 range certificate fits, ``operand_range``) they take every staged row
-count, but for the out-proj and fc2, which on CUDA run as cuBLAS FP16 GEMMs with FP32 outputs
-(``CUBLAS16_ROLES``).
+count, but for the out-proj, the convs, fc1 and fc2, which on CUDA run as cuBLAS FP16 GEMMs
+(``CUBLAS16_ROLES``): only the QKV, with its head LNs in the epilogue, stays a tile GEMM there.
 
 Without Triton (CPU CI, pre-SM80 CUDA, HIP) every fused stage runs as its torch
 formulation on the same buffers and attention goes through SDPA: the "SDPA
@@ -111,14 +111,25 @@ WIDE_MIN_ROWS = 768
 # isolation at 100 rows one block's five GEMMs take 25 us against cuBLAS TF32's 34
 # (fp16_operand_probe_session13_h200.md).
 WIDE16_MIN_ROWS = 0
-# ... but for these roles, which on CUDA run as cuBLAS FP16 GEMMs with FP32 outputs (``torch.mm(out_dtype=)``:
-# the tile GEMMs' arithmetic, exact FP16 products summed in FP32; their bias goes to the residual stage
-# after them, as split-K partials' does). Both take K in order without splits, and the mel came out
-# bit-identical. H100, the flow's solve as called (cublas16_probe_session60_h100.md), tile GEMMs / cuBLAS
-# out-proj + fc2: B=4 13.03 / 12.39 ms, B=8 16.16 / 15.03, B=16 22.66 / 21.91 (fc2 alone 12.39 / 15.18 / 22.26,
-# out-proj alone 12.84 / 16.06 / 22.76). The QKV (head-LN epilogue), the convs (taps summed in the GEMM) and
-# fc1 (GELU) keep their tile GEMMs' epilogues. The CPU interpreter has no such cuBLAS call: tile GEMMs there.
-CUBLAS16_ROLES = frozenset({"proj", "fc2"})
+# ... but for these roles, which on CUDA run through cuBLAS (``torch.mm(out_dtype=)``: FP16 operands, FP32 outputs,
+# the tile GEMMs' arithmetic; the GEMMs alone came out bit-identical at every role's shape on the H100). The
+# out-proj's and fc2's bias goes to the residual stage after them, as split-K partials' does (session 60,
+# cublas16_probe_session60_h100.md: B=16 as called 22.66 -> 21.91 ms, the mel bit-identical). The convs run as
+# cuBLAS's taps products (K*C wide), which the row stages after them sum; fc1 as bias + tanh-GELU in cuBLASLt's
+# epilogue with an FP16 output (fc2's operand), its bias rounded to FP16. Those two move FP32 roundings out of
+# the tile GEMMs' epilogues, so the mel moves by 1.5e-4 (TF32-level; tests/code2wav/test_fused_dit.py says
+# why). Session 62, the flow's solve as called, proj + fc2 / + conv + fc1 (cublas16_roles_probe_session62_*.md):
+# H100 B=4 11.67 / 10.64 ms, B=8 14.20 / 13.48, B=16 20.86 / 20.43; the H200 (conv, fc1 and the QKV measured
+# apart there) gave B=16 20.05 against 19.82 with the conv alone, 19.41 with fc1 alone. The QKV stays a tile GEMM
+# with its head LNs in the epilogue: on cuBLAS with a separate LN stage it cost time at B=4-8 (H100 10.64 ->
+# 10.90, 13.48 -> 13.80) and was level at B=16. The CPU interpreter has no such cuBLAS call: tile GEMMs there.
+CUBLAS16_ROLES = frozenset({"proj", "conv", "fc1", "fc2"})
+# Every role ``FusedDiT.cublas16`` may name. "qkv": the QKV GEMM into ws.qkv, its head LNs and [k|v] cache write a
+# row stage of their own (``dit_ops.qkv_head_ln``); "conv": both convs as cuBLAS's taps products (K*C wide outputs,
+# summed by the row stages after them, as with FP32 cuBLAS); "fc1": bias + tanh-GELU in cuBLASLt's epilogue with
+# an FP16 output (fc2's operand), which takes the bias in FP16 (rounded: TF32's unit roundoff, not bit-identical).
+# ``benchmarks/cublas16_probe.py --roles`` times sets of them in the solve.
+CUBLAS16_ALL = frozenset({"qkv", "proj", "conv", "fc1", "fc2"})
 # Up to this many rows (None: any) the wide path's QKV GEMM also applies the q/k head LNs in its
 # epilogue and writes [k|v] straight into the cache (``wide_qkv``). H200 whole-solve replays, same
 # machine (code2wav_gemm_probe_session11_qkv_h200.md): B=8 16.14 vs 16.45 ms with the separate LN
@@ -329,6 +340,11 @@ class FusedDiT:
         # direct_attention's tiles through descriptors it builds per (row, head) (None: where the device can,
         # tiled_attention.device_tma); False: pointer loads
         self.direct_tma: bool | None = None
+        # direct_attention's splits walk both key sources in one loop (pointer loads, so no TMA then) instead of
+        # one loop per source through TMA descriptors: bit-identical. H100, the flow's solve (staged_one_loop_probe_
+        # session62_h100.md), replay two / one loop: B=4 11.41-11.45 / 11.26-11.27 ms, B=8 13.88-13.91 /
+        # 13.69-13.72, B=16 20.59-20.62 / 20.27 (as called 20.86-20.89 / 20.53-20.59)
+        self.direct_one_loop: bool = True
         self.block_k_step_scale: int | None = None     # block kernel's K step x this (None: 2 with FP16 weights)
         # staged body with FP16 operands: the GEMM roles that run as cuBLAS FP16 GEMMs with FP32 outputs
         # (None: ``CUBLAS16_ROLES`` on CUDA, none elsewhere; benchmarks/cublas16_probe.py sets them)
@@ -351,7 +367,8 @@ class FusedDiT:
             for conv, dst in ((blk.conv.block[1], self.w_taps1), (blk.conv.block[6], self.w_taps2)):
                 w = conv.weight                                   # (Cout, Cin, K)
                 dst.append(w.permute(2, 0, 1).reshape(-1, w.shape[1]).contiguous())   # (K*Cout, Cin)
-        self._stacked: dict[tuple, dit_block.BlockWeights] = {}    # built on the block kernel's first use
+        # built on first use: the block kernel's stacked weights, fc1's FP16 biases (``_fc1_bias16``)
+        self._stacked: dict[tuple, dit_block.BlockWeights | torch.Tensor] = {}
         # the input projection split into x's columns and the step-invariant [mu | spk | cond] ones
         # (the Euler-step junction projects only x per step; ``embed_const`` the rest once per chunk)
         w, n = self.dit.in_proj.weight, self.L.out_channels
@@ -458,10 +475,12 @@ class FusedDiT:
         eo = lambda *s: torch.empty(*s, device=device, dtype=op)  # noqa: E731
         sp = self.gemm_splits(R, T, device)
         wide = self.uses_wide(R, T, device)
+        # the conv outputs: summed over taps in a tile GEMM (C wide), else cuBLAS's taps products (K*C)
+        summed = wide and not (op == torch.float16 and "conv" in self.cublas16_roles(device))
         ws = Workspace(h=e(R, T, L.hidden), norm=eo(R, T, L.hidden),
                        qkv=e(sp["qkv"], R, T, 3 * L.heads * L.head_dim),
                        q=e(R, T, L.heads, L.head_dim), o=eo(R, T, L.heads, L.head_dim), y=e(sp["proj"], R, T, L.hidden),
-                       taps=e(sp["conv"], R, T + L.taps - 1, (1 if wide else L.taps) * L.hidden),
+                       taps=e(sp["conv"], R, T + L.taps - 1, (1 if summed else L.taps) * L.hidden),
                        mlp=eo(R, T, L.mlp_hidden), y2=e(sp["fc2"], R, T, L.hidden), wide=wide,
                        att_ctr=torch.zeros(R * L.heads * -(-T // 16), device=device, dtype=torch.int32))
         if self.uses_block_kernel(R, T, device):
@@ -540,7 +559,8 @@ class FusedDiT:
             direct_attention(q, kv, streams, layer, ws.o.transpose(1, 2),
                              precision="tf32" if self.attention == "triton-tf32" else "ieee", block_m=shape.block_m,
                              splits=shape.splits, num_stages=shape.stages, num_warps=shape.warps,
-                             round_out=round_out, pv16=self.attn_pv16, tma=shape.tma, counters=self._counters(ws))
+                             round_out=round_out, pv16=self.attn_pv16, tma=shape.tma, counters=self._counters(ws),
+                             one_loop=bool(self.direct_one_loop) and not shape.tma)
             return
         k, v = kv[..., :D], kv[..., D:]
         if self.attention != "sdpa" and self._triton(q):
@@ -599,9 +619,13 @@ class FusedDiT:
         """Launch shape of ``direct_attention``: one query block per (row, head) up to 64 queries (more
         blocks would each re-read every key tile; IEEE dots: up to IEEE_BLOCK_M); keys split to about
         DIRECT_TARGET_PROGRAMS programs (no full-grid rule); tiles through in-kernel TMA descriptors where
-        ``tma_ok`` (``device_tma``) unless ``direct_tma`` says otherwise (IEEE dots: only if it says so)."""
+        ``tma_ok`` (``device_tma``) unless ``direct_tma`` says otherwise (IEEE dots: only if it says so), or
+        ``direct_one_loop`` (pointer loads) leaves them to pointers."""
         bm, warps = self._ieee_cap(self.attn_block_m or min(64, max(16, dit_block._pow2(T))))
-        tma = (tma_ok and not self._ieee) if self.direct_tma is None else self.direct_tma
+        if self.direct_tma is None:     # one key loop takes pointer loads (an explicit direct_tma wins)
+            tma = tma_ok and not self._ieee and not self.direct_one_loop
+        else:
+            tma = bool(self.direct_tma)
         splits = self._key_splits(R, H, T, bm, DIRECT_TARGET_PROGRAMS, full_grid=None)
         return AttnShape(bm, splits, self.attn_stages or 3, tma, warps)
 
@@ -640,6 +664,9 @@ class FusedDiT:
         ``cublas16``: FP16 operands into an FP32 ``out`` by cuBLAS (``CUBLAS16_ROLES``: the tile GEMMs'
         arithmetic), returning the bias for the stage that reads ``out``, as split-K partials do."""
         M = x2d.shape[0]
+        if cublas16 and gelu:   # fc1: bias (FP16) + tanh-GELU in cuBLASLt's epilogue, FP16 out (fc2's operand)
+            torch._addmm_activation(b, x2d, w.t(), use_gelu=True, out=out.view(M, -1))
+            return None
         if cublas16:
             torch.mm(x2d, w.t(), out_dtype=torch.float32, out=out.view(M, -1))
             return b
@@ -703,10 +730,23 @@ class FusedDiT:
         return self.stacked_weights(False, torch.float16) if half else self.stacked_weights(rounded)
 
     def cublas16_roles(self, device) -> frozenset[str]:
-        """The staged body's GEMM roles that run as cuBLAS FP16 GEMMs (FP32 out) when its operands are FP16."""
+        """The staged body's GEMM roles that run as cuBLAS FP16 GEMMs (FP32 out; fc1 FP16 out) when its operands
+        are FP16."""
         if self.cublas16 is not None:
-            return self.cublas16
+            unknown = set(self.cublas16) - CUBLAS16_ALL
+            if unknown:
+                raise ValueError(f"FusedDiT.cublas16: unknown GEMM roles {sorted(unknown)}; "
+                                 f"choose from {sorted(CUBLAS16_ALL)}")
+            return frozenset(self.cublas16)
         return CUBLAS16_ROLES if torch.device(device).type == "cuda" else frozenset()
+
+    def _fc1_bias16(self, device) -> torch.Tensor:
+        """fc1's biases stacked over depth in FP16, for cuBLASLt's GELU epilogue (``CUBLAS16_ALL``'s "fc1")."""
+        key = ("b_fc1_16", torch.device(device))
+        if key not in self._stacked:
+            self._stacked[key] = torch.stack([blk.mlp.fc1.bias.detach() for blk in self.dit.blocks]).to(
+                device=device, dtype=torch.float16)
+        return self._stacked[key]
 
     def runs_persistent(self, ws: Workspace) -> bool:
         """Does ``blocks`` take the persistent block kernel for this workspace under the current
@@ -774,29 +814,36 @@ class FusedDiT:
         rnd = wide and dit_block.rounds(precision, ws.h.device)
         by_cublas = self.cublas16_roles(ws.h.device) if half else frozenset()
         wts = self._gemm_weights(half, True) if half or rnd else None
-        kt = 1 if wide else K           # taps the conv outputs still hold
+        kt = ws.taps.shape[-1] // C     # taps the conv outputs still hold (1: summed in a tile GEMM)
+        if kt != (1 if wide and "conv" not in by_cublas else K):
+            raise ValueError(f"FusedDiT.blocks: the workspace's conv outputs ({kt} taps wide) do not fit the "
+                             f"conv GEMM's form (cuBLAS roles {sorted(by_cublas)}); make the workspace after "
+                             "setting FusedDiT.cublas16")
+        b_fc1 = self._fc1_bias16(ws.h.device) if "fc1" in by_cublas else None
 
         def wt(name: str, i: int, own: torch.Tensor) -> torch.Tensor:   # block i's GEMM weight as read
             return own if wts is None else getattr(wts, name)[i]
 
-        def ahead(w: torch.Tensor) -> torch.Tensor | None:
+        def ahead(w: torch.Tensor, role: str) -> torch.Tensor | None:
             # the row stage before a tile GEMM asks L2 for its weights (dit_ops.STAGED_PREFETCH). H200, replay
             # (prefetch_staged_probe_session20_h200.md): B=8 16.79 -> 16.38 ms, B=16 25.19 -> 24.61; before
             # cuBLAS's GEMMs (B=4) it cost time, 14.81 -> 15.18
-            return w if wide else None
+            return w if wide and role not in by_cublas else None
 
         for i, blk in enumerate(dit.blocks):
             a, seq, mlp = blk.attn, blk.conv.block, blk.mlp
             m = mb[:, i]
             nxt = (mb[:, i + 1, SH_MSA], mb[:, i + 1, SC_MSA]) if i + 1 < L.depth else (mod.final[:, 0], mod.final[:, 1])
             kv_cur = kv[i][:, :, :T] if pos is None else kv[i]
-            if wide and (self.wide_qkv_ln_max_rows is None or N <= self.wide_qkv_ln_max_rows):
+            if wide and "qkv" not in by_cublas and (self.wide_qkv_ln_max_rows is None
+                                                    or N <= self.wide_qkv_ln_max_rows):
                 # [k|v] straight into the cache from the GEMM's epilogue (ws.qkv unused)
                 _wide_qkv(ws.norm.view(N, C), wt("w_qkv", i, self.w_qkv[i]), self.b_qkv[i], a.q_norm.weight,
                           a.q_norm.bias, a.k_norm.weight, a.k_norm.bias, ws.q, kv_cur, T, L.qk_eps, rows=rows,
                           pos=pos, precision=precision, tma=_has_tma(ws.h.device))
             else:
-                b = self._gemm(ws.norm.view(N, C), wt("w_qkv", i, self.w_qkv[i]), self.b_qkv[i], ws.qkv, wide)
+                b = self._gemm(ws.norm.view(N, C), wt("w_qkv", i, self.w_qkv[i]), self.b_qkv[i], ws.qkv, wide,
+                               cublas16="qkv" in by_cublas)
                 self._qkv_ln(ws, blk, kv_cur, rows, pos, bias=b)
             self._attend(ws, kv[i], mask, rows, round_out=rnd, streams=streams, layer=i)
             b = self._gemm(ws.o.view(N, -1), wt("w_proj", i, a.proj.weight), a.proj.bias, ws.y, wide,
@@ -805,21 +852,22 @@ class FusedDiT:
             w_taps1, w_taps2, w_fc1 = (wt("w_taps1", i, self.w_taps1[i]), wt("w_taps2", i, self.w_taps2[i]),
                                        wt("w_fc1", i, mlp.fc1.weight))
             self._res_ln(ws, ws.y, b, m[:, G_MSA], m[:, SH_CONV], m[:, SC_CONV], h1[:, K - 1:], L.norm_eps,
-                         round_out=rnd, prefetch=ahead(w_taps1))
-            self._gemm(h1.reshape(-1, C), w_taps1, None, ws.taps, wide, taps=K)
-            self._taps_ln_mish(ws.taps, seq[1], seq[3], h2[:, K - 1:], K=kt, round_out=rnd, prefetch=ahead(w_taps2))
-            self._gemm(h2.reshape(-1, C), w_taps2, None, ws.taps, wide, taps=K)
+                         round_out=rnd, prefetch=ahead(w_taps1, "conv"))
+            self._gemm(h1.reshape(-1, C), w_taps1, None, ws.taps, wide, taps=K, cublas16="conv" in by_cublas)
+            self._taps_ln_mish(ws.taps, seq[1], seq[3], h2[:, K - 1:], K=kt, round_out=rnd,
+                               prefetch=ahead(w_taps2, "conv"))
+            self._gemm(h2.reshape(-1, C), w_taps2, None, ws.taps, wide, taps=K, cublas16="conv" in by_cublas)
             self._res_ln(ws, ws.taps, seq[6].bias, m[:, G_CONV], m[:, SH_MLP], m[:, SC_MLP], ws.norm, L.norm_eps,
-                         taps=kt, round_out=rnd, prefetch=ahead(w_fc1))
-            self._gemm(ws.norm.view(N, C), w_fc1, mlp.fc1.bias, ws.mlp.view(1, N, -1), wide,
-                       gelu=True, round_out=rnd)
+                         taps=kt, round_out=rnd, prefetch=ahead(w_fc1, "fc1"))
+            self._gemm(ws.norm.view(N, C), w_fc1, mlp.fc1.bias if b_fc1 is None else b_fc1[i],
+                       ws.mlp.view(1, N, -1), wide, gelu=True, round_out=rnd, cublas16=b_fc1 is not None)
             # fc2: cuBLAS with FP32 operands (a tile GEMM is no faster there); with FP16 ones cuBLAS's FP16 GEMM
             # on CUDA (CUBLAS16_ROLES), a tile GEMM under the interpreter
             b = self._gemm(ws.mlp.view(N, -1), wt("w_fc2", i, mlp.fc2.weight), mlp.fc2.bias, ws.y2, half,
                            cublas16="fc2" in by_cublas)
             # this block's MLP residual fused with the next block's attention-input LN (or the final one)
             self._res_ln(ws, ws.y2, b, m[:, G_MLP], *nxt, ws.norm, L.norm_eps, round_out=rnd,
-                         prefetch=ahead(wt("w_qkv", i + 1, self.w_qkv[i + 1])) if i + 1 < L.depth else None)
+                         prefetch=ahead(wt("w_qkv", i + 1, self.w_qkv[i + 1]), "qkv") if i + 1 < L.depth else None)
 
     # ------------------------------------------------------------------ original-compatible API
     @torch.no_grad()

@@ -100,11 +100,10 @@ BULK_PREFETCH = True
 # off / on: B=1 7.41-7.52 / 7.52-7.53 ms (level), B=2 10.68-10.69 / 10.53-10.59; bit-identical.
 DIRECT_PREFETCH = True
 # The direct phase walking a split's current and old key tiles in one loop (``tiled_attention._direct_keys_one_loop``)
-# instead of one loop per source: bit-identical (tests), not yet timed, so off. Why it may matter: on the H100 in
-# session 61 the direct phase's replay exceeded the arena's by ~0.7 ms at B=1 and ~1.4-1.7 ms at B=2, and only ~0.15 /
-# ~0.35 ms of that were its successor writes (direct_successor_cost_session61_h100.md); the two loops' pipeline refill
-# at the sources' boundary is one suspect. Pending: ``gpu_pending.sh oneloop``.
-DIRECT_ONE_LOOP = False
+# instead of one loop per source (whose pipelines each fill and drain): bit-identical. H100, the flow's solve on the
+# direct path (direct_one_loop_probe_session62_h100.md), two loops / one: B=1 replay 7.51-7.58 / 7.37-7.38 ms, B=2
+# 10.63-10.68 / 9.93-9.95 (as called 11.15-11.55 / 10.37-10.55, at or below the arena path's 10.63-10.79).
+DIRECT_ONE_LOOP = True
 # With key splits, the split that finishes a query block last combines its partials (``tiled_attention.
 # _last_combine``, counted in ``tile_ctr``) instead of phase 3 after a barrier of its own. Whole-solve replays
 # (last_combine_probe_session21_h200.md), off / on: B=1 7.42-7.45 / 7.30-7.34 ms (B=2 has no key splits).

@@ -410,12 +410,13 @@ if AVAILABLE:
                      step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys, CNT,
                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                      SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr,
-                     LAST_COMBINE: tl.constexpr, ROW_COPY: tl.constexpr, ROW_LENGTHS: tl.constexpr):
+                     LAST_COMBINE: tl.constexpr, ROW_COPY: tl.constexpr, ROW_LENGTHS: tl.constexpr,
+                     ONE_LOOP: tl.constexpr = False):
         direct_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                     tl.num_programs(1), Q, CUR, BASE, SRC, DST, O, PACC, PML, sqb, sqh, sqm, sqd, scb, sch,
                     sob, soh, som, sod, step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
                     HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16, TMA, CNT, LAST_COMBINE, ROW_COPY,
-                    ROW_LENGTHS)
+                    ROW_LENGTHS, ONE_LOOP)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -732,16 +733,20 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
                      precision: str = "tf32", block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                      num_stages: int = 2, splits: int = 1, round_out: bool = False,
                      pv16: bool | None = None, tma: bool = False,
-                     counters: torch.Tensor | None = None) -> torch.Tensor:
+                     counters: torch.Tensor | None = None, one_loop: bool = False) -> torch.Tensor:
     """Unmasked attention of q (R, H, T, D) over this chunk's keys ``cur`` (R, H, T, 2D) packed [k|v],
     then each row's own old frames (``streams``: no copy of them into a shared buffer first), at DiT
     block ``layer`` of Euler step ``streams.step``. Every key frame it reads is also written once into
     the row's trimmed successor. Same numerics as ``tiled_attention`` over the concatenated
     [cur | old] cache (keys arrive in another tile grouping). ``tma``: every (row, head) builds TMA
     descriptors over its two key sources and loads tiles through them (``device_tma``; the per-stream
-    caches have no host descriptor), instead of pointer loads. ``counters``: as ``tiled_attention``'s."""
+    caches have no host descriptor), instead of pointer loads. ``counters``: as ``tiled_attention``'s.
+    ``one_loop``: each split walks both sources' key tiles in one loop (``_direct_keys_one_loop``; pointer
+    loads, so not with ``tma``), the same sums bit for bit."""
     if not AVAILABLE:
         raise RuntimeError("direct_attention needs Triton")
+    if one_loop and tma:
+        raise ValueError("direct_attention(one_loop=True) walks its key tiles with pointer loads; pass tma=False")
     if tma and not device_tma(q.device):
         raise ValueError(f"direct_attention(tma=True): {q.device} cannot build TMA descriptors in a kernel (needs "
                          "CUDA capability >= 9 and a Triton with tl.make_tensor_descriptor); pass tma=False")
@@ -780,7 +785,8 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
             cur_keys, counters if last else streams.src,
             HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, SPLITS=splits, ROUND_OUT=round_out,
             PV16=pv16_for(out, precision) if pv16 is None else pv16, TMA=tma, num_warps=num_warps,
-            num_stages=num_stages, LAST_COMBINE=last, ROW_COPY=SUCCESSOR_ROW_COPY, ROW_LENGTHS=streams.row_lengths)
+            num_stages=num_stages, LAST_COMBINE=last, ROW_COPY=SUCCESSOR_ROW_COPY, ROW_LENGTHS=streams.row_lengths,
+            ONE_LOOP=one_loop)
     if splits > 1 and not last:
         _attn_combine[(R, H, triton.cdiv(T, block_m))](pacc, pml, out, *out.stride(), H, T,
                                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits,
