@@ -99,6 +99,9 @@
 #            (DIRECT_ONE_LOOP now on); the staged direct attention with one key loop (FusedDiT.direct_one_loop,
 #            pointer loads) against two (TMA) at batches 16, 8, 4; cuBLAS role combinations with the convs; batch 1
 #            through the arena (BLOCK_DIRECT_MIN_ROWS 200, the default) against the direct path with one loop
+#   s62b     after session 62's new defaults (cuBLAS convs and fc1, one key loop in both direct attentions): the CUDA
+#            tests of the fused body, slot pool, Whole-Euler graphs, batched pipeline and tiled attention;
+#            cublas16_roles_check.py; the flow's path (FP16 and FP32 operands) at batches 1, 16, 4, 8
 #   profile  code2wav_replay_profile.py: GPU time by kernel class of the flow's trimmed solve (the direct path from
 #            batch 4) and the untrimmed arena solve, batches 1, 8, 16
 #   dtests   CUDA tests of the Talker (turn engine, duplex TalkerTurns: fused against torch, graphs), the duplex
@@ -260,6 +263,13 @@ for s in "$@"; do
            --roles "proj+fc2,proj+conv+fc2,proj+conv+fc1+fc2,all"
          step b1path 100 python benchmarks/solve_switch_probe.py --out "$W/b1path" \
            --attr euler_graph.BLOCK_DIRECT_MIN_ROWS --values 200,100 --batches 1 --trim --called --gemm-operands fp16 ;;
+    s62b) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
+          step s62btests 300 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=10 -k cuda \
+            tests/code2wav/test_fused_dit.py tests/code2wav/test_slot_pool.py tests/code2wav/test_pipeline_slot_pool.py \
+            tests/code2wav/test_euler_graph.py tests/code2wav/test_pipeline_batched.py tests/code2wav/test_tiled_attention.py
+          step rolescheck 90 python benchmarks/cublas16_roles_check.py
+          step flowrows 200 python benchmarks/code2wav_bench.py --out "$W/flowrows" --batches 1,16,4,8 --budget 0.3 \
+            --only graphs --rows "=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct" ;;
     profile) step profile 300 python benchmarks/code2wav_replay_profile.py --out "$W/profile" --batches 1,8,16 \
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
