@@ -58,7 +58,8 @@
 # (serve_session56_h200.md). Pending: nothing of the serving work; `all` with PyAV carried.
 # Session 61 (H100 only) added and ran `c16tests`, `overhead`, `dpf` and `hostab`; pending: `oneloop` (written when the
 # session's device time was spent) and the issue's table on an H200 (`table`; its B=16 error sums now fit an H100 too).
-# Session 62 ran `c16roles` (an H200), `oneloop` and `s62` (H100s).
+# Session 62 ran `c16roles` (an H200), `oneloop` and `s62` (H100s); pending: `s62b` (the CUDA tests and the flow's path
+# at session 62's new defaults: no machine could be started for it), then `table`.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
