@@ -114,6 +114,7 @@ def test_fp16_operands_by_knob_and_range_certificate(ask, fit):
         fp16 = path and (ask == "true" or (ask is None and fit is True))
         assert c.gemm_operands == ("fp16" if fp16 else "fp32"), (fused, allow, env, dev)
         assert ("operands FP16" in c.describe()) == fp16
+        assert ("proj, conv, fc1, fc2 as cuBLAS FP16 GEMMs" in c.describe()) == fp16
         assert ("cfm_fp16_operands ignored" in c.reason) == (ask == "true" and not path)
         assert ("saturate" in c.reason) == (path and ask == "true" and fit is False)
         assert ("range certificate" in c.reason) == (path and (ask is None or (ask == "true" and fit is False)))

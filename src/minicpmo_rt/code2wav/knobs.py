@@ -79,7 +79,9 @@ class Code2WavChoice:
             if self.tf32 and self.attention == "triton-tf32":
                 gemm += f", one persistent Triton launch for all DiT blocks on CUDA up to {MAX_ROWS} rows"
             if self.gemm_operands == "fp16":
-                gemm += ", their operands FP16 (TF32-exact)"
+                from .fused_dit import CUBLAS16_ROLES
+                roles = ", ".join(r for r in ("qkv", "proj", "conv", "fc1", "fc2") if r in CUBLAS16_ROLES)
+                gemm += f", their operands FP16 (TF32-exact; the staged body's {roles} as cuBLAS FP16 GEMMs on CUDA)"
             if self.attention and self.attention != "sdpa":
                 gemm += ", streams' estimator caches read in place by the staged body's steady solves on CUDA"
         return (f"Code2Wav CFM body {self.body}{att}{gemm}, DiT GEMM TF32 {'on' if self.tf32 else 'off'} "
