@@ -340,8 +340,9 @@ class FusedDiT:
         # direct_attention's tiles through descriptors it builds per (row, head) (None: where the device can,
         # tiled_attention.device_tma); False: pointer loads
         self.direct_tma: bool | None = None
-        # direct_attention's splits walk both key sources in one loop (pointer loads, so no TMA then) instead of
-        # one loop per source through TMA descriptors: bit-identical. H100, the flow's solve (staged_one_loop_probe_
+        # direct_attention's splits walk both key sources in one loop (pointer loads, so no TMA then; TF32 dots:
+        # the IEEE ones keep their two pointer loops, untimed otherwise) instead of one loop per source through TMA
+        # descriptors: bit-identical. H100, the flow's solve (staged_one_loop_probe_
         # session62_h100.md), replay two / one loop: B=4 11.41-11.45 / 11.26-11.27 ms, B=8 13.88-13.91 /
         # 13.69-13.72, B=16 20.59-20.62 / 20.27 (as called 20.86-20.89 / 20.53-20.59)
         self.direct_one_loop: bool = True
@@ -560,7 +561,7 @@ class FusedDiT:
                              precision="tf32" if self.attention == "triton-tf32" else "ieee", block_m=shape.block_m,
                              splits=shape.splits, num_stages=shape.stages, num_warps=shape.warps,
                              round_out=round_out, pv16=self.attn_pv16, tma=shape.tma, counters=self._counters(ws),
-                             one_loop=bool(self.direct_one_loop) and not shape.tma)
+                             one_loop=bool(self.direct_one_loop) and not shape.tma and not self._ieee)
             return
         k, v = kv[..., :D], kv[..., D:]
         if self.attention != "sdpa" and self._triton(q):
