@@ -103,8 +103,9 @@
 #   s62b     after session 62's new defaults (cuBLAS convs and fc1, one key loop in both direct attentions): the CUDA
 #            tests of the fused body, slot pool, Whole-Euler graphs, batched pipeline and tiled attention;
 #            cublas16_roles_check.py; the flow's path (FP16 and FP32 operands) at batches 1, 16, 4, 8; the staged
-#            attentions' pipeline depth (FusedDiT.attn_stages 3, the default, against 4) now that the direct one loads
-#            through pointers
+#            attentions' pipeline depth (FusedDiT.attn_stages 3, the default, against 4), the direct attention's key
+#            tile (FusedDiT.direct_block_n 64 against 32, 128) and its warps (4 against 8), now that it loads through
+#            pointers
 #   profile  code2wav_replay_profile.py: GPU time by kernel class of the flow's trimmed solve (the direct path from
 #            batch 4) and the untrimmed arena solve, batches 1, 8, 16
 #   dtests   CUDA tests of the Talker (turn engine, duplex TalkerTurns: fused against torch, graphs), the duplex
@@ -274,7 +275,11 @@ for s in "$@"; do
           step flowrows 200 python benchmarks/code2wav_bench.py --out "$W/flowrows" --batches 1,16,4,8 --budget 0.3 \
             --only graphs --rows "=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct"
           step olstages 100 python benchmarks/solve_switch_probe.py --out "$W/olstages" --attr FusedDiT.attn_stages \
-            --values 3,4 --batches 16,8 --trim --called --direct on --gemm-operands fp16 ;;
+            --values 3,4 --batches 16,8 --trim --called --direct on --gemm-operands fp16
+          step olbn 100 python benchmarks/solve_switch_probe.py --out "$W/olbn" --attr FusedDiT.direct_block_n \
+            --values 64,32,128 --batches 16,8 --trim --called --direct on --gemm-operands fp16
+          step olwarps 100 python benchmarks/solve_switch_probe.py --out "$W/olwarps" --attr FusedDiT.attn_warps \
+            --values 4,8 --batches 16,8 --trim --called --direct on --gemm-operands fp16 ;;
     profile) step profile 300 python benchmarks/code2wav_replay_profile.py --out "$W/profile" --batches 1,8,16 \
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}

@@ -250,6 +250,46 @@ def test_direct_solve_reads_caches_in_place_and_trims(B, step_kernels):
 
 @pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
                     reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_staged_direct_solve_one_key_loop_and_key_tiles():
+    """The staged direct attention under TF32 dots walks its two key sources in one loop by default
+    (``FusedDiT.direct_one_loop``; pointer loads): the same bits as one pointer loop per source. Against the two
+    loops through TMA descriptors (the default before, where the device builds them: the interpreter does too)
+    the FP32 tolerance (the H100 solve was bit-identical; the interpreter's descriptor loads differ in the last
+    bits). ``direct_block_n`` 16 splits the 40 old frames into more key tiles than 64 does, so the softmax sums
+    group otherwise: FP32 tolerance under the interpreter (its TF32 dots are FP32), TF32's on CUDA. B=5 runs as
+    4 + 1 rows."""
+    from minicpmo_rt.code2wav.precision import matmul_tf32
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfm = tiny_cfm(seed=13).to(dev)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=40)
+    kw = chunk(5, 6, 40, seed=41, device=dev)
+    att = kw.pop("att_cache")
+    shapes = []
+
+    def solve(**fused_attrs):
+        s = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S, config=cfg,
+                             use_triton=True, block_kernel=False, direct=None)
+        for k, v in fused_attrs.items():
+            setattr(s.fused, k, v)
+        with matmul_tf32(True):
+            out = s.solve(**kw, att_cache=att, graph=False, trim=(5, 30))
+        assert all(k.direct for k in s._statics)
+        shapes.append(s.fused._direct_shape(8, 2, 6, True).tma)
+        return out
+
+    one, two = solve(), solve(direct_one_loop=False, direct_tma=False)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    tol = 1e-3 if dev == "cuda" else 1e-6
+    two_tma = solve(direct_one_loop=False)
+    assert shapes == [False, False, True]
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(two_tma, one))
+    tiles16 = solve(direct_block_n=16)
+    errs = [rel_err(a, b) for a, b in zip(tiles16, one)]
+    assert 0 < max(errs) and all(e < tol for e in errs), errs
+
+
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
 def test_block_kernel_direct_solve_matches_the_arena():
     """The persistent block kernel's direct attention phase (opt-in, ``direct=True``): batch 2 fills its
     bucket, batch 1 pads to 2 (a padding row), per-stream caches, against the same kernel through the

@@ -346,6 +346,7 @@ class FusedDiT:
         # session62_h100.md), replay two / one loop: B=4 11.41-11.45 / 11.26-11.27 ms, B=8 13.88-13.91 /
         # 13.69-13.72, B=16 20.59-20.62 / 20.27 (as called 20.86-20.89 / 20.53-20.59)
         self.direct_one_loop: bool = True
+        self.direct_block_n: int = 64       # direct_attention's key tile (benchmarks/gpu_pending.sh s62b times others)
         self.block_k_step_scale: int | None = None     # block kernel's K step x this (None: 2 with FP16 weights)
         # staged body with FP16 operands: the GEMM roles that run as cuBLAS FP16 GEMMs with FP32 outputs
         # (None: ``CUBLAS16_ROLES`` on CUDA, none elsewhere; benchmarks/cublas16_probe.py sets them)
@@ -561,7 +562,8 @@ class FusedDiT:
                              precision="tf32" if self.attention == "triton-tf32" else "ieee", block_m=shape.block_m,
                              splits=shape.splits, num_stages=shape.stages, num_warps=shape.warps,
                              round_out=round_out, pv16=self.attn_pv16, tma=shape.tma, counters=self._counters(ws),
-                             one_loop=bool(self.direct_one_loop) and not shape.tma and not self._ieee)
+                             one_loop=bool(self.direct_one_loop) and not shape.tma and not self._ieee,
+                             block_n=self.direct_block_n)
             return
         k, v = kv[..., :D], kv[..., D:]
         if self.attention != "sdpa" and self._triton(q):
