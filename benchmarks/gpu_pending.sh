@@ -59,7 +59,8 @@
 # Session 61 (H100 only) added and ran `c16tests`, `overhead`, `dpf` and `hostab`; pending: `oneloop` (written when the
 # session's device time was spent) and the issue's table on an H200 (`table`; its B=16 error sums now fit an H100 too).
 # Session 62 ran `c16roles` (an H200), `oneloop` and `s62` (H100s); pending: `s62b` (the CUDA tests and the flow's path
-# at session 62's new defaults: no machine could be started for it), then `table`.
+# at session 62's new defaults: no machine could be started for it), `s62c` (the direct attention's launch shape with
+# pointer loads, and the replay profile), then `table`.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -102,10 +103,10 @@
 #            through the arena (BLOCK_DIRECT_MIN_ROWS 200, the default) against the direct path with one loop
 #   s62b     after session 62's new defaults (cuBLAS convs and fc1, one key loop in both direct attentions): the CUDA
 #            tests of the fused body, slot pool, Whole-Euler graphs, batched pipeline and tiled attention;
-#            cublas16_roles_check.py; the flow's path (FP16 and FP32 operands) at batches 1, 16, 4, 8; the staged
-#            attentions' pipeline depth (FusedDiT.attn_stages 3, the default, against 4), the direct attention's key
-#            tile (FusedDiT.direct_block_n 64 against 32, 128) and its warps (4 against 8), now that it loads through
-#            pointers
+#            cublas16_roles_check.py; the flow's path (FP16 and FP32 operands) at batches 1, 16, 4, 8
+#   s62c     the staged attentions' pipeline depth (FusedDiT.attn_stages 3, the default, against 4), the direct
+#            attention's key tile (FusedDiT.direct_block_n 64 against 32, 128) and its warps (4 against 8), now that it
+#            loads through pointers; then the replay profile at the new defaults (batches 1, 8, 16)
 #   profile  code2wav_replay_profile.py: GPU time by kernel class of the flow's trimmed solve (the direct path from
 #            batch 4) and the untrimmed arena solve, batches 1, 8, 16
 #   dtests   CUDA tests of the Talker (turn engine, duplex TalkerTurns: fused against torch, graphs), the duplex
@@ -273,13 +274,15 @@ for s in "$@"; do
             tests/code2wav/test_euler_graph.py tests/code2wav/test_pipeline_batched.py tests/code2wav/test_tiled_attention.py
           step rolescheck 90 python benchmarks/cublas16_roles_check.py
           step flowrows 200 python benchmarks/code2wav_bench.py --out "$W/flowrows" --batches 1,16,4,8 --budget 0.3 \
-            --only graphs --rows "=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct"
-          step olstages 100 python benchmarks/solve_switch_probe.py --out "$W/olstages" --attr FusedDiT.attn_stages \
+            --only graphs --rows "=fused + graph TF32 on, trimmed, direct|=fused + graph TF32 on, FP16 operands, trimmed, direct" ;;
+    s62c) step olstages 100 python benchmarks/solve_switch_probe.py --out "$W/olstages" --attr FusedDiT.attn_stages \
             --values 3,4 --batches 16,8 --trim --called --direct on --gemm-operands fp16
           step olbn 100 python benchmarks/solve_switch_probe.py --out "$W/olbn" --attr FusedDiT.direct_block_n \
             --values 64,32,128 --batches 16,8 --trim --called --direct on --gemm-operands fp16
           step olwarps 100 python benchmarks/solve_switch_probe.py --out "$W/olwarps" --attr FusedDiT.attn_warps \
-            --values 4,8 --batches 16,8 --trim --called --direct on --gemm-operands fp16 ;;
+            --values 4,8 --batches 16,8 --trim --called --direct on --gemm-operands fp16
+          step profile62 240 python benchmarks/code2wav_replay_profile.py --out "$W/profile62" --batches 1,8,16 \
+            --variants "FP16 operands" ;;
     profile) step profile 300 python benchmarks/code2wav_replay_profile.py --out "$W/profile" --batches 1,8,16 \
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
