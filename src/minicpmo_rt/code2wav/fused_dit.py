@@ -562,7 +562,7 @@ class FusedDiT:
                              precision="tf32" if self.attention == "triton-tf32" else "ieee", block_m=shape.block_m,
                              splits=shape.splits, num_stages=shape.stages, num_warps=shape.warps,
                              round_out=round_out, pv16=self.attn_pv16, tma=shape.tma, counters=self._counters(ws),
-                             one_loop=bool(self.direct_one_loop) and not shape.tma and not self._ieee,
+                             one_loop=self._one_key_loop and not shape.tma,
                              block_n=self.direct_block_n)
             return
         k, v = kv[..., :D], kv[..., D:]
@@ -593,6 +593,12 @@ class FusedDiT:
         bm, warps = self._ieee_cap(self.attn_block_m or (64 if tma and full else 32 if full else 16))
         stages = self.attn_stages or (3 if tma else 2)
         return AttnShape(bm, self._key_splits(R, H, T, bm, ATTN_TARGET_PROGRAMS), stages, tma, warps)
+
+    @property
+    def _one_key_loop(self) -> bool:
+        """Does ``direct_attention`` walk its two key sources in one loop? ``direct_one_loop``, for TF32 dots only
+        (where it was timed; IEEE dots keep one pointer loop per source)."""
+        return bool(self.direct_one_loop) and not self._ieee
 
     @property
     def _ieee(self) -> bool:
@@ -626,7 +632,7 @@ class FusedDiT:
         ``direct_one_loop`` (pointer loads) leaves them to pointers."""
         bm, warps = self._ieee_cap(self.attn_block_m or min(64, max(16, dit_block._pow2(T))))
         if self.direct_tma is None:     # one key loop takes pointer loads (an explicit direct_tma wins)
-            tma = tma_ok and not self._ieee and not self.direct_one_loop
+            tma = tma_ok and not self._ieee and not self._one_key_loop
         else:
             tma = bool(self.direct_tma)
         splits = self._key_splits(R, H, T, bm, DIRECT_TARGET_PROGRAMS, full_grid=None)
