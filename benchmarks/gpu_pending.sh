@@ -61,6 +61,9 @@
 # Session 62 ran `c16roles` (an H200), `oneloop` and `s62` (H100s); pending: `s62b` (the CUDA tests and the flow's path
 # at session 62's new defaults: no machine could be started for it), `s62c` (the direct attention's launch shape with
 # pointer loads, and the replay profile), then `table`.
+# Session 63 (no device lent) added `tail`: the staged direct solve reading each stream's last 100 old frames from its
+# voice's prompt cache (WholeEulerSolver.share_tail, off until timed): its tests on the GPU, then the A/B at 4, 8, 16.
+# Pending, in this order: s62b, tail, s62c, table.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -107,6 +110,9 @@
 #   s62c     the staged attentions' pipeline depth (FusedDiT.attn_stages 3, the default, against 4), the direct
 #            attention's key tile (FusedDiT.direct_block_n 64 against 32, 128) and its warps (4 against 8), now that it
 #            loads through pointers; then the replay profile at the new defaults (batches 1, 8, 16)
+#   tail     the shared prompt tails (WholeEulerSolver.share_tail, FlowCache.prompt_att): their tests on the GPU (the
+#            kernel reading the tail from the shared copy, the solver's, the flow's chunks), then shared_tail_probe.py:
+#            off / on alternating at batches 4, 8, 16 as the flow calls the solve (bit-identical outputs)
 #   profile  code2wav_replay_profile.py: GPU time by kernel class of the flow's trimmed solve (the direct path from
 #            batch 4) and the untrimmed arena solve, batches 1, 8, 16
 #   dtests   CUDA tests of the Talker (turn engine, duplex TalkerTurns: fused against torch, graphs), the duplex
@@ -283,6 +289,10 @@ for s in "$@"; do
             --values 4,8 --batches 16,8 --trim --called --direct on --gemm-operands fp16
           step profile62 240 python benchmarks/code2wav_replay_profile.py --out "$W/profile62" --batches 1,8,16 \
             --variants "FP16 operands" ;;
+    tail) step tailtests 300 python -m pytest -q -p no:cacheprovider -rsf --durations=10 \
+            tests/code2wav/test_tiled_attention.py tests/code2wav/test_euler_graph.py \
+            tests/code2wav/test_pipeline_batched.py -k "shared_tail or shared_prompt_tails or direct_solves_match"
+          step tail 240 python benchmarks/shared_tail_probe.py --out "$W/tail" --batches 4,8,16 ;;
     profile) step profile 300 python benchmarks/code2wav_replay_profile.py --out "$W/profile" --batches 1,8,16 \
                --variants "flow's path|default (arena)" ;;
     all) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}

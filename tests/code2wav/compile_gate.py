@@ -295,6 +295,22 @@ def drive() -> None:
                              streams, graph=False, trim=(300, 100))
             assert all(k.direct and k.rows for k in solver._statics), "the compile gate's joined solve took no rows key"
         fused_dit.device_tma = lambda device: False
+        # shared prompt tails (WholeEulerSolver.share_tail): the staged direct attention reading each row's last
+        # old frames from its voice's prompt cache (pointer loads, one key loop): split keys at batch 4, a full
+        # grid at 16, FP16 operands, and rows of their own cache lengths (ROW_LENGTHS with TAIL)
+        for B, operands, lengths in ((4, "fp32", [400]), (16, "fp32", [400]), (16, "fp16", [400]),
+                                     (4, "fp32", [400, 300, 350])):
+            cfg = GraphConfig(enabled=False, batch_buckets=(4, 16), query_buckets=(50,), offset_anchor=400)
+            solver = WholeEulerSolver(cfm, body="fused", attention="triton-tf32", tf32=True, n_timesteps=S,
+                                      config=cfg, use_triton=True, wide_gemm=B >= 8, gemm_operands=operands)
+            solver.share_tail = True
+            fused_dit.dot_precision = lambda t: "tf32"
+            streams = [torch.zeros(S, est.depth, 2, H, n, 2 * D) for n in (lengths * B)[:B]]
+            prompt = torch.zeros(S, est.depth, 2, H, 300, 2 * D)
+            with matmul_tf32(True):
+                solver.solve(torch.zeros(B, 80, 50), torch.zeros(B, 80), torch.zeros(B, 80, 50), caches(B, 400)[0],
+                             streams, graph=False, trim=(300, 100), tails=[prompt] * B)
+            assert all(k.direct and k.tail for k in solver._statics), "the compile gate's tail solve read no tails"
         # slot pool: pooled caches (rows/pos), a stride-0 key mask, the block kernel at B=1, TMA at B=16
         fused_dit.dot_precision = lambda t: "tf32"
         for B in (1, 4, 8, 16):

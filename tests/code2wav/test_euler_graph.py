@@ -472,6 +472,60 @@ def test_direct_solve_takes_rows_of_their_own_cache_lengths():
         solver.solve(**kw, att_cache=[streams[0], streams[1][:, :1], streams[2]], graph=False, trim=trim)
 
 
+@pytest.mark.skipif(not (kernels.AVAILABLE and (torch.cuda.is_available() or kernels.interpreting())),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("lengths", [[8, 8, 8], [8, 4, 6]])
+def test_direct_solve_reads_shared_prompt_tails(lengths):
+    """``share_tail``: per-stream caches that end with their voice prompt cache's last min(trim) = 4 frames
+    (two voices, one stream without a prompt cache) solve with those frames read from the prompt caches
+    (``solve(tails=)``, ``SolveKey.tail``). The streams' own copies of the frames are NaN, so a read of them
+    would show; the mel, CNN cache and every successor (whose last frames are copied from the prompt cache)
+    equal, bit for bit, the solve of the clean caches without tails. Batch 3 pads to 4 (the padding row reads
+    stream 0's cache and tail); [8, 4, 6] are rows of their own lengths (``SolveKey.rows``). The tail is not
+    taken where the block kernel would run, and a prompt cache that does not fit its stream is refused."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfm = tiny_cfm(seed=15).to(dev)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
+    trim, T, B = (5, 4), 6, len(lengths)
+    kw = chunk(B, T, 0, seed=43, device=dev)
+    kw.pop("att_cache")
+    g = torch.Generator().manual_seed(44)
+    prompts = [torch.randn(S, 2, 2, 2, trim[0], 64, generator=g).to(dev) for _ in range(2)]
+    clean = []
+    for n, p in zip(lengths, [prompts[0], prompts[1], None]):
+        c = torch.randn(S, 2, 2, 2, n, 64, generator=g).to(dev)
+        if p is not None:
+            c[..., n - 4:, :] = p[..., trim[0] - 4:, :]
+        clean.append(c)
+    poisoned = [c.clone() for c in clean]
+    for c in poisoned[:2]:
+        c[..., c.shape[4] - 4:, :] = float("nan")
+
+    def make(share):
+        sv = WholeEulerSolver(cfm, body="fused", attention="triton-ieee", n_timesteps=S, config=cfg,
+                              use_triton=True, block_kernel=False)
+        sv.share_tail = share
+        return sv
+
+    ref = make(False).solve(**kw, att_cache=clean, graph=False, copy_out=True, trim=trim)
+    shared = make(True)
+    out = shared.solve(**kw, att_cache=poisoned, graph=False, copy_out=True, trim=trim,
+                       tails=[prompts[0], prompts[1], None])
+    assert [(k.direct is not None, k.tail, k.rows) for k in shared._statics] == [(True, True, len(set(lengths)) > 1)]
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert all(torch.equal(a, b) for a, b in zip(out[2], ref[2]))
+    # tails are only a hint: without them the tail key reads every row's own frames
+    assert torch.equal(shared.solve(**kw, att_cache=clean, graph=False, copy_out=True, trim=trim)[0], ref[0])
+    block = WholeEulerSolver(cfm, body="fused", attention="triton-ieee", n_timesteps=S, config=cfg,
+                             use_triton=True, block_kernel=True, direct=True)
+    block.share_tail = True
+    assert not block.solve_key(B, T, 8, kw["mu"], trim).tail
+    with pytest.raises(ValueError, match="prompt tail"):
+        shared.solve(**kw, att_cache=clean, graph=False, trim=trim, tails=[prompts[0][..., 1:, :], None, None])
+    with pytest.raises(ValueError, match="3 prompt tails|one per stream"):
+        shared.solve(**kw, att_cache=clean, graph=False, trim=trim, tails=[None])
+
+
 def _stacked(per_stream):
     return torch.cat([a[:, :, 0:1] for a in per_stream] + [a[:, :, 1:2] for a in per_stream], 2)
 

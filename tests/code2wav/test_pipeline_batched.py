@@ -387,7 +387,10 @@ def test_inference_chunk_many_direct_solves_match_the_reference(tiny_ckpt, voice
     """The flow's batched chunk with its solver on the direct path (each stream's estimator cache read in
     place, the trimmed successor written by the attention) against the reference flow path (original DiT,
     caches stacked, trimmed after), chunk after chunk up to past the trim, under Triton's interpreter with
-    IEEE dots: the mel and every next cache within 1e-5, each in its own memory. ~80 s on 2 CPUs."""
+    IEEE dots: the mel and every next cache within 1e-5, each in its own memory. Every cache on either path
+    ends with its voice prompt cache's last min(prompt, 100) frames, bit for bit (``FlowCache.prompt_att``, carried
+    from the prompt state), and the solver reading those frames from the prompt cache (``share_tail``) gives
+    the same bits as reading each stream's own. ~100 s on 2 CPUs."""
     from minicpmo_rt.code2wav import kernels
     if not (kernels.AVAILABLE and kernels.interpreting()) and not torch.cuda.is_available():
         pytest.skip("the direct path needs Triton (CUDA or TRITON_INTERPRET=1)")
@@ -409,6 +412,18 @@ def test_inference_chunk_many_direct_solves_match_the_reference(tiny_ckpt, voice
             finally:
                 f.chunk_solver = solver
             mel, got = f.inference_chunk_many(toks, spk, caches)
+            solver.share_tail = True
+            try:
+                mel_shared, shared = f.inference_chunk_many(toks, spk, caches)
+            finally:
+                solver.share_tail = False
+            assert torch.equal(mel_shared, mel) and any(k.tail for k in solver._statics)
+            assert all(torch.equal(a.estimator_att, b.estimator_att) for a, b in zip(shared, got))
+            for c in got + want:
+                prompt = c.prompt_att
+                assert prompt is streams[0].cache.prompt_att
+                n = min(c.prompt_frames, 100)
+                assert torch.equal(c.estimator_att[..., -n:, :], prompt[..., -n:, :]), step
             drops += [k.direct for k in solver._statics if k.direct and k.direct[0] != k.direct[1]]
             assert _rel(mel.cpu().numpy(), mel_ref.cpu().numpy()) < 1e-5, step
             for a, b in zip(got, want):

@@ -353,6 +353,81 @@ def test_direct_attention_rows_of_their_own_cache_lengths(splits):
         stream_table([o[:, :, 0] for o in outs], base, drops=spans[:1])
 
 
+@pytest.mark.parametrize("row_lengths", [False, True])
+@pytest.mark.parametrize("one_loop,row_copy", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_direct_attention_reads_a_shared_tail(splits, one_loop, row_copy, row_lengths, monkeypatch):
+    """``StreamKV.tail``: each row's last old frames (here 10 of 37, or of 27 for a shorter row with
+    ``row_lengths``) are read from a (steps, depth, [cond|uncond], H, P, 2D) prompt cache that ends with them,
+    shared by the rows of one voice. The rows' own copies of those frames are NaN, so any read of them would
+    show; the output and every successor (whose last frames are written from the shared copy) must equal,
+    bit for bit, a launch without the tail over the rows' clean caches. 16-key tiles: the tail starts
+    inside a tile (frame 27 of old frames 16-31), so a tile takes keys from both places. Row 2 shares nothing
+    (its own clean cache); row 3 is padding. ``row_copy``: the successor written as rows read again
+    (``SUCCESSOR_ROW_COPY``), which must read the tail's frames where the dots did."""
+    from minicpmo_rt.code2wav.kernels import tiled_attention as ta
+    from minicpmo_rt.code2wav.kernels.tiled_attention import (NO_TAIL, StreamKV, direct_attention, stream_table,
+                                                              tail_table)
+
+    monkeypatch.setattr(ta, "SUCCESSOR_ROW_COPY", row_copy)
+    gen = torch.Generator().manual_seed(14)
+    R, H, D, T, S, depth, P, shared = 4, 2, 16, 20, 2, 2, 24, 10
+    lengths = [37, 27 if row_lengths else 37, 37, 37]
+    dev = device()
+    q = torch.randn(R, H, T, D, generator=gen).to(dev)
+    if not usable_on(q):
+        pytest.skip("Triton cannot run here (set TRITON_INTERPRET=1 on CPU)")
+    cur = torch.randn(R, H, T, 2 * D, generator=gen).to(dev)
+    prompt = torch.randn(S, depth, 2, H, P, 2 * D, generator=gen).to(dev)
+    halves = [0, 1, 0]       # rows 0 / 1: a stream's cond / another's uncond half; row 2 shares nothing
+    clean = []
+    for r, n in enumerate(lengths[:3]):
+        c = torch.randn(S, depth, 1, H, n, 2 * D, generator=gen).to(dev)
+        c[..., n - shared:, :] = prompt[:, :, halves[r]:halves[r] + 1, :, P - shared:]
+        clean.append(c)
+    poisoned = [c.clone() for c in clean]
+    for c in poisoned[:2]:
+        c[..., c.shape[4] - shared:, :] = float("nan")
+    drop = (5, 5 + T)           # every row drops as many frames, so its successor holds T + n - T frames
+    outs = [torch.full((S, depth, 1, H, n, 2 * D), float("nan"), device=dev) for n in lengths[:3]]
+    base = outs[0]
+    drops = [drop] * 3 + [(0, 0)]
+
+    def run(caches, tail):
+        for x in outs:
+            x.fill_(float("nan"))
+        src = stream_table([(c, 0) for c in caches] + [(caches[0], 0)], base, current=[T] * R).to(dev)
+        dst = stream_table([(x, 0) for x in outs] + [None], base, drops=drops if row_lengths else None).to(dev)
+        kv = StreamKV(base, src, dst, max(lengths), T + 37 - T, drop, row_lengths=row_lengths, tail=tail).at_step(1)
+        o = torch.full((R, T, H, D), float("nan"), device=dev)
+        direct_attention(q, cur, kv, 1, o.transpose(1, 2), precision="ieee", block_m=16, block_n=16,
+                         splits=splits, one_loop=one_loop)
+        return o, [x.clone() for x in outs]
+
+    o_ref, succ_ref = run(clean, None)
+    starts = [n - shared for n in lengths[:2]] + [0, lengths[0] - shared]     # the padding row reads row 0's
+    tails = tail_table([(prompt, 0), (prompt, 1), None, (prompt, 0)], base, starts, shared).to(dev)
+    assert tails[2, 3] == NO_TAIL
+    o, succ = run(poisoned, tails)
+    assert not torch.isnan(o).any()
+    assert torch.equal(o, o_ref)
+    assert all(torch.equal(a[1, 1], b[1, 1]) for a, b in zip(succ, succ_ref))      # (step 1, layer 1) written
+    assert not any(torch.isnan(a[1, 1]).any() for a in succ)
+    assert all(torch.isnan(a[0]).all() for a in succ)
+    full = torch.cat([cur[0], clean[0][1, 1, 0]], 1).cpu()
+    ref = reference(q[:1].cpu(), full[None, ..., :D], full[None, ..., D:], None)[0]
+    assert rel_err(o.transpose(1, 2)[0].cpu(), ref) < 1e-5
+    with pytest.raises(ValueError, match="pointer loads"):
+        direct_attention(q, cur, StreamKV(base, tails, tails, 37, 37, drop, tail=tails), 0, o.transpose(1, 2),
+                         tma=True)
+    with pytest.raises(ValueError, match="last 30 of 24"):
+        tail_table([(prompt, 0)], base, [0], 30)
+    with pytest.raises(ValueError, match="batch row"):
+        tail_table([(prompt, 2)], base, [0], shared)
+    with pytest.raises(ValueError, match="starts for"):
+        tail_table([(prompt, 0)], base, [0, 1], shared)
+
+
 def test_direct_key_splits_start_every_split_on_a_key_tile_of_its_source():
     """Batch 4's direct attention (2 splits, 64-key tiles, 50 current + 400 old frames): counting the current
     frames as one whole tile, split 0 walks 1 current + 3 old tiles and split 1 the old frames from 192 (4

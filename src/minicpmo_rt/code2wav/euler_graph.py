@@ -52,7 +52,7 @@ import torch
 from . import bulk_copy
 from .fused_dit import SC_MSA, SH_MSA, FusedDiT, Modulation, dot_precision
 from .kernels import dit_block, euler_step
-from .kernels.tiled_attention import TABLE_WIDTH, StreamKV, stream_table
+from .kernels.tiled_attention import TABLE_WIDTH, StreamKV, stream_table, tail_table
 from ..thinker.staging import HostStaging
 from .precision import matmul_tf32
 
@@ -129,6 +129,9 @@ class SolveKey:
     # a direct solve whose rows hold caches of their own lengths (at most ``offset``: a stream's first and second
     # chunks joining steady ones); each row's old frames, successor and dropped span come from the tables
     rows: bool = False
+    # a direct solve on the staged body reading each row's last old frames from its voice's prompt cache
+    # (WholeEulerSolver.share_tail; rows whose caller passed no prompt cache read their own)
+    tail: bool = False
 
 
 def trim_span(frames: int, prompt_frames: int, keep: int) -> tuple[int, int]:
@@ -227,6 +230,11 @@ class WholeEulerSolver:
         self._logged: set[str] = set()
         self.captures = 0         # graphs captured, and arena growths that dropped graphs (for logs, benchmarks)
         self.arena_regrowths = 0
+        # Direct solves on the staged body read each stream's last min(prompt, kept) old frames from its voice's
+        # prompt cache (``solve(tails=)``, ``FlowCache.prompt_att``): one copy in L2 for all of a voice's rows
+        # instead of one per row from HBM, a quarter of a steady cache's frames. Off until timed on a GPU
+        # (benchmarks/gpu_pending.sh tail); decides the keys, so set it before the first solve.
+        self.share_tail = False
 
     # ------------------------------------------------------------------ schedule
     def _schedule(self, device) -> tuple[list[float], list[float]]:
@@ -347,9 +355,10 @@ class WholeEulerSolver:
             span = key.direct or key.succ
             if span:
                 d0, d1 = span
-                tables = torch.zeros(2, R, TABLE_WIDTH, device=device, dtype=torch.int64)     # [src, dst]
+                tables = torch.zeros(2 + key.tail, R, TABLE_WIDTH, device=device, dtype=torch.int64)  # [src, dst, tail]
                 # the tables hold offsets from the arena, a pointer with an alignment the compiler knows
-                kv = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), span, row_lengths=key.rows)
+                kv = StreamKV(self._arena, tables[0], tables[1], O, Q + O - (d1 - d0), span, row_lengths=key.rows,
+                              tail=tables[2] if key.tail else None)
                 if key.direct:
                     st.streams = kv
                 else:
@@ -549,7 +558,8 @@ class WholeEulerSolver:
     def solve(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
               cnn_cache: torch.Tensor | None = None, att_cache: torch.Tensor | Sequence[torch.Tensor] | None = None,
               temperature: float = 1.0, graph: bool = True, copy_out: bool = True,
-              trim: tuple[int, int] | None = None, widths: Sequence[int] | None = None):
+              trim: tuple[int, int] | None = None, widths: Sequence[int] | None = None,
+              tails: Sequence[torch.Tensor | None] | None = None):
         """mu, cond (B, 80, T); spks (B, 80) projected; caches (S, depth, 2B, ...) or None.
 
         Returns (mel (B, 80, T), new cnn cache (S, depth, 2B, 2C, K-1), new att cache
@@ -578,6 +588,11 @@ class WholeEulerSolver:
         stream ends. Where the direct path applies every row keeps
         it (each row's current-frame count in its source table: one graph for any mix of widths); else the
         solve is masked, row by row.
+
+        ``tails``: with per-stream caches and ``trim``, each stream's voice prompt cache (steps, depth, 2, heads,
+        trim[0], 2D) or None (``FlowCache.prompt_att``): the stream's cache must end with that cache's last
+        min(trim) frames (every trimmed descendant of the prompt's state does). Under ``share_tail`` a direct
+        solve on the staged body reads those frames there (``SolveKey.tail``); elsewhere they are not used.
         """
         B, _, T = mu.shape
         if widths is not None:
@@ -593,6 +608,8 @@ class WholeEulerSolver:
         per_stream = isinstance(att_cache, (list, tuple))
         if per_stream:
             att_cache = _check_streams(att_cache, B, lengths_differ=trim is not None)
+        if tails is not None:
+            tails = self._check_tails(tails, att_cache if per_stream else None, B, trim)
         # a stream's or the batch's cache: its shape (per-stream caches of several lengths: the longest)
         one = max(att_cache, key=lambda c: c.shape[4]) if per_stream else att_cache
         L = 0 if one is None else one.shape[4]
@@ -606,7 +623,8 @@ class WholeEulerSolver:
                                None if cnn_cache is None else _rows(cnn_cache, B, i, min(B, i + big)),
                                None if att_cache is None else (att_cache[i:i + big] if per_stream
                                                                else _rows(att_cache, B, i, min(B, i + big))),
-                               temperature, graph, True, trim, None if widths is None else widths[i:i + big])
+                               temperature, graph, True, trim, None if widths is None else widths[i:i + big],
+                               None if tails is None else tails[i:i + big])
                     for i in range(0, B, big)]
             att = ([a for o in outs for a in o[2]] if per_stream else _cat_rows([o[2] for o in outs]))
             return torch.cat([o[0] for o in outs], 0), _cat_rows([o[1] for o in outs]), att
@@ -624,8 +642,8 @@ class WholeEulerSolver:
         with matmul_tf32(self.tf32):
             st = self._static_for(key, device, want_graph=False)
             self._fill(st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L, widths)
-            direct = (self._bind_streams(st, att_cache, B, per_stream, T, widths, trim) if key.direct or key.succ
-                      else None)
+            direct = (self._bind_streams(st, att_cache, B, per_stream, T, widths, trim, tails)
+                      if key.direct or key.succ else None)
             if want_graph and st.graph is None:     # captured on real inputs: a direct graph's warm-up
                 st = self._static_for(key, device, want_graph)  # runs read through the bound tables
             if st.graph is not None and want_graph:
@@ -681,7 +699,7 @@ class WholeEulerSolver:
         if key is None:   # beyond the buckets: an exact, unmasked shape
             key = SolveKey(B, T, L, False)
         if trim is not None and self._direct_applies(key, mu, caches):
-            key = replace(key, direct=trim_span(key.query + key.offset, *trim))
+            key = replace(key, direct=trim_span(key.query + key.offset, *trim), tail=self._tail_applies(key, mu))
         elif ragged:
             key = replace(key, masked=True)
         elif trim is not None and self._successor_applies(key, mu):
@@ -703,6 +721,32 @@ class WholeEulerSolver:
         return caches is None or all(c is not None and c.dtype == torch.float32 and c.data_ptr() % 64 == 0
                                      and c.stride()[3:] == (c.shape[4] * c.shape[5], c.shape[5], 1) for c in caches)
 
+    def _tail_applies(self, key: SolveKey, mu: torch.Tensor) -> bool:
+        """Does this direct solve read shared prompt tails (``share_tail``)? Only on the staged body, whose
+        ``direct_attention`` takes them (the block kernel's direct phase does not)."""
+        return self.share_tail and not self.fused.uses_block_kernel(2 * key.batch, key.query, mu.device)
+
+    def _check_tails(self, tails, caches: list[torch.Tensor] | None, B: int,
+                     trim: tuple[int, int] | None) -> list[torch.Tensor | None] | None:
+        """``solve(tails=)``: one per stream, each None or a prompt cache of the streams' steps, depth, heads
+        and head size over trim[0] frames, as long as its stream's cache at least (else ValueError). Without
+        per-stream caches and a trim there is nothing to share them with: None."""
+        tails = list(tails)
+        if len(tails) != B:
+            raise ValueError(f"solve: {len(tails)} prompt tails for a batch of {B}; pass one per stream (or None)")
+        if caches is None or trim is None:
+            return None
+        for i, (t, c) in enumerate(zip(tails, caches)):
+            if t is None:
+                continue
+            if (t.dim() != 6 or t.shape[:4] != c.shape[:4] or t.shape[5] != c.shape[5] or t.shape[4] != trim[0]
+                    or t.dtype != c.dtype or t.device != c.device or c.shape[4] < min(trim)):
+                raise ValueError(f"solve: stream {i}'s prompt tail {tuple(t.shape)} ({t.dtype}, {t.device}) does not "
+                                 f"fit its cache {tuple(c.shape)} ({c.dtype}, {c.device}) trimmed at {trim}; expected "
+                                 "the voice's prompt cache (steps, depth, 2, heads, trim[0] frames, 2*head_dim) "
+                                 "(FlowCache.prompt_att), or None")
+        return tails if any(t is not None for t in tails) else None
+
     def _successor_applies(self, key: SolveKey, mu: torch.Tensor) -> bool:
         """Does this trimmed arena solve run the block kernel, whose attention can write the successors
         (``ARENA_SUCCESSOR``)? An unmasked steady shape with an old cache, Triton attention, and the block
@@ -715,13 +759,16 @@ class WholeEulerSolver:
             return dot_precision(mu) == "tf32" or not f._block_auto
 
     def _bind_streams(self, st: _Static, att_cache, B: int, per_stream: bool, T: int,
-                      widths: Sequence[int] | None = None, trim: tuple[int, int] | None = None):
+                      widths: Sequence[int] | None = None, trim: tuple[int, int] | None = None,
+                      tails: Sequence[torch.Tensor | None] | None = None):
         """Point a direct solve's address tables at this call's caches and at new successors (their own
         memory, returned): row r < Bb is stream r's cond half, row Bb + r its uncond half; padding rows
         read stream 0 and write nothing. Each source row carries how many of the chunk's T frames its row
         attends (``widths``; default T); a narrower row writes no successor (None in a per-stream list). An
         arena solve writing successors (``st.successor``) reads nothing through the tables: its source rows
-        stay empty. With ``SolveKey.rows`` each stream's successor is trimmed by its own length (``trim``)."""
+        stay empty. With ``SolveKey.rows`` each stream's successor is trimmed by its own length (``trim``).
+        With ``SolveKey.tail`` each row's last min(trim) old frames are read from its stream's prompt cache in
+        ``tails`` (a padding row: stream 0's), where there is one."""
         tabled = st.streams or st.successor
         Bb, n_out = st.key.batch, tabled.n_out
         dev = st.x.device
@@ -747,11 +794,23 @@ class WholeEulerSolver:
         if st.streams is None:
             src = lambda i, half: None      # noqa: E731
         drops = None if spans is None else [spans[i] if i < B else (0, 0) for i, _ in rows]
-        tables = torch.stack([stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base, current),
-                              stream_table([dst(i, h) if i < B and wide[i] else None for i, h in rows], base,
-                                           drops=drops)])
+        tables = [stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base, current),
+                  stream_table([dst(i, h) if i < B and wide[i] else None for i, h in rows], base, drops=drops)]
+        if st.key.tail:
+            tables.append(self._tail_table(rows, att_cache, B, per_stream, tails, trim, base))
+        tables = torch.stack(tables)
         self._host_uploads(dev).upload(tables, out=st.extra["tables"])
         return outs
+
+    def _tail_table(self, rows, att_cache, B: int, per_stream: bool, tails, trim, base) -> torch.Tensor:
+        """The rows' ``StreamKV.tail`` table: row (stream i, half h) reads its last min(trim) old frames from
+        ``tails[i]``'s half h (a padding row as stream 0); rows of streams without one read their own."""
+        shared = min(trim)
+        pick = [i if i < B else 0 for i, _ in rows]
+        if tails is None or not per_stream:
+            return tail_table([None] * len(rows), base, [0] * len(rows), shared)
+        return tail_table([None if tails[i] is None else (tails[i], h) for i, (_, h) in zip(pick, rows)], base,
+                          [att_cache[i].shape[4] - shared for i in pick], shared)
 
     def _host_uploads(self, device) -> HostStaging:
         """The solver's host -> device uploads (index and address tables): through pinned buffers, since a

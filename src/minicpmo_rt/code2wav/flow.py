@@ -53,6 +53,12 @@ class FlowCache:
     in ``encoder``; estimator_cnn (steps, depth, 2b, 2*hidden, 2); estimator_att
     (steps, depth, 2b, heads, L, 2*head_dim), newest frame first. ``prompt_frames`` is the
     prompt's mel length, which trimming always keeps.
+
+    ``prompt_att``: the voice prompt estimator cache (steps, depth, 2, heads, prompt_frames, 2*head_dim) that
+    every row descends from (the ``estimator_att`` of a one-stream ``setup_cache`` state), or None. The trim
+    drops frames from the middle and new frames go in front, so each row's estimator cache ends with the
+    prompt's last min(prompt_frames, 100) frames, bit for bit: the fast path's solver can read those from this
+    one copy that all of a voice's streams share (``WholeEulerSolver.share_tail``).
     """
 
     conformer_cnn: torch.Tensor
@@ -60,6 +66,7 @@ class FlowCache:
     estimator_cnn: torch.Tensor
     estimator_att: torch.Tensor
     prompt_frames: int
+    prompt_att: torch.Tensor | None = None
 
     @property
     def n_timesteps(self) -> int:
@@ -75,12 +82,19 @@ class FlowCache:
         return EncoderCache(self.conformer_cnn, self.conformer_att)
 
     def clone(self) -> "FlowCache":
+        att = self.estimator_att.clone()     # the prompt cache is read-only: shared, not cloned
+        prompt = att if self.prompt_att is self.estimator_att else self.prompt_att
         return FlowCache(self.conformer_cnn.clone(), self.conformer_att.clone(), self.estimator_cnn.clone(),
-                         self.estimator_att.clone(), self.prompt_frames)
+                         att, self.prompt_frames, prompt)
 
     def to(self, device: torch.device | str) -> "FlowCache":
+        att = self.estimator_att.to(device)
+        if self.prompt_att is None or self.prompt_att is self.estimator_att:
+            prompt = None if self.prompt_att is None else att
+        else:
+            prompt = self.prompt_att.to(device)
         return FlowCache(self.conformer_cnn.to(device), self.conformer_att.to(device),
-                         self.estimator_cnn.to(device), self.estimator_att.to(device), self.prompt_frames)
+                         self.estimator_cnn.to(device), att, self.prompt_frames, prompt)
 
 
 def stack_encoder_caches(encs: Sequence[EncoderCache]) -> EncoderCache:
@@ -130,10 +144,13 @@ def _cfg_rows(t: torch.Tensor, i: int, j: int) -> torch.Tensor:
 
 def stack_flow_caches(caches: Sequence[FlowCache]) -> FlowCache:
     """One FlowCache whose batch rows are the given caches' rows, in order (the estimator caches'
-    cond halves stacked ahead of their uncond halves, keeping the ``[cond | uncond]`` layout)."""
+    cond halves stacked ahead of their uncond halves, keeping the ``[cond | uncond]`` layout). The caches'
+    ``prompt_att`` is kept where they all have the same one (one voice), else None."""
     enc = stack_encoder_caches([c.encoder for c in caches])
+    prompt = caches[0].prompt_att
     return FlowCache(enc.cnn, enc.att, _stack_cfg([c.estimator_cnn for c in caches]),
-                     _stack_cfg([c.estimator_att for c in caches]), caches[0].prompt_frames)
+                     _stack_cfg([c.estimator_att for c in caches]), caches[0].prompt_frames,
+                     prompt if all(c.prompt_att is prompt for c in caches) else None)
 
 
 def split_flow_cache(cache: FlowCache, sizes: Sequence[int]) -> list[FlowCache]:
@@ -142,7 +159,7 @@ def split_flow_cache(cache: FlowCache, sizes: Sequence[int]) -> list[FlowCache]:
     out, i = [], 0
     for n, enc in zip(sizes, split_encoder_cache(cache.encoder, sizes)):
         out.append(FlowCache(enc.cnn, enc.att, _cfg_rows(cache.estimator_cnn, i, i + n),
-                             _cfg_rows(cache.estimator_att, i, i + n), cache.prompt_frames))
+                             _cfg_rows(cache.estimator_att, i, i + n), cache.prompt_frames, cache.prompt_att))
         i += n
     return out
 
@@ -348,7 +365,8 @@ class Flow(nn.Module):
         h = self.encoder_proj(h)
         _, est_cnn, est_att = self.decoder.forward_chunk(
             h.transpose(1, 2).contiguous(), spk, mel.transpose(1, 2).contiguous(), n_timesteps=n_timesteps)
-        return FlowCache(enc_cache.cnn, enc_cache.att, est_cnn, est_att, prompt_frames=mel.shape[1])
+        return FlowCache(enc_cache.cnn, enc_cache.att, est_cnn, est_att, prompt_frames=mel.shape[1],
+                         prompt_att=est_att if token.shape[0] == 1 else None)
 
     @torch.inference_mode()
     def inference_chunk(self, token: torch.Tensor, spk: torch.Tensor, cache: FlowCache, last_chunk: bool = False,
@@ -381,7 +399,7 @@ class Flow(nn.Module):
                 h, spk, torch.zeros_like(h), n_timesteps=n_timesteps,
                 cnn_cache=cache.estimator_cnn, att_cache=cache.estimator_att)
             est_att = trim_estimator_att(est_att, cache.prompt_frames)
-        return mel, FlowCache(enc_cache.cnn, enc_cache.att, est_cnn, est_att, p)
+        return mel, FlowCache(enc_cache.cnn, enc_cache.att, est_cnn, est_att, p, cache.prompt_att)
 
     @torch.inference_mode()
     def inference_chunk_many(self, token: torch.Tensor, spk: torch.Tensor, caches: Sequence[FlowCache],
@@ -412,9 +430,9 @@ class Flow(nn.Module):
         h, spk, encs = self.encode_streams(token, spk, [c.encoder for c in caches], last_chunk, [p] * len(caches))
         mel, cnn, atts = self.chunk_solver.solve(h, spk, torch.zeros_like(h), _stack_cfg([c.estimator_cnn for c in caches]),
                                                  [c.estimator_att for c in caches], copy_out=False,
-                                                 trim=(p, HISTORY_FRAMES))
-        return mel, [FlowCache(enc.cnn, enc.att, _cfg_rows(cnn, i, i + 1), att, p)
-                     for i, (enc, att) in enumerate(zip(encs, atts))]
+                                                 trim=(p, HISTORY_FRAMES), tails=[c.prompt_att for c in caches])
+        return mel, [FlowCache(enc.cnn, enc.att, _cfg_rows(cnn, i, i + 1), att, p, c.prompt_att)
+                     for i, (enc, att, c) in enumerate(zip(encs, atts, caches))]
 
     def chunk_frames(self, n_tokens: int, last: bool) -> int:
         """Mel frames a chunk of ``n_tokens`` decodes: all of a final one's, else all but the lookahead."""
@@ -533,14 +551,15 @@ class Flow(nn.Module):
         mel, cnn, atts = self.chunk_solver.solve(mu, torch.cat(spks, 0), torch.zeros_like(mu),
                                                  _stack_cfg([c.estimator_cnn for c in caches]),
                                                  [c.estimator_att for c in caches], copy_out=False,
-                                                 trim=(p, HISTORY_FRAMES), widths=widths)
+                                                 trim=(p, HISTORY_FRAMES), widths=widths,
+                                                 tails=[c.prompt_att for c in caches])
         out, r = [], 0
         for part, f, enc in zip(parts, frames, encs):
             b = len(part.caches)
             news = None
             if not part.last:
-                news = [FlowCache(e.cnn, e.att, _cfg_rows(cnn, r + j, r + j + 1), atts[r + j], p)
-                        for j, e in enumerate(enc)]
+                news = [FlowCache(e.cnn, e.att, _cfg_rows(cnn, r + j, r + j + 1), atts[r + j], p,
+                                  part.caches[j].prompt_att) for j, e in enumerate(enc)]
             out.append((mel[r:r + b] if f == T else mel[r:r + b, :, :f].contiguous(), news))
             r += b
         return out

@@ -558,11 +558,12 @@ class FusedDiT:
         q = ws.q.transpose(1, 2)                 # (R, H, T, D) view
         if streams is not None:                  # kv holds this chunk's frames only; the old ones stay put
             shape = self._direct_shape(q.shape[0], q.shape[1], q.shape[2], device_tma(q.device))
+            tma = shape.tma and streams.tail is None     # a shared tail is read through pointers
             direct_attention(q, kv, streams, layer, ws.o.transpose(1, 2),
                              precision="tf32" if self.attention == "triton-tf32" else "ieee", block_m=shape.block_m,
                              splits=shape.splits, num_stages=shape.stages, num_warps=shape.warps,
-                             round_out=round_out, pv16=self.attn_pv16, tma=shape.tma, counters=self._counters(ws),
-                             one_loop=self._one_key_loop and not shape.tma,
+                             round_out=round_out, pv16=self.attn_pv16, tma=tma, counters=self._counters(ws),
+                             one_loop=self._one_key_loop and not tma,
                              block_n=self.direct_block_n)
             return
         k, v = kv[..., :D], kv[..., D:]
@@ -792,6 +793,9 @@ class FusedDiT:
         if successor is not None and (not persistent or streams is not None or mask is not None or rows is not None):
             raise ValueError("FusedDiT.blocks: a successor is written only by the persistent block kernel's attention "
                              "over unmasked, unpooled arena frames; trim the new cache afterwards otherwise")
+        if persistent and streams is not None and streams.tail is not None:
+            raise ValueError("FusedDiT.blocks: the persistent block kernel reads each row's whole cache; pass "
+                             "streams without a shared tail (StreamKV.tail) there")
         if persistent:
             if not ctr_zeroed:
                 ws.ctr.zero_()

@@ -140,6 +140,16 @@ if AVAILABLE:
         return ptr, tl.load(TABLE + b * 8 + 3) != 0
 
     @triton.jit
+    def tail_row(BASE, TAILS, b, h, step, layer):
+        """Row b's (step, layer, head h) shared tail through its ``StreamKV.tail`` row [offset from BASE, step
+        stride, layer stride, start, head stride, ...] (elements): (pointer to the tail's first frame, the old
+        frame it stands for). The offset and strides are multiples of 16 elements (``tail_table`` checks)."""
+        ptr = BASE + tl.multiple_of(tl.load(TAILS + b * 8) + step * tl.load(TAILS + b * 8 + 1)
+                                    + layer * tl.load(TAILS + b * 8 + 2) + h.to(tl.int64) * tl.load(TAILS + b * 8 + 4),
+                                    16)
+        return ptr, tl.load(TAILS + b * 8 + 3).to(tl.int32)
+
+    @triton.jit
     def _kept_frames(offs_n, w_hi, f0, drop0, drop1, HEAD_D: tl.constexpr):
         """(which of keys offs_n, at frames f0 + offs_n of the concatenated [current | old] order, go into a
         trimmed successor, their element offsets there): keys below w_hi, frames [drop0, drop1) left out and
@@ -169,6 +179,14 @@ if AVAILABLE:
         kept, fo = _kept_frames(offs_n, w_hi, f0, drop0, drop1, HEAD_D)
         rows = tl.load(src + offs_n.to(tl.int64)[:, None] * (2 * HEAD_D) + offs_c[None, :], mask=kept[:, None],
                        other=0.0)
+        return rows, kept, fo
+
+    @triton.jit
+    def _load_kept_at(at, offs_n, w_hi, f0, drop0, drop1, HEAD_D: tl.constexpr):
+        """``_load_kept`` with each key's [k|v] row at its own pointer ``at`` (a shared tail's keys elsewhere)."""
+        offs_c = tl.arange(0, 2 * HEAD_D)
+        kept, fo = _kept_frames(offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+        rows = tl.load(at[:, None] + offs_c[None, :], mask=kept[:, None], other=0.0)
         return rows, kept, fo
 
     @triton.jit
@@ -282,21 +300,33 @@ if AVAILABLE:
     @triton.jit
     def _key_tile(q, m_i, l_i, acc, base, desc, first, hi, w_hi, f0, row_ok, dst, drop0, drop1, scale,
                   HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr,
-                  TMA: tl.constexpr, ROW_COPY: tl.constexpr):
+                  TMA: tl.constexpr, ROW_COPY: tl.constexpr, tail=None, t_start=0, TAIL: tl.constexpr = False):
         """One key tile, keys [first, first + BLOCK_N) below ``hi`` of a packed [k|v] source (frames 2*HEAD_D apart
         from ``base``; with TMA through ``desc``), folded into the running softmax; its keys below ``w_hi`` also go
-        into the trimmed successor at ``dst`` (their frames f0 + key of the [current | old] order)."""
+        into the trimmed successor at ``dst`` (their frames f0 + key of the [current | old] order).
+        TAIL (pointer loads): keys from ``t_start`` on are read at ``tail`` instead (key t_start there), a copy of
+        them that every row of a voice shares (``StreamKV.tail``), so they come from L2, not each row's cache."""
         offs_d = tl.arange(0, HEAD_D)
         offs_n = first + tl.arange(0, BLOCK_N)
         col_ok = offs_n < hi
-        if ROW_COPY:
-            rows, kept, fo = _load_kept(base, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
-        if TMA:
-            kt = tl.trans(desc.load([first, 0]))
+        if TAIL:
+            at = tl.where(offs_n >= t_start, tail + (offs_n - t_start).to(tl.int64) * (2 * HEAD_D),
+                          base + offs_n.to(tl.int64) * (2 * HEAD_D))
+            if ROW_COPY:
+                rows, kept, fo = _load_kept_at(at, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+            kt = tl.load(at[None, :] + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         else:
-            kt = tl.load(base + offs_n[None, :] * (2 * HEAD_D) + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+            if ROW_COPY:
+                rows, kept, fo = _load_kept(base, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+            if TMA:
+                kt = tl.trans(desc.load([first, 0]))
+            else:
+                kt = tl.load(base + offs_n[None, :] * (2 * HEAD_D) + offs_d[:, None], mask=col_ok[None, :],
+                             other=0.0)
         p, alpha, m_i, l_i = _scores(q, kt, row_ok[:, None] & col_ok[None, :], m_i, l_i, scale, PRECISION)
-        if TMA:
+        if TAIL:
+            v = tl.load(at[:, None] + HEAD_D + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        elif TMA:
             v = desc.load([first, HEAD_D])
         else:
             v = tl.load(base + offs_n[:, None] * (2 * HEAD_D) + HEAD_D + offs_d[None, :], mask=col_ok[:, None],
@@ -311,13 +341,15 @@ if AVAILABLE:
     @triton.jit
     def _direct_keys(q, m_i, l_i, acc, base, lo, hi, f0, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale,
                      HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr,
-                     TMA: tl.constexpr, ROW_COPY: tl.constexpr = True):
+                     TMA: tl.constexpr, ROW_COPY: tl.constexpr = True, tail=None, t_start=0,
+                     TAIL: tl.constexpr = False):
         """Keys [lo, hi) of one packed [k|v] source (frames 2*HEAD_D apart from ``base``) folded into the
         running softmax. Their frame in the concatenated [current | old] order is f0 + key. Where the row's
         successor is ``present``, each tile also goes to ``dst`` at its frame in the trimmed successor (frames
         [drop0, drop1) left out), written by one of the n_mblk query blocks that all read it, in turn.
         TMA: the tiles arrive through a descriptor built here over the source's first ``hi`` frames (Hopper;
-        frames past ``hi`` read as zeros, masked like the pointer loads' ``other``)."""
+        frames past ``hi`` read as zeros, masked like the pointer loads' ``other``). TAIL: keys from ``t_start``
+        on read at ``tail`` (``_key_tile``)."""
         if TMA:
             desc = tl.make_tensor_descriptor(base, shape=[hi, 2 * HEAD_D], strides=[2 * HEAD_D, 1],
                                              block_shape=[BLOCK_N, HEAD_D])
@@ -327,19 +359,20 @@ if AVAILABLE:
             # keys below w_hi are written (_write_kept)
             w_hi = tl.where(present & ((start // BLOCK_N) % n_mblk == mblk), hi, lo)
             m_i, l_i, acc = _key_tile(q, m_i, l_i, acc, base, desc, start, hi, w_hi, f0, row_ok, dst, drop0, drop1,
-                                      scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA, ROW_COPY)
+                                      scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA, ROW_COPY, tail, t_start, TAIL)
         return m_i, l_i, acc
 
     @triton.jit
     def _direct_keys_one_loop(q, m_i, l_i, acc, cur, src, k_lo, k_hi, n_cur, cur_keys, nq, row_ok, dst,
                               present, mblk, n_mblk, drop0, drop1, scale, HEAD_D: tl.constexpr,
                               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr,
-                              ROW_COPY: tl.constexpr = True):
+                              ROW_COPY: tl.constexpr = True, tail=None, t_start=0, TAIL: tl.constexpr = False):
         """``_direct_keys`` over both sources in one loop (pointer loads only): split keys [k_lo, k_hi), of which
         [0, cur_keys) are this chunk's frames (the first n_cur valid) and the rest row b's old ones. The splits
         cut whole tiles of each source (``direct_key_splits``), so each tile comes from one source, picked per
         tile; the tiles arrive in the two loops' order (the same sums, bit for bit), but the loads pipeline
-        across the sources' boundary instead of draining and refilling there."""
+        across the sources' boundary instead of draining and refilling there. TAIL: old keys from ``t_start`` on
+        read at ``tail`` (``_key_tile``)."""
         cur_hi = tl.minimum(k_hi, n_cur)                    # the two loops' bounds, in each source's keys
         old_lo = tl.maximum(k_lo, cur_keys) - cur_keys
         old_hi = k_hi - cur_keys
@@ -352,7 +385,8 @@ if AVAILABLE:
             hi = tl.where(now, cur_hi, old_hi)
             w_hi = tl.where(present & ((first // BLOCK_N) % n_mblk == mblk), hi, 0)
             m_i, l_i, acc = _key_tile(q, m_i, l_i, acc, base, base, first, hi, w_hi, tl.where(now, 0, nq), row_ok,
-                                      dst, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16, False, ROW_COPY)
+                                      dst, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16, False, ROW_COPY,
+                                      tail, tl.where(now, hi, t_start), TAIL)
         return m_i, l_i, acc
 
     @triton.jit
@@ -362,7 +396,8 @@ if AVAILABLE:
                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr = False,
                     CNT=None, LAST_COMBINE: tl.constexpr = False, ROW_COPY: tl.constexpr = True,
-                    ROW_LENGTHS: tl.constexpr = False, ONE_LOOP: tl.constexpr = False):
+                    ROW_LENGTHS: tl.constexpr = False, ONE_LOOP: tl.constexpr = False, TAILS=None,
+                    TAIL: tl.constexpr = False):
         """``direct_attention``'s unit (also a phase of the persistent block kernel): query block ``mblk`` x
         key split ``split`` of (row b, head h). The keys are this chunk's [k|v] (CUR) followed by row b's own
         old frames, found through its SRC table row [offset from BASE, step stride, layer stride, present]
@@ -372,7 +407,9 @@ if AVAILABLE:
         (``direct_key_splits``: nq rounded up to a key tile, so every split walks whole tiles of each source).
         ROW_LENGTHS: each row's old-frame count, successor length and dropped span come from its table rows
         instead of n_old / n_out / drop0 / drop1 (which then only size the key splits: n_old the longest); a row
-        with fewer old frames leaves its last splits empty (the combine weighs an empty split 0)."""
+        with fewer old frames leaves its last splits empty (the combine weighs an empty split 0).
+        TAIL: row b's old frames from its TAILS row's start on are read from the copy its voice's rows share
+        (``StreamKV.tail``; pointer loads), not from its own cache."""
         if ROW_LENGTHS:     # a stream's first chunks (shorter caches) in a steady solve
             n_old = tl.load(SRC + b * 8 + 4).to(tl.int32)
             n_out = tl.load(DST + b * 8 + 4).to(tl.int32)
@@ -383,6 +420,10 @@ if AVAILABLE:
         dst, present = stream_row(BASE, DST, b, h, step, layer, n_out, HEAD_D)
         # a narrower row (a stream's final chunk in a steady solve) attends its own first n_cur frames only
         n_cur = tl.minimum(tl.load(SRC + b * 8 + 3), nq).to(tl.int32)
+        if TAIL:
+            tail, t_start = tail_row(BASE, TAILS, b, h, step, layer)
+        else:
+            tail, t_start = src, n_old
         n_mblk = tl.cdiv(nq, BLOCK_M)
         # split coordinates: the current frames span cur_keys (>= nq) keys, the old ones follow
         k_lo = split * keys_per_split
@@ -393,14 +434,14 @@ if AVAILABLE:
         if ONE_LOOP and not TMA:
             m_i, l_i, acc = _direct_keys_one_loop(q, m_i, l_i, acc, cur, src, k_lo, k_hi, n_cur, cur_keys, nq,
                                                   row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale, HEAD_D,
-                                                  BLOCK_N, PRECISION, PV16, ROW_COPY)
+                                                  BLOCK_N, PRECISION, PV16, ROW_COPY, tail, t_start, TAIL)
         else:
             m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, n_cur), 0, row_ok, dst,
                                          present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16,
                                          TMA, ROW_COPY)
             m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, cur_keys) - cur_keys,
                                          k_hi - cur_keys, nq, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale,
-                                         HEAD_D, BLOCK_N, PRECISION, PV16, TMA, ROW_COPY)
+                                         HEAD_D, BLOCK_N, PRECISION, PV16, TMA, ROW_COPY, tail, t_start, TAIL)
         _finish(acc, m_i, l_i, b, h, mblk, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
                 HEAD_D, BLOCK_M, SPLITS, ROUND_OUT, CNT, LAST_COMBINE)
 
@@ -411,12 +452,12 @@ if AVAILABLE:
                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                      SPLITS: tl.constexpr, ROUND_OUT: tl.constexpr, PV16: tl.constexpr, TMA: tl.constexpr,
                      LAST_COMBINE: tl.constexpr, ROW_COPY: tl.constexpr, ROW_LENGTHS: tl.constexpr,
-                     ONE_LOOP: tl.constexpr = False):
+                     ONE_LOOP: tl.constexpr = False, TAILS=None, TAIL: tl.constexpr = False):
         direct_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS,
                     tl.num_programs(1), Q, CUR, BASE, SRC, DST, O, PACC, PML, sqb, sqh, sqm, sqd, scb, sch,
                     sob, soh, som, sod, step, layer, nq, n_old, n_out, drop0, drop1, scale, keys_per_split, cur_keys,
                     HEAD_D, BLOCK_M, BLOCK_N, PRECISION, SPLITS, ROUND_OUT, PV16, TMA, CNT, LAST_COMBINE, ROW_COPY,
-                    ROW_LENGTHS, ONE_LOOP)
+                    ROW_LENGTHS, ONE_LOOP, TAILS, TAIL)
 
     @triton.jit
     def attn_combine_tile(b, h, mblk, PACC, PML, O, sob, soh, som, sod, H, nq,
@@ -599,7 +640,11 @@ class StreamKV:
     flow's trim), which holds ``n_out`` frames. ``step``: the Euler step the tables are read at.
     ``row_lengths``: the rows' old frames, successor lengths and dropped spans differ (a stream's first and
     second chunks, whose caches are shorter, joining a steady solve): the kernels read them from the tables,
-    and ``n_old`` is the longest row's (it sizes the key splits), ``n_out`` and ``drop`` that row's."""
+    and ``n_old`` is the longest row's (it sizes the key splits), ``n_out`` and ``drop`` that row's.
+    ``tail``: an (R, ``TABLE_WIDTH``) table (``tail_table``) of where each row's last old frames are also
+    found in memory that the rows of one voice share (the prompt's last frames, which every trimmed stream
+    cache ends with: ``Flow``'s ``FlowCache.prompt_att``); the kernel reads them there (from L2, once for
+    all the voice's rows) instead of from the row's own cache. Pointer loads only (not with ``tma``)."""
 
     base: torch.Tensor
     src: torch.Tensor
@@ -609,6 +654,7 @@ class StreamKV:
     drop: tuple[int, int]
     step: int = 0
     row_lengths: bool = False
+    tail: torch.Tensor | None = None
 
     def at_step(self, step: int) -> "StreamKV":
         return replace(self, step=step)
@@ -658,6 +704,46 @@ def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], bas
             off += j * row_stride
         d0, d1 = (frames, frames) if drops is None else drops[len(out)]
         out.append((off, st0, st1, 1 if current is None else int(current[len(out)]), frames, int(d0), int(d1), 0))
+    return torch.tensor(out, dtype=torch.int64)
+
+
+# A ``tail_table`` row's start for a row that shares no frames: past any cache's old frames.
+NO_TAIL = 1 << 30
+
+
+def tail_table(rows: Sequence[tuple[torch.Tensor, int] | None], base: torch.Tensor, starts: Sequence[int],
+               frames: int) -> torch.Tensor:
+    """The (R, ``TABLE_WIDTH``) table of ``StreamKV.tail``: row r's old frames from ``starts[r]`` on are the last
+    ``frames`` frames of batch row j of ``t`` for rows[r] = (t, j), a (steps, depth, rows, heads, P, 2D) FP32
+    tensor (a voice's prompt cache) whose (heads, P, 2D) blocks are contiguous; None: the row shares none.
+    Entries: [offset from ``base`` of (step 0, layer 0, head 0, frame P - frames), step stride, layer stride,
+    start, head stride, 0, 0, 0] in elements, offsets and strides multiples of 16 (what the kernel declares)."""
+    if len(starts) != len(rows):
+        raise ValueError(f"tail_table: {len(starts)} starts for {len(rows)} rows")
+    if base.dtype != torch.float32 or base.data_ptr() % 64:
+        raise ValueError(f"tail_table: base must be a 64-byte aligned FP32 tensor (got {base.dtype} at "
+                         f"{base.data_ptr() % 64} bytes past 64-byte alignment)")
+    out = []
+    for r, start in zip(rows, starts):
+        if r is None:
+            out.append((0, 0, 0, NO_TAIL) + (0,) * (TABLE_WIDTH - 4))
+            continue
+        t, j = r
+        if t.dim() != 6 or t.dtype != torch.float32 or not 0 <= j < t.shape[2]:
+            raise ValueError(f"tail_table: row {j} of a {t.dtype} tensor {tuple(t.shape)}; expected a batch row of a "
+                             "(steps, depth, rows, heads, frames, 2D) FP32 tensor")
+        st, P, D2 = t.stride(), t.shape[4], t.shape[5]
+        if st[3:] != (P * D2, D2, 1):
+            raise ValueError(f"tail_table: a tensor {tuple(t.shape)} with strides {st}; each (heads, frames, 2D) "
+                             "block must be contiguous")
+        if not 0 < frames <= P or start < 0:
+            raise ValueError(f"tail_table: the last {frames} of {P} frames from old frame {start}; expected "
+                             f"1..{P} frames and a start >= 0")
+        off = (t.data_ptr() - base.data_ptr()) // 4 + j * st[2] + (P - frames) * D2
+        if any(v % 16 for v in (off, st[0], st[1], st[3])):
+            raise ValueError(f"tail_table: a tensor at {t.data_ptr()} with strides {st} is not aligned to 16 "
+                             "elements (64 bytes) at its shared frames")
+        out.append((off, st[0], st[1], int(start), st[3]) + (0,) * (TABLE_WIDTH - 5))
     return torch.tensor(out, dtype=torch.int64)
 
 
@@ -742,11 +828,15 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
     descriptors over its two key sources and loads tiles through them (``device_tma``; the per-stream
     caches have no host descriptor), instead of pointer loads. ``counters``: as ``tiled_attention``'s.
     ``one_loop``: each split walks both sources' key tiles in one loop (``_direct_keys_one_loop``; pointer
-    loads, so not with ``tma``), the same sums bit for bit."""
+    loads, so not with ``tma``), the same sums bit for bit. ``streams.tail``: each row's last old frames read
+    from its voice's shared copy (pointer loads, so not with ``tma``), the same sums bit for bit where the
+    copy holds what the row's cache does."""
     if not AVAILABLE:
         raise RuntimeError("direct_attention needs Triton")
     if one_loop and tma:
         raise ValueError("direct_attention(one_loop=True) walks its key tiles with pointer loads; pass tma=False")
+    if streams.tail is not None and tma:
+        raise ValueError("direct_attention: a shared tail (StreamKV.tail) is read with pointer loads; pass tma=False")
     if tma and not device_tma(q.device):
         raise ValueError(f"direct_attention(tma=True): {q.device} cannot build TMA descriptors in a kernel (needs "
                          "CUDA capability >= 9 and a Triton with tl.make_tensor_descriptor); pass tma=False")
@@ -756,9 +846,10 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
     if cur.shape != (R, H, T, 2 * D) or cur.stride()[2:] != (2 * D, 1):
         raise ValueError(f"direct_attention: cur {tuple(cur.shape)} strides {cur.stride()}; expected "
                          f"{(R, H, T, 2 * D)} with each frame's [k|v] contiguous")
-    if streams.src.shape != (R, TABLE_WIDTH) or streams.dst.shape != (R, TABLE_WIDTH):
-        raise ValueError(f"direct_attention: stream tables {tuple(streams.src.shape)} / {tuple(streams.dst.shape)}"
-                         f" for {R} rows; expected ({R}, {TABLE_WIDTH})")
+    tables = (streams.src, streams.dst) + (() if streams.tail is None else (streams.tail,))
+    if any(t.shape != (R, TABLE_WIDTH) for t in tables):
+        raise ValueError(f"direct_attention: stream tables {[tuple(t.shape) for t in tables]} for {R} rows; "
+                         f"expected ({R}, {TABLE_WIDTH})")
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"precision must be 'tf32' or 'ieee', got {precision!r}")
     nk = T + streams.n_old
@@ -786,7 +877,8 @@ def direct_attention(q: torch.Tensor, cur: torch.Tensor, streams: StreamKV, laye
             HEAD_D=D, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, SPLITS=splits, ROUND_OUT=round_out,
             PV16=pv16_for(out, precision) if pv16 is None else pv16, TMA=tma, num_warps=num_warps,
             num_stages=num_stages, LAST_COMBINE=last, ROW_COPY=SUCCESSOR_ROW_COPY, ROW_LENGTHS=streams.row_lengths,
-            ONE_LOOP=one_loop)
+            ONE_LOOP=one_loop, TAILS=streams.src if streams.tail is None else streams.tail,
+            TAIL=streams.tail is not None)
     if splits > 1 and not last:
         _attn_combine[(R, H, triton.cdiv(T, block_m))](pacc, pml, out, *out.stride(), H, T,
                                                        HEAD_D=D, BLOCK_M=block_m, SPLITS=splits,
