@@ -62,8 +62,9 @@
 # at session 62's new defaults: no machine could be started for it), `s62c` (the direct attention's launch shape with
 # pointer loads, and the replay profile), then `table`.
 # Session 63 (no device lent) added `tail`: the staged direct solve reading each stream's last 100 old frames from its
-# voice's prompt cache (WholeEulerSolver.share_tail, off until timed): its tests on the GPU, then the A/B at 4, 8, 16.
-# Pending, in this order: s62b, tail, s62c, table.
+# voice's prompt cache (WholeEulerSolver.share_tail, off until timed): its tests on the GPU, then the A/B at 4, 8, 16;
+# and `s63`, which runs s62b's tests with the tail's in one pytest, the roles check and the tail A/B in one call (its
+# share_tail=False rows are the flow's path at the new defaults, B=4-16). Pending, in this order: s63, table, s62c.
 # Each step writes into its own folder, packed into $OUT/<step>.tar.gz (a device call brings back at most 8 files);
 # log.txt has everything printed.
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh tests ab
@@ -110,6 +111,9 @@
 #   s62c     the staged attentions' pipeline depth (FusedDiT.attn_stages 3, the default, against 4), the direct
 #            attention's key tile (FusedDiT.direct_block_n 64 against 32, 128) and its warps (4 against 8), now that it
 #            loads through pointers; then the replay profile at the new defaults (batches 1, 8, 16)
+#   s63      one call for what sessions 62-63 left: the CUDA tests of s62b and the tail's in one pytest,
+#            cublas16_roles_check.py, then shared_tail_probe.py (B=4, 8, 16; its share_tail=False rows are the flow's
+#            path at session 62's defaults, replay and as called)
 #   tail     the shared prompt tails (WholeEulerSolver.share_tail, FlowCache.prompt_att): their tests on the GPU (the
 #            kernel reading the tail from the shared copy, the solver's, the flow's chunks), then shared_tail_probe.py:
 #            off / on alternating at batches 4, 8, 16 as the flow calls the solve (bit-identical outputs)
@@ -289,6 +293,13 @@ for s in "$@"; do
             --values 4,8 --batches 16,8 --trim --called --direct on --gemm-operands fp16
           step profile62 240 python benchmarks/code2wav_replay_profile.py --out "$W/profile62" --batches 1,8,16 \
             --variants "FP16 operands" ;;
+    s63) n=1; python -c "import xdist" 2>/dev/null && n=${NPROC:-4}
+         step s63tests 300 python -m pytest -q -p no:cacheprovider -n "$n" -rsf --durations=10 \
+           -k "cuda or shared_tail or shared_prompt_tails or direct_solves_match" \
+           tests/code2wav/test_fused_dit.py tests/code2wav/test_slot_pool.py tests/code2wav/test_pipeline_slot_pool.py \
+           tests/code2wav/test_euler_graph.py tests/code2wav/test_pipeline_batched.py tests/code2wav/test_tiled_attention.py
+         step rolescheck 60 python benchmarks/cublas16_roles_check.py
+         step tail 200 python benchmarks/shared_tail_probe.py --out "$W/tail" --batches 4,8,16 ;;
     tail) step tailtests 300 python -m pytest -q -p no:cacheprovider -rsf --durations=10 \
             tests/code2wav/test_tiled_attention.py tests/code2wav/test_euler_graph.py \
             tests/code2wav/test_pipeline_batched.py -k "shared_tail or shared_prompt_tails or direct_solves_match"
