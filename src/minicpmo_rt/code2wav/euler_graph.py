@@ -804,13 +804,14 @@ class WholeEulerSolver:
 
     def _tail_table(self, rows, att_cache, B: int, per_stream: bool, tails, trim, base) -> torch.Tensor:
         """The rows' ``StreamKV.tail`` table: row (stream i, half h) reads its last min(trim) old frames from
-        ``tails[i]``'s half h (a padding row as stream 0); rows of streams without one read their own."""
+        ``tails[i]``'s half h (a padding row, which reads stream 0's cond half, from that one's); rows of streams
+        without one read their own."""
         shared = min(trim)
-        pick = [i if i < B else 0 for i, _ in rows]
         if tails is None or not per_stream:
             return tail_table([None] * len(rows), base, [0] * len(rows), shared)
-        return tail_table([None if tails[i] is None else (tails[i], h) for i, (_, h) in zip(pick, rows)], base,
-                          [att_cache[i].shape[4] - shared for i in pick], shared)
+        pick = [(i, h) if i < B else (0, 0) for i, h in rows]
+        return tail_table([None if tails[i] is None else (tails[i], h) for i, h in pick], base,
+                          [att_cache[i].shape[4] - shared for i, _ in pick], shared)
 
     def _host_uploads(self, device) -> HostStaging:
         """The solver's host -> device uploads (index and address tables): through pinned buffers, since a
