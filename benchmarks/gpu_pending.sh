@@ -116,7 +116,8 @@
 #            path at session 62's defaults, replay and as called)
 #   tail     the shared prompt tails (WholeEulerSolver.share_tail, FlowCache.prompt_att): their tests on the GPU (the
 #            kernel reading the tail from the shared copy, the solver's, the flow's chunks), then shared_tail_probe.py:
-#            off / on alternating at batches 4, 8, 16 as the flow calls the solve (bit-identical outputs)
+#            own frames / shared tail / shared tail + reused successors, alternating at batches 4, 8, 16 as the flow
+#            calls the solve (bit-identical outputs)
 #   profile  code2wav_replay_profile.py: GPU time by kernel class of the flow's trimmed solve (the direct path from
 #            batch 4) and the untrimmed arena solve, batches 1, 8, 16
 #   dtests   CUDA tests of the Talker (turn engine, duplex TalkerTurns: fused against torch, graphs), the duplex

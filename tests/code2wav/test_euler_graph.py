@@ -482,7 +482,10 @@ def test_direct_solve_reads_shared_prompt_tails(lengths):
     would show; the mel, CNN cache and every successor (whose last frames are copied from the prompt cache)
     equal, bit for bit, the solve of the clean caches without tails. Batch 3 pads to 4 (the padding row reads
     stream 0's cache and tail); [8, 4, 6] are rows of their own lengths (``SolveKey.rows``). The tail is not
-    taken where the block kernel would run, and a prompt cache that does not fit its stream is refused."""
+    taken where the block kernel would run, and a prompt cache that does not fit its stream is refused.
+    ``reuse``: successors written into retired caches of the voice (NaN but for the prompt's last frames, which
+    they hold already and a tail solve leaves as they are): the same bits, in those tensors; a reused tensor of
+    the wrong shape, or one that is a cache the solve reads, is refused."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfm = tiny_cfm(seed=15).to(dev)
     cfg = GraphConfig(batch_buckets=(1, 2, 4), query_buckets=(6,), offset_bucket=4, offset_anchor=8)
@@ -514,6 +517,23 @@ def test_direct_solve_reads_shared_prompt_tails(lengths):
     assert [(k.direct is not None, k.tail, k.rows) for k in shared._statics] == [(True, True, len(set(lengths)) > 1)]
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
     assert all(torch.equal(a, b) for a, b in zip(out[2], ref[2]))
+    retired = []
+    for a, p in zip(ref[2], [prompts[0], prompts[1], None]):
+        r = torch.full_like(a, float("nan"))
+        if p is not None:
+            r[..., a.shape[4] - 4:, :] = p[..., trim[0] - 4:, :]
+        retired.append(r)
+    again = shared.solve(**kw, att_cache=poisoned, graph=False, copy_out=True, trim=trim,
+                         tails=[prompts[0], prompts[1], None], reuse=retired)
+    assert all(a is r for a, r in zip(again[2], retired))
+    assert torch.equal(again[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(again[2], ref[2]))
+    with pytest.raises(ValueError, match="reused successor is a"):
+        shared.solve(**kw, att_cache=clean, graph=False, trim=trim, reuse=[retired[0][..., 1:, :], None, None])
+    flat = torch.empty(clean[2].numel() + retired[2].numel(), device=dev)      # a cache and a successor in one
+    inside = flat[:clean[2].numel()].view(clean[2].shape).copy_(clean[2])
+    with pytest.raises(ValueError, match="shares memory with a cache"):
+        shared.solve(**kw, att_cache=clean[:2] + [inside], graph=False, trim=trim,
+                     reuse=[None, None, flat[clean[2].numel():].view(retired[2].shape)])
     # tails are only a hint: without them the tail key reads every row's own frames
     assert torch.equal(shared.solve(**kw, att_cache=clean, graph=False, copy_out=True, trim=trim)[0], ref[0])
     block = WholeEulerSolver(cfm, body="fused", attention="triton-ieee", n_timesteps=S, config=cfg,

@@ -364,7 +364,9 @@ def test_direct_attention_reads_a_shared_tail(splits, one_loop, row_copy, row_le
     bit for bit, a launch without the tail over the rows' clean caches. 16-key tiles: the tail starts
     inside a tile (frame 27 of old frames 16-31), so a tile takes keys from both places. Row 2 shares nothing
     (its own clean cache); row 3 is padding. ``row_copy``: the successor written as rows read again
-    (``SUCCESSOR_ROW_COPY``), which must read the tail's frames where the dots did."""
+    (``SUCCESSOR_ROW_COPY``), which must read the tail's frames where the dots did. With ``held`` counts in the
+    destination table (a reused successor that holds the tail already), those last frames are left as they
+    are (a sentinel there survives) and every other frame is written as before."""
     from minicpmo_rt.code2wav.kernels import tiled_attention as ta
     from minicpmo_rt.code2wav.kernels.tiled_attention import (NO_TAIL, StreamKV, direct_attention, stream_table,
                                                               tail_table)
@@ -393,11 +395,14 @@ def test_direct_attention_reads_a_shared_tail(splits, one_loop, row_copy, row_le
     base = outs[0]
     drops = [drop] * 3 + [(0, 0)]
 
-    def run(caches, tail):
+    def run(caches, tail, held=None):
         for x in outs:
             x.fill_(float("nan"))
+            if held:
+                x[..., x.shape[4] - shared:, :] = 7.0
         src = stream_table([(c, 0) for c in caches] + [(caches[0], 0)], base, current=[T] * R).to(dev)
-        dst = stream_table([(x, 0) for x in outs] + [None], base, drops=drops if row_lengths else None).to(dev)
+        dst = stream_table([(x, 0) for x in outs] + [None], base, drops=drops if row_lengths else None,
+                           held=held).to(dev)
         kv = StreamKV(base, src, dst, max(lengths), T + 37 - T, drop, row_lengths=row_lengths, tail=tail).at_step(1)
         o = torch.full((R, T, H, D), float("nan"), device=dev)
         direct_attention(q, cur, kv, 1, o.transpose(1, 2), precision="ieee", block_m=16, block_n=16,
@@ -414,6 +419,17 @@ def test_direct_attention_reads_a_shared_tail(splits, one_loop, row_copy, row_le
     assert all(torch.equal(a[1, 1], b[1, 1]) for a, b in zip(succ, succ_ref))      # (step 1, layer 1) written
     assert not any(torch.isnan(a[1, 1]).any() for a in succ)
     assert all(torch.isnan(a[0]).all() for a in succ)
+    o_held, succ_held = run(poisoned, tails, held=[shared, shared, 0, 0])
+    assert torch.equal(o_held, o_ref)
+    for r, (a, b) in enumerate(zip(succ_held, succ_ref)):
+        n = a.shape[4]
+        assert torch.equal(a[1, 1, ..., :n - shared, :], b[1, 1, ..., :n - shared, :]), r
+        if r < 2:       # held: the sentinel is still there
+            assert (a[1, 1, ..., n - shared:, :] == 7.0).all(), r
+        else:
+            assert torch.equal(a[1, 1], b[1, 1]), r
+    with pytest.raises(ValueError, match="holds 38 of its 37"):
+        stream_table([(outs[0], 0)], base, held=[38])
     full = torch.cat([cur[0], clean[0][1, 1, 0]], 1).cpu()
     ref = reference(q[:1].cpu(), full[None, ..., :D], full[None, ..., D:], None)[0]
     assert rel_err(o.transpose(1, 2)[0].cpu(), ref) < 1e-5

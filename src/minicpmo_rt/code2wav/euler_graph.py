@@ -559,7 +559,8 @@ class WholeEulerSolver:
               cnn_cache: torch.Tensor | None = None, att_cache: torch.Tensor | Sequence[torch.Tensor] | None = None,
               temperature: float = 1.0, graph: bool = True, copy_out: bool = True,
               trim: tuple[int, int] | None = None, widths: Sequence[int] | None = None,
-              tails: Sequence[torch.Tensor | None] | None = None):
+              tails: Sequence[torch.Tensor | None] | None = None,
+              reuse: Sequence[torch.Tensor | None] | None = None):
         """mu, cond (B, 80, T); spks (B, 80) projected; caches (S, depth, 2B, ...) or None.
 
         Returns (mel (B, 80, T), new cnn cache (S, depth, 2B, 2C, K-1), new att cache
@@ -593,6 +594,12 @@ class WholeEulerSolver:
         trim[0], 2D) or None (``FlowCache.prompt_att``): the stream's cache must end with that cache's last
         min(trim) frames (every trimmed descendant of the prompt's state does). Under ``share_tail`` a direct
         solve on the staged body reads those frames there (``SolveKey.tail``); elsewhere they are not used.
+
+        ``reuse``: with per-stream caches, per stream None or memory for its successor where the direct path
+        writes one: a cache of the successor's shape that no one needs any more, of the same voice (a retired
+        cache of one of its streams), so it ends with the voice prompt's last min(trim) frames already; a
+        ``SolveKey.tail`` solve then writes all but those (a quarter of a steady successor). It must share no
+        memory with the caches read. Elsewhere (arena solves) it is not used.
         """
         B, _, T = mu.shape
         if widths is not None:
@@ -610,6 +617,8 @@ class WholeEulerSolver:
             att_cache = _check_streams(att_cache, B, lengths_differ=trim is not None)
         if tails is not None:
             tails = self._check_tails(tails, att_cache if per_stream else None, B, trim)
+        if reuse is not None and len(reuse) != B:
+            raise ValueError(f"solve: {len(reuse)} reused successors for a batch of {B}; pass one per stream (or None)")
         # a stream's or the batch's cache: its shape (per-stream caches of several lengths: the longest)
         one = max(att_cache, key=lambda c: c.shape[4]) if per_stream else att_cache
         L = 0 if one is None else one.shape[4]
@@ -624,7 +633,8 @@ class WholeEulerSolver:
                                None if att_cache is None else (att_cache[i:i + big] if per_stream
                                                                else _rows(att_cache, B, i, min(B, i + big))),
                                temperature, graph, True, trim, None if widths is None else widths[i:i + big],
-                               None if tails is None else tails[i:i + big])
+                               None if tails is None else tails[i:i + big],
+                               None if reuse is None else reuse[i:i + big])
                     for i in range(0, B, big)]
             att = ([a for o in outs for a in o[2]] if per_stream else _cat_rows([o[2] for o in outs]))
             return torch.cat([o[0] for o in outs], 0), _cat_rows([o[1] for o in outs]), att
@@ -642,7 +652,7 @@ class WholeEulerSolver:
         with matmul_tf32(self.tf32):
             st = self._static_for(key, device, want_graph=False)
             self._fill(st, mu, spks, cond, cnn_cache, att_cache, temperature, B, T, L, widths)
-            direct = (self._bind_streams(st, att_cache, B, per_stream, T, widths, trim, tails)
+            direct = (self._bind_streams(st, att_cache, B, per_stream, T, widths, trim, tails, reuse)
                       if key.direct or key.succ else None)
             if want_graph and st.graph is None:     # captured on real inputs: a direct graph's warm-up
                 st = self._static_for(key, device, want_graph)  # runs read through the bound tables
@@ -760,7 +770,8 @@ class WholeEulerSolver:
 
     def _bind_streams(self, st: _Static, att_cache, B: int, per_stream: bool, T: int,
                       widths: Sequence[int] | None = None, trim: tuple[int, int] | None = None,
-                      tails: Sequence[torch.Tensor | None] | None = None):
+                      tails: Sequence[torch.Tensor | None] | None = None,
+                      reuse: Sequence[torch.Tensor | None] | None = None):
         """Point a direct solve's address tables at this call's caches and at new successors (their own
         memory, returned): row r < Bb is stream r's cond half, row Bb + r its uncond half; padding rows
         read stream 0 and write nothing. Each source row carries how many of the chunk's T frames its row
@@ -768,7 +779,8 @@ class WholeEulerSolver:
         arena solve writing successors (``st.successor``) reads nothing through the tables: its source rows
         stay empty. With ``SolveKey.rows`` each stream's successor is trimmed by its own length (``trim``).
         With ``SolveKey.tail`` each row's last min(trim) old frames are read from its stream's prompt cache in
-        ``tails`` (a padding row: stream 0's), where there is one."""
+        ``tails`` (a padding row: stream 0's), where there is one. A stream's successor goes into its ``reuse``
+        tensor where one is given (checked: ``_reused``); with a tail, all but its last min(trim) frames."""
         tabled = st.streams or st.successor
         Bb, n_out = st.key.batch, tabled.n_out
         dev = st.x.device
@@ -778,10 +790,13 @@ class WholeEulerSolver:
             Q = st.key.query
             spans = [trim_span(Q + c.shape[4], *trim) for c in att_cache]
         if per_stream:
-            outs = [torch.empty(self.S, self.depth, 2, self.H,
-                                n_out if spans is None else Q + c.shape[4] - (spans[i][1] - spans[i][0]),
-                                2 * self.D, device=dev) if wide[i] else None
-                    for i, c in enumerate(att_cache)]
+            shapes = [(self.S, self.depth, 2, self.H,
+                       n_out if spans is None else Q + c.shape[4] - (spans[i][1] - spans[i][0]), 2 * self.D)
+                      for i, c in enumerate(att_cache)]
+            if reuse is not None:
+                reuse = self._reused(reuse, shapes, att_cache, tails, dev)
+            outs = [None if not wide[i] else reuse[i] if reuse is not None and reuse[i] is not None
+                    else torch.empty(shape, device=dev) for i, shape in enumerate(shapes)]
             src = lambda i, half: (att_cache[i], half)      # noqa: E731  (stream_table: the view [:, :, half])
             dst = lambda i, half: (outs[i], half)           # noqa: E731
         else:
@@ -794,13 +809,35 @@ class WholeEulerSolver:
         if st.streams is None:
             src = lambda i, half: None      # noqa: E731
         drops = None if spans is None else [spans[i] if i < B else (0, 0) for i, _ in rows]
+        held = None
+        if st.key.tail and per_stream and reuse is not None and tails is not None:
+            held = [min(trim) if i < B and reuse[i] is not None and tails[i] is not None else 0 for i, _ in rows]
         tables = [stream_table([src(i, h) if i < B else src(0, 0) for i, h in rows], base, current),
-                  stream_table([dst(i, h) if i < B and wide[i] else None for i, h in rows], base, drops=drops)]
+                  stream_table([dst(i, h) if i < B and wide[i] else None for i, h in rows], base, drops=drops,
+                               held=held)]
         if st.key.tail:
             tables.append(self._tail_table(rows, att_cache, B, per_stream, tails, trim, base))
         tables = torch.stack(tables)
         self._host_uploads(dev).upload(tables, out=st.extra["tables"])
         return outs
+
+    @staticmethod
+    def _reused(reuse, shapes, caches, tails, device) -> list[torch.Tensor | None]:
+        """``solve(reuse=)``'s tensors, checked: each the successor's shape, contiguous FP32 on ``device``, 64-byte
+        aligned (what the tables declare), and sharing no memory with the caches or prompt caches read."""
+        read = {t.untyped_storage().data_ptr() for t in list(caches) + list(tails or ()) if t is not None}
+        for i, (t, shape) in enumerate(zip(reuse, shapes)):
+            if t is None:
+                continue
+            if (tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != torch.device(device)
+                    or not t.is_contiguous() or t.data_ptr() % 64):
+                raise ValueError(f"solve: stream {i}'s reused successor is a {t.dtype} {tuple(t.shape)} on {t.device} "
+                                 f"(contiguous {t.is_contiguous()}); expected a contiguous, 64-byte aligned FP32 "
+                                 f"{shape} on {device}")
+            if t.untyped_storage().data_ptr() in read:
+                raise ValueError(f"solve: stream {i}'s reused successor shares memory with a cache this solve reads; "
+                                 "reuse only caches no stream holds any more")
+        return list(reuse)
 
     def _tail_table(self, rows, att_cache, B: int, per_stream: bool, tails, trim, base) -> torch.Tensor:
         """The rows' ``StreamKV.tail`` table: row (stream i, half h) reads its last min(trim) old frames from

@@ -160,11 +160,14 @@ if AVAILABLE:
         return kept, tl.where(f < drop0, f, f - (drop1 - drop0)).to(tl.int64) * (2 * HEAD_D)
 
     @triton.jit
-    def _write_kept(dst, kt, v, offs_n, w_hi, f0, drop0, drop1, HEAD_D: tl.constexpr):
+    def _write_kept(dst, kt, v, offs_n, w_hi, f0, drop0, drop1, HEAD_D: tl.constexpr, w_end=None):
         """Key tile (kt (HEAD_D, BLOCK_N), v (BLOCK_N, HEAD_D)) from the registers the dots use into a trimmed
-        successor at ``dst`` (``_kept_frames``): the ``ROW_COPY=False`` form."""
+        successor at ``dst`` (``_kept_frames``): the ``ROW_COPY=False`` form. ``w_end``: successor frames from
+        there on are left as they are (a reused successor already holds them)."""
         offs_d = tl.arange(0, HEAD_D)
         kept, fo = _kept_frames(offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+        if w_end is not None:
+            kept = kept & (fo < w_end.to(tl.int64) * (2 * HEAD_D))
         tl.store(dst + fo[None, :] + offs_d[:, None], kt, mask=kept[None, :])
         tl.store(dst + fo[:, None] + HEAD_D + offs_d[None, :], v, mask=kept[:, None])
 
@@ -182,10 +185,12 @@ if AVAILABLE:
         return rows, kept, fo
 
     @triton.jit
-    def _load_kept_at(at, offs_n, w_hi, f0, drop0, drop1, HEAD_D: tl.constexpr):
-        """``_load_kept`` with each key's [k|v] row at its own pointer ``at`` (a shared tail's keys elsewhere)."""
+    def _load_kept_at(at, offs_n, w_hi, f0, drop0, drop1, w_end, HEAD_D: tl.constexpr):
+        """``_load_kept`` with each key's [k|v] row at its own pointer ``at`` (a shared tail's keys elsewhere), and
+        successor frames from ``w_end`` on left as they are (``_write_kept``)."""
         offs_c = tl.arange(0, 2 * HEAD_D)
         kept, fo = _kept_frames(offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+        kept = kept & (fo < w_end.to(tl.int64) * (2 * HEAD_D))
         rows = tl.load(at[:, None] + offs_c[None, :], mask=kept[:, None], other=0.0)
         return rows, kept, fo
 
@@ -300,12 +305,14 @@ if AVAILABLE:
     @triton.jit
     def _key_tile(q, m_i, l_i, acc, base, desc, first, hi, w_hi, f0, row_ok, dst, drop0, drop1, scale,
                   HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr,
-                  TMA: tl.constexpr, ROW_COPY: tl.constexpr, tail=None, t_start=0, TAIL: tl.constexpr = False):
+                  TMA: tl.constexpr, ROW_COPY: tl.constexpr, tail=None, t_start=0, TAIL: tl.constexpr = False,
+                  w_end=0):
         """One key tile, keys [first, first + BLOCK_N) below ``hi`` of a packed [k|v] source (frames 2*HEAD_D apart
         from ``base``; with TMA through ``desc``), folded into the running softmax; its keys below ``w_hi`` also go
         into the trimmed successor at ``dst`` (their frames f0 + key of the [current | old] order).
         TAIL (pointer loads): keys from ``t_start`` on are read at ``tail`` instead (key t_start there), a copy of
-        them that every row of a voice shares (``StreamKV.tail``), so they come from L2, not each row's cache."""
+        them that every row of a voice shares (``StreamKV.tail``), so they come from L2, not each row's cache;
+        and successor frames from ``w_end`` on are not written (a reused successor holds them already)."""
         offs_d = tl.arange(0, HEAD_D)
         offs_n = first + tl.arange(0, BLOCK_N)
         col_ok = offs_n < hi
@@ -313,7 +320,7 @@ if AVAILABLE:
             at = tl.where(offs_n >= t_start, tail + (offs_n - t_start).to(tl.int64) * (2 * HEAD_D),
                           base + offs_n.to(tl.int64) * (2 * HEAD_D))
             if ROW_COPY:
-                rows, kept, fo = _load_kept_at(at, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
+                rows, kept, fo = _load_kept_at(at, offs_n, w_hi, f0, drop0, drop1, w_end, HEAD_D)
             kt = tl.load(at[None, :] + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         else:
             if ROW_COPY:
@@ -334,6 +341,8 @@ if AVAILABLE:
         acc = _weigh_values(p, v, acc, alpha, PRECISION, PV16)
         if ROW_COPY:
             _store_kept(dst, rows, kept, fo, HEAD_D)
+        elif TAIL:
+            _write_kept(dst, kt, v, offs_n, w_hi, f0, drop0, drop1, HEAD_D, w_end)
         else:
             _write_kept(dst, kt, v, offs_n, w_hi, f0, drop0, drop1, HEAD_D)
         return m_i, l_i, acc
@@ -342,14 +351,14 @@ if AVAILABLE:
     def _direct_keys(q, m_i, l_i, acc, base, lo, hi, f0, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale,
                      HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr,
                      TMA: tl.constexpr, ROW_COPY: tl.constexpr = True, tail=None, t_start=0,
-                     TAIL: tl.constexpr = False):
+                     TAIL: tl.constexpr = False, w_end=0):
         """Keys [lo, hi) of one packed [k|v] source (frames 2*HEAD_D apart from ``base``) folded into the
         running softmax. Their frame in the concatenated [current | old] order is f0 + key. Where the row's
         successor is ``present``, each tile also goes to ``dst`` at its frame in the trimmed successor (frames
         [drop0, drop1) left out), written by one of the n_mblk query blocks that all read it, in turn.
         TMA: the tiles arrive through a descriptor built here over the source's first ``hi`` frames (Hopper;
         frames past ``hi`` read as zeros, masked like the pointer loads' ``other``). TAIL: keys from ``t_start``
-        on read at ``tail`` (``_key_tile``)."""
+        on read at ``tail``, successor frames from ``w_end`` on not written (``_key_tile``)."""
         if TMA:
             desc = tl.make_tensor_descriptor(base, shape=[hi, 2 * HEAD_D], strides=[2 * HEAD_D, 1],
                                              block_shape=[BLOCK_N, HEAD_D])
@@ -359,20 +368,22 @@ if AVAILABLE:
             # keys below w_hi are written (_write_kept)
             w_hi = tl.where(present & ((start // BLOCK_N) % n_mblk == mblk), hi, lo)
             m_i, l_i, acc = _key_tile(q, m_i, l_i, acc, base, desc, start, hi, w_hi, f0, row_ok, dst, drop0, drop1,
-                                      scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA, ROW_COPY, tail, t_start, TAIL)
+                                      scale, HEAD_D, BLOCK_N, PRECISION, PV16, TMA, ROW_COPY, tail, t_start, TAIL,
+                                      w_end)
         return m_i, l_i, acc
 
     @triton.jit
     def _direct_keys_one_loop(q, m_i, l_i, acc, cur, src, k_lo, k_hi, n_cur, cur_keys, nq, row_ok, dst,
                               present, mblk, n_mblk, drop0, drop1, scale, HEAD_D: tl.constexpr,
                               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PV16: tl.constexpr,
-                              ROW_COPY: tl.constexpr = True, tail=None, t_start=0, TAIL: tl.constexpr = False):
+                              ROW_COPY: tl.constexpr = True, tail=None, t_start=0, TAIL: tl.constexpr = False,
+                              w_end=0):
         """``_direct_keys`` over both sources in one loop (pointer loads only): split keys [k_lo, k_hi), of which
         [0, cur_keys) are this chunk's frames (the first n_cur valid) and the rest row b's old ones. The splits
         cut whole tiles of each source (``direct_key_splits``), so each tile comes from one source, picked per
         tile; the tiles arrive in the two loops' order (the same sums, bit for bit), but the loads pipeline
         across the sources' boundary instead of draining and refilling there. TAIL: old keys from ``t_start`` on
-        read at ``tail`` (``_key_tile``)."""
+        read at ``tail``, successor frames from ``w_end`` on not written (``_key_tile``)."""
         cur_hi = tl.minimum(k_hi, n_cur)                    # the two loops' bounds, in each source's keys
         old_lo = tl.maximum(k_lo, cur_keys) - cur_keys
         old_hi = k_hi - cur_keys
@@ -386,7 +397,7 @@ if AVAILABLE:
             w_hi = tl.where(present & ((first // BLOCK_N) % n_mblk == mblk), hi, 0)
             m_i, l_i, acc = _key_tile(q, m_i, l_i, acc, base, base, first, hi, w_hi, tl.where(now, 0, nq), row_ok,
                                       dst, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16, False, ROW_COPY,
-                                      tail, tl.where(now, hi, t_start), TAIL)
+                                      tail, tl.where(now, hi, t_start), TAIL, w_end)
         return m_i, l_i, acc
 
     @triton.jit
@@ -409,7 +420,8 @@ if AVAILABLE:
         instead of n_old / n_out / drop0 / drop1 (which then only size the key splits: n_old the longest); a row
         with fewer old frames leaves its last splits empty (the combine weighs an empty split 0).
         TAIL: row b's old frames from its TAILS row's start on are read from the copy its voice's rows share
-        (``StreamKV.tail``; pointer loads), not from its own cache."""
+        (``StreamKV.tail``; pointer loads), not from its own cache, and the last frames of its successor that
+        its DST row's eighth entry counts are not written (a reused successor holds them: ``stream_table(held=)``)."""
         if ROW_LENGTHS:     # a stream's first chunks (shorter caches) in a steady solve
             n_old = tl.load(SRC + b * 8 + 4).to(tl.int32)
             n_out = tl.load(DST + b * 8 + 4).to(tl.int32)
@@ -422,8 +434,9 @@ if AVAILABLE:
         n_cur = tl.minimum(tl.load(SRC + b * 8 + 3), nq).to(tl.int32)
         if TAIL:
             tail, t_start = tail_row(BASE, TAILS, b, h, step, layer)
+            w_end = n_out - tl.load(DST + b * 8 + 7).to(tl.int32)
         else:
-            tail, t_start = src, n_old
+            tail, t_start, w_end = src, n_old, n_out
         n_mblk = tl.cdiv(nq, BLOCK_M)
         # split coordinates: the current frames span cur_keys (>= nq) keys, the old ones follow
         k_lo = split * keys_per_split
@@ -434,14 +447,15 @@ if AVAILABLE:
         if ONE_LOOP and not TMA:
             m_i, l_i, acc = _direct_keys_one_loop(q, m_i, l_i, acc, cur, src, k_lo, k_hi, n_cur, cur_keys, nq,
                                                   row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale, HEAD_D,
-                                                  BLOCK_N, PRECISION, PV16, ROW_COPY, tail, t_start, TAIL)
+                                                  BLOCK_N, PRECISION, PV16, ROW_COPY, tail, t_start, TAIL, w_end)
         else:
             m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, cur, k_lo, tl.minimum(k_hi, n_cur), 0, row_ok, dst,
                                          present, mblk, n_mblk, drop0, drop1, scale, HEAD_D, BLOCK_N, PRECISION, PV16,
                                          TMA, ROW_COPY)
             m_i, l_i, acc = _direct_keys(q, m_i, l_i, acc, src, tl.maximum(k_lo, cur_keys) - cur_keys,
                                          k_hi - cur_keys, nq, row_ok, dst, present, mblk, n_mblk, drop0, drop1, scale,
-                                         HEAD_D, BLOCK_N, PRECISION, PV16, TMA, ROW_COPY, tail, t_start, TAIL)
+                                         HEAD_D, BLOCK_N, PRECISION, PV16, TMA, ROW_COPY, tail, t_start, TAIL,
+                                         w_end)
         _finish(acc, m_i, l_i, b, h, mblk, split, H, O, PACC, PML, sob, soh, som, sod, offs_m, row_ok, nq,
                 HEAD_D, BLOCK_M, SPLITS, ROUND_OUT, CNT, LAST_COMBINE)
 
@@ -666,7 +680,7 @@ TABLE_WIDTH = 8
 
 def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], base: torch.Tensor,
                  current: Sequence[int] | None = None,
-                 drops: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+                 drops: Sequence[tuple[int, int]] | None = None, held: Sequence[int] | None = None) -> torch.Tensor:
     """The (R, ``TABLE_WIDTH``) table of ``StreamKV`` for R row views (steps, depth, heads, frames, 2D)
     relative to ``base``; a pair (t, j) stands for the view ``t[:, :, j]`` of a (steps, depth, rows, heads,
     frames, 2D) tensor (read off its pointer and strides: a solve's tables cost no view per row); None: a row
@@ -674,11 +688,15 @@ def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], bas
     kernel declares to the compiler. ``current`` makes a source table: each row's count of this chunk's
     frames it attends (its fourth entry); without it, a destination table (the fourth entry: present). Each
     row's fifth entry is its view's frame count; ``drops`` (a destination table's) the rows' own dropped
-    spans (sixth and seventh; default none)."""
+    spans (sixth and seventh; default none); ``held`` (a destination table's) how many of each row's last
+    frames its view already holds, which a kernel reading a shared tail (``StreamKV.tail``) then does not
+    write (eighth; default 0)."""
     if current is not None and len(current) != len(rows):
         raise ValueError(f"stream_table: {len(current)} current-frame counts for {len(rows)} rows")
     if drops is not None and len(drops) != len(rows):
         raise ValueError(f"stream_table: {len(drops)} dropped spans for {len(rows)} rows")
+    if held is not None and len(held) != len(rows):
+        raise ValueError(f"stream_table: {len(held)} held-frame counts for {len(rows)} rows")
     if current is not None and any(int(c) < 1 for c in current):
         raise ValueError(f"stream_table: current-frame counts {list(current)}; every row attends at least one "
                          "frame of its chunk")
@@ -703,7 +721,10 @@ def stream_table(rows: list[torch.Tensor | tuple[torch.Tensor, int] | None], bas
                                  "(steps, depth, rows, heads, frames, 2D) tensor")
             off += j * row_stride
         d0, d1 = (frames, frames) if drops is None else drops[len(out)]
-        out.append((off, st0, st1, 1 if current is None else int(current[len(out)]), frames, int(d0), int(d1), 0))
+        h = 0 if held is None else int(held[len(out)])
+        if not 0 <= h <= frames:
+            raise ValueError(f"stream_table: row {len(out)} holds {h} of its {frames} frames; expected 0..{frames}")
+        out.append((off, st0, st1, 1 if current is None else int(current[len(out)]), frames, int(d0), int(d1), h))
     return torch.tensor(out, dtype=torch.int64)
 
 
