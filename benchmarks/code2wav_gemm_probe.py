@@ -348,6 +348,16 @@ def _vs_first(res: dict, key: str, save, value_key: str = "tile", label: str | N
     return record
 
 
+def vs_first_table(rows: list[dict]) -> list[str]:
+    """A ``_vs_first`` sweep's rows as a Markdown table: replay and (where timed, else '-') solve as called, ms,
+    and each row's max relative difference from its batch's first variant."""
+    lines = ["| batch | variant | replay ms | solve as called ms | max rel diff vs first |",
+             "|---:|---|---:|---:|---:|"]
+    return lines + [f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} | "
+                    f"{format(r['called_ms'], '.3f') if 'called_ms' in r else '-'} | {r['max_rel_diff_vs_first']:.1e} |"
+                    for r in rows]
+
+
 # IEEE dots (TF32 off, wide_gemm=True): the tile GEMMs' IEEE launch (``wide_gemm.IEEE_TILE``, pointer loads),
 # per candidate, against cuBLAS IEEE (what TF32 off picks by default) and the TF32 tables' tiles with TMA (what
 # an IEEE launch took before session 17, spilling 4-26 KB per thread); (name, IEEE_TILE, wide_gemm)

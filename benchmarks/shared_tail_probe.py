@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from code2wav_bench import L, S, T, _triton_version, chunk_inputs, randomize_, timed  # noqa: E402
-from code2wav_gemm_probe import _vs_first  # noqa: E402
+from code2wav_gemm_probe import _vs_first, vs_first_table  # noqa: E402
 
 from minicpmo_rt.code2wav.euler_graph import GraphConfig, WholeEulerSolver  # noqa: E402
 from minicpmo_rt.code2wav.flow import HISTORY_FRAMES, Flow  # noqa: E402
@@ -112,11 +112,7 @@ def main(argv=None) -> int:
              f"{args.gemm_operands} GEMM operands) per steady 1-s chunk, median of 15; each stream's last "
              f"{HISTORY_FRAMES} of {L} old frames read from its own cache or from the voice's prompt cache "
              "(share_tail), and then each successor written into a retired cache of the voice, all but those frames "
-             "(reused successors).", "",
-             "| batch | variant | replay ms | solve as called ms | max rel diff vs first |",
-             "|---:|---|---:|---:|---:|"]
-    lines += [f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} | {r['called_ms']:.3f} | "
-              f"{r['max_rel_diff_vs_first']:.1e} |" for r in res["rows"]]
+             "(reused successors).", ""] + vs_first_table(res["rows"])
     (args.out / "shared_tail_probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

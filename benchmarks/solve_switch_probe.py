@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from code2wav_bench import _triton_version  # noqa: E402
-from code2wav_gemm_probe import _in_solve_sweep, _vs_first  # noqa: E402
+from code2wav_gemm_probe import _in_solve_sweep, _vs_first, vs_first_table  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -179,11 +179,7 @@ def main(argv=None) -> int:
              f"(fused + graph TF32, {'trimmed as the flow calls it' if args.trim else 'arena'}, {args.gemm_operands} GEMM "
              f"operands, direct {args.direct}{', no successor writes' if args.no_successor else ''}), median of 15; "
              f"default {default}"
-             + "".join(f"; {f}" for f in args.fixed) + ".", "",
-             "| batch | variant | replay ms | solve as called ms | max rel diff vs first |", "|---:|---|---:|---:|---:|"]
-    lines += [f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} | "
-              f"{format(r['called_ms'], '.3f') if 'called_ms' in r else '-'} | {r['max_rel_diff_vs_first']:.1e} |"
-              for r in res["rows"]]
+             + "".join(f"; {f}" for f in args.fixed) + ".", ""] + vs_first_table(res["rows"])
     (args.out / "solve_switch_probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from code2wav_bench import _triton_version  # noqa: E402
-from code2wav_gemm_probe import _in_solve_sweep, _vs_first  # noqa: E402
+from code2wav_gemm_probe import _in_solve_sweep, _vs_first, vs_first_table  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -79,11 +79,7 @@ def main(argv=None) -> int:
     lines = [f"# CFM kernels: launch-varying integers unspecialised vs specialised ({res['gpu']})", "",
              f"torch {res['torch']}, triton {res['triton']}; kernels {', '.join(res['kernels'])}. Whole-Euler solve "
              "per steady 1-s chunk (cache 400 frames) as the flow calls it (trimmed; direct where it applies), "
-             "median of 15 replays and of 15 whole calls.", "",
-             "| batch | variant | replay ms | solve as called ms | max rel diff vs first |",
-             "|---:|---|---:|---:|---:|"]
-    lines += [f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} | {r['called_ms']:.3f} | "
-              f"{r['max_rel_diff_vs_first']:.1e} |" for r in res["rows"]]
+             "median of 15 replays and of 15 whole calls.", ""] + vs_first_table(res["rows"])
     (args.out / "specialize_probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
