@@ -750,32 +750,31 @@ def tail_table(rows: Sequence[tuple[torch.Tensor, int] | None], base: torch.Tens
             out.append((0, 0, 0, NO_TAIL) + (0,) * (TABLE_WIDTH - 4))
             continue
         t, j = r
-        if t.dim() != 6 or t.dtype != torch.float32 or not 0 <= j < t.shape[2]:
-            raise ValueError(f"tail_table: row {j} of a {t.dtype} tensor {tuple(t.shape)}; expected a batch row of a "
-                             "(steps, depth, rows, heads, frames, 2D) FP32 tensor")
-        st, P, D2 = t.stride(), t.shape[4], t.shape[5]
-        if st[3:] != (P * D2, D2, 1):
-            raise ValueError(f"tail_table: a tensor {tuple(t.shape)} with strides {st}; each (heads, frames, 2D) "
-                             "block must be contiguous")
+        off, st0, st1, P, row_stride, n_rows = _table_view(t, base.data_ptr(), True, "tail_table")   # checks layout
+        if not 0 <= j < n_rows:
+            raise ValueError(f"tail_table: row {j} of a tensor {tuple(t.shape)}; expected a batch row of a "
+                             "(steps, depth, rows, heads, frames, 2D) tensor")
         if not 0 < frames <= P or start < 0:
             raise ValueError(f"tail_table: the last {frames} of {P} frames from old frame {start}; expected "
                              f"1..{P} frames and a start >= 0")
-        off = (t.data_ptr() - base.data_ptr()) // 4 + j * st[2] + (P - frames) * D2
-        if any(v % 16 for v in (off, st[0], st[1], st[3])):
-            raise ValueError(f"tail_table: a tensor at {t.data_ptr()} with strides {st} is not aligned to 16 "
-                             "elements (64 bytes) at its shared frames")
-        out.append((off, st[0], st[1], int(start), st[3]) + (0,) * (TABLE_WIDTH - 5))
+        off += j * row_stride + (P - frames) * t.shape[5]
+        if off % 16:
+            raise ValueError(f"tail_table: the last {frames} frames of a tensor {tuple(t.shape)} do not start on 16 "
+                             "elements (64 bytes)")
+        out.append((off, st0, st1, int(start), P * t.shape[5]) + (0,) * (TABLE_WIDTH - 5))
     return torch.tensor(out, dtype=torch.int64)
 
 
-def _table_view(t: torch.Tensor, origin: int, batched: bool) -> tuple[int, int, int, int, int, int]:
-    """``stream_table``'s checks and numbers for one tensor, once per call whatever its row count: (offset of
-    its first row from ``origin``, step and layer strides, frames, row stride, rows), in FP32 elements. A
+def _table_view(t: torch.Tensor, origin: int, batched: bool,
+                who: str = "stream_table") -> tuple[int, int, int, int, int, int]:
+    """``stream_table``'s (and ``tail_table``'s, ``who``) checks and numbers for one tensor, once per call whatever
+    its row count: (offset of its first row from ``origin``, step and layer strides, frames, row stride, rows), in
+    FP32 elements. A
     batched tensor is (steps, depth, rows, heads, frames, 2D) and its rows are read by index; else it is one
     row's (steps, depth, heads, frames, 2D) view."""
     if batched:
         if t.dim() != 6:
-            raise ValueError(f"stream_table: a batch row of a tensor {tuple(t.shape)}; expected a (steps, depth, "
+            raise ValueError(f"{who}: a batch row of a tensor {tuple(t.shape)}; expected a (steps, depth, "
                              "rows, heads, frames, 2D) tensor")
         st, shape = t.stride(), t.shape
         row_stride, n_rows = st[2], shape[2]
@@ -783,11 +782,11 @@ def _table_view(t: torch.Tensor, origin: int, batched: bool) -> tuple[int, int, 
     else:
         st, shape, row_stride, n_rows = t.stride(), t.shape, 0, 1
     if t.dtype != torch.float32 or len(shape) != 5 or st[2:] != (shape[3] * shape[4], shape[4], 1):
-        raise ValueError(f"stream_table: a row view {tuple(shape)} with strides {st} and dtype "
+        raise ValueError(f"{who}: a row view {tuple(shape)} with strides {st} and dtype "
                          f"{t.dtype}; each (heads, frames, 2D) block must be contiguous FP32")
     off = (t.data_ptr() - origin) // 4
     if any(v % 16 for v in (off, st[0], st[1], row_stride if n_rows > 1 else 0)) or (shape[3] * shape[4]) % 16:
-        raise ValueError(f"stream_table: a row view at {t.data_ptr()} with strides {st} is not "
+        raise ValueError(f"{who}: a row view at {t.data_ptr()} with strides {st} is not "
                          "aligned to 16 elements (64 bytes)")
     return off, st[0], st[1], shape[3], row_stride, n_rows
 
