@@ -745,12 +745,16 @@ def tail_table(rows: Sequence[tuple[torch.Tensor, int] | None], base: torch.Tens
         raise ValueError(f"tail_table: base must be a 64-byte aligned FP32 tensor (got {base.dtype} at "
                          f"{base.data_ptr() % 64} bytes past 64-byte alignment)")
     out = []
+    views: dict[int, tuple] = {}    # per tensor, checked once (a voice's rows share one)
     for r, start in zip(rows, starts):
         if r is None:
             out.append((0, 0, 0, NO_TAIL) + (0,) * (TABLE_WIDTH - 4))
             continue
         t, j = r
-        off, st0, st1, P, row_stride, n_rows = _table_view(t, base.data_ptr(), True, "tail_table")   # checks layout
+        view = views.get(id(t))
+        if view is None:
+            view = views[id(t)] = _table_view(t, base.data_ptr(), True, "tail_table")
+        off, st0, st1, P, row_stride, n_rows = view
         if not 0 <= j < n_rows:
             raise ValueError(f"tail_table: row {j} of a tensor {tuple(t.shape)}; expected a batch row of a "
                              "(steps, depth, rows, heads, frames, 2D) tensor")
